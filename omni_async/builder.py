@@ -1,0 +1,108 @@
+"""Assemble a scheduler from a checkpoint: model, KV cache, runner, batch core."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .config import SchedulerConfig
+from .core.batch_core import NativeBatchCore
+from .device import ThreadStepExecutor
+from .errors import InvalidRequestError
+from .kv.allocator import PageAllocator
+from .kv.cache import PagedKVCache
+from .models.loader import LoadedModel, load_model
+from .runners.native import NativeModelRunner
+from .scheduler import AsyncOmniScheduler, ModelLimits
+
+DEFAULT_CPU_KV_TOKENS = 32768
+
+
+@dataclass
+class NativeStack:
+    loaded: LoadedModel
+    kv: PagedKVCache
+    allocator: PageAllocator
+    runner: NativeModelRunner
+    core: NativeBatchCore
+    limits: ModelLimits
+    device: torch.device
+
+
+def kv_pages_for(config: SchedulerConfig, loaded: LoadedModel, device: torch.device, dtype: torch.dtype) -> int:
+    cfg = loaded.config
+    if config.kv_capacity_tokens is not None:
+        tokens = config.kv_capacity_tokens
+    elif device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        per_token = PagedKVCache.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype)
+        tokens = int(free * config.kv_memory_fraction) // per_token
+    else:
+        tokens = DEFAULT_CPU_KV_TOKENS
+    return max(1, tokens // config.page_size)
+
+
+def build_native_stack(
+    path_or_name: str,
+    config: SchedulerConfig,
+    *,
+    device: str | torch.device = "cpu",
+    dtype: Any = None,
+    seed: int = 0,
+) -> NativeStack:
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    loaded = load_model(path_or_name, dtype=dtype, device=device, seed=seed)
+    model_dtype = next(loaded.model.parameters()).dtype
+    num_pages = kv_pages_for(config, loaded, device, model_dtype)
+    cfg = loaded.config
+    kv = PagedKVCache(
+        num_layers=cfg.num_layers,
+        num_pages=num_pages,
+        page_size=config.page_size,
+        num_kv_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim,
+        dtype=model_dtype,
+        device=device,
+    )
+    allocator = PageAllocator(num_pages, config.page_size)
+    context = cfg.max_position_embeddings
+    if config.context_length is not None:
+        if config.context_length > cfg.max_position_embeddings:
+            raise InvalidRequestError(
+                f"context_length {config.context_length} exceeds the model's "
+                f"max_position_embeddings {cfg.max_position_embeddings}"
+            )
+        context = config.context_length
+    limits = ModelLimits(
+        vocab_size=cfg.vocab_size,
+        context_length=context,
+        kv_capacity_tokens=allocator.capacity_tokens,
+        eos_token_ids=cfg.eos_token_ids,
+    )
+    runner = NativeModelRunner(loaded.model, kv, device)
+    core = NativeBatchCore(config, allocator, context)
+    return NativeStack(loaded, kv, allocator, runner, core, limits, device)
+
+
+def build_scheduler(stack: NativeStack, config: SchedulerConfig, **callbacks: Any) -> AsyncOmniScheduler:
+    info = {
+        "model_path": stack.loaded.path,
+        "load_format": stack.loaded.load_format,
+        "model_family": stack.loaded.config.family,
+        "device": str(stack.device),
+        "dtype": str(next(stack.loaded.model.parameters()).dtype).replace("torch.", ""),
+        "weight_version": "initial",
+    }
+    return AsyncOmniScheduler(
+        stack.runner,
+        stack.core,
+        stack.limits,
+        config=config,
+        executor=ThreadStepExecutor(),
+        model_info=info,
+        **callbacks,
+    )

@@ -1,0 +1,135 @@
+"""Command line: ``omni-async demo`` (the embedded default job) and ``omni-async generate``."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import time
+
+from . import errors
+from .config import LOOP_KINDS, SamplingParams
+from .engine import Engine
+from .logs import configure_cli_logging
+
+DEMO_PROMPTS = [
+    "The thinker writes text; the talker speaks it.",
+    "Continuous batching keeps the model busy.",
+    "An idle loop should cost nothing.",
+    "Streams arrive token by token.",
+    "Paged KV caches grow one page at a time.",
+    "Abort, retract, resume.",
+]
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="tiny", help="a Hugging Face style folder, or 'tiny' (built in)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--loop", default="normal", choices=LOOP_KINDS)
+    p.add_argument("--dtype", default=None)
+    p.add_argument("--log-level", default="WARNING")
+
+
+def _sampling(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+    )
+
+
+def _add_sampling_args(p: argparse.ArgumentParser, max_new: int) -> None:
+    p.add_argument("--max-new-tokens", type=int, default=max_new)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+
+
+async def _demo(args: argparse.Namespace) -> int:
+    engine = Engine.from_pretrained(args.model, device=args.device, loop=args.loop, dtype=args.dtype)
+    prompts = (DEMO_PROMPTS * (args.requests // len(DEMO_PROMPTS) + 1))[: args.requests]
+    counts = [0] * len(prompts)
+    first_token_at: list[float | None] = [None] * len(prompts)
+    async with engine:
+        start = time.perf_counter()
+
+        async def one(i: int, prompt: str) -> None:
+            async for delta in engine.stream(prompt=prompt, sampling=_sampling(args)):
+                if first_token_at[i] is None:
+                    first_token_at[i] = time.perf_counter() - start
+                counts[i] += len(delta.token_ids)
+                if i < args.show:
+                    print(f"[req {i}] +{delta.token_ids} {delta.text!r}" + (" <done>" if delta.finished else ""))
+
+        await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+        elapsed = time.perf_counter() - start
+    total = sum(counts)
+    ttfts = sorted(t for t in first_token_at if t is not None)
+    print(
+        f"\n{len(prompts)} concurrent requests on {args.model} ({args.device}, loop={args.loop}): "
+        f"{total} tokens in {elapsed:.2f} s = {total / elapsed:.1f} tokens/s; "
+        f"median time to first token {1000 * ttfts[len(ttfts) // 2]:.1f} ms"
+    )
+    return 0
+
+
+async def _generate(args: argparse.Namespace) -> int:
+    engine = Engine.from_pretrained(args.model, device=args.device, loop=args.loop, dtype=args.dtype)
+    input_ids = [int(t) for t in args.input_ids.split(",")] if args.input_ids else None
+    async with engine:
+        try:
+            res = await engine.generate(
+                prompt=None if input_ids is not None else args.prompt,
+                input_ids=input_ids,
+                sampling=_sampling(args),
+            )
+        except errors.OmniAsyncError as exc:
+            print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
+            return 2
+    print(f"output_ids: {res.output_ids}")
+    print(f"finish_reason: {res.finish_reason}")
+    if res.text is not None:
+        print(f"text: {res.text!r}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="omni-async")
+    sub = parser.add_subparsers(dest="command", required=True)
+    demo = sub.add_parser("demo", help="stream several concurrent requests and print tokens/s")
+    _add_model_args(demo)
+    _add_sampling_args(demo, 48)
+    demo.add_argument("--requests", type=int, default=8)
+    demo.add_argument("--show", type=int, default=2, help="print the stream of this many requests")
+    gen = sub.add_parser("generate", help="generate from a prompt or token ids")
+    _add_model_args(gen)
+    _add_sampling_args(gen, 32)
+    group = gen.add_mutually_exclusive_group(required=True)
+    group.add_argument("--prompt")
+    group.add_argument("--input-ids", help="comma-separated token ids")
+    pipe = sub.add_parser("pipeline-demo", help="a thinker streaming into a talker in one event loop")
+    _add_model_args(pipe)
+    args = parser.parse_args(argv)
+    configure_cli_logging(args.log_level)
+    try:
+        import uvloop
+
+        runner = uvloop.run
+    except ImportError:  # pragma: no cover
+        runner = asyncio.run
+    if args.command == "demo":
+        return runner(_demo(args))
+    if args.command == "generate":
+        return runner(_generate(args))
+    if args.command == "pipeline-demo":
+        from .pipeline import run_pipeline_demo
+
+        return runner(run_pipeline_demo(args))
+    return 1
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

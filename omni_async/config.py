@@ -1,0 +1,186 @@
+"""User-facing configuration: sampling parameters and scheduler limits.
+
+Both are validated on construction so that bad input becomes an
+:class:`~omni_async.errors.InvalidRequestError` before anything reaches the loop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any, Literal, Mapping
+
+from .errors import InvalidRequestError
+
+LoopKind = Literal["normal", "overlap", "async_decode"]
+LOOP_KINDS: tuple[str, ...] = ("normal", "overlap", "async_decode")
+
+# Seeds are masked into this range, as the reference does for SGLang's seeded sampler.
+SAMPLING_SEED_MASK = (1 << 63) - 1
+
+
+def _fields_of(cls: type) -> set[str]:
+    return {f.name for f in dataclasses.fields(cls)}
+
+
+def _check_unknown(cls: type, data: Mapping[str, Any]) -> None:
+    unknown = sorted(set(data) - _fields_of(cls))
+    if unknown:
+        raise InvalidRequestError(
+            f"unknown {cls.__name__} field(s): {', '.join(unknown)}; "
+            f"known fields are {', '.join(sorted(_fields_of(cls)))}"
+        )
+
+
+@dataclass
+class SamplingParams:
+    """How to pick each next token. ``temperature=0`` is greedy.
+
+    ``repetition_penalty`` applies to the request's *output* tokens only (as in the
+    reference), unlike transformers' processor which also penalises the prompt.
+    """
+
+    max_new_tokens: int = 16
+    min_new_tokens: int = 0
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    repetition_penalty: float = 1.0
+    suppress_tokens: list[int] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    return_logprob: bool = False
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any] | None) -> "SamplingParams":
+        data = dict(data or {})
+        _check_unknown(cls, data)
+        return cls(**data)
+
+    def validate(self) -> None:
+        def bad(msg: str) -> InvalidRequestError:
+            return InvalidRequestError(f"invalid sampling: {msg}")
+
+        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
+            raise bad(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
+        if not _is_int(self.min_new_tokens) or self.min_new_tokens < 0:
+            raise bad(f"min_new_tokens must be an integer >= 0, got {self.min_new_tokens!r}")
+        if self.min_new_tokens > self.max_new_tokens:
+            raise bad(
+                f"min_new_tokens ({self.min_new_tokens}) exceeds max_new_tokens "
+                f"({self.max_new_tokens})"
+            )
+        if not _is_finite(self.temperature) or self.temperature < 0 or self.temperature > 100:
+            raise bad(f"temperature must be in [0, 100], got {self.temperature!r}")
+        if not _is_int(self.top_k) or self.top_k < 0:
+            raise bad(f"top_k must be an integer >= 0 (0 disables), got {self.top_k!r}")
+        if not _is_finite(self.top_p) or not (0 < self.top_p <= 1):
+            raise bad(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not _is_finite(self.min_p) or not (0 <= self.min_p < 1):
+            raise bad(f"min_p must be in [0, 1), got {self.min_p!r}")
+        if self.seed is not None and not _is_int(self.seed):
+            raise bad(f"seed must be an integer or None, got {self.seed!r}")
+        if not _is_finite(self.repetition_penalty) or not (0 < self.repetition_penalty <= 100):
+            raise bad(f"repetition_penalty must be in (0, 100], got {self.repetition_penalty!r}")
+        for name in ("suppress_tokens", "stop_token_ids"):
+            values = getattr(self, name)
+            if not isinstance(values, (list, tuple, set, frozenset)):
+                raise bad(f"{name} must be a list of token ids, got {type(values).__name__}")
+            if any(not _is_int(t) or t < 0 for t in values):
+                raise bad(f"{name} must hold non-negative integer token ids, got {list(values)!r}")
+            setattr(self, name, [int(t) for t in values])
+        if not isinstance(self.ignore_eos, bool):
+            raise bad(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        if not isinstance(self.return_logprob, bool):
+            raise bad(f"return_logprob must be a bool, got {self.return_logprob!r}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def resolved_seed(self) -> int | None:
+        """The seed masked into the sampler's valid range (None when unseeded)."""
+        if self.seed is None:
+            return None
+        return int(self.seed) & SAMPLING_SEED_MASK
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_finite(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+@dataclass
+class SchedulerConfig:
+    """Limits and loop choice of one :class:`~omni_async.scheduler.AsyncOmniScheduler`.
+
+    KV sizing: on CPU the capacity is ``kv_capacity_tokens``; on CUDA it is
+    ``kv_memory_fraction`` of free device memory unless ``kv_capacity_tokens`` is set.
+    """
+
+    loop: LoopKind = "normal"
+    async_decode_min_batch_size: int = 2
+    max_running_requests: int = 64
+    max_queued_requests: int = 4096
+    max_prefill_tokens: int = 4096
+    chunked_prefill_size: int = 512
+    page_size: int = 16
+    kv_capacity_tokens: int | None = None
+    kv_memory_fraction: float = 0.8
+    context_length: int | None = None
+    request_build_max_workers: int = 1
+    request_build_max_pending: int | None = None
+    aborted_id_cap: int = 10_000
+    aborted_id_keep: int = 5_000
+    admin_timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        if self.loop not in LOOP_KINDS:
+            raise InvalidRequestError(
+                f"unknown loop {self.loop!r}; choose one of {', '.join(LOOP_KINDS)}"
+            )
+        positive = (
+            "async_decode_min_batch_size",
+            "max_running_requests",
+            "max_queued_requests",
+            "max_prefill_tokens",
+            "page_size",
+            "request_build_max_workers",
+            "aborted_id_cap",
+        )
+        for name in positive:
+            value = getattr(self, name)
+            if not _is_int(value) or value < 1:
+                raise InvalidRequestError(f"{name} must be an integer >= 1, got {value!r}")
+        if not _is_int(self.chunked_prefill_size):
+            raise InvalidRequestError("chunked_prefill_size must be an integer (<= 0 disables)")
+        if self.kv_capacity_tokens is not None and (
+            not _is_int(self.kv_capacity_tokens) or self.kv_capacity_tokens < self.page_size
+        ):
+            raise InvalidRequestError(
+                f"kv_capacity_tokens must be an integer >= page_size ({self.page_size}), "
+                f"got {self.kv_capacity_tokens!r}"
+            )
+        if not (0 < self.kv_memory_fraction <= 1):
+            raise InvalidRequestError("kv_memory_fraction must be in (0, 1]")
+        if not (0 <= self.aborted_id_keep <= self.aborted_id_cap):
+            raise InvalidRequestError("aborted_id_keep must be in [0, aborted_id_cap]")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> "SchedulerConfig":
+        _check_unknown(cls, kwargs)
+        return cls(**kwargs)
+
+    @property
+    def chunk_size(self) -> int | None:
+        return self.chunked_prefill_size if self.chunked_prefill_size > 0 else None

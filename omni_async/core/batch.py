@@ -1,0 +1,64 @@
+"""One scheduled step: which requests, which new tokens, where their KV goes.
+
+Everything the runner needs is snapshotted here on the loop thread when the step is
+scheduled, so that the step can execute on another thread (or later, under the
+lookahead loops) while the loop keeps mutating request state.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from .request import Request
+
+
+class ForwardMode(enum.Enum):
+    EXTEND = "extend"  # prefill, chunked prefill, or re-prefill after retraction
+    DECODE = "decode"
+
+    def is_extend(self) -> bool:
+        return self is ForwardMode.EXTEND
+
+    def is_decode(self) -> bool:
+        return self is ForwardMode.DECODE
+
+
+@dataclass(eq=False)
+class ScheduledBatch:
+    mode: ForwardMode
+    reqs: list[Request]
+    epochs: list[int]
+    prefix_lens: list[int]  # tokens already in KV before this step, per row
+    extend_lens: list[int]  # new tokens this step, per row
+    # True when this step completes the row's fill, so its sampled token is kept.
+    samples_kept: list[bool]
+    input_ids: list[int]  # flat new tokens; -1 where the token is still in flight
+    # Rows whose decode input is the last token of a step not yet processed on the
+    # host: (position in input_ids, request). The runner fills them from the device.
+    inflight_inputs: list[tuple[int, Request]] = field(default_factory=list)
+    # Generation index of the token each row samples (seeds are keyed by it).
+    sample_indices: list[int] = field(default_factory=list)
+    page_tables: list[list[int]] = field(default_factory=list)
+    step_id: int = 0
+
+    @property
+    def is_decode(self) -> bool:
+        return self.mode is ForwardMode.DECODE
+
+    @property
+    def forward_mode(self) -> ForwardMode:
+        return self.mode
+
+    @property
+    def size(self) -> int:
+        return len(self.reqs)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.extend_lens)
+
+    def row_is_live(self, i: int) -> bool:
+        """False when the row's request finished or was retracted after scheduling."""
+        req = self.reqs[i]
+        return not req.finished() and req.epoch == self.epochs[i]

@@ -1,0 +1,340 @@
+"""The native batch core: FCFS waiting queue, token-budgeted and chunked prefill,
+continuous batching, retraction under KV pressure, finish checks, KV release.
+
+State is advanced when a step is *scheduled* (KV pages, cached-token counts, in-flight
+token counts), and completed when its result is *processed* (tokens appended, finish
+checks). Between the two the step may execute elsewhere; rows whose request finished
+or was retracted meanwhile are skipped at processing (see ``ScheduledBatch.row_is_live``),
+which is what lets the overlap and async-decode loops run a step ahead safely.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+from ..config import SchedulerConfig
+from ..kv.allocator import PageAllocator
+from .batch import ForwardMode, ScheduledBatch
+from .request import Request
+
+# Admission keeps room for running requests' future tokens, estimated as this ratio of
+# what they may still generate. A retraction resets it to 1 (fully conservative); it
+# then decays towards the minimum as decode steps succeed.
+INIT_NEW_TOKEN_RATIO = 0.7
+MIN_NEW_TOKEN_RATIO = 0.1
+NEW_TOKEN_RATIO_DECAY = (INIT_NEW_TOKEN_RATIO - MIN_NEW_TOKEN_RATIO) / 600
+
+
+@dataclass
+class StepOutcome:
+    """What processing one row of a step produced."""
+
+    req: Request
+    token: int | None  # None when the row was a non-final prefill chunk
+    logprob: float | None = None
+    finished: bool = False
+
+
+class BatchCore(Protocol):
+    """What the loops need from a batch core (native or sglang)."""
+
+    def add_request(self, req: Request) -> None: ...
+    def get_next_batch(self) -> ScheduledBatch | None: ...
+    def process_result(
+        self, batch: ScheduledBatch, tokens: Sequence[int], logprobs: Sequence[float] | None
+    ) -> list[StepOutcome]: ...
+    def abort(self, rid: str) -> Request | None: ...
+    def reap_aborted(self) -> list[Request]: ...
+    def retract_all(self) -> list[Request]: ...
+    def active_requests(self) -> list[Request]: ...
+    def has_work(self) -> bool: ...
+
+
+class NativeBatchCore:
+    def __init__(self, config: SchedulerConfig, allocator: PageAllocator, context_length: int) -> None:
+        self.config = config
+        self.allocator = allocator
+        self.page_size = allocator.page_size
+        self.context_length = context_length
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.chunked: Request | None = None
+        self.new_token_ratio = INIT_NEW_TOKEN_RATIO
+        self.num_retractions = 0
+        self._step_id = 0
+        self._arrivals = 0
+
+    # ------------------------------------------------------------------ queues
+
+    def add_request(self, req: Request) -> None:
+        self._arrivals += 1
+        req.arrival = self._arrivals
+        self.waiting.append(req)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.chunked)
+
+    def active_requests(self) -> list[Request]:
+        reqs = list(self.waiting) + list(self.running)
+        if self.chunked is not None:
+            reqs.append(self.chunked)
+        return [r for r in reqs if not r.finished()]
+
+    def find(self, rid: str) -> Request | None:
+        for req in self.active_requests():
+            if req.rid == rid:
+                return req
+        return None
+
+    # ------------------------------------------------------------------ scheduling
+
+    def get_next_batch(self) -> ScheduledBatch | None:
+        """A prefill batch when requests wait and fit, else a decode step of the running set."""
+        return self._schedule_prefill() or self._schedule_decode()
+
+    def _reserved_tokens(self) -> int:
+        reserved = 0.0
+        for req in self.running:
+            remaining = req.sampling.max_new_tokens - req.num_generated
+            reserved += max(0, remaining) * self.new_token_ratio
+        return int(math.ceil(reserved))
+
+    def _schedule_prefill(self) -> ScheduledBatch | None:
+        cfg = self.config
+        budget = cfg.max_prefill_tokens
+        if cfg.chunk_size is not None:
+            budget = min(budget, cfg.chunk_size)
+        rows: list[tuple[Request, int]] = []
+        reserved = self._reserved_tokens()
+        free_tokens = self.allocator.free_pages * self.page_size
+        candidates: list[Request] = ([self.chunked] if self.chunked is not None else []) + list(self.waiting)
+        slots = cfg.max_running_requests - len(self.running)
+        for req in candidates:
+            if budget <= 0 or slots <= 0:
+                break
+            remaining = req.seq_len - req.num_cached
+            n = min(remaining, budget)
+            pages_needed = self.allocator.pages_for(req.num_cached + n) - len(req.pages)
+            future = 0.0
+            if n == remaining:
+                future = (req.sampling.max_new_tokens - req.num_generated) * self.new_token_ratio
+            fits_now = pages_needed <= self.allocator.free_pages
+            lonely = not self.running and not rows
+            if not fits_now or (not lonely and pages_needed * self.page_size + future > free_tokens - reserved):
+                break
+            req.pages.extend(self.allocator.allocate(pages_needed))
+            free_tokens -= pages_needed * self.page_size
+            reserved += int(math.ceil(future))
+            rows.append((req, n))
+            budget -= n
+            if n < remaining:
+                break  # this request continues as the chunked one
+            slots -= 1
+        if not rows:
+            return None
+        return self._build_extend(rows)
+
+    def _build_extend(self, rows: list[tuple[Request, int]]) -> ScheduledBatch:
+        batch = self._new_batch(ForwardMode.EXTEND)
+        for req, n in rows:
+            if req is self.chunked:
+                self.chunked = None
+            else:
+                self.waiting.remove(req)
+            fill = req.fill_ids()
+            start = req.num_cached
+            batch.input_ids.extend(fill[start : start + n])
+            kept = start + n == req.seq_len
+            self._add_row(batch, req, n, kept)
+            req.num_cached += n
+            if kept:
+                req.num_inflight += 1
+                self.running.append(req)
+            else:
+                self.chunked = req
+        return batch
+
+    def _schedule_decode(self) -> ScheduledBatch | None:
+        self.running = [r for r in self.running if not r.finished()]
+        if not self.running:
+            return None
+        self._retract_until_decode_fits()
+        batch = self._new_batch(ForwardMode.DECODE)
+        for req in self.running:
+            need = self.allocator.pages_for(req.num_cached + 1) - len(req.pages)
+            if need:
+                req.pages.extend(self.allocator.allocate(need))
+            if req.num_inflight:
+                batch.inflight_inputs.append((len(batch.input_ids), req))
+                batch.input_ids.append(-1)
+            else:
+                batch.input_ids.append(req.fill_ids()[-1])
+            self._add_row(batch, req, 1, True)
+            req.num_cached += 1
+            req.num_inflight += 1
+        self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
+        return batch
+
+    def _decode_pages_needed(self) -> int:
+        return sum(self.allocator.pages_for(r.num_cached + 1) - len(r.pages) for r in self.running)
+
+    def _retract_until_decode_fits(self) -> None:
+        while self._decode_pages_needed() > self.allocator.free_pages:
+            if self.chunked is not None:
+                victim = self.chunked
+                self.chunked = None
+            elif len(self.running) > 1:
+                victim = max(self.running, key=lambda r: r.arrival)
+                self.running.remove(victim)
+            else:
+                raise RuntimeError(
+                    "KV cache cannot hold the single running request; admission should have refused it"
+                )
+            self._retract(victim)
+            self.new_token_ratio = 1.0
+
+    def _retract(self, req: Request) -> None:
+        self._release(req)
+        req.num_cached = 0
+        req.num_inflight = 0
+        req.epoch += 1
+        req.num_retractions += 1
+        self.num_retractions += 1
+        # Back to the waiting queue in arrival order, so FCFS holds on resume.
+        idx = 0
+        while idx < len(self.waiting) and self.waiting[idx].arrival < req.arrival:
+            idx += 1
+        self.waiting.insert(idx, req)
+
+    def retract_all(self) -> list[Request]:
+        """Send every running and chunked request back to waiting, freeing its KV."""
+        victims = [r for r in self.running if not r.finished()]
+        if self.chunked is not None:
+            victims.append(self.chunked)
+        self.running = []
+        self.chunked = None
+        for req in sorted(victims, key=lambda r: r.arrival):
+            self._retract(req)
+        return victims
+
+    def _new_batch(self, mode: ForwardMode) -> ScheduledBatch:
+        self._step_id += 1
+        return ScheduledBatch(
+            mode=mode, reqs=[], epochs=[], prefix_lens=[], extend_lens=[], samples_kept=[],
+            input_ids=[], step_id=self._step_id,
+        )
+
+    @staticmethod
+    def _add_row(batch: ScheduledBatch, req: Request, n: int, kept: bool) -> None:
+        batch.reqs.append(req)
+        batch.epochs.append(req.epoch)
+        batch.prefix_lens.append(req.num_cached)
+        batch.extend_lens.append(n)
+        batch.samples_kept.append(kept)
+        batch.sample_indices.append(req.num_generated)
+        batch.page_tables.append(list(req.pages))
+
+    # ------------------------------------------------------------------ results
+
+    def process_result(
+        self,
+        batch: ScheduledBatch,
+        tokens: Sequence[int],
+        logprobs: Sequence[float] | None = None,
+    ) -> list[StepOutcome]:
+        outcomes: list[StepOutcome] = []
+        for i, req in enumerate(batch.reqs):
+            if not batch.row_is_live(i):
+                continue  # finished or retracted after this step was scheduled
+            if not batch.samples_kept[i]:
+                outcomes.append(StepOutcome(req, None))
+                continue
+            req.num_inflight -= 1
+            if req.to_finish is not None:
+                self._finish(req, req.to_finish)
+                outcomes.append(StepOutcome(req, None, finished=True))
+                continue
+            token = int(tokens[i])
+            logprob = float(logprobs[i]) if logprobs is not None else None
+            req.output_ids.append(token)
+            if logprob is not None:
+                req.output_logprobs.append(logprob)
+            reason = self._finish_reason(req, token)
+            if reason is not None:
+                self._finish(req, reason)
+            outcomes.append(StepOutcome(req, token, logprob, finished=reason is not None))
+        self.running = [r for r in self.running if not r.finished()]
+        return outcomes
+
+    def _finish_reason(self, req: Request, token: int) -> str | None:
+        n = len(req.output_ids)
+        if token in req.stop_ids() and n > req.sampling.min_new_tokens:
+            return "stop"
+        if n >= req.sampling.max_new_tokens or req.seq_len >= self.context_length:
+            return "length"
+        return None
+
+    def _finish(self, req: Request, reason: str) -> None:
+        req.finish_reason = reason
+        req.num_inflight = 0
+        self._release(req)
+
+    def _release(self, req: Request) -> None:
+        if req.pages:
+            pages, req.pages = req.pages, []
+            self.allocator.free(pages)
+
+    # ------------------------------------------------------------------ aborts
+
+    def abort(self, rid: str) -> Request | None:
+        """Abort a request. A waiting one is removed and finished now (returned); a
+        running or chunked one is marked and finished at the next step boundary."""
+        for req in self.waiting:
+            if req.rid == rid:
+                self.waiting.remove(req)
+                self._finish(req, "abort")
+                return req
+        for req in self.running + ([self.chunked] if self.chunked else []):
+            if req.rid == rid and not req.finished():
+                req.to_finish = "abort"
+        return None
+
+    def reap_aborted(self) -> list[Request]:
+        """Finish every marked request now; called between steps. Rows of these requests
+        in a step still in flight are skipped when that step is processed."""
+        reaped = [r for r in self.running if r.to_finish is not None and not r.finished()]
+        if self.chunked is not None and self.chunked.to_finish is not None:
+            reaped.append(self.chunked)
+            self.chunked = None
+        for req in reaped:
+            self._finish(req, req.to_finish or "abort")
+        self.running = [r for r in self.running if not r.finished()]
+        return reaped
+
+    def abort_all(self) -> list[Request]:
+        """Finish every active request now (close, pause in abort mode, failures)."""
+        victims = self.active_requests()
+        self.waiting.clear()
+        self.running = []
+        self.chunked = None
+        for req in victims:
+            self._finish(req, "abort")
+        return victims
+
+    def fail_requests(self, reqs: Sequence[Request]) -> list[Request]:
+        """Finish the given requests now because their step failed."""
+        failed = []
+        for req in reqs:
+            if req.finished():
+                continue
+            if req in self.waiting:
+                self.waiting.remove(req)
+            if self.chunked is req:
+                self.chunked = None
+            self._finish(req, "error")
+            failed.append(req)
+        self.running = [r for r in self.running if not r.finished()]
+        return failed

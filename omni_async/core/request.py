@@ -1,0 +1,89 @@
+"""Per-request state: what the batch core schedules and what the runner reads."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..config import SamplingParams
+
+
+@dataclass(eq=False)
+class Request:
+    """Scheduling state of one request.
+
+    The sequence is ``prompt_ids + output_ids``; KV holds its first ``num_cached``
+    tokens in ``pages``. ``epoch`` grows on every retraction so that a row of a step
+    scheduled before the retraction is recognised as stale and skipped.
+    """
+
+    rid: str
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    eos_token_ids: tuple[int, ...] = ()
+    arrival: int = 0
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    pages: list[int] = field(default_factory=list)
+    num_cached: int = 0
+    # Tokens sampled by launched steps whose results the host has not processed yet
+    # (overlap and async-decode loops). They count towards the sequence length.
+    num_inflight: int = 0
+    epoch: int = 0
+    finish_reason: str | None = None
+    to_finish: str | None = None
+    num_retractions: int = 0
+    data: Any = None  # the RequestData this request belongs to
+    # (token tensor, row) of this request's newest sampled token on the device, set by
+    # the runner when it samples; a decode step whose input is still in flight reads it.
+    last_token_ref: tuple[Any, int] | None = None
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids) + self.num_inflight
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.output_ids) + self.num_inflight
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def fill_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    def stop_ids(self) -> set[int]:
+        ids = set(self.sampling.stop_token_ids)
+        if not self.sampling.ignore_eos:
+            ids.update(self.eos_token_ids)
+        return ids
+
+
+@dataclass(eq=False)
+class RequestData:
+    """What a request builder produces and what runners, handlers and result adapters
+    see (the reference's per-request data object). ``req`` is the scheduling state."""
+
+    req: Request
+    payload: Any = None
+    generation_steps: int = 0
+    extra_model_outputs: dict[str, Any] = field(default_factory=dict)
+    stream_chunks: list[Any] = field(default_factory=list)
+    stream_done: bool = False
+    output_ids: list[int] = field(default_factory=list)
+    output_token_logprobs: list[list[float]] = field(default_factory=list)
+    finish_reason: str | None = None
+    weight_version: str | None = None
+    enforce_request_limits: bool = True
+
+    @property
+    def request_id(self) -> str:
+        return self.req.rid
+
+    @property
+    def return_logprob(self) -> bool:
+        return self.req.sampling.return_logprob
+
+    @property
+    def suppress_tokens(self) -> list[int]:
+        return self.req.sampling.suppress_tokens

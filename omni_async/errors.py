@@ -1,0 +1,49 @@
+"""Typed errors. Every failure a caller can see is one of these.
+
+A request that fails gets exactly one terminal ``error`` message carrying one of these
+exceptions; :class:`~omni_async.engine.Engine` raises it from ``generate``/``result``.
+"""
+
+from __future__ import annotations
+
+
+class OmniAsyncError(Exception):
+    """Base class of every error omni_async raises on purpose."""
+
+
+class InvalidRequestError(OmniAsyncError, ValueError):
+    """The request itself is malformed: empty prompt, token outside the vocabulary,
+    a sampling value out of range, an unknown field."""
+
+
+class RequestRejectedError(OmniAsyncError):
+    """The request is well formed but cannot be served under the configured limits:
+    context length, KV capacity, a full queue or backlog, a duplicate id."""
+
+
+class RequestAbortedError(OmniAsyncError):
+    """The request was aborted before it finished. ``output_ids`` holds what was
+    generated up to the abort."""
+
+    def __init__(self, message: str, *, output_ids: list[int] | None = None) -> None:
+        super().__init__(message)
+        self.output_ids: list[int] = list(output_ids or [])
+
+
+class SchedulerClosedError(RequestAbortedError):
+    """The scheduler closed while the request was open, or a request was submitted
+    after close."""
+
+
+class RequestFailedError(OmniAsyncError):
+    """Serving the request raised (a request builder, a result adapter, the model
+    runner). The original exception is ``__cause__``."""
+
+
+class ModelLoadError(OmniAsyncError):
+    """A checkpoint cannot be loaded faithfully: unsupported architecture, rope
+    scaling, missing or mismatched tensors."""
+
+
+class AdminError(OmniAsyncError):
+    """An admin action failed; the reply's message says why."""

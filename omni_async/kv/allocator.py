@@ -1,0 +1,62 @@
+"""Page allocator: hands out fixed-size KV pages and takes them back exactly once.
+
+A double free or a free of a page that was never handed out raises immediately,
+because either one means two requests could end up sharing KV.
+"""
+
+from __future__ import annotations
+
+
+class KVAllocationError(RuntimeError):
+    """A page was freed twice, or freed without being allocated."""
+
+
+class PageAllocator:
+    def __init__(self, num_pages: int, page_size: int) -> None:
+        if num_pages < 1 or page_size < 1:
+            raise ValueError("num_pages and page_size must be >= 1")
+        self.num_pages = num_pages
+        self.page_size = page_size
+        # Pop from the end: low page ids are handed out first.
+        self._free: list[int] = list(range(num_pages - 1, -1, -1))
+        self._in_use: set[int] = set()
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.num_pages * self.page_size
+
+    @property
+    def free_pages(self) -> int:
+        return len(self._free)
+
+    @property
+    def used_pages(self) -> int:
+        return len(self._in_use)
+
+    def is_fully_free(self) -> bool:
+        return not self._in_use and len(self._free) == self.num_pages
+
+    def pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+    def can_allocate(self, num_pages: int) -> bool:
+        return num_pages <= len(self._free)
+
+    def allocate(self, num_pages: int) -> list[int]:
+        if num_pages > len(self._free):
+            raise KVAllocationError(f"asked for {num_pages} pages, {len(self._free)} free")
+        pages = [self._free.pop() for _ in range(num_pages)]
+        self._in_use.update(pages)
+        return pages
+
+    def free(self, pages: list[int]) -> None:
+        for page in pages:
+            if page not in self._in_use:
+                raise KVAllocationError(f"page {page} freed but not in use (double free?)")
+            self._in_use.remove(page)
+            self._free.append(page)
+
+    def reset(self) -> None:
+        """Forget every allocation (used after a cache flush, when no request holds KV)."""
+        self._free = list(range(self.num_pages - 1, -1, -1))
+        self._in_use.clear()

@@ -1,0 +1,75 @@
+"""Attention over paged KV, written plainly in torch: the correct reference for CPU.
+
+Decode rows are batched (pages gathered into a padded ``[B, L]`` view and masked);
+prefill/extend sequences are handled one by one with a causal mask offset by the
+tokens already in the cache (chunked prefill and resumed requests).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionContext:
+    """Where each new token goes and what each sequence attends to, for one step.
+
+    ``slot_mapping[t]`` is the KV slot of new token ``t``. For decode steps,
+    ``kv_slots`` is ``[B, L]`` (padded) and ``kv_lens`` ``[B]``. For extend steps,
+    ``seq_slices`` lists ``(q_start, q_len, prefix_len)`` per sequence and
+    ``seq_kv_slots`` the slots of its whole context (prefix + new tokens).
+    ``logits_rows`` picks the hidden rows whose next-token logits are wanted.
+    """
+
+    is_decode: bool
+    slot_mapping: torch.Tensor
+    logits_rows: torch.Tensor
+    kv_slots: torch.Tensor | None = None
+    kv_lens: torch.Tensor | None = None
+    seq_slices: list[tuple[int, int, int]] | None = None
+    seq_kv_slots: list[torch.Tensor] | None = None
+
+
+def _expand_kv(x: torch.Tensor, n_rep: int, head_dim_axis: int) -> torch.Tensor:
+    return x if n_rep == 1 else x.repeat_interleave(n_rep, dim=head_dim_axis)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    ctx: AttentionContext,
+    scale: float,
+) -> torch.Tensor:
+    """``q``: ``[T, H, D]`` for the new tokens (their K/V already written). Returns ``[T, H, D]``."""
+    num_heads = q.shape[1]
+    n_rep = num_heads // k_cache.shape[1]
+    if ctx.is_decode:
+        assert ctx.kv_slots is not None and ctx.kv_lens is not None
+        k = _expand_kv(k_cache[ctx.kv_slots], n_rep, 2)  # [B, L, H, D]
+        v = _expand_kv(v_cache[ctx.kv_slots], n_rep, 2)
+        positions = torch.arange(ctx.kv_slots.shape[1], device=q.device)
+        mask = (positions[None, :] < ctx.kv_lens[:, None])[:, None, None, :]  # [B,1,1,L]
+        out = F.scaled_dot_product_attention(
+            q.unsqueeze(2),  # [B, H, 1, D]
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            attn_mask=mask,
+            scale=scale,
+        )
+        return out.squeeze(2)
+    assert ctx.seq_slices is not None and ctx.seq_kv_slots is not None
+    out = torch.empty_like(q)
+    for (q_start, q_len, prefix_len), slots in zip(ctx.seq_slices, ctx.seq_kv_slots):
+        k = _expand_kv(k_cache[slots], n_rep, 1).transpose(0, 1)  # [H, L, D]
+        v = _expand_kv(v_cache[slots], n_rep, 1).transpose(0, 1)
+        kv_len = slots.shape[0]
+        q_pos = prefix_len + torch.arange(q_len, device=q.device)
+        mask = torch.arange(kv_len, device=q.device)[None, :] <= q_pos[:, None]
+        qs = q[q_start : q_start + q_len].transpose(0, 1)  # [H, q_len, D]
+        o = F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, scale=scale)
+        out[q_start : q_start + q_len] = o.transpose(0, 1)
+    return out

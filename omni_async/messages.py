@@ -1,0 +1,73 @@
+"""Messages on the scheduler's channels, and what the default builders produce."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from .config import SamplingParams
+
+IncomingType = Literal["new_request", "stream_chunk", "stream_done"]
+OutgoingType = Literal["result", "stream", "error"]
+
+
+@dataclass
+class IncomingMessage:
+    """Into the scheduler. ``data`` is a request payload for ``new_request`` and a
+    chunk for ``stream_chunk``; unused for ``stream_done``."""
+
+    request_id: str
+    type: IncomingType
+    data: Any = None
+
+
+@dataclass
+class OutgoingMessage:
+    """Out of the scheduler. ``data`` is the adapted result, a stream delta, or the
+    exception (one of :mod:`omni_async.errors`) for ``error``."""
+
+    request_id: str
+    type: OutgoingType
+    data: Any = None
+
+
+@dataclass
+class RequestPayload:
+    """The default ``new_request`` payload understood by the built-in request builder.
+
+    ``prefetched_chunks`` / ``prefetched_stream_done`` are filled by the scheduler with
+    stream input that arrived before the request was admitted.
+    """
+
+    request_id: str
+    input_ids: list[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    metadata: dict[str, Any] = field(default_factory=dict)
+    prefetched_chunks: list[Any] = field(default_factory=list)
+    prefetched_stream_done: bool = False
+
+
+@dataclass
+class StreamDelta:
+    """New tokens of one request from one step."""
+
+    request_id: str
+    token_ids: list[int]
+    logprobs: list[float] | None = None
+    finished: bool = False
+    finish_reason: str | None = None
+    text: str | None = None
+
+
+@dataclass
+class GenerationResult:
+    """A finished request."""
+
+    request_id: str
+    output_ids: list[int]
+    finish_reason: str | None
+    prompt_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] | None = None
+    text: str | None = None
+    weight_version: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)

@@ -1,0 +1,145 @@
+"""Model configuration parsed from a Hugging Face ``config.json``.
+
+Anything the native decoder cannot reproduce exactly (another architecture, a rope
+scaling type, sliding-window attention, another activation) is refused here with a
+:class:`~omni_async.errors.ModelLoadError`, so a checkpoint never loads into a silently
+wrong model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from ..errors import ModelLoadError
+
+ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    family: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: Mapping[str, Any] | None = None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    dtype: str = "float32"
+
+    @property
+    def rope_type(self) -> str:
+        if not self.rope_scaling:
+            return "default"
+        return str(self.rope_scaling.get("rope_type") or self.rope_scaling.get("type") or "default")
+
+    @classmethod
+    def from_hf(cls, raw: Mapping[str, Any]) -> "ModelConfig":
+        family = _family_of(raw)
+        act = raw.get("hidden_act", "silu")
+        if act != "silu":
+            raise ModelLoadError(f"unsupported hidden_act {act!r}: only 'silu' (SwiGLU) is implemented")
+        if raw.get("use_sliding_window"):
+            raise ModelLoadError(
+                "sliding-window attention (use_sliding_window=true) is not supported by the native backend"
+            )
+        layer_types = raw.get("layer_types")
+        if layer_types and any(t != "full_attention" for t in layer_types):
+            raise ModelLoadError(f"unsupported layer_types {sorted(set(layer_types))}: only full_attention")
+
+        rope_theta, rope_scaling = _rope_of(raw)
+        num_heads = int(raw["num_attention_heads"])
+        hidden = int(raw["hidden_size"])
+        head_dim = raw.get("head_dim") or hidden // num_heads
+        eos = raw.get("eos_token_id")
+        eos_ids = tuple(int(e) for e in eos) if isinstance(eos, (list, tuple)) else (
+            (int(eos),) if eos is not None else ()
+        )
+        if family == "qwen2":
+            qkv_bias, o_bias = True, False
+        else:
+            qkv_bias = o_bias = bool(raw.get("attention_bias", False))
+        return cls(
+            family=family,
+            vocab_size=int(raw["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(raw["intermediate_size"]),
+            num_layers=int(raw["num_hidden_layers"]),
+            num_heads=num_heads,
+            num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
+            head_dim=int(head_dim),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            qkv_bias=qkv_bias,
+            o_bias=o_bias,
+            mlp_bias=bool(raw.get("mlp_bias", False)),
+            qk_norm=family == "qwen3",
+            bos_token_id=raw.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
+        )
+
+
+def _family_of(raw: Mapping[str, Any]) -> str:
+    archs = raw.get("architectures") or []
+    for arch in archs:
+        if arch in ARCHITECTURES:
+            return ARCHITECTURES[arch]
+    if archs:
+        raise ModelLoadError(
+            f"unsupported architecture {archs}: the native backend runs "
+            f"{', '.join(ARCHITECTURES)}"
+        )
+    model_type = raw.get("model_type")
+    if model_type in MODEL_TYPES:
+        return MODEL_TYPES[model_type]
+    raise ModelLoadError(
+        f"unsupported model_type {model_type!r}: the native backend runs "
+        f"{', '.join(MODEL_TYPES)}"
+    )
+
+
+def _rope_of(raw: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """Read rope settings from either layout: transformers 5 writes ``rope_parameters``,
+    older checkpoints ``rope_theta`` and ``rope_scaling``."""
+    params = raw.get("rope_parameters")
+    if isinstance(params, Mapping) and "full_attention" in params:
+        params = params["full_attention"]
+    if isinstance(params, Mapping):
+        theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
+        scaling: dict[str, Any] | None = dict(params)
+    else:
+        theta = float(raw.get("rope_theta", 10000.0))
+        scaling = dict(raw["rope_scaling"]) if raw.get("rope_scaling") else None
+    if scaling is not None:
+        rope_type = scaling.get("rope_type") or scaling.get("type") or "default"
+        if rope_type not in ROPE_TYPES:
+            raise ModelLoadError(
+                f"unsupported rope scaling type {rope_type!r}: supported are {', '.join(ROPE_TYPES)}"
+            )
+        scaling.pop("rope_theta", None)
+        scaling["rope_type"] = rope_type
+        if rope_type == "default":
+            scaling = None
+    return theta, scaling

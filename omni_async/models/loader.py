@@ -1,0 +1,191 @@
+"""Load a decoder from a Hugging Face style folder, or build the built-in ``tiny``.
+
+A folder holds ``config.json`` and ``model.safetensors`` or shards listed in
+``model.safetensors.index.json``. Every parameter must be present with its exact shape
+(``lm_head.weight`` may be absent when embeddings are tied); anything else is a
+:class:`~omni_async.errors.ModelLoadError`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from safetensors import safe_open
+
+from ..errors import ModelLoadError
+from ..tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
+from .config import ModelConfig
+from .decoder import DecoderModel, rope_inv_freq
+
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+TINY_NAME = "tiny"
+
+
+@dataclass
+class LoadedModel:
+    model: DecoderModel
+    config: ModelConfig
+    tokenizer: Tokenizer | None
+    path: str
+    load_format: str
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, config_dtype: str, device: torch.device) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        if dtype not in DTYPES.values():
+            raise ModelLoadError(f"unsupported dtype {dtype}; use float32, bfloat16 or float16")
+        return dtype
+    if dtype is None:
+        # float32 on CPU: the reference-exact default; the checkpoint's own dtype elsewhere.
+        dtype = "float32" if device.type == "cpu" else config_dtype
+    key = str(dtype).replace("torch.", "")
+    if key not in DTYPES:
+        raise ModelLoadError(f"unsupported dtype {dtype!r}; use float32, bfloat16 or float16")
+    return DTYPES[key]
+
+
+def tiny_config() -> ModelConfig:
+    """The built-in model: Llama-shaped, byte vocabulary, 4096-token context."""
+    return ModelConfig(
+        family="llama",
+        vocab_size=ByteTokenizer.VOCAB_SIZE,
+        hidden_size=128,
+        intermediate_size=384,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=32,
+        rope_theta=10000.0,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        bos_token_id=ByteTokenizer.BOS,
+        eos_token_ids=(ByteTokenizer.EOS,),
+    )
+
+
+def build_tiny(seed: int = 0) -> DecoderModel:
+    """Random weights from a fixed seed, scaled so that logits are well separated
+    (greedy results then do not hinge on float rounding)."""
+    cfg = tiny_config()
+    gen = torch.Generator().manual_seed(seed)
+    model = DecoderModel(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif name.endswith("embed_tokens.weight"):
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+            else:
+                fan_in = p.shape[-1] if p.ndim > 1 else p.shape[0]
+                p.copy_(torch.randn(p.shape, generator=gen) / fan_in**0.5)
+    return model
+
+
+def load_model(
+    path_or_name: str | os.PathLike,
+    *,
+    dtype: str | torch.dtype | None = None,
+    device: str | torch.device = "cpu",
+    seed: int = 0,
+) -> LoadedModel:
+    device = torch.device(device)
+    if str(path_or_name) == TINY_NAME:
+        model = build_tiny(seed)
+        cfg = model.config
+        torch_dtype = resolve_dtype(dtype, cfg.dtype, device)
+        model = model.to(device=device, dtype=torch_dtype).eval()
+        return LoadedModel(model, cfg, ByteTokenizer(), TINY_NAME, "builtin")
+
+    folder = Path(path_or_name)
+    config_path = folder / "config.json"
+    if not config_path.is_file():
+        raise ModelLoadError(
+            f"{folder}: no config.json (expected a Hugging Face style folder or {TINY_NAME!r})"
+        )
+    raw = json.loads(config_path.read_text())
+    cfg = ModelConfig.from_hf(raw)
+    torch_dtype = resolve_dtype(dtype, cfg.dtype, device)
+    with torch.device("meta"):
+        model = DecoderModel(cfg)
+    model = model.to_empty(device=device).to(torch_dtype)
+    model.tie_weights()
+    load_weights(model, folder)
+    model.inv_freq = rope_inv_freq(cfg).to(device)  # buffers are not in checkpoints
+    return LoadedModel(model.eval(), cfg, load_tokenizer(folder, cfg), str(folder), "safetensors")
+
+
+def safetensors_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        files = sorted({folder / name for name in weight_map.values()})
+    else:
+        files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{folder}: no *.safetensors weights found")
+    missing = [str(f) for f in files if not f.is_file()]
+    if missing:
+        raise ModelLoadError(f"{folder}: shard(s) listed in the index are missing: {missing}")
+    return files
+
+
+def iter_checkpoint(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    for file in safetensors_files(folder):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def load_weights(model: DecoderModel, folder: Path) -> None:
+    copy_named_tensors(model, iter_checkpoint(folder), require_all=True)
+
+
+def copy_named_tensors(
+    model: DecoderModel,
+    named: "Iterator[tuple[str, torch.Tensor]] | list[tuple[str, torch.Tensor]]",
+    *,
+    require_all: bool,
+) -> list[str]:
+    """Copy checkpoint tensors into the model's parameters by name. Every name and shape
+    is checked before anything is written, so a failed load leaves the model untouched."""
+    params = dict(model.named_parameters())
+    tied = model.config.tie_word_embeddings
+    staged: list[tuple[torch.Tensor, torch.Tensor]] = []
+    seen: set[str] = set()
+    for name, tensor in named:
+        if name.endswith("rotary_emb.inv_freq"):
+            continue
+        if tied and name == "lm_head.weight":
+            continue  # the same tensor as model.embed_tokens.weight
+        if name not in params:
+            raise ModelLoadError(f"unexpected tensor {name!r}: the model has no such parameter")
+        target = params[name]
+        if tuple(tensor.shape) != tuple(target.shape):
+            raise ModelLoadError(
+                f"tensor {name!r} has shape {tuple(tensor.shape)}, the model expects {tuple(target.shape)}"
+            )
+        staged.append((target, tensor))
+        seen.add(name)
+    if require_all:
+        expected = set(params) - ({"lm_head.weight"} if tied else set())
+        missing = sorted(expected - seen)
+        if missing:
+            shown = ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else "")
+            raise ModelLoadError(f"checkpoint is missing {len(missing)} tensor(s): {shown}")
+    with torch.no_grad():
+        for target, tensor in staged:
+            target.copy_(tensor.to(device=target.device, dtype=target.dtype))
+    return sorted(seen)

@@ -1,0 +1,99 @@
+"""The native runner: our decoder over the paged KV cache, on CPU or CUDA."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..core.batch import ScheduledBatch
+from ..kv.attention import AttentionContext
+from ..kv.cache import PagedKVCache
+from ..models.decoder import DecoderModel
+from .base import ModelRunner
+from .types import BatchResult, SchedulerOutput
+
+
+@dataclass
+class ForwardBatch:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    ctx: AttentionContext
+    batch: ScheduledBatch
+
+
+class NativeModelRunner(ModelRunner):
+    def __init__(self, model: DecoderModel, kv: PagedKVCache, device: torch.device) -> None:
+        super().__init__()
+        self.model = model
+        self.kv = kv
+        self.device = device
+        self.page_size = kv.page_size
+
+    def _slots(self, pages: list[int], start: int, end: int) -> torch.Tensor:
+        ps = self.page_size
+        table = torch.tensor(pages, dtype=torch.long)
+        pos = torch.arange(start, end, dtype=torch.long)
+        return table[pos // ps] * ps + pos % ps
+
+    def build_forward_batch(self, scheduler_output: SchedulerOutput) -> ForwardBatch:
+        batch = scheduler_output.batch_data
+        assert batch is not None
+        dev = self.device
+        input_ids = torch.tensor(batch.input_ids, dtype=torch.long)
+        positions = torch.cat(
+            [torch.arange(p, p + n, dtype=torch.long) for p, n in zip(batch.prefix_lens, batch.extend_lens)]
+        )
+        slot_mapping = torch.cat(
+            [self._slots(t, p, p + n) for t, p, n in zip(batch.page_tables, batch.prefix_lens, batch.extend_lens)]
+        )
+        ends = torch.tensor(batch.extend_lens, dtype=torch.long).cumsum(0)
+        logits_rows = ends - 1
+        if batch.is_decode:
+            kv_lens = torch.tensor([p + 1 for p in batch.prefix_lens], dtype=torch.long)
+            max_len = int(kv_lens.max())
+            kv_slots = torch.stack(
+                [
+                    torch.nn.functional.pad(self._slots(t, 0, int(n)), (0, max_len - int(n)))
+                    for t, n in zip(batch.page_tables, kv_lens.tolist())
+                ]
+            )
+            ctx = AttentionContext(
+                is_decode=True,
+                slot_mapping=slot_mapping.to(dev),
+                logits_rows=logits_rows.to(dev),
+                kv_slots=kv_slots.to(dev),
+                kv_lens=kv_lens.to(dev),
+            )
+        else:
+            starts = (ends - torch.tensor(batch.extend_lens)).tolist()
+            ctx = AttentionContext(
+                is_decode=False,
+                slot_mapping=slot_mapping.to(dev),
+                logits_rows=logits_rows.to(dev),
+                seq_slices=[(s, n, p) for s, n, p in zip(starts, batch.extend_lens, batch.prefix_lens)],
+                seq_kv_slots=[
+                    self._slots(t, 0, p + n).to(dev)
+                    for t, p, n in zip(batch.page_tables, batch.prefix_lens, batch.extend_lens)
+                ],
+            )
+        input_ids = input_ids.to(dev)
+        for pos, req in batch.inflight_inputs:
+            ref = req.last_token_ref
+            if ref is None:
+                raise RuntimeError(f"request {req.rid}: decode input is in flight but no token was published")
+            tokens, row = ref
+            input_ids[pos] = tokens[row]
+        return ForwardBatch(input_ids=input_ids, positions=positions.to(dev), ctx=ctx, batch=batch)
+
+    def forward(self, forward_batch: ForwardBatch) -> BatchResult:
+        logits = self.model(forward_batch.input_ids, forward_batch.positions, self.kv, forward_batch.ctx)
+        return BatchResult(logits=logits)
+
+    # The native decode collect has nothing model-specific: the launch publishes the
+    # sampled ids (already on the device), the resolve has nothing left to read.
+    def post_decode_launch(self, result, forward_batch, requests):
+        return result.next_token_ids
+
+    def post_decode_resolve(self, launch_buf, result, forward_batch, schedule_batch, requests) -> None:
+        result.next_token_ids = launch_buf

@@ -1,0 +1,60 @@
+"""Typed hand-offs between the scheduler and a model runner (the reference contract)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..core.batch import ScheduledBatch
+from ..core.request import RequestData
+
+
+@dataclass
+class SchedulerRequest:
+    request_id: str
+    data: RequestData
+
+
+@dataclass
+class SchedulerOutput:
+    """One step handed to the runner: its requests (batch order) and the batch."""
+
+    requests: list[SchedulerRequest]
+    batch_data: ScheduledBatch | None
+
+
+@dataclass
+class RequestOutput:
+    """One request's product of one step. ``data`` is the sampled token id (None for
+    a non-final prefill chunk); ``extra`` is merged into ``extra_model_outputs``."""
+
+    request_id: str
+    data: int | None = None
+    logprob: float | None = None
+    finished: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class ModelRunnerOutput:
+    outputs: dict[str, RequestOutput]
+    req_ids: list[str]
+    req_id_to_index: dict[str, int]
+    can_run_cuda_graph: bool = False
+    # Batch-ordered host values, what the batch core consumes.
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] | None = None
+
+
+@dataclass
+class BatchResult:
+    """A forward's product on the device: logits of the sampled rows, and after sampling
+    the next token ids (and, when asked, their log-probabilities)."""
+
+    logits: torch.Tensor | None
+    next_token_ids: torch.Tensor | None = None
+    next_token_logprobs: torch.Tensor | None = None
+    hidden_states: torch.Tensor | None = None
+    can_run_cuda_graph: bool = False

@@ -1,0 +1,121 @@
+"""Shared fixtures: random-weight checkpoints written with transformers' save_pretrained,
+engines over them, and the invariants every test ends with."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from omni_async import Engine
+
+LOOPS = ["normal", "overlap", "async_decode"]
+
+
+def _hf_config(family: str, **over):
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+
+    common = dict(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        initializer_range=0.3,
+        bos_token_id=1,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
+    common.update(over)
+    if family == "llama":
+        return LlamaConfig(tie_word_embeddings=False, **common)
+    if family == "llama3rope":
+        return LlamaConfig(
+            tie_word_embeddings=False,
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 50000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+            **common,
+        )
+    if family == "qwen2":
+        return Qwen2Config(tie_word_embeddings=True, **common)
+    if family == "qwen3":
+        return Qwen3Config(tie_word_embeddings=False, head_dim=32, **common)
+    raise ValueError(family)
+
+
+def save_random_checkpoint(family: str, folder: Path, seed: int = 0, **over) -> Path:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(_hf_config(family, **over), torch_dtype=torch.float32)
+    model.eval()
+    model.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def hf_checkpoints(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("ckpt")
+    return {f: save_random_checkpoint(f, root / f, seed=i) for i, f in enumerate(["llama", "llama3rope", "qwen2", "qwen3"])}
+
+
+def hf_greedy(folder: Path, prompt: list[int], max_new_tokens: int) -> list[int]:
+    model = _hf_model(folder)
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt):].tolist()
+
+
+_HF_CACHE: dict[str, object] = {}
+
+
+def _hf_model(folder: Path):
+    from transformers import AutoModelForCausalLM
+
+    key = str(folder)
+    if key not in _HF_CACHE:
+        _HF_CACHE[key] = AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32).eval()
+    return _HF_CACHE[key]
+
+
+def random_prompts(n: int, vocab: int, lo: int, hi: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(2, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def assert_kv_free(engine: Engine) -> None:
+    alloc = engine.stack.allocator
+    assert alloc.is_fully_free(), f"KV leak: {alloc.used_pages} pages still in use"
+
+
+@pytest.fixture
+def tiny_engine():
+    """Factory for engines over the built-in tiny model; checks KV is free after use."""
+    made: list[Engine] = []
+
+    def make(**kw) -> Engine:
+        kw.setdefault("loop", "normal")
+        eng = Engine.from_pretrained("tiny", **kw)
+        made.append(eng)
+        return eng
+
+    yield make
+    for eng in made:
+        assert_kv_free(eng)
