@@ -62,6 +62,16 @@ class _AdminRequest:
 
 
 @dataclass
+class InflightStep:
+    """A step handed to the device whose result the host has not processed yet."""
+
+    batch: ScheduledBatch
+    sched_output: SchedulerOutput
+    future: "concurrent.futures.Future[Any] | None"  # None when the launch itself failed
+    error: BaseException | None = None
+
+
+@dataclass
 class SchedulerStats:
     steps: int = 0
     prefill_steps: int = 0
@@ -430,12 +440,57 @@ class AsyncOmniScheduler:
     async def run_batch(self, batch: ScheduledBatch) -> ModelRunnerOutput | None:
         """One synchronous step on the worker: None when it failed (already handled)."""
         sched_output = self.build_sched_output(batch)
-        self._trace("sync", batch)
+        self.trace("sync", batch)
         try:
             return await self.executor.run(self.runner.execute, sched_output)
         except Exception as exc:
             self.handle_batch_failure(batch, exc)
             return None
+
+    def launch_step(self, batch: ScheduledBatch) -> InflightStep:
+        """Queue a whole step (``runner.execute``) without waiting for it (overlap loop)."""
+        sched_output = self.build_sched_output(batch)
+        self.trace("launch", batch)
+        try:
+            fut = self.executor.launch(self.runner.execute, sched_output)
+        except Exception as exc:
+            return InflightStep(batch, sched_output, None, exc)
+        return InflightStep(batch, sched_output, fut)
+
+    async def finish_step(self, step: InflightStep) -> None:
+        """Await a step queued by ``launch_step`` and process its result."""
+        try:
+            if step.future is None:
+                raise step.error or RuntimeError("step was not launched")
+            out = await self.executor.wait(step.future)
+        except Exception as exc:
+            self.handle_batch_failure(step.batch, exc)
+            return
+        self.process_batch_result(step.batch, out)
+
+    def launch_lookahead(self, batch: ScheduledBatch) -> InflightStep:
+        """Launch a decode step through ``runner.execute_launch`` (async-decode loop)."""
+        sched_output = self.build_sched_output(batch)
+        self.trace("launch", batch)
+        try:
+            fut = self.executor.launch(self.runner.execute_launch, sched_output)
+        except Exception as exc:
+            return InflightStep(batch, sched_output, None, exc)
+        return InflightStep(batch, sched_output, fut)
+
+    async def resolve_lookahead(self, step: InflightStep) -> None:
+        """Await a launched step's completion, ``runner.execute_resolve``, process."""
+        try:
+            if step.future is None:
+                raise step.error or RuntimeError("step was not launched")
+            pending = await self.executor.wait(step.future)
+            out = self.runner.execute_resolve(pending)
+            if out is None:
+                raise RuntimeError("execute_resolve returned no output")
+        except Exception as exc:
+            self.handle_batch_failure(step.batch, exc)
+            return
+        self.process_batch_result(step.batch, out)
 
     def process_batch_result(self, batch: ScheduledBatch, out: ModelRunnerOutput) -> None:
         outcomes = self.core.process_result(batch, out.token_ids, out.logprobs)
@@ -528,7 +583,7 @@ class AsyncOmniScheduler:
         except (anyio.ClosedResourceError, anyio.BrokenResourceError):
             pass  # nobody listens any more
 
-    def _trace(self, what: str, batch: ScheduledBatch | None) -> None:
+    def trace(self, what: str, batch: ScheduledBatch | None) -> None:
         if self.trace_enabled:
             self.stats.trace.append(f"{what}:{batch.size if batch is not None else 0}")
 

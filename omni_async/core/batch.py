@@ -62,3 +62,33 @@ class ScheduledBatch:
         """False when the row's request finished or was retracted after scheduling."""
         req = self.reqs[i]
         return not req.finished() and req.epoch == self.epochs[i]
+
+    def without_stale_rows(self) -> "ScheduledBatch | None":
+        """This batch less the rows whose request finished or was retracted since it was
+        scheduled (they must not be forwarded or finalised again); None when empty."""
+        keep = [i for i in range(self.size) if self.row_is_live(i)]
+        if len(keep) == self.size:
+            return self
+        if not keep:
+            return None
+        starts = [0]
+        for n in self.extend_lens:
+            starts.append(starts[-1] + n)
+        inflight_at = {pos: req for pos, req in self.inflight_inputs}
+        out = ScheduledBatch(
+            mode=self.mode, reqs=[], epochs=[], prefix_lens=[], extend_lens=[], samples_kept=[],
+            input_ids=[], step_id=self.step_id,
+        )
+        for i in keep:
+            for pos in range(starts[i], starts[i + 1]):
+                if pos in inflight_at:
+                    out.inflight_inputs.append((len(out.input_ids), inflight_at[pos]))
+                out.input_ids.append(self.input_ids[pos])
+            out.reqs.append(self.reqs[i])
+            out.epochs.append(self.epochs[i])
+            out.prefix_lens.append(self.prefix_lens[i])
+            out.extend_lens.append(self.extend_lens[i])
+            out.samples_kept.append(self.samples_kept[i])
+            out.sample_indices.append(self.sample_indices[i])
+            out.page_tables.append(self.page_tables[i])
+        return out
