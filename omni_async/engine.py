@@ -214,7 +214,7 @@ class Engine:
         self._abort_now(request_id)
 
     def _abort_now(self, request_id: str) -> None:
-        if not self.scheduler.closed:
+        if request_id in self._handles and not self.scheduler.closed:
             self.scheduler.abort(request_id)
 
     def _input_ids(self, prompt: str | None, input_ids: Any) -> list[int]:

@@ -73,6 +73,7 @@ class InflightStep:
 
 @dataclass
 class SchedulerStats:
+    iterations: int = 0
     steps: int = 0
     prefill_steps: int = 0
     decode_steps: int = 0
@@ -119,6 +120,7 @@ class AsyncOmniScheduler:
         self._arrived: deque[IncomingMessage] = deque()
         self._live: dict[str, RequestData] = {}
         self._tombstones: OrderedDict[str, bool] = OrderedDict()  # rid -> abort already handled
+        self._ended: OrderedDict[str, None] = OrderedDict()  # recently terminated ids
         self._pending_chunks: dict[str, list[Any]] = {}
         self._pending_done: set[str] = set()
         self._first_emit_done: set[str] = set()
@@ -264,6 +266,7 @@ class AsyncOmniScheduler:
         """Admin, receive, admission, and aborted-request reaping: the head of every
         loop iteration, in the reference's order."""
         self._wake.clear()
+        self.stats.iterations += 1
         await self.serve_admin()
         self._receive_and_admit()
         for req in self.core.reap_aborted():
@@ -572,6 +575,9 @@ class AsyncOmniScheduler:
         self._send(OutgoingMessage(rid, "error", err))
 
     def _forget(self, rid: str) -> None:
+        self._ended[rid] = None
+        self._ended.move_to_end(rid)
+        _trim(self._ended, self.config.aborted_id_cap, self.config.aborted_id_keep)
         self._first_emit_done.discard(rid)
         self._prefill_start_done.discard(rid)
         self._pending_chunks.pop(rid, None)
@@ -608,7 +614,9 @@ class AsyncOmniScheduler:
             self._finish_request(req)
         elif rid in self._live:
             found = True  # running: marked, reaped at the next boundary
-        self._add_tombstone(rid, handled=found)
+        # An id found nowhere either ended already or has not arrived yet: only the
+        # latter must be refused when it arrives.
+        self._add_tombstone(rid, handled=found or rid in self._ended)
         if self._abort_callback is not None:
             try:
                 self._abort_callback(rid)
@@ -619,9 +627,7 @@ class AsyncOmniScheduler:
     def _add_tombstone(self, rid: str, *, handled: bool) -> None:
         self._tombstones[rid] = handled
         self._tombstones.move_to_end(rid)
-        if len(self._tombstones) > self.config.aborted_id_cap:
-            while len(self._tombstones) > self.config.aborted_id_keep:
-                self._tombstones.popitem(last=False)
+        _trim(self._tombstones, self.config.aborted_id_cap, self.config.aborted_id_keep)
 
     # ================================================================ admin
 
@@ -697,6 +703,13 @@ class AsyncOmniScheduler:
     @property
     def kv_allocator(self):
         return self.core.allocator
+
+
+def _trim(d: OrderedDict, cap: int, keep: int) -> None:
+    """Bounded bookkeeping: past ``cap`` entries, keep only the newest ``keep``."""
+    if len(d) > cap:
+        while len(d) > keep:
+            d.popitem(last=False)
 
 
 def _admin_failure(message: str, *, error: str | None = None) -> dict[str, Any]:
