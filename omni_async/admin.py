@@ -43,7 +43,6 @@ async def run_admin_action(s: "AsyncOmniScheduler", action: str, payload: dict[s
 
 async def model_info(s: "AsyncOmniScheduler", payload: dict[str, Any]) -> dict[str, Any]:
     info = dict(s._model_info)
-    running = [r for r in s.core.running if not r.finished()]
     info.update(
         {
             "weight_version": s.weight_version,
@@ -52,14 +51,10 @@ async def model_info(s: "AsyncOmniScheduler", payload: dict[str, Any]) -> dict[s
             "engine_paused": s.paused,
             "pause_mode": s.pause_mode,
             "loop": s.config.loop,
-            "waiting_queue_size": len(s.core.waiting),
-            "running_batch_size": len(running),
             "active_requests": len(s._live),
-            "kv_free_pages": s.core.allocator.free_pages,
-            "kv_total_pages": s.core.allocator.num_pages,
-            "page_size": s.core.allocator.page_size,
         }
     )
+    info.update(s.core.stats())
     info.update(s.admission_stats())
     return reply(True, "ok", info)
 

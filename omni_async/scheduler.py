@@ -25,7 +25,7 @@ import torch
 from . import errors
 from .config import SamplingParams, SchedulerConfig
 from .core.batch import ScheduledBatch
-from .core.batch_core import NativeBatchCore
+from .core.batch_core import BatchCore
 from .core.request import Request, RequestData
 from .device import ThreadStepExecutor
 from .logs import debug_enabled, log
@@ -86,7 +86,7 @@ class AsyncOmniScheduler:
     def __init__(
         self,
         runner: ModelRunner,
-        core: NativeBatchCore,
+        core: BatchCore,
         limits: ModelLimits,
         *,
         config: SchedulerConfig | None = None,
@@ -379,6 +379,7 @@ class AsyncOmniScheduler:
         if not isinstance(sampling, SamplingParams):
             raise errors.InvalidRequestError("sampling must be a SamplingParams")
         sampling.validate()
+        check_sampling_against_vocab(sampling, self.limits.vocab_size)
         req = Request(
             rid=payload.request_id,
             prompt_ids=ids,
@@ -700,9 +701,6 @@ class AsyncOmniScheduler:
     def active_request_ids(self) -> list[str]:
         return sorted(self._live)
 
-    @property
-    def kv_allocator(self):
-        return self.core.allocator
 
 
 def _trim(d: OrderedDict, cap: int, keep: int) -> None:
@@ -733,6 +731,15 @@ def validate_input_ids(input_ids: Any, vocab_size: int) -> list[int]:
             )
         out.append(int(t))
     return out
+
+
+def check_sampling_against_vocab(sampling: SamplingParams, vocab_size: int) -> None:
+    for name in ("suppress_tokens", "stop_token_ids"):
+        bad = [t for t in getattr(sampling, name) if t >= vocab_size]
+        if bad:
+            raise errors.InvalidRequestError(f"{name} {bad} outside the vocabulary [0, {vocab_size})")
+    if len(set(sampling.suppress_tokens)) >= vocab_size:
+        raise errors.InvalidRequestError("suppress_tokens covers the whole vocabulary: nothing could be sampled")
 
 
 def default_result_adapter(data: RequestData) -> GenerationResult:

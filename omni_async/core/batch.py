@@ -40,6 +40,9 @@ class ScheduledBatch:
     # Generation index of the token each row samples (seeds are keyed by it).
     sample_indices: list[int] = field(default_factory=list)
     page_tables: list[list[int]] = field(default_factory=list)
+    # Output tokens known to the host when the step was scheduled, for rows whose
+    # sampling reads them (repetition penalty); None for the other rows.
+    output_snapshots: list[list[int] | None] = field(default_factory=list)
     step_id: int = 0
 
     @property
@@ -91,4 +94,5 @@ class ScheduledBatch:
             out.samples_kept.append(self.samples_kept[i])
             out.sample_indices.append(self.sample_indices[i])
             out.page_tables.append(self.page_tables[i])
+            out.output_snapshots.append(self.output_snapshots[i])
         return out

@@ -39,7 +39,15 @@ class StepOutcome:
 
 
 class BatchCore(Protocol):
-    """What the loops need from a batch core (native or sglang)."""
+    """What the scheduler and loops need from a batch core (native or sglang).
+
+    Scheduling advances request state when a step is scheduled; ``process_result``
+    completes it and skips rows that are no longer live. ``abort`` finishes a waiting
+    request at once (returned) and marks a running one, which ``reap_aborted`` finishes
+    at the next step boundary. Every finish releases KV exactly once.
+    """
+
+    num_retractions: int
 
     def add_request(self, req: Request) -> None: ...
     def get_next_batch(self) -> ScheduledBatch | None: ...
@@ -48,9 +56,15 @@ class BatchCore(Protocol):
     ) -> list[StepOutcome]: ...
     def abort(self, rid: str) -> Request | None: ...
     def reap_aborted(self) -> list[Request]: ...
+    def abort_all(self) -> list[Request]: ...
+    def fail_requests(self, reqs: Sequence[Request]) -> list[Request]: ...
     def retract_all(self) -> list[Request]: ...
     def active_requests(self) -> list[Request]: ...
+    def find(self, rid: str) -> Request | None: ...
     def has_work(self) -> bool: ...
+    def kv_is_fully_free(self) -> bool: ...
+    def flush_cache(self) -> bool: ...
+    def stats(self) -> dict[str, int]: ...
 
 
 class NativeBatchCore:
@@ -88,6 +102,25 @@ class NativeBatchCore:
             if req.rid == rid:
                 return req
         return None
+
+    def kv_is_fully_free(self) -> bool:
+        return self.allocator.is_fully_free()
+
+    def flush_cache(self) -> bool:
+        """Drop cached KV. With no prefix cache, nothing outlives its request, so this
+        succeeds exactly when no request holds KV."""
+        return self.allocator.is_fully_free()
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "waiting_queue_size": len(self.waiting),
+            "running_batch_size": len([r for r in self.running if not r.finished()]),
+            "chunked_requests": int(self.chunked is not None),
+            "kv_free_pages": self.allocator.free_pages,
+            "kv_total_pages": self.allocator.num_pages,
+            "page_size": self.allocator.page_size,
+            "num_retractions": self.num_retractions,
+        }
 
     # ------------------------------------------------------------------ scheduling
 
@@ -236,6 +269,7 @@ class NativeBatchCore:
         batch.samples_kept.append(kept)
         batch.sample_indices.append(req.num_generated)
         batch.page_tables.append(list(req.pages))
+        batch.output_snapshots.append(list(req.output_ids) if req.sampling.repetition_penalty != 1.0 else None)
 
     # ------------------------------------------------------------------ results
 

@@ -87,7 +87,7 @@ def build_tiny(seed: int = 0) -> DecoderModel:
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
             elif name.endswith("embed_tokens.weight"):
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.25)
             else:
                 fan_in = p.shape[-1] if p.ndim > 1 else p.shape[0]
                 p.copy_(torch.randn(p.shape, generator=gen) / fan_in**0.5)

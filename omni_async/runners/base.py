@@ -73,6 +73,7 @@ class ModelRunner:
 
     # ------------------------------------------------------------ pipeline
 
+    @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Whole step, synchronously: build, hooks, forward, sample, output."""
         built = self._build_forward_batch(scheduler_output)
@@ -86,6 +87,7 @@ class ModelRunner:
             self.post_decode(result, forward_batch, schedule_batch, scheduler_output.requests)
         return self._finalize(result, forward_batch, schedule_batch, scheduler_output)
 
+    @torch.inference_mode()
     def execute_launch(self, scheduler_output: SchedulerOutput) -> PendingStep | None:
         """Launch a decode step: forward and on-device sample, ``post_decode_launch``
         publishes the resolve payload, then a completion marker is recorded. No wait."""
@@ -110,6 +112,7 @@ class ModelRunner:
             n_real=len(scheduler_output.requests),
         )
 
+    @torch.inference_mode()
     def execute_resolve(self, pending: PendingStep | None) -> ModelRunnerOutput | None:
         """Consume a launched step: wait for its marker (a hit when already done),
         ``post_decode_resolve``, then the shared tail. Rows whose request finished or
@@ -234,13 +237,19 @@ class ModelRunner:
                 params=sr.data.req.sampling,
                 request_id=sr.request_id,
                 sample_index=schedule_batch.sample_indices[i],
-                output_ids=sr.data.req.output_ids,
+                output_ids=self.row_output_ids(forward_batch, schedule_batch, i),
                 stop_ids=sorted(sr.data.req.stop_ids()),
             )
             for i, sr in enumerate(requests)
         ]
         want_logprobs = any(sr.data.return_logprob for sr in requests)
         return sample_rows(logits, rows, want_logprobs)
+
+    def row_output_ids(self, forward_batch: Any, schedule_batch: Any, row: int) -> list[int]:
+        """Tokens generated so far by a row's request, as of this step. The host snapshot
+        taken at scheduling; a runner adds a decode input still in flight."""
+        snap = schedule_batch.output_snapshots[row] if schedule_batch.output_snapshots else None
+        return list(snap) if snap is not None else []
 
     # ------------------------------------------------------------ hooks
 

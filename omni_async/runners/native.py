@@ -86,6 +86,16 @@ class NativeModelRunner(ModelRunner):
             input_ids[pos] = tokens[row]
         return ForwardBatch(input_ids=input_ids, positions=positions.to(dev), ctx=ctx, batch=batch)
 
+    def row_output_ids(self, forward_batch: ForwardBatch, schedule_batch, row: int) -> list[int]:
+        ids = super().row_output_ids(forward_batch, schedule_batch, row)
+        if schedule_batch.output_snapshots[row] is None:
+            return ids
+        # A decode input still in flight is the newest output token: read it here.
+        for pos, req in schedule_batch.inflight_inputs:
+            if req is schedule_batch.reqs[row]:
+                ids.append(int(forward_batch.input_ids[pos]))
+        return ids
+
     def forward(self, forward_batch: ForwardBatch) -> BatchResult:
         logits = self.model(forward_batch.input_ids, forward_batch.positions, self.kv, forward_batch.ctx)
         return BatchResult(logits=logits)
