@@ -48,8 +48,18 @@ def _add_sampling_args(p: argparse.ArgumentParser, max_new: int) -> None:
     p.add_argument("--seed", type=int, default=None)
 
 
+def _load(args: argparse.Namespace) -> Engine | None:
+    try:
+        return Engine.from_pretrained(args.model, device=args.device, loop=args.loop, dtype=args.dtype)
+    except errors.OmniAsyncError as exc:
+        print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return None
+
+
 async def _demo(args: argparse.Namespace) -> int:
-    engine = Engine.from_pretrained(args.model, device=args.device, loop=args.loop, dtype=args.dtype)
+    engine = _load(args)
+    if engine is None:
+        return 2
     prompts = (DEMO_PROMPTS * (args.requests // len(DEMO_PROMPTS) + 1))[: args.requests]
     counts = [0] * len(prompts)
     first_token_at: list[float | None] = [None] * len(prompts)
@@ -77,8 +87,14 @@ async def _demo(args: argparse.Namespace) -> int:
 
 
 async def _generate(args: argparse.Namespace) -> int:
-    engine = Engine.from_pretrained(args.model, device=args.device, loop=args.loop, dtype=args.dtype)
-    input_ids = [int(t) for t in args.input_ids.split(",")] if args.input_ids else None
+    try:
+        input_ids = [int(t) for t in args.input_ids.split(",")] if args.input_ids else None
+    except ValueError:
+        print("error: InvalidRequestError: --input-ids must be comma-separated integers", file=sys.stderr)
+        return 2
+    engine = _load(args)
+    if engine is None:
+        return 2
     async with engine:
         try:
             res = await engine.generate(

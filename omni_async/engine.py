@@ -133,10 +133,10 @@ class Engine:
         await self.aclose()
 
     async def start(self) -> None:
-        if self._started:
-            return
         if self._closed:
             raise errors.SchedulerClosedError("engine is closed")
+        if self._started:
+            return
         self._started = True
         self._task_group = anyio.create_task_group()
         await self._task_group.__aenter__()
@@ -232,7 +232,7 @@ class Engine:
             return self.tokenizer.encode(prompt)
         if input_ids is None:
             raise errors.InvalidRequestError("empty prompt: give prompt or input_ids")
-        return list(input_ids) if not isinstance(input_ids, list) else input_ids
+        return list(input_ids) if isinstance(input_ids, tuple) else input_ids  # validated by the builder
 
     def _decode(self, ids: list[int]) -> str | None:
         return self.tokenizer.decode(ids) if self.tokenizer is not None else None

@@ -27,6 +27,7 @@ from .config import SamplingParams, SchedulerConfig
 from .core.batch import ScheduledBatch
 from .core.batch_core import BatchCore
 from .core.request import Request, RequestData
+from .admission import Admission
 from .device import ThreadStepExecutor
 from .logs import debug_enabled, log
 from .messages import (
@@ -97,6 +98,7 @@ class AsyncOmniScheduler:
         stream_chunk_handler: Callable[[RequestData, Any], None] | None = None,
         stream_done_handler: Callable[[RequestData], None] | None = None,
         abort_callback: Callable[[str], None] | None = None,
+        request_build_ready: Callable[[Any, bool], bool] | None = None,
         model_info: dict[str, Any] | None = None,
     ) -> None:
         self.config = config or SchedulerConfig()
@@ -121,8 +123,12 @@ class AsyncOmniScheduler:
         self._live: dict[str, RequestData] = {}
         self._tombstones: OrderedDict[str, bool] = OrderedDict()  # rid -> abort already handled
         self._ended: OrderedDict[str, None] = OrderedDict()  # recently terminated ids
-        self._pending_chunks: dict[str, list[Any]] = {}
-        self._pending_done: set[str] = set()
+        self.admission = Admission(
+            self.config,
+            build=self._run_request_builder,
+            is_ready=request_build_ready,
+            on_build_done=lambda: self._call_in_loop(self.wake),
+        )
         self._first_emit_done: set[str] = set()
         self._prefill_start_done: set[str] = set()
         self._wake = asyncio.Event()
@@ -167,6 +173,8 @@ class AsyncOmniScheduler:
         """Serve until closed. Run it in a task group you own, or use ``async with``."""
         from .loops import LOOPS
 
+        if self._state in ("closing", "closed"):
+            return  # closed before the loop started: nothing to serve
         if self._state != "new":
             raise RuntimeError(f"scheduler cannot run from state {self._state!r}")
         self._state = "running"
@@ -209,6 +217,9 @@ class AsyncOmniScheduler:
             if msg.type == "new_request" and msg.request_id not in self._live:
                 self._send(OutgoingMessage(msg.request_id, "error", closed))
         self._arrived.clear()
+        for payload in self.admission.drain_all():
+            self._send(OutgoingMessage(payload.request_id, "error", closed))
+        self.admission.shutdown()
         for req in self.core.abort_all():
             self._terminate_error(req.rid, errors.SchedulerClosedError("aborted: scheduler closed", output_ids=req.output_ids))
         for rid in list(self._live):
@@ -273,10 +284,12 @@ class AsyncOmniScheduler:
             self._finish_request(req)
 
     def _receive_and_admit(self) -> None:
+        """Arrivals, re-checked deferrals, builds (inline or collected from the pool)."""
+        self._admit_built(self.admission.collect())
         while self._arrived:
             msg = self._arrived.popleft()
             if msg.type == "new_request":
-                self._admit(msg)
+                self._offer(msg.request_id, msg.data)
             elif msg.type == "stream_chunk":
                 self._on_stream_chunk(msg.request_id, msg.data)
             elif msg.type == "stream_done":
@@ -289,52 +302,125 @@ class AsyncOmniScheduler:
                         errors.InvalidRequestError(f"unknown message type {msg.type!r}"),
                     )
                 )
+        for payload in self.admission.take_dirty():
+            self.admission.offer(payload)
+        inline, rejected = self.admission.stage()
+        for payload in rejected:
+            self._send(
+                OutgoingMessage(
+                    payload.request_id,
+                    "error",
+                    errors.RequestRejectedError(
+                        f"request-build backlog is full (backlog_limit={self.admission.backlog_limit}); "
+                        "raise max_queued_requests or request_build_max_pending, or retry later"
+                    ),
+                )
+            )
+        for payload in inline:
+            try:
+                self._admit_built([(payload, self._run_request_builder(payload), None)])
+            except Exception as exc:
+                self._admit_built([(payload, None, exc)])
+        self._admit_built(self.admission.collect())
 
-    def _admit(self, msg: IncomingMessage) -> None:
-        rid = msg.request_id
-        payload = msg.data
+    def _offer(self, rid: str, payload: Any) -> None:
         if rid in self._tombstones:
             handled = self._tombstones.pop(rid)
             if not handled:
                 self._send(OutgoingMessage(rid, "error", errors.RequestAbortedError("aborted before admission")))
                 return
-        if rid in self._live:
+        payload_rid = payload.get("request_id", rid) if isinstance(payload, dict) else getattr(payload, "request_id", rid)
+        if payload_rid != rid:
+            self._send(OutgoingMessage(rid, "error", errors.InvalidRequestError(
+                f"payload request_id {payload_rid!r} differs from message id {rid!r}")))
+            return
+        if rid in self._live or rid in self.admission:
             self._send(
                 OutgoingMessage(rid, "error", errors.RequestRejectedError(f"duplicate request id {rid!r}: a request with this id is active"))
             )
             return
-        if isinstance(payload, RequestPayload) or hasattr(payload, "prefetched_chunks"):
-            payload.prefetched_chunks = list(payload.prefetched_chunks or []) + self._pending_chunks.pop(rid, [])
-            payload.prefetched_stream_done = bool(getattr(payload, "prefetched_stream_done", False)) or (
-                rid in self._pending_done
+        queued = len(self.admission) + self.core.stats()["waiting_queue_size"]
+        if queued >= self.config.max_queued_requests:
+            self._send(
+                OutgoingMessage(rid, "error", errors.RequestRejectedError(
+                    f"queue full: {queued} requests queued, max_queued_requests={self.config.max_queued_requests}; "
+                    "retry later or raise max_queued_requests"))
             )
-            self._pending_done.discard(rid)
+            return
+        if isinstance(payload, dict):
+            payload = self._payload_from_dict(rid, payload)
+            if payload is None:
+                return
+        if not hasattr(payload, "request_id"):
+            self._send(OutgoingMessage(rid, "error", errors.InvalidRequestError(
+                f"unsupported payload type {type(payload).__name__}: give a RequestPayload")))
+            return
+        self.admission.offer(payload)
+
+    def _payload_from_dict(self, rid: str, raw: dict[str, Any]) -> RequestPayload | None:
+        known = {"request_id", "input_ids", "sampling", "metadata"}
         try:
-            log.debug("scheduler_request_build_start", request_id=rid)
-            data = self._request_builder(payload)
-            log.debug("scheduler_request_build_end", request_id=rid)
-            if not isinstance(data, RequestData):
-                raise TypeError(f"request_builder returned {type(data).__name__}, expected RequestData")
-            if data.req.rid != rid:
-                raise errors.InvalidRequestError(f"built request id {data.req.rid!r} differs from message id {rid!r}")
-            if data.enforce_request_limits:
-                self.check_limits(data.req)
+            unknown = sorted(set(raw) - known)
+            if unknown:
+                raise errors.InvalidRequestError(f"unknown request field(s): {', '.join(unknown)}")
+            sampling = raw.get("sampling")
+            if sampling is not None and not isinstance(sampling, (SamplingParams, dict)):
+                raise errors.InvalidRequestError(f"sampling must be SamplingParams or a dict, got {type(sampling).__name__}")
+            return RequestPayload(
+                request_id=raw.get("request_id", rid),
+                input_ids=raw.get("input_ids") or [],
+                sampling=sampling if isinstance(sampling, SamplingParams) else SamplingParams.from_dict(sampling),
+                metadata=dict(raw.get("metadata") or {}),
+            )
         except errors.OmniAsyncError as exc:
             self._send(OutgoingMessage(rid, "error", exc))
-            return
-        except Exception as exc:  # a user builder raised
-            err = errors.RequestFailedError(f"request builder failed: {exc!r}")
-            err.__cause__ = exc
-            self._send(OutgoingMessage(rid, "error", err))
-            return
-        data.req.data = data
-        self._live[rid] = data
-        for chunk in getattr(payload, "prefetched_chunks", None) or []:
-            self._append_stream_chunk(data, chunk)
-        if getattr(payload, "prefetched_stream_done", False):
-            self._mark_stream_done(data)
-        self.core.add_request(data.req)
-        log.debug("scheduler_queue_enter", request_id=rid)
+        except Exception as exc:
+            self._send(OutgoingMessage(rid, "error", errors.InvalidRequestError(f"malformed request payload: {exc!r}")))
+        return None
+
+    def _run_request_builder(self, payload: Any) -> RequestData:
+        rid = payload.request_id
+        log.debug("scheduler_request_build_start", request_id=rid)
+        data = self._request_builder(payload)
+        log.debug("scheduler_request_build_end", request_id=rid)
+        return data
+
+    def _admit_built(self, built: list[tuple[Any, Any, BaseException | None]]) -> None:
+        """Validate built requests and enqueue them, in the order given."""
+        for payload, data, exc in built:
+            rid = payload.request_id
+            if rid in self._tombstones:
+                continue  # aborted while building; its terminal was sent by abort()
+            try:
+                if exc is not None:
+                    raise exc
+                if not isinstance(data, RequestData):
+                    raise TypeError(f"request_builder returned {type(data).__name__}, expected RequestData")
+                if data.req.rid != rid:
+                    raise errors.InvalidRequestError(f"built request id {data.req.rid!r} differs from message id {rid!r}")
+                if data.enforce_request_limits:
+                    self.check_limits(data.req)
+            except errors.OmniAsyncError as err:
+                self._send(OutgoingMessage(rid, "error", err))
+                continue
+            except Exception as err:  # a user builder raised
+                failure = errors.RequestFailedError(f"request builder failed: {err!r}")
+                failure.__cause__ = err
+                self._send(OutgoingMessage(rid, "error", failure))
+                continue
+            data.req.data = data
+            self._live[rid] = data
+            for chunk in getattr(payload, "prefetched_chunks", None) or []:
+                self._append_stream_chunk(data, chunk)
+            if getattr(payload, "prefetched_stream_done", False):
+                self._mark_stream_done(data)
+            for chunk in self.admission.chunks.pop(rid, []):  # arrived during the build
+                self._append_stream_chunk(data, chunk)
+            if rid in self.admission.done:
+                self.admission.done.discard(rid)
+                self._mark_stream_done(data)
+            self.core.add_request(data.req)
+            log.debug("scheduler_queue_enter", request_id=rid)
 
     def check_limits(self, req: Request) -> None:
         """Refuse what can never be served: say which limit and by how much."""
@@ -353,25 +439,9 @@ class AsyncOmniScheduler:
                 f"over the KV cache capacity {cap} by {n_in + n_new - cap}; raise kv_capacity_tokens "
                 "(or kv_memory_fraction on CUDA) or lower max_new_tokens"
             )
-        if len(self._live) + 1 > self.config.max_queued_requests:
-            raise errors.RequestRejectedError(
-                f"queue full: {len(self._live)} requests active, max_queued_requests={self.config.max_queued_requests}"
-            )
 
     def default_request_builder(self, payload: Any) -> RequestData:
-        """Build from a :class:`RequestPayload` (or a dict with the same keys)."""
-        if isinstance(payload, dict):
-            known = {"request_id", "input_ids", "sampling", "metadata"}
-            unknown = sorted(set(payload) - known)
-            if unknown:
-                raise errors.InvalidRequestError(f"unknown request field(s): {', '.join(unknown)}")
-            sampling = payload.get("sampling")
-            payload = RequestPayload(
-                request_id=payload["request_id"],
-                input_ids=payload.get("input_ids") or [],
-                sampling=sampling if isinstance(sampling, SamplingParams) else SamplingParams.from_dict(sampling),
-                metadata=dict(payload.get("metadata") or {}),
-            )
+        """Build from a :class:`RequestPayload` (dicts are converted on arrival)."""
         if not isinstance(payload, RequestPayload):
             raise errors.InvalidRequestError(f"unsupported payload type {type(payload).__name__}")
         ids = validate_input_ids(payload.input_ids, self.limits.vocab_size)
@@ -394,22 +464,22 @@ class AsyncOmniScheduler:
         return self._live.get(rid)
 
     def _on_stream_chunk(self, rid: str, chunk: Any) -> None:
-        if rid in self._tombstones:
+        if rid in self._tombstones or rid in self._ended:
             return
         data = self._find_live(rid)
         if data is not None:
             self._append_stream_chunk(data, chunk)
         else:
-            self._pending_chunks.setdefault(rid, []).append(chunk)
+            self.admission.on_chunk(rid, chunk)
 
     def _on_stream_done(self, rid: str) -> None:
-        if rid in self._tombstones:
+        if rid in self._tombstones or rid in self._ended:
             return
         data = self._find_live(rid)
         if data is not None:
             self._mark_stream_done(data)
         else:
-            self._pending_done.add(rid)
+            self.admission.on_done(rid)
 
     def _append_stream_chunk(self, data: RequestData, chunk: Any) -> None:
         if self._stream_chunk_handler is None:
@@ -581,8 +651,6 @@ class AsyncOmniScheduler:
         _trim(self._ended, self.config.aborted_id_cap, self.config.aborted_id_keep)
         self._first_emit_done.discard(rid)
         self._prefill_start_done.discard(rid)
-        self._pending_chunks.pop(rid, None)
-        self._pending_done.discard(rid)
 
     def _send(self, msg: OutgoingMessage) -> None:
         try:
@@ -607,8 +675,9 @@ class AsyncOmniScheduler:
                 if msg.type == "new_request" and rid not in self._live:
                     found = True
                     self._send(OutgoingMessage(rid, "error", errors.RequestAbortedError("aborted before admission")))
-        self._pending_chunks.pop(rid, None)
-        self._pending_done.discard(rid)
+        if self.admission.remove(rid):
+            found = True
+            self._send(OutgoingMessage(rid, "error", errors.RequestAbortedError("aborted before admission")))
         req = self.core.abort(rid)
         if req is not None:
             found = True
@@ -687,19 +756,23 @@ class AsyncOmniScheduler:
             await self.drain_hook()
 
     def abort_all_active(self, reason: str) -> int:
-        """End every admitted request now, each with one aborted error."""
+        """End every active request now (admission included), each with one aborted error."""
+        payloads = self.admission.drain_all()
+        for payload in payloads:
+            self._send(OutgoingMessage(payload.request_id, "error", errors.RequestAbortedError(reason)))
         victims = self.core.abort_all()
         for req in victims:
             self._terminate_error(req.rid, errors.RequestAbortedError(reason, output_ids=req.output_ids))
-        return len(victims)
+        return len(victims) + len(payloads)
 
     def admission_stats(self) -> dict[str, Any]:
-        return {"request_build_workers": 1, "request_build_pending": 0, "request_build_backlog": 0}
+        return self.admission.stats()
 
     # ================================================================ introspection
 
     def active_request_ids(self) -> list[str]:
-        return sorted(self._live)
+        """Requests admitted or being admitted, not yet terminated."""
+        return sorted(set(self._live) | set(self.admission.active_ids()))
 
 
 

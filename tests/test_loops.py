@@ -142,7 +142,7 @@ async def test_scripted_batch_sizes_order_of_sync_launch_resolve_drain():
             b = ScheduledBatch(
                 mode=ForwardMode.DECODE, reqs=reqs[:size], epochs=[0] * size, prefix_lens=[0] * size,
                 extend_lens=[1] * size, samples_kept=[True] * size, input_ids=[1] * size,
-                sample_indices=[0] * size, page_tables=[[0]] * size,
+                sample_indices=[0] * size, page_tables=[[0]] * size, output_snapshots=[None] * size,
             )
             return b
 

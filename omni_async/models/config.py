@@ -126,6 +126,11 @@ def _rope_of(raw: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None]:
     params = raw.get("rope_parameters")
     if isinstance(params, Mapping) and "full_attention" in params:
         params = params["full_attention"]
+    legacy = raw.get("rope_scaling")
+    if legacy:  # the legacy key wins, as in transformers
+        legacy = dict(legacy)
+        legacy.setdefault("rope_type", legacy.get("type", "default"))
+        params = {**dict(params or {}), **legacy}
     if isinstance(params, Mapping):
         theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
         scaling: dict[str, Any] | None = dict(params)

@@ -107,6 +107,7 @@ def load_model(
         cfg = model.config
         torch_dtype = resolve_dtype(dtype, cfg.dtype, device)
         model = model.to(device=device, dtype=torch_dtype).eval()
+        model.inv_freq = rope_inv_freq(cfg).to(device)  # keep RoPE frequencies in float32
         return LoadedModel(model, cfg, ByteTokenizer(), TINY_NAME, "builtin")
 
     folder = Path(path_or_name)

@@ -1,0 +1,308 @@
+"""Assemble the SGLang stack in-process: server args, the parallel runtime (world size
+1), SGLang's tensor-parallel model worker, its memory pools and radix cache, then the
+omni-async batch core and runner over them, under an ordinary AsyncOmniScheduler.
+
+No SGLang Engine and no scheduler subprocess: SGLang SIGKILLs its parent when an
+Engine child dies, so everything runs in the caller's process, on the same worker
+thread the native backend uses.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ... import errors
+from ...config import SchedulerConfig
+from ...device import ThreadStepExecutor
+from ...engine import Engine
+from ...models.config import ModelConfig as OmniModelConfig
+from ...scheduler import AsyncOmniScheduler, ModelLimits
+from ...tokenizer import load_tokenizer
+from . import SGLANG_VERSION
+
+from sglang.srt.configs.model_config import ModelConfig as SGLangModelConfig
+from sglang.srt.distributed import bootstrap
+from sglang.srt.managers.overlap_utils import FutureMap
+from sglang.srt.managers.tp_worker import TpModelWorker
+from sglang.srt.mem_cache import kv_cache_builder
+from sglang.srt.runtime_context import SpawnRanks, publish
+from sglang.srt.server_args import ServerArgs
+from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+from .core import SGLangBatchCore
+from .runner import SGLangModelRunner
+
+DEFAULT_CPU_KV_TOKENS = 32768
+
+# SGLang's process-wide parallel runtime (torch.distributed, world size 1 on gloo)
+# can be initialised once per process; later stacks reuse it. One stack serves at a
+# time: SGLang's configuration is process-global ("last publish wins").
+_PROCESS_LOCK = threading.Lock()
+_PARALLEL_READY = False
+_ACTIVE: "SGLangStack | None" = None
+
+
+@dataclass
+class SGLangStack:
+    """Everything the SGLang backend composes, for tests and admin introspection."""
+
+    server_args: Any
+    model_config: Any
+    tp_worker: Any
+    req_to_token_pool: Any
+    token_to_kv_pool_allocator: Any
+    tree_cache: Any
+    future_map: Any
+    kv_total_tokens: int  # allocator.available_size() with nothing allocated
+    req_slots_total: int  # req_to_token_pool.available_size() with nothing allocated
+    runner: SGLangModelRunner
+    core: SGLangBatchCore
+    limits: ModelLimits
+    path: str
+    device: torch.device
+    tokenizer: Any = None
+    info: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def allocator(self) -> Any:
+        return self.token_to_kv_pool_allocator
+
+    def kv_leak_report(self) -> dict[str, int]:
+        """Pool accounting: what is free, what the radix cache keeps, what is locked."""
+        return {
+            "kv_available": int(self.token_to_kv_pool_allocator.available_size()),
+            "kv_total": self.kv_total_tokens,
+            "tree_evictable": int(self.tree_cache.evictable_size()),
+            "tree_protected": int(self.tree_cache.protected_size()),
+            "req_slots_available": int(self.req_to_token_pool.available_size()),
+            "req_slots_total": self.req_slots_total,
+            "deferred_releases": self.core.num_deferred_releases,
+        }
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _resolve_dtype(dtype: Any, device: torch.device) -> str:
+    if dtype is None:
+        return "float32" if device.type == "cpu" else "auto"
+    key = str(dtype).replace("torch.", "")
+    if key not in ("float32", "bfloat16", "float16", "auto"):
+        raise errors.ModelLoadError(f"unsupported dtype {dtype!r}; use float32, bfloat16 or float16")
+    return key
+
+
+def build_stack(
+    path_or_name: str,
+    config: SchedulerConfig,
+    *,
+    device: str | torch.device = "cpu",
+    dtype: Any = None,
+    seed: int = 0,
+) -> SGLangStack:
+    global _PARALLEL_READY, _ACTIVE
+    folder = Path(str(path_or_name))
+    if str(path_or_name) == "tiny" or not (folder / "config.json").is_file():
+        raise errors.ModelLoadError(
+            f"{path_or_name!r}: backend='sglang' loads a Hugging Face style checkpoint folder "
+            "(config.json + *.safetensors); the built-in 'tiny' model is native-only"
+        )
+    device = torch.device(device)
+    if device.type not in ("cpu", "cuda"):
+        raise errors.InvalidRequestError(f"backend='sglang' runs on cpu or cuda, not {device.type!r}")
+    raw = json.loads((folder / "config.json").read_text())
+    omni_cfg = OmniModelConfig.from_hf(raw)
+
+    kv_tokens = config.kv_capacity_tokens
+    if kv_tokens is None and device.type == "cpu":
+        kv_tokens = DEFAULT_CPU_KV_TOKENS
+    chunked = config.chunked_prefill_size if config.chunked_prefill_size > 0 else -1
+    kwargs: dict[str, Any] = dict(
+        model_path=str(folder),
+        device=device.type,
+        dtype=_resolve_dtype(dtype, device),
+        page_size=config.page_size,
+        chunked_prefill_size=chunked,
+        max_prefill_tokens=config.max_prefill_tokens,
+        max_running_requests=config.max_running_requests,
+        skip_tokenizer_init=True,
+        random_seed=int(seed),
+        schedule_policy="fcfs",
+        disable_overlap_schedule=True,  # omni-async's loops do the overlapping
+        sampling_backend="pytorch",
+        load_format="safetensors",
+        log_level="error",
+    )
+    if device.type == "cpu":
+        kwargs.update(attention_backend="torch_native", disable_cuda_graph=True)
+    else:
+        kwargs.update(mem_fraction_static=config.kv_memory_fraction)
+    if kv_tokens is not None:
+        kwargs["max_total_tokens"] = int(kv_tokens)
+    if config.context_length is not None:
+        if config.context_length > omni_cfg.max_position_embeddings:
+            raise errors.InvalidRequestError(
+                f"context_length {config.context_length} exceeds the model's "
+                f"max_position_embeddings {omni_cfg.max_position_embeddings}"
+            )
+        kwargs["context_length"] = int(config.context_length)
+
+    with _PROCESS_LOCK:
+        if _ACTIVE is not None and not getattr(_ACTIVE, "_closed", False):
+            raise errors.InvalidRequestError(
+                "an SGLang-backed engine is already open in this process; SGLang's configuration "
+                "is process-wide, so close it before building another"
+            )
+        server_args = ServerArgs(**kwargs)
+        gpu_id = device.index or 0
+        publish(server_args, role="scheduler", ranks=SpawnRanks(world_rank=0, dp_rank=None, gpu_id=gpu_id))
+        model_config = SGLangModelConfig.from_server_args(server_args)
+        port = _free_port()
+        if not _PARALLEL_READY:
+            bootstrap.init_parallel_runtime(server_args=server_args, device=device.type, dist_port=port)
+            _PARALLEL_READY = True
+        bootstrap.init_layer_runtime(model_config=model_config)
+
+        # SGLang's tensor-parallel model worker: loads the weights, then its pools.
+        tp_worker = TpModelWorker(server_args=server_args, gpu_id=gpu_id, nccl_port=port)
+        tp_worker.alloc_memory_pool()
+        tp_worker.init_attention_backends()
+        with torch.no_grad():  # Scheduler.init_all_cuda_graphs: eager runners when disabled
+            tp_worker.init_cuda_graphs()
+
+        kv = kv_cache_builder.build_kv_cache(
+            server_args=server_args,
+            model_config=model_config,
+            tp_worker=tp_worker,
+            page_size=config.page_size,
+            spec_algorithm=SpeculativeAlgorithm.NONE,
+            enable_metrics=False,
+            enable_kv_cache_events=False,
+            enable_hierarchical_cache=False,
+        )
+        req_to_token_pool = kv.req_to_token_pool
+        allocator = kv.token_to_kv_pool_allocator
+        tree_cache = kv.tree_cache
+        future_map = FutureMap(
+            tp_worker.device if isinstance(tp_worker.device, torch.device) else torch.device(tp_worker.device),
+            SpeculativeAlgorithm.NONE,
+            req_to_token_pool,
+            needs_cpu_seq_lens=False,
+        )
+        info = tp_worker.get_worker_info()
+        max_total_num_tokens, _max_prefill, max_running, _q, max_req_len = info[:5]
+
+        # SGLang serves a request only while input + max_new_tokens stays within
+        # max_req_len - 1 (see Scheduler.init_req_max_new_tokens); admission refuses
+        # beyond that, with the usual message.
+        context_length = int(max_req_len) - 1
+        limits = ModelLimits(
+            vocab_size=int(model_config.vocab_size),
+            context_length=context_length,
+            kv_capacity_tokens=int(max_total_num_tokens) - config.page_size,
+            eos_token_ids=tuple(omni_cfg.eos_token_ids),
+        )
+        runner = SGLangModelRunner(tp_worker, future_map)
+        core = SGLangBatchCore(
+            config,
+            req_to_token_pool=req_to_token_pool,
+            token_to_kv_pool_allocator=allocator,
+            tree_cache=tree_cache,
+            model_config=model_config,
+            page_size=config.page_size,
+            max_running_requests=min(int(config.max_running_requests), int(max_running)),
+            context_length=context_length,
+        )
+        runner.core = core
+        stack = SGLangStack(
+            server_args=server_args,
+            model_config=model_config,
+            tp_worker=tp_worker,
+            req_to_token_pool=req_to_token_pool,
+            token_to_kv_pool_allocator=allocator,
+            tree_cache=tree_cache,
+            future_map=future_map,
+            kv_total_tokens=int(allocator.available_size()),
+            req_slots_total=int(req_to_token_pool.available_size()),
+            runner=runner,
+            core=core,
+            limits=limits,
+            path=str(folder),
+            device=device,
+            tokenizer=load_tokenizer(folder, omni_cfg),
+        )
+        core.stack = stack
+        stack.info = {
+            "backend": "sglang",
+            "sglang_version": SGLANG_VERSION,
+            "model_path": str(folder),
+            "load_format": "safetensors",
+            "model_family": omni_cfg.family,
+            "device": str(device),
+            "dtype": str(server_args.dtype),
+            "attention_backend": kwargs.get("attention_backend", "default"),
+            "max_total_num_tokens": int(max_total_num_tokens),
+            "weight_version": "initial",
+        }
+        stack._closed = False  # type: ignore[attr-defined]
+        _ACTIVE = stack
+        return stack
+
+
+def release_stack(stack: SGLangStack) -> None:
+    """Let another SGLang stack be built in this process (the parallel runtime stays)."""
+    global _ACTIVE
+    with _PROCESS_LOCK:
+        stack._closed = True  # type: ignore[attr-defined]
+        if _ACTIVE is stack:
+            _ACTIVE = None
+
+
+class SGLangEngine(Engine):
+    """An Engine whose stack is the SGLang one; closing it frees the process slot."""
+
+    async def aclose(self) -> None:
+        try:
+            await super().aclose()
+        finally:
+            if self.stack is not None:
+                release_stack(self.stack)
+
+
+def build_scheduler(stack: SGLangStack, config: SchedulerConfig, **callbacks: Any) -> AsyncOmniScheduler:
+    return AsyncOmniScheduler(
+        stack.runner,
+        stack.core,
+        stack.limits,
+        config=config,
+        executor=ThreadStepExecutor(),
+        model_info=dict(stack.info),
+        **callbacks,
+    )
+
+
+def build_engine(
+    path_or_name: str,
+    *,
+    config: SchedulerConfig,
+    device: str = "cpu",
+    dtype: Any = None,
+    seed: int = 0,
+) -> Engine:
+    stack = build_stack(path_or_name, config, device=device, dtype=dtype, seed=seed)
+    try:
+        scheduler = build_scheduler(stack, config)
+    except BaseException:
+        release_stack(stack)
+        raise
+    return SGLangEngine(scheduler, tokenizer=stack.tokenizer, stack=stack)  # type: ignore[arg-type]
