@@ -58,6 +58,11 @@ class Admission:
     def __len__(self) -> int:
         return len(self.pending) + len(self.backlog) + len(self.deferred) + len(self._staged)
 
+    def num_queued_unbuilt(self) -> int:
+        """Requests that count towards the waiting queue before they are built: deferred
+        ones and ones staged for an inline build (pool builds have their own backlog)."""
+        return len(self.deferred) + len(self._staged)
+
     def active_ids(self) -> list[str]:
         ids = set(self.pending) | set(self.deferred) | {p.request_id for p in self.backlog}
         ids |= {p.request_id for p in self._staged}
@@ -140,13 +145,13 @@ class Admission:
         return [], rejected
 
     def collect(self) -> list[tuple[Any, Any, BaseException | None]]:
-        """Finished builds in submission order, stopping at the first one still running
-        (so admission order is the arrival order). Each is ``(payload, data, error)``."""
+        """Finished builds, each ``(payload, data, error)``. With a pool, a build is
+        admitted as soon as it is done, so one slow build holds back no other request
+        (admission order is kept only with inline builds, workers = 1)."""
         done: list[tuple[Any, Any, BaseException | None]] = []
-        while self.pending:
-            rid, (payload, fut) = next(iter(self.pending.items()))
+        for rid, (payload, fut) in list(self.pending.items()):
             if not fut.done():
-                break
+                continue
             del self.pending[rid]
             if fut.cancelled():
                 continue

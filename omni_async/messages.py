@@ -57,6 +57,7 @@ class StreamDelta:
     finished: bool = False
     finish_reason: str | None = None
     text: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)  # per-step model outputs (hidden states ...)
 
 
 @dataclass

@@ -339,7 +339,9 @@ class AsyncOmniScheduler:
                 OutgoingMessage(rid, "error", errors.RequestRejectedError(f"duplicate request id {rid!r}: a request with this id is active"))
             )
             return
-        queued = len(self.admission) + self.core.stats()["waiting_queue_size"]
+        # Builds and their backlog have their own bound (the backlog limit); this one is
+        # the waiting queue, as in the reference.
+        queued = self.admission.num_queued_unbuilt() + self.core.stats()["waiting_queue_size"]
         if queued >= self.config.max_queued_requests:
             self._send(
                 OutgoingMessage(rid, "error", errors.RequestRejectedError(
@@ -824,7 +826,7 @@ def default_result_adapter(data: RequestData) -> GenerationResult:
         prompt_ids=list(req.prompt_ids),
         output_logprobs=[lp for lp, _ in data.output_token_logprobs] if req.sampling.return_logprob else None,
         weight_version=data.weight_version,
-        extra=dict(data.extra_model_outputs),
+        extra={k: v for k, v in data.extra_model_outputs.items() if k != "hidden_state"},
     )
 
 
@@ -838,5 +840,6 @@ def default_stream_output_builder(rid: str, data: RequestData, out: RequestOutpu
         logprobs=[out.logprob] if (req.sampling.return_logprob and out.logprob is not None) else None,
         finished=out.finished,
         finish_reason=req.finish_reason if out.finished else None,
+        extra=dict(out.extra),
     )
     return [OutgoingMessage(rid, "stream", delta)]

@@ -160,10 +160,12 @@ class DecoderModel(nn.Module):
         positions: torch.Tensor,
         kv: PagedKVCache,
         ctx: AttentionContext,
-    ) -> torch.Tensor:
+        return_hidden: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rope(positions, x.dtype)
         for layer in self.model.layers:
             x = layer(x, cos, sin, kv, ctx)
-        x = self.model.norm(x[ctx.logits_rows])
-        return self.lm_head(x).to(torch.float32)
+        hidden = self.model.norm(x[ctx.logits_rows])
+        logits = self.lm_head(hidden).to(torch.float32)
+        return (logits, hidden) if return_hidden else logits

@@ -23,8 +23,11 @@ class ForwardBatch:
 
 
 class NativeModelRunner(ModelRunner):
-    def __init__(self, model: DecoderModel, kv: PagedKVCache, device: torch.device) -> None:
+    def __init__(self, model: DecoderModel, kv: PagedKVCache, device: torch.device, *, capture_hidden: bool = False) -> None:
         super().__init__()
+        # When set, each sampled row's final hidden state goes out with its step output
+        # (``RequestOutput.extra["hidden_state"]``), e.g. for a downstream talker stage.
+        self.capture_hidden = capture_hidden
         self.model = model
         self.kv = kv
         self.device = device
@@ -97,8 +100,22 @@ class NativeModelRunner(ModelRunner):
         return ids
 
     def forward(self, forward_batch: ForwardBatch) -> BatchResult:
+        if self.capture_hidden:
+            logits, hidden = self.model(
+                forward_batch.input_ids, forward_batch.positions, self.kv, forward_batch.ctx, return_hidden=True
+            )
+            return BatchResult(logits=logits, hidden_states=hidden)
         logits = self.model(forward_batch.input_ids, forward_batch.positions, self.kv, forward_batch.ctx)
         return BatchResult(logits=logits)
+
+    def post_process_outputs(self, result, scheduler_output, outputs) -> None:
+        if result.hidden_states is None:
+            return
+        hidden = result.hidden_states.detach().to("cpu", torch.float32)
+        for i, sched_req in enumerate(scheduler_output.requests):
+            out = outputs[sched_req.request_id]
+            if out.data is not None:
+                out.extra["hidden_state"] = hidden[i].clone()
 
     # The native decode collect has nothing model-specific: the launch publishes the
     # sampled ids (already on the device), the resolve has nothing left to read.

@@ -280,7 +280,7 @@ class SGLangEngine(Engine):
 
 
 def build_scheduler(stack: SGLangStack, config: SchedulerConfig, **callbacks: Any) -> AsyncOmniScheduler:
-    return AsyncOmniScheduler(
+    scheduler = AsyncOmniScheduler(
         stack.runner,
         stack.core,
         stack.limits,
@@ -289,6 +289,8 @@ def build_scheduler(stack: SGLangStack, config: SchedulerConfig, **callbacks: An
         model_info=dict(stack.info),
         **callbacks,
     )
+    stack.core.wake = scheduler.wake
+    return scheduler
 
 
 def build_engine(

@@ -29,7 +29,7 @@ from __future__ import annotations
 import copy
 import math
 from array import array
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from ...config import SchedulerConfig
 from ...core.batch import ForwardMode
@@ -173,6 +173,7 @@ class SGLangBatchCore:
         self.last_batch: ScheduleBatch | None = None
         self.num_retractions = 0
         self.stack: Any = None
+        self.wake: Callable[[], None] | None = None  # the scheduler's wake (set by the builder)
         self._omni: dict[int, Request] = {}  # id(SGLang Req) -> omni request
         self._sreq: dict[str, Req] = {}  # rid -> SGLang Req, while the request is active
         self._last_step: dict[int, SGLangScheduledBatch] = {}  # id(Req) -> newest step it rides
@@ -255,7 +256,12 @@ class SGLangBatchCore:
                 self._release_now(sreq, checkpoint)
             else:
                 keep.append((sreq, checkpoint))
+        released = len(keep) < len(self._deferred)
         self._deferred = keep
+        if released and self.wake is not None and (self.waiting_queue or self.chunked_req is not None):
+            # KV came back after this iteration's scheduling: let the loop schedule again
+            # rather than wait for the next arrival.
+            self.wake()
 
     @property
     def num_deferred_releases(self) -> int:

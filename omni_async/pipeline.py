@@ -1,0 +1,224 @@
+"""Two stages chained in one event loop: stage A's per-step stream output becomes stage
+B's ``stream_chunk`` input, A's finish becomes B's ``stream_done``.
+
+Backpressure: each request's events reach the caller through a bounded channel; a slow
+caller stalls the router, which then stops feeding stage B as well. Aborting a request
+(or a failure in either stage) aborts it in both; the caller sees the error.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Callable
+
+import anyio
+
+from . import errors
+from .messages import IncomingMessage, OutgoingMessage
+from .scheduler import AsyncOmniScheduler
+
+
+@dataclass
+class StageEvent:
+    """One output of one stage: ``kind`` is ``stream``, ``result`` or ``error``."""
+
+    stage: str
+    kind: str
+    data: Any
+
+
+def delta_to_chunk(msg: OutgoingMessage) -> Any:
+    """Default A->B chunk: the stream delta itself."""
+    return msg.data
+
+
+class PipelineHandle:
+    def __init__(self, pipeline: "TwoStagePipeline", request_id: str, buffer: int) -> None:
+        self.request_id = request_id
+        self._pipeline = pipeline
+        self._tx, self._rx = anyio.create_memory_object_stream[StageEvent](buffer)
+        self._open = {pipeline.names[0], pipeline.names[1]}
+
+    async def __aiter__(self) -> AsyncIterator[StageEvent]:
+        """Events of both stages in arrival order; raises the first error after aborting
+        the request in both stages."""
+        try:
+            while self._open:
+                event = await self._rx.receive()
+                if event.kind in ("result", "error"):
+                    self._open.discard(event.stage)
+                if event.kind == "error":
+                    self._pipeline.abort(self.request_id)
+                    err = event.data
+                    raise err if isinstance(err, BaseException) else errors.RequestFailedError(str(err))
+                yield event
+        finally:
+            if self._open:
+                self._pipeline.abort(self.request_id)
+                self._pipeline._handles.pop(self.request_id, None)
+
+    async def results(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        async for event in self:
+            if event.kind == "result":
+                out[event.stage] = event.data
+        return out
+
+
+class TwoStagePipeline:
+    """Run two schedulers in one task group and route A's stream into B."""
+
+    def __init__(
+        self,
+        first: AsyncOmniScheduler,
+        second: AsyncOmniScheduler,
+        *,
+        names: tuple[str, str] = ("thinker", "talker"),
+        to_chunk: Callable[[OutgoingMessage], Any] = delta_to_chunk,
+        buffer: int = 64,
+    ) -> None:
+        self.first = first
+        self.second = second
+        self.names = names
+        self.to_chunk = to_chunk
+        self.buffer = buffer
+        self._handles: dict[str, PipelineHandle] = {}
+        self._task_group: Any = None
+
+    async def __aenter__(self) -> "TwoStagePipeline":
+        self._task_group = anyio.create_task_group()
+        await self._task_group.__aenter__()
+        self._task_group.start_soon(self.first.run)
+        self._task_group.start_soon(self.second.run)
+        self._task_group.start_soon(self._route_first)
+        self._task_group.start_soon(self._route_second)
+        return self
+
+    async def __aexit__(self, *exc_info: Any) -> None:
+        await self.first.aclose()
+        await self.second.aclose()
+        tg, self._task_group = self._task_group, None
+        if tg is not None:
+            await tg.__aexit__(*exc_info)
+
+    async def submit(self, request_id: str, first_payload: Any, second_payload: Any) -> PipelineHandle:
+        if request_id in self._handles:
+            raise errors.RequestRejectedError(f"duplicate request id {request_id!r}")
+        handle = PipelineHandle(self, request_id, self.buffer)
+        self._handles[request_id] = handle
+        await self.second.inbox.send(IncomingMessage(request_id, "new_request", second_payload))
+        await self.first.inbox.send(IncomingMessage(request_id, "new_request", first_payload))
+        return handle
+
+    def abort(self, request_id: str) -> None:
+        self.first.abort(request_id)
+        self.second.abort(request_id)
+
+    async def _deliver(self, stage: str, msg: OutgoingMessage) -> bool:
+        handle = self._handles.get(msg.request_id)
+        if handle is None:
+            return False
+        try:
+            await handle._tx.send(StageEvent(stage, msg.type, msg.data))
+        except (anyio.ClosedResourceError, anyio.BrokenResourceError):
+            return False
+        return True
+
+    async def _route_first(self) -> None:
+        async for msg in self.first.outbox:
+            await self._deliver(self.names[0], msg)
+            rid = msg.request_id
+            if msg.type == "stream":
+                await self._send_second(IncomingMessage(rid, "stream_chunk", self.to_chunk(msg)))
+            elif msg.type == "result":
+                await self._send_second(IncomingMessage(rid, "stream_done"))
+            else:
+                self.second.abort(rid)
+
+    async def _send_second(self, msg: IncomingMessage) -> None:
+        try:
+            await self.second.inbox.send(msg)
+        except (anyio.ClosedResourceError, anyio.BrokenResourceError):
+            pass
+
+    async def _route_second(self) -> None:
+        async for msg in self.second.outbox:
+            await self._deliver(self.names[1], msg)
+            if msg.type == "error":
+                self.first.abort(msg.request_id)
+            if msg.type in ("result", "error"):
+                handle = self._handles.get(msg.request_id)
+                if handle is not None and self.names[0] not in handle._open:
+                    self._handles.pop(msg.request_id, None)
+
+
+# ---------------------------------------------------------------- the demo
+
+
+async def run_pipeline_demo(args: Any) -> int:
+    """A thinker (tiny) streams tokens and per-step hidden states to a talker (a second
+    tiny, another seed) that starts once 3 chunks have arrived; both outputs stream."""
+    import time
+
+    from .builder import build_native_stack, build_scheduler
+    from .config import SamplingParams, SchedulerConfig
+    from .messages import RequestPayload
+
+    stack_a = build_native_stack("tiny", SchedulerConfig(loop=args.loop), device=args.device, seed=0)
+    stack_a.runner.capture_hidden = True
+    thinker = build_scheduler(stack_a, SchedulerConfig(loop=args.loop))
+    talker = make_talker(args.loop, args.device)
+    tok = stack_a.loaded.tokenizer
+    prompts = ["Tell me a story about a loop.", "What does the talker say?"]
+    async with TwoStagePipeline(thinker, talker) as pipe:
+        start = time.perf_counter()
+
+        async def one(i: int, prompt: str) -> None:
+            rid = f"conv-{i}"
+            ids = tok.encode(prompt)
+            first = RequestPayload(rid, ids, SamplingParams(max_new_tokens=24, temperature=0.8, seed=i, ignore_eos=True))
+            second = RequestPayload(rid, [], SamplingParams(max_new_tokens=16, temperature=0.8, seed=100 + i, ignore_eos=True))
+            handle = await pipe.submit(rid, first, second)
+            async for ev in handle:
+                t = 1000 * (time.perf_counter() - start)
+                if ev.kind == "stream":
+                    extra = ev.data.extra
+                    note = f" hidden|{float(extra['hidden_state'].norm()):.2f}|" if "hidden_state" in extra else ""
+                    print(f"{t:7.1f} ms  {rid} {ev.stage:7s} +{ev.data.token_ids}{note}")
+                else:
+                    print(f"{t:7.1f} ms  {rid} {ev.stage:7s} {ev.kind}: {len(ev.data.output_ids)} tokens")
+
+        import asyncio
+
+        await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+    return 0
+
+
+TALKER_MIN_CHUNKS = 3
+
+
+def make_talker(loop: str, device: str = "cpu", min_chunks: int = TALKER_MIN_CHUNKS) -> AsyncOmniScheduler:
+    """A talker stage over the tiny model (seed 1): deferred until ``min_chunks`` thinker
+    chunks have arrived; its prompt is those thinker tokens; later chunks are collected
+    on its request data as it decodes."""
+    from .builder import build_native_stack, build_scheduler
+    from .config import SchedulerConfig
+
+    config = SchedulerConfig(loop=loop)
+    stack = build_native_stack("tiny", config, device=device, seed=1)
+    sched = build_scheduler(stack, config, request_build_ready=lambda payload, done: len(payload.prefetched_chunks) >= min_chunks or done)
+
+    base_builder = sched.default_request_builder
+
+    def build(payload: Any):
+        tokens = [t for chunk in payload.prefetched_chunks for t in chunk.token_ids]
+        payload.input_ids = [256] + tokens  # BOS, then the thinker's tokens so far
+        data = base_builder(payload)
+        data.stream_chunks = []  # the prefetched ones became the prompt
+        return data
+
+    sched._request_builder = build
+    return sched
+
+
+__all__ = ["TwoStagePipeline", "PipelineHandle", "StageEvent", "make_talker", "run_pipeline_demo"]

@@ -1,0 +1,269 @@
+"""Admission: the request-build pool, backlog limits, deferral on stream input, buffered
+chunks, the thread-safe door, queue limits, and bounded tombstones."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import anyio
+import pytest
+
+from omni_async import IncomingMessage, RequestPayload, SamplingParams, errors
+from omni_async.builder import build_native_stack, build_scheduler
+from omni_async.config import SchedulerConfig
+
+from .test_abort_close import wait_until
+
+
+class Stage:
+    """A scheduler on the tiny model with an outbox collector, for stage-level tests."""
+
+    def __init__(self, **cfg):
+        callbacks = {k: cfg.pop(k) for k in list(cfg) if k in ("request_builder", "request_build_ready", "stream_chunk_handler", "stream_done_handler", "abort_callback")}
+        self.config = SchedulerConfig(**cfg)
+        self.stack = build_native_stack("tiny", self.config)
+        self.sched = build_scheduler(self.stack, self.config, **callbacks)
+        self.messages: list = []
+        self.terminal: dict[str, object] = {}
+
+    async def __aenter__(self):
+        self._tg = anyio.create_task_group()
+        await self._tg.__aenter__()
+        self._tg.start_soon(self.sched.run)
+        self._tg.start_soon(self._collect)
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.sched.aclose()
+        await self._tg.__aexit__(*exc)
+        assert self.stack.allocator.is_fully_free()
+
+    async def _collect(self):
+        async for msg in self.sched.outbox:
+            self.messages.append(msg)
+            if msg.type in ("result", "error"):
+                assert msg.request_id not in self.terminal, f"second terminal for {msg.request_id}"
+                self.terminal[msg.request_id] = msg
+
+    async def send(self, rid, ids=(1, 2, 3), n=4, **sp):
+        sp.setdefault("ignore_eos", True)
+        await self.sched.inbox.send(IncomingMessage(rid, "new_request", RequestPayload(rid, list(ids), SamplingParams(max_new_tokens=n, **sp))))
+
+    async def done(self, *rids, timeout=30.0):
+        await wait_until(lambda: all(r in self.terminal for r in rids), timeout)
+        return [self.terminal[r] for r in rids]
+
+
+async def test_slow_build_on_the_pool_does_not_stall_decoding():
+    """A build blocks until another request has finished decoding. Inline, that would
+    deadlock the loop; on the pool the other request decodes meanwhile."""
+    other_done = threading.Event()
+    stage_ref = {}
+
+    def builder(payload):
+        if payload.request_id == "slow":
+            assert other_done.wait(20), "the loop stalled while a build was running"
+        return stage_ref["s"].sched.default_request_builder(payload)
+
+    async with Stage(request_build_max_workers=2, request_builder=builder) as st:
+        stage_ref["s"] = st
+        await st.send("slow", n=2)
+        await st.send("fast", n=40)
+        (fast,) = await st.done("fast")
+        assert fast.type == "result" and len(fast.data.output_ids) == 40
+        other_done.set()
+        (slow,) = await st.done("slow")
+        assert slow.type == "result"
+        assert st.sched.admission.max_pending_observed >= 1
+
+
+async def test_inline_builds_keep_admission_order():
+    order = []
+    stage_ref = {}
+
+    def builder(payload):
+        order.append(payload.request_id)
+        return stage_ref["s"].sched.default_request_builder(payload)
+
+    async with Stage(request_builder=builder) as st:
+        stage_ref["s"] = st
+        for i in range(8):
+            await st.send(f"r{i}", n=2)
+        await st.done(*[f"r{i}" for i in range(8)])
+    assert order == [f"r{i}" for i in range(8)]
+
+
+async def test_backlog_overflow_is_rejected_with_the_limit():
+    gate = threading.Event()
+    stage_ref = {}
+
+    def builder(payload):
+        gate.wait(20)
+        return stage_ref["s"].sched.default_request_builder(payload)
+
+    async with Stage(request_build_max_workers=2, request_build_max_pending=2, max_queued_requests=3, request_builder=builder) as st:
+        stage_ref["s"] = st
+        for i in range(8):
+            await st.send(f"b{i}", n=2)
+        # 2 building, 3 in the backlog (max of pending and max_queued), 3 refused
+        await wait_until(lambda: sum(1 for m in st.terminal.values() if m.type == "error") >= 3)
+        refused = [rid for rid, m in st.terminal.items() if m.type == "error"]
+        for rid in refused:
+            err = st.terminal[rid].data
+            assert isinstance(err, errors.RequestRejectedError)
+            assert "backlog is full" in str(err) and "backlog_limit=3" in str(err)
+        gate.set()
+        await st.done(*[f"b{i}" for i in range(8)])
+        served = [rid for rid, m in st.terminal.items() if m.type == "result"]
+        assert len(served) == 5 and len(refused) == 3
+
+
+async def test_build_failure_errors_that_request_only():
+    stage_ref = {}
+
+    def builder(payload):
+        if payload.request_id == "bad":
+            raise KeyError("no such voice")
+        return stage_ref["s"].sched.default_request_builder(payload)
+
+    for workers in (1, 3):
+        async with Stage(request_build_max_workers=workers, request_builder=builder) as st:
+            stage_ref["s"] = st
+            await st.send("good1", n=3)
+            await st.send("bad", n=3)
+            await st.send("good2", n=3)
+            good1, bad, good2 = await st.done("good1", "bad", "good2")
+            assert bad.type == "error" and isinstance(bad.data, errors.RequestFailedError)
+            assert "no such voice" in str(bad.data) and isinstance(bad.data.__cause__, KeyError)
+            assert good1.type == good2.type == "result"
+
+
+async def test_queue_full_is_visible_backpressure():
+    async with Stage(max_queued_requests=2, max_running_requests=1) as st:
+        await st.send("run", n=300)
+        await wait_until(lambda: st.stack.core.running)
+        await st.send("q1", n=2)
+        await st.send("q2", n=2)
+        await st.send("q3", n=2)
+        (q3,) = await st.done("q3")
+        assert q3.type == "error" and isinstance(q3.data, errors.RequestRejectedError)
+        assert "queue full" in str(q3.data) and "max_queued_requests=2" in str(q3.data)
+        st.sched.abort("run")
+        assert [m.type for m in await st.done("run", "q1", "q2")] == ["error", "result", "result"]
+
+
+async def test_deferred_request_waits_for_chunks_and_rechecks_only_on_input():
+    checks = []
+
+    def ready(payload, stream_done):
+        if payload.request_id != "d":
+            return True
+        checks.append(len(payload.prefetched_chunks))
+        return len(payload.prefetched_chunks) >= 3 or stream_done
+
+    seen_chunks: dict[str, list] = {}
+
+    def on_chunk(data, chunk):
+        seen_chunks.setdefault(data.request_id, []).append(chunk)
+
+    async with Stage(request_build_ready=ready, stream_chunk_handler=on_chunk) as st:
+        sched = st.sched
+        # chunks that arrive before the request are buffered and handed over
+        await sched.inbox.send(IncomingMessage("d", "stream_chunk", "c0"))
+        await st.send("d", n=30)
+        await wait_until(lambda: "d" in sched.admission.deferred)
+        n_checks = len(checks)
+        for _ in range(5):  # unrelated traffic does not re-check the deferred request
+            await st.send(f"x{_}", n=1)
+        await st.done(*[f"x{i}" for i in range(5)])
+        assert len(checks) == n_checks
+        await sched.inbox.send(IncomingMessage("d", "stream_chunk", "c1"))
+        await wait_until(lambda: len(checks) == n_checks + 1)
+        assert "d" in sched.admission.deferred
+        await sched.inbox.send(IncomingMessage("d", "stream_chunk", "c2"))
+        await wait_until(lambda: "d" in sched._live)
+        data = sched._live["d"]
+        assert data.payload.prefetched_chunks == ["c0", "c1", "c2"]
+        await sched.inbox.send(IncomingMessage("d", "stream_chunk", "c3"))
+        await sched.inbox.send(IncomingMessage("d", "stream_done"))
+        (d,) = await st.done("d")
+        assert d.type == "result"
+    assert seen_chunks["d"] == ["c0", "c1", "c2", "c3"]
+    assert data.stream_done is True
+
+
+async def test_abort_reaches_every_admission_stage():
+    gate = threading.Event()
+    stage_ref = {}
+    aborted_cb = []
+
+    def builder(payload):
+        if payload.request_id.startswith("slow"):
+            gate.wait(20)
+        return stage_ref["s"].sched.default_request_builder(payload)
+
+    async with Stage(
+        request_build_max_workers=2,
+        request_build_max_pending=1,
+        request_builder=builder,
+        request_build_ready=lambda p, done: not p.request_id.startswith("defer"),
+        abort_callback=aborted_cb.append,
+    ) as st:
+        stage_ref["s"] = st
+        sched = st.sched
+        await st.send("slow-pending", n=2)
+        await st.send("slow-backlog", n=2)
+        await st.send("defer-me", n=2)
+        await sched.inbox.send(IncomingMessage("ghost", "stream_chunk", "x"))
+        await wait_until(lambda: "slow-pending" in sched.admission.pending and "defer-me" in sched.admission.deferred)
+        assert any(p.request_id == "slow-backlog" for p in sched.admission.backlog)
+        for rid in ("slow-pending", "slow-backlog", "defer-me", "ghost"):
+            sched.abort(rid)
+        gate.set()
+        msgs = await st.done("slow-pending", "slow-backlog", "defer-me")
+        assert all(m.type == "error" and isinstance(m.data, errors.RequestAbortedError) for m in msgs)
+        assert "ghost" not in sched.admission.chunks
+        # an id aborted before it arrives is refused on arrival, exactly once
+        sched.abort("early")
+        await st.send("early", n=2)
+        (early,) = await st.done("early")
+        assert isinstance(early.data, errors.RequestAbortedError)
+        await asyncio.sleep(0.05)
+        assert sched.admission.active_ids() == []
+    assert aborted_cb == ["slow-pending", "slow-backlog", "defer-me", "ghost", "early"]
+
+
+async def test_tombstones_are_bounded():
+    async with Stage(aborted_id_cap=100, aborted_id_keep=50) as st:
+        for i in range(1000):
+            st.sched.abort(f"gone-{i}")
+        assert len(st.sched._tombstones) <= 100
+        assert "gone-999" in st.sched._tombstones and "gone-0" not in st.sched._tombstones
+
+
+async def test_thread_safe_door_submit_and_abort_from_a_plain_thread():
+    async with Stage() as st:
+        sched = st.sched
+        errors_seen = []
+
+        def worker():
+            try:
+                for i in range(6):
+                    n = 500 if i == 5 else 3
+                    sched.submit_threadsafe(
+                        IncomingMessage(f"t{i}", "new_request", RequestPayload(f"t{i}", [1, 2, i], SamplingParams(max_new_tokens=n, ignore_eos=True)))
+                    )
+                while "t5" not in sched._live or not sched._live["t5"].req.output_ids:
+                    threading.Event().wait(0.001)
+                sched.abort_threadsafe("t5")
+            except Exception as exc:  # pragma: no cover - reported below
+                errors_seen.append(exc)
+
+        th = threading.Thread(target=worker)
+        th.start()
+        msgs = await st.done(*[f"t{i}" for i in range(6)])
+        th.join()
+        assert errors_seen == []
+        assert [m.type for m in msgs] == ["result"] * 5 + ["error"]
+        assert isinstance(msgs[5].data, errors.RequestAbortedError)
