@@ -16,6 +16,7 @@ from .kv.cache import PagedKVCache
 from .models.loader import LoadedModel, load_model
 from .runners.native import NativeModelRunner
 from .scheduler import AsyncOmniScheduler, ModelLimits
+from .weights import NativeModelWorker
 
 DEFAULT_CPU_KV_TOKENS = 32768
 
@@ -97,6 +98,7 @@ def build_scheduler(stack: NativeStack, config: SchedulerConfig, **callbacks: An
         "dtype": str(next(stack.loaded.model.parameters()).dtype).replace("torch.", ""),
         "weight_version": "initial",
     }
+    worker = NativeModelWorker(stack.loaded.model, model_path=stack.loaded.path, load_format=stack.loaded.load_format, device=stack.device)
     return AsyncOmniScheduler(
         stack.runner,
         stack.core,
@@ -104,5 +106,6 @@ def build_scheduler(stack: NativeStack, config: SchedulerConfig, **callbacks: An
         config=config,
         executor=ThreadStepExecutor(),
         model_info=info,
+        model_worker=worker,
         **callbacks,
     )

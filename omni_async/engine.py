@@ -140,7 +140,7 @@ class Engine:
         self._started = True
         self._task_group = anyio.create_task_group()
         await self._task_group.__aenter__()
-        self._task_group.start_soon(self.scheduler.run)
+        await self._task_group.start(self.scheduler.run)
         self._task_group.start_soon(self._route_outbox)
 
     async def aclose(self) -> None:
@@ -259,6 +259,24 @@ class Engine:
 
     async def weights_checker(self, action: str = "checksum") -> dict[str, Any]:
         return await self.admin("weights_checker", {"action": action})
+
+    async def init_weights_update_group(
+        self, master_address: str, master_port: int, rank_offset: int, world_size: int, group_name: str = "weight_update_group", **payload: Any
+    ) -> dict[str, Any]:
+        return await self.admin(
+            "init_weights_update_group",
+            {"master_address": master_address, "master_port": master_port, "rank_offset": rank_offset, "world_size": world_size, "group_name": group_name, **payload},
+        )
+
+    async def update_weights_from_distributed(
+        self, names: list[str], dtypes: list[str], shapes: list[list[int]], group_name: str = "weight_update_group", **payload: Any
+    ) -> dict[str, Any]:
+        return await self.admin(
+            "update_weights_from_distributed", {"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name, **payload}
+        )
+
+    async def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> dict[str, Any]:
+        return await self.admin("destroy_weights_update_group", {"group_name": group_name})
 
     @property
     def open_requests(self) -> list[str]:

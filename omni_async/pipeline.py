@@ -88,8 +88,8 @@ class TwoStagePipeline:
     async def __aenter__(self) -> "TwoStagePipeline":
         self._task_group = anyio.create_task_group()
         await self._task_group.__aenter__()
-        self._task_group.start_soon(self.first.run)
-        self._task_group.start_soon(self.second.run)
+        await self._task_group.start(self.first.run)
+        await self._task_group.start(self.second.run)
         self._task_group.start_soon(self._route_first)
         self._task_group.start_soon(self._route_second)
         return self

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Iterable
 
 import anyio
+import anyio.abc
 import torch
 
 from . import errors
@@ -100,6 +101,7 @@ class AsyncOmniScheduler:
         abort_callback: Callable[[str], None] | None = None,
         request_build_ready: Callable[[Any, bool], bool] | None = None,
         model_info: dict[str, Any] | None = None,
+        model_worker: Any = None,
     ) -> None:
         self.config = config or SchedulerConfig()
         self.runner = runner
@@ -113,6 +115,7 @@ class AsyncOmniScheduler:
         self._stream_done_handler = stream_done_handler
         self._abort_callback = abort_callback
         self._model_info = dict(model_info or {})
+        self.model_worker = model_worker
         self.weight_version: str | None = self._model_info.get("weight_version")
 
         self.inbox, self._inbox_rx = anyio.create_memory_object_stream[IncomingMessage](math.inf)
@@ -136,7 +139,9 @@ class AsyncOmniScheduler:
         self._state = "new"  # new -> running -> closing -> closed
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread: int | None = None
-        self._task_group: Any = None
+        self._task_group: Any = None  # run()'s own group: the pump and background admin
+        self._outer_group: Any = None  # the group ``async with`` runs run() in
+        self._background_scopes: set[anyio.CancelScope] = set()
         self.paused = False
         self.pause_mode: str | None = None
         self.stats = SchedulerStats()
@@ -155,37 +160,43 @@ class AsyncOmniScheduler:
         return self._state in ("closing", "closed")
 
     async def __aenter__(self) -> "AsyncOmniScheduler":
-        self._task_group = anyio.create_task_group()
-        await self._task_group.__aenter__()
-        self._task_group.start_soon(self.run)
+        self._outer_group = anyio.create_task_group()
+        await self._outer_group.__aenter__()
+        await self._outer_group.start(self.run)
         return self
 
     async def __aexit__(self, *exc_info: Any) -> bool | None:
         try:
             await self.aclose()
         finally:
-            tg, self._task_group = self._task_group, None
+            tg, self._outer_group = self._outer_group, None
             if tg is not None:
                 await tg.__aexit__(*exc_info)
         return None
 
-    async def run(self) -> None:
-        """Serve until closed. Run it in a task group you own, or use ``async with``."""
+    async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Serve until closed. Run it in a task group you own (``await tg.start(s.run)``
+        returns once it serves), or use ``async with``."""
         from .loops import LOOPS
 
         if self._state in ("closing", "closed"):
+            task_status.started()
             return  # closed before the loop started: nothing to serve
         if self._state != "new":
             raise RuntimeError(f"scheduler cannot run from state {self._state!r}")
         self._state = "running"
         self._loop = asyncio.get_running_loop()
         self._loop_thread = threading.get_ident()
+        task_status.started()
         try:
             async with anyio.create_task_group() as tg:
+                self._task_group = tg
                 tg.start_soon(self._pump_inbox)
                 try:
                     await LOOPS[self.config.loop](self)
                 finally:
+                    for scope in list(self._background_scopes):
+                        scope.cancel()
                     self.inbox.close()  # the pump ends once the buffer is drained
         finally:
             with anyio.CancelScope(shield=True):
@@ -738,13 +749,31 @@ class AsyncOmniScheduler:
                 return
             if item.reply.done():
                 continue
+            from .admin import BACKGROUND_ACTIONS
+
+            if item.action in BACKGROUND_ACTIONS and self._task_group is not None:
+                self._task_group.start_soon(self._serve_admin_in_background, item)
+            else:
+                await self._serve_admin_item(item)
+
+    async def _serve_admin_in_background(self, item: _AdminRequest) -> None:
+        with anyio.CancelScope() as scope:
+            self._background_scopes.add(scope)
             try:
-                reply = await self._run_admin(item.action, item.payload)
-            except Exception as exc:
-                log.error("scheduler_admin_failed", action=item.action, error=repr(exc))
-                reply = _admin_failure(str(exc))
-            if not item.reply.done():
-                item.reply.set_result(reply)
+                await self._serve_admin_item(item)
+            finally:
+                self._background_scopes.discard(scope)
+                if not item.reply.done():
+                    item.reply.set_result(_admin_failure("scheduler closed"))
+
+    async def _serve_admin_item(self, item: _AdminRequest) -> None:
+        try:
+            reply = await self._run_admin(item.action, item.payload)
+        except Exception as exc:
+            log.error("scheduler_admin_failed", action=item.action, error=repr(exc))
+            reply = _admin_failure(str(exc))
+        if not item.reply.done():
+            item.reply.set_result(reply)
 
     async def _run_admin(self, action: str, payload: dict[str, Any]) -> dict[str, Any]:
         from .admin import run_admin_action
@@ -758,14 +787,19 @@ class AsyncOmniScheduler:
             await self.drain_hook()
 
     def abort_all_active(self, reason: str) -> int:
-        """End every active request now (admission included), each with one aborted error."""
+        """End every active request now (arrived and admission included), each with one
+        aborted error."""
+        arrived = [m for m in self._arrived if m.type == "new_request" and m.request_id not in self._live]
+        self._arrived = deque(m for m in self._arrived if m.type != "new_request" or m.request_id in self._live)
+        for msg in arrived:
+            self._send(OutgoingMessage(msg.request_id, "error", errors.RequestAbortedError(reason)))
         payloads = self.admission.drain_all()
         for payload in payloads:
             self._send(OutgoingMessage(payload.request_id, "error", errors.RequestAbortedError(reason)))
         victims = self.core.abort_all()
         for req in victims:
             self._terminate_error(req.rid, errors.RequestAbortedError(reason, output_ids=req.output_ids))
-        return len(victims) + len(payloads)
+        return len(victims) + len(payloads) + len(arrived)
 
     def admission_stats(self) -> dict[str, Any]:
         return self.admission.stats()
@@ -773,8 +807,9 @@ class AsyncOmniScheduler:
     # ================================================================ introspection
 
     def active_request_ids(self) -> list[str]:
-        """Requests admitted or being admitted, not yet terminated."""
-        return sorted(set(self._live) | set(self.admission.active_ids()))
+        """Requests arrived, being admitted, or admitted, and not yet terminated."""
+        arrived = {m.request_id for m in self._arrived if m.type == "new_request"}
+        return sorted(set(self._live) | set(self.admission.active_ids()) | arrived)
 
 
 

@@ -1,0 +1,166 @@
+"""Weight lifecycle of the native backend: updates from disk, from tensors, from a
+trainer through torch.distributed, and a checksum a trainer can compare.
+
+Every update checks all names and shapes before writing anything, so a failed update
+leaves the old weights serving. Methods return ``(success, message)`` as the
+reference's model worker does; they are blocking and run off the event loop.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .errors import ModelLoadError
+from .models.config import ModelConfig
+from .models.decoder import DecoderModel
+from .models.loader import copy_named_tensors, iter_checkpoint
+
+_DTYPES = {str(d).replace("torch.", ""): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.float64)}
+
+
+class NativeModelWorker:
+    def __init__(self, model: DecoderModel, *, model_path: str, load_format: str, device: torch.device) -> None:
+        self.model = model
+        self.model_path = model_path
+        self.load_format = load_format
+        self.device = device
+        self._groups: dict[str, Any] = {}
+
+    def model_info(self) -> dict[str, Any]:
+        return {"model_path": self.model_path, "load_format": self.load_format}
+
+    # ------------------------------------------------------------ from disk
+
+    def update_weights_from_disk(self, payload: dict[str, Any]) -> tuple[bool, str]:
+        path = payload.get("model_path")
+        if not path:
+            return False, "update_weights_from_disk needs model_path"
+        folder = Path(path)
+        try:
+            raw = json.loads((folder / "config.json").read_text())
+            new_cfg = ModelConfig.from_hf(raw)
+            _check_same_architecture(self.model.config, new_cfg)
+            copy_named_tensors(self.model, iter_checkpoint(folder), require_all=True)
+        except (OSError, ValueError, ModelLoadError) as exc:
+            return False, f"failed to update weights from {folder}: {exc}"
+        self.model_path = str(folder)
+        return True, f"loaded weights from {folder}"
+
+    # ------------------------------------------------------------ from tensors
+
+    def update_weights_from_tensor(self, payload: dict[str, Any]) -> tuple[bool, str]:
+        named = payload.get("named_tensors")
+        if named is None and payload.get("serialized_named_tensors") is not None:
+            blob = payload["serialized_named_tensors"]
+            named = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
+        if named is None:
+            return False, "update_weights_from_tensor needs named_tensors (or serialized_named_tensors)"
+        pairs = list(named.items()) if isinstance(named, dict) else [(str(n), t) for n, t in named]
+        try:
+            names = copy_named_tensors(self.model, pairs, require_all=False)
+        except ModelLoadError as exc:
+            return False, f"failed to update weights from tensors: {exc}"
+        return True, f"updated {len(names)} tensor(s)"
+
+    # ------------------------------------------------------------ distributed
+
+    def init_weights_update_group(self, payload: dict[str, Any]) -> tuple[bool, str]:
+        """Join a process group with a trainer (rank 0). Blocks until the trainer joins
+        (or ``timeout_s`` passes): call it off the event loop."""
+        import torch.distributed as dist
+
+        name = str(payload.get("group_name") or "weight_update_group")
+        try:
+            addr = str(payload["master_address"])
+            port = int(payload["master_port"])
+            world = int(payload["world_size"])
+            rank = int(payload.get("rank_offset", 1))
+        except (KeyError, TypeError, ValueError) as exc:
+            return False, f"init_weights_update_group needs master_address, master_port, world_size: {exc!r}"
+        backend = str(payload.get("backend") or ("nccl" if self.device.type == "cuda" else "gloo"))
+        timeout = timedelta(seconds=float(payload.get("timeout_s", 300)))
+        if name in self._groups:
+            return False, f"weights update group {name!r} already exists"
+        try:
+            store = dist.TCPStore(addr, port, world, is_master=False, timeout=timeout)
+            prefixed = dist.PrefixStore(name, store)
+            if backend == "gloo":
+                group = dist.ProcessGroupGloo(prefixed, rank, world, timeout)
+            elif backend == "nccl":
+                group = dist.ProcessGroupNCCL(prefixed, rank, world)
+            else:
+                return False, f"unsupported backend {backend!r}"
+            group.barrier().wait()
+        except Exception as exc:  # a missing trainer, a refused connection, a timeout
+            return False, f"failed to join weights update group {name!r}: {exc}"
+        self._groups[name] = (group, store, rank)
+        return True, f"joined weights update group {name!r} as rank {rank} of {world} ({backend})"
+
+    def update_weights_from_distributed(self, payload: dict[str, Any]) -> tuple[bool, str]:
+        import torch.distributed as dist
+
+        name = str(payload.get("group_name") or "weight_update_group")
+        if name not in self._groups:
+            return False, f"no weights update group {name!r}; call init_weights_update_group first"
+        group = self._groups[name][0]
+        names = list(payload.get("names") or [])
+        dtypes = list(payload.get("dtypes") or [])
+        shapes = list(payload.get("shapes") or [])
+        if not names or not (len(names) == len(dtypes) == len(shapes)):
+            return False, "update_weights_from_distributed needs names, dtypes and shapes of equal length"
+        params = dict(self.model.named_parameters())
+        for n, shape in zip(names, shapes):
+            if n not in params or tuple(params[n].shape) != tuple(shape):
+                return False, f"tensor {n!r} with shape {tuple(shape)} does not match the model"
+        received: list[tuple[str, torch.Tensor]] = []
+        try:
+            for n, dt, shape in zip(names, dtypes, shapes):
+                dtype = _DTYPES[str(dt).replace("torch.", "")]
+                buf = torch.empty(tuple(shape), dtype=dtype, device=self.device if self.device.type == "cuda" else "cpu")
+                opts = dist.BroadcastOptions()
+                opts.rootRank = 0
+                group.broadcast([buf], opts).wait()
+                received.append((n, buf))
+        except Exception as exc:
+            return False, f"broadcast failed: {exc}"
+        copy_named_tensors(self.model, received, require_all=False)
+        return True, f"received {len(received)} tensor(s) from the trainer"
+
+    def destroy_weights_update_group(self, payload: dict[str, Any]) -> tuple[bool, str]:
+        name = str(payload.get("group_name") or "weight_update_group")
+        if self._groups.pop(name, None) is None:
+            return False, f"no weights update group {name!r}"
+        return True, f"destroyed weights update group {name!r}"
+
+    # ------------------------------------------------------------ checksum
+
+    def weights_checker(self, action: str = "checksum") -> dict[str, Any]:
+        if action != "checksum":
+            raise ValueError(f"unsupported weights_checker action {action!r}; use 'checksum'")
+        return weights_checksum(self.model)
+
+
+def weights_checksum(model: torch.nn.Module) -> dict[str, Any]:
+    """SHA-256 over every parameter (name, dtype, shape, bytes) in name order."""
+    digest = hashlib.sha256()
+    count = 0
+    for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+        t = p.detach().to("cpu").contiguous()
+        digest.update(f"{name}|{t.dtype}|{tuple(t.shape)}".encode())
+        digest.update(t.view(torch.uint8).numpy().tobytes())
+        count += t.numel()
+    return {"checksum": digest.hexdigest(), "num_parameters": count}
+
+
+def _check_same_architecture(old: ModelConfig, new: ModelConfig) -> None:
+    fields = ("family", "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "tie_word_embeddings", "qkv_bias", "qk_norm")
+    diffs = [f"{f}: {getattr(old, f)} -> {getattr(new, f)}" for f in fields if getattr(old, f) != getattr(new, f)]
+    if diffs:
+        raise ModelLoadError("new weights have a different architecture: " + "; ".join(diffs))
