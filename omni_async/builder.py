@@ -9,7 +9,7 @@ import torch
 
 from .config import SchedulerConfig
 from .core.batch_core import NativeBatchCore
-from .device import ThreadStepExecutor
+from .device import EventWaiter, ThreadStepExecutor
 from .errors import InvalidRequestError
 from .kv.allocator import PageAllocator
 from .kv.cache import PagedKVCache
@@ -60,9 +60,11 @@ def build_native_stack(
     model_dtype = next(loaded.model.parameters()).dtype
     num_pages = kv_pages_for(config, loaded, device, model_dtype)
     cfg = loaded.config
+    # On CUDA one extra page at the end is the scratch page that padded graph rows write to.
+    scratch = 1 if device.type == "cuda" else 0
     kv = PagedKVCache(
         num_layers=cfg.num_layers,
-        num_pages=num_pages,
+        num_pages=num_pages + scratch,
         page_size=config.page_size,
         num_kv_heads=cfg.num_kv_heads,
         head_dim=cfg.head_dim,
@@ -85,6 +87,12 @@ def build_native_stack(
         eos_token_ids=cfg.eos_token_ids,
     )
     runner = NativeModelRunner(loaded.model, kv, device)
+    if device.type == "cuda" and config.cuda_graphs:
+        runner.enable_cuda_graphs(
+            scratch_page=num_pages,
+            max_len=min(config.cuda_graph_max_len, context),
+            max_batch=min(config.cuda_graph_max_batch, config.max_running_requests),
+        )
     core = NativeBatchCore(config, allocator, context)
     return NativeStack(loaded, kv, allocator, runner, core, limits, device)
 
@@ -104,7 +112,7 @@ def build_scheduler(stack: NativeStack, config: SchedulerConfig, **callbacks: An
         stack.core,
         stack.limits,
         config=config,
-        executor=ThreadStepExecutor(),
+        executor=ThreadStepExecutor(event_waiter=EventWaiter(config.event_wait)),
         model_info=info,
         model_worker=worker,
         **callbacks,

@@ -143,6 +143,12 @@ class SchedulerConfig:
     aborted_id_cap: int = 10_000
     aborted_id_keep: int = 5_000
     admin_timeout_s: float = 300.0
+    # CUDA only: decode steps replay CUDA graphs (per batch-size bucket) when every row
+    # fits in ``cuda_graph_max_len`` positions; completion is awaited by ``event_wait``.
+    cuda_graphs: bool = True
+    cuda_graph_max_len: int = 2048
+    cuda_graph_max_batch: int = 256
+    event_wait: str = "poll"
 
     def __post_init__(self) -> None:
         if self.loop not in LOOP_KINDS:

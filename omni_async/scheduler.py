@@ -529,17 +529,21 @@ class AsyncOmniScheduler:
         sched_output = self.build_sched_output(batch)
         self.trace("sync", batch)
         try:
-            return await self.executor.run(self.runner.execute, sched_output)
+            pending = await self.executor.run(self.runner.launch_step, sched_output)
+            if pending is None:
+                raise RuntimeError("runner launched nothing for a non-empty batch")
+            await self.executor.completion(pending.event)
+            return self.runner.finish_step(pending)
         except Exception as exc:
             self.handle_batch_failure(batch, exc)
             return None
 
     def launch_step(self, batch: ScheduledBatch) -> InflightStep:
-        """Queue a whole step (``runner.execute``) without waiting for it (overlap loop)."""
+        """Queue a step's launch without waiting for it (overlap loop)."""
         sched_output = self.build_sched_output(batch)
         self.trace("launch", batch)
         try:
-            fut = self.executor.launch(self.runner.execute, sched_output)
+            fut = self.executor.launch(self.runner.launch_step, sched_output)
         except Exception as exc:
             return InflightStep(batch, sched_output, None, exc)
         return InflightStep(batch, sched_output, fut)
@@ -549,7 +553,9 @@ class AsyncOmniScheduler:
         try:
             if step.future is None:
                 raise step.error or RuntimeError("step was not launched")
-            out = await self.executor.wait(step.future)
+            pending = await self.executor.wait(step.future)
+            await self.executor.completion(pending.event)
+            out = self.runner.finish_step(pending)
         except Exception as exc:
             self.handle_batch_failure(step.batch, exc)
             return
@@ -571,6 +577,8 @@ class AsyncOmniScheduler:
             if step.future is None:
                 raise step.error or RuntimeError("step was not launched")
             pending = await self.executor.wait(step.future)
+            if pending is not None:
+                await self.executor.completion(pending.event)
             out = self.runner.execute_resolve(pending)
             if out is None:
                 raise RuntimeError("execute_resolve returned no output")

@@ -29,8 +29,28 @@ class AttentionContext:
     logits_rows: torch.Tensor
     kv_slots: torch.Tensor | None = None
     kv_lens: torch.Tensor | None = None
+    # Decode under CUDA graphs: page tables ``[B, P]`` on the device; ``kv_slots`` is
+    # then derived on the device for a fixed span of ``P * page_size`` positions.
+    block_tables: torch.Tensor | None = None
+    page_size: int = 0
     seq_slices: list[tuple[int, int, int]] | None = None
     seq_kv_slots: list[torch.Tensor] | None = None
+
+
+try:  # grouped-query attention without materialising repeated K/V (torch >= 2.5)
+    F.scaled_dot_product_attention(
+        torch.zeros(1, 2, 1, 4), torch.zeros(1, 1, 1, 4), torch.zeros(1, 1, 1, 4), enable_gqa=True
+    )
+    _HAS_GQA = True
+except TypeError:  # pragma: no cover
+    _HAS_GQA = False
+_GQA = {"enable_gqa": True} if _HAS_GQA else {}
+
+
+def slots_from_tables(block_tables: torch.Tensor, page_size: int) -> torch.Tensor:
+    """``[B, P]`` page tables to ``[B, P * page_size]`` KV slots, on the device."""
+    offsets = torch.arange(page_size, device=block_tables.device, dtype=block_tables.dtype)
+    return (block_tables[:, :, None] * page_size + offsets).flatten(1)
 
 
 def _expand_kv(x: torch.Tensor, n_rep: int, head_dim_axis: int) -> torch.Tensor:
@@ -43,14 +63,18 @@ def paged_attention(
     v_cache: torch.Tensor,
     ctx: AttentionContext,
     scale: float,
+    k_new: torch.Tensor | None = None,
+    v_new: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``q``: ``[T, H, D]`` for the new tokens (their K/V already written). Returns ``[T, H, D]``."""
     num_heads = q.shape[1]
     n_rep = num_heads // k_cache.shape[1]
     if ctx.is_decode:
         assert ctx.kv_slots is not None and ctx.kv_lens is not None
-        k = _expand_kv(k_cache[ctx.kv_slots], n_rep, 2)  # [B, L, H, D]
-        v = _expand_kv(v_cache[ctx.kv_slots], n_rep, 2)
+        k = k_cache[ctx.kv_slots]  # [B, L, KVH, D]
+        v = v_cache[ctx.kv_slots]
+        if not _HAS_GQA:
+            k, v = _expand_kv(k, n_rep, 2), _expand_kv(v, n_rep, 2)
         positions = torch.arange(ctx.kv_slots.shape[1], device=q.device)
         mask = (positions[None, :] < ctx.kv_lens[:, None])[:, None, None, :]  # [B,1,1,L]
         out = F.scaled_dot_product_attention(
@@ -59,11 +83,24 @@ def paged_attention(
             v.transpose(1, 2),
             attn_mask=mask,
             scale=scale,
+            **_GQA,
         )
         return out.squeeze(2)
     assert ctx.seq_slices is not None and ctx.seq_kv_slots is not None
     out = torch.empty_like(q)
     for (q_start, q_len, prefix_len), slots in zip(ctx.seq_slices, ctx.seq_kv_slots):
+        if prefix_len == 0 and k_new is not None and v_new is not None and _HAS_GQA:
+            # A fresh sequence attends only to its own new tokens: no gather from pages.
+            o = F.scaled_dot_product_attention(
+                q[q_start : q_start + q_len].transpose(0, 1),
+                k_new[q_start : q_start + q_len].transpose(0, 1),
+                v_new[q_start : q_start + q_len].transpose(0, 1),
+                is_causal=True,
+                scale=scale,
+                enable_gqa=True,
+            )
+            out[q_start : q_start + q_len] = o.transpose(0, 1)
+            continue
         k = _expand_kv(k_cache[slots], n_rep, 1).transpose(0, 1)  # [H, L, D]
         v = _expand_kv(v_cache[slots], n_rep, 1).transpose(0, 1)
         kv_len = slots.shape[0]

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..kv.attention import AttentionContext, paged_attention
+from ..kv.attention import AttentionContext, paged_attention, slots_from_tables
 from ..kv.cache import PagedKVCache
 from .config import ModelConfig
 
@@ -94,7 +94,7 @@ class Attention(nn.Module):
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
         kv.write(self.layer_idx, ctx.slot_mapping, k, v)
-        out = paged_attention(q, kv.k[self.layer_idx], kv.v[self.layer_idx], ctx, self.scale)
+        out = paged_attention(q, kv.k[self.layer_idx], kv.v[self.layer_idx], ctx, self.scale, k_new=k, v_new=v)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
 
@@ -163,6 +163,8 @@ class DecoderModel(nn.Module):
         return_hidden: bool = False,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         x = self.model.embed_tokens(input_ids)
+        if ctx.is_decode and ctx.kv_slots is None and ctx.block_tables is not None:
+            ctx.kv_slots = slots_from_tables(ctx.block_tables, ctx.page_size)
         cos, sin = self.rope(positions, x.dtype)
         for layer in self.model.layers:
             x = layer(x, cos, sin, kv, ctx)

@@ -59,7 +59,13 @@ class ModelRunner:
         raise NotImplementedError
 
     def record_completion(self) -> Any:
-        """A marker that is done once the device finished the work enqueued so far."""
+        """A marker that is done once the device finished the work enqueued so far:
+        a CUDA event on CUDA, None on CPU (where the launch ran to completion)."""
+        device = getattr(self, "device", None)
+        if device is not None and getattr(device, "type", None) == "cuda":
+            event = torch.cuda.Event(blocking=True)
+            event.record()
+            return event
         return None
 
     @staticmethod
@@ -76,16 +82,43 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Whole step, synchronously: build, hooks, forward, sample, output."""
+        pending = self.launch_step(scheduler_output)
+        if pending is None:
+            return ModelRunnerOutput(outputs={}, req_ids=[], req_id_to_index={})
+        self.wait_completion(pending.event)
+        return self.finish_step(pending)
+
+    @torch.inference_mode()
+    def launch_step(self, scheduler_output: SchedulerOutput) -> PendingStep | None:
+        """The device half of ``execute``: build, hooks, forward, post hook, sample on the
+        device, completion marker. The scheduler awaits the marker cooperatively and then
+        calls ``finish_step``, so the loop never blocks on the device."""
         built = self._build_forward_batch(scheduler_output)
         if built is None:
-            return ModelRunnerOutput(outputs={}, req_ids=[], req_id_to_index={})
+            return None
         forward_batch, schedule_batch, is_prefill = built
         result = self._prepare_and_forward(forward_batch, schedule_batch, scheduler_output.requests, is_prefill)
         if is_prefill:
             self.post_prefill(result, forward_batch, schedule_batch, scheduler_output.requests)
         else:
             self.post_decode(result, forward_batch, schedule_batch, scheduler_output.requests)
-        return self._finalize(result, forward_batch, schedule_batch, scheduler_output)
+        if result.next_token_ids is None:
+            self._sample_into(result, forward_batch, schedule_batch, scheduler_output.requests)
+        return PendingStep(
+            event=self.record_completion(),
+            launch_buf=None,
+            scheduler_output=scheduler_output,
+            forward_batch=forward_batch,
+            schedule_batch=schedule_batch,
+            batch_result=result,
+            n_real=len(scheduler_output.requests),
+        )
+
+    @torch.inference_mode()
+    def finish_step(self, pending: PendingStep) -> ModelRunnerOutput:
+        """The host half of ``execute``, once the device is done: output extraction and
+        per-request bookkeeping."""
+        return self._finalize(pending.batch_result, pending.forward_batch, pending.schedule_batch, pending.scheduler_output)
 
     @torch.inference_mode()
     def execute_launch(self, scheduler_output: SchedulerOutput) -> PendingStep | None:

@@ -11,6 +11,7 @@ from ..kv.attention import AttentionContext
 from ..kv.cache import PagedKVCache
 from ..models.decoder import DecoderModel
 from .base import ModelRunner
+from .cuda_graphs import DecodeGraphs
 from .types import BatchResult, SchedulerOutput
 
 
@@ -20,6 +21,7 @@ class ForwardBatch:
     positions: torch.Tensor
     ctx: AttentionContext
     batch: ScheduledBatch
+    block_tables: torch.Tensor | None = None  # set when the step replays a CUDA graph
 
 
 class NativeModelRunner(ModelRunner):
@@ -28,6 +30,7 @@ class NativeModelRunner(ModelRunner):
         # When set, each sampled row's final hidden state goes out with its step output
         # (``RequestOutput.extra["hidden_state"]``), e.g. for a downstream talker stage.
         self.capture_hidden = capture_hidden
+        self.graphs: DecodeGraphs | None = None
         self.model = model
         self.kv = kv
         self.device = device
@@ -52,7 +55,15 @@ class NativeModelRunner(ModelRunner):
         )
         ends = torch.tensor(batch.extend_lens, dtype=torch.long).cumsum(0)
         logits_rows = ends - 1
-        if batch.is_decode:
+        graphed = self._graph_tables(batch)
+        if graphed is not None:
+            ctx = AttentionContext(
+                is_decode=True,
+                slot_mapping=slot_mapping.to(dev, non_blocking=True),
+                logits_rows=logits_rows.to(dev, non_blocking=True),
+                kv_lens=torch.tensor([p + 1 for p in batch.prefix_lens], dtype=torch.long).to(dev, non_blocking=True),
+            )
+        elif batch.is_decode:
             kv_lens = torch.tensor([p + 1 for p in batch.prefix_lens], dtype=torch.long)
             max_len = int(kv_lens.max())
             kv_slots = torch.stack(
@@ -80,14 +91,54 @@ class NativeModelRunner(ModelRunner):
                     for t, p, n in zip(batch.page_tables, batch.prefix_lens, batch.extend_lens)
                 ],
             )
-        input_ids = input_ids.to(dev)
+        input_ids = input_ids.to(dev, non_blocking=True)
+        self._fill_inflight_inputs(input_ids, batch)
+        return ForwardBatch(
+            input_ids=input_ids, positions=positions.to(dev, non_blocking=True), ctx=ctx, batch=batch, block_tables=graphed
+        )
+
+    @staticmethod
+    def _fill_inflight_inputs(input_ids: torch.Tensor, batch: ScheduledBatch) -> None:
+        """Decode inputs still in flight come from the previous step's sampled tokens on
+        the device: one gather per source tensor, no host round trip."""
+        groups: dict[int, tuple[torch.Tensor, list[int], list[int]]] = {}
         for pos, req in batch.inflight_inputs:
             ref = req.last_token_ref
             if ref is None:
                 raise RuntimeError(f"request {req.rid}: decode input is in flight but no token was published")
             tokens, row = ref
-            input_ids[pos] = tokens[row]
-        return ForwardBatch(input_ids=input_ids, positions=positions.to(dev), ctx=ctx, batch=batch)
+            entry = groups.setdefault(id(tokens), (tokens, [], []))
+            entry[1].append(pos)
+            entry[2].append(row)
+        for tokens, positions, rows in groups.values():
+            dst = torch.tensor(positions, dtype=torch.long).to(input_ids.device, non_blocking=True)
+            src = torch.tensor(rows, dtype=torch.long).to(tokens.device, non_blocking=True)
+            input_ids[dst] = tokens[src].to(input_ids.dtype)
+
+    def _graph_tables(self, batch: ScheduledBatch) -> torch.Tensor | None:
+        """Page tables for a decode step that fits a captured graph, else None."""
+        graphs = self.graphs
+        if graphs is None or not batch.is_decode or self.capture_hidden:
+            return None
+        widest = max(len(t) for t in batch.page_tables)
+        if not graphs.fits(batch.size, widest):
+            return None
+        table = torch.full((batch.size, widest), graphs.scratch_page, dtype=torch.long)
+        for i, pages in enumerate(batch.page_tables):
+            table[i, : len(pages)] = torch.tensor(pages, dtype=torch.long)
+        return table.to(self.device, non_blocking=True)
+
+    def enable_cuda_graphs(self, *, scratch_page: int, max_len: int, max_batch: int) -> None:
+        """Capture decode graphs (CUDA only)."""
+        self.graphs = DecodeGraphs(
+            self.model,
+            self.kv,
+            scratch_page=scratch_page,
+            max_pages_per_seq=-(-max_len // self.page_size),
+            max_batch=max_batch,
+            device=self.device,
+        )
+        self.graphs.capture_all()
 
     def row_output_ids(self, forward_batch: ForwardBatch, schedule_batch, row: int) -> list[int]:
         ids = super().row_output_ids(forward_batch, schedule_batch, row)
@@ -100,6 +151,12 @@ class NativeModelRunner(ModelRunner):
         return ids
 
     def forward(self, forward_batch: ForwardBatch) -> BatchResult:
+        if forward_batch.block_tables is not None and self.graphs is not None:
+            ctx = forward_batch.ctx
+            logits = self.graphs.replay(
+                forward_batch.input_ids, forward_batch.positions, ctx.slot_mapping, forward_batch.block_tables, ctx.kv_lens
+            )
+            return BatchResult(logits=logits, can_run_cuda_graph=True)
         if self.capture_hidden:
             logits, hidden = self.model(
                 forward_batch.input_ids, forward_batch.positions, self.kv, forward_batch.ctx, return_hidden=True

@@ -1,0 +1,119 @@
+"""CUDA graphs for decode steps: one graph per batch-size bucket, replayed from the loop.
+
+Captured over static device buffers: token ids, positions, the KV slot of each new token,
+page tables and sequence lengths. Attention spans a fixed ``max_pages * page_size``
+positions (masked past each row's length), so one graph serves every step of its bucket.
+Rows past the real batch write their KV into a scratch page that no request owns.
+Prefill and anything larger than the biggest bucket run eagerly.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..kv.attention import AttentionContext
+from ..kv.cache import PagedKVCache
+from ..models.decoder import DecoderModel
+
+DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256)
+
+
+class DecodeGraphs:
+    def __init__(
+        self,
+        model: DecoderModel,
+        kv: PagedKVCache,
+        *,
+        scratch_page: int,
+        max_pages_per_seq: int,
+        max_batch: int,
+        device: torch.device,
+        buckets: tuple[int, ...] = DEFAULT_BUCKETS,
+    ) -> None:
+        self.model = model
+        self.kv = kv
+        self.page_size = kv.page_size
+        self.scratch_page = scratch_page
+        self.max_pages = max_pages_per_seq
+        self.buckets = tuple(b for b in buckets if b <= max_batch) or (max_batch,)
+        self.max_batch = self.buckets[-1]
+        self.device = device
+        n = self.max_batch
+        self.input_ids = torch.zeros(n, dtype=torch.long, device=device)
+        self.positions = torch.zeros(n, dtype=torch.long, device=device)
+        self.slot_mapping = torch.zeros(n, dtype=torch.long, device=device)
+        self.block_tables = torch.full((n, self.max_pages), scratch_page, dtype=torch.long, device=device)
+        self.kv_lens = torch.ones(n, dtype=torch.long, device=device)
+        self.rows = torch.arange(n, device=device)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.pool = None
+        self.replays = 0
+
+    def bucket_for(self, bs: int) -> int | None:
+        for b in self.buckets:
+            if b >= bs:
+                return b
+        return None
+
+    def fits(self, bs: int, max_pages_needed: int) -> bool:
+        return bs <= self.max_batch and max_pages_needed <= self.max_pages
+
+    def _ctx(self, b: int) -> AttentionContext:
+        return AttentionContext(
+            is_decode=True,
+            slot_mapping=self.slot_mapping[:b],
+            logits_rows=self.rows[:b],
+            kv_lens=self.kv_lens[:b],
+            block_tables=self.block_tables[:b],
+            page_size=self.page_size,
+        )
+
+    @torch.inference_mode()
+    def capture_all(self) -> None:
+        self._reset_padding(0, self.max_batch)
+        stream = torch.cuda.Stream(device=self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for b in reversed(self.buckets):  # the largest first, so the pool fits all
+                for _ in range(2):  # warm up outside the graph
+                    self.model(self.input_ids[:b], self.positions[:b], self.kv, self._ctx(b))
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.pool, stream=stream):
+                    out = self.model(self.input_ids[:b], self.positions[:b], self.kv, self._ctx(b))
+                if self.pool is None:
+                    self.pool = graph.pool()
+                self.graphs[b] = (graph, out)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        torch.cuda.synchronize(self.device)
+
+    def _reset_padding(self, start: int, end: int) -> None:
+        scratch_slot = self.scratch_page * self.page_size
+        self.input_ids[start:end] = 0
+        self.positions[start:end] = 0
+        self.slot_mapping[start:end] = scratch_slot
+        self.block_tables[start:end] = self.scratch_page
+        self.kv_lens[start:end] = 1
+
+    def replay(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        block_tables: torch.Tensor,
+        kv_lens: torch.Tensor,
+    ) -> torch.Tensor:
+        bs = input_ids.shape[0]
+        b = self.bucket_for(bs)
+        assert b is not None
+        graph, out = self.graphs[b]
+        self.input_ids[:bs].copy_(input_ids, non_blocking=True)
+        self.positions[:bs].copy_(positions, non_blocking=True)
+        self.slot_mapping[:bs].copy_(slot_mapping, non_blocking=True)
+        self.block_tables[:bs, : block_tables.shape[1]].copy_(block_tables, non_blocking=True)
+        self.block_tables[:bs, block_tables.shape[1] :] = self.scratch_page
+        self.kv_lens[:bs].copy_(kv_lens, non_blocking=True)
+        if b > bs:
+            self._reset_padding(bs, b)
+        graph.replay()
+        self.replays += 1
+        return out[:bs]
