@@ -101,18 +101,63 @@ async def _greedy(path, device, loop, dtype, ps, n, **kw):
     return [r.output_ids for r in res], eng
 
 
+def kernel_check():
+    """The Triton paged decode kernel against a float64 reference on random inputs."""
+    from omni_async.kernels.paged_decode import paged_decode_attention
+
+    out = {}
+    gen = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for heads, kv_heads, dim in ((14, 2, 64), (8, 2, 32), (32, 8, 128), (4, 4, 64)):
+            ps, bsz = 16, 6
+            lens = [1, 17, 64, 300, 777, 1500][:bsz]
+            pages_needed = [-(-n // ps) for n in lens]
+            total_pages = sum(pages_needed) + 7
+            perm = torch.randperm(total_pages, generator=gen).tolist()
+            tables = torch.zeros(bsz, max(pages_needed), dtype=torch.long)
+            at = 0
+            for i, n in enumerate(pages_needed):
+                tables[i, :n] = torch.tensor(perm[at:at + n])
+                at += n
+            kc = torch.randn(total_pages * ps, kv_heads, dim, generator=gen)
+            vc = torch.randn(total_pages * ps, kv_heads, dim, generator=gen)
+            q = torch.randn(bsz, heads, dim, generator=gen)
+            scale = dim ** -0.5
+            ref = torch.empty(bsz, heads, dim, dtype=torch.float64)
+            for i, n in enumerate(lens):
+                pos = torch.arange(n)
+                slots = tables[i][pos // ps] * ps + pos % ps
+                k = kc[slots].double().repeat_interleave(heads // kv_heads, 1)
+                v = vc[slots].double().repeat_interleave(heads // kv_heads, 1)
+                att = torch.einsum("hd,nhd->hn", q[i].double(), k) * scale
+                ref[i] = torch.einsum("hn,nhd->hd", att.softmax(-1), v)
+            got = paged_decode_attention(q.to("cuda", dtype), kc.to("cuda", dtype), vc.to("cuda", dtype), tables.cuda(),
+                                         torch.tensor(lens).cuda(), ps, scale)
+            err = (got.double().cpu() - ref).abs().max().item()
+            out[f"{str(dtype)[6:]}_h{heads}_kv{kv_heads}_d{dim}"] = err
+    log("A kernel max abs err", out)
+    return out
+
+
 def section_correctness(tmp: Path):
+    import omni_async.runners.native as native
+
     small = make_checkpoint(tmp / "small", SMALL, dtype=torch.float32)
     ps = prompts(12, SMALL["vocab_size"], 4, 200, seed=3)
-    out = {}
+    out = {"paged_decode_kernel_max_abs_err": kernel_check()}
     cpu, _ = asyncio.run(_greedy(small, "cpu", "normal", "float32", ps, 32))
-    for loop in ("normal", "overlap", "async_decode"):
-        for graphs in (True, False):
-            toks, eng = asyncio.run(_greedy(small, "cuda", loop, "float32", ps, 32, cuda_graphs=graphs, kv_capacity_tokens=65536))
-            same = sum(a == b for a, b in zip(toks, cpu))
-            replays = eng.stack.runner.graphs.replays if eng.stack.runner.graphs else 0
-            out[f"fp32_{loop}_graphs={graphs}"] = {"requests_equal_to_cpu": f"{same}/{len(ps)}", "graph_replays": replays}
-            log("A", loop, graphs, same, "/", len(ps), "equal to CPU fp32; replays", replays)
+    real = native.triton_available
+    for kernel in (True, False):
+        native.triton_available = real if kernel else (lambda device=None: False)
+        for loop in ("normal", "overlap", "async_decode"):
+            for graphs in (True, False):
+                toks, eng = asyncio.run(_greedy(small, "cuda", loop, "float32", ps, 32, cuda_graphs=graphs, kv_capacity_tokens=65536))
+                same = sum(a == b for a, b in zip(toks, cpu))
+                replays = eng.stack.runner.graphs.replays if eng.stack.runner.graphs else 0
+                key = f"fp32_{loop}_graphs={graphs}_kernel={kernel}"
+                out[key] = {"requests_equal_to_cpu": f"{same}/{len(ps)}", "graph_replays": replays, "kernel": eng.stack.runner.use_kernel}
+                log("A", key, out[key])
+    native.triton_available = real
     # bf16 on CUDA against fp32 on CPU: the first-step logits of one prefill
     from omni_async.models.loader import load_model
     from omni_async.kv.attention import AttentionContext

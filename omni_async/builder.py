@@ -88,9 +88,11 @@ def build_native_stack(
     )
     runner = NativeModelRunner(loaded.model, kv, device)
     if device.type == "cuda" and config.cuda_graphs:
+        # With the paged kernel, attention costs what each sequence really holds, so
+        # graphs can span the whole context; without it they span cuda_graph_max_len.
         runner.enable_cuda_graphs(
             scratch_page=num_pages,
-            max_len=min(config.cuda_graph_max_len, context),
+            max_len=context if runner.use_kernel else min(config.cuda_graph_max_len, context),
             max_batch=min(config.cuda_graph_max_batch, config.max_running_requests),
         )
     core = NativeBatchCore(config, allocator, context)

@@ -33,6 +33,7 @@ class AttentionContext:
     # then derived on the device for a fixed span of ``P * page_size`` positions.
     block_tables: torch.Tensor | None = None
     page_size: int = 0
+    use_kernel: bool = False  # decode through the Triton paged kernel (CUDA)
     seq_slices: list[tuple[int, int, int]] | None = None
     seq_kv_slots: list[torch.Tensor] | None = None
 
@@ -70,6 +71,12 @@ def paged_attention(
     num_heads = q.shape[1]
     n_rep = num_heads // k_cache.shape[1]
     if ctx.is_decode:
+        if ctx.use_kernel and ctx.block_tables is not None:
+            from ..kernels.paged_decode import paged_decode_attention
+
+            return paged_decode_attention(q, k_cache, v_cache, ctx.block_tables, ctx.kv_lens, ctx.page_size, scale)
+        if ctx.kv_slots is None and ctx.block_tables is not None:
+            ctx.kv_slots = slots_from_tables(ctx.block_tables, ctx.page_size)  # once per forward
         assert ctx.kv_slots is not None and ctx.kv_lens is not None
         k = k_cache[ctx.kv_slots]  # [B, L, KVH, D]
         v = v_cache[ctx.kv_slots]

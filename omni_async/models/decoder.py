@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..kv.attention import AttentionContext, paged_attention, slots_from_tables
+from ..kv.attention import AttentionContext, paged_attention
 from ..kv.cache import PagedKVCache
 from .config import ModelConfig
 
@@ -163,8 +163,6 @@ class DecoderModel(nn.Module):
         return_hidden: bool = False,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         x = self.model.embed_tokens(input_ids)
-        if ctx.is_decode and ctx.kv_slots is None and ctx.block_tables is not None:
-            ctx.kv_slots = slots_from_tables(ctx.block_tables, ctx.page_size)
         cos, sin = self.rope(positions, x.dtype)
         for layer in self.model.layers:
             x = layer(x, cos, sin, kv, ctx)

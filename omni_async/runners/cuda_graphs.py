@@ -29,7 +29,9 @@ class DecodeGraphs:
         max_batch: int,
         device: torch.device,
         buckets: tuple[int, ...] = DEFAULT_BUCKETS,
+        use_kernel: bool = False,
     ) -> None:
+        self.use_kernel = use_kernel
         self.model = model
         self.kv = kv
         self.page_size = kv.page_size
@@ -66,6 +68,7 @@ class DecodeGraphs:
             kv_lens=self.kv_lens[:b],
             block_tables=self.block_tables[:b],
             page_size=self.page_size,
+            use_kernel=self.use_kernel,
         )
 
     @torch.inference_mode()

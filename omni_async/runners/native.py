@@ -11,6 +11,7 @@ from ..kv.attention import AttentionContext
 from ..kv.cache import PagedKVCache
 from ..models.decoder import DecoderModel
 from .base import ModelRunner
+from ..kernels import triton_available
 from .cuda_graphs import DecodeGraphs
 from .types import BatchResult, SchedulerOutput
 
@@ -31,6 +32,8 @@ class NativeModelRunner(ModelRunner):
         # (``RequestOutput.extra["hidden_state"]``), e.g. for a downstream talker stage.
         self.capture_hidden = capture_hidden
         self.graphs: DecodeGraphs | None = None
+        # Decode attention through the Triton paged kernel (CUDA with Triton).
+        self.use_kernel = triton_available(device)
         self.model = model
         self.kv = kv
         self.device = device
@@ -56,7 +59,18 @@ class NativeModelRunner(ModelRunner):
         ends = torch.tensor(batch.extend_lens, dtype=torch.long).cumsum(0)
         logits_rows = ends - 1
         graphed = self._graph_tables(batch)
-        if graphed is not None:
+        if graphed is None and batch.is_decode and self.use_kernel:
+            tables = self._page_tables(batch, scratch=0)
+            ctx = AttentionContext(
+                is_decode=True,
+                slot_mapping=slot_mapping.to(dev, non_blocking=True),
+                logits_rows=logits_rows.to(dev, non_blocking=True),
+                kv_lens=torch.tensor([p + 1 for p in batch.prefix_lens], dtype=torch.long).to(dev, non_blocking=True),
+                block_tables=tables,
+                page_size=self.page_size,
+                use_kernel=True,
+            )
+        elif graphed is not None:
             ctx = AttentionContext(
                 is_decode=True,
                 slot_mapping=slot_mapping.to(dev, non_blocking=True),
@@ -123,7 +137,11 @@ class NativeModelRunner(ModelRunner):
         widest = max(len(t) for t in batch.page_tables)
         if not graphs.fits(batch.size, widest):
             return None
-        table = torch.full((batch.size, widest), graphs.scratch_page, dtype=torch.long)
+        return self._page_tables(batch, scratch=graphs.scratch_page)
+
+    def _page_tables(self, batch: ScheduledBatch, scratch: int) -> torch.Tensor:
+        widest = max(len(t) for t in batch.page_tables)
+        table = torch.full((batch.size, widest), scratch, dtype=torch.long)
         for i, pages in enumerate(batch.page_tables):
             table[i, : len(pages)] = torch.tensor(pages, dtype=torch.long)
         return table.to(self.device, non_blocking=True)
@@ -137,6 +155,7 @@ class NativeModelRunner(ModelRunner):
             max_pages_per_seq=-(-max_len // self.page_size),
             max_batch=max_batch,
             device=self.device,
+            use_kernel=self.use_kernel,
         )
         self.graphs.capture_all()
 
