@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from ..core.batch import ScheduledBatch
-from ..kv.attention import AttentionContext
+from ..kv.attention import AttentionContext, slots_from_tables
 from ..kv.cache import PagedKVCache
 from ..models.decoder import DecoderModel
 from .base import ModelRunner
@@ -48,68 +48,52 @@ class NativeModelRunner(ModelRunner):
     def build_forward_batch(self, scheduler_output: SchedulerOutput) -> ForwardBatch:
         batch = scheduler_output.batch_data
         assert batch is not None
+        return self._build_decode(batch) if batch.is_decode else self._build_extend(batch)
+
+    def _build_decode(self, batch: ScheduledBatch) -> ForwardBatch:
+        """One host tensor, one copy: token ids, positions, KV slots and lengths are
+        computed in plain Python per row and moved together."""
+        ps = self.page_size
+        pos = batch.prefix_lens  # the new token's position = tokens already cached
+        slots = [t[p // ps] * ps + p % ps for t, p in zip(batch.page_tables, pos)]
+        host = torch.tensor([batch.input_ids, pos, slots, [p + 1 for p in pos]], dtype=torch.long)
+        input_ids, positions, slot_mapping, kv_lens = host.to(self.device, non_blocking=True).unbind(0)
+        rows = torch.arange(batch.size, device=self.device)
+        graphed = self._graph_tables(batch)
+        if graphed is not None:
+            ctx = AttentionContext(is_decode=True, slot_mapping=slot_mapping, logits_rows=rows, kv_lens=kv_lens)
+        elif self.use_kernel:
+            ctx = AttentionContext(
+                is_decode=True, slot_mapping=slot_mapping, logits_rows=rows, kv_lens=kv_lens,
+                block_tables=self._page_tables(batch, scratch=0), page_size=ps, use_kernel=True,
+            )
+        else:  # the torch reference: pages gathered into a padded [B, L] view
+            tables = self._page_tables(batch, scratch=0)
+            kv_slots = slots_from_tables(tables, ps)[:, : max(pos) + 1]
+            ctx = AttentionContext(is_decode=True, slot_mapping=slot_mapping, logits_rows=rows, kv_lens=kv_lens, kv_slots=kv_slots)
+        self._fill_inflight_inputs(input_ids, batch)
+        return ForwardBatch(input_ids=input_ids, positions=positions, ctx=ctx, batch=batch, block_tables=graphed)
+
+    def _build_extend(self, batch: ScheduledBatch) -> ForwardBatch:
         dev = self.device
         input_ids = torch.tensor(batch.input_ids, dtype=torch.long)
         positions = torch.cat(
             [torch.arange(p, p + n, dtype=torch.long) for p, n in zip(batch.prefix_lens, batch.extend_lens)]
         )
-        slot_mapping = torch.cat(
-            [self._slots(t, p, p + n) for t, p, n in zip(batch.page_tables, batch.prefix_lens, batch.extend_lens)]
-        )
+        seq_slots = [self._slots(t, 0, p + n) for t, p, n in zip(batch.page_tables, batch.prefix_lens, batch.extend_lens)]
+        slot_mapping = torch.cat([sl[p:] for sl, p in zip(seq_slots, batch.prefix_lens)])
         ends = torch.tensor(batch.extend_lens, dtype=torch.long).cumsum(0)
-        logits_rows = ends - 1
-        graphed = self._graph_tables(batch)
-        if graphed is None and batch.is_decode and self.use_kernel:
-            tables = self._page_tables(batch, scratch=0)
-            ctx = AttentionContext(
-                is_decode=True,
-                slot_mapping=slot_mapping.to(dev, non_blocking=True),
-                logits_rows=logits_rows.to(dev, non_blocking=True),
-                kv_lens=torch.tensor([p + 1 for p in batch.prefix_lens], dtype=torch.long).to(dev, non_blocking=True),
-                block_tables=tables,
-                page_size=self.page_size,
-                use_kernel=True,
-            )
-        elif graphed is not None:
-            ctx = AttentionContext(
-                is_decode=True,
-                slot_mapping=slot_mapping.to(dev, non_blocking=True),
-                logits_rows=logits_rows.to(dev, non_blocking=True),
-                kv_lens=torch.tensor([p + 1 for p in batch.prefix_lens], dtype=torch.long).to(dev, non_blocking=True),
-            )
-        elif batch.is_decode:
-            kv_lens = torch.tensor([p + 1 for p in batch.prefix_lens], dtype=torch.long)
-            max_len = int(kv_lens.max())
-            kv_slots = torch.stack(
-                [
-                    torch.nn.functional.pad(self._slots(t, 0, int(n)), (0, max_len - int(n)))
-                    for t, n in zip(batch.page_tables, kv_lens.tolist())
-                ]
-            )
-            ctx = AttentionContext(
-                is_decode=True,
-                slot_mapping=slot_mapping.to(dev),
-                logits_rows=logits_rows.to(dev),
-                kv_slots=kv_slots.to(dev),
-                kv_lens=kv_lens.to(dev),
-            )
-        else:
-            starts = (ends - torch.tensor(batch.extend_lens)).tolist()
-            ctx = AttentionContext(
-                is_decode=False,
-                slot_mapping=slot_mapping.to(dev),
-                logits_rows=logits_rows.to(dev),
-                seq_slices=[(s, n, p) for s, n, p in zip(starts, batch.extend_lens, batch.prefix_lens)],
-                seq_kv_slots=[
-                    self._slots(t, 0, p + n).to(dev)
-                    for t, p, n in zip(batch.page_tables, batch.prefix_lens, batch.extend_lens)
-                ],
-            )
+        starts = (ends - torch.tensor(batch.extend_lens)).tolist()
+        ctx = AttentionContext(
+            is_decode=False,
+            slot_mapping=slot_mapping.to(dev),
+            logits_rows=(ends - 1).to(dev),
+            seq_slices=[(st, n, p) for st, n, p in zip(starts, batch.extend_lens, batch.prefix_lens)],
+            seq_kv_slots=[sl.to(dev) for sl in seq_slots],
+        )
         input_ids = input_ids.to(dev, non_blocking=True)
         self._fill_inflight_inputs(input_ids, batch)
-        return ForwardBatch(
-            input_ids=input_ids, positions=positions.to(dev, non_blocking=True), ctx=ctx, batch=batch, block_tables=graphed
-        )
+        return ForwardBatch(input_ids=input_ids, positions=positions.to(dev, non_blocking=True), ctx=ctx, batch=batch)
 
     @staticmethod
     def _fill_inflight_inputs(input_ids: torch.Tensor, batch: ScheduledBatch) -> None:
@@ -141,10 +125,8 @@ class NativeModelRunner(ModelRunner):
 
     def _page_tables(self, batch: ScheduledBatch, scratch: int) -> torch.Tensor:
         widest = max(len(t) for t in batch.page_tables)
-        table = torch.full((batch.size, widest), scratch, dtype=torch.long)
-        for i, pages in enumerate(batch.page_tables):
-            table[i, : len(pages)] = torch.tensor(pages, dtype=torch.long)
-        return table.to(self.device, non_blocking=True)
+        rows = [t + [scratch] * (widest - len(t)) for t in batch.page_tables]
+        return torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True)
 
     def enable_cuda_graphs(self, *, scratch_page: int, max_len: int, max_batch: int) -> None:
         """Capture decode graphs (CUDA only)."""
