@@ -16,6 +16,7 @@ import anyio
 
 from . import errors
 from .builder import NativeStack, build_native_stack, build_scheduler
+from .channels import drain_stream
 from .config import SamplingParams, SchedulerConfig
 from .messages import GenerationResult, IncomingMessage, OutgoingMessage, RequestPayload, StreamDelta
 from .scheduler import AsyncOmniScheduler
@@ -154,7 +155,7 @@ class Engine:
             await tg.__aexit__(None, None, None)
 
     async def _route_outbox(self) -> None:
-        async for msg in self.scheduler.outbox:
+        async for msg in drain_stream(self.scheduler.outbox):
             handle = self._handles.get(msg.request_id)
             if handle is None:
                 continue

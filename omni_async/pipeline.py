@@ -14,6 +14,7 @@ from typing import Any, AsyncIterator, Callable
 import anyio
 
 from . import errors
+from .channels import drain_stream
 from .messages import IncomingMessage, OutgoingMessage
 from .scheduler import AsyncOmniScheduler
 
@@ -125,7 +126,7 @@ class TwoStagePipeline:
         return True
 
     async def _route_first(self) -> None:
-        async for msg in self.first.outbox:
+        async for msg in drain_stream(self.first.outbox):
             await self._deliver(self.names[0], msg)
             rid = msg.request_id
             if msg.type == "stream":
@@ -142,7 +143,7 @@ class TwoStagePipeline:
             pass
 
     async def _route_second(self) -> None:
-        async for msg in self.second.outbox:
+        async for msg in drain_stream(self.second.outbox):
             await self._deliver(self.names[1], msg)
             if msg.type == "error":
                 self.first.abort(msg.request_id)

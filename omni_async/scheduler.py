@@ -29,6 +29,7 @@ from .core.batch import ScheduledBatch
 from .core.batch_core import BatchCore
 from .core.request import Request, RequestData
 from .admission import Admission
+from .channels import drain_stream
 from .device import ThreadStepExecutor
 from .logs import debug_enabled, log
 from .messages import (
@@ -249,7 +250,7 @@ class AsyncOmniScheduler:
         self._stopped.set()
 
     async def _pump_inbox(self) -> None:
-        async for msg in self._inbox_rx:
+        async for msg in drain_stream(self._inbox_rx):
             self._arrived.append(msg)
             self._wake.set()
 

@@ -14,7 +14,7 @@ import socket
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -37,7 +37,7 @@ from sglang.srt.server_args import ServerArgs
 from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
 from .core import SGLangBatchCore
-from .runner import SGLangModelRunner
+from .runner import SGLangModelRunner, SGLangModelWorker
 
 DEFAULT_CPU_KV_TOKENS = 32768
 
@@ -63,6 +63,7 @@ class SGLangStack:
     kv_total_tokens: int  # allocator.available_size() with nothing allocated
     req_slots_total: int  # req_to_token_pool.available_size() with nothing allocated
     runner: SGLangModelRunner
+    model_worker: SGLangModelWorker
     core: SGLangBatchCore
     limits: ModelLimits
     path: str
@@ -223,7 +224,6 @@ def build_stack(
             max_running_requests=min(int(config.max_running_requests), int(max_running)),
             context_length=context_length,
         )
-        runner.core = core
         stack = SGLangStack(
             server_args=server_args,
             model_config=model_config,
@@ -235,6 +235,7 @@ def build_stack(
             kv_total_tokens=int(allocator.available_size()),
             req_slots_total=int(req_to_token_pool.available_size()),
             runner=runner,
+            model_worker=SGLangModelWorker(tp_worker, model_path=str(folder)),
             core=core,
             limits=limits,
             path=str(folder),
@@ -279,14 +280,33 @@ class SGLangEngine(Engine):
                 release_stack(self.stack)
 
 
+class StepTrackingExecutor(ThreadStepExecutor):
+    """The native worker thread, noting when each step has run on it (success or not):
+    the SGLang core releases a finished request's KV only once no step that reads it is
+    still to run (see ``SGLangBatchCore._release``)."""
+
+    def launch(self, fn: Callable[..., Any], *args: Any):  # type: ignore[override]
+        def run_and_mark(*a: Any) -> Any:
+            try:
+                return fn(*a)
+            finally:
+                for arg in a:
+                    batch = getattr(arg, "batch_data", None)
+                    if batch is not None and hasattr(batch, "executed"):
+                        batch.executed = True
+
+        return super().launch(run_and_mark, *args)
+
+
 def build_scheduler(stack: SGLangStack, config: SchedulerConfig, **callbacks: Any) -> AsyncOmniScheduler:
     scheduler = AsyncOmniScheduler(
         stack.runner,
         stack.core,
         stack.limits,
         config=config,
-        executor=ThreadStepExecutor(),
+        executor=StepTrackingExecutor(),
         model_info=dict(stack.info),
+        model_worker=stack.model_worker,
         **callbacks,
     )
     stack.core.wake = scheduler.wake

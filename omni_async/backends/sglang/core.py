@@ -81,7 +81,7 @@ class SGLangScheduledBatch:
         self.output_snapshots = output_snapshots
         self.schedule_batch = schedule_batch
         self.step_id = step_id
-        self.executed = False  # set by the runner once the step ran (or failed) on the worker
+        self.executed = False  # set by the step executor once the step ran (or failed) on the worker
         self.processed = False
 
     @property

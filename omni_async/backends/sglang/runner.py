@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from ...runners.base import ModelRunner, PendingStep
-from ...runners.types import BatchResult, ModelRunnerOutput, SchedulerOutput
+from ...runners.base import ModelRunner
+from ...runners.types import BatchResult, SchedulerOutput
 
 from sglang.srt.managers.overlap_utils import RelayPayload, resolve_forward_inputs
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
@@ -41,7 +41,6 @@ class SGLangModelRunner(ModelRunner):
         self.future_map = future_map
         self.device = torch.device(tp_worker.device) if not isinstance(tp_worker.device, torch.device) else tp_worker.device
         self.model = tp_worker.model_runner.model
-        self.core: Any = None  # set by the builder (weight updates flush its cache)
 
     # ------------------------------------------------------------ backend parts
 
@@ -83,18 +82,6 @@ class SGLangModelRunner(ModelRunner):
 
     # ------------------------------------------------------------ completion
 
-    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        try:
-            return super().execute(scheduler_output)
-        finally:
-            _mark_executed(scheduler_output)
-
-    def execute_launch(self, scheduler_output: SchedulerOutput) -> PendingStep | None:
-        try:
-            return super().execute_launch(scheduler_output)
-        finally:
-            _mark_executed(scheduler_output)
-
     def record_completion(self) -> Any:
         if self.device.type == "cuda":
             event = torch.cuda.Event()
@@ -110,29 +97,46 @@ class SGLangModelRunner(ModelRunner):
     def post_decode_resolve(self, launch_buf, result, forward_batch, schedule_batch, requests) -> None:
         result.next_token_ids = launch_buf
 
-    # ------------------------------------------------------------ weights
 
-    def update_weights_from_disk(self, model_path: str, load_format: str | None = None) -> tuple[bool, str]:
-        """Load new weights through SGLang's model runner. Returns (success, message).
-        The caller pauses generation first; the radix cache is flushed on success
-        (its KV was computed with the old weights)."""
+class SGLangModelWorker:
+    """The stage's model worker for admin actions (the reference's ``model_worker``):
+    weight updates go through SGLang's own weight updater. Methods return
+    ``(success, message)``; the admin lifecycle (omni_async.admin) pauses, drains and
+    flushes the radix cache around them."""
+
+    def __init__(self, tp_worker: Any, *, model_path: str, load_format: str = "safetensors") -> None:
+        self.tp_worker = tp_worker
+        self.model_path = model_path
+        self.load_format = load_format
+
+    def model_info(self) -> dict[str, Any]:
+        return {"model_path": self.model_path, "load_format": self.load_format}
+
+    def update_weights_from_disk(self, payload: dict[str, Any] | str) -> tuple[bool, str]:
+        """``payload``: the admin payload (``model_path``, optional ``load_format``) or a
+        path. A failed update leaves the old weights serving (SGLang rolls back)."""
+        if isinstance(payload, dict):
+            path, load_format = payload.get("model_path"), payload.get("load_format")
+        else:
+            path, load_format = payload, None
+        if not path:
+            return False, "update_weights_from_disk needs model_path"
+        load_format = load_format or self.load_format
+        success, message = True, "Succeeded to update model weights."
         try:
-            success, message = True, "Succeeded to update model weights."
             for _role, runner in self.tp_worker.weight_update_runners():
-                success, message = runner.weight_updater.update_weights_from_disk(
-                    str(model_path), load_format or "safetensors"
-                )
+                success, message = runner.weight_updater.update_weights_from_disk(str(path), load_format)
                 if not success:
                     break
         except Exception as exc:  # a bad path or checkpoint must not take the stage down
             return False, f"update_weights_from_disk failed: {exc!r}"
-        if success and self.core is not None:
-            if not self.core.flush_cache():
-                return False, f"{message}; cache flush failed (requests still hold KV)"
+        if success:
+            self.model_path = str(path)
         return bool(success), str(message)
 
+    def weights_checker(self, action: str = "checksum") -> dict[str, Any]:
+        from ...weights import weights_checksum
 
-def _mark_executed(scheduler_output: SchedulerOutput) -> None:
-    batch = scheduler_output.batch_data
-    if batch is not None:
-        batch.executed = True
+        if action != "checksum":
+            raise ValueError(f"unsupported weights_checker action {action!r}; use 'checksum'")
+        return weights_checksum(self.tp_worker.model_runner.model)
