@@ -71,6 +71,7 @@ class InflightStep:
     batch: ScheduledBatch
     sched_output: SchedulerOutput
     future: "concurrent.futures.Future[Any] | None"  # None when the launch itself failed
+    lookahead: bool = False  # launched through execute_launch, resolved by execute_resolve
     error: BaseException | None = None
 
 
@@ -525,64 +526,39 @@ class AsyncOmniScheduler:
             batch_data=batch,
         )
 
-    async def run_batch(self, batch: ScheduledBatch) -> ModelRunnerOutput | None:
-        """One synchronous step on the worker: None when it failed (already handled)."""
-        sched_output = self.build_sched_output(batch)
-        self.trace("sync", batch)
-        try:
-            pending = await self.executor.run(self.runner.launch_step, sched_output)
-            if pending is None:
-                raise RuntimeError("runner launched nothing for a non-empty batch")
-            await self.executor.completion(pending.event)
-            return self.runner.finish_step(pending)
-        except Exception as exc:
-            self.handle_batch_failure(batch, exc)
-            return None
+    async def run_batch(self, batch: ScheduledBatch) -> None:
+        """One synchronous step: launch, await, process (a failure is handled here)."""
+        await self.finish_step(self.launch_step(batch, trace="sync"))
 
-    def launch_step(self, batch: ScheduledBatch) -> InflightStep:
-        """Queue a step's launch without waiting for it (overlap loop)."""
+    def launch_step(self, batch: ScheduledBatch, *, lookahead: bool = False, trace: str = "launch") -> InflightStep:
+        """Queue a step's launch on the worker without waiting for it: the whole step
+        (``runner.launch_step``), or a lookahead decode step (``runner.execute_launch``)."""
         sched_output = self.build_sched_output(batch)
-        self.trace("launch", batch)
+        self.trace(trace, batch)
+        launch = self.runner.execute_launch if lookahead else self.runner.launch_step
         try:
-            fut = self.executor.launch(self.runner.launch_step, sched_output)
+            fut = self.executor.launch(launch, sched_output)
         except Exception as exc:
-            return InflightStep(batch, sched_output, None, exc)
-        return InflightStep(batch, sched_output, fut)
+            return InflightStep(batch, sched_output, None, lookahead, exc)
+        return InflightStep(batch, sched_output, fut, lookahead)
 
     async def finish_step(self, step: InflightStep) -> None:
-        """Await a step queued by ``launch_step`` and process its result."""
-        try:
-            if step.future is None:
-                raise step.error or RuntimeError("step was not launched")
-            pending = await self.executor.wait(step.future)
-            await self.executor.completion(pending.event)
-            out = self.runner.finish_step(pending)
-        except Exception as exc:
-            self.handle_batch_failure(step.batch, exc)
-            return
-        self.process_batch_result(step.batch, out)
-
-    def launch_lookahead(self, batch: ScheduledBatch) -> InflightStep:
-        """Launch a decode step through ``runner.execute_launch`` (async-decode loop)."""
-        sched_output = self.build_sched_output(batch)
-        self.trace("launch", batch)
-        try:
-            fut = self.executor.launch(self.runner.execute_launch, sched_output)
-        except Exception as exc:
-            return InflightStep(batch, sched_output, None, exc)
-        return InflightStep(batch, sched_output, fut)
-
-    async def resolve_lookahead(self, step: InflightStep) -> None:
-        """Await a launched step's completion, ``runner.execute_resolve``, process."""
+        """Await a launched step (its launch, then its device completion), take its
+        output (``runner.finish_step`` or ``runner.execute_resolve``), process it."""
         try:
             if step.future is None:
                 raise step.error or RuntimeError("step was not launched")
             pending = await self.executor.wait(step.future)
             if pending is not None:
                 await self.executor.completion(pending.event)
-            out = self.runner.execute_resolve(pending)
+            if step.lookahead:
+                out = self.runner.execute_resolve(pending)
+            elif pending is not None:
+                out = self.runner.finish_step(pending)
+            else:
+                out = None
             if out is None:
-                raise RuntimeError("execute_resolve returned no output")
+                raise RuntimeError("runner produced no output for a non-empty batch")
         except Exception as exc:
             self.handle_batch_failure(step.batch, exc)
             return

@@ -24,7 +24,7 @@ async def async_decode_loop(s: "AsyncOmniScheduler") -> None:
         step, pending = pending, None
         if step is not None:
             s.trace("drain", step.batch)
-            await s.resolve_lookahead(step)
+            await s.finish_step(step)
 
     s.drain_hook = drain
     min_bs = s.config.async_decode_min_batch_size
@@ -43,11 +43,11 @@ async def async_decode_loop(s: "AsyncOmniScheduler") -> None:
                 and s.runner.lookahead_eligible(batch)
             )
             if use_lookahead:
-                launched = s.launch_lookahead(batch)
+                launched = s.launch_step(batch, lookahead=True)
                 previous, pending = pending, launched
                 if previous is not None:
                     s.trace("resolve", previous.batch)
-                    await s.resolve_lookahead(previous)
+                    await s.finish_step(previous)
                 continue
             if pending is not None:
                 await drain()
@@ -56,9 +56,7 @@ async def async_decode_loop(s: "AsyncOmniScheduler") -> None:
             if batch is None:
                 await s.wait_for_work()
                 continue
-            result = await s.run_batch(batch)
-            if result is not None:
-                s.process_batch_result(batch, result)
+            await s.run_batch(batch)
         await drain()
     finally:
         s.drain_hook = None

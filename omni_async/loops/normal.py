@@ -19,6 +19,4 @@ async def normal_loop(s: "AsyncOmniScheduler") -> None:
         if batch is None:
             await s.wait_for_work()
             continue
-        result = await s.run_batch(batch)
-        if result is not None:
-            s.process_batch_result(batch, result)
+        await s.run_batch(batch)
