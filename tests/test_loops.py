@@ -212,3 +212,28 @@ async def test_runner_failure_in_lookahead_fails_that_batch_only(where):
         )
         assert all(len(r.output_ids) == 12 for r in after)
     assert_kv_free(engine)
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+async def test_no_stall_when_the_step_in_flight_frees_the_kv_waiting_requests_need(hf_checkpoints, loop):
+    """Tiny KV: nothing can be scheduled until the step in flight finishes requests and
+    frees their KV; the loop must look again after draining instead of going idle."""
+    from .conftest import random_prompts
+
+    prompts = random_prompts(14, 512, 3, 50, seed=7)
+    prompts.append(list(prompts[0]))
+    prompts.append(prompts[1][:20] + [5, 6, 7])
+    rng = random.Random(11)
+    lengths = [rng.randint(1, 20) if i % 4 == 0 else rng.randint(60, 100) for i, _ in enumerate(prompts)]
+    engine = Engine.from_pretrained(
+        str(hf_checkpoints["llama"]), loop=loop, page_size=4, kv_capacity_tokens=200, chunked_prefill_size=32, max_prefill_tokens=48
+    )
+    async with engine:
+        reqs = [engine.generate(input_ids=p, sampling=SamplingParams(max_new_tokens=n)) for p, n in zip(prompts, lengths)]
+        reqs += [
+            engine.generate(input_ids=p, sampling=SamplingParams(max_new_tokens=12, temperature=0.9, top_k=40, top_p=0.95, seed=100 + i))
+            for i, p in enumerate(prompts[:4])
+        ]
+        results = await asyncio.wait_for(asyncio.gather(*reqs), 60)
+    assert [len(r.output_ids) for r in results] == lengths + [12] * 4
+    assert_kv_free(engine)

@@ -49,12 +49,14 @@ async def async_decode_loop(s: "AsyncOmniScheduler") -> None:
                     s.trace("resolve", previous.batch)
                     await s.finish_step(previous)
                 continue
-            if pending is not None:
-                await drain()
+            drained = pending is not None
+            if drained:
+                await drain()  # may free KV that waiting requests need: look again
                 if batch is not None:
                     batch = batch.without_stale_rows()
             if batch is None:
-                await s.wait_for_work()
+                if not drained:
+                    await s.wait_for_work()
                 continue
             await s.run_batch(batch)
         await drain()

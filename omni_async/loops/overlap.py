@@ -33,10 +33,11 @@ async def overlap_loop(s: "AsyncOmniScheduler") -> None:
                 continue
             batch = s.core.get_next_batch()
             current = s.launch_step(batch) if batch is not None else None
-            if previous is not None:
-                await drain()
+            drained = previous is not None
+            if drained:
+                await drain()  # may free KV that waiting requests need: look again
             previous = current
-            if current is None:
+            if current is None and not drained:
                 await s.wait_for_work()
         await drain()
     finally:
