@@ -8,11 +8,9 @@ import pytest
 
 from omni_async import Engine, errors
 
-pytestmark = pytest.mark.skipif(
+@pytest.mark.skipif(
     importlib.util.find_spec("sglang") is not None, reason="sglang is installed here (tests/sglang covers it)"
 )
-
-
 def test_sglang_backend_without_sglang_names_the_extra(tmp_path):
     from omni_async.backends.sglang import SGLangUnavailableError
 

@@ -297,14 +297,26 @@ class StepTrackingExecutor(ThreadStepExecutor):
 
         return super().launch(run_and_mark, *args)
 
+    async def aclose(self) -> None:
+        """The scheduler's shutdown: once the worker stopped, another SGLang stack may be
+        built in this process."""
+        try:
+            await super().aclose()
+        finally:
+            stack = getattr(self, "stack", None)
+            if stack is not None:
+                release_stack(stack)
+
 
 def build_scheduler(stack: SGLangStack, config: SchedulerConfig, **callbacks: Any) -> AsyncOmniScheduler:
+    executor = StepTrackingExecutor()
+    executor.stack = stack  # type: ignore[attr-defined]
     scheduler = AsyncOmniScheduler(
         stack.runner,
         stack.core,
         stack.limits,
         config=config,
-        executor=StepTrackingExecutor(),
+        executor=executor,
         model_info=dict(stack.info),
         model_worker=stack.model_worker,
         **callbacks,

@@ -101,10 +101,6 @@ class SGLangScheduledBatch:
         sb = self.schedule_batch
         return int(sb.extend_num_tokens) if self.mode.is_extend() else len(self.reqs)
 
-    @property
-    def input_ids(self) -> list[int]:
-        return []
-
     def row_is_live(self, i: int) -> bool:
         """False when the row's request finished or was retracted after scheduling."""
         req = self.reqs[i]
@@ -194,20 +190,23 @@ class SGLangBatchCore:
         n_in = len(req.prompt_ids)
         # Scheduler.init_req_max_new_tokens: keep input + output within max_req_len.
         max_new = max(1, min(s.max_new_tokens, self.context_length - n_in))
-        params = SGLangSamplingParams(
-            max_new_tokens=max_new,
-            # omni-async's stop set: stop_token_ids, plus EOS unless ignore_eos. SGLang's
-            # finish check then stops on exactly these (its ignore_eos would also
-            # silence stop_token_ids). min_new_tokens is enforced by the sampler.
-            stop_token_ids=set(req.stop_ids()) or None,
-            temperature=float(s.temperature),
-            top_p=float(s.top_p),
-            top_k=int(s.top_k) if s.top_k > 0 else -1,
-            min_p=float(s.min_p),
-            ignore_eos=False,
-        )
+        # omni-async's stop set: stop_token_ids, plus EOS unless ignore_eos. SGLang's
+        # finish check then stops on exactly these (its ignore_eos would also silence
+        # stop_token_ids). Sampling itself (filters, seeds, penalties, min_new_tokens) is
+        # omni-async's shared sampler; the knobs below only describe the request.
+        finish = dict(max_new_tokens=max_new, stop_token_ids=set(req.stop_ids()) or None, ignore_eos=False)
+        try:
+            params = SGLangSamplingParams(
+                temperature=float(s.temperature),
+                top_p=float(s.top_p),
+                top_k=int(s.top_k) if s.top_k > 0 else -1,
+                min_p=float(s.min_p),
+                **finish,
+            )
+            params.verify(self.vocab_size)
+        except Exception:  # SGLang's own range checks are stricter in places
+            params = SGLangSamplingParams(**finish)
         params.normalize(None)
-        params.verify(self.vocab_size)
         sreq = Req(
             req.rid,
             "",
@@ -258,9 +257,14 @@ class SGLangBatchCore:
                 keep.append((sreq, checkpoint))
         released = len(keep) < len(self._deferred)
         self._deferred = keep
-        if released and self.wake is not None and (self.waiting_queue or self.chunked_req is not None):
-            # KV came back after this iteration's scheduling: let the loop schedule again
-            # rather than wait for the next arrival.
+        if released:
+            self._wake_if_waiting()
+
+    def _wake_if_waiting(self) -> None:
+        """KV came back after this iteration's scheduling (a lookahead loop processes a
+        step after scheduling the next one): let the loop schedule again rather than
+        idle until the next arrival."""
+        if self.wake is not None and (self.waiting_queue or self.chunked_req is not None):
             self.wake()
 
     @property
@@ -509,6 +513,8 @@ class SGLangBatchCore:
         finally:
             self.token_to_kv_pool_allocator.free_group_end()
         self._flush_deferred()
+        if any(oc.finished for oc in outcomes):
+            self._wake_if_waiting()
         return outcomes
 
     # ------------------------------------------------------------------ aborts

@@ -37,7 +37,6 @@ class SGLangModelRunner(ModelRunner):
     def __init__(self, tp_worker: Any, future_map: Any) -> None:
         super().__init__()
         self.tp_worker = tp_worker
-        self.model_worker = tp_worker
         self.future_map = future_map
         self.device = torch.device(tp_worker.device) if not isinstance(tp_worker.device, torch.device) else tp_worker.device
         self.model = tp_worker.model_runner.model
@@ -63,12 +62,24 @@ class SGLangModelRunner(ModelRunner):
             can_run_cuda_graph=bool(out.can_run_graph),
         )
 
-    def _sample_next_token_ids(self, logits, forward_batch, schedule_batch, requests):
-        tokens, logprobs = super()._sample_next_token_ids(logits, forward_batch, schedule_batch, requests)
-        # Publish this step's tokens where SGLang's next decode step gathers its inputs.
+    def _publish(self, forward_batch: SGLangForward, tokens: torch.Tensor) -> None:
+        """Publish this step's tokens where SGLang's next decode step gathers its
+        inputs (the FutureMap, indexed by req_to_token row)."""
         sb = forward_batch.schedule_batch
         self.future_map.stash(sb.req_pool_indices, RelayPayload(bonus_tokens=tokens))
+
+    def _sample_next_token_ids(self, logits, forward_batch, schedule_batch, requests):
+        tokens, logprobs = super()._sample_next_token_ids(logits, forward_batch, schedule_batch, requests)
+        self._publish(forward_batch, tokens)
         return tokens, logprobs
+
+    def _prepare_and_forward(self, forward_batch, schedule_batch, requests, is_prefill, *, is_lookahead=False):
+        result = super()._prepare_and_forward(
+            forward_batch, schedule_batch, requests, is_prefill, is_lookahead=is_lookahead
+        )
+        if result.next_token_ids is not None:  # a custom forward chose the tokens itself
+            self._publish(forward_batch, result.next_token_ids)
+        return result
 
     def row_output_ids(self, forward_batch: SGLangForward, schedule_batch, row: int) -> list[int]:
         ids = super().row_output_ids(forward_batch, schedule_batch, row)
