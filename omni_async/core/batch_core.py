@@ -190,13 +190,22 @@ class NativeBatchCore:
                 self.chunked = req
         return batch
 
+    def _needs_decode(self, req: Request) -> bool:
+        """False once the tokens already sampled (in flight included) reach the request's
+        length limit: it finishes when they are processed, so a lookahead loop does not
+        spend a step (and KV) on it."""
+        return req.num_generated < req.sampling.max_new_tokens and req.seq_len < self.context_length
+
     def _schedule_decode(self) -> ScheduledBatch | None:
         self.running = [r for r in self.running if not r.finished()]
-        if not self.running:
+        if not any(self._needs_decode(r) for r in self.running):
             return None
-        self._retract_until_decode_fits()
+        if not self._retract_until_decode_fits():
+            return None
         batch = self._new_batch(ForwardMode.DECODE)
         for req in self.running:
+            if not self._needs_decode(req):
+                continue
             need = self.allocator.pages_for(req.num_cached + 1) - len(req.pages)
             if need:
                 req.pages.extend(self.allocator.allocate(need))
@@ -212,22 +221,31 @@ class NativeBatchCore:
         return batch
 
     def _decode_pages_needed(self) -> int:
-        return sum(self.allocator.pages_for(r.num_cached + 1) - len(r.pages) for r in self.running)
+        return sum(
+            self.allocator.pages_for(r.num_cached + 1) - len(r.pages) for r in self.running if self._needs_decode(r)
+        )
 
-    def _retract_until_decode_fits(self) -> None:
+    def _retract_until_decode_fits(self) -> bool:
+        """Retract the newest requests until the next decode step fits in KV. False when
+        it cannot fit yet only because requests about to finish still hold KV (the
+        step in flight will free it)."""
         while self._decode_pages_needed() > self.allocator.free_pages:
+            decoding = [r for r in self.running if self._needs_decode(r)]
             if self.chunked is not None:
                 victim = self.chunked
                 self.chunked = None
-            elif len(self.running) > 1:
-                victim = max(self.running, key=lambda r: r.arrival)
+            elif len(decoding) > 1:
+                victim = max(decoding, key=lambda r: r.arrival)
                 self.running.remove(victim)
+            elif len(decoding) < len(self.running):
+                return False
             else:
                 raise RuntimeError(
                     "KV cache cannot hold the single running request; admission should have refused it"
                 )
             self._retract(victim)
             self.new_token_ratio = 1.0
+        return True
 
     def _retract(self, req: Request) -> None:
         self._release(req)
