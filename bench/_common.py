@@ -56,6 +56,153 @@ def fmt(x: float | None, spec: str = ".2f") -> str:
     return "-" if x is None else format(x, spec)
 
 
+# ----------------------------------------------------------------- host load
+
+_CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def _cpu_seconds() -> tuple[float, float] | None:
+    """(busy, steal) CPU seconds summed over all cores, from /proc/stat. Busy counts
+    user+nice+system+irq+softirq; steal (time the hypervisor ran someone else while
+    this VM wanted the CPU) is kept apart."""
+    try:
+        with open("/proc/stat") as f:
+            vals = [int(x) for x in f.readline().split()[1:9]]
+    except (OSError, ValueError):
+        return None
+    busy = vals[0] + vals[1] + vals[2] + vals[5] + vals[6]
+    return busy / _CLK_TCK, vals[7] / _CLK_TCK
+
+
+class HostLoad:
+    """How busy the machine was during a window, split into this process and the rest.
+
+    The box these benchmarks run on may be shared (other sessions' tests, installs);
+    ``others_cores`` says how many cores other processes used on average meanwhile, so a
+    disturbed run can be told apart."""
+
+    def __init__(self) -> None:
+        import time
+
+        self._time = time
+        self.t0 = time.perf_counter()
+        self.cpu0 = _cpu_seconds()
+        self.own0 = time.process_time()
+
+    def stop(self) -> dict[str, float | None]:
+        wall = self._time.perf_counter() - self.t0
+        own = self._time.process_time() - self.own0
+        cpu1 = _cpu_seconds()
+        if self.cpu0 is None or cpu1 is None or wall <= 0:
+            return {"own_cores": own / wall if wall > 0 else None, "others_cores": None, "steal_cores": None}
+        busy = cpu1[0] - self.cpu0[0]
+        return {
+            "own_cores": own / wall,
+            "host_busy_cores": busy / wall,
+            "others_cores": max(0.0, (busy - own) / wall),
+            "steal_cores": (cpu1[1] - self.cpu0[1]) / wall,
+        }
+
+
+async def wait_quiet(max_wait_s: float, threshold_cores: float = 0.2, window_s: float = 0.5) -> float | None:
+    """Wait (up to ``max_wait_s``) for a window in which other processes use less than
+    ``threshold_cores``; return the last measured others' load. 0 disables."""
+    import asyncio
+
+    if max_wait_s <= 0:
+        return None
+    import time
+
+    end = time.perf_counter() + max_wait_s
+    others = None
+    while True:
+        h = HostLoad()
+        await asyncio.sleep(window_s)
+        others = h.stop()["others_cores"]
+        if others is None or others < threshold_cores or time.perf_counter() >= end:
+            return others
+
+
+def loadavg() -> list[float] | None:
+    try:
+        return [float(x) for x in Path("/proc/loadavg").read_text().split()[:3]]
+    except OSError:
+        return None
+
+
+def busy_processes(min_pcpu: float = 5.0) -> list[str]:
+    """Other processes using CPU right now (a 0.3 s sample of /proc), for the record."""
+    import time
+
+    def snap() -> dict[int, tuple[int, str]]:
+        out = {}
+        for d in Path("/proc").iterdir():
+            if not d.name.isdigit() or int(d.name) == os.getpid():
+                continue
+            try:
+                stat = (d / "stat").read_text()
+                rest = stat[stat.rfind(")") + 2 :].split()
+                ticks = int(rest[11]) + int(rest[12])
+                cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+                out[int(d.name)] = (ticks, cmd[:120])
+            except (OSError, ValueError, IndexError):
+                continue
+        return out
+
+    a = snap()
+    time.sleep(0.3)
+    b = snap()
+    busy = []
+    for pid, (t1, cmd) in b.items():
+        if pid in a:
+            pcpu = 100.0 * (t1 - a[pid][0]) / _CLK_TCK / 0.3
+            if pcpu >= min_pcpu:
+                busy.append(f"{pcpu:.0f}% {cmd}")
+    return busy
+
+
+# ----------------------------------------------------------------- allocator
+
+M_TRIM_THRESHOLD = -1
+M_MMAP_THRESHOLD = -3
+
+
+def steady_malloc(mmap_threshold: int = 32 << 20, trim_threshold: int = 1 << 30) -> dict[str, Any]:
+    """Pin glibc malloc's mmap and trim thresholds (what ``MALLOC_MMAP_THRESHOLD_`` /
+    ``MALLOC_TRIM_THRESHOLD_`` do), which turns off their dynamic adjustment.
+
+    Why: with the defaults, the multi-MB temporaries of a CPU forward are sometimes
+    mmapped and unmapped (or trimmed) on every step, depending on the allocator's
+    history in the process. A run then spends up to half its CPU time in the kernel
+    zero-filling pages (~150 minor faults per generated token on the tiny model at
+    C=64) and is up to ~1.8x slower than an identical run next to it, whichever loop it
+    uses. Pinning the thresholds makes the page faults vanish and runs repeatable.
+    Use ``--malloc default`` to measure the untouched allocator.
+    """
+    import ctypes
+    import ctypes.util
+
+    out: dict[str, Any] = {"mode": "steady", "mmap_threshold": mmap_threshold, "trim_threshold": trim_threshold}
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        ok1 = libc.mallopt(M_MMAP_THRESHOLD, ctypes.c_int(mmap_threshold))
+        ok2 = libc.mallopt(M_TRIM_THRESHOLD, ctypes.c_int(trim_threshold))
+        out["applied"] = bool(ok1) and bool(ok2)
+    except (OSError, AttributeError) as exc:
+        out["applied"] = False
+        out["error"] = repr(exc)
+    return out
+
+
+def apply_malloc_mode(mode: str) -> dict[str, Any]:
+    if mode == "steady":
+        return steady_malloc()
+    return {
+        "mode": "default",
+        "env": {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")},
+    }
+
+
 # ----------------------------------------------------------------- machine facts
 
 
@@ -78,6 +225,28 @@ def _cpu_model() -> str | None:
     return platform.processor() or None
 
 
+def package_source() -> dict[str, Any]:
+    """Which omni_async was imported: the repo's (editable install) or a snapshot put
+    first on PYTHONPATH (e.g. ``git archive HEAD omni_async | tar -x -C /tmp/snap``,
+    with the commit id written to ``/tmp/snap/SNAPSHOT_COMMIT``)."""
+    import hashlib
+
+    import omni_async
+
+    pkg = Path(omni_async.__file__).resolve().parent
+    h = hashlib.sha1()
+    for f in sorted(pkg.rglob("*.py")):
+        h.update(str(f.relative_to(pkg)).encode())
+        h.update(f.read_bytes())
+    marker = pkg.parent / "SNAPSHOT_COMMIT"
+    return {
+        "omni_async_path": str(pkg),
+        "omni_async_from_repo": pkg.is_relative_to(REPO_DIR),
+        "omni_async_snapshot_commit": marker.read_text().strip() if marker.is_file() else None,
+        "omni_async_tree_sha1": h.hexdigest(),
+    }
+
+
 def machine_facts() -> dict[str, Any]:
     import torch
 
@@ -97,19 +266,18 @@ def machine_facts() -> dict[str, Any]:
         "cuda_available": torch.cuda.is_available(),
         "switch_interval_s": sys.getswitchinterval(),
         "git_commit": _git("rev-parse", "HEAD"),
-        "git_dirty": bool(_git("status", "--porcelain", "--", "omni_async")),
+        "git_dirty_omni_async": bool(_git("status", "--porcelain", "--", "omni_async")),
+        **package_source(),
+        "loadavg_at_start": loadavg(),
+        "busy_processes_at_start": busy_processes(),
     }
-    for mod in ("uvloop", "anyio", "transformers"):
-        try:
-            facts[mod] = __import__(mod).__version__
-        except Exception:
-            facts[mod] = None
-    try:
-        from importlib.metadata import version
+    from importlib.metadata import version
 
-        facts["omni_async"] = version("omni-async")
-    except Exception:
-        facts["omni_async"] = None
+    for dist in ("omni-async", "uvloop", "anyio", "transformers", "numpy"):
+        try:
+            facts[dist.replace("-", "_")] = version(dist)
+        except Exception:
+            facts[dist.replace("-", "_")] = None
     return facts
 
 

@@ -10,9 +10,10 @@ Measured per run: output tokens/s over the run's wall time, TTFT (submit -> firs
 stream delta) p50/p99, inter-token latency (gap between consecutive deltas of one
 request) p50/p99, end-to-end request latency p50, total wall, process CPU time, and
 the scheduler's step counts. Every config is repeated N times (default 3); the loops
-run interleaved within each repeat (order rotated per repeat) on engines that are all
-started up front, and the table shows the median over repeats. The "x normal" column
-is the median over repeats of the paired ratio tok/s(loop) / tok/s(normal).
+run interleaved within each repeat (order rotated per repeat), each run on a fresh engine
+(``--engines shared`` keeps one engine per loop instead), and the table shows the median
+over repeats. The "x normal" column is the median over repeats of the paired ratio
+tok/s(loop) / tok/s(normal).
 
 Runs under uvloop. Results: bench/results/throughput.json (or --out).
 
@@ -24,7 +25,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import statistics
+import gc
+import resource
 import sys
 import time
 from typing import Any
@@ -80,11 +82,15 @@ async def run_once(
             tokens_per_req.append(n)
             finish_reasons[str(reason)] = finish_reasons.get(str(reason), 0) + 1
 
+    host = C.HostLoad()
+    ru0 = resource.getrusage(resource.RUSAGE_SELF)
     cpu0 = time.process_time()
     t0 = time.perf_counter()
     await asyncio.gather(*(client(i) for i in range(concurrency)))
     wall = time.perf_counter() - t0
     cpu = time.process_time() - cpu0
+    ru1 = resource.getrusage(resource.RUSAGE_SELF)
+    load = host.stop()
     st = sched.stats
     steps, prefill_steps, decode_steps, tokens_out = (
         st.steps - stats0[0],
@@ -107,6 +113,8 @@ async def run_once(
         "cpu_s": cpu,
         "cpu_util_cores": cpu / wall if wall > 0 else None,
         "cpu_ms_per_token": 1000 * cpu / total_tokens if total_tokens else None,
+        "sys_cpu_share": (ru1.ru_stime - ru0.ru_stime) / cpu if cpu > 0 else None,
+        "minor_faults_per_token": (ru1.ru_minflt - ru0.ru_minflt) / total_tokens if total_tokens else None,
         "steps": steps,
         "prefill_steps": prefill_steps,
         "decode_steps": decode_steps,
@@ -116,6 +124,8 @@ async def run_once(
         "multi_token_deltas": multi_token_deltas,
         "finish_reasons": finish_reasons,
         "short_requests": sum(1 for n in tokens_per_req if n != max_new_tokens),
+        "others_cores": load["others_cores"],
+        "steal_cores": load["steal_cores"],
     }
 
 
@@ -139,6 +149,10 @@ METRICS = (
     "cpu_s",
     "cpu_util_cores",
     "cpu_ms_per_token",
+    "sys_cpu_share",
+    "minor_faults_per_token",
+    "others_cores",
+    "steal_cores",
     "mean_decode_batch",
     "decode_steps",
     "prefill_steps",
@@ -150,6 +164,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     concurrencies = C.parse_int_list(args.concurrency)
     facts = C.machine_facts()
     facts["event_loop"] = C.event_loop_name()
+    facts["malloc"] = args.malloc_info
 
     model_desc: dict[str, Any]
     model = args.model
@@ -165,29 +180,68 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     n_prompts = max(c * plans[c] for c in concurrencies)
     prompts = C.make_prompts(n_prompts, args.seed, args.prompt_min, args.prompt_max)
 
-    engines: dict[str, Engine] = {}
-    for name in loops:
-        t = time.perf_counter()
-        engines[name] = Engine.from_pretrained(
+    def build(name: str) -> Engine:
+        return Engine.from_pretrained(
             model, device="cpu", loop=name, seed=args.seed, max_running_requests=max(64, max_c)
         )
-        await engines[name].start()
-        print(f"engine {name}: loaded in {time.perf_counter() - t:.2f} s", flush=True)
+
+    resolve_counts: dict[str, dict[str, int]] = {name: {"hit": 0, "miss": 0} for name in loops}
+
+    def add_counts(name: str, engine: Engine) -> None:
+        if engine.stack is not None:
+            for k, v in engine.stack.runner.async_resolve_counts.items():
+                resolve_counts[name][k] = resolve_counts[name].get(k, 0) + v
+
+    # One-off process warm-up: the first forwards of a fresh torch process are slow.
+    async with build(loops[0]) as e:
+        for c in sorted({1, max_c}):
+            await run_once(e, prompts, c, 1, min(8, args.max_new_tokens))
+
+    shared: dict[str, Engine] = {}
+    if args.engines == "shared":
+        for name in loops:
+            shared[name] = build(name)
+            await shared[name].start()
+            for c in sorted({1, max_c}):
+                await run_once(shared[name], prompts, c, 1, min(8, args.max_new_tokens))
+
+    async def measured_run(name: str, c: int) -> dict[str, Any]:
+        if args.engines == "shared":
+            return await run_once(shared[name], prompts, c, plans[c], args.max_new_tokens)
+        # A fresh engine (model weights + KV cache) per run, warmed with a short burst at
+        # the same concurrency, then closed: no loop keeps a memory layout of its own.
+        engine = build(name)
+        async with engine:
+            await run_once(engine, prompts, c, 1, min(8, args.max_new_tokens))
+            res = await run_once(engine, prompts, c, plans[c], args.max_new_tokens)
+        add_counts(name, engine)
+        del engine
+        gc.collect()
+        return res
 
     try:
-        # Warm-up: the first forwards of a fresh torch process are slow (allocator, kernels).
-        for name in loops:
-            for c in sorted({1, max_c}):
-                await run_once(engines[name], prompts, c, 1, min(8, args.max_new_tokens))
-
         runs: dict[tuple[int, str], list[dict[str, Any]]] = {(c, l): [] for c in concurrencies for l in loops}
         t_all = time.perf_counter()
         for r in range(args.repeats):
             for c in concurrencies:
                 order = loops[r % len(loops) :] + loops[: r % len(loops)]
                 for name in order:
-                    res = await run_once(engines[name], prompts, c, plans[c], args.max_new_tokens)
+                    attempts = 0
+                    while True:
+                        attempts += 1
+                        res = await measured_run(name, c)
+                        busy = res["others_cores"] is not None and res["others_cores"] > args.busy_threshold
+                        if not busy or attempts > args.busy_retries:
+                            break
+                        print(
+                            f"    (other processes used {res['others_cores']:.2f} cores: waiting for a quiet "
+                            f"moment and re-running, attempt {attempts + 1})",
+                            flush=True,
+                        )
+                        await C.wait_quiet(args.quiet_wait, args.busy_threshold)
                     res["repeat"] = r
+                    res["attempts"] = attempts
+                    res["disturbed"] = busy
                     runs[(c, name)].append(res)
                     print(
                         f"  repeat {r} c={c:<3} {name:<12} {res['tokens_per_s']:8.1f} tok/s  "
@@ -198,13 +252,12 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                     if res["short_requests"]:
                         print(f"    WARNING: {res['short_requests']} request(s) ended short: {res['finish_reasons']}")
         measured_s = time.perf_counter() - t_all
-        resolve_counts = {
-            name: dict(engines[name].stack.runner.async_resolve_counts) for name in loops if engines[name].stack
-        }
+        for name, e in shared.items():
+            add_counts(name, e)
     finally:
         # Engine.start() enters an anyio task group in the calling task, so engines
-        # must be closed in the reverse order of starting (LIFO), from this task.
-        for e in reversed(list(engines.values())):
+        # started together must be closed in the reverse order (LIFO), from this task.
+        for e in reversed(list(shared.values())):
             await e.aclose()
 
     summary = []
@@ -225,6 +278,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                 itl_ratios = [x["itl_p50_ms"] / b["itl_p50_ms"] for x, b in zip(rs, base) if x["itl_p50_ms"] and b["itl_p50_ms"]]
                 row["itl_p50_vs_normal"] = C.median_or_none(itl_ratios)
             row["tokens_per_s_spread"] = [min(x["tokens_per_s"] for x in rs), max(x["tokens_per_s"] for x in rs)]
+            row["others_cores_max"] = max((x["others_cores"] or 0.0) for x in rs)
+            row["disturbed_runs"] = sum(1 for x in rs if x["disturbed"])
             summary.append(row)
 
     return {
@@ -240,9 +295,14 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             "repeats": args.repeats,
             "seed": args.seed,
             "sampling": "greedy, ignore_eos=True",
-            "order": "loops interleaved within each repeat, rotated per repeat; engines started up front",
+            "engines": args.engines,
+            "order": "loops interleaved within each repeat, rotated per repeat"
+            + ("; a fresh engine per run" if args.engines == "fresh" else "; one engine per loop, started up front"),
             "aggregate": "median over repeats; ratios are medians of per-repeat paired ratios",
+            "busy_threshold_cores": args.busy_threshold,
+            "busy_retries": args.busy_retries,
         },
+        "loadavg_at_end": C.loadavg(),
         "measured_wall_s": measured_s,
         "async_resolve_counts": resolve_counts,
         "summary": summary,
@@ -259,8 +319,8 @@ def print_table(result: dict[str, Any]) -> None:
         f"threads={m['torch_num_threads']}  loop={m['event_loop']}"
     )
     hdr = (
-        f"{'conc':>4} {'loop':<12} {'reqs':>4} {'tok/s':>8} {'x normal':>8} {'TTFT p50':>9} {'TTFT p99':>9} "
-        f"{'ITL p50':>8} {'ITL p99':>8} {'wall s':>7} {'CPU ms/tok':>10} {'dec bs':>6}"
+        f"{'conc':>4} {'loop':<12} {'reqs':>4} {'tok/s':>8} {'x normal':>8} {'tok/s range':^15} {'TTFT p50':>9} {'TTFT p99':>9} "
+        f"{'ITL p50':>8} {'ITL p99':>8} {'wall s':>7} {'CPU ms/tok':>10} {'dec bs':>6} {'bg':>5}"
     )
     print(hdr)
     print("-" * len(hdr))
@@ -268,12 +328,16 @@ def print_table(result: dict[str, Any]) -> None:
         print(
             f"{row['concurrency']:>4} {row['loop']:<12} {row['requests_per_run']:>4} "
             f"{C.fmt(row['tokens_per_s'], '.1f'):>8} {C.fmt(row.get('tokens_per_s_vs_normal'), '.3f'):>8} "
+            f"{row['tokens_per_s_spread'][0]:>7.0f}-{row['tokens_per_s_spread'][1]:<7.0f}"
             f"{C.fmt(row['ttft_p50_ms'], '.1f'):>9} {C.fmt(row['ttft_p99_ms'], '.1f'):>9} "
             f"{C.fmt(row['itl_p50_ms'], '.2f'):>8} {C.fmt(row['itl_p99_ms'], '.2f'):>8} "
             f"{C.fmt(row['wall_s'], '.2f'):>7} {C.fmt(row['cpu_ms_per_token'], '.3f'):>10} "
-            f"{C.fmt(row['mean_decode_batch'], '.1f'):>6}"
+            f"{C.fmt(row['mean_decode_batch'], '.1f'):>6} {row['others_cores_max']:>5.2f}"
         )
-    print("(TTFT/ITL in ms; 'x normal' = median paired tok/s ratio vs the normal loop; 'dec bs' = mean decode batch)")
+    print(
+        "(TTFT/ITL in ms; 'x normal' = median paired tok/s ratio vs the normal loop; 'tok/s range' = min-max over "
+        "repeats; 'dec bs' = mean decode batch; 'bg' = max cores used by other processes during a counted run)"
+    )
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -287,7 +351,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--requests-per-client", type=int, default=2, help="requests each client sends back to back")
     p.add_argument("--min-requests", type=int, default=8, help="at least this many requests per run (low C)")
+    p.add_argument(
+        "--malloc", choices=("steady", "default"), default="steady",
+        help="steady: pin glibc malloc's mmap/trim thresholds (repeatable runs, see _common.steady_malloc); "
+        "default: leave the allocator as it is",
+    )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--busy-threshold", type=float, default=0.3,
+        help="a run during which other processes used more cores than this is re-run",
+    )
+    p.add_argument("--busy-retries", type=int, default=1, help="re-runs allowed per disturbed run (0: never)")
+    p.add_argument("--quiet-wait", type=float, default=5.0, help="max seconds to wait for a quiet host before a re-run")
+    p.add_argument(
+        "--engines", choices=("fresh", "shared"), default="fresh",
+        help="fresh: a new engine per run (default); shared: one engine per loop for the whole run. With "
+        "'shared' the engines' memory layouts differ for the whole run and can bias one loop (see RESULTS.md)",
+    )
     p.add_argument("--torch-threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     p.add_argument("--out", default="throughput.json", help="file name under bench/results/, or a path")
     return p.parse_args(argv)
@@ -295,6 +375,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    args.malloc_info = C.apply_malloc_mode(args.malloc)
     if args.torch_threads:
         import torch
 
