@@ -139,19 +139,68 @@ def kernel_check():
     return out
 
 
+def extend_kernel_check():
+    """The Triton paged extend kernel against a float64 reference: several sequences
+    with prefixes already cached and new tokens in one launch."""
+    from omni_async.kernels.paged_extend import paged_extend_attention
+
+    out = {}
+    gen = torch.Generator().manual_seed(1)
+    for dtype in (torch.float32, torch.bfloat16):
+        for heads, kv_heads, dim in ((14, 2, 64), (8, 2, 32), (32, 8, 128)):
+            ps = 16
+            seqs = [(0, 37), (20, 5), (130, 200), (0, 1), (64, 64)]  # (prefix, new)
+            totals = [p + n for p, n in seqs]
+            pages_needed = [-(-t // ps) for t in totals]
+            total_pages = sum(pages_needed) + 3
+            perm = torch.randperm(total_pages, generator=gen).tolist()
+            tables = torch.zeros(len(seqs), max(pages_needed), dtype=torch.long)
+            at = 0
+            for i, n in enumerate(pages_needed):
+                tables[i, :n] = torch.tensor(perm[at:at + n])
+                at += n
+            kc = torch.randn(total_pages * ps, kv_heads, dim, generator=gen)
+            vc = torch.randn(total_pages * ps, kv_heads, dim, generator=gen)
+            q = torch.randn(sum(n for _, n in seqs), heads, dim, generator=gen)
+            scale = dim ** -0.5
+            ref = torch.empty(q.shape, dtype=torch.float64)
+            starts, s0 = [], 0
+            for i, (p, n) in enumerate(seqs):
+                starts.append(s0)
+                pos = torch.arange(p + n)
+                slots = tables[i][pos // ps] * ps + pos % ps
+                k = kc[slots].double().repeat_interleave(heads // kv_heads, 1)
+                v = vc[slots].double().repeat_interleave(heads // kv_heads, 1)
+                qq = q[s0:s0 + n].double()
+                att = torch.einsum("qhd,khd->hqk", qq, k) * scale
+                mask = torch.arange(p + n)[None, :] <= (p + torch.arange(n))[:, None]
+                att = att.masked_fill(~mask, float("-inf"))
+                ref[s0:s0 + n] = torch.einsum("hqk,khd->qhd", att.softmax(-1), v)
+                s0 += n
+            got = paged_extend_attention(
+                q.to("cuda", dtype), kc.to("cuda", dtype), vc.to("cuda", dtype), tables.cuda(),
+                torch.tensor(starts).cuda(), torch.tensor([n for _, n in seqs]).cuda(), torch.tensor([p for p, _ in seqs]).cuda(),
+                max(n for _, n in seqs), ps, scale,
+            )
+            out[f"{str(dtype)[6:]}_h{heads}_kv{kv_heads}_d{dim}"] = (got.double().cpu() - ref).abs().max().item()
+    log("A extend kernel max abs err", out)
+    return out
+
+
 def section_correctness(tmp: Path):
     import omni_async.runners.native as native
 
     small = make_checkpoint(tmp / "small", SMALL, dtype=torch.float32)
     ps = prompts(12, SMALL["vocab_size"], 4, 200, seed=3)
-    out = {"paged_decode_kernel_max_abs_err": kernel_check()}
+    out = {"paged_decode_kernel_max_abs_err": kernel_check(), "paged_extend_kernel_max_abs_err": extend_kernel_check()}
     cpu, _ = asyncio.run(_greedy(small, "cpu", "normal", "float32", ps, 32))
     real = native.triton_available
     for kernel in (True, False):
         native.triton_available = real if kernel else (lambda device=None: False)
         for loop in ("normal", "overlap", "async_decode"):
             for graphs in (True, False):
-                toks, eng = asyncio.run(_greedy(small, "cuda", loop, "float32", ps, 32, cuda_graphs=graphs, kv_capacity_tokens=65536))
+                toks, eng = asyncio.run(_greedy(small, "cuda", loop, "float32", ps, 32, cuda_graphs=graphs, kv_capacity_tokens=65536,
+                                                chunked_prefill_size=48, max_prefill_tokens=96))
                 same = sum(a == b for a, b in zip(toks, cpu))
                 replays = eng.stack.runner.graphs.replays if eng.stack.runner.graphs else 0
                 key = f"fp32_{loop}_graphs={graphs}_kernel={kernel}"

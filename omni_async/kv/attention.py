@@ -33,7 +33,12 @@ class AttentionContext:
     # then derived on the device for a fixed span of ``P * page_size`` positions.
     block_tables: torch.Tensor | None = None
     page_size: int = 0
-    use_kernel: bool = False  # decode through the Triton paged kernel (CUDA)
+    use_kernel: bool = False  # attention through the Triton paged kernels (CUDA)
+    # Extend steps through the kernel: per-sequence starts, lengths, prefixes on the device.
+    q_starts: torch.Tensor | None = None
+    q_lens: torch.Tensor | None = None
+    prefix_lens: torch.Tensor | None = None
+    max_q_len: int = 0
     seq_slices: list[tuple[int, int, int]] | None = None
     seq_kv_slots: list[torch.Tensor] | None = None
 
@@ -93,6 +98,13 @@ def paged_attention(
             **_GQA,
         )
         return out.squeeze(2)
+    if ctx.use_kernel and ctx.block_tables is not None:
+        from ..kernels.paged_extend import paged_extend_attention
+
+        return paged_extend_attention(
+            q, k_cache, v_cache, ctx.block_tables, ctx.q_starts, ctx.q_lens, ctx.prefix_lens,
+            ctx.max_q_len, ctx.page_size, scale,
+        )
     assert ctx.seq_slices is not None and ctx.seq_kv_slots is not None
     out = torch.empty_like(q)
     for (q_start, q_len, prefix_len), slots in zip(ctx.seq_slices, ctx.seq_kv_slots):

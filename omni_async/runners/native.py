@@ -75,6 +75,8 @@ class NativeModelRunner(ModelRunner):
         return ForwardBatch(input_ids=input_ids, positions=positions, ctx=ctx, batch=batch, block_tables=graphed)
 
     def _build_extend(self, batch: ScheduledBatch) -> ForwardBatch:
+        if self.use_kernel:
+            return self._build_extend_for_kernel(batch)
         dev = self.device
         input_ids = torch.tensor(batch.input_ids, dtype=torch.long)
         positions = torch.cat(
@@ -94,6 +96,42 @@ class NativeModelRunner(ModelRunner):
         input_ids = input_ids.to(dev, non_blocking=True)
         self._fill_inflight_inputs(input_ids, batch)
         return ForwardBatch(input_ids=input_ids, positions=positions.to(dev, non_blocking=True), ctx=ctx, batch=batch)
+
+    def _build_extend_for_kernel(self, batch: ScheduledBatch) -> ForwardBatch:
+        """Extend inputs for the Triton kernel: flat token ids, positions and KV slots, and
+        per-sequence starts, lengths and prefixes, computed in Python and copied once."""
+        ps = self.page_size
+        positions: list[int] = []
+        slots: list[int] = []
+        starts: list[int] = []
+        at = 0
+        for table, p, n in zip(batch.page_tables, batch.prefix_lens, batch.extend_lens):
+            starts.append(at)
+            at += n
+            for pos in range(p, p + n):
+                positions.append(pos)
+                slots.append(table[pos // ps] * ps + pos % ps)
+        flat = torch.tensor([batch.input_ids, positions, slots], dtype=torch.long).to(self.device, non_blocking=True)
+        input_ids, pos_t, slot_mapping = flat.unbind(0)
+        seqs = torch.tensor(
+            [starts, batch.extend_lens, batch.prefix_lens, [s + n - 1 for s, n in zip(starts, batch.extend_lens)]],
+            dtype=torch.long,
+        ).to(self.device, non_blocking=True)
+        q_starts, q_lens, prefix_lens, logits_rows = seqs.unbind(0)
+        ctx = AttentionContext(
+            is_decode=False,
+            slot_mapping=slot_mapping,
+            logits_rows=logits_rows,
+            block_tables=self._page_tables(batch, scratch=0),
+            page_size=ps,
+            use_kernel=True,
+            q_starts=q_starts,
+            q_lens=q_lens,
+            prefix_lens=prefix_lens,
+            max_q_len=max(batch.extend_lens),
+        )
+        self._fill_inflight_inputs(input_ids, batch)
+        return ForwardBatch(input_ids=input_ids, positions=pos_t, ctx=ctx, batch=batch)
 
     @staticmethod
     def _fill_inflight_inputs(input_ids: torch.Tensor, batch: ScheduledBatch) -> None:

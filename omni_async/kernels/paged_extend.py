@@ -1,0 +1,105 @@
+"""Paged extend (prefill) attention in Triton: the new tokens of many sequences at once,
+each attending causally to its cached prefix and to itself, read straight from the pages.
+
+One program per (sequence, block of new tokens, query head). The new tokens' K/V are
+already written to the pages, so a fresh prompt and a continued one (chunked prefill, a
+resumed retraction) take the same path, and one launch per layer serves the whole batch.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _paged_extend_kernel(
+    Q, K, V, O, TABLES, Q_START, Q_LEN, PREFIX, scale,
+    stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ot, stride_oh, stride_tb,
+    R: tl.constexpr, PS: tl.constexpr, D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    mblock = tl.program_id(1)
+    h = tl.program_id(2)
+    g = h // R
+    q_len = tl.load(Q_LEN + seq).to(tl.int32)
+    if mblock * BLOCK_M >= q_len:
+        return
+    q_start = tl.load(Q_START + seq).to(tl.int32)
+    prefix = tl.load(PREFIX + seq).to(tl.int32)
+    m_offs = mblock * BLOCK_M + tl.arange(0, BLOCK_M)
+    mmask = m_offs < q_len
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < D
+    q = tl.load(Q + (q_start + m_offs)[:, None] * stride_qt + h * stride_qh + d[None, :],
+                mask=mmask[:, None] & dmask[None, :], other=0.0)
+    q_pos = prefix + m_offs
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    kv_end = prefix + tl.minimum((mblock + 1) * BLOCK_M, q_len)
+    offs_n = tl.arange(0, BLOCK_N)
+    for start in range(0, kv_end, BLOCK_N):
+        n = start + offs_n
+        nmask = n < kv_end
+        page = tl.load(TABLES + seq * stride_tb + n // PS, mask=nmask, other=0)
+        slot = page * PS + n % PS
+        kv_mask = nmask[:, None] & dmask[None, :]
+        k = tl.load(K + slot[:, None] * stride_ks + g * stride_kh + d[None, :], mask=kv_mask, other=0.0)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        allowed = (n[None, :] <= q_pos[:, None]) & nmask[None, :]
+        s = tl.where(allowed, s * scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(V + slot[:, None] * stride_vs + g * stride_vh + d[None, :], mask=kv_mask, other=0.0)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    out = acc / l_i[:, None]
+    tl.store(O + (q_start + m_offs)[:, None] * stride_ot + h * stride_oh + d[None, :], out.to(O.dtype.element_ty),
+             mask=mmask[:, None] & dmask[None, :])
+
+
+def _pow2(x: int, floor: int = 16) -> int:
+    p = floor
+    while p < x:
+        p *= 2
+    return p
+
+
+def paged_extend_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    q_starts: torch.Tensor,
+    q_lens: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    max_q_len: int,
+    page_size: int,
+    scale: float,
+) -> torch.Tensor:
+    """``q``: ``[T, H, D]`` (all sequences' new tokens); caches ``[slots, KVH, D]``."""
+    _t, heads, dim = q.shape
+    kv_heads = k_cache.shape[1]
+    q = q.contiguous()
+    out = torch.empty_like(q)
+    block_m = 64
+    grid = (q_lens.shape[0], triton.cdiv(max_q_len, block_m), heads)
+    _paged_extend_kernel[grid](
+        q, k_cache, v_cache, out, block_tables, q_starts, q_lens, prefix_lens, scale,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        out.stride(0), out.stride(1), block_tables.stride(0),
+        R=heads // kv_heads, PS=page_size, D=dim,
+        BLOCK_M=block_m, BLOCK_N=64, BLOCK_D=_pow2(dim), IEEE=q.dtype == torch.float32,
+    )
+    return out
