@@ -475,13 +475,10 @@ class AsyncOmniScheduler:
 
     # ================================================================ stream input
 
-    def _find_live(self, rid: str) -> RequestData | None:
-        return self._live.get(rid)
-
     def _on_stream_chunk(self, rid: str, chunk: Any) -> None:
         if rid in self._tombstones or rid in self._ended:
             return
-        data = self._find_live(rid)
+        data = self._live.get(rid)
         if data is not None:
             self._append_stream_chunk(data, chunk)
         else:
@@ -490,7 +487,7 @@ class AsyncOmniScheduler:
     def _on_stream_done(self, rid: str) -> None:
         if rid in self._tombstones or rid in self._ended:
             return
-        data = self._find_live(rid)
+        data = self._live.get(rid)
         if data is not None:
             self._mark_stream_done(data)
         else:
@@ -609,9 +606,7 @@ class AsyncOmniScheduler:
         return True
 
     def _fail_request(self, req: Request, err: Exception) -> None:
-        self.core.fail_requests([req])
-        if req.finish_reason != "error":  # it was already finished: just report
-            pass
+        self.core.fail_requests([req])  # releases KV unless the request already finished
         self._terminate_error(req.rid, err)
 
     def _finish_request(self, req: Request) -> None:
