@@ -96,7 +96,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.stack = stack
         self._handles: dict[str, RequestHandle] = {}
-        self._task_group: Any = None
+        self._serve_task: "asyncio.Task[None] | None" = None
         self._started = False
         self._closed = False
         self._ids = itertools.count()
@@ -139,10 +139,20 @@ class Engine:
         if self._started:
             return
         self._started = True
-        self._task_group = anyio.create_task_group()
-        await self._task_group.__aenter__()
-        await self._task_group.start(self.scheduler.run)
-        self._task_group.start_soon(self._route_outbox)
+        serving = asyncio.get_running_loop().create_future()
+
+        async def serve() -> None:
+            # The scheduler and the outbox router run in a task of their own, so the
+            # engine is not tied to whichever task happened to start it.
+            async with anyio.create_task_group() as tg:
+                await tg.start(self.scheduler.run)
+                tg.start_soon(self._route_outbox)
+                serving.set_result(None)
+
+        self._serve_task = asyncio.create_task(serve(), name="omni-async-engine")
+        await asyncio.wait({serving, self._serve_task}, return_when=asyncio.FIRST_COMPLETED)
+        if not serving.done():
+            self._serve_task.result()  # the scheduler failed to start: raise its error
 
     async def aclose(self) -> None:
         """End every open request (SchedulerClosedError), stop the loop and the worker."""
@@ -150,9 +160,9 @@ class Engine:
             return
         self._closed = True
         await self.scheduler.aclose()
-        tg, self._task_group = self._task_group, None
-        if tg is not None:
-            await tg.__aexit__(None, None, None)
+        task, self._serve_task = self._serve_task, None
+        if task is not None:
+            await asyncio.shield(task)
 
     async def _route_outbox(self) -> None:
         async for msg in drain_stream(self.scheduler.outbox):

@@ -184,3 +184,19 @@ async def test_scheduler_emits_exactly_one_terminal_per_request():
         await sched.aclose()
     assert terminals == {f"r{i}": 1 for i in range(12)}
     assert stack.allocator.is_fully_free()
+
+
+async def test_engine_started_in_a_child_task_closes_from_another():
+    """The first request may come from any task (here under gather); closing works from
+    the parent, and two engines close in any order."""
+    a = Engine.from_pretrained("tiny")
+    b = Engine.from_pretrained("tiny", seed=1)
+    res = await asyncio.gather(
+        a.generate(input_ids=[1, 2], sampling=SamplingParams(max_new_tokens=2)),
+        b.generate(input_ids=[1, 2], sampling=SamplingParams(max_new_tokens=2)),
+    )
+    assert all(len(r.output_ids) == 2 for r in res)
+    await a.aclose()
+    await b.aclose()
+    assert_kv_free(a)
+    assert_kv_free(b)
