@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .attention_block import attend_block
+
 
 @triton.jit
 def _paged_decode_kernel(
@@ -33,29 +35,12 @@ def _paged_decode_kernel(
     m = tl.full([BLOCK_R], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_R], tl.float32)
     acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
-    offs = tl.arange(0, BLOCK_N)
+    q_pos = tl.zeros([BLOCK_R], tl.int32) + (seq_len - 1)  # every row is the newest token
     for start in range(0, seq_len, BLOCK_N):
-        n = start + offs
-        nmask = n < seq_len
-        page = tl.load(TABLES + b * stride_tb + n // PS, mask=nmask, other=0)
-        slot = page * PS + n % PS
-        kv_mask = nmask[:, None] & dmask[None, :]
-        k = tl.load(K + slot[:, None] * stride_ks + g * stride_kh + d[None, :], mask=kv_mask, other=0.0)
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        s = tl.where(nmask[None, :], s * scale, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l = l * alpha + tl.sum(p, 1)
-        v = tl.load(V + slot[:, None] * stride_vs + g * stride_vh + d[None, :], mask=kv_mask, other=0.0)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m = m_new
+        m, l, acc = attend_block(
+            q, K, V, TABLES, b * stride_tb, start, seq_len, g * stride_kh, g * stride_vh, stride_ks, stride_vs,
+            d, dmask, q_pos, m, l, acc, scale, PS, BLOCK_N, IEEE,
+        )
     out = acc / l[:, None]
     tl.store(O + b * stride_ob + h[:, None] * stride_oh + d[None, :], out.to(O.dtype.element_ty), mask=rmask[:, None] & dmask[None, :])
 

@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .attention_block import attend_block
+
 
 @triton.jit
 def _paged_extend_kernel(
@@ -40,30 +42,11 @@ def _paged_extend_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     kv_end = prefix + tl.minimum((mblock + 1) * BLOCK_M, q_len)
-    offs_n = tl.arange(0, BLOCK_N)
     for start in range(0, kv_end, BLOCK_N):
-        n = start + offs_n
-        nmask = n < kv_end
-        page = tl.load(TABLES + seq * stride_tb + n // PS, mask=nmask, other=0)
-        slot = page * PS + n % PS
-        kv_mask = nmask[:, None] & dmask[None, :]
-        k = tl.load(K + slot[:, None] * stride_ks + g * stride_kh + d[None, :], mask=kv_mask, other=0.0)
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        allowed = (n[None, :] <= q_pos[:, None]) & nmask[None, :]
-        s = tl.where(allowed, s * scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(V + slot[:, None] * stride_vs + g * stride_vh + d[None, :], mask=kv_mask, other=0.0)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+        m_i, l_i, acc = attend_block(
+            q, K, V, TABLES, seq * stride_tb, start, kv_end, g * stride_kh, g * stride_vh, stride_ks, stride_vs,
+            d, dmask, q_pos, m_i, l_i, acc, scale, PS, BLOCK_N, IEEE,
+        )
     out = acc / l_i[:, None]
     tl.store(O + (q_start + m_offs)[:, None] * stride_ot + h * stride_oh + d[None, :], out.to(O.dtype.element_ty),
              mask=mmask[:, None] & dmask[None, :])
