@@ -303,6 +303,20 @@ def run_async(coro: Any) -> Any:
     return uvloop.run(coro)
 
 
+def run_benchmark(args: Any, main_async: Any, print_table: Any) -> int:
+    """The shared ``main`` of the benchmark scripts: allocator mode, torch threads, run
+    on uvloop, print the table, save the JSON."""
+    args.malloc_info = apply_malloc_mode(args.malloc)
+    if getattr(args, "torch_threads", None):
+        import torch
+
+        torch.set_num_threads(args.torch_threads)
+    result = run_async(main_async(args))
+    print_table(result)
+    print(f"\nsaved {save_json(args.out, result)}")
+    return 0
+
+
 def event_loop_name() -> str:
     import asyncio
 

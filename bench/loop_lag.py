@@ -310,16 +310,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    args.malloc_info = C.apply_malloc_mode(args.malloc)
-    if args.torch_threads:
-        import torch
-
-        torch.set_num_threads(args.torch_threads)
-    result = C.run_async(main_async(args))
-    print_table(result)
-    print(f"\nsaved {C.save_json(args.out, result)}")
-    return 0
+    return C.run_benchmark(parse_args(argv), main_async, print_table)
 
 
 if __name__ == "__main__":
