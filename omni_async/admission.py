@@ -4,14 +4,17 @@ A payload may be deferred until its stream input makes it ready (re-checked only
 chunk or done for it arrives), then built: inline when ``request_build_max_workers`` is 1
 (admission order kept), else on a thread pool with at most ``request_build_max_pending``
 builds in flight and a bounded backlog behind them; past the backlog a request is
-refused with the limit in the message. Stream input for a request that is not live yet
-is buffered here and handed over at admission.
+refused with the limit in the message. Finished pool builds are admitted in arrival
+order: collection stops at the first build still running, so admission order equals
+arrival order whatever order builds finish in. Stream input for a request that is not
+live yet is buffered here (bounded for ids nothing else knows) and handed over at
+admission.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-from collections import deque
+from collections import OrderedDict, deque
 from typing import Any, Callable
 
 from .config import SchedulerConfig
@@ -24,6 +27,7 @@ class Admission:
         build: Callable[[Any], Any],
         is_ready: Callable[[Any, bool], bool] | None = None,
         on_build_done: Callable[[], None] | None = None,
+        orphan_cap: int = 1_000,
     ) -> None:
         self._build = build
         self._is_ready = is_ready or (lambda payload, stream_done: True)
@@ -43,20 +47,21 @@ class Admission:
         self.backlog: deque[Any] = deque()
         self.deferred: dict[str, Any] = {}
         self.dirty: set[str] = set()
-        self.chunks: dict[str, list[Any]] = {}
-        self.done: set[str] = set()
+        # Stream input for ids not live yet, oldest first; capped at ``orphan_cap`` ids.
+        self.chunks: OrderedDict[str, list[Any]] = OrderedDict()
+        self.done: OrderedDict[str, None] = OrderedDict()
+        self.orphan_cap = orphan_cap
+        self._ids: set[str] = set()  # every id in pending, backlog, deferred or staged
         self.max_pending_observed = 0
         self._staged: list[Any] = []
 
     # ------------------------------------------------------------ membership
 
     def __contains__(self, rid: str) -> bool:
-        return rid in self.pending or rid in self.deferred or any(p.request_id == rid for p in self.backlog) or any(
-            p.request_id == rid for p in self._staged
-        )
+        return rid in self._ids
 
     def __len__(self) -> int:
-        return len(self.pending) + len(self.backlog) + len(self.deferred) + len(self._staged)
+        return len(self._ids)
 
     def num_queued_unbuilt(self) -> int:
         """Requests that count towards the waiting queue before they are built: deferred
@@ -64,9 +69,7 @@ class Admission:
         return len(self.deferred) + len(self._staged)
 
     def active_ids(self) -> list[str]:
-        ids = set(self.pending) | set(self.deferred) | {p.request_id for p in self.backlog}
-        ids |= {p.request_id for p in self._staged}
-        return sorted(ids)
+        return sorted(self._ids)
 
     def stats(self) -> dict[str, int]:
         return {
@@ -85,6 +88,7 @@ class Admission:
         """A payload arrives (or a deferred one is re-checked): merge buffered stream
         input into it, then defer it or stage it for building."""
         rid = payload.request_id
+        self._ids.add(rid)
         buffered = self.chunks.pop(rid, [])
         if hasattr(payload, "prefetched_chunks"):
             payload.prefetched_chunks = list(payload.prefetched_chunks or []) + buffered
@@ -92,10 +96,15 @@ class Admission:
         elif buffered:
             self.chunks[rid] = buffered
         stream_done = rid in self.done
-        if not self._is_ready(payload, stream_done):
+        try:
+            ready = self._is_ready(payload, stream_done)
+        except BaseException:
+            self.remove(rid)
+            raise
+        if not ready:
             self.deferred[rid] = payload
             return
-        self.done.discard(rid)
+        self.done.pop(rid, None)
         self._staged.append(payload)
 
     def on_chunk(self, rid: str, chunk: Any) -> None:
@@ -106,13 +115,33 @@ class Admission:
             payload.prefetched_chunks.append(chunk)
         else:
             self.chunks.setdefault(rid, []).append(chunk)
+            self._bound_orphans(self.chunks)
         if rid in self.deferred:
             self.dirty.add(rid)
 
     def on_done(self, rid: str) -> None:
-        self.done.add(rid)
+        self.done[rid] = None
+        self._bound_orphans(self.done)
         if rid in self.deferred:
             self.dirty.add(rid)
+
+    def take_chunks(self, rid: str) -> list[Any]:
+        """Stream input that arrived for ``rid`` while it was being built."""
+        return self.chunks.pop(rid, [])
+
+    def take_done(self, rid: str) -> bool:
+        return self.done.pop(rid, 0) is None
+
+    def _bound_orphans(self, table: "OrderedDict[str, Any]") -> None:
+        """Input for ids nobody admitted (unknown, rejected, never sent) is bounded:
+        past ``orphan_cap`` ids the oldest such id's input is dropped."""
+        if len(table) <= self.orphan_cap:
+            return
+        for rid in list(table):
+            if len(table) <= self.orphan_cap:
+                return
+            if rid not in self._ids:
+                del table[rid]
 
     def take_dirty(self) -> list[Any]:
         payloads = [self.deferred.pop(rid) for rid in sorted(self.dirty) if rid in self.deferred]
@@ -128,10 +157,13 @@ class Admission:
         in the backlog, and what overflows the backlog is rejected."""
         staged, self._staged = self._staged, []
         if self.pool is None:
+            for payload in staged:
+                self._ids.discard(payload.request_id)
             return staged, []
         rejected: list[Any] = []
         for payload in staged:
             if len(self.backlog) >= self.backlog_limit:
+                self._ids.discard(payload.request_id)
                 rejected.append(payload)
             else:
                 self.backlog.append(payload)
@@ -145,14 +177,15 @@ class Admission:
         return [], rejected
 
     def collect(self) -> list[tuple[Any, Any, BaseException | None]]:
-        """Finished builds, each ``(payload, data, error)``. With a pool, a build is
-        admitted as soon as it is done, so one slow build holds back no other request
-        (admission order is kept only with inline builds, workers = 1)."""
+        """Finished builds in arrival order, each ``(payload, data, error)``; stops at
+        the first build still running, so a later build that finished first waits for
+        it (admission order is arrival order)."""
         done: list[tuple[Any, Any, BaseException | None]] = []
         for rid, (payload, fut) in list(self.pending.items()):
             if not fut.done():
-                continue
+                break
             del self.pending[rid]
+            self._ids.discard(rid)
             if fut.cancelled():
                 continue
             exc = fut.exception()
@@ -180,7 +213,8 @@ class Admission:
             found = True
         self.dirty.discard(rid)
         self.chunks.pop(rid, None)
-        self.done.discard(rid)
+        self.done.pop(rid, None)
+        self._ids.discard(rid)
         return found
 
     def drain_all(self) -> list[Any]:
@@ -193,6 +227,7 @@ class Admission:
         self.deferred.clear()
         self._staged = []
         self.dirty.clear()
+        self._ids.clear()
         return payloads
 
     def shutdown(self) -> None:

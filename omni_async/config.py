@@ -149,6 +149,10 @@ class SchedulerConfig:
     cuda_graph_max_len: int = 2048
     cuda_graph_max_batch: int = 256
     event_wait: str = "poll"
+    # A step that has not completed after this many seconds fails its requests with
+    # DeviceTimeoutError (CPU and CUDA); None waits for ever (the CUDA event watchdog
+    # still applies). Closing waits at most this long for a hung step.
+    step_timeout_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.loop not in LOOP_KINDS:
@@ -177,6 +181,8 @@ class SchedulerConfig:
                 f"kv_capacity_tokens must be an integer >= page_size ({self.page_size}), "
                 f"got {self.kv_capacity_tokens!r}"
             )
+        if self.step_timeout_s is not None and (not _is_finite(self.step_timeout_s) or self.step_timeout_s <= 0):
+            raise InvalidRequestError(f"step_timeout_s must be a positive number of seconds or None, got {self.step_timeout_s!r}")
         if not (0 < self.kv_memory_fraction <= 1):
             raise InvalidRequestError("kv_memory_fraction must be in (0, 1]")
         if not (0 <= self.aborted_id_keep <= self.aborted_id_cap):

@@ -4,17 +4,60 @@ Steps are *launched* on one dedicated worker thread (on CPU the launch is the fo
 itself; on CUDA it enqueues kernels and records an event) and the loop awaits the
 launch's future; on CUDA it then awaits the event cooperatively (see ``EventWaiter``),
 so coroutines sharing the loop keep running while the model works and the worker is
-free to launch the next step.
+free to launch the next step. Everything here is written against anyio, so it runs
+under asyncio (uvloop) and trio alike.
 """
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import threading
 from typing import Any, Callable, TypeVar
 
+import anyio
+import anyio.lowlevel
+
+from .errors import ConfigError, DeviceTimeoutError
+
 T = TypeVar("T")
+
+__all__ = ["DeviceTimeoutError", "EventWaiter", "StepExecutor", "ThreadStepExecutor", "await_future", "threadsafe_caller"]
+
+
+def threadsafe_caller() -> Callable[..., None]:
+    """A function that schedules ``fn(*args)`` on the running event loop from any
+    thread: the one primitive anyio lacks for waking a loop from a worker thread without
+    blocking that thread."""
+    import asyncio
+
+    try:
+        return asyncio.get_running_loop().call_soon_threadsafe
+    except RuntimeError:  # not asyncio: the other backend anyio runs on
+        import trio
+
+        return trio.lowlevel.current_trio_token().run_sync_soon
+
+
+async def await_future(fut: "concurrent.futures.Future[T]") -> T:
+    """Await a ``concurrent.futures.Future`` on any anyio backend. Cancelling the
+    awaiting task cancels the future if it has not started."""
+    if not fut.done():
+        done = anyio.Event()
+        call = threadsafe_caller()
+
+        def wake(_f: Any) -> None:
+            try:
+                call(done.set)
+            except RuntimeError:
+                pass  # the loop is gone: nobody waits any more
+
+        fut.add_done_callback(wake)
+        try:
+            await done.wait()
+        except BaseException:
+            fut.cancel()
+            raise
+    return fut.result()
 
 
 class ThreadStepExecutor:
@@ -36,7 +79,7 @@ class ThreadStepExecutor:
         return fut
 
     async def wait(self, fut: "concurrent.futures.Future[T]") -> T:
-        return await asyncio.wrap_future(fut)
+        return await await_future(fut)
 
     async def completion(self, event: Any) -> None:
         """Await a device completion marker; None (CPU) is already complete."""
@@ -46,16 +89,26 @@ class ThreadStepExecutor:
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         return await self.wait(self.launch(fn, *args))
 
-    async def drain(self) -> None:
-        """Wait (cooperatively) until no queued step is left running."""
-        while self._inflight:
-            await asyncio.wait([asyncio.wrap_future(f) for f in list(self._inflight)])
+    async def drain(self, timeout_s: float | None = None) -> bool:
+        """Wait (cooperatively) until no queued step is left running; False when
+        ``timeout_s`` passed first (a hung step)."""
+        with anyio.move_on_after(timeout_s) as scope:
+            while self._inflight:
+                fut = next(iter(self._inflight))
+                try:
+                    await await_future(fut)
+                except BaseException:
+                    if scope.cancel_called:
+                        raise
+        return not scope.cancelled_caught
 
-    async def aclose(self) -> None:
-        """Finish what is queued, then stop the worker thread."""
+    async def aclose(self, timeout_s: float | None = None) -> None:
+        """Finish what is queued, then stop the worker thread. A step still running
+        after ``timeout_s`` is abandoned: the thread is left to finish on its own (it is
+        a daemon of the pool) so closing is bounded."""
         self._closed = True
-        await self.drain()
-        self._pool.shutdown(wait=True)
+        finished = await self.drain(timeout_s)
+        self._pool.shutdown(wait=finished, cancel_futures=True)
         self.event_waiter.close()
 
     @property
@@ -63,28 +116,26 @@ class ThreadStepExecutor:
         return list(getattr(self._pool, "_threads", ()))
 
 
-class DeviceTimeoutError(RuntimeError):
-    """A device completion did not signal within the watchdog's limit."""
+StepExecutor = ThreadStepExecutor
 
 
 class EventWaiter:
     """Awaits CUDA events without blocking the loop. Modes (measured in
-    ``bench/gpu_await.py``):
+    ``bench/gpu_suite.py``):
 
     - ``poll``: ``event.query()`` with a cooperative wait shaped by the recent step
       times: sleep until about 1 ms before the step is expected to end (the loop's
       timers are ~1 ms coarse), then yield with ``sleep(0)`` until the event is done,
       so other coroutines run throughout;
     - ``thread``: a waiter thread blocks in ``event.synchronize()`` (a blocking-sync
-      event, so it sleeps) and wakes the loop;
-    - ``hostfunc``: not used here (the callback must be enqueued at launch; see the bench).
+      event, so it sleeps) and wakes the loop.
 
     A watchdog turns a completion that never signals into ``DeviceTimeoutError``.
     """
 
     def __init__(self, mode: str = "poll", watchdog_s: float = 120.0, spins: int = 8) -> None:
         if mode not in ("poll", "thread"):
-            raise ValueError(f"unknown event wait mode {mode!r}")
+            raise ConfigError(f"unknown event wait mode {mode!r}; choose 'poll' or 'thread'")
         self.mode = mode
         self.watchdog_s = watchdog_s
         self.spins = spins
@@ -98,28 +149,28 @@ class EventWaiter:
         if event.query():
             return
         try:
-            await asyncio.wait_for(self._wait(event), self.watchdog_s)
-        except asyncio.TimeoutError:
+            with anyio.fail_after(self.watchdog_s):
+                await self._wait(event)
+        except TimeoutError:
             raise DeviceTimeoutError(f"device step did not complete within {self.watchdog_s:.0f} s") from None
 
     async def _wait(self, event: Any) -> None:
         if self.mode == "thread":
             if self._thread is None:
                 self._thread = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="omni-event-wait")
-            await asyncio.wrap_future(self._thread.submit(event.synchronize))
+            await await_future(self._thread.submit(event.synchronize))
             return
-        loop = asyncio.get_running_loop()
-        start = loop.time()
+        start = anyio.current_time()
         expected = self._expected_s
         if expected is not None and expected > 0.002:
-            await asyncio.sleep(expected - 0.0015)
+            await anyio.sleep(expected - 0.0015)
         while not event.query():
             self.polls += 1
-            await asyncio.sleep(0)
-        took = loop.time() - start
+            await anyio.lowlevel.checkpoint()
+        took = anyio.current_time() - start
         self._expected_s = took if self._expected_s is None else 0.8 * self._expected_s + 0.2 * took
 
     def close(self) -> None:
         if self._thread is not None:
-            self._thread.shutdown(wait=True)
+            self._thread.shutdown(wait=False, cancel_futures=True)
             self._thread = None

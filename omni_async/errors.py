@@ -47,3 +47,19 @@ class ModelLoadError(OmniAsyncError):
 
 class AdminError(OmniAsyncError):
     """An admin action failed; the reply's message says why."""
+
+
+class ConfigError(OmniAsyncError, ValueError):
+    """The engine or scheduler configuration cannot be honoured: an unknown loop or
+    backend, a limit out of range, a device that is not there, an option a backend
+    does not support."""
+
+
+class DeviceTimeoutError(OmniAsyncError, RuntimeError):
+    """A model step did not complete within its watchdog limit (``step_timeout_s``, or
+    the CUDA event watchdog)."""
+
+
+class KVAllocationError(OmniAsyncError, RuntimeError):
+    """The paged KV allocator was asked for more pages than are free, or to free pages
+    twice: a scheduling bug, never a user error."""

@@ -207,18 +207,20 @@ def make_talker(loop: str, device: str = "cpu", min_chunks: int = TALKER_MIN_CHU
 
     config = SchedulerConfig(loop=loop)
     stack = build_native_stack("tiny", config, device=device, seed=1)
-    sched = build_scheduler(stack, config, request_build_ready=lambda payload, done: len(payload.prefetched_chunks) >= min_chunks or done)
-
-    base_builder = sched.default_request_builder
 
     def build(payload: Any):
         tokens = [t for chunk in payload.prefetched_chunks for t in chunk.token_ids]
         payload.input_ids = [256] + tokens  # BOS, then the thinker's tokens so far
-        data = base_builder(payload)
+        data = sched.default_request_builder(payload)
         data.stream_chunks = []  # the prefetched ones became the prompt
         return data
 
-    sched._request_builder = build
+    sched = build_scheduler(
+        stack,
+        config,
+        request_builder=build,
+        request_build_ready=lambda payload, done: len(payload.prefetched_chunks) >= min_chunks or done,
+    )
     return sched
 
 

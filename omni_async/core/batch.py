@@ -66,9 +66,10 @@ class ScheduledBatch:
         req = self.reqs[i]
         return not req.finished() and req.epoch == self.epochs[i]
 
-    def without_stale_rows(self) -> "ScheduledBatch | None":
+    def runnable_after_drain(self) -> "ScheduledBatch | None":
         """This batch less the rows whose request finished or was retracted since it was
-        scheduled (they must not be forwarded or finalised again); None when empty."""
+        scheduled: their KV was released, so they must not be forwarded again; None
+        when no row is left."""
         keep = [i for i in range(self.size) if self.row_is_live(i)]
         if len(keep) == self.size:
             return self

@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Sequence
 
 from ..config import SchedulerConfig
 from ..kv.allocator import PageAllocator
 from .batch import ForwardMode, ScheduledBatch
+from .protocol import BatchCore, StepOutcome
 from .request import Request
+
+__all__ = ["BatchCore", "NativeBatchCore", "StepOutcome"]
 
 # Admission keeps room for running requests' future tokens, estimated as this ratio of
 # what they may still generate. A retraction resets it to 1 (fully conservative); it
@@ -28,46 +30,7 @@ MIN_NEW_TOKEN_RATIO = 0.1
 NEW_TOKEN_RATIO_DECAY = (INIT_NEW_TOKEN_RATIO - MIN_NEW_TOKEN_RATIO) / 600
 
 
-@dataclass
-class StepOutcome:
-    """What processing one row of a step produced."""
-
-    req: Request
-    token: int | None  # None when the row was a non-final prefill chunk
-    logprob: float | None = None
-    finished: bool = False
-
-
-class BatchCore(Protocol):
-    """What the scheduler and loops need from a batch core (native or sglang).
-
-    Scheduling advances request state when a step is scheduled; ``process_result``
-    completes it and skips rows that are no longer live. ``abort`` finishes a waiting
-    request at once (returned) and marks a running one, which ``reap_aborted`` finishes
-    at the next step boundary. Every finish releases KV exactly once.
-    """
-
-    num_retractions: int
-
-    def add_request(self, req: Request) -> None: ...
-    def get_next_batch(self) -> ScheduledBatch | None: ...
-    def process_result(
-        self, batch: ScheduledBatch, tokens: Sequence[int], logprobs: Sequence[float] | None
-    ) -> list[StepOutcome]: ...
-    def abort(self, rid: str) -> Request | None: ...
-    def reap_aborted(self) -> list[Request]: ...
-    def abort_all(self) -> list[Request]: ...
-    def fail_requests(self, reqs: Sequence[Request]) -> list[Request]: ...
-    def retract_all(self) -> list[Request]: ...
-    def active_requests(self) -> list[Request]: ...
-    def find(self, rid: str) -> Request | None: ...
-    def has_work(self) -> bool: ...
-    def kv_is_fully_free(self) -> bool: ...
-    def flush_cache(self) -> bool: ...
-    def stats(self) -> dict[str, int]: ...
-
-
-class NativeBatchCore:
+class NativeBatchCore(BatchCore):
     def __init__(self, config: SchedulerConfig, allocator: PageAllocator, context_length: int) -> None:
         self.config = config
         self.allocator = allocator
@@ -90,6 +53,9 @@ class NativeBatchCore:
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.chunked)
+
+    def num_waiting(self) -> int:
+        return len(self.waiting)
 
     def active_requests(self) -> list[Request]:
         reqs = list(self.waiting) + list(self.running)

@@ -6,9 +6,7 @@ because either one means two requests could end up sharing KV.
 
 from __future__ import annotations
 
-
-class KVAllocationError(RuntimeError):
-    """A page was freed twice, or freed without being allocated."""
+from ..errors import KVAllocationError
 
 
 class PageAllocator:

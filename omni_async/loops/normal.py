@@ -3,20 +3,10 @@ iterations. Idle, it awaits its channels; busy, it awaits the model."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from ..scheduler import AsyncOmniScheduler
+from ..stage.stepper import Stepper
 
 
-async def normal_loop(s: "AsyncOmniScheduler") -> None:
-    while s.serving:
-        await s.begin_iteration()
-        if s.paused:
-            await s.wait_for_work()
-            continue
-        batch = s.core.get_next_batch()
-        if batch is None:
-            await s.wait_for_work()
-            continue
-        await s.run_batch(batch)
+async def normal_loop(st: Stepper) -> None:
+    while st.serving:
+        await st.begin_iteration()
+        await st.step_in_sync(st.next_batch())

@@ -1,44 +1,22 @@
-"""The overlap loop: step N's result is processed while step N+1 already runs.
+"""The overlap loop: step N's output is processed while step N+1 already runs.
 
-Step N+1 is scheduled and launched before step N's result reaches the host; its decode
-inputs for requests still in flight are read from step N's sampled tokens on the device
-(``Request.last_token_ref``), so there is no host synchronisation between the two.
-Rows of requests that finish in step N are skipped when step N+1 is processed.
+Step N+1 is scheduled and launched before step N's output reaches the host; its decode
+inputs for requests still in flight are read from step N's sampled tokens on the device,
+so there is no host synchronisation between the two. Rows of requests that finish in
+step N are skipped when step N+1 is processed. A batch the runner will not overlap runs
+synchronously after a drain.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from ..scheduler import AsyncOmniScheduler, InflightStep
+from ..stage.stepper import Stepper
 
 
-async def overlap_loop(s: "AsyncOmniScheduler") -> None:
-    previous: "InflightStep | None" = None
-
-    async def drain() -> None:
-        nonlocal previous
-        step, previous = previous, None
-        if step is not None:
-            await s.finish_step(step)
-
-    s.drain_hook = drain
-    try:
-        while s.serving:
-            await s.begin_iteration()
-            if s.paused:
-                await drain()
-                await s.wait_for_work()
-                continue
-            batch = s.core.get_next_batch()
-            current = s.launch_step(batch) if batch is not None else None
-            drained = previous is not None
-            if drained:
-                await drain()  # may free KV that waiting requests need: look again
-            previous = current
-            if current is None and not drained:
-                await s.wait_for_work()
-        await drain()
-    finally:
-        s.drain_hook = None
+async def overlap_loop(st: Stepper) -> None:
+    while st.serving:
+        await st.begin_iteration()
+        batch = st.next_batch()
+        if batch is not None and st.overlap_eligible(batch):
+            await st.step_ahead(batch)
+        else:
+            await st.step_in_sync(batch)

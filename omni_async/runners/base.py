@@ -36,6 +36,7 @@ class PendingStep:
     schedule_batch: Any
     batch_result: BatchResult
     n_real: int
+    lookahead: bool = False
 
 
 class ModelRunner:
@@ -173,6 +174,24 @@ class ModelRunner:
             pending.scheduler_output,
             skip_rids=skip,
         )
+
+    # -- interim contract (replaced by the runner rewrite)
+    def launch(self, scheduler_output: SchedulerOutput, *, lookahead: bool = False) -> PendingStep | None:
+        pending = self.execute_launch(scheduler_output) if lookahead else self.launch_step(scheduler_output)
+        if pending is not None:
+            pending.lookahead = lookahead
+        return pending
+
+    def collect(self, pending: PendingStep) -> ModelRunnerOutput:
+        if pending.lookahead:
+            return self.execute_resolve(pending)
+        batch = pending.schedule_batch
+        skip = {batch.reqs[i].rid for i in range(batch.size) if not batch.row_is_live(i)}
+        return self._finalize(pending.batch_result, pending.forward_batch, pending.schedule_batch, pending.scheduler_output, skip_rids=skip)
+
+    def overlap_eligible(self, batch: Any) -> bool:
+        """Whether the overlap loop may run this batch while another is in flight."""
+        return True
 
     @property
     def async_resolve_counts(self) -> dict[str, int]:

@@ -46,6 +46,8 @@ class ModelRunnerOutput:
     # Batch-ordered host values, what the batch core consumes.
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] | None = None
+    # Rows the runner could not sample (row index -> why): only those requests fail.
+    row_errors: dict[int, str] = field(default_factory=dict)
 
 
 @dataclass

@@ -33,7 +33,7 @@ from typing import Any, Callable, Sequence
 
 from ...config import SchedulerConfig
 from ...core.batch import ForwardMode
-from ...core.batch_core import StepOutcome
+from ...core.protocol import BatchCore, StepOutcome
 from ...core.request import Request
 
 from sglang.srt.managers.schedule_batch import (
@@ -106,7 +106,7 @@ class SGLangScheduledBatch:
         req = self.reqs[i]
         return not req.finished() and req.epoch == self.epochs[i]
 
-    def without_stale_rows(self) -> "SGLangScheduledBatch":
+    def runnable_after_drain(self) -> "SGLangScheduledBatch":
         """The batch to run after a drain finished or retracted some of its requests.
 
         Unlike the native core, the stale rows stay in the forward (SGLang's overlap
@@ -128,7 +128,7 @@ def _finish_reason_name(reason: Any) -> str | None:
     return "stop"
 
 
-class SGLangBatchCore:
+class SGLangBatchCore(BatchCore):
     """BatchCore over SGLang's scheduling machinery (see the module docstring)."""
 
     def __init__(
@@ -221,6 +221,9 @@ class SGLangBatchCore:
 
     def has_work(self) -> bool:
         return bool(self.waiting_queue or self.running_batch.reqs or self.chunked_req is not None)
+
+    def num_waiting(self) -> int:
+        return len(self.waiting_queue)
 
     def active_requests(self) -> list[Request]:
         return [self._omni[id(s)] for s in self._sreq.values() if not s.finished()]

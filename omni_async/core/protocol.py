@@ -1,0 +1,79 @@
+"""The batch-core seam: what the stage and the stepper need from a batch core, and what
+a scheduled step looks like to them. Two implementations: ``NativeBatchCore`` (ours) and
+the SGLang backend's core. Pure scheduling state: no asyncio, no torch here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol, Sequence, runtime_checkable
+
+from .request import Request
+
+
+@dataclass
+class StepOutcome:
+    """What processing one row of a step produced."""
+
+    req: Request
+    token: int | None  # None when the row was a non-final prefill chunk
+    logprob: float | None = None
+    finished: bool = False
+
+
+@runtime_checkable
+class ScheduledBatchLike(Protocol):
+    """One scheduled step as the stage and the runners read it."""
+
+    reqs: list[Request]
+    epochs: list[int]
+    samples_kept: list[bool]
+    sample_indices: list[int]
+    step_id: int
+
+    @property
+    def is_decode(self) -> bool: ...
+    @property
+    def size(self) -> int: ...
+    def row_is_live(self, i: int) -> bool:
+        """False when the row's request finished or was retracted after scheduling:
+        such a row yields no token when the step is processed."""
+        ...
+
+    def runnable_after_drain(self) -> Any:
+        """The batch to forward when it was scheduled while a step was in flight and
+        that step has since been processed (the loop drained before running it
+        synchronously). None when nothing is left to run. Processing skips stale rows
+        either way; a core may keep them in the forward if their KV is committed."""
+        ...
+
+
+@runtime_checkable
+class BatchCore(Protocol):
+    """Scheduling state of one stage.
+
+    Scheduling advances request state when a step is scheduled; ``process_result``
+    completes it and skips rows that are no longer live. ``abort`` finishes a waiting
+    request at once (returned) and marks a running one, which ``reap_aborted`` finishes
+    at the next step boundary. Every finish releases KV exactly once.
+    """
+
+    num_retractions: int
+
+    def add_request(self, req: Request) -> None: ...
+    def get_next_batch(self) -> Any: ...
+    def process_result(
+        self, batch: Any, tokens: Sequence[int], logprobs: Sequence[float] | None
+    ) -> list[StepOutcome]: ...
+    def abort(self, rid: str) -> Request | None: ...
+    def reap_aborted(self) -> list[Request]: ...
+    def abort_all(self) -> list[Request]: ...
+    def fail_requests(self, reqs: Sequence[Request]) -> list[Request]: ...
+    def retract_all(self) -> list[Request]: ...
+    def active_requests(self) -> list[Request]: ...
+    def find(self, rid: str) -> Request | None: ...
+    def has_work(self) -> bool: ...
+    def num_waiting(self) -> int: ...
+    def kv_is_fully_free(self) -> bool: ...
+    def flush_cache(self) -> bool: ...
+    def stats(self) -> dict[str, int]: ...

@@ -1,0 +1,1 @@
+"""The stage, split by concern: intake, emission, the stepper, and the control API."""

@@ -1,0 +1,232 @@
+"""Emission: the live table, step outputs turned into messages, and exactly one
+terminal message per request.
+
+Messages are delivered through an output sink: by default each goes into the stage's
+``outbox`` stream; an embedding layer (the :class:`~omni_async.engine.Engine`) can
+install its own sink and receive a whole step's messages in one call, so a step costs
+one delivery, not one channel hop per token.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Any, Callable, Iterable, Iterator, Sequence
+
+from .. import errors
+from ..core.protocol import BatchCore
+from ..core.request import Request, RequestData
+from ..logs import debug_enabled, log
+from ..messages import GenerationResult, OutgoingMessage, StreamDelta
+from ..runners.types import ModelRunnerOutput, RequestOutput
+from .guard import call_user
+from .ids import IdWindow
+
+OutputSink = Callable[[list[OutgoingMessage]], None]
+ResultAdapter = Callable[[RequestData], Any]
+StreamOutputBuilder = Callable[[str, RequestData, RequestOutput], Iterable[OutgoingMessage]]
+
+
+class Emission:
+    def __init__(
+        self,
+        core: BatchCore,
+        sink: OutputSink,
+        *,
+        result_adapter: ResultAdapter | None = None,
+        stream_output_builder: StreamOutputBuilder | None = None,
+        weight_version: Callable[[], str | None] = lambda: None,
+        ended_cap: int = 10_000,
+        ended_keep: int = 5_000,
+        stats: Any = None,
+    ) -> None:
+        self.core = core
+        self.sink = sink
+        self.result_adapter = result_adapter or default_result_adapter
+        self.stream_output_builder = stream_output_builder or default_stream_output_builder
+        self.weight_version = weight_version
+        self.live: dict[str, RequestData] = {}
+        # Recently terminated ids: stream input for them is dropped, an abort of one is
+        # a no-op. Bounded; a new request with the same id leaves the window.
+        self.ended: IdWindow[None] = IdWindow(ended_cap, ended_keep)
+        self.stats = stats
+        self._pending: list[OutgoingMessage] = []
+        self._coalescing = 0
+        self._first_emitted: set[str] = set()
+
+    # ------------------------------------------------------------ delivery
+
+    @contextmanager
+    def coalesced(self) -> Iterator[None]:
+        """Deliver what is sent inside the block in one sink call at its end."""
+        self._coalescing += 1
+        try:
+            yield
+        finally:
+            self._coalescing -= 1
+            if not self._coalescing:
+                self.flush()
+
+    def send(self, msg: OutgoingMessage) -> None:
+        self._pending.append(msg)
+        if not self._coalescing:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self._pending:
+            return
+        batch, self._pending = self._pending, []
+        try:
+            self.sink(batch)
+        except Exception as exc:  # a sink must not take the loop down
+            log.error("scheduler_output_sink_failed", error=repr(exc), messages=len(batch))
+
+    # ------------------------------------------------------------ the live table
+
+    def admit(self, data: RequestData) -> None:
+        rid = data.req.rid
+        self.ended.pop(rid)
+        self.live[rid] = data
+
+    def is_live(self, rid: str) -> bool:
+        return rid in self.live
+
+    def reject(self, rid: str, err: Exception) -> None:
+        """The one terminal message of a request that never became live."""
+        self.ended.put(rid, None)
+        self.send(OutgoingMessage(rid, "error", err))
+
+    def send_error(self, rid: str, err: Exception) -> None:
+        """An error for a message that does not end the request with that id (a
+        duplicate id: the active request keeps it)."""
+        self.send(OutgoingMessage(rid, "error", err))
+
+    def fail(self, rid: str, err: Exception) -> None:
+        """End a live request with an error (no-op when it already ended)."""
+        if self.live.pop(rid, None) is None:
+            return
+        self._forget(rid)
+        self.send(OutgoingMessage(rid, "error", err))
+
+    def fail_request(self, req: Request, err: Exception) -> None:
+        self.core.fail_requests([req])  # releases KV unless the request already finished
+        self.fail(req.rid, err)
+
+    def finish(self, req: Request) -> None:
+        """The terminal message of a request the core finished: its result (through the
+        result adapter), or an aborted error."""
+        rid = req.rid
+        data = self.live.get(rid)
+        if data is None:
+            return
+        if debug_enabled():
+            log.debug("scheduler_finish", request_id=rid, finish_reason=req.finish_reason, output_tokens=len(req.output_ids))
+        if req.finish_reason == "abort":
+            self.fail(rid, errors.RequestAbortedError("request aborted", output_ids=req.output_ids))
+            return
+        data.output_ids = list(req.output_ids)
+        data.finish_reason = req.finish_reason
+        data.weight_version = self.weight_version()
+        try:
+            result = call_user("result adapter", self.result_adapter, data)
+        except errors.OmniAsyncError as err:
+            self.fail(rid, err)
+            return
+        self.live.pop(rid, None)
+        self._forget(rid)
+        self.send(OutgoingMessage(rid, "result", result))
+
+    def end_all(self, reqs: Sequence[Request], make_error: Callable[[Request], Exception]) -> None:
+        for req in reqs:
+            self.fail(req.rid, make_error(req))
+
+    def _forget(self, rid: str) -> None:
+        self.ended.put(rid, None)
+        self._first_emitted.discard(rid)
+
+    # ------------------------------------------------------------ step outputs
+
+    def on_step_output(self, batch: Any, out: ModelRunnerOutput) -> None:
+        """Process one step: rows the runner could not sample fail alone, then the core
+        appends tokens and checks finishes, then each row's stream message is built."""
+        with self.coalesced():
+            for row, message in (out.row_errors or {}).items():
+                req = batch.reqs[row]
+                if batch.row_is_live(row):
+                    self.fail_request(req, errors.RequestFailedError(f"sampling failed for this request: {message}"))
+            outcomes = self.core.process_result(batch, out.token_ids, out.logprobs)
+            outputs = out.outputs
+            for oc in outcomes:
+                req = oc.req
+                if oc.token is not None:
+                    if self.stats is not None:
+                        self.stats.tokens_out += 1
+                    data: RequestData = req.data
+                    if oc.logprob is not None and req.sampling.return_logprob:
+                        data.output_token_logprobs.append([oc.logprob, oc.token])
+                    req_output = outputs.get(req.rid) if outputs else None
+                    if req_output is None:
+                        req_output = RequestOutput(req.rid, oc.token, logprob=oc.logprob)
+                    req_output.finished = oc.finished
+                    if not self._emit_stream(req, req_output):
+                        continue
+                if oc.finished:
+                    self.finish(req)
+
+    def on_step_failed(self, batch: Any, exc: BaseException) -> None:
+        """A step raised: every live request in it ends with an error, KV released;
+        the loop carries on with the others."""
+        rids = [r.rid for r in batch.reqs]
+        log.error("scheduler_batch_failed", request_ids=rids, error=repr(exc))
+        live = [batch.reqs[i] for i in range(batch.size) if batch.row_is_live(i)]
+        if isinstance(exc, errors.DeviceTimeoutError):
+            make: Callable[[], Exception] = lambda: errors.DeviceTimeoutError(str(exc))
+        else:
+            make = lambda: errors.RequestFailedError(f"model step failed: {exc!r}")
+        with self.coalesced():
+            for req in self.core.fail_requests(live):
+                err = make()
+                err.__cause__ = exc
+                self.fail(req.rid, err)
+
+    def _emit_stream(self, req: Request, req_output: RequestOutput) -> bool:
+        rid = req.rid
+        try:
+            msgs = call_user("stream output builder", self.stream_output_builder, rid, req.data, req_output)
+            msgs = list(msgs)
+        except errors.OmniAsyncError as err:
+            self.fail_request(req, err)
+            return False
+        if msgs and debug_enabled() and rid not in self._first_emitted:
+            self._first_emitted.add(rid)
+            log.debug("scheduler_first_emit", request_id=rid)
+        for msg in msgs:
+            self.send(msg)
+        return True
+
+
+def default_result_adapter(data: RequestData) -> GenerationResult:
+    req = data.req
+    return GenerationResult(
+        request_id=req.rid,
+        output_ids=list(data.output_ids),
+        finish_reason=data.finish_reason,
+        prompt_ids=list(req.prompt_ids),
+        output_logprobs=[lp for lp, _ in data.output_token_logprobs] if req.sampling.return_logprob else None,
+        weight_version=data.weight_version,
+        extra={k: v for k, v in data.extra_model_outputs.items() if k != "hidden_state"},
+    )
+
+
+def default_stream_output_builder(rid: str, data: RequestData, out: RequestOutput) -> list[OutgoingMessage]:
+    if out.data is None:
+        return []
+    req = data.req
+    delta = StreamDelta(
+        request_id=rid,
+        token_ids=[int(out.data)],
+        logprobs=[out.logprob] if (req.sampling.return_logprob and out.logprob is not None) else None,
+        finished=out.finished,
+        finish_reason=req.finish_reason if out.finished else None,
+        extra=dict(out.extra),
+    )
+    return [OutgoingMessage(rid, "stream", delta)]

@@ -1,0 +1,380 @@
+"""Intake: arrivals, payload parsing and validation, admission, stream input routing and
+tombstones.
+
+Every inbox message is checked at the door: a malformed one gets an error message for
+its sender where there is one and is dropped otherwise; a bad payload gets a typed error
+on that request alone. Work per arrival is O(1) in the number of requests in the system.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+import anyio.lowlevel
+
+from .. import errors
+from ..admission import Admission
+from ..config import SamplingParams, SchedulerConfig
+from ..core.protocol import BatchCore
+from ..core.request import Request, RequestData
+from ..logs import debug_enabled, log
+from ..messages import IncomingMessage, RequestPayload
+from ..validation import check_sampling_against_vocab, validate_input_ids
+from .emission import Emission
+from .guard import call_user
+from .ids import IdWindow
+
+RequestBuilder = Callable[[Any], RequestData]
+_MESSAGE_TYPES = ("new_request", "stream_chunk", "stream_done")
+# Arrivals handled between two checkpoints: a burst never holds the loop for long.
+_ARRIVALS_PER_CHECKPOINT = 256
+# Stream input kept for ids that are neither live nor being admitted (a request that
+# may still arrive): bounded, oldest dropped.
+_ORPHAN_INPUT_CAP = 1_000
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    """What admission checks requests against."""
+
+    vocab_size: int
+    context_length: int
+    kv_capacity_tokens: int
+    eos_token_ids: tuple[int, ...] = ()
+
+
+class Intake:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        core: BatchCore,
+        limits: ModelLimits,
+        emission: Emission,
+        *,
+        request_builder: RequestBuilder | None = None,
+        request_build_ready: Callable[[Any, bool], bool] | None = None,
+        stream_chunk_handler: Callable[[RequestData, Any], None] | None = None,
+        stream_done_handler: Callable[[RequestData], None] | None = None,
+        on_build_done: Callable[[], None] | None = None,
+    ) -> None:
+        self.config = config
+        self.core = core
+        self.limits = limits
+        self.emission = emission
+        self.request_builder = request_builder or self.default_request_builder
+        self._stream_chunk_handler = stream_chunk_handler
+        self._stream_done_handler = stream_done_handler
+        self.arrived: deque[IncomingMessage] = deque()
+        self._arrived_new: dict[str, int] = {}  # rid -> new_request messages in ``arrived``
+        # Ids aborted before they arrived (False) or whose abort was already answered (True).
+        self.tombstones: IdWindow[bool] = IdWindow(config.aborted_id_cap, config.aborted_id_keep)
+        self.admission = Admission(
+            config,
+            build=self._build,
+            is_ready=_guarded_ready(request_build_ready) if request_build_ready else None,
+            on_build_done=on_build_done,
+            orphan_cap=_ORPHAN_INPUT_CAP,
+        )
+
+    # ------------------------------------------------------------ arrivals
+
+    def put(self, msg: Any) -> None:
+        """A message from the inbox (or the thread-safe door), checked at the door."""
+        problem = _malformed(msg)
+        if problem is not None:
+            rid = getattr(msg, "request_id", None)
+            log.error("scheduler_malformed_message", error=problem)
+            if isinstance(rid, str) and getattr(msg, "type", None) == "new_request":
+                self.emission.reject(rid, errors.InvalidRequestError(problem))
+            return
+        self.arrived.append(msg)
+        if msg.type == "new_request":
+            self._arrived_new[msg.request_id] = self._arrived_new.get(msg.request_id, 0) + 1
+
+    def has_arrivals(self) -> bool:
+        return bool(self.arrived)
+
+    async def receive_and_admit(self) -> None:
+        """Arrivals, re-checked deferrals, builds (inline or collected from the pool)."""
+        self._admit_built(self.admission.collect())
+        handled = 0
+        while self.arrived:
+            msg = self.arrived.popleft()
+            rid = msg.request_id
+            if msg.type == "new_request":
+                self._count_out(rid)
+                self._offer(rid, msg.data)
+            elif msg.type == "stream_chunk":
+                self.on_stream_chunk(rid, msg.data)
+            else:
+                self.on_stream_done(rid)
+            handled += 1
+            if handled % _ARRIVALS_PER_CHECKPOINT == 0:
+                self.emission.flush()
+                await anyio.lowlevel.checkpoint()
+        for payload in self.admission.take_dirty():
+            self._to_admission(payload)
+        inline, rejected = self.admission.stage()
+        for payload in rejected:
+            self.emission.reject(payload.request_id, errors.RequestRejectedError(
+                f"request-build backlog is full (backlog_limit={self.admission.backlog_limit}); "
+                "raise max_queued_requests or request_build_max_pending, or retry later"))
+        for i, payload in enumerate(inline):
+            try:
+                built = [(payload, self._build(payload), None)]
+            except Exception as exc:
+                built = [(payload, None, exc)]
+            self._admit_built(built)
+            if (i + 1) % _ARRIVALS_PER_CHECKPOINT == 0:
+                self.emission.flush()
+                await anyio.lowlevel.checkpoint()
+        self._admit_built(self.admission.collect())
+
+    def _count_out(self, rid: str) -> None:
+        n = self._arrived_new.get(rid, 0) - 1
+        if n > 0:
+            self._arrived_new[rid] = n
+        else:
+            self._arrived_new.pop(rid, None)
+
+    def _offer(self, rid: str, payload: Any) -> None:
+        handled = self.tombstones.pop(rid)
+        if handled is False:
+            self.emission.reject(rid, errors.RequestAbortedError("aborted before admission"))
+            return
+        if isinstance(payload, dict):
+            payload = self._payload_from_dict(rid, payload)
+            if payload is None:
+                return
+        payload_rid = getattr(payload, "request_id", None)
+        if payload_rid is None:
+            self.emission.reject(rid, errors.InvalidRequestError(
+                f"unsupported payload type {type(payload).__name__}: give a RequestPayload or a dict"))
+            return
+        if payload_rid != rid:
+            self.emission.reject(rid, errors.InvalidRequestError(
+                f"payload request_id {payload_rid!r} differs from message id {rid!r}"))
+            return
+        if self.emission.is_live(rid) or rid in self.admission:
+            # Not ``reject``: the id belongs to the active request, which keeps it.
+            self.emission.send_error(rid, errors.RequestRejectedError(
+                f"duplicate request id {rid!r}: a request with this id is active"))
+            return
+        queued = self.admission.num_queued_unbuilt() + self.core.num_waiting()
+        if queued >= self.config.max_queued_requests:
+            self.emission.reject(rid, errors.RequestRejectedError(
+                f"queue full: {queued} requests queued, max_queued_requests={self.config.max_queued_requests}; "
+                "retry later or raise max_queued_requests"))
+            return
+        self._to_admission(payload)
+
+    def _to_admission(self, payload: Any) -> None:
+        try:
+            self.admission.offer(payload)
+        except errors.OmniAsyncError as err:  # request_build_ready raised
+            self.emission.reject(payload.request_id, err)
+
+    def _payload_from_dict(self, rid: str, raw: dict[str, Any]) -> RequestPayload | None:
+        known = {"request_id", "input_ids", "sampling", "metadata"}
+        try:
+            unknown = sorted(str(k) for k in set(raw) - known)
+            if unknown:
+                raise errors.InvalidRequestError(f"unknown request field(s): {', '.join(unknown)}")
+            sampling = raw.get("sampling")
+            if sampling is not None and not isinstance(sampling, (SamplingParams, dict)):
+                raise errors.InvalidRequestError(f"sampling must be SamplingParams or a dict, got {type(sampling).__name__}")
+            metadata = raw.get("metadata")
+            if metadata is not None and not isinstance(metadata, dict):
+                raise errors.InvalidRequestError(f"metadata must be a dict, got {type(metadata).__name__}")
+            return RequestPayload(
+                request_id=raw.get("request_id", rid),
+                input_ids=raw.get("input_ids") or [],
+                sampling=sampling if isinstance(sampling, SamplingParams) else SamplingParams.from_dict(sampling),
+                metadata=dict(metadata or {}),
+            )
+        except errors.OmniAsyncError as exc:
+            self.emission.reject(rid, exc)
+        except Exception as exc:
+            self.emission.reject(rid, errors.InvalidRequestError(f"malformed request payload: {exc!r}"))
+        return None
+
+    # ------------------------------------------------------------ building
+
+    def _build(self, payload: Any) -> RequestData:
+        rid = payload.request_id
+        if debug_enabled():
+            log.debug("scheduler_request_build_start", request_id=rid)
+        data = call_user("request builder", self.request_builder, payload)
+        if debug_enabled():
+            log.debug("scheduler_request_build_end", request_id=rid)
+        return data
+
+    def _admit_built(self, built: Iterable[tuple[Any, Any, BaseException | None]]) -> None:
+        """Validate built requests and enqueue them, in the order given."""
+        for payload, data, exc in built:
+            rid = payload.request_id
+            handled = self.tombstones.get(rid)
+            if handled is not None:  # aborted while building
+                if not handled:
+                    self.tombstones.put(rid, True)
+                    self.emission.reject(rid, errors.RequestAbortedError("aborted before admission"))
+                continue
+            try:
+                if exc is not None:
+                    raise exc
+                if not isinstance(data, RequestData):
+                    raise errors.RequestFailedError(f"request builder returned {type(data).__name__}, expected RequestData")
+                if data.req.rid != rid:
+                    raise errors.InvalidRequestError(f"built request id {data.req.rid!r} differs from message id {rid!r}")
+                self.check_limits(data.req, enforce=data.enforce_request_limits)
+            except errors.OmniAsyncError as err:
+                self.emission.reject(rid, err)
+                continue
+            except Exception as err:
+                failure = errors.RequestFailedError(f"request builder failed: {err!r}")
+                failure.__cause__ = err
+                self.emission.reject(rid, failure)
+                continue
+            data.req.data = data
+            self.emission.admit(data)
+            try:
+                for chunk in getattr(payload, "prefetched_chunks", None) or []:
+                    self._append_stream_chunk(data, chunk)
+                if getattr(payload, "prefetched_stream_done", False):
+                    self._mark_stream_done(data)
+                for chunk in self.admission.take_chunks(rid):  # arrived during the build
+                    self._append_stream_chunk(data, chunk)
+                if self.admission.take_done(rid):
+                    self._mark_stream_done(data)
+            except errors.OmniAsyncError as err:
+                self.emission.fail(rid, err)
+                continue
+            self.core.add_request(data.req)
+            if debug_enabled():
+                log.debug("scheduler_queue_enter", request_id=rid)
+
+    def check_limits(self, req: Request, *, enforce: bool) -> None:
+        """Refuse what can never be served, saying which limit and by how much.
+
+        A request that cannot fit in the whole KV cache is refused whatever ``enforce``
+        says (it would hold the KV forever and starve every request behind it). With
+        ``enforce``, a prompt that does not fit the context is refused, and
+        ``max_new_tokens`` is clamped to what the context leaves."""
+        n_in = len(req.prompt_ids)
+        ctx = self.limits.context_length
+        if enforce:
+            if n_in >= ctx:
+                raise errors.RequestRejectedError(
+                    f"prompt has {n_in} tokens, the context length is {ctx}: it leaves no room for "
+                    f"a new token (over by {n_in - ctx + 1}); shorten the input")
+            room = ctx - n_in
+            if req.sampling.max_new_tokens > room:
+                s = req.sampling
+                req.sampling = dataclasses.replace(s, max_new_tokens=room, min_new_tokens=min(s.min_new_tokens, room))
+        n_new = req.sampling.max_new_tokens
+        cap = self.limits.kv_capacity_tokens
+        if n_in + n_new > cap:
+            raise errors.RequestRejectedError(
+                f"request needs {n_in + n_new} tokens of KV (input {n_in} + max_new_tokens {n_new}), "
+                f"over the KV cache capacity {cap} by {n_in + n_new - cap}; raise kv_capacity_tokens "
+                "(or kv_memory_fraction on CUDA) or lower max_new_tokens")
+
+    def default_request_builder(self, payload: Any) -> RequestData:
+        """Build from a :class:`RequestPayload` (dicts are converted on arrival)."""
+        if not isinstance(payload, RequestPayload):
+            raise errors.InvalidRequestError(f"unsupported payload type {type(payload).__name__}")
+        sampling = payload.sampling
+        if not isinstance(sampling, SamplingParams):
+            raise errors.InvalidRequestError("sampling must be a SamplingParams")
+        n_in = len(payload.input_ids) if hasattr(payload.input_ids, "__len__") else 0
+        if n_in >= self.limits.context_length:  # before the per-token checks: O(1)
+            raise errors.RequestRejectedError(
+                f"prompt has {n_in} tokens, the context length is {self.limits.context_length}: it leaves "
+                f"no room for a new token (over by {n_in - self.limits.context_length + 1}); shorten the input")
+        ids = validate_input_ids(payload.input_ids, self.limits.vocab_size)
+        sampling.validate()
+        check_sampling_against_vocab(sampling, self.limits.vocab_size)
+        req = Request(rid=payload.request_id, prompt_ids=ids, sampling=sampling, eos_token_ids=self.limits.eos_token_ids)
+        return RequestData(req=req, payload=payload)
+
+    # ------------------------------------------------------------ stream input
+
+    def on_stream_chunk(self, rid: str, chunk: Any) -> None:
+        if rid in self.tombstones or rid in self.emission.ended:
+            return
+        data = self.emission.live.get(rid)
+        if data is None:
+            self.admission.on_chunk(rid, chunk)
+            return
+        try:
+            self._append_stream_chunk(data, chunk)
+        except errors.OmniAsyncError as err:
+            self.emission.fail_request(data.req, err)
+
+    def on_stream_done(self, rid: str) -> None:
+        if rid in self.tombstones or rid in self.emission.ended:
+            return
+        data = self.emission.live.get(rid)
+        if data is None:
+            self.admission.on_done(rid)
+            return
+        try:
+            self._mark_stream_done(data)
+        except errors.OmniAsyncError as err:
+            self.emission.fail_request(data.req, err)
+
+    def _append_stream_chunk(self, data: RequestData, chunk: Any) -> None:
+        if self._stream_chunk_handler is None:
+            data.stream_chunks.append(chunk)
+        else:
+            call_user("stream chunk handler", self._stream_chunk_handler, data, chunk)
+
+    def _mark_stream_done(self, data: RequestData) -> None:
+        if self._stream_done_handler is None:
+            data.stream_done = True
+        else:
+            call_user("stream done handler", self._stream_done_handler, data)
+
+    # ------------------------------------------------------------ aborts and ids
+
+    def remove_arrived(self, rid: str) -> bool:
+        """Take an id's messages out of the arrivals (abort). True when a new_request
+        for it was among them (its terminal is then the caller's to send)."""
+        if rid not in self._arrived_new and not any(m.request_id == rid for m in self.arrived if m.type != "new_request"):
+            return False
+        found = self._arrived_new.pop(rid, 0) > 0
+        self.arrived = deque(m for m in self.arrived if m.request_id != rid)
+        return found
+
+    def take_all_arrived_new(self) -> list[str]:
+        """Every request id waiting in the arrivals (abort all, close)."""
+        rids = [m.request_id for m in self.arrived if m.type == "new_request"]
+        self.arrived = deque(m for m in self.arrived if m.type != "new_request")
+        self._arrived_new.clear()
+        return rids
+
+    def arrived_ids(self) -> set[str]:
+        return set(self._arrived_new)
+
+    def add_tombstone(self, rid: str, *, handled: bool) -> None:
+        self.tombstones.put(rid, handled)
+
+
+def _malformed(msg: Any) -> str | None:
+    if not isinstance(msg, IncomingMessage):
+        return f"inbox messages must be IncomingMessage, got {type(msg).__name__}"
+    if not isinstance(msg.request_id, str) or not msg.request_id:
+        return f"request_id must be a non-empty str, got {msg.request_id!r}"
+    if msg.type not in _MESSAGE_TYPES:
+        return f"unknown message type {msg.type!r}; expected one of {', '.join(_MESSAGE_TYPES)}"
+    return None
+
+
+def _guarded_ready(fn: Callable[[Any, bool], bool]) -> Callable[[Any, bool], bool]:
+    def ready(payload: Any, stream_done: bool) -> bool:
+        return bool(call_user("request_build_ready", fn, payload, stream_done))
+
+    return ready

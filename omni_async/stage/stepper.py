@@ -1,0 +1,217 @@
+"""The stepper: the one step path every loop uses.
+
+It owns the steps in flight (a queue of depth 0 or 1), launches a step on the worker
+thread, awaits its device completion cooperatively, has the runner collect its output,
+and hands the output to the stage for processing. A failed step is handled here too.
+The loops in :mod:`omni_async.loops` are policies over it: how many steps may be in
+flight, and for which batches.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable, Protocol
+
+import anyio
+
+from .. import errors
+from ..core.protocol import BatchCore, ScheduledBatchLike
+from ..device import StepExecutor
+from ..runners.base import ModelRunner
+from ..runners.types import ModelRunnerOutput, SchedulerOutput, SchedulerRequest
+
+
+@dataclass
+class StepStats:
+    """Counters of the step path, readable through the stage's ``info()``."""
+
+    iterations: int = 0
+    steps: int = 0
+    prefill_steps: int = 0
+    decode_steps: int = 0
+    tokens_out: int = 0
+    failed_steps: int = 0
+    lookahead_steps: int = 0
+    trace: list[str] = field(default_factory=list)  # filled only while tracing
+
+
+@dataclass
+class InflightStep:
+    """A step handed to the device whose output the host has not processed yet."""
+
+    batch: ScheduledBatchLike
+    sched_output: SchedulerOutput
+    future: "concurrent.futures.Future[Any] | None"  # None when queueing the launch failed
+    lookahead: bool = False
+    error: BaseException | None = None
+
+
+class StepSink(Protocol):
+    """What the stage does with a step: see its output, or its failure."""
+
+    def on_step_output(self, batch: Any, out: ModelRunnerOutput) -> None: ...
+    def on_step_failed(self, batch: Any, exc: BaseException) -> None: ...
+
+
+class Stepper:
+    def __init__(
+        self,
+        core: BatchCore,
+        runner: ModelRunner,
+        executor: StepExecutor,
+        sink: StepSink,
+        *,
+        begin_iteration: Callable[[], Awaitable[None]],
+        wait_for_work: Callable[[], Awaitable[None]],
+        is_serving: Callable[[], bool],
+        is_paused: Callable[[], bool],
+        config: Any,
+        stats: StepStats | None = None,
+    ) -> None:
+        self.core = core
+        self.runner = runner
+        self.executor = executor
+        self.sink = sink
+        self.config = config
+        self.stats = stats or StepStats()
+        self.tracing = False
+        self.step_timeout_s: float | None = getattr(config, "step_timeout_s", None)
+        self._begin_iteration = begin_iteration
+        self._wait_for_work = wait_for_work
+        self._is_serving = is_serving
+        self._is_paused = is_paused
+        self._inflight: deque[InflightStep] = deque()
+
+    # ------------------------------------------------------------ what loops read
+
+    @property
+    def serving(self) -> bool:
+        return self._is_serving()
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._inflight)
+
+    async def begin_iteration(self) -> None:
+        """The head of every loop iteration: admin, arrivals, admission, reaping."""
+        self.stats.iterations += 1
+        await self._begin_iteration()
+
+    def next_batch(self) -> ScheduledBatchLike | None:
+        """The batch core's next step; None while generation is paused."""
+        if self._is_paused():
+            return None
+        return self.core.get_next_batch()
+
+    def lookahead_eligible(self, batch: ScheduledBatchLike) -> bool:
+        """A decode batch of at least ``async_decode_min_batch_size`` rows the runner
+        accepts for the one-step lookahead."""
+        return (
+            batch.is_decode
+            and batch.size >= self.config.async_decode_min_batch_size
+            and self.runner.lookahead_eligible(batch)
+        )
+
+    def overlap_eligible(self, batch: ScheduledBatchLike) -> bool:
+        """Whether the overlap loop may run this batch while the previous step is in
+        flight (a runner can turn overlap off per batch)."""
+        return self.runner.overlap_eligible(batch)
+
+    # ------------------------------------------------------------ the two step shapes
+
+    async def step_ahead(self, batch: ScheduledBatchLike, *, lookahead: bool = False) -> None:
+        """Launch ``batch``, then process the step launched before it: one step stays in
+        flight while the host works on the previous one."""
+        self._launch(batch, lookahead=lookahead, trace="launch")
+        if len(self._inflight) > 1:
+            await self._complete(self._inflight.popleft(), trace="resolve")
+
+    async def step_in_sync(self, batch: ScheduledBatchLike | None) -> None:
+        """Drain what is in flight, then run ``batch`` to completion. Draining may free
+        KV the waiting requests need, so with nothing to run after a drain the loop
+        looks again instead of idling."""
+        if self._inflight:
+            await self.drain()
+            if batch is None:
+                return
+            batch = batch.runnable_after_drain()
+            if batch is None:
+                return
+        if batch is None:
+            await self._wait_for_work()
+            return
+        self._launch(batch, lookahead=False, trace="sync")
+        await self._complete(self._inflight.popleft(), trace=None)
+
+    async def drain(self) -> None:
+        """Process every step in flight (pause, weight updates, shutdown)."""
+        while self._inflight:
+            await self._complete(self._inflight.popleft(), trace="drain")
+
+    # ------------------------------------------------------------ launch and complete
+
+    def _launch(self, batch: ScheduledBatchLike, *, lookahead: bool, trace: str) -> None:
+        self._count(batch, lookahead)
+        self._trace(trace, batch)
+        sched_output = SchedulerOutput(
+            requests=[SchedulerRequest(request_id=r.rid, data=r.data) for r in batch.reqs],
+            batch_data=batch,
+        )
+        try:
+            fut = self.executor.launch(self._launch_on_worker, sched_output, lookahead)
+        except Exception as exc:
+            self._inflight.append(InflightStep(batch, sched_output, None, lookahead, exc))
+            return
+        self._inflight.append(InflightStep(batch, sched_output, fut, lookahead))
+
+    def _launch_on_worker(self, sched_output: SchedulerOutput, lookahead: bool) -> Any:
+        return self.runner.launch(sched_output, lookahead=lookahead)
+
+    async def _complete(self, step: InflightStep, *, trace: str | None) -> None:
+        if trace is not None:
+            self._trace(trace, step.batch)
+        try:
+            out = await self._await_output(step)
+        except Exception as exc:
+            self.stats.failed_steps += 1
+            self.sink.on_step_failed(step.batch, exc)
+            return
+        self.sink.on_step_output(step.batch, out)
+
+    async def _await_output(self, step: InflightStep) -> ModelRunnerOutput:
+        if step.future is None:
+            raise step.error or RuntimeError("step was not launched")
+        timeout = self.step_timeout_s
+        try:
+            with anyio.fail_after(timeout) if timeout else _no_deadline():
+                pending = await self.executor.wait(step.future)
+                if pending is None:
+                    raise RuntimeError("runner produced no output for a non-empty batch")
+                await self.executor.completion(pending.event)
+        except TimeoutError:
+            raise errors.DeviceTimeoutError(f"model step did not complete within step_timeout_s={timeout:g} s") from None
+        return self.runner.collect(pending)
+
+    def _count(self, batch: ScheduledBatchLike, lookahead: bool) -> None:
+        st = self.stats
+        st.steps += 1
+        if batch.is_decode:
+            st.decode_steps += 1
+        else:
+            st.prefill_steps += 1
+        if lookahead:
+            st.lookahead_steps += 1
+
+    def _trace(self, what: str, batch: ScheduledBatchLike | None) -> None:
+        if self.tracing:
+            self.stats.trace.append(f"{what}:{batch.size if batch is not None else 0}")
+
+
+class _no_deadline:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
