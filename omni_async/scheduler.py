@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import math
 import threading
 from collections import OrderedDict, deque
@@ -71,7 +72,7 @@ class InflightStep:
     batch: ScheduledBatch
     sched_output: SchedulerOutput
     future: "concurrent.futures.Future[Any] | None"  # None when the launch itself failed
-    lookahead: bool = False  # launched through execute_launch, resolved by execute_resolve
+    lookahead: bool = False  # launched with runner.launch(lookahead=True)
     error: BaseException | None = None
 
 
@@ -529,31 +530,25 @@ class AsyncOmniScheduler:
 
     def launch_step(self, batch: ScheduledBatch, *, lookahead: bool = False, trace: str = "launch") -> InflightStep:
         """Queue a step's launch on the worker without waiting for it: the whole step
-        (``runner.launch_step``), or a lookahead decode step (``runner.execute_launch``)."""
+        (``runner.launch``), or a lookahead decode step (``runner.launch(lookahead=True)``)."""
         sched_output = self.build_sched_output(batch)
         self.trace(trace, batch)
-        launch = self.runner.execute_launch if lookahead else self.runner.launch_step
         try:
-            fut = self.executor.launch(launch, sched_output)
+            fut = self.executor.launch(functools.partial(self.runner.launch, lookahead=lookahead), sched_output)
         except Exception as exc:
             return InflightStep(batch, sched_output, None, lookahead, exc)
         return InflightStep(batch, sched_output, fut, lookahead)
 
     async def finish_step(self, step: InflightStep) -> None:
         """Await a launched step (its launch, then its device completion), take its
-        output (``runner.finish_step`` or ``runner.execute_resolve``), process it."""
+        output (``runner.collect``), process it."""
         try:
             if step.future is None:
                 raise step.error or RuntimeError("step was not launched")
             pending = await self.executor.wait(step.future)
             if pending is not None:
                 await self.executor.completion(pending.event)
-            if step.lookahead:
-                out = self.runner.execute_resolve(pending)
-            elif pending is not None:
-                out = self.runner.finish_step(pending)
-            else:
-                out = None
+            out = self.runner.collect(pending) if pending is not None else None
             if out is None:
                 raise RuntimeError("runner produced no output for a non-empty batch")
         except Exception as exc:

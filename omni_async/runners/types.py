@@ -46,6 +46,9 @@ class ModelRunnerOutput:
     # Batch-ordered host values, what the batch core consumes.
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] | None = None
+    # Rows (batch index) that could not be sampled, with the reason: the stage fails
+    # those requests alone; their entry in ``token_ids`` is meaningless.
+    row_errors: dict[int, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -58,3 +61,5 @@ class BatchResult:
     next_token_logprobs: torch.Tensor | None = None
     hidden_states: torch.Tensor | None = None
     can_run_cuda_graph: bool = False
+    # [B] bool from the sampler: False where a row had no admissible token.
+    sample_ok: torch.Tensor | None = None
