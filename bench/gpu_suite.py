@@ -370,9 +370,9 @@ def bare_step_ms(stack, bs, reps=50):
             break
         so = SchedulerOutput([SchedulerRequest(r.rid, r.data) for r in batch.reqs], batch)
         t0 = time.perf_counter()
-        pending = runner.launch_step(so)
+        pending = runner.launch(so)
         pending.event.synchronize()
-        out = runner.finish_step(pending)
+        out = runner.collect(pending)
         dt = time.perf_counter() - t0
         if batch.is_decode and batch.size == bs:
             times.append(dt)
@@ -532,13 +532,13 @@ async def omni_idle_and_wakeup(path, idle_s, n_wake):
     eng = Engine.from_pretrained(str(path), device="cuda", loop="async_decode", dtype="bfloat16", kv_capacity_tokens=65536)
     runner = eng.stack.runner
     launches: list = []
-    orig = runner.launch_step
+    orig = runner.launch
 
-    def traced(so):
+    def traced(so, **kw):
         launches.append(time.perf_counter())
-        return orig(so)
+        return orig(so, **kw)
 
-    runner.launch_step = traced
+    runner.launch = traced
     async with eng:
         await eng.generate(input_ids=[3] * 16, sampling=SamplingParams(max_new_tokens=2))
         cpu0, t0 = time.process_time(), time.perf_counter()
@@ -583,9 +583,9 @@ class ThreadedReference:
                 continue
             so = SchedulerOutput([SchedulerRequest(r.rid, r.data) for r in batch.reqs], batch)
             self.launch_times.append(time.perf_counter())
-            pending = runner.launch_step(so)
+            pending = runner.launch(so)
             torch.cuda.synchronize()
-            out = runner.finish_step(pending)
+            out = runner.collect(pending)
             for oc in core.process_result(batch, out.token_ids, out.logprobs):
                 if oc.token is not None:
                     self.outbox.put((oc.req.rid, oc.token, oc.finished))
