@@ -4,7 +4,6 @@ a launch that does not wait for the device."""
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 import pytest
