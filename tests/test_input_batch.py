@@ -145,6 +145,24 @@ def test_slot_state_matches_a_rebuild(seed):
     assert ib.slots_in_use <= 2 * live + 8, "finished requests' slots are reclaimed"
 
 
+def test_finished_requests_are_released_within_a_few_steps():
+    import gc
+    import weakref
+
+    ib = InputBatch(PAGE, VOCAB, torch.device("cpu"), slots=8, pages=1)
+    reqs = [Request(rid=f"f{i}", prompt_ids=[1], sampling=SamplingParams(), pages=[i]) for i in range(4)]
+    ib.assign(reqs, [0] * 4, [r.pages for r in reqs], [1] * 4, lambda r: 1)
+    gone = weakref.ref(reqs[0])
+    reqs[0].finish_reason = "stop"
+    rest = reqs[1:]
+    del reqs
+    for _ in range(8):
+        ib.assign(rest, [0] * 3, [r.pages for r in rest], [1] * 3, lambda r: 1)
+    gc.collect()
+    assert gone() is None, "the runner still holds a finished request"
+    assert ib.slots_in_use == 3
+
+
 def test_shared_page_list_growth_after_scheduling_is_ignored():
     ib = InputBatch(PAGE, VOCAB, torch.device("cpu"), slots=1, pages=1)
     req = Request(rid="a", prompt_ids=[1], sampling=SamplingParams())

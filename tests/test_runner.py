@@ -169,7 +169,7 @@ async def test_seeded_rows_are_batch_invariant_with_penalties_and_bans():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-async def test_launch_does_not_wait_for_the_device():
+def test_launch_does_not_wait_for_the_device():
     """With a long kernel in flight, launching the next decode step only enqueues work."""
     engine = Engine.from_pretrained("tiny", device="cuda")
     stack = engine.stack

@@ -32,6 +32,8 @@ from ..sampling import SamplingBatch
 # Columns of the float32 and int64 per-slot sampling tables.
 TEMP, TOP_P, MIN_P, PENALTY, RAW = range(5)
 TOP_K, SEED, MIN_NEW = range(3)
+# Steps with more slots than rows between two sweeps for finished requests.
+SWEEP_EVERY = 8
 # Host-only flags per slot.
 WANT_LP, HAS_SUPPRESS, HAS_STOP = range(3)
 
@@ -55,6 +57,7 @@ class InputBatch:
         self.pad_page = 0  # what unused page-table entries hold (a scratch page under graphs)
         self._slot_of: dict[Any, tuple[int, int, list[int]]] = {}  # req -> (slot, epoch, pages)
         self._free: list[int] = []
+        self._idle_sweeps = 0
         self._cap = 0
         self._pages_cap = 0
         self.table = np.zeros((0, 0), dtype=np.int64)
@@ -132,6 +135,14 @@ class InputBatch:
                 self._add_pages(slot, page_lists[i], int(known), count)
         if joins:
             self._join_rows(reqs, epochs, page_lists, page_counts, joins, slots, base_seed)
+        elif len(self._slot_of) > len(reqs):
+            # More slots than rows: some request may have left. Sweep every few such
+            # steps rather than only at a join, so that a finished request (and whatever
+            # its data holds) is not kept alive for long; amortised, it costs little.
+            self._idle_sweeps += 1
+            if self._idle_sweeps >= SWEEP_EVERY:
+                self._idle_sweeps = 0
+                self._reclaim({id(r) for r in reqs})
         self._flush()
         slots_dev = torch.from_numpy(slots).to(self.device, non_blocking=True)
         return SlotRows(slots=slots, slots_dev=slots_dev, widest=max(widest, 1))
