@@ -399,7 +399,8 @@ def runner_host_us(stack, bs, reps=40):
         t0 = time.perf_counter()
         pending = runner.launch(so)
         t1 = time.perf_counter()
-        pending.event.synchronize()
+        if pending.event is not None:
+            pending.event.synchronize()
         t2 = time.perf_counter()
         out = runner.collect(pending)
         t3 = time.perf_counter()

@@ -187,7 +187,7 @@ class ModelRunner:
             self.post_decode_resolve(pending.launch_buf, result, pending.forward_batch, batch, requests)
         host = pending.host
         if host is None or result.next_token_ids is not pending.copied:
-            host = self._copy_to_host(result)  # a hook replaced the tokens: copy them now
+            host = self._copy_to_host(result, wait=True)  # a hook replaced the tokens
         values = host.tolist()
         token_ids = [int(t) for t in values[0]]
         ok = values[1]
@@ -244,17 +244,18 @@ class ModelRunner:
         result.next_token_ids, result.next_token_logprobs, result.sample_ok = res.tokens, res.logprobs, res.ok
 
     @staticmethod
-    def _copy_to_host(result: BatchResult) -> torch.Tensor:
+    def _copy_to_host(result: BatchResult, wait: bool = False) -> torch.Tensor:
         """One ``[2 or 3, B]`` float64 tensor (tokens, ok, logprobs) copied to pinned
-        host memory without waiting; the step's event marks it complete."""
+        host memory without waiting (the step's event marks it complete), or with a
+        wait when asked."""
         tokens = result.next_token_ids
         ok = result.sample_ok if result.sample_ok is not None else torch.ones_like(tokens, dtype=torch.bool)
         parts = [tokens.to(torch.float64), ok.to(torch.float64)]
         if result.next_token_logprobs is not None:
             parts.append(result.next_token_logprobs.to(torch.float64))
         packed = torch.stack(parts)
-        if packed.device.type == "cpu":
-            return packed
+        if packed.device.type == "cpu" or wait:
+            return packed.cpu()
         host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
         host.copy_(packed, non_blocking=True)
         return host
