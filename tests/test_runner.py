@@ -200,3 +200,37 @@ def test_launch_does_not_wait_for_the_device():
     pending.event.synchronize()
     out = stack.runner.collect(pending)
     assert not out.row_errors and len(out.token_ids) == batch.size
+
+
+class ReplacingRunner(NativeModelRunner):
+    """A lookahead resolve that chooses other tokens than the device sampled."""
+
+    def post_decode_resolve(self, launch_buf, result, forward_batch, schedule_batch, requests) -> None:
+        result.next_token_ids = torch.full_like(launch_buf, 7)
+
+
+def test_collect_reports_tokens_a_resolve_hook_replaced():
+    engine = Engine.from_pretrained("tiny")
+    stack = engine.stack
+    stack.runner.__class__ = ReplacingRunner
+    for i in range(3):
+        req = Request(rid=f"x{i}", prompt_ids=[5 + i] * 4, sampling=SamplingParams(max_new_tokens=8, ignore_eos=True))
+        req.data = RequestData(req=req)
+        stack.core.add_request(req)
+    kinds = []
+    for _ in range(3):
+        batch = stack.core.get_next_batch()
+        so = SchedulerOutput([SchedulerRequest(r.rid, r.data) for r in batch.reqs], batch)
+        out = stack.runner.collect(stack.runner.launch(so, lookahead=batch.is_decode))
+        kinds.append(batch.is_decode)
+        stack.core.process_result(batch, out.token_ids, out.logprobs)
+        if batch.is_decode:
+            assert out.token_ids == [7, 7, 7]
+            assert [o.data for o in out.outputs.values()] == [7, 7, 7]
+    assert kinds == [False, True, True]
+    with pytest.raises(ValueError, match="decode steps only"):
+        req = Request(rid="p", prompt_ids=[1, 2], sampling=SamplingParams())
+        req.data = RequestData(req=req)
+        stack.core.add_request(req)
+        batch = stack.core.get_next_batch()
+        stack.runner.launch(SchedulerOutput([SchedulerRequest(req.rid, req.data)], batch), lookahead=True)
