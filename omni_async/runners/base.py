@@ -22,6 +22,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from ..sampling import RowSampling, SamplingBatch, SeedSource, batch_from_rows, sample
@@ -40,8 +41,8 @@ class PendingStep:
     ``event`` is the completion marker recorded after the step's last device work (a
     CUDA event, or None on CPU where the launch ran to completion). ``host`` is the
     step's result copied to host memory: rows of token ids, ``ok`` flags and, when
-    asked, logprobs (``float64``, exact for all three); it is readable once the event
-    completed. ``copied`` is the token tensor that copy was taken from.
+    asked, the bits of the float32 logprobs (all ``int64``); it is readable once the
+    event completed. ``copied`` is the token tensor that copy was taken from.
     """
 
     event: Any
@@ -188,24 +189,21 @@ class ModelRunner:
         host = pending.host
         if host is None or result.next_token_ids is not pending.copied:
             host = self._copy_to_host(result, wait=True)  # a hook replaced the tokens
-        values = host.tolist()
-        token_ids = [int(t) for t in values[0]]
-        ok = values[1]
-        logprobs = values[2] if len(values) > 2 else None
+        token_ids, ok, logprobs = _host_values(host)
         outputs: dict[str, RequestOutput] = {}
         row_errors: dict[int, str] = {}
         taken: list[int] = []
+        kept, live = batch.samples_kept, batch.row_is_live
         for i, sr in enumerate(requests):
-            out = outputs[sr.request_id] = RequestOutput(request_id=sr.request_id)
-            if not batch.samples_kept[i] or not batch.row_is_live(i):
-                continue
-            if not ok[i]:
+            rid = sr.request_id
+            if kept[i] and live(i):
+                if ok[i]:
+                    lp = logprobs[i] if logprobs is not None else None
+                    outputs[rid] = RequestOutput(request_id=rid, data=token_ids[i], logprob=lp)
+                    taken.append(i)
+                    continue
                 row_errors[i] = NO_TOKEN_MESSAGE
-                continue
-            out.data = token_ids[i]
-            if logprobs is not None:
-                out.logprob = logprobs[i]
-            taken.append(i)
+            outputs[rid] = RequestOutput(request_id=rid)
         self.post_process_outputs(result, so, outputs)
         self._advance(so, pending.forward_batch, taken, outputs)
         req_ids = [r.request_id for r in requests]
@@ -245,14 +243,14 @@ class ModelRunner:
 
     @staticmethod
     def _copy_to_host(result: BatchResult, wait: bool = False) -> torch.Tensor:
-        """One ``[2 or 3, B]`` float64 tensor (tokens, ok, logprobs) copied to pinned
-        host memory without waiting (the step's event marks it complete), or with a
-        wait when asked."""
-        tokens = result.next_token_ids
+        """One ``[2 or 3, B]`` int64 tensor (tokens, ok, float32 logprob bits) copied
+        to pinned host memory without waiting (the step's event marks it complete), or
+        with a wait when asked."""
+        tokens = result.next_token_ids.to(torch.long)
         ok = result.sample_ok if result.sample_ok is not None else torch.ones_like(tokens, dtype=torch.bool)
-        parts = [tokens.to(torch.float64), ok.to(torch.float64)]
+        parts = [tokens, ok.to(torch.long)]
         if result.next_token_logprobs is not None:
-            parts.append(result.next_token_logprobs.to(torch.float64))
+            parts.append(result.next_token_logprobs.to(torch.float32).view(torch.int32).to(torch.long))
         packed = torch.stack(parts)
         if packed.device.type == "cpu" or wait:
             return packed.cpu()
@@ -325,3 +323,12 @@ class ModelRunner:
     def on_generation_steps_advanced(self, advanced_steps, forward_batch) -> None:
         for sched_req, steps in advanced_steps:
             self.on_generation_step_advanced(sched_req, steps)
+
+
+def _host_values(host: torch.Tensor) -> tuple[list[int], list[int], list[float] | None]:
+    """Token ids, ok flags and logprobs (or None) as Python lists."""
+    arr = host.numpy()
+    logprobs = None
+    if arr.shape[0] > 2:
+        logprobs = arr[2].astype(np.int32).view(np.float32).astype(np.float64).tolist()
+    return arr[0].tolist(), arr[1].tolist(), logprobs
