@@ -119,7 +119,7 @@ def _penalised(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
     x = logits
     if sb.penalty is not None and sb.seen is not None:
         p = sb.penalty[:, None]
-        scaled = torch.where(x > 0, x / p, x * p)
+        scaled = torch.where(x > 0, x / p, x * p).clamp(max=torch.finfo(x.dtype).max)
         x = torch.where(sb.seen, scaled, x)
     if sb.ban is not None:
         x = x.masked_fill(sb.ban, float("-inf"))
@@ -145,11 +145,14 @@ def _filtered(x: torch.Tensor, sb: SamplingBatch, rows: torch.Tensor | None) -> 
         if sb.use_top_p:
             # Drop the tokens whose cumulative mass, counted from the least likely,
             # stays within 1 - top_p (transformers' rule): in descending order, those
-            # whose exclusive prefix mass already reaches top_p. The first never does.
+            # whose exclusive prefix mass already reaches top_p. The most likely token
+            # always stays (a top_p below float32's range would otherwise drop it too).
             probs = sorted_x.softmax(-1)
             before = probs.cumsum(-1) - probs
             top_p = pick(sb.top_p)[:, None]
-            sorted_x = sorted_x.masked_fill((before >= top_p) & (top_p < 1), float("-inf"))
+            drop = (before >= top_p) & (top_p < 1)
+            drop[:, 0] = False
+            sorted_x = sorted_x.masked_fill(drop, float("-inf"))
         x = torch.full_like(x, float("-inf")).scatter(1, order, sorted_x)
     if sb.use_min_p:
         probs = x.softmax(-1)
