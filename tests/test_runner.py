@@ -234,3 +234,27 @@ def test_collect_reports_tokens_a_resolve_hook_replaced():
         stack.core.add_request(req)
         batch = stack.core.get_next_batch()
         stack.runner.launch(SchedulerOutput([SchedulerRequest(req.rid, req.data)], batch), lookahead=True)
+
+
+class DecodeHiddenRunner(NativeModelRunner):
+    """Asks for hidden states on decode steps only, through the hook."""
+
+    def requested_capture_hidden_mode_decode(self, schedule_batch, requests):
+        return "last"
+
+
+def test_capture_hidden_hook_is_honoured_per_phase():
+    engine = Engine.from_pretrained("tiny")
+    stack = engine.stack
+    stack.runner.__class__ = DecodeHiddenRunner
+    req = Request(rid="h", prompt_ids=[5, 6, 7], sampling=SamplingParams(max_new_tokens=4, ignore_eos=True))
+    req.data = RequestData(req=req)
+    stack.core.add_request(req)
+    seen = []
+    for _ in range(3):
+        batch = stack.core.get_next_batch()
+        so = SchedulerOutput([SchedulerRequest(r.rid, r.data) for r in batch.reqs], batch)
+        out = stack.runner.collect(stack.runner.launch(so))
+        stack.core.process_result(batch, out.token_ids, out.logprobs)
+        seen.append((batch.is_decode, "hidden_state" in out.outputs["h"].extra))
+    assert seen == [(False, False), (True, True), (True, True)]

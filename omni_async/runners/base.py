@@ -72,8 +72,9 @@ class ModelRunner:
 
     # ------------------------------------------------------------ backend parts
 
-    def build_forward_batch(self, scheduler_output: SchedulerOutput) -> Any:
-        """Turn the scheduled step into device inputs."""
+    def build_forward_batch(self, scheduler_output: SchedulerOutput, capture_hidden_mode: Any = None) -> Any:
+        """Turn the scheduled step into device inputs; ``capture_hidden_mode`` (from the
+        ``requested_capture_hidden_mode_*`` hooks) asks for the step's hidden states."""
         raise NotImplementedError
 
     def forward(self, forward_batch: Any) -> BatchResult:
@@ -140,7 +141,12 @@ class ModelRunner:
         if lookahead and is_prefill:
             raise ValueError("a lookahead launch is for decode steps only")
         requests = scheduler_output.requests
-        fb = self.build_forward_batch(scheduler_output)
+        capture = (
+            self.requested_capture_hidden_mode_prefill(batch, requests)
+            if is_prefill
+            else self.requested_capture_hidden_mode_decode(batch, requests)
+        )
+        fb = self.build_forward_batch(scheduler_output, capture_hidden_mode=capture)
         if is_prefill:
             self.before_prefill(fb, batch, requests)
             result = self.custom_prefill_forward(fb, batch, requests)

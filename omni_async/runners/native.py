@@ -35,6 +35,7 @@ class ForwardBatch:
     sample_indices: np.ndarray  # [B] generation index of each row's token
     sample_indices_dev: torch.Tensor
     block_tables: torch.Tensor | None = None  # set when the step replays a CUDA graph
+    capture_hidden: bool = False  # the step hands out each sampled row's hidden state
 
 
 class NativeModelRunner(ModelRunner):
@@ -54,15 +55,20 @@ class NativeModelRunner(ModelRunner):
         self.page_size = kv.page_size
         self.inputs = InputBatch(kv.page_size, model.lm_head.weight.shape[0], device)
 
-    def build_forward_batch(self, scheduler_output: SchedulerOutput) -> ForwardBatch:
+    def build_forward_batch(self, scheduler_output: SchedulerOutput, capture_hidden_mode=None) -> ForwardBatch:
         batch = scheduler_output.batch_data
         assert batch is not None
         counts = batch.page_counts or [len(t) for t in batch.page_tables]
         rows = self.inputs.assign(batch.reqs, batch.epochs, batch.page_tables, counts, self.base_seed)
         sidx = np.asarray(batch.sample_indices, dtype=np.int64)
-        return self._build_decode(batch, rows, sidx) if batch.is_decode else self._build_extend(batch, rows, sidx)
+        capture = self.capture_hidden or capture_hidden_mode is not None
+        if batch.is_decode:
+            return self._build_decode(batch, rows, sidx, capture)
+        fb = self._build_extend(batch, rows, sidx)
+        fb.capture_hidden = capture
+        return fb
 
-    def _build_decode(self, batch: ScheduledBatch, rows: SlotRows, sidx: np.ndarray) -> ForwardBatch:
+    def _build_decode(self, batch: ScheduledBatch, rows: SlotRows, sidx: np.ndarray, capture: bool) -> ForwardBatch:
         """One small host array, one copy; the rest is gathered on the device."""
         ps = self.page_size
         host = np.array([batch.prefix_lens, batch.input_ids, sidx], dtype=np.int64)
@@ -73,13 +79,13 @@ class NativeModelRunner(ModelRunner):
         slot_mapping = tables.gather(1, (positions // ps)[:, None]).squeeze(1) * ps + positions % ps
         kv_lens = positions + 1
         logits_rows = torch.arange(batch.size, device=self.device)
-        graphed = self._graph_tables(batch, rows, tables)
+        graphed = None if capture else self._graph_tables(batch, rows, tables)
         ctx = AttentionContext(is_decode=True, slot_mapping=slot_mapping, logits_rows=logits_rows, kv_lens=kv_lens)
         if graphed is None and self.use_kernel:
             ctx.block_tables, ctx.page_size, ctx.use_kernel = tables, ps, True
         elif graphed is None:  # the torch reference: pages gathered into a padded [B, L] view
             ctx.kv_slots = slots_from_tables(tables, ps)[:, : max(batch.prefix_lens) + 1]
-        return ForwardBatch(input_ids, positions, ctx, batch, rows, sidx, sidx_dev, block_tables=graphed)
+        return ForwardBatch(input_ids, positions, ctx, batch, rows, sidx, sidx_dev, block_tables=graphed, capture_hidden=capture)
 
     def _build_extend(self, batch: ScheduledBatch, rows: SlotRows, sidx: np.ndarray) -> ForwardBatch:
         """Flat token positions and KV slots computed with numpy from the host page
@@ -119,7 +125,7 @@ class NativeModelRunner(ModelRunner):
     def _graph_tables(self, batch: ScheduledBatch, rows: SlotRows, tables: torch.Tensor) -> torch.Tensor | None:
         """Page tables for a decode step that fits a captured graph, else None."""
         graphs = self.graphs
-        if graphs is None or self.capture_hidden or not graphs.fits(batch.size, rows.widest):
+        if graphs is None or not graphs.fits(batch.size, rows.widest):
             return None
         return tables
 
@@ -145,7 +151,7 @@ class NativeModelRunner(ModelRunner):
                 forward_batch.input_ids, forward_batch.positions, ctx.slot_mapping, forward_batch.block_tables, ctx.kv_lens
             )
             return BatchResult(logits=logits, can_run_cuda_graph=True)
-        if self.capture_hidden:
+        if forward_batch.capture_hidden:
             logits, hidden = self.model(
                 forward_batch.input_ids, forward_batch.positions, self.kv, forward_batch.ctx, return_hidden=True
             )

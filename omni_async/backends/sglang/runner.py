@@ -43,9 +43,11 @@ class SGLangModelRunner(ModelRunner):
 
     # ------------------------------------------------------------ backend parts
 
-    def build_forward_batch(self, scheduler_output: SchedulerOutput) -> SGLangForward:
+    def build_forward_batch(self, scheduler_output: SchedulerOutput, capture_hidden_mode: Any = None) -> SGLangForward:
         batch = scheduler_output.batch_data
         sb = batch.schedule_batch
+        if capture_hidden_mode is not None:  # a CaptureHiddenMode from the hooks
+            sb.capture_hidden_mode = capture_hidden_mode
         resolve_forward_inputs(sb, self.future_map)
         fb = ForwardBatch.init_new(sb, self.tp_worker.model_runner, return_hidden_states_before_norm=False)
         return SGLangForward(forward_batch=fb, schedule_batch=sb)
