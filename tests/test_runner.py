@@ -85,6 +85,7 @@ def test_a_row_without_admissible_token_fails_alone():
     ]
     out, batch = _stack_step(engine, sps)
     assert sorted(out.row_errors) == [2, 3]
+    assert sorted(out.failed_requests()) == ["r2", "r3"]
     assert "no admissible token" in out.row_errors[2]
     for i in (2, 3):  # no token is emitted for a failed row, suppressed or not
         assert out.outputs[f"r{i}"].data is None

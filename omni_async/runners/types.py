@@ -50,6 +50,10 @@ class ModelRunnerOutput:
     # those requests alone; their entry in ``token_ids`` is meaningless.
     row_errors: dict[int, str] = field(default_factory=dict)
 
+    def failed_requests(self) -> dict[str, str]:
+        """``row_errors`` by request id: the requests the stage should fail alone."""
+        return {self.req_ids[i]: msg for i, msg in self.row_errors.items()}
+
 
 @dataclass
 class BatchResult:
