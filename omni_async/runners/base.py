@@ -147,6 +147,24 @@ class ModelRunner:
             else self.requested_capture_hidden_mode_decode(batch, requests)
         )
         fb = self.build_forward_batch(scheduler_output, capture_hidden_mode=capture)
+        result, launch_buf = self._forward_and_sample(fb, batch, requests, is_prefill, lookahead)
+        self.publish_tokens(result, fb, batch)
+        host = self._copy_to_host(result)
+        return PendingStep(
+            event=self.record_completion(),
+            scheduler_output=scheduler_output,
+            forward_batch=fb,
+            batch_result=result,
+            lookahead=lookahead,
+            launch_buf=launch_buf,
+            host=host,
+            copied=result.next_token_ids,
+        )
+
+    def _forward_and_sample(self, fb: Any, batch: Any, requests: list, is_prefill: bool, lookahead: bool):
+        """The hooks around the forward, in the reference's order, and sampling at the
+        point they choose (before the post hook when asked, and always under lookahead,
+        whose post hook publishes the sampled ids)."""
         if is_prefill:
             self.before_prefill(fb, batch, requests)
             result = self.custom_prefill_forward(fb, batch, requests)
@@ -171,18 +189,7 @@ class ModelRunner:
             self.post_decode(result, fb, batch, requests)
         if result.next_token_ids is None:
             self._sample_into(result, fb, batch, requests)
-        self.publish_tokens(result, fb, batch)
-        host = self._copy_to_host(result)
-        return PendingStep(
-            event=self.record_completion(),
-            scheduler_output=scheduler_output,
-            forward_batch=fb,
-            batch_result=result,
-            lookahead=lookahead,
-            launch_buf=launch_buf,
-            host=host,
-            copied=result.next_token_ids,
-        )
+        return result, launch_buf
 
     @torch.inference_mode()
     def collect(self, pending: PendingStep) -> ModelRunnerOutput:
