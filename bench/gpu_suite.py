@@ -370,14 +370,47 @@ def bare_step_ms(stack, bs, reps=50):
             break
         so = SchedulerOutput([SchedulerRequest(r.rid, r.data) for r in batch.reqs], batch)
         t0 = time.perf_counter()
-        pending = runner.launch_step(so)
+        pending = runner.launch(so)
         pending.event.synchronize()
-        out = runner.finish_step(pending)
+        out = runner.collect(pending)
         dt = time.perf_counter() - t0
         if batch.is_decode and batch.size == bs:
             times.append(dt)
         core.process_result(batch, out.token_ids, out.logprobs)
     return 1000 * statistics.median(times[5:]) if len(times) > 6 else None
+
+
+def runner_host_us(stack, bs, reps=40):
+    """Host time of the runner alone per decode step, per row: ``launch`` (inputs from
+    the slot state, hooks, graph replay, device sampling, one non-blocking copy; it
+    returns without waiting for the device) and ``collect`` (after the event), both
+    timed on the host with the device's completion awaited in between, untimed."""
+    core, runner = stack.core, stack.runner
+    for i in range(bs):
+        r = Request(rid=f"host{i}", prompt_ids=[3 + i % 500] * 128, sampling=SamplingParams(max_new_tokens=reps + 10, ignore_eos=True), eos_token_ids=())
+        r.data = RequestData(req=r)
+        core.add_request(r)
+    launch, collect = [], []
+    while True:
+        batch = core.get_next_batch()
+        if batch is None:
+            break
+        so = SchedulerOutput([SchedulerRequest(r.rid, r.data) for r in batch.reqs], batch)
+        t0 = time.perf_counter()
+        pending = runner.launch(so)
+        t1 = time.perf_counter()
+        if pending.event is not None:
+            pending.event.synchronize()
+        t2 = time.perf_counter()
+        out = runner.collect(pending)
+        t3 = time.perf_counter()
+        if batch.is_decode and batch.size == bs:
+            launch.append((t1 - t0) * 1e6 / bs)
+            collect.append((t3 - t2) * 1e6 / bs)
+        core.process_result(batch, out.token_ids, out.logprobs)
+    if len(launch) <= 6:
+        return {}
+    return {"launch_us_per_row": statistics.median(launch[5:]), "collect_us_per_row": statistics.median(collect[5:])}
 
 
 async def loop_step_ms(path, loop, bs, new=64):
@@ -408,9 +441,10 @@ def section_steps(path: Path, sizes):
         config = SchedulerConfig(kv_capacity_tokens=262144, max_running_requests=max(bs, 8), cuda_graph_max_len=1024)
         stack = build_native_stack(str(path), config, device="cuda", dtype="bfloat16")
         bare = bare_step_ms(stack, bs)
+        host = runner_host_us(stack, bs)
         del stack
         torch.cuda.empty_cache()
-        row = {"bare_ms": bare}
+        row = {"bare_ms": bare, **host}
         for loop in ("normal", "overlap", "async_decode"):
             ms = uvloop.run(loop_step_ms(path, loop, bs))
             row[f"{loop}_ms"] = ms
@@ -532,13 +566,13 @@ async def omni_idle_and_wakeup(path, idle_s, n_wake):
     eng = Engine.from_pretrained(str(path), device="cuda", loop="async_decode", dtype="bfloat16", kv_capacity_tokens=65536)
     runner = eng.stack.runner
     launches: list = []
-    orig = runner.launch_step
+    orig = runner.launch
 
-    def traced(so):
+    def traced(so, **kw):
         launches.append(time.perf_counter())
-        return orig(so)
+        return orig(so, **kw)
 
-    runner.launch_step = traced
+    runner.launch = traced
     async with eng:
         await eng.generate(input_ids=[3] * 16, sampling=SamplingParams(max_new_tokens=2))
         cpu0, t0 = time.process_time(), time.perf_counter()
@@ -583,9 +617,9 @@ class ThreadedReference:
                 continue
             so = SchedulerOutput([SchedulerRequest(r.rid, r.data) for r in batch.reqs], batch)
             self.launch_times.append(time.perf_counter())
-            pending = runner.launch_step(so)
+            pending = runner.launch(so)
             torch.cuda.synchronize()
-            out = runner.finish_step(pending)
+            out = runner.collect(pending)
             for oc in core.process_result(batch, out.token_ids, out.logprobs):
                 if oc.token is not None:
                     self.outbox.put((oc.req.rid, oc.token, oc.finished))
@@ -725,7 +759,7 @@ def main():
     if "await" in wanted:
         run("await", lambda: section_await(qwen, 100 if q else 300))
     if "steps" in wanted:
-        run("steps", lambda: section_steps(qwen, [1, 8] if q else [1, 8, 32, 64, 128]))
+        run("steps", lambda: section_steps(qwen, [1, 8] if q else [1, 8, 32, 64, 128, 256]))
     if "floor" in wanted:
         run("floor", lambda: section_floor(qwen, RESULTS["sections"].get("steps", {})))
     if "peers" in wanted:

@@ -53,6 +53,9 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     return_logprob: bool = False
+    # "processed": logprobs of the distribution sampled from (after penalties,
+    # temperature and filters); "raw": log_softmax of the model's logits.
+    logprobs_mode: Literal["processed", "raw"] = "processed"
 
     def __post_init__(self) -> None:
         self.validate()
@@ -86,8 +89,10 @@ class SamplingParams:
             raise bad(f"min_p must be in [0, 1), got {self.min_p!r}")
         if self.seed is not None and not _is_int(self.seed):
             raise bad(f"seed must be an integer or None, got {self.seed!r}")
-        if not _is_finite(self.repetition_penalty) or not (0 < self.repetition_penalty <= 100):
-            raise bad(f"repetition_penalty must be in (0, 100], got {self.repetition_penalty!r}")
+        # Penalties outside [0.01, 100] push float32 logits to infinity (NaN after
+        # softmax) without changing which tokens are likely any further.
+        if not _is_finite(self.repetition_penalty) or not (0.01 <= self.repetition_penalty <= 100):
+            raise bad(f"repetition_penalty must be in [0.01, 100], got {self.repetition_penalty!r}")
         for name in ("suppress_tokens", "stop_token_ids"):
             values = getattr(self, name)
             if not isinstance(values, (list, tuple, set, frozenset)):
@@ -99,6 +104,8 @@ class SamplingParams:
             raise bad(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
         if not isinstance(self.return_logprob, bool):
             raise bad(f"return_logprob must be a bool, got {self.return_logprob!r}")
+        if self.logprobs_mode not in ("processed", "raw"):
+            raise bad(f"logprobs_mode must be 'processed' or 'raw', got {self.logprobs_mode!r}")
 
     @property
     def is_greedy(self) -> bool:

@@ -1,16 +1,29 @@
-"""Token sampling shared by every runner.
+"""Token sampling for a whole batch on the device, shared by every runner.
 
-Processing order follows transformers' logits processors: penalties and suppression on
-the raw logits, then temperature, top-k, top-p, min-p. Randomness is keyed by
-``(seed, generation index)`` per row, so a request's draws do not depend on what else
-is in the batch, which loop runs it, or whether it was retracted and resumed.
-Unseeded rows get a seed derived from the request id (identical on every
-tensor-parallel rank, as in the reference).
+Why one vectorised pass: a step's sampling costs a fixed handful of tensor operations
+whatever the batch size, with no per-row Python and no host synchronisation, so it can
+be enqueued behind the forward while the host prepares the next step.
+
+Processing order follows transformers' logits processors: repetition penalty,
+suppressed tokens and stop ids before ``min_new_tokens`` on the raw logits; then
+temperature, top-k, top-p, min-p.
+
+Randomness is counter-based: a row's uniform draw is an integer hash of its base seed
+and the generation index of the token being sampled, computed in torch; the token is
+then picked by inverse CDF over the row's filtered distribution. A row's draw therefore
+does not depend on what else is in the batch, which loop runs it, or whether it was
+retracted and resumed. Unseeded requests get a base seed from the runner's own RNG
+(see ``SeedSource``), so a reused request id gets fresh draws.
+
+Safety: a row whose logits leave no admissible token (everything banned, or non-finite
+logits) is reported in ``SampleResult.ok`` and sampled as token 0, so the other rows of
+the batch are unaffected and no NaN leaves the sampler.
 """
 
 from __future__ import annotations
 
 import hashlib
+import random
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -18,85 +31,258 @@ import torch
 
 from .config import SAMPLING_SEED_MASK, SamplingParams
 
+MASK32 = 0xFFFFFFFF
+# Multipliers below 2**31, so every product of a 32-bit value stays below 2**63.
+_MUL1 = 0x7FEB352D
+_MUL2 = 0x5BD1E995
+_SALT = 0x3C6EF372
+# Temperatures below this are clamped to it: the distribution is then a point mass on
+# the argmax (up to ties) instead of a division by zero.
+MIN_TEMPERATURE = 1e-30
+
 
 def derive_seed(*parts: object) -> int:
     digest = hashlib.blake2b("\x1f".join(str(p) for p in parts).encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & SAMPLING_SEED_MASK
 
 
+class SeedSource:
+    """Base seeds for unseeded requests, drawn from an RNG seeded by the engine's
+    ``seed``: the same engine seed reproduces a run, a reused request id does not
+    repeat its samples."""
+
+    def __init__(self, seed: int = 0) -> None:
+        self._rng = random.Random(derive_seed("omni-async-sampler", seed))
+
+    def draw(self) -> int:
+        return self._rng.getrandbits(63)
+
+
+def _mix32(h: torch.Tensor) -> torch.Tensor:
+    """A 32-bit xorshift-multiply finaliser written in int64 arithmetic."""
+    h = h & MASK32
+    h = h ^ (h >> 16)
+    h = (h * _MUL1) & MASK32
+    h = h ^ (h >> 15)
+    h = (h * _MUL2) & MASK32
+    return h ^ (h >> 16)
+
+
+def row_uniforms(seeds: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """One uniform in ``(0, 1)`` per row from its 63-bit base seed and the generation
+    index: ``float64`` so that every one of the 2**32 hash values maps to a distinct
+    point."""
+    h = _mix32(seeds & MASK32)
+    h = _mix32(h ^ ((seeds >> 32) & MASK32) ^ _SALT)
+    h = _mix32(h ^ (indices & MASK32))
+    h = _mix32(h + ((indices >> 32) & MASK32))
+    return (h.to(torch.float64) + 0.5) / float(1 << 32)
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row sampling inputs of one step, on the device, and host-side facts that
+    choose which operations run (so choosing never reads the device)."""
+
+    temperature: torch.Tensor  # [B] float32; 0 = greedy
+    top_k: torch.Tensor  # [B] int64; 0 = off
+    top_p: torch.Tensor  # [B] float32; 1 = off
+    min_p: torch.Tensor  # [B] float32; 0 = off
+    seeds: torch.Tensor  # [B] int64 base seeds
+    sample_indices: torch.Tensor  # [B] int64 generation index of the token sampled
+    penalty: torch.Tensor | None = None  # [B] float32 repetition penalty, when any row has one
+    seen: torch.Tensor | None = None  # [B, V] bool: tokens the row generated so far
+    ban: torch.Tensor | None = None  # [B, V] bool: tokens the row may not sample now
+    raw_logprobs: torch.Tensor | None = None  # [B] bool rows asking for raw logprobs
+    sampled_rows: torch.Tensor | None = None  # device index of the non-greedy rows
+    num_sampled: int = 0
+    use_top_k: bool = False
+    use_top_p: bool = False
+    use_min_p: bool = False
+    want_logprobs: bool = False
+
+    @property
+    def size(self) -> int:
+        return int(self.temperature.shape[0])
+
+
+@dataclass
+class SampleResult:
+    tokens: torch.Tensor  # [B] int64
+    logprobs: torch.Tensor | None  # [B] float32, when any row asked
+    ok: torch.Tensor  # [B] bool: False where the row had no admissible token
+
+
+def _penalised(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
+    """Repetition penalty over generated tokens, then bans; out of place, so that the
+    raw logits stay available for raw logprobs."""
+    x = logits
+    if sb.penalty is not None and sb.seen is not None:
+        p = sb.penalty[:, None]
+        scaled = torch.where(x > 0, x / p, x * p).clamp(max=torch.finfo(x.dtype).max)
+        x = torch.where(sb.seen, scaled, x)
+    if sb.ban is not None:
+        x = x.masked_fill(sb.ban, float("-inf"))
+    return x
+
+
+def _filtered(x: torch.Tensor, sb: SamplingBatch, rows: torch.Tensor | None) -> torch.Tensor:
+    """Temperature, top-k, top-p, min-p for the sampled rows (``x`` already selected)."""
+    def pick(t: torch.Tensor) -> torch.Tensor:
+        return t if rows is None else t.index_select(0, rows)
+
+    temp = pick(sb.temperature).clamp_min(MIN_TEMPERATURE)[:, None]
+    x = torch.nan_to_num(x, nan=float("-inf"), posinf=torch.finfo(x.dtype).max)
+    x = (x - x.max(dim=-1, keepdim=True).values) / temp
+    vocab = x.shape[-1]
+    if sb.use_top_k or sb.use_top_p:
+        sorted_x, order = torch.sort(x, dim=-1, descending=True)
+        if sb.use_top_k:
+            k = pick(sb.top_k)
+            k = torch.where((k > 0) & (k < vocab), k, torch.full_like(k, vocab))
+            kth = sorted_x.gather(1, (k - 1)[:, None])
+            sorted_x = sorted_x.masked_fill(sorted_x < kth, float("-inf"))
+        if sb.use_top_p:
+            # Drop the tokens whose cumulative mass, counted from the least likely,
+            # stays within 1 - top_p (transformers' rule): in descending order, those
+            # whose exclusive prefix mass already reaches top_p. The most likely token
+            # always stays (a top_p below float32's range would otherwise drop it too).
+            probs = sorted_x.softmax(-1)
+            before = probs.cumsum(-1) - probs
+            top_p = pick(sb.top_p)[:, None]
+            drop = (before >= top_p) & (top_p < 1)
+            drop[:, 0] = False
+            sorted_x = sorted_x.masked_fill(drop, float("-inf"))
+        x = torch.full_like(x, float("-inf")).scatter(1, order, sorted_x)
+    if sb.use_min_p:
+        probs = x.softmax(-1)
+        floor = pick(sb.min_p)[:, None] * probs.max(dim=-1, keepdim=True).values
+        x = x.masked_fill(probs < floor, float("-inf"))
+    return x
+
+
+def _draw(x: torch.Tensor, sb: SamplingBatch, rows: torch.Tensor | None) -> torch.Tensor:
+    """Inverse-CDF draw per row from ``softmax(x)`` with the row's own uniform."""
+    seeds = sb.seeds if rows is None else sb.seeds.index_select(0, rows)
+    idx = sb.sample_indices if rows is None else sb.sample_indices.index_select(0, rows)
+    u = row_uniforms(seeds, idx)
+    cdf = x.softmax(-1).to(torch.float64).cumsum(-1)
+    target = (u * cdf[:, -1])[:, None]
+    tokens = torch.searchsorted(cdf, target, right=True).squeeze(1)
+    # Rounding can put the target at the very end: take the most likely token then.
+    return torch.where(tokens < x.shape[-1], tokens, x.argmax(-1))
+
+
+def sample(logits: torch.Tensor, sb: SamplingBatch) -> SampleResult:
+    """Sample one token per row of ``logits`` (``[B, V]`` float32, not modified)."""
+    x = _penalised(logits, sb)
+    best, tokens = x.max(dim=-1)
+    ok = best > float("-inf")  # False when every token is banned, or on NaN
+    processed = x
+    if sb.num_sampled:
+        rows = None if sb.num_sampled == sb.size else sb.sampled_rows
+        xs = x if rows is None else x.index_select(0, rows)
+        xs = torch.where(ok[:, None] if rows is None else ok.index_select(0, rows)[:, None], xs, 0.0)
+        fx = _filtered(xs, sb, rows)
+        drawn = _draw(fx, sb, rows)
+        if rows is None:
+            tokens, processed = drawn, fx
+        else:
+            tokens = tokens.index_copy(0, rows, drawn)
+            if sb.want_logprobs:
+                processed = x.index_copy(0, rows, fx)
+    tokens = torch.where(ok, tokens, torch.zeros_like(tokens))
+    logprobs = None
+    if sb.want_logprobs:
+        logprobs = _logprobs(logits, processed, tokens, sb)
+        logprobs = torch.where(ok, logprobs, torch.zeros_like(logprobs))
+    return SampleResult(tokens=tokens, logprobs=logprobs, ok=ok)
+
+
+def _logprobs(raw: torch.Tensor, processed: torch.Tensor, tokens: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
+    """Log-probability of each sampled token under the distribution sampled from
+    (penalties, temperature, filters applied), or under the raw logits for rows that
+    ask for ``logprobs_mode="raw"``."""
+    at = tokens[:, None]
+    out = torch.log_softmax(processed, dim=-1).gather(1, at).squeeze(1)
+    if sb.raw_logprobs is not None:
+        raw_lp = torch.log_softmax(raw, dim=-1).gather(1, at).squeeze(1)
+        out = torch.where(sb.raw_logprobs, raw_lp, out)
+    return out
+
+
+# ---------------------------------------------------------------- from plain rows
+
+
 @dataclass
 class RowSampling:
-    """What one row needs to be sampled."""
+    """What one row needs to be sampled, for callers without persistent slot state."""
 
     params: SamplingParams
     request_id: str
     sample_index: int  # index of the token being generated within the request
     output_ids: Sequence[int]  # tokens generated so far (repetition penalty)
-    stop_ids: Sequence[int]  # suppressed until min_new_tokens is reached
+    stop_ids: Sequence[int]  # banned until min_new_tokens is reached
+    base_seed: int | None = None  # for unseeded rows: drawn by the runner's SeedSource
 
     def seed(self) -> int:
-        base = self.params.resolved_seed
-        if base is None:
-            base = derive_seed("omni-async-unseeded-row", self.request_id)
-        return derive_seed(base, self.sample_index)
+        if self.params.resolved_seed is not None:
+            return self.params.resolved_seed
+        if self.base_seed is not None:
+            return self.base_seed & SAMPLING_SEED_MASK
+        return derive_seed("omni-async-unseeded-row", self.request_id)
 
 
-def apply_penalties(logits: torch.Tensor, rows: Sequence[RowSampling]) -> None:
-    """In place: repetition penalty over output tokens, suppressed tokens, and stop ids
-    before ``min_new_tokens``."""
-    vocab = logits.shape[1]
-    for i, row in enumerate(rows):
-        p = row.params
-        if p.repetition_penalty != 1.0 and row.output_ids:
-            toks = torch.tensor(sorted({t for t in row.output_ids if 0 <= t < vocab}), dtype=torch.long)
-            if toks.numel():
-                toks = toks.to(logits.device)
-                scores = logits[i, toks]
-                logits[i, toks] = torch.where(
-                    scores > 0, scores / p.repetition_penalty, scores * p.repetition_penalty
-                )
-        banned = [t for t in p.suppress_tokens if t < vocab]
-        if row.sample_index < p.min_new_tokens:
-            banned.extend(t for t in row.stop_ids if t < vocab)
-        if banned:
-            logits[i, torch.tensor(banned, dtype=torch.long, device=logits.device)] = float("-inf")
+def batch_from_rows(rows: Sequence[RowSampling], vocab: int, device: torch.device, want_logprobs: bool) -> SamplingBatch:
+    """A ``SamplingBatch`` built from per-row Python values (one pass over the rows)."""
+    ps = [r.params for r in rows]
+
+    def vec(values: list, dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+    sampled = [i for i, p in enumerate(ps) if not p.is_greedy]
+    sb = SamplingBatch(
+        temperature=vec([p.temperature for p in ps], torch.float32),
+        top_k=vec([p.top_k for p in ps], torch.long),
+        top_p=vec([p.top_p for p in ps], torch.float32),
+        min_p=vec([p.min_p for p in ps], torch.float32),
+        seeds=vec([r.seed() for r in rows], torch.long),
+        sample_indices=vec([r.sample_index for r in rows], torch.long),
+        sampled_rows=vec(sampled, torch.long) if 0 < len(sampled) < len(rows) else None,
+        num_sampled=len(sampled),
+        use_top_k=any(0 < ps[i].top_k < vocab for i in sampled),
+        use_top_p=any(ps[i].top_p < 1 for i in sampled),
+        use_min_p=any(ps[i].min_p > 0 for i in sampled),
+        want_logprobs=want_logprobs,
+    )
+    if any(p.repetition_penalty != 1.0 for p in ps):
+        sb.penalty = vec([p.repetition_penalty for p in ps], torch.float32)
+        sb.seen = _row_mask([r.output_ids if r.params.repetition_penalty != 1.0 else () for r in rows], vocab, device)
+    banned = [
+        list(r.params.suppress_tokens) + (list(r.stop_ids) if r.sample_index < r.params.min_new_tokens else [])
+        for r in rows
+    ]
+    if any(banned):
+        sb.ban = _row_mask(banned, vocab, device)
+    if want_logprobs and any(p.logprobs_mode == "raw" for p in ps):
+        sb.raw_logprobs = vec([p.logprobs_mode == "raw" for p in ps], torch.bool)
+    return sb
 
 
-def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Temperature, then top-k, top-p, min-p on one row (``[V]``, float32)."""
-    x = logits / params.temperature
-    if params.top_k > 0 and params.top_k < x.shape[-1]:
-        kth = torch.topk(x, params.top_k).values[-1]
-        x = x.masked_fill(x < kth, float("-inf"))
-    if params.top_p < 1.0:
-        sorted_x, order = torch.sort(x, descending=False)
-        cum = sorted_x.softmax(-1).cumsum(-1)
-        remove_sorted = cum <= (1 - params.top_p)
-        remove_sorted[-1] = False  # keep at least one token
-        remove = torch.zeros_like(remove_sorted).scatter(0, order, remove_sorted)
-        x = x.masked_fill(remove, float("-inf"))
-    if params.min_p > 0.0:
-        probs = x.softmax(-1)
-        x = x.masked_fill(probs < params.min_p * probs.max(), float("-inf"))
-    return x
+def _row_mask(ids_per_row: Sequence[Sequence[int]], vocab: int, device: torch.device) -> torch.Tensor:
+    rows = [i for i, ids in enumerate(ids_per_row) for t in ids if 0 <= t < vocab]
+    cols = [t for ids in ids_per_row for t in ids if 0 <= t < vocab]
+    mask = torch.zeros(len(ids_per_row), vocab, dtype=torch.bool, device=device)
+    if cols:
+        mask[torch.tensor(rows, device=device), torch.tensor(cols, device=device)] = True
+    return mask
 
 
 def sample_rows(
     logits: torch.Tensor, rows: Sequence[RowSampling], want_logprobs: bool
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Sample one token per row. ``logits``: ``[B, V]`` float32 (modified in place by
-    penalties). Returns token ids ``[B]`` and, when asked, the log-probability of each
-    sampled token under the model's unprocessed distribution."""
-    raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
-    apply_penalties(logits, rows)
-    tokens = torch.argmax(logits, dim=-1)
-    sampled = [i for i, r in enumerate(rows) if not r.params.is_greedy]
-    for i in sampled:
-        row = rows[i]
-        probs = filter_logits(logits[i], row.params).softmax(-1)
-        gen = torch.Generator(device=probs.device).manual_seed(row.seed())
-        tokens[i] = torch.multinomial(probs, 1, generator=gen)[0]
-    logprobs = None
-    if raw_logprobs is not None:
-        logprobs = raw_logprobs.gather(1, tokens[:, None]).squeeze(1)
-    return tokens, logprobs
+    """Sample one token per row from plain rows: token ids ``[B]`` and, when asked,
+    their log-probabilities (see ``SamplingParams.logprobs_mode``)."""
+    sb = batch_from_rows(rows, logits.shape[1], logits.device, want_logprobs)
+    res = sample(logits, sb)
+    return res.tokens, res.logprobs

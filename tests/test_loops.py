@@ -142,7 +142,7 @@ async def test_scripted_batch_sizes_order_of_sync_launch_resolve_drain():
             b = ScheduledBatch(
                 mode=ForwardMode.DECODE, reqs=reqs[:size], epochs=[0] * size, prefix_lens=[0] * size,
                 extend_lens=[1] * size, samples_kept=[True] * size, input_ids=[1] * size,
-                sample_indices=[0] * size, page_tables=[[0]] * size, output_snapshots=[None] * size,
+                sample_indices=[0] * size, page_tables=[[0]] * size, page_counts=[1] * size,
             )
             return b
 
@@ -150,13 +150,21 @@ async def test_scripted_batch_sizes_order_of_sync_launch_resolve_drain():
             return []
 
     sched.core = ScriptedCore(sched.config, engine.stack.allocator, 4096)
+    lookahead_collects = []
+    plain_collect = sched.runner.collect
+
+    def counting_collect(pending):
+        lookahead_collects.append(pending.lookahead)
+        return plain_collect(pending)
+
+    sched.runner.collect = counting_collect
     async with engine:
         while script:
             await asyncio.sleep(0.01)
         sched.wake()
         await asyncio.sleep(0.05)
         assert sched.stats.trace == ["sync:1", "launch:2", "launch:2", "resolve:2", "drain:2", "sync:1", "sync:1"]
-        assert sched.runner.async_resolve_counts["hit"] == 2
+        assert lookahead_collects.count(True) == 2
 
 
 class FlakyRunner(NativeModelRunner):

@@ -190,30 +190,38 @@ async def test_eos_finishes_unless_ignored(tiny_engine):
 
 @pytest.mark.parametrize("loop", LOOPS)
 async def test_logprobs_match_float64_recomputation(hf_checkpoints, loop):
+    """Default ("processed") logprobs are those of the distribution sampled from (here
+    logits / temperature); ``logprobs_mode="raw"`` gives log_softmax of the raw logits.
+    Both against a float64 recomputation with transformers."""
     folder = hf_checkpoints["qwen3"]
     prompt = [12, 34, 56, 78, 90]
+    temperature = 0.9
+    sp = SamplingParams(max_new_tokens=10, temperature=temperature, seed=7, return_logprob=True, ignore_eos=True)
     engine = Engine.from_pretrained(str(folder), loop=loop)
     async with engine:
-        handle = await engine.submit(
-            input_ids=prompt, sampling=SamplingParams(max_new_tokens=10, temperature=0.9, seed=7, return_logprob=True, ignore_eos=True)
-        )
+        handle = await engine.submit(input_ids=prompt, sampling=sp)
         streamed = []
         async for delta in handle:
             streamed.extend(delta.logprobs or [])
         res = await handle.result()
+        raw_sp = SamplingParams(**{**sp.__dict__, "logprobs_mode": "raw"})
+        raw = await engine.generate(input_ids=prompt, sampling=raw_sp)
         plain = await engine.generate(input_ids=prompt, sampling=SamplingParams(max_new_tokens=3))
     assert plain.output_logprobs is None
     assert res.output_logprobs == streamed and len(streamed) == 10
+    assert raw.output_ids == res.output_ids  # same seed: the mode changes only what is reported
     model = _hf_model(folder).to(torch.float64)
     try:
         with torch.no_grad():
             logits = model(torch.tensor([prompt + res.output_ids])).logits[0].to(torch.float64)
     finally:
         model.to(torch.float32)
-    lp = torch.log_softmax(logits, -1)
-    for i, (tok, got) in enumerate(zip(res.output_ids, res.output_logprobs)):
-        want = float(lp[len(prompt) - 1 + i, tok])
-        assert abs(got - want) < 1e-4, (i, got, want)
+    processed_lp = torch.log_softmax(logits / temperature, -1)
+    raw_lp = torch.log_softmax(logits, -1)
+    for i, tok in enumerate(res.output_ids):
+        at = len(prompt) - 1 + i
+        assert abs(res.output_logprobs[i] - float(processed_lp[at, tok])) < 1e-4, (i, "processed")
+        assert abs(raw.output_logprobs[i] - float(raw_lp[at, tok])) < 1e-4, (i, "raw")
 
 
 async def test_invalid_sampling_combinations_are_typed_errors(tiny_engine):

@@ -1,8 +1,9 @@
 """One scheduled step: which requests, which new tokens, where their KV goes.
 
-Everything the runner needs is snapshotted here on the loop thread when the step is
+Everything the runner needs is fixed here on the loop thread when the step is
 scheduled, so that the step can execute on another thread (or later, under the
-lookahead loops) while the loop keeps mutating request state.
+lookahead loops) while the loop keeps mutating request state. Per-row work stays O(1):
+page lists are shared (append-only) with a count, not copied.
 """
 
 from __future__ import annotations
@@ -39,10 +40,12 @@ class ScheduledBatch:
     inflight_inputs: list[tuple[int, Request]] = field(default_factory=list)
     # Generation index of the token each row samples (seeds are keyed by it).
     sample_indices: list[int] = field(default_factory=list)
+    # Each row's page list, shared with its request rather than copied: pages are only
+    # appended within an epoch (a release swaps in a new list), so the first
+    # ``page_counts[i]`` entries are the row's pages as scheduled, whatever happens
+    # later. The runner keeps its own page tables and reads only the new entries.
     page_tables: list[list[int]] = field(default_factory=list)
-    # Output tokens known to the host when the step was scheduled, for rows whose
-    # sampling reads them (repetition penalty); None for the other rows.
-    output_snapshots: list[list[int] | None] = field(default_factory=list)
+    page_counts: list[int] = field(default_factory=list)
     step_id: int = 0
 
     @property
@@ -60,6 +63,10 @@ class ScheduledBatch:
     @property
     def num_tokens(self) -> int:
         return sum(self.extend_lens)
+
+    def row_page_count(self, i: int) -> int:
+        """Pages row ``i``'s request held when the step was scheduled."""
+        return self.page_counts[i] if self.page_counts else len(self.page_tables[i])
 
     def row_is_live(self, i: int) -> bool:
         """False when the row's request finished or was retracted after scheduling."""
@@ -95,5 +102,5 @@ class ScheduledBatch:
             out.samples_kept.append(self.samples_kept[i])
             out.sample_indices.append(self.sample_indices[i])
             out.page_tables.append(self.page_tables[i])
-            out.output_snapshots.append(self.output_snapshots[i])
+            out.page_counts.append(self.row_page_count(i))
         return out

@@ -179,7 +179,7 @@ class NativeBatchCore(BatchCore):
                 batch.inflight_inputs.append((len(batch.input_ids), req))
                 batch.input_ids.append(-1)
             else:
-                batch.input_ids.append(req.fill_ids()[-1])
+                batch.input_ids.append(req.output_ids[-1] if req.output_ids else req.prompt_ids[-1])
             self._add_row(batch, req, 1, True)
             req.num_cached += 1
             req.num_inflight += 1
@@ -252,8 +252,8 @@ class NativeBatchCore(BatchCore):
         batch.extend_lens.append(n)
         batch.samples_kept.append(kept)
         batch.sample_indices.append(req.num_generated)
-        batch.page_tables.append(list(req.pages))
-        batch.output_snapshots.append(list(req.output_ids) if req.sampling.repetition_penalty != 1.0 else None)
+        batch.page_tables.append(req.pages)  # shared: see ScheduledBatch.page_tables
+        batch.page_counts.append(len(req.pages))
 
     # ------------------------------------------------------------------ results
 

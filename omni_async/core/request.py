@@ -34,9 +34,6 @@ class Request:
     to_finish: str | None = None
     num_retractions: int = 0
     data: Any = None  # the RequestData this request belongs to
-    # (token tensor, row) of this request's newest sampled token on the device, set by
-    # the runner when it samples; a decode step whose input is still in flight reads it.
-    last_token_ref: tuple[Any, int] | None = None
 
     @property
     def seq_len(self) -> int:

@@ -1,267 +1,225 @@
-"""The model-runner contract of the reference, backend-neutral.
+"""The model-runner contract, backend-neutral: one launch path and one collect path.
 
-``execute`` runs a whole step: build the forward batch, the prefill/decode hooks, the
-forward, sampling and output extraction. The async-decode loop splits it in two:
-``execute_launch`` (forward, on-device sample, ``post_decode_launch``, a completion
-marker) and ``execute_resolve`` (``post_decode_resolve`` and the shared tail). Every hook
-of the reference is here and called at the same point; subclasses override hooks and
-provide ``build_forward_batch`` and ``forward``.
+``launch`` runs on the worker thread: it builds the step's inputs, calls the
+prefill/decode hooks, runs the forward, samples on the device, enqueues one
+non-blocking copy of the step's tokens (and logprobs, and the per-row ``ok`` flags) to
+pinned host memory, and records a completion marker. The loop awaits that marker
+cooperatively and then calls ``collect`` on its own thread, which reads the host copy
+and does the per-request bookkeeping. Splitting the step there is what lets a loop
+keep the next step launched while this one's result is processed.
+
+``collect`` always skips rows that are no longer live (finished or retracted after the
+step was scheduled): they get no token and their ``generation_steps`` does not
+advance, so every loop counts steps the same way.
+
+Every hook of the reference contract is here and called at the same point;
+subclasses provide ``build_forward_batch``, ``forward`` and ``sampling_batch``.
 """
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
-from ..sampling import RowSampling, sample_rows
+from ..sampling import RowSampling, SamplingBatch, SeedSource, batch_from_rows, sample
 from .types import BatchResult, ModelRunnerOutput, RequestOutput, SchedulerOutput
+
+NO_TOKEN_MESSAGE = (
+    "no admissible token: the sampling settings ban every token at this step "
+    "(suppress_tokens, stop ids before min_new_tokens) or the logits are not finite"
+)
 
 
 @dataclass
 class PendingStep:
-    """A decode step launched but not yet consumed on the host.
+    """A step launched on the device and not yet collected on the host.
 
-    ``event`` is the completion marker recorded right after ``post_decode_launch``
-    published ``launch_buf`` (a CUDA event, or None on CPU where launch runs to
-    completion on the worker thread). At most two are alive: the step just launched
-    and the one being resolved.
+    ``event`` is the completion marker recorded after the step's last device work (a
+    CUDA event, or None on CPU where the launch ran to completion). ``host`` is the
+    step's result copied to host memory: rows of token ids, ``ok`` flags and, when
+    asked, the bits of the float32 logprobs (all ``int64``); it is readable once the
+    event completed. ``copied`` is the token tensor that copy was taken from.
     """
 
     event: Any
-    launch_buf: Any
     scheduler_output: SchedulerOutput
     forward_batch: Any
-    schedule_batch: Any
     batch_result: BatchResult
-    n_real: int
-    lookahead: bool = False
+    lookahead: bool
+    launch_buf: Any = None
+    host: torch.Tensor | None = None
+    copied: torch.Tensor | None = None
+
+    @property
+    def schedule_batch(self) -> Any:
+        return self.scheduler_output.batch_data
 
 
 class ModelRunner:
-    """Base AR model runner with phase hooks and shared sampling."""
+    """Base AR model runner: phase hooks, device sampling, one host copy per step."""
 
-    def __init__(self) -> None:
-        self._async_enabled = False
-        self._staging_slot = 0
-        self._host_staging_buffers: list[torch.Tensor] = []
-        self._async_query_hit = 0
-        self._async_query_miss = 0
+    device: torch.device = torch.device("cpu")
+
+    def __init__(self, *, seed: int = 0) -> None:
+        self._seed_source = SeedSource(seed)
+        # Base seeds of unseeded requests, drawn once per request (kept across
+        # retraction) and forgotten with the request.
+        self._base_seeds: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
 
     # ------------------------------------------------------------ backend parts
 
-    def build_forward_batch(self, scheduler_output: SchedulerOutput) -> Any:
-        """Turn the scheduled step into device inputs."""
+    def build_forward_batch(self, scheduler_output: SchedulerOutput, capture_hidden_mode: Any = None) -> Any:
+        """Turn the scheduled step into device inputs; ``capture_hidden_mode`` (from the
+        ``requested_capture_hidden_mode_*`` hooks) asks for the step's hidden states."""
         raise NotImplementedError
 
     def forward(self, forward_batch: Any) -> BatchResult:
         """The standard forward: logits of the rows to sample."""
         raise NotImplementedError
 
+    def sampling_batch(self, forward_batch: Any, schedule_batch: Any, requests: list, vocab: int) -> SamplingBatch:
+        """Per-row sampling inputs on the device. The default builds them from each
+        row's request (Python per row); runners with persistent slot state override."""
+        want = any(sr.data.return_logprob for sr in requests)
+        rows = [
+            RowSampling(
+                params=sr.data.req.sampling,
+                request_id=sr.request_id,
+                sample_index=schedule_batch.sample_indices[i],
+                output_ids=self.row_output_ids(forward_batch, schedule_batch, i)
+                if sr.data.req.sampling.repetition_penalty != 1.0
+                else (),
+                stop_ids=sorted(sr.data.req.stop_ids()),
+                base_seed=self.base_seed(sr.data.req),
+            )
+            for i, sr in enumerate(requests)
+        ]
+        return batch_from_rows(rows, vocab, self.device, want)
+
+    def row_output_ids(self, forward_batch: Any, schedule_batch: Any, row: int) -> list[int]:
+        """Tokens a row's request generated before this step (repetition penalty), for
+        the default ``sampling_batch``; a runner adds a decode input still in flight."""
+        return list(schedule_batch.reqs[row].output_ids)
+
+    def publish_tokens(self, result: BatchResult, forward_batch: Any, schedule_batch: Any) -> None:
+        """Make this step's tokens available on the device to the next step's inputs,
+        before the host has seen them."""
+
+    def base_seed(self, req: Any) -> int | None:
+        """The base seed of an unseeded request (None for a seeded one)."""
+        if req.sampling.seed is not None:
+            return None
+        seed = self._base_seeds.get(req)
+        if seed is None:
+            seed = self._base_seeds[req] = self._seed_source.draw()
+        return seed
+
     def record_completion(self) -> Any:
         """A marker that is done once the device finished the work enqueued so far:
         a CUDA event on CUDA, None on CPU (where the launch ran to completion)."""
-        device = getattr(self, "device", None)
-        if device is not None and getattr(device, "type", None) == "cuda":
+        if self.device.type == "cuda":
             event = torch.cuda.Event(blocking=True)
             event.record()
             return event
         return None
 
-    @staticmethod
-    def completion_done(event: Any) -> bool:
-        return event is None or bool(event.query())
-
-    @staticmethod
-    def wait_completion(event: Any) -> None:
-        if event is not None:
-            event.synchronize()
-
-    # ------------------------------------------------------------ pipeline
+    # ------------------------------------------------------------ the two paths
 
     @torch.inference_mode()
-    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """Whole step, synchronously: build, hooks, forward, sample, output."""
-        pending = self.launch_step(scheduler_output)
-        if pending is None:
-            return ModelRunnerOutput(outputs={}, req_ids=[], req_id_to_index={})
-        self.wait_completion(pending.event)
-        return self.finish_step(pending)
-
-    @torch.inference_mode()
-    def launch_step(self, scheduler_output: SchedulerOutput) -> PendingStep | None:
-        """The device half of ``execute``: build, hooks, forward, post hook, sample on the
-        device, completion marker. The scheduler awaits the marker cooperatively and then
-        calls ``finish_step``, so the loop never blocks on the device."""
-        built = self._build_forward_batch(scheduler_output)
-        if built is None:
-            return None
-        forward_batch, schedule_batch, is_prefill = built
-        result = self._prepare_and_forward(forward_batch, schedule_batch, scheduler_output.requests, is_prefill)
-        if is_prefill:
-            self.post_prefill(result, forward_batch, schedule_batch, scheduler_output.requests)
-        else:
-            self.post_decode(result, forward_batch, schedule_batch, scheduler_output.requests)
-        if result.next_token_ids is None:
-            self._sample_into(result, forward_batch, schedule_batch, scheduler_output.requests)
-        return PendingStep(
-            event=self.record_completion(),
-            launch_buf=None,
-            scheduler_output=scheduler_output,
-            forward_batch=forward_batch,
-            schedule_batch=schedule_batch,
-            batch_result=result,
-            n_real=len(scheduler_output.requests),
-        )
-
-    @torch.inference_mode()
-    def finish_step(self, pending: PendingStep) -> ModelRunnerOutput:
-        """The host half of ``execute``, once the device is done: output extraction and
-        per-request bookkeeping."""
-        return self._finalize(pending.batch_result, pending.forward_batch, pending.schedule_batch, pending.scheduler_output)
-
-    @torch.inference_mode()
-    def execute_launch(self, scheduler_output: SchedulerOutput) -> PendingStep | None:
-        """Launch a decode step: forward and on-device sample, ``post_decode_launch``
-        publishes the resolve payload, then a completion marker is recorded. No wait."""
-        built = self._build_forward_batch(scheduler_output)
-        if built is None:
-            return None
-        forward_batch, schedule_batch, is_prefill = built
-        if is_prefill:
-            raise ValueError("execute_launch is for decode steps only")
-        result = self._prepare_and_forward(
-            forward_batch, schedule_batch, scheduler_output.requests, is_prefill, is_lookahead=True
-        )
-        launch_buf = self.post_decode_launch(result, forward_batch, scheduler_output.requests)
-        event = self.record_completion()
-        return PendingStep(
-            event=event,
-            launch_buf=launch_buf,
-            scheduler_output=scheduler_output,
-            forward_batch=forward_batch,
-            schedule_batch=schedule_batch,
-            batch_result=result,
-            n_real=len(scheduler_output.requests),
-        )
-
-    @torch.inference_mode()
-    def execute_resolve(self, pending: PendingStep | None) -> ModelRunnerOutput | None:
-        """Consume a launched step: wait for its marker (a hit when already done),
-        ``post_decode_resolve``, then the shared tail. Rows whose request finished or
-        was retracted after the launch do not advance."""
-        if pending is None:
-            return None
-        if self.completion_done(pending.event):
-            self._async_query_hit += 1
-        else:
-            self._async_query_miss += 1
-            self.wait_completion(pending.event)
-        batch = pending.schedule_batch
-        skip = {batch.reqs[i].rid for i in range(batch.size) if not batch.row_is_live(i)}
-        self.post_decode_resolve(
-            pending.launch_buf,
-            pending.batch_result,
-            pending.forward_batch,
-            pending.schedule_batch,
-            pending.scheduler_output.requests,
-        )
-        return self._finalize(
-            pending.batch_result,
-            pending.forward_batch,
-            pending.schedule_batch,
-            pending.scheduler_output,
-            skip_rids=skip,
-        )
-
-    # -- interim contract (replaced by the runner rewrite)
     def launch(self, scheduler_output: SchedulerOutput, *, lookahead: bool = False) -> PendingStep | None:
-        pending = self.execute_launch(scheduler_output) if lookahead else self.launch_step(scheduler_output)
-        if pending is not None:
-            pending.lookahead = lookahead
-        return pending
-
-    def collect(self, pending: PendingStep) -> ModelRunnerOutput:
-        if pending.lookahead:
-            return self.execute_resolve(pending)
-        batch = pending.schedule_batch
-        skip = {batch.reqs[i].rid for i in range(batch.size) if not batch.row_is_live(i)}
-        return self._finalize(pending.batch_result, pending.forward_batch, pending.schedule_batch, pending.scheduler_output, skip_rids=skip)
-
-    def overlap_eligible(self, batch: Any) -> bool:
-        """Whether the overlap loop may run this batch while another is in flight."""
-        return True
-
-    @property
-    def async_resolve_counts(self) -> dict[str, int]:
-        return {"hit": self._async_query_hit, "miss": self._async_query_miss}
-
-    def _build_forward_batch(self, scheduler_output: SchedulerOutput):
+        """Build, hooks, forward, sample, one host copy, completion marker; no wait.
+        ``lookahead`` launches a decode step whose host half runs
+        ``post_decode_resolve`` at collect. None for an empty batch."""
         batch = scheduler_output.batch_data
         if batch is None or not batch.reqs:
             return None
-        forward_batch = self.build_forward_batch(scheduler_output)
-        return forward_batch, batch, batch.mode.is_extend()
-
-    def _prepare_and_forward(self, forward_batch, schedule_batch, requests, is_prefill, *, is_lookahead=False):
-        if is_prefill:
-            self.before_prefill(forward_batch, schedule_batch, requests)
-            result = self.custom_prefill_forward(forward_batch, schedule_batch, requests)
-        else:
-            self.before_decode(forward_batch, schedule_batch, requests, is_lookahead=is_lookahead)
-            result = self.custom_decode_forward(forward_batch, schedule_batch, requests)
-        if result is None:
-            result = self.forward(forward_batch)
-        sample_now = (
-            self.sample_before_post_prefill(forward_batch, schedule_batch, requests)
+        is_prefill = batch.mode.is_extend()
+        if lookahead and is_prefill:
+            raise ValueError("a lookahead launch is for decode steps only")
+        requests = scheduler_output.requests
+        capture = (
+            self.requested_capture_hidden_mode_prefill(batch, requests)
             if is_prefill
-            else self.sample_before_post_decode(forward_batch, schedule_batch, requests)
+            else self.requested_capture_hidden_mode_decode(batch, requests)
         )
-        if result.next_token_ids is None and (sample_now or is_lookahead):
-            self._sample_into(result, forward_batch, schedule_batch, requests)
-        return result
+        fb = self.build_forward_batch(scheduler_output, capture_hidden_mode=capture)
+        result, launch_buf = self._forward_and_sample(fb, batch, requests, is_prefill, lookahead)
+        self.publish_tokens(result, fb, batch)
+        host = self._copy_to_host(result)
+        return PendingStep(
+            event=self.record_completion(),
+            scheduler_output=scheduler_output,
+            forward_batch=fb,
+            batch_result=result,
+            lookahead=lookahead,
+            launch_buf=launch_buf,
+            host=host,
+            copied=result.next_token_ids,
+        )
 
-    def _finalize(
-        self,
-        result: BatchResult,
-        forward_batch: Any,
-        schedule_batch: Any,
-        scheduler_output: SchedulerOutput,
-        skip_rids: set[str] | None = None,
-    ) -> ModelRunnerOutput:
-        """Sampling if still needed, host extraction, per-request bookkeeping."""
-        if result.next_token_ids is None:
-            self._sample_into(result, forward_batch, schedule_batch, scheduler_output.requests)
-        token_ids = [int(t) for t in result.next_token_ids.tolist()]
-        logprobs = (
-            [float(x) for x in result.next_token_logprobs.tolist()]
-            if result.next_token_logprobs is not None
-            else None
+    def _forward_and_sample(self, fb: Any, batch: Any, requests: list, is_prefill: bool, lookahead: bool):
+        """The hooks around the forward, in the reference's order, and sampling at the
+        point they choose (before the post hook when asked, and always under lookahead,
+        whose post hook publishes the sampled ids)."""
+        if is_prefill:
+            self.before_prefill(fb, batch, requests)
+            result = self.custom_prefill_forward(fb, batch, requests)
+        else:
+            self.before_decode(fb, batch, requests, is_lookahead=lookahead)
+            result = self.custom_decode_forward(fb, batch, requests)
+        if result is None:
+            result = self.forward(fb)
+        early = (
+            self.sample_before_post_prefill(fb, batch, requests)
+            if is_prefill
+            else self.sample_before_post_decode(fb, batch, requests)
         )
+        if result.next_token_ids is None and (early or lookahead):
+            self._sample_into(result, fb, batch, requests)
+        launch_buf = None
+        if lookahead:
+            launch_buf = self.post_decode_launch(result, fb, requests)
+        elif is_prefill:
+            self.post_prefill(result, fb, batch, requests)
+        else:
+            self.post_decode(result, fb, batch, requests)
+        if result.next_token_ids is None:
+            self._sample_into(result, fb, batch, requests)
+        return result, launch_buf
+
+    @torch.inference_mode()
+    def collect(self, pending: PendingStep) -> ModelRunnerOutput:
+        """After the step's marker completed: ``post_decode_resolve`` for a lookahead
+        step, the host values, per-request outputs and bookkeeping for live rows."""
+        so, batch, result = pending.scheduler_output, pending.schedule_batch, pending.batch_result
+        requests = so.requests
+        if pending.lookahead:
+            self.post_decode_resolve(pending.launch_buf, result, pending.forward_batch, batch, requests)
+        host = pending.host
+        if host is None or result.next_token_ids is not pending.copied:
+            host = self._copy_to_host(result, wait=True)  # a hook replaced the tokens
+        token_ids, ok, logprobs = _host_values(host)
         outputs: dict[str, RequestOutput] = {}
-        for i, sched_req in enumerate(scheduler_output.requests):
-            kept = schedule_batch.samples_kept[i]
-            outputs[sched_req.request_id] = RequestOutput(
-                request_id=sched_req.request_id,
-                data=token_ids[i] if kept else None,
-                logprob=logprobs[i] if (kept and logprobs is not None) else None,
-            )
-        self.post_process_outputs(result, scheduler_output, outputs)
-        skip = set(skip_rids or ()) | self.finalize_skip_rids(scheduler_output)
-        advanced = []
-        for i, sched_req in enumerate(scheduler_output.requests):
-            if sched_req.request_id in skip or not schedule_batch.samples_kept[i]:
-                continue
-            data = sched_req.data
-            data.generation_steps += 1
-            advanced.append((sched_req, data.generation_steps))
-            extra = outputs[sched_req.request_id].extra
-            if extra:
-                data.extra_model_outputs.update(extra)
-        if advanced:
-            self.on_generation_steps_advanced(advanced, forward_batch)
-        req_ids = [r.request_id for r in scheduler_output.requests]
+        row_errors: dict[int, str] = {}
+        taken: list[int] = []
+        kept, live = batch.samples_kept, batch.row_is_live
+        for i, sr in enumerate(requests):
+            rid = sr.request_id
+            if kept[i] and live(i):
+                if ok[i]:
+                    lp = logprobs[i] if logprobs is not None else None
+                    outputs[rid] = RequestOutput(request_id=rid, data=token_ids[i], logprob=lp)
+                    taken.append(i)
+                    continue
+                row_errors[i] = NO_TOKEN_MESSAGE
+            outputs[rid] = RequestOutput(request_id=rid)
+        self.post_process_outputs(result, so, outputs)
+        self._advance(so, pending.forward_batch, taken, outputs)
+        req_ids = [r.request_id for r in requests]
         return ModelRunnerOutput(
             outputs=outputs,
             req_ids=req_ids,
@@ -269,39 +227,49 @@ class ModelRunner:
             can_run_cuda_graph=result.can_run_cuda_graph,
             token_ids=token_ids,
             logprobs=logprobs,
+            row_errors=row_errors,
         )
+
+    def _advance(self, so: SchedulerOutput, forward_batch: Any, rows: list[int], outputs: dict[str, RequestOutput]) -> None:
+        """Commit ``generation_steps`` for the rows that got a token."""
+        skip = self.finalize_skip_rids(so)
+        advanced = []
+        for i in rows:
+            sr = so.requests[i]
+            if sr.request_id in skip:
+                continue
+            data = sr.data
+            data.generation_steps += 1
+            advanced.append((sr, data.generation_steps))
+            extra = outputs[sr.request_id].extra
+            if extra:
+                data.extra_model_outputs.update(extra)
+        if advanced:
+            self.on_generation_steps_advanced(advanced, forward_batch)
 
     # ------------------------------------------------------------ sampling
 
-    def _sample_into(self, result: BatchResult, forward_batch, schedule_batch, requests) -> None:
-        result.next_token_ids, result.next_token_logprobs = self._sample_next_token_ids(
-            result.logits, forward_batch, schedule_batch, requests
-        )
-        # Publish where each kept row's token lives, so the next decode step can take
-        # its input from the device before the host has seen this step's result.
-        for i, req in enumerate(schedule_batch.reqs):
-            if schedule_batch.samples_kept[i]:
-                req.last_token_ref = (result.next_token_ids, i)
+    def _sample_into(self, result: BatchResult, forward_batch: Any, schedule_batch: Any, requests: list) -> None:
+        sb = self.sampling_batch(forward_batch, schedule_batch, requests, result.logits.shape[-1])
+        res = sample(result.logits, sb)
+        result.next_token_ids, result.next_token_logprobs, result.sample_ok = res.tokens, res.logprobs, res.ok
 
-    def _sample_next_token_ids(self, logits, forward_batch, schedule_batch, requests):
-        rows = [
-            RowSampling(
-                params=sr.data.req.sampling,
-                request_id=sr.request_id,
-                sample_index=schedule_batch.sample_indices[i],
-                output_ids=self.row_output_ids(forward_batch, schedule_batch, i),
-                stop_ids=sorted(sr.data.req.stop_ids()),
-            )
-            for i, sr in enumerate(requests)
-        ]
-        want_logprobs = any(sr.data.return_logprob for sr in requests)
-        return sample_rows(logits, rows, want_logprobs)
-
-    def row_output_ids(self, forward_batch: Any, schedule_batch: Any, row: int) -> list[int]:
-        """Tokens generated so far by a row's request, as of this step. The host snapshot
-        taken at scheduling; a runner adds a decode input still in flight."""
-        snap = schedule_batch.output_snapshots[row] if schedule_batch.output_snapshots else None
-        return list(snap) if snap is not None else []
+    @staticmethod
+    def _copy_to_host(result: BatchResult, wait: bool = False) -> torch.Tensor:
+        """One ``[2 or 3, B]`` int64 tensor (tokens, ok, float32 logprob bits) copied
+        to pinned host memory without waiting (the step's event marks it complete), or
+        with a wait when asked."""
+        tokens = result.next_token_ids.to(torch.long)
+        ok = result.sample_ok if result.sample_ok is not None else torch.ones_like(tokens, dtype=torch.bool)
+        parts = [tokens, ok.to(torch.long)]
+        if result.next_token_logprobs is not None:
+            parts.append(result.next_token_logprobs.to(torch.float32).view(torch.int32).to(torch.long))
+        packed = torch.stack(parts)
+        if packed.device.type == "cpu" or wait:
+            return packed.cpu()
+        host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+        host.copy_(packed, non_blocking=True)
+        return host
 
     # ------------------------------------------------------------ hooks
 
@@ -324,6 +292,11 @@ class ModelRunner:
 
     def post_decode(self, result, forward_batch, schedule_batch, requests) -> None:
         """Called after a decode forward (synchronous path)."""
+
+    def overlap_eligible(self, batch: Any) -> bool:
+        """Whether the overlap loop may launch this batch while the previous step is in
+        flight; False runs it synchronously after a drain."""
+        return True
 
     def lookahead_eligible(self, batch: Any) -> bool:
         """Whether a batch may take the one-step lookahead; False routes it synchronously."""
@@ -369,17 +342,11 @@ class ModelRunner:
         for sched_req, steps in advanced_steps:
             self.on_generation_step_advanced(sched_req, steps)
 
-    # ------------------------------------------------------------ host staging
 
-    def _next_host_staging(self, device_staging: torch.Tensor) -> torch.Tensor:
-        """Two host buffers used alternately: resolve(N) reads one while launch(N+1)
-        fills the other."""
-        if not self._host_staging_buffers:
-            pin = device_staging.is_cuda
-            self._host_staging_buffers = [
-                torch.empty(device_staging.shape, dtype=device_staging.dtype, device="cpu", pin_memory=pin)
-                for _ in range(2)
-            ]
-        buf = self._host_staging_buffers[self._staging_slot]
-        self._staging_slot ^= 1
-        return buf
+def _host_values(host: torch.Tensor) -> tuple[list[int], list[int], list[float] | None]:
+    """Token ids, ok flags and logprobs (or None) as Python lists."""
+    arr = host.numpy()
+    logprobs = None
+    if arr.shape[0] > 2:
+        logprobs = arr[2].astype(np.int32).view(np.float32).astype(np.float64).tolist()
+    return arr[0].tolist(), arr[1].tolist(), logprobs

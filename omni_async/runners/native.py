@@ -1,18 +1,27 @@
-"""The native runner: our decoder over the paged KV cache, on CPU or CUDA."""
+"""The native runner: our decoder over the paged KV cache, on CPU or CUDA.
+
+Inputs come from the persistent slot state (``InputBatch``): a step hands the device
+its rows' slot indices, positions, host-known token ids and generation indices in one
+small copy, and everything else (page tables, KV slots, decode inputs still in flight,
+sampling settings) is gathered there by slot.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ..core.batch import ScheduledBatch
+from ..kernels import triton_available
 from ..kv.attention import AttentionContext, slots_from_tables
 from ..kv.cache import PagedKVCache
 from ..models.decoder import DecoderModel
+from ..sampling import SamplingBatch
 from .base import ModelRunner
-from ..kernels import triton_available
 from .cuda_graphs import DecodeGraphs
+from .input_batch import InputBatch, SlotRows
 from .types import BatchResult, SchedulerOutput
 
 
@@ -22,12 +31,18 @@ class ForwardBatch:
     positions: torch.Tensor
     ctx: AttentionContext
     batch: ScheduledBatch
+    rows: SlotRows
+    sample_indices: np.ndarray  # [B] generation index of each row's token
+    sample_indices_dev: torch.Tensor
     block_tables: torch.Tensor | None = None  # set when the step replays a CUDA graph
+    capture_hidden: bool = False  # the step hands out each sampled row's hidden state
 
 
 class NativeModelRunner(ModelRunner):
-    def __init__(self, model: DecoderModel, kv: PagedKVCache, device: torch.device, *, capture_hidden: bool = False) -> None:
-        super().__init__()
+    def __init__(
+        self, model: DecoderModel, kv: PagedKVCache, device: torch.device, *, capture_hidden: bool = False, seed: int = 0
+    ) -> None:
+        super().__init__(seed=seed)
         # When set, each sampled row's final hidden state goes out with its step output
         # (``RequestOutput.extra["hidden_state"]``), e.g. for a downstream talker stage.
         self.capture_hidden = capture_hidden
@@ -38,136 +53,86 @@ class NativeModelRunner(ModelRunner):
         self.kv = kv
         self.device = device
         self.page_size = kv.page_size
+        self.inputs = InputBatch(kv.page_size, model.lm_head.weight.shape[0], device)
 
-    def _slots(self, pages: list[int], start: int, end: int) -> torch.Tensor:
-        ps = self.page_size
-        table = torch.tensor(pages, dtype=torch.long)
-        pos = torch.arange(start, end, dtype=torch.long)
-        return table[pos // ps] * ps + pos % ps
-
-    def build_forward_batch(self, scheduler_output: SchedulerOutput) -> ForwardBatch:
+    def build_forward_batch(self, scheduler_output: SchedulerOutput, capture_hidden_mode=None) -> ForwardBatch:
         batch = scheduler_output.batch_data
         assert batch is not None
-        return self._build_decode(batch) if batch.is_decode else self._build_extend(batch)
+        counts = batch.page_counts or [len(t) for t in batch.page_tables]
+        rows = self.inputs.assign(batch.reqs, batch.epochs, batch.page_tables, counts, self.base_seed)
+        sidx = np.asarray(batch.sample_indices, dtype=np.int64)
+        capture = self.capture_hidden or capture_hidden_mode is not None
+        if batch.is_decode:
+            return self._build_decode(batch, rows, sidx, capture)
+        fb = self._build_extend(batch, rows, sidx)
+        fb.capture_hidden = capture
+        return fb
 
-    def _build_decode(self, batch: ScheduledBatch) -> ForwardBatch:
-        """One host tensor, one copy: token ids, positions, KV slots and lengths are
-        computed in plain Python per row and moved together."""
+    def _build_decode(self, batch: ScheduledBatch, rows: SlotRows, sidx: np.ndarray, capture: bool) -> ForwardBatch:
+        """One small host array, one copy; the rest is gathered on the device."""
         ps = self.page_size
-        pos = batch.prefix_lens  # the new token's position = tokens already cached
-        slots = [t[p // ps] * ps + p % ps for t, p in zip(batch.page_tables, pos)]
-        host = torch.tensor([batch.input_ids, pos, slots, [p + 1 for p in pos]], dtype=torch.long)
-        input_ids, positions, slot_mapping, kv_lens = host.to(self.device, non_blocking=True).unbind(0)
-        rows = torch.arange(batch.size, device=self.device)
-        graphed = self._graph_tables(batch)
-        if graphed is not None:
-            ctx = AttentionContext(is_decode=True, slot_mapping=slot_mapping, logits_rows=rows, kv_lens=kv_lens)
-        elif self.use_kernel:
-            ctx = AttentionContext(
-                is_decode=True, slot_mapping=slot_mapping, logits_rows=rows, kv_lens=kv_lens,
-                block_tables=self._page_tables(batch, scratch=0), page_size=ps, use_kernel=True,
-            )
-        else:  # the torch reference: pages gathered into a padded [B, L] view
-            tables = self._page_tables(batch, scratch=0)
-            kv_slots = slots_from_tables(tables, ps)[:, : max(pos) + 1]
-            ctx = AttentionContext(is_decode=True, slot_mapping=slot_mapping, logits_rows=rows, kv_lens=kv_lens, kv_slots=kv_slots)
-        self._fill_inflight_inputs(input_ids, batch)
-        return ForwardBatch(input_ids=input_ids, positions=positions, ctx=ctx, batch=batch, block_tables=graphed)
+        host = np.array([batch.prefix_lens, batch.input_ids, sidx], dtype=np.int64)
+        positions, host_ids, sidx_dev = torch.from_numpy(host).to(self.device, non_blocking=True).unbind(0)
+        # A decode input still in flight (-1 on the host) is the slot's newest token.
+        input_ids = torch.where(host_ids >= 0, host_ids, self.inputs.last_token.index_select(0, rows.slots_dev))
+        tables = self.inputs.block_tables(rows)
+        slot_mapping = tables.gather(1, (positions // ps)[:, None]).squeeze(1) * ps + positions % ps
+        kv_lens = positions + 1
+        logits_rows = torch.arange(batch.size, device=self.device)
+        graphed = None if capture else self._graph_tables(batch, rows, tables)
+        ctx = AttentionContext(is_decode=True, slot_mapping=slot_mapping, logits_rows=logits_rows, kv_lens=kv_lens)
+        if graphed is None and self.use_kernel:
+            ctx.block_tables, ctx.page_size, ctx.use_kernel = tables, ps, True
+        elif graphed is None:  # the torch reference: pages gathered into a padded [B, L] view
+            ctx.kv_slots = slots_from_tables(tables, ps)[:, : max(batch.prefix_lens) + 1]
+        return ForwardBatch(input_ids, positions, ctx, batch, rows, sidx, sidx_dev, block_tables=graphed, capture_hidden=capture)
 
-    def _build_extend(self, batch: ScheduledBatch) -> ForwardBatch:
+    def _build_extend(self, batch: ScheduledBatch, rows: SlotRows, sidx: np.ndarray) -> ForwardBatch:
+        """Flat token positions and KV slots computed with numpy from the host page
+        tables, then copied once."""
+        ps, dev = self.page_size, self.device
+        n = np.asarray(batch.extend_lens, dtype=np.int64)
+        prefix = np.asarray(batch.prefix_lens, dtype=np.int64)
+        ends = np.cumsum(n)
+        starts = ends - n
+        row_of = np.repeat(np.arange(batch.size), n)
+        pos = prefix[row_of] + np.arange(int(ends[-1])) - starts[row_of]
+        slot_mapping = self.inputs.table[rows.slots[row_of], pos // ps] * ps + pos % ps
+        ids = np.asarray(batch.input_ids, dtype=np.int64)
+        flat = torch.from_numpy(np.stack([ids, pos, slot_mapping])).to(dev, non_blocking=True)
+        input_ids, positions, slot_mapping_dev = flat.unbind(0)
+        if (ids < 0).any():  # in-flight inputs come from the slots' newest tokens
+            src = self.inputs.last_token.index_select(0, rows.slots_dev[torch.from_numpy(row_of).to(dev)])
+            input_ids = torch.where(input_ids >= 0, input_ids, src)
+        seqs = torch.from_numpy(np.stack([starts, n, prefix, ends - 1, sidx])).to(dev, non_blocking=True)
+        q_starts, q_lens, prefix_lens, logits_rows, sidx_dev = seqs.unbind(0)
+        ctx = AttentionContext(is_decode=False, slot_mapping=slot_mapping_dev, logits_rows=logits_rows)
         if self.use_kernel:
-            return self._build_extend_for_kernel(batch)
-        dev = self.device
-        input_ids = torch.tensor(batch.input_ids, dtype=torch.long)
-        positions = torch.cat(
-            [torch.arange(p, p + n, dtype=torch.long) for p, n in zip(batch.prefix_lens, batch.extend_lens)]
-        )
-        seq_slots = [self._slots(t, 0, p + n) for t, p, n in zip(batch.page_tables, batch.prefix_lens, batch.extend_lens)]
-        slot_mapping = torch.cat([sl[p:] for sl, p in zip(seq_slots, batch.prefix_lens)])
-        ends = torch.tensor(batch.extend_lens, dtype=torch.long).cumsum(0)
-        starts = (ends - torch.tensor(batch.extend_lens)).tolist()
-        ctx = AttentionContext(
-            is_decode=False,
-            slot_mapping=slot_mapping.to(dev),
-            logits_rows=(ends - 1).to(dev),
-            seq_slices=[(st, n, p) for st, n, p in zip(starts, batch.extend_lens, batch.prefix_lens)],
-            seq_kv_slots=[sl.to(dev) for sl in seq_slots],
-        )
-        input_ids = input_ids.to(dev, non_blocking=True)
-        self._fill_inflight_inputs(input_ids, batch)
-        return ForwardBatch(input_ids=input_ids, positions=positions.to(dev, non_blocking=True), ctx=ctx, batch=batch)
+            ctx.block_tables, ctx.page_size, ctx.use_kernel = self.inputs.block_tables(rows), ps, True
+            ctx.q_starts, ctx.q_lens, ctx.prefix_lens = q_starts, q_lens, prefix_lens
+            ctx.max_q_len = int(n.max())
+        else:
+            ctx.seq_slices = list(zip(starts.tolist(), n.tolist(), prefix.tolist()))
+            ctx.seq_kv_slots = [self._seq_slots(int(s), int(p + k)) for s, p, k in zip(rows.slots, prefix, n)]
+        return ForwardBatch(input_ids, positions, ctx, batch, rows, sidx, sidx_dev)
 
-    def _build_extend_for_kernel(self, batch: ScheduledBatch) -> ForwardBatch:
-        """Extend inputs for the Triton kernel: flat token ids, positions and KV slots, and
-        per-sequence starts, lengths and prefixes, computed in Python and copied once."""
+    def _seq_slots(self, slot: int, length: int) -> torch.Tensor:
         ps = self.page_size
-        positions: list[int] = []
-        slots: list[int] = []
-        starts: list[int] = []
-        at = 0
-        for table, p, n in zip(batch.page_tables, batch.prefix_lens, batch.extend_lens):
-            starts.append(at)
-            at += n
-            for pos in range(p, p + n):
-                positions.append(pos)
-                slots.append(table[pos // ps] * ps + pos % ps)
-        flat = torch.tensor([batch.input_ids, positions, slots], dtype=torch.long).to(self.device, non_blocking=True)
-        input_ids, pos_t, slot_mapping = flat.unbind(0)
-        seqs = torch.tensor(
-            [starts, batch.extend_lens, batch.prefix_lens, [s + n - 1 for s, n in zip(starts, batch.extend_lens)]],
-            dtype=torch.long,
-        ).to(self.device, non_blocking=True)
-        q_starts, q_lens, prefix_lens, logits_rows = seqs.unbind(0)
-        ctx = AttentionContext(
-            is_decode=False,
-            slot_mapping=slot_mapping,
-            logits_rows=logits_rows,
-            block_tables=self._page_tables(batch, scratch=0),
-            page_size=ps,
-            use_kernel=True,
-            q_starts=q_starts,
-            q_lens=q_lens,
-            prefix_lens=prefix_lens,
-            max_q_len=max(batch.extend_lens),
-        )
-        self._fill_inflight_inputs(input_ids, batch)
-        return ForwardBatch(input_ids=input_ids, positions=pos_t, ctx=ctx, batch=batch)
+        pages = self.inputs.host_pages(slot, -(-length // ps))
+        slots = (pages[:, None] * ps + np.arange(ps)).reshape(-1)[:length]
+        return torch.from_numpy(slots).to(self.device, non_blocking=True)
 
-    @staticmethod
-    def _fill_inflight_inputs(input_ids: torch.Tensor, batch: ScheduledBatch) -> None:
-        """Decode inputs still in flight come from the previous step's sampled tokens on
-        the device: one gather per source tensor, no host round trip."""
-        groups: dict[int, tuple[torch.Tensor, list[int], list[int]]] = {}
-        for pos, req in batch.inflight_inputs:
-            ref = req.last_token_ref
-            if ref is None:
-                raise RuntimeError(f"request {req.rid}: decode input is in flight but no token was published")
-            tokens, row = ref
-            entry = groups.setdefault(id(tokens), (tokens, [], []))
-            entry[1].append(pos)
-            entry[2].append(row)
-        for tokens, positions, rows in groups.values():
-            dst = torch.tensor(positions, dtype=torch.long).to(input_ids.device, non_blocking=True)
-            src = torch.tensor(rows, dtype=torch.long).to(tokens.device, non_blocking=True)
-            input_ids[dst] = tokens[src].to(input_ids.dtype)
-
-    def _graph_tables(self, batch: ScheduledBatch) -> torch.Tensor | None:
+    def _graph_tables(self, batch: ScheduledBatch, rows: SlotRows, tables: torch.Tensor) -> torch.Tensor | None:
         """Page tables for a decode step that fits a captured graph, else None."""
         graphs = self.graphs
-        if graphs is None or not batch.is_decode or self.capture_hidden:
+        if graphs is None or not graphs.fits(batch.size, rows.widest):
             return None
-        widest = max(len(t) for t in batch.page_tables)
-        if not graphs.fits(batch.size, widest):
-            return None
-        return self._page_tables(batch, scratch=graphs.scratch_page)
-
-    def _page_tables(self, batch: ScheduledBatch, scratch: int) -> torch.Tensor:
-        widest = max(len(t) for t in batch.page_tables)
-        rows = [t + [scratch] * (widest - len(t)) for t in batch.page_tables]
-        return torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True)
+        return tables
 
     def enable_cuda_graphs(self, *, scratch_page: int, max_len: int, max_batch: int) -> None:
-        """Capture decode graphs (CUDA only)."""
+        """Capture decode graphs (CUDA only). Unused page-table entries then point at the
+        scratch page, which padded graph rows write to."""
+        self.inputs.set_pad_page(scratch_page)
         self.graphs = DecodeGraphs(
             self.model,
             self.kv,
@@ -179,16 +144,6 @@ class NativeModelRunner(ModelRunner):
         )
         self.graphs.capture_all()
 
-    def row_output_ids(self, forward_batch: ForwardBatch, schedule_batch, row: int) -> list[int]:
-        ids = super().row_output_ids(forward_batch, schedule_batch, row)
-        if schedule_batch.output_snapshots[row] is None:
-            return ids
-        # A decode input still in flight is the newest output token: read it here.
-        for pos, req in schedule_batch.inflight_inputs:
-            if req is schedule_batch.reqs[row]:
-                ids.append(int(forward_batch.input_ids[pos]))
-        return ids
-
     def forward(self, forward_batch: ForwardBatch) -> BatchResult:
         if forward_batch.block_tables is not None and self.graphs is not None:
             ctx = forward_batch.ctx
@@ -196,13 +151,31 @@ class NativeModelRunner(ModelRunner):
                 forward_batch.input_ids, forward_batch.positions, ctx.slot_mapping, forward_batch.block_tables, ctx.kv_lens
             )
             return BatchResult(logits=logits, can_run_cuda_graph=True)
-        if self.capture_hidden:
+        if forward_batch.capture_hidden:
             logits, hidden = self.model(
                 forward_batch.input_ids, forward_batch.positions, self.kv, forward_batch.ctx, return_hidden=True
             )
             return BatchResult(logits=logits, hidden_states=hidden)
         logits = self.model(forward_batch.input_ids, forward_batch.positions, self.kv, forward_batch.ctx)
         return BatchResult(logits=logits)
+
+    # ------------------------------------------------------------ sampling state
+
+    def sampling_batch(self, forward_batch: ForwardBatch, schedule_batch, requests, vocab: int) -> SamplingBatch:
+        return self.inputs.sampling_batch(forward_batch.rows, forward_batch.sample_indices, forward_batch.sample_indices_dev)
+
+    def publish_tokens(self, result: BatchResult, forward_batch: ForwardBatch, schedule_batch) -> None:
+        """Rows that keep their token record it in their slot: the next decode step
+        reads it there even before the host has seen it."""
+        tokens = result.next_token_ids
+        slots = forward_batch.rows.slots_dev
+        if not schedule_batch.is_decode and not all(schedule_batch.samples_kept):
+            kept = np.flatnonzero(np.asarray(schedule_batch.samples_kept))
+            if not len(kept):
+                return
+            kept_dev = torch.from_numpy(kept).to(self.device, non_blocking=True)
+            slots, tokens = slots.index_select(0, kept_dev), tokens.index_select(0, kept_dev)
+        self.inputs.publish(slots, tokens)
 
     def post_process_outputs(self, result, scheduler_output, outputs) -> None:
         if result.hidden_states is None:

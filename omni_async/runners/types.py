@@ -46,8 +46,13 @@ class ModelRunnerOutput:
     # Batch-ordered host values, what the batch core consumes.
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] | None = None
-    # Rows the runner could not sample (row index -> why): only those requests fail.
+    # Rows (batch index) that could not be sampled, with the reason: the stage fails
+    # those requests alone; their entry in ``token_ids`` is meaningless.
     row_errors: dict[int, str] = field(default_factory=dict)
+
+    def failed_requests(self) -> dict[str, str]:
+        """``row_errors`` by request id: the requests the stage should fail alone."""
+        return {self.req_ids[i]: msg for i, msg in self.row_errors.items()}
 
 
 @dataclass
@@ -60,3 +65,5 @@ class BatchResult:
     next_token_logprobs: torch.Tensor | None = None
     hidden_states: torch.Tensor | None = None
     can_run_cuda_graph: bool = False
+    # [B] bool from the sampler: False where a row had no admissible token.
+    sample_ok: torch.Tensor | None = None

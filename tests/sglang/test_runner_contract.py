@@ -62,5 +62,5 @@ async def test_hooks_called_over_sglang_forward_batch(sg_checkpoints):
     for name in HOOKS:
         assert calls[name] > 0, f"{name} was never called: {dict(calls)}"
     assert ForwardBatch in kinds
-    assert runner.async_resolve_counts["hit"] + runner.async_resolve_counts["miss"] > 0
+    assert calls["post_decode_launch"] == calls["post_decode_resolve"]  # every lookahead step collected
     assert_sglang_pools_free(engine)

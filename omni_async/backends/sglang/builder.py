@@ -213,7 +213,7 @@ def build_stack(
             kv_capacity_tokens=int(max_total_num_tokens) - config.page_size,
             eos_token_ids=tuple(omni_cfg.eos_token_ids),
         )
-        runner = SGLangModelRunner(tp_worker, future_map)
+        runner = SGLangModelRunner(tp_worker, future_map, seed=seed)
         core = SGLangBatchCore(
             config,
             req_to_token_pool=req_to_token_pool,

@@ -5,9 +5,9 @@ and tensor-parallel model worker.
 row reads the token its previous step sampled, on the device, so a step can be
 scheduled before the previous one's result reaches the host) and builds SGLang's
 ``ForwardBatch``; ``forward`` runs SGLang's model runner and hands back the logits.
-Sampling is omni-async's shared sampler (``ModelRunner._sample_next_token_ids``), so
-greedy and seeded outputs match the native backend; the sampled ids are published back
-into the FutureMap for the next decode step. Every hook of the base contract is called
+Sampling is omni-async's shared device sampler (the base runner's default
+``sampling_batch``), so greedy and seeded outputs match the native backend; the step's
+tokens are published back into the FutureMap for the next decode step. Every hook of the base contract is called
 at the same point as for the native runner.
 """
 
@@ -34,8 +34,8 @@ class SGLangForward:
 
 
 class SGLangModelRunner(ModelRunner):
-    def __init__(self, tp_worker: Any, future_map: Any) -> None:
-        super().__init__()
+    def __init__(self, tp_worker: Any, future_map: Any, *, seed: int = 0) -> None:
+        super().__init__(seed=seed)
         self.tp_worker = tp_worker
         self.future_map = future_map
         self.device = torch.device(tp_worker.device) if not isinstance(tp_worker.device, torch.device) else tp_worker.device
@@ -43,9 +43,11 @@ class SGLangModelRunner(ModelRunner):
 
     # ------------------------------------------------------------ backend parts
 
-    def build_forward_batch(self, scheduler_output: SchedulerOutput) -> SGLangForward:
+    def build_forward_batch(self, scheduler_output: SchedulerOutput, capture_hidden_mode: Any = None) -> SGLangForward:
         batch = scheduler_output.batch_data
         sb = batch.schedule_batch
+        if capture_hidden_mode is not None:  # a CaptureHiddenMode from the hooks
+            sb.capture_hidden_mode = capture_hidden_mode
         resolve_forward_inputs(sb, self.future_map)
         fb = ForwardBatch.init_new(sb, self.tp_worker.model_runner, return_hidden_states_before_norm=False)
         return SGLangForward(forward_batch=fb, schedule_batch=sb)
@@ -68,25 +70,19 @@ class SGLangModelRunner(ModelRunner):
         sb = forward_batch.schedule_batch
         self.future_map.stash(sb.req_pool_indices, RelayPayload(bonus_tokens=tokens))
 
-    def _sample_next_token_ids(self, logits, forward_batch, schedule_batch, requests):
-        tokens, logprobs = super()._sample_next_token_ids(logits, forward_batch, schedule_batch, requests)
-        self._publish(forward_batch, tokens)
-        return tokens, logprobs
-
-    def _prepare_and_forward(self, forward_batch, schedule_batch, requests, is_prefill, *, is_lookahead=False):
-        result = super()._prepare_and_forward(
-            forward_batch, schedule_batch, requests, is_prefill, is_lookahead=is_lookahead
-        )
-        if result.next_token_ids is not None:  # a custom forward chose the tokens itself
-            self._publish(forward_batch, result.next_token_ids)
-        return result
+    def publish_tokens(self, result: BatchResult, forward_batch: SGLangForward, schedule_batch) -> None:
+        """Sampled or chosen by a custom forward, the step's tokens go where SGLang's
+        next decode step gathers its inputs."""
+        self._publish(forward_batch, result.next_token_ids)
 
     def row_output_ids(self, forward_batch: SGLangForward, schedule_batch, row: int) -> list[int]:
-        ids = super().row_output_ids(forward_batch, schedule_batch, row)
-        if schedule_batch.output_snapshots[row] is None or not schedule_batch.is_decode:
+        """The output tokens snapshotted at scheduling (rows with a repetition penalty),
+        plus a decode input still in flight: the previous step's token, read from the
+        resolved inputs."""
+        snap = schedule_batch.output_snapshots[row]
+        ids = list(snap) if snap is not None else []
+        if snap is None or not schedule_batch.is_decode:
             return ids
-        # A decode input still in flight (the previous step's token, not yet processed
-        # on the host) is the newest output token: read it from the resolved inputs.
         if len(ids) < schedule_batch.sample_indices[row]:
             ids.append(int(forward_batch.forward_batch.input_ids[row]))
         return ids
