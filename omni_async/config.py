@@ -18,6 +18,8 @@ LOOP_KINDS: tuple[str, ...] = ("normal", "overlap", "async_decode")
 
 # Seeds are masked into this range, as the reference does for SGLang's seeded sampler.
 SAMPLING_SEED_MASK = (1 << 63) - 1
+MAX_N = 128  # parallel samples per request
+MAX_TOP_LOGPROBS = 64
 
 
 def _fields_of(cls: type) -> set[str]:
@@ -53,6 +55,12 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     return_logprob: bool = False
+    # Text-level options, applied by the Engine (the scheduler ignores them).
+    stop: list[str] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    n: int = 1
+    top_logprobs: int = 0
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         self.validate()
@@ -99,6 +107,24 @@ class SamplingParams:
             raise bad(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
         if not isinstance(self.return_logprob, bool):
             raise bad(f"return_logprob must be a bool, got {self.return_logprob!r}")
+        self._validate_text_options(bad)
+
+    def _validate_text_options(self, bad: Any) -> None:
+        """The engine-side fields: stop strings, parallel samples, top logprobs."""
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if not isinstance(self.stop, (list, tuple)) or any(not isinstance(s, str) or not s for s in self.stop):
+            raise bad(f"stop must be a list of non-empty strings, got {self.stop!r}")
+        self.stop = list(self.stop)
+        for name in ("include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise bad(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if not _is_int(self.n) or not (1 <= self.n <= MAX_N):
+            raise bad(f"n must be an integer in [1, {MAX_N}], got {self.n!r}")
+        if not _is_int(self.top_logprobs) or not (0 <= self.top_logprobs <= MAX_TOP_LOGPROBS):
+            raise bad(f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs!r}")
+        if self.top_logprobs and not self.return_logprob:
+            raise bad("top_logprobs needs return_logprob=True")
 
     @property
     def is_greedy(self) -> bool:

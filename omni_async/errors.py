@@ -47,3 +47,8 @@ class ModelLoadError(OmniAsyncError):
 
 class AdminError(OmniAsyncError):
     """An admin action failed; the reply's message says why."""
+
+
+class ConfigError(OmniAsyncError, ValueError):
+    """The engine cannot be set up as asked: a device that is not available, a
+    checkpoint without something the call needs. The message names what is missing."""
