@@ -10,9 +10,11 @@ complete, so the joined chunks equal the decode of the whole sequence; the final
 from __future__ import annotations
 
 import codecs
-from typing import Protocol
+from typing import Callable, Protocol
 
 from .logs import log
+
+REPLACEMENT = "\ufffd"
 
 
 class IncrementalDecoder(Protocol):
@@ -35,17 +37,41 @@ class ByteStreamDecoder:
         return ""
 
 
-class HFStreamDecoder:
-    """The ``tokenizers`` library's own streaming decoder (``decoders.DecodeStream``)."""
+class WindowDecoder:
+    """Streaming decode for any tokenizer with a ``decode(ids, skip_special_tokens)``.
 
-    def __init__(self, tokenizer: object, skip_special_tokens: bool) -> None:
-        from tokenizers.decoders import DecodeStream
+    A token is *clean* when it decodes on its own without U+FFFD: it starts on a
+    character boundary and ends on one. Text is emitted only when a clean token arrives:
+    the window from the previous clean token (whose text is the context that
+    context-dependent decoders need, such as Metaspace's leading space) to this one is
+    decoded, and what it adds beyond the context is emitted. Tokens in between (partial
+    UTF-8 characters, byte-fallback ``<0xNN>`` runs, which a later byte can still turn
+    into replacement characters) are held until then, and the end-of-request flush
+    gives whatever is still held. The emitted text is therefore always a prefix of the
+    decode of the whole sequence (tests check it on random token sequences).
 
-        self._tok = tokenizer
-        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+    (``tokenizers.decoders.DecodeStream`` raises on byte sequences that are not valid
+    UTF-8, which random-weight models produce, hence this decoder.)
+    """
+
+    def __init__(self, tokenizer: object, skip_special_tokens: bool, clean: Callable[[int], bool]) -> None:
+        self._decode = tokenizer.decode  # type: ignore[attr-defined]
+        self._skip = skip_special_tokens
+        self._clean = clean
+        self._ids: list[int] = []
+        self._start = 0  # the window is ids[start:]
+        self._context = ""  # the text of ids[start] alone, already emitted
 
     def step(self, token_id: int) -> str:
-        return self._stream.step(self._tok, int(token_id)) or ""
+        token_id = int(token_id)
+        self._ids.append(token_id)
+        if not self._clean(token_id):
+            return ""
+        window = self._decode(self._ids[self._start:], skip_special_tokens=self._skip)
+        out = window[len(self._context):] if window.startswith(self._context) else ""
+        self._start = len(self._ids) - 1
+        self._context = self._decode(self._ids[self._start:], skip_special_tokens=self._skip)
+        return out
 
 
 def finish_text(emitted: str, full: str, request_id: str) -> str:

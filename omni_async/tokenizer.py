@@ -8,16 +8,18 @@ strings that template refers to (``bos_token``, ``eos_token``).
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from .detokenize import ByteStreamDecoder, HFStreamDecoder, IncrementalDecoder
+from .detokenize import REPLACEMENT, ByteStreamDecoder, IncrementalDecoder, WindowDecoder
 
 if TYPE_CHECKING:
     import tokenizers
 
     from .models.config import ModelConfig
 
+_BYTE_PIECE = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 # The built-in model's template: plain role markers, so chat works out of the box.
 BYTE_CHAT_TEMPLATE = (
     "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}\n{% endfor %}"
@@ -97,6 +99,7 @@ class HFTokenizer:
         self.bos_token = bos
         self.eos_token = eos
         self.special_tokens: dict[str, str] = {}  # other names a template may use (unk_token, pad_token)
+        self._clean: dict[bool, dict[int, bool]] = {True: {}, False: {}}
 
     @property
     def backend(self) -> "tokenizers.Tokenizer":
@@ -110,7 +113,21 @@ class HFTokenizer:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def decode_stream(self, skip_special_tokens: bool = True) -> IncrementalDecoder:
-        return HFStreamDecoder(self._tok, skip_special_tokens)
+        cache = self._clean[bool(skip_special_tokens)]
+
+        def clean(token_id: int) -> bool:
+            """Whether the token decodes alone to text without a replacement character
+            (a skipped special token, which decodes to nothing, is not a boundary, nor is a
+            byte-fallback token: a later byte of its run can still make it invalid)."""
+            value = cache.get(token_id)
+            if value is None:
+                text = self._tok.decode([token_id], skip_special_tokens=skip_special_tokens)
+                piece = self._tok.id_to_token(token_id) or ""
+                value = bool(text) and REPLACEMENT not in text and not _BYTE_PIECE.fullmatch(piece)
+                cache[token_id] = value
+            return value
+
+        return WindowDecoder(self, skip_special_tokens, clean)
 
 
 def load_tokenizer(folder: Path, cfg: "ModelConfig") -> Tokenizer | None:
