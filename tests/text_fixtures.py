@@ -20,7 +20,7 @@ MULTIBYTE_TEXTS = [
     "Grüße 🙂 привет 中文 🎉",
     "the talker speaks 한국어 and ภาษาไทย ø å",
 ]
-CKPT_VOCAB = 640
+CKPT_VOCAB = 512  # conftest's random checkpoints
 KINDS = ("bytelevel", "llama", "metaspace")
 SPECIALS = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (

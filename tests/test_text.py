@@ -1,0 +1,159 @@
+"""Streamed text for real tokenizers: incremental detokenisation, stop strings, and the
+end-of-sequence ids of generation_config.json."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from omni_async import Engine, SamplingParams
+from omni_async.tokenizer import ByteTokenizer, HFTokenizer
+
+from .conftest import assert_kv_free
+from .text_fixtures import KINDS, MULTIBYTE_TEXTS, train_tokenizer, write_text_checkpoint
+
+PROMPTS = ["naïve café", "the talker speaks", "Grüße 🙂 привет"]
+
+
+@pytest.fixture(scope="module")
+def text_ckpts(hf_checkpoints, tmp_path_factory):
+    root = tmp_path_factory.mktemp("text")
+    return {k: write_text_checkpoint(hf_checkpoints["llama"], root / k, k) for k in KINDS}
+
+
+def _joined(deltas, index=0):
+    return "".join(d.text for d in deltas if d.index == index)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("skip", [True, False])
+def test_decode_stream_joins_to_the_full_decode(kind, skip):
+    """Real multi-byte text and random token sequences (partial characters, byte-fallback
+    runs, special tokens in between): the joined chunks plus the final remainder equal
+    the full decode, and every prefix emitted is a prefix of it."""
+    tok = HFTokenizer.from_object(train_tokenizer(kind), eos_token_ids=(2,), vocab_size=512)
+    rng = random.Random(7)
+    vocab = tok.backend.get_vocab_size()
+    cases = [tok.encode(t, add_special_tokens=False) for t in MULTIBYTE_TEXTS]
+    cases += [[rng.randrange(vocab) for _ in range(rng.randint(1, 50))] for _ in range(150)]
+    for ids in cases:
+        stream = tok.decode_stream(skip)
+        emitted = ""
+        for n, t in enumerate(ids):
+            emitted += stream.step(t)
+            assert tok.decode(ids[: n + 1], skip).startswith(emitted), (kind, ids[: n + 1])
+    for text in MULTIBYTE_TEXTS:  # text streams out as it goes (held back at most a token or a run)
+        stream = tok.decode_stream(skip)
+        ids = tok.encode(text, add_special_tokens=False)
+        emitted = "".join(stream.step(t) for t in ids[:-1])
+        assert len(emitted) >= len(tok.decode(ids[:-1], skip)) - 12 and text.startswith(emitted)
+
+
+def test_byte_tokenizer_stream_decode():
+    tok = ByteTokenizer()
+    data = "naïve café 日本語 🙂".encode()
+    stream = tok.decode_stream()
+    pieces = [stream.step(b) for b in data]
+    assert "".join(pieces) == data.decode()
+    assert "" in pieces  # the middle bytes of a character emit nothing
+
+
+@pytest.mark.parametrize("kind", KINDS)
+async def test_stream_text_equals_result_text(text_ckpts, kind):
+    folder = text_ckpts[kind]
+    engine = Engine.from_pretrained(str(folder), loop="normal")
+    tok = engine.tokenizer
+    async with engine:
+        for skip in (True, False):
+            sp = SamplingParams(max_new_tokens=40, ignore_eos=True, skip_special_tokens=skip)
+            for prompt in PROMPTS:
+                deltas = [d async for d in engine.stream(prompt=prompt, sampling=sp)]
+                res = await engine.generate(prompt=prompt, sampling=sp)
+                assert [t for d in deltas for t in d.token_ids] == res.output_ids
+                assert _joined(deltas) == res.text == tok.decode(res.output_ids, skip_special_tokens=skip)
+                assert deltas[-1].finished and res.outputs[0].text == res.text
+    assert_kv_free(engine)
+
+
+def _token_texts(tok, ids):
+    """The text each token adds to the decode of the sequence so far."""
+    out, prev = [], ""
+    for n in range(len(ids)):
+        cur = tok.decode(ids[: n + 1])
+        out.append(cur[len(prev):] if cur.startswith(prev) else None)
+        prev = cur
+    return out
+
+
+def _spanning_stop(tok, ids):
+    """A stop string made of the last two characters of one token's text and the first
+    two of the next one's, and the index of the token that completes it."""
+    texts = _token_texts(tok, ids)
+    full = tok.decode(ids)
+    for k in range(len(ids) - 1):
+        a, b = texts[k], texts[k + 1]
+        if a and b and len(a) >= 2 and len(b) >= 2 and "\ufffd" not in a + b:
+            stop = a[-2:] + b[:2]
+            pos = full.find(stop)
+            done = next(j for j in range(len(ids)) if stop in tok.decode(ids[: j + 1]))
+            return stop, pos, done
+    pytest.skip("no two neighbouring tokens with two characters each")
+
+
+@pytest.mark.parametrize("kind", ["bytelevel", "llama"])
+@pytest.mark.parametrize("include", [False, True])
+async def test_stop_string_spanning_tokens(text_ckpts, kind, include):
+    engine = Engine.from_pretrained(str(text_ckpts[kind]), loop="normal")
+    tok = engine.tokenizer
+    async with engine:
+        base = await engine.generate(prompt=PROMPTS[1], sampling=SamplingParams(max_new_tokens=48, ignore_eos=True))
+        stop, pos, done = _spanning_stop(tok, base.output_ids)
+        sp = SamplingParams(max_new_tokens=48, ignore_eos=True, stop=["never-there", stop], include_stop_str_in_output=include)
+        res = await engine.generate(prompt=PROMPTS[1], sampling=sp)
+        deltas = [d async for d in engine.stream(prompt=PROMPTS[1], sampling=sp)]
+        assert engine.open_requests == []
+    assert_kv_free(engine)
+    full = tok.decode(base.output_ids)
+    expected = full[: pos + len(stop)] if include else full[:pos]
+    assert res.finish_reason == "stop"
+    assert res.text == expected
+    assert res.output_ids == base.output_ids[: done + 1]  # ends with the completing token
+    assert _joined(deltas) == expected
+    assert [t for d in deltas for t in d.token_ids] == res.output_ids
+    assert deltas[-1].finished and deltas[-1].finish_reason == "stop"
+    if not include:
+        assert all(stop not in d.text for d in deltas)
+
+
+async def test_stop_string_on_the_builtin_model(tiny_engine):
+    """Byte tokens: each character of a multi-byte stop string is several tokens."""
+    engine = tiny_engine()
+    async with engine:
+        base = await engine.generate(prompt="hello", sampling=SamplingParams(max_new_tokens=40, ignore_eos=True))
+        text = base.text
+        stop = text[10:13]
+        res = await engine.generate(prompt="hello", sampling=SamplingParams(max_new_tokens=40, ignore_eos=True, stop=[stop]))
+    assert res.finish_reason == "stop" and res.text == text[: text.find(stop)]
+    assert ByteTokenizer().decode(res.output_ids).endswith(stop) or "\ufffd" in stop
+
+
+@pytest.mark.parametrize("as_list", [False, True])
+async def test_generation_config_eos_is_used(hf_checkpoints, tmp_path, as_list):
+    """An EOS id that only generation_config.json names ends generation."""
+    folder = write_text_checkpoint(hf_checkpoints["llama"], tmp_path / "gen", "bytelevel")
+    sp = SamplingParams(max_new_tokens=24)
+    engine = Engine.from_pretrained(str(folder), loop="normal")
+    async with engine:
+        base = await engine.generate(input_ids=[5, 6, 7, 8], sampling=sp)
+    eos = base.output_ids[5]
+    first = base.output_ids.index(eos)
+    assert base.finish_reason == "length"
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [3, eos] if as_list else eos}))
+    engine = Engine.from_pretrained(str(folder), loop="normal")
+    assert eos in engine.scheduler.limits.eos_token_ids and eos in engine.tokenizer.eos_token_ids
+    async with engine:
+        res = await engine.generate(input_ids=[5, 6, 7, 8], sampling=sp)
+    assert res.output_ids == base.output_ids[: first + 1]
+    assert res.finish_reason == "stop"
