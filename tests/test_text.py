@@ -157,3 +157,30 @@ async def test_generation_config_eos_is_used(hf_checkpoints, tmp_path, as_list):
         res = await engine.generate(input_ids=[5, 6, 7, 8], sampling=sp)
     assert res.output_ids == base.output_ids[: first + 1]
     assert res.finish_reason == "stop"
+
+
+@pytest.mark.parametrize(
+    "stops,chunks,include,streamed,stopped",
+    [
+        (["abc", "bcd"], ["xa", "b", "cd"], False, ["x", "", ""], "abc"),
+        (["abc", "bcd"], ["xa", "b", "cd"], True, ["x", "", "abc"], "abc"),
+        (["bcd", "abc"], ["xab", "cd"], False, ["x", ""], "abc"),  # the earliest one wins
+        (["END"], ["the E", "N", "d"], False, ["the ", "", "ENd"], None),  # a false start is released
+        (["日本"], ["naïve 日", "本語"], False, ["naïve ", ""], "日本"),
+        ([], ["a", "b"], False, ["a", "b"], None),
+    ],
+)
+def test_stop_matcher_holds_back_and_cuts(stops, chunks, include, streamed, stopped):
+    from omni_async.stops import StopMatcher
+
+    m = StopMatcher(stops, include)
+    got = [m.feed(c)[0] for c in chunks]
+    assert got == streamed
+    assert m.stopped == stopped
+    tail = m.release()
+    full = "".join(chunks)
+    if stopped is None:
+        assert "".join(got) + tail == full == m.text
+    else:
+        cut = full.find(stopped) + (len(stopped) if include else 0)
+        assert "".join(got) + tail == full[:cut] == m.text
