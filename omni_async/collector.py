@@ -14,19 +14,25 @@ import asyncio
 from .messages import StreamDelta
 
 
-def merge_into(cur: StreamDelta, new: StreamDelta) -> None:
-    """Append ``new`` to ``cur`` (same completion). Per-step ``extra`` values keep the
-    newest; lists grow."""
-    cur.token_ids = [*cur.token_ids, *new.token_ids]
+def merge_into(cur: StreamDelta, new: StreamDelta, texts: list[str]) -> None:
+    """Append ``new`` to ``cur`` (same completion), in place: a lagging reader costs
+    linear work, not a copy per step. Text parts are gathered in ``texts`` and joined
+    when the reader takes the delta. Per-step ``extra`` values keep the newest."""
+    cur.token_ids.extend(new.token_ids)
     if new.logprobs is not None:
-        cur.logprobs = [*(cur.logprobs or []), *new.logprobs]
+        if cur.logprobs is None:
+            cur.logprobs = []
+        cur.logprobs.extend(new.logprobs)
     if new.top_logprobs is not None:
-        cur.top_logprobs = [*(cur.top_logprobs or []), *new.top_logprobs]
-    if new.text is not None:
-        cur.text = (cur.text or "") + new.text
+        if cur.top_logprobs is None:
+            cur.top_logprobs = []
+        cur.top_logprobs.extend(new.top_logprobs)
+    if new.text:
+        texts.append(new.text)
     cur.finished = cur.finished or new.finished
     cur.finish_reason = new.finish_reason or cur.finish_reason
-    cur.extra.update(new.extra)
+    if new.extra:
+        cur.extra.update(new.extra)
 
 
 class OutputCollector:
@@ -34,6 +40,7 @@ class OutputCollector:
 
     def __init__(self) -> None:
         self._pending: dict[int, StreamDelta] = {}
+        self._texts: dict[int, list[str]] = {}  # text of merged deltas, joined on take
         self._waiter: asyncio.Future[None] | None = None
         self._closed = False
 
@@ -41,8 +48,14 @@ class OutputCollector:
         cur = self._pending.get(delta.index)
         if cur is None:
             self._pending[delta.index] = delta
-        else:
-            merge_into(cur, delta)
+            return
+        texts = self._texts.get(delta.index)
+        if texts is None:
+            texts = self._texts[delta.index] = [cur.text] if cur.text else []
+            cur.token_ids = list(cur.token_ids)  # owned from here on: extended in place
+            cur.logprobs = list(cur.logprobs) if cur.logprobs is not None else None
+            cur.top_logprobs = list(cur.top_logprobs) if cur.top_logprobs is not None else None
+        merge_into(cur, delta, texts)
 
     def close(self) -> None:
         """No more deltas will come (the handle ended)."""
@@ -58,6 +71,12 @@ class OutputCollector:
             return []
         out = list(self._pending.values())
         self._pending.clear()
+        if self._texts:
+            for delta in out:
+                texts = self._texts.get(delta.index)
+                if texts is not None and delta.text is not None:
+                    delta.text = "".join(texts)
+            self._texts.clear()
         return out
 
     @property

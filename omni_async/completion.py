@@ -47,7 +47,8 @@ class Completion:
         parts: list[str] = []
         kept, stopped = self._take_tokens(delta.token_ids, parts)
         self._take_scores(delta, kept)
-        delta.token_ids = delta.token_ids[:kept]
+        if kept < len(delta.token_ids):
+            delta.token_ids = delta.token_ids[:kept]
         delta.index = self.index
         if stopped:
             self.done = True
@@ -87,10 +88,11 @@ class Completion:
 
     def _take_tokens(self, tokens: list[int], parts: list[str]) -> tuple[int, bool]:
         """Append tokens; with a tokenizer, decode and check stops token by token."""
+        if self._decoder is None:
+            self.output_ids.extend(tokens)
+            return len(tokens), False
         for k, tok in enumerate(tokens):
             self.output_ids.append(tok)
-            if self._decoder is None:
-                continue
             emit, hit = self._stops.feed(self._decoder.step(tok))
             parts.append(emit)
             if hit:
@@ -99,9 +101,10 @@ class Completion:
 
     def _take_scores(self, delta: StreamDelta, kept: int) -> None:
         if delta.logprobs is not None:
-            delta.logprobs = delta.logprobs[:kept]
+            if kept < len(delta.logprobs):
+                delta.logprobs = delta.logprobs[:kept]
             self.logprobs.extend(delta.logprobs)
-        top = delta.extra.pop("top_logprobs", None)
+        top = delta.extra.pop("top_logprobs", None) if delta.extra else None
         if top is not None and kept:
             delta.top_logprobs = [_pairs(top)]
             if self.top_logprobs is not None:

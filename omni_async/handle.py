@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator
 from . import errors
 from .collector import OutputCollector
 from .completion import Completion
-from .loopbridge import call_soon_on, maybe_marshal
+from .loopbridge import call_soon_on, foreign_loop, maybe_marshal
 from .messages import GenerationResult, OutgoingMessage, StreamDelta
 
 if TYPE_CHECKING:
@@ -72,15 +72,18 @@ class RequestHandle:
                 "has one stream reader at a time (any number may await result())"
             )
         self._streaming = True
+        own = self._engine.event_loop
+        collector = self._collector
+        wait = (lambda: maybe_marshal(own, collector.wait)) if foreign_loop(own) else collector.wait
         try:
             while True:
-                batch = self._collector.take()
+                batch = collector.take()
                 for delta in batch:
                     yield delta
                 if not batch:
                     if self.done:
                         break
-                    await maybe_marshal(self._engine.event_loop, self._collector.wait)
+                    await wait()
             if self._error is not None:
                 raise self._error
         finally:
