@@ -287,9 +287,6 @@ class Engine:
             raise errors.InvalidRequestError("empty prompt: give prompt, input_ids or messages")
         return input_ids  # checked against the vocabulary by check_request
 
-    def _decode(self, ids: list[int]) -> str | None:
-        return self.tokenizer.decode(ids) if self.tokenizer is not None else None
-
     # ------------------------------------------------------------ admin
 
     async def admin(self, action: str, payload: dict[str, Any] | None = None) -> dict[str, Any]:

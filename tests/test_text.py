@@ -3,6 +3,7 @@ end-of-sequence ids of generation_config.json."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
 
@@ -11,7 +12,7 @@ import pytest
 from omni_async import Engine, SamplingParams
 from omni_async.tokenizer import ByteTokenizer, HFTokenizer
 
-from .conftest import assert_kv_free
+from .conftest import LOOPS, assert_kv_free
 from .text_fixtures import KINDS, MULTIBYTE_TEXTS, train_tokenizer, write_text_checkpoint
 
 PROMPTS = ["naïve café", "the talker speaks", "Grüße 🙂 привет"]
@@ -127,14 +128,22 @@ async def test_stop_string_spanning_tokens(text_ckpts, kind, include):
         assert all(stop not in d.text for d in deltas)
 
 
-async def test_stop_string_on_the_builtin_model(tiny_engine):
-    """Byte tokens: each character of a multi-byte stop string is several tokens."""
-    engine = tiny_engine()
+@pytest.mark.parametrize("loop", LOOPS)
+async def test_stop_string_on_the_builtin_model(tiny_engine, loop):
+    """Byte tokens (a multi-byte character is several tokens); the stage request ends
+    while later steps are in flight (overlap, async_decode) and KV is freed once."""
+    engine = tiny_engine(loop=loop)
     async with engine:
         base = await engine.generate(prompt="hello", sampling=SamplingParams(max_new_tokens=40, ignore_eos=True))
         text = base.text
         stop = text[10:13]
-        res = await engine.generate(prompt="hello", sampling=SamplingParams(max_new_tokens=40, ignore_eos=True, stop=[stop]))
+        sp = SamplingParams(max_new_tokens=40, ignore_eos=True, stop=[stop])
+        res, other = await asyncio.gather(
+            engine.generate(prompt="hello", sampling=sp),
+            engine.generate(prompt="other", sampling=SamplingParams(max_new_tokens=30, ignore_eos=True)),
+        )
+        assert len(other.output_ids) == 30
+        assert engine.open_requests == []
     assert res.finish_reason == "stop" and res.text == text[: text.find(stop)]
     assert ByteTokenizer().decode(res.output_ids).endswith(stop) or "\ufffd" in stop
 
