@@ -174,7 +174,12 @@ class Engine:
                 continue
             if msg.type in _TERMINAL:
                 del routes[msg.request_id]
-            handle._on_message(msg)
+            try:
+                handle._on_message(msg)
+            except Exception as exc:  # e.g. a tokenizer that raised: this request fails alone
+                failure = errors.RequestFailedError(f"processing the output of {handle.request_id!r} failed: {exc!r}")
+                failure.__cause__ = exc
+                handle._fail(failure)
             touched[id(handle)] = handle
         for handle in touched.values():
             handle._wake()
@@ -232,6 +237,8 @@ class Engine:
         subs = [rid] if sampling.n == 1 else [f"{rid}/{i}" for i in range(sampling.n)]
         if rid in self._handles or any(s in self._routes for s in subs):
             raise errors.RequestRejectedError(f"duplicate request id {rid!r}: a request with this id is active")
+        if sampling.stop and self.tokenizer is None:
+            raise errors.InvalidRequestError("stop strings need a tokenizer, and this model has none: use stop_token_ids")
         ids = check_request(ids, sampling, self.scheduler.limits)
         per_sub = [sampling] if sampling.n == 1 else [
             dataclasses.replace(sampling, n=1, seed=completion_seed(sampling.seed, i)) for i in range(sampling.n)

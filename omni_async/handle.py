@@ -119,6 +119,8 @@ class RequestHandle:
 
     def _fail(self, err: Any) -> None:
         """One completion failed: the request fails, its other completions end."""
+        if self.done:
+            return
         for comp in self._completions:
             if not comp.done:
                 comp.fail()

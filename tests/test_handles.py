@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from omni_async import Engine, SamplingParams
-from omni_async.errors import ConfigError, InvalidRequestError, RequestAbortedError, RequestRejectedError
+from omni_async.errors import ConfigError, InvalidRequestError, RequestAbortedError, RequestFailedError, RequestRejectedError
+from omni_async.tokenizer import ByteTokenizer
 from omni_async.loopbridge import EventLoopMismatchError
 
 from .conftest import assert_kv_free
@@ -162,3 +163,43 @@ def test_cuda_without_cuda_is_a_config_error():
         Engine.from_pretrained("tiny", device="cuda")
     with pytest.raises(ConfigError, match="needs CUDA"):
         Engine.from_pretrained("tiny", device="cuda:0")
+
+
+class _BrokenTokenizer(ByteTokenizer):
+    """Decodes prompts fine, raises while streaming text."""
+
+    def decode_stream(self, skip_special_tokens=True):
+        class Broken:
+            def step(self, token_id):
+                raise UnicodeError("broken decoder")
+
+        return Broken()
+
+
+async def test_a_failing_tokenizer_fails_its_requests_not_the_engine(tiny_engine):
+    engine = tiny_engine()
+    async with engine:
+        good = engine.tokenizer
+        engine.tokenizer = _BrokenTokenizer()
+        handles = [await engine.submit(prompt=p, sampling=LONG) for p in ("a", "b")]
+        for h in handles:
+            with pytest.raises(RequestFailedError, match="broken decoder"):
+                await h.result()
+        engine.tokenizer = good
+        res = await engine.generate(prompt="a", sampling=LONG)
+        assert len(res.output_ids) == 40 and engine.open_requests == []
+        with anyio.fail_after(30):
+            while engine.scheduler.active_request_ids():
+                await asyncio.sleep(0.01)
+    assert_kv_free(engine)
+
+
+async def test_stop_strings_need_a_tokenizer(hf_checkpoints):
+    engine = Engine.from_pretrained(str(hf_checkpoints["qwen3"]), loop="normal")
+    assert engine.tokenizer is None
+    async with engine:
+        with pytest.raises(InvalidRequestError, match="stop strings need a tokenizer"):
+            await engine.submit(input_ids=[1, 2], sampling=SamplingParams(stop=["x"]))
+        res = await engine.generate(input_ids=[1, 2], sampling=SamplingParams(max_new_tokens=3, ignore_eos=True))
+        assert res.text is None and res.outputs[0].text is None and len(res.output_ids) == 3
+    assert_kv_free(engine)
