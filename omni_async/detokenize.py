@@ -54,7 +54,7 @@ class WindowDecoder:
     UTF-8, which random-weight models produce, hence this decoder.)
     """
 
-    def __init__(self, tokenizer: object, skip_special_tokens: bool, clean: Callable[[int], bool]) -> None:
+    def __init__(self, tokenizer: object, skip_special_tokens: bool, clean: Callable[[int], str | None]) -> None:
         self._decode = tokenizer.decode  # type: ignore[attr-defined]
         self._skip = skip_special_tokens
         self._clean = clean
@@ -65,12 +65,13 @@ class WindowDecoder:
     def step(self, token_id: int) -> str:
         token_id = int(token_id)
         self._ids.append(token_id)
-        if not self._clean(token_id):
+        alone = self._clean(token_id)  # the token's own text when it is clean, else None
+        if alone is None:
             return ""
         window = self._decode(self._ids[self._start:], skip_special_tokens=self._skip)
         out = window[len(self._context):] if window.startswith(self._context) else ""
         self._start = len(self._ids) - 1
-        self._context = self._decode(self._ids[self._start:], skip_special_tokens=self._skip)
+        self._context = alone
         return out
 
 

@@ -99,7 +99,7 @@ class HFTokenizer:
         self.bos_token = bos
         self.eos_token = eos
         self.special_tokens: dict[str, str] = {}  # other names a template may use (unk_token, pad_token)
-        self._clean: dict[bool, dict[int, bool]] = {True: {}, False: {}}
+        self._clean: dict[bool, dict[int, str | None]] = {True: {}, False: {}}
 
     @property
     def backend(self) -> "tokenizers.Tokenizer":
@@ -115,17 +115,17 @@ class HFTokenizer:
     def decode_stream(self, skip_special_tokens: bool = True) -> IncrementalDecoder:
         cache = self._clean[bool(skip_special_tokens)]
 
-        def clean(token_id: int) -> bool:
-            """Whether the token decodes alone to text without a replacement character
-            (a skipped special token, which decodes to nothing, is not a boundary, nor is a
-            byte-fallback token: a later byte of its run can still make it invalid)."""
-            value = cache.get(token_id)
-            if value is None:
-                text = self._tok.decode([token_id], skip_special_tokens=skip_special_tokens)
-                piece = self._tok.id_to_token(token_id) or ""
-                value = bool(text) and REPLACEMENT not in text and not _BYTE_PIECE.fullmatch(piece)
-                cache[token_id] = value
-            return value
+        def clean(token_id: int) -> str | None:
+            """The token's text alone when it is a clean boundary, else None (cached). A
+            skipped special token (no text) is not a boundary, nor is a byte-fallback
+            token: a later byte of its run can still make it invalid."""
+            if token_id in cache:
+                return cache[token_id]
+            text = self._tok.decode([token_id], skip_special_tokens=skip_special_tokens)
+            piece = self._tok.id_to_token(token_id) or ""
+            ok = bool(text) and REPLACEMENT not in text and not _BYTE_PIECE.fullmatch(piece)
+            cache[token_id] = text if ok else None
+            return cache[token_id]
 
         return WindowDecoder(self, skip_special_tokens, clean)
 
