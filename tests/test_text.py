@@ -193,3 +193,42 @@ def test_stop_matcher_holds_back_and_cuts(stops, chunks, include, streamed, stop
     else:
         cut = full.find(stopped) + (len(stopped) if include else 0)
         assert "".join(got) + tail == full[:cut] == m.text
+
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    text=st.text(alphabet="ab日🙂", max_size=30),
+    cuts=st.lists(st.integers(0, 30), max_size=8),
+    stops=st.lists(st.text(alphabet="ab日🙂", min_size=1, max_size=4), max_size=3),
+    include=st.booleans(),
+)
+def test_stop_matcher_equals_a_search_of_the_whole_text(text, cuts, stops, include):
+    """However the text is chunked, the cut is where a search of the whole text so far
+    puts it, and a stop string that is not included is never streamed."""
+    from omni_async.stops import StopMatcher
+
+    bounds = sorted({0, len(text), *[c for c in cuts if c <= len(text)]})
+    chunks = [text[a:b] for a, b in zip(bounds, bounds[1:])]
+    m = StopMatcher(stops, include)
+    streamed = []
+    for c in chunks:
+        out, hit = m.feed(c)
+        streamed.append(out)
+        if hit:
+            break
+    streamed.append(m.release())
+    # The reference: after each chunk, the whole text so far is searched; the first chunk
+    # after which some stop string occurs ends it, at the earliest such occurrence.
+    expected = text
+    for end in bounds[1:]:
+        seen = text[:end]
+        hits = sorted((seen.find(s), i, s) for i, s in enumerate(stops) if s in seen)
+        if hits:
+            pos, _, stop = hits[0]
+            expected = seen[: pos + len(stop)] if include else seen[:pos]
+            break
+    assert "".join(streamed) == expected == m.text
