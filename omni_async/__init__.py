@@ -3,12 +3,15 @@
 from . import errors
 from .config import SamplingParams, SchedulerConfig
 from .engine import Engine, RequestHandle
-from .messages import GenerationResult, IncomingMessage, OutgoingMessage, RequestPayload, StreamDelta
+from .loopbridge import EventLoopMismatchError
+from .messages import CompletionOutput, GenerationResult, IncomingMessage, OutgoingMessage, RequestPayload, StreamDelta
 from .scheduler import AsyncOmniScheduler
 
 __all__ = [
     "AsyncOmniScheduler",
+    "CompletionOutput",
     "Engine",
+    "EventLoopMismatchError",
     "GenerationResult",
     "IncomingMessage",
     "OutgoingMessage",

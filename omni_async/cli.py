@@ -56,13 +56,32 @@ def _load(args: argparse.Namespace) -> Engine | None:
         return None
 
 
+def _demo_header(args: argparse.Namespace, prompts: list[str]) -> None:
+    """Say what the demo shows before the streams start."""
+    if args.model == "tiny":
+        print(
+            "Model: tiny, built in, with RANDOM weights: its text is noise. The demo shows the "
+            "scheduler at work (concurrent streams, tokens/s); pass --model <checkpoint folder> "
+            "to see a real model's text."
+        )
+    else:
+        print(f"Model: {args.model}")
+    shown = min(args.show, len(prompts))
+    print(f"{len(prompts)} requests, sent at once; the first {shown} are streamed below. Prompts:")
+    for i, prompt in enumerate(prompts[: max(shown, len(DEMO_PROMPTS))]):
+        print(f"  [req {i}] {prompt!r}")
+    print()
+
+
 async def _demo(args: argparse.Namespace) -> int:
     engine = _load(args)
     if engine is None:
         return 2
     prompts = (DEMO_PROMPTS * (args.requests // len(DEMO_PROMPTS) + 1))[: args.requests]
     counts = [0] * len(prompts)
+    texts = [""] * len(prompts)
     first_token_at: list[float | None] = [None] * len(prompts)
+    _demo_header(args, prompts)
     async with engine:
         start = time.perf_counter()
 
@@ -71,11 +90,16 @@ async def _demo(args: argparse.Namespace) -> int:
                 if first_token_at[i] is None:
                     first_token_at[i] = time.perf_counter() - start
                 counts[i] += len(delta.token_ids)
+                texts[i] += delta.text or ""
                 if i < args.show:
                     print(f"[req {i}] +{delta.token_ids} {delta.text!r}" + (" <done>" if delta.finished else ""))
 
         await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
         elapsed = time.perf_counter() - start
+    if engine.tokenizer is not None:
+        print("\nCompleted text:")
+        for i in range(min(args.show, len(prompts))):
+            print(f"  [req {i}] {prompts[i]!r} -> {texts[i]!r}")
     total = sum(counts)
     ttfts = sorted(t for t in first_token_at if t is not None)
     print(

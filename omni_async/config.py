@@ -18,6 +18,8 @@ LOOP_KINDS: tuple[str, ...] = ("normal", "overlap", "async_decode")
 
 # Seeds are masked into this range, as the reference does for SGLang's seeded sampler.
 SAMPLING_SEED_MASK = (1 << 63) - 1
+MAX_N = 128  # parallel samples per request
+MAX_TOP_LOGPROBS = 64
 
 
 def _fields_of(cls: type) -> set[str]:
@@ -56,6 +58,12 @@ class SamplingParams:
     # "processed": logprobs of the distribution sampled from (after penalties,
     # temperature and filters); "raw": log_softmax of the model's logits.
     logprobs_mode: Literal["processed", "raw"] = "processed"
+    # Text-level options, applied by the Engine (the scheduler ignores them).
+    stop: list[str] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    n: int = 1
+    top_logprobs: int = 0
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         self.validate()
@@ -106,6 +114,24 @@ class SamplingParams:
             raise bad(f"return_logprob must be a bool, got {self.return_logprob!r}")
         if self.logprobs_mode not in ("processed", "raw"):
             raise bad(f"logprobs_mode must be 'processed' or 'raw', got {self.logprobs_mode!r}")
+        self._validate_text_options(bad)
+
+    def _validate_text_options(self, bad: Any) -> None:
+        """The engine-side fields: stop strings, parallel samples, top logprobs."""
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if not isinstance(self.stop, (list, tuple)) or any(not isinstance(s, str) or not s for s in self.stop):
+            raise bad(f"stop must be a list of non-empty strings, got {self.stop!r}")
+        self.stop = list(self.stop)
+        for name in ("include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise bad(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if not _is_int(self.n) or not (1 <= self.n <= MAX_N):
+            raise bad(f"n must be an integer in [1, {MAX_N}], got {self.n!r}")
+        if not _is_int(self.top_logprobs) or not (0 <= self.top_logprobs <= MAX_TOP_LOGPROBS):
+            raise bad(f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs!r}")
+        if self.top_logprobs and not self.return_logprob:
+            raise bad("top_logprobs needs return_logprob=True")
 
     @property
     def is_greedy(self) -> bool:

@@ -1,91 +1,64 @@
 """Engine: the user-facing async API over an AsyncOmniScheduler.
 
-``generate`` / ``stream`` / ``submit`` each send one ``new_request`` into the
-scheduler's inbox; a router task owned by the engine delivers outbox messages to the
-request's :class:`RequestHandle`. Cancelling a task that awaits a request aborts it.
+``generate`` / ``stream`` / ``submit`` send one ``new_request`` per completion into the
+stage's inbox. The stage's messages reach the engine in batches (``_deliver``), which
+hands each to its :class:`~omni_async.handle.RequestHandle`: tokens are detokenised
+incrementally, stop strings checked, and each handle's reader woken once per batch.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import hashlib
 import itertools
 import uuid
 from typing import Any, AsyncIterator
 
 import anyio
+import torch
 
 from . import errors
 from .builder import NativeStack, build_native_stack, build_scheduler
 from .channels import drain_stream
-from .config import SamplingParams, SchedulerConfig
+from .chat import render_chat_ids
+from .completion import Completion
+from .config import SAMPLING_SEED_MASK, SamplingParams, SchedulerConfig
+from .handle import RequestHandle
+from .loopbridge import call_soon_on, maybe_marshal
 from .messages import GenerationResult, IncomingMessage, OutgoingMessage, RequestPayload, StreamDelta
+from .request_checks import check_request
 from .scheduler import AsyncOmniScheduler
 from .tokenizer import Tokenizer
 
 _TERMINAL = ("result", "error")
 
+__all__ = ["Engine", "RequestHandle"]
 
-class RequestHandle:
-    """One submitted request: iterate it for stream deltas, or await ``result()``."""
 
-    def __init__(self, engine: "Engine", request_id: str) -> None:
-        self.request_id = request_id
-        self._engine = engine
-        self._queue: asyncio.Queue[OutgoingMessage] = asyncio.Queue()
-        self._terminal: OutgoingMessage | None = None
-        self._deltas: list[StreamDelta] = []
+def completion_seed(seed: int | None, index: int) -> int | None:
+    """Completion ``index``'s seed: the request's own for the first, a stable hash of
+    (seed, index) for the others, so ``n`` seeded completions differ, deterministically."""
+    if seed is None or index == 0:
+        return seed
+    digest = hashlib.blake2b(f"omni-async-n\x1f{seed}\x1f{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & SAMPLING_SEED_MASK
 
-    @property
-    def done(self) -> bool:
-        return self._terminal is not None
 
-    def _deliver(self, msg: OutgoingMessage) -> None:
-        self._queue.put_nowait(msg)
-
-    async def _next(self) -> OutgoingMessage:
-        try:
-            msg = await self._queue.get()
-        except BaseException:
-            if self._terminal is None:
-                self._engine._abort_now(self.request_id)
-            raise
-        if msg.type in _TERMINAL:
-            self._terminal = msg
-        return msg
-
-    async def __aiter__(self) -> AsyncIterator[StreamDelta]:
-        try:
-            while self._terminal is None:
-                msg = await self._next()
-                if msg.type == "stream":
-                    self._deltas.append(msg.data)
-                    yield self._with_text(msg.data)
-            self._raise_if_error()
-        finally:
-            if self._terminal is None:  # the consumer stopped early
-                self._engine._abort_now(self.request_id)
-
-    async def result(self) -> GenerationResult:
-        while self._terminal is None:
-            msg = await self._next()
-            if msg.type == "stream":
-                self._deltas.append(msg.data)
-        self._raise_if_error()
-        result = self._terminal.data
-        if isinstance(result, GenerationResult) and result.text is None:
-            result.text = self._engine._decode(result.output_ids)
-        return result
-
-    def _raise_if_error(self) -> None:
-        assert self._terminal is not None
-        if self._terminal.type == "error":
-            err = self._terminal.data
-            raise err if isinstance(err, BaseException) else errors.RequestFailedError(str(err))
-
-    def _with_text(self, delta: StreamDelta) -> StreamDelta:
-        if delta.text is None and self._engine.tokenizer is not None:
-            delta.text = self._engine._decode(delta.token_ids)
-        return delta
+def check_device(device: Any) -> None:
+    """Refuse a CUDA device this torch cannot use, naming what is missing."""
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return
+    if not torch.cuda.is_available():
+        why = (
+            f"this torch build ({torch.__version__}) has no CUDA support"
+            if torch.version.cuda is None
+            else f"torch {torch.__version__} (CUDA {torch.version.cuda}) sees no CUDA device (driver or CUDA_VISIBLE_DEVICES)"
+        )
+        raise errors.ConfigError(f"device={str(device)!r} needs CUDA, but {why}; use device='cpu' or install a CUDA torch")
+    if dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise errors.ConfigError(f"device={str(device)!r}: only {torch.cuda.device_count()} CUDA device(s) are visible")
 
 
 class Engine:
@@ -95,8 +68,10 @@ class Engine:
         self.scheduler = scheduler
         self.tokenizer = tokenizer
         self.stack = stack
-        self._handles: dict[str, RequestHandle] = {}
+        self._handles: dict[str, RequestHandle] = {}  # open requests by user id
+        self._routes: dict[str, RequestHandle] = {}  # stage request id -> handle, until its terminal
         self._serve_task: "asyncio.Task[None] | None" = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._started = False
         self._closed = False
         self._ids = itertools.count()
@@ -114,6 +89,7 @@ class Engine:
         **limits: Any,
     ) -> "Engine":
         """Load a Hugging Face style folder or ``"tiny"``. ``limits`` are SchedulerConfig fields."""
+        check_device(device)
         config = SchedulerConfig.from_kwargs(loop=loop, **limits)
         if backend == "sglang":
             from .backends.sglang import build_sglang_engine
@@ -123,6 +99,11 @@ class Engine:
             raise errors.InvalidRequestError(f"unknown backend {backend!r}; use 'native' or 'sglang'")
         stack = build_native_stack(path_or_name, config, device=device, dtype=dtype, seed=seed)
         return cls(build_scheduler(stack, config), tokenizer=stack.loaded.tokenizer, stack=stack)
+
+    @property
+    def event_loop(self) -> asyncio.AbstractEventLoop | None:
+        """The loop this engine serves on (None until started)."""
+        return self._loop
 
     # ------------------------------------------------------------ lifecycle
 
@@ -137,9 +118,10 @@ class Engine:
         if self._closed:
             raise errors.SchedulerClosedError("engine is closed")
         if self._started:
-            return
+            return await maybe_marshal(self._loop, _nothing)
         self._started = True
-        serving = asyncio.get_running_loop().create_future()
+        self._loop = asyncio.get_running_loop()
+        serving = self._loop.create_future()
 
         async def serve() -> None:
             # The scheduler and the outbox router run in a task of their own, so the
@@ -158,6 +140,11 @@ class Engine:
         """End every open request (SchedulerClosedError), stop the loop and the worker."""
         if self._closed:
             return
+        await maybe_marshal(self._loop, self._aclose_here)
+
+    async def _aclose_here(self) -> None:
+        if self._closed:
+            return
         self._closed = True
         await self.scheduler.aclose()
         task, self._serve_task = self._serve_task, None
@@ -165,13 +152,51 @@ class Engine:
             await asyncio.shield(task)
 
     async def _route_outbox(self) -> None:
-        async for msg in drain_stream(self.scheduler.outbox):
-            handle = self._handles.get(msg.request_id)
+        """Hand the stage's messages over in batches: everything already waiting at once."""
+        outbox = self.scheduler.outbox
+        async for msg in drain_stream(outbox):
+            batch = [msg]
+            while True:
+                try:
+                    batch.append(outbox.receive_nowait())
+                except (anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError):
+                    break
+            self._deliver(batch)
+
+    def _deliver(self, messages: list[OutgoingMessage]) -> None:
+        """Route one batch of stage messages to their handles (loop thread); each handle
+        touched is woken once, after the whole batch."""
+        touched: dict[int, RequestHandle] = {}
+        routes = self._routes
+        for msg in messages:
+            handle = routes.get(msg.request_id)
             if handle is None:
                 continue
             if msg.type in _TERMINAL:
-                self._handles.pop(msg.request_id, None)
-            handle._deliver(msg)
+                del routes[msg.request_id]
+            try:
+                handle._on_message(msg)
+            except Exception as exc:  # e.g. a tokenizer that raised: this request fails alone
+                failure = errors.RequestFailedError(f"processing the output of {handle.request_id!r} failed: {exc!r}")
+                failure.__cause__ = exc
+                handle._fail(failure)
+            touched[id(handle)] = handle
+        for handle in touched.values():
+            handle._wake()
+
+    def _handle_done(self, handle: RequestHandle) -> None:
+        if self._handles.get(handle.request_id) is handle:
+            del self._handles[handle.request_id]
+
+    def _end_stage_request(self, sub_id: str) -> None:
+        """End one stage request early (a stop string, a failed sibling); its terminal
+        message still comes and is ignored."""
+        if sub_id in self._routes and not self.scheduler.closed:
+            self.scheduler.abort(sub_id)
+
+    def _abort_handle(self, handle: RequestHandle) -> None:
+        for sub_id in handle.sub_ids:
+            self._end_stage_request(sub_id)
 
     # ------------------------------------------------------------ requests
 
@@ -180,36 +205,56 @@ class Engine:
         prompt: str | None = None,
         *,
         input_ids: list[int] | None = None,
+        messages: list[dict[str, Any]] | None = None,
         sampling: SamplingParams | dict[str, Any] | None = None,
         request_id: str | None = None,
         metadata: dict[str, Any] | None = None,
+        add_special_tokens: bool = True,
         **unknown: Any,
     ) -> RequestHandle:
+        """Validate the request against the model's limits (raising the typed error now),
+        then send it; the handle streams or awaits its output."""
         if unknown:
             raise errors.InvalidRequestError(f"unknown request field(s): {', '.join(sorted(unknown))}")
         if self._closed or self.scheduler.closed:
             raise errors.SchedulerClosedError("engine is closed")
         await self.start()
-        ids = self._input_ids(prompt, input_ids)
-        if sampling is None:
-            sampling = SamplingParams()
-        elif isinstance(sampling, dict):
-            sampling = SamplingParams.from_dict(sampling)
-        elif not isinstance(sampling, SamplingParams):
-            raise errors.InvalidRequestError("sampling must be SamplingParams or a dict")
+        return await maybe_marshal(
+            self._loop,
+            lambda: self._submit_here(prompt, input_ids, messages, sampling, request_id, metadata, add_special_tokens),
+        )
+
+    async def _submit_here(
+        self, prompt: Any, input_ids: Any, messages: Any, sampling: Any, request_id: Any, metadata: Any, add_special_tokens: bool
+    ) -> RequestHandle:
+        ids = self._input_ids(prompt, input_ids, messages, add_special_tokens)
+        sampling = _sampling_of(sampling)
+        if metadata is not None and not isinstance(metadata, dict):
+            raise errors.InvalidRequestError(f"metadata must be a dict, got {type(metadata).__name__}")
         rid = request_id if request_id is not None else f"req-{uuid.uuid4().hex[:12]}-{next(self._ids)}"
         if not isinstance(rid, str) or not rid:
             raise errors.InvalidRequestError("request_id must be a non-empty string")
-        if rid in self._handles:
+        subs = [rid] if sampling.n == 1 else [f"{rid}/{i}" for i in range(sampling.n)]
+        if rid in self._handles or any(s in self._routes for s in subs):
             raise errors.RequestRejectedError(f"duplicate request id {rid!r}: a request with this id is active")
-        handle = RequestHandle(self, rid)
-        self._handles[rid] = handle
-        payload = RequestPayload(request_id=rid, input_ids=ids, sampling=sampling, metadata=dict(metadata or {}))
+        if sampling.stop and self.tokenizer is None:
+            raise errors.InvalidRequestError("stop strings need a tokenizer, and this model has none: use stop_token_ids")
+        ids = check_request(ids, sampling, self.scheduler.limits)
+        per_sub = [sampling] if sampling.n == 1 else [
+            dataclasses.replace(sampling, n=1, seed=completion_seed(sampling.seed, i)) for i in range(sampling.n)
+        ]
+        comps = [Completion(i, sub, per_sub[i], self.tokenizer) for i, sub in enumerate(subs)]
+        handle = RequestHandle(self, rid, comps, ids)
         try:
-            self.scheduler.inbox.send_nowait(IncomingMessage(rid, "new_request", payload))
+            for sub, sp in zip(subs, per_sub):
+                payload = RequestPayload(request_id=sub, input_ids=list(ids), sampling=sp, metadata=dict(metadata or {}))
+                self.scheduler.inbox.send_nowait(IncomingMessage(sub, "new_request", payload))
+                self._routes[sub] = handle
         except (anyio.ClosedResourceError, anyio.BrokenResourceError):
-            self._handles.pop(rid, None)
+            for sub in subs:
+                self._routes.pop(sub, None)
             raise errors.SchedulerClosedError("engine is closed") from None
+        self._handles[rid] = handle
         return handle
 
     async def generate(self, prompt: str | None = None, **kwargs: Any) -> GenerationResult:
@@ -222,15 +267,19 @@ class Engine:
             yield delta
 
     async def abort(self, request_id: str) -> None:
-        self._abort_now(request_id)
+        call_soon_on(self._loop, lambda: self._abort_now(request_id))
 
     def _abort_now(self, request_id: str) -> None:
-        if request_id in self._handles and not self.scheduler.closed:
-            self.scheduler.abort(request_id)
+        handle = self._handles.get(request_id)
+        if handle is not None:
+            self._abort_handle(handle)
 
-    def _input_ids(self, prompt: str | None, input_ids: Any) -> list[int]:
-        if prompt is not None and input_ids is not None:
-            raise errors.InvalidRequestError("give either prompt or input_ids, not both")
+    def _input_ids(self, prompt: Any, input_ids: Any, messages: Any, add_special_tokens: bool) -> Any:
+        given = [n for n, v in (("prompt", prompt), ("input_ids", input_ids), ("messages", messages)) if v is not None]
+        if len(given) > 1:
+            raise errors.InvalidRequestError(f"give either prompt or input_ids or messages, not {' and '.join(given)}")
+        if messages is not None:
+            return render_chat_ids(self.tokenizer, messages)
         if prompt is not None:
             if not isinstance(prompt, str):
                 raise errors.InvalidRequestError(f"prompt must be a str, got {type(prompt).__name__}")
@@ -240,18 +289,15 @@ class Engine:
                 )
             if prompt == "":
                 raise errors.InvalidRequestError("empty prompt")
-            return self.tokenizer.encode(prompt)
+            return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
         if input_ids is None:
-            raise errors.InvalidRequestError("empty prompt: give prompt or input_ids")
-        return list(input_ids) if isinstance(input_ids, tuple) else input_ids  # validated by the builder
-
-    def _decode(self, ids: list[int]) -> str | None:
-        return self.tokenizer.decode(ids) if self.tokenizer is not None else None
+            raise errors.InvalidRequestError("empty prompt: give prompt, input_ids or messages")
+        return input_ids  # checked against the vocabulary by check_request
 
     # ------------------------------------------------------------ admin
 
     async def admin(self, action: str, payload: dict[str, Any] | None = None) -> dict[str, Any]:
-        return await self.scheduler.admin(action, payload)
+        return await maybe_marshal(self._loop, lambda: self.scheduler.admin(action, payload))
 
     async def model_info(self) -> dict[str, Any]:
         return await self.admin("model_info")
@@ -292,3 +338,17 @@ class Engine:
     @property
     def open_requests(self) -> list[str]:
         return sorted(self._handles)
+
+
+async def _nothing() -> None:
+    return None
+
+
+def _sampling_of(sampling: Any) -> SamplingParams:
+    if sampling is None:
+        return SamplingParams()
+    if isinstance(sampling, dict):
+        return SamplingParams.from_dict(sampling)
+    if not isinstance(sampling, SamplingParams):
+        raise errors.InvalidRequestError("sampling must be SamplingParams or a dict")
+    return sampling

@@ -58,6 +58,21 @@ class StreamDelta:
     finish_reason: str | None = None
     text: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)  # per-step model outputs (hidden states ...)
+    index: int = 0  # which completion of the request (SamplingParams.n)
+    # Per token: up to ``top_logprobs`` (token_id, logprob) pairs, most likely first.
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+
+
+@dataclass
+class CompletionOutput:
+    """One of the ``n`` completions of a request."""
+
+    index: int
+    output_ids: list[int]
+    finish_reason: str | None
+    text: str | None = None
+    output_logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 @dataclass
@@ -72,3 +87,6 @@ class GenerationResult:
     text: str | None = None
     weight_version: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    # The ``n`` completions (one for ``n=1``; the top-level fields equal ``outputs[0]``).
+    outputs: list[CompletionOutput] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] | None = None

@@ -21,6 +21,7 @@ from ..errors import ModelLoadError
 from ..tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 from .config import ModelConfig
 from .decoder import DecoderModel, rope_inv_freq
+from .generation_config import with_generation_eos
 
 DTYPES = {
     "float32": torch.float32,
@@ -117,7 +118,7 @@ def load_model(
             f"{folder}: no config.json (expected a Hugging Face style folder or {TINY_NAME!r})"
         )
     raw = json.loads(config_path.read_text())
-    cfg = ModelConfig.from_hf(raw)
+    cfg = with_generation_eos(ModelConfig.from_hf(raw), folder)
     torch_dtype = resolve_dtype(dtype, cfg.dtype, device)
     with torch.device("meta"):
         model = DecoderModel(cfg)

@@ -1,0 +1,95 @@
+"""The per-handle output collector: one pending delta per completion, no queue.
+
+The stage delivers a step's outputs in one batch. For each handle the engine merges the
+new delta into the pending one (token ids, logprobs and text concatenated) and wakes the
+reader once per batch. A reader that keeps up sees one delta per step; a reader that
+lags sees one merged delta holding everything since it last looked, and no per-token
+queue hop is paid either way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from .messages import StreamDelta
+
+
+def merge_into(cur: StreamDelta, new: StreamDelta, texts: list[str]) -> None:
+    """Append ``new`` to ``cur`` (same completion), in place: a lagging reader costs
+    linear work, not a copy per step. Text parts are gathered in ``texts`` and joined
+    when the reader takes the delta. Per-step ``extra`` values keep the newest."""
+    cur.token_ids.extend(new.token_ids)
+    if new.logprobs is not None:
+        if cur.logprobs is None:
+            cur.logprobs = []
+        cur.logprobs.extend(new.logprobs)
+    if new.top_logprobs is not None:
+        if cur.top_logprobs is None:
+            cur.top_logprobs = []
+        cur.top_logprobs.extend(new.top_logprobs)
+    if new.text:
+        texts.append(new.text)
+    cur.finished = cur.finished or new.finished
+    cur.finish_reason = new.finish_reason or cur.finish_reason
+    if new.extra:
+        cur.extra.update(new.extra)
+
+
+class OutputCollector:
+    """Single-slot mailbox of one handle (one slot per completion index)."""
+
+    def __init__(self) -> None:
+        self._pending: dict[int, StreamDelta] = {}
+        self._texts: dict[int, list[str]] = {}  # text of merged deltas, joined on take
+        self._waiter: asyncio.Future[None] | None = None
+        self._closed = False
+
+    def put(self, delta: StreamDelta) -> None:
+        cur = self._pending.get(delta.index)
+        if cur is None:
+            self._pending[delta.index] = delta
+            return
+        texts = self._texts.get(delta.index)
+        if texts is None:
+            texts = self._texts[delta.index] = [cur.text] if cur.text else []
+            cur.token_ids = list(cur.token_ids)  # owned from here on: extended in place
+            cur.logprobs = list(cur.logprobs) if cur.logprobs is not None else None
+            cur.top_logprobs = list(cur.top_logprobs) if cur.top_logprobs is not None else None
+        merge_into(cur, delta, texts)
+
+    def close(self) -> None:
+        """No more deltas will come (the handle ended)."""
+        self._closed = True
+
+    def wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def take(self) -> list[StreamDelta]:
+        if not self._pending:
+            return []
+        out = list(self._pending.values())
+        self._pending.clear()
+        if self._texts:
+            for delta in out:
+                texts = self._texts.get(delta.index)
+                if texts is not None and delta.text is not None:
+                    delta.text = "".join(texts)
+            self._texts.clear()
+        return out
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    async def wait(self) -> None:
+        """Until there is something to take, or the handle ended."""
+        if self._pending or self._closed:
+            return
+        waiter = asyncio.get_running_loop().create_future()
+        self._waiter = waiter
+        try:
+            await waiter
+        finally:
+            self._waiter = None

@@ -1,0 +1,161 @@
+"""RequestHandle: what ``Engine.submit`` returns.
+
+Readers: any number of ``await handle.result()`` calls, all given the same result (or
+error); and one stream reader at a time (``async for delta in handle``): a second
+concurrent iteration raises RuntimeError, since deltas are handed out once. Cancelling a
+task that awaits ``result()`` or the stream aborts the request, as does leaving the stream
+early.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING, Any, AsyncIterator
+
+from . import errors
+from .collector import OutputCollector
+from .completion import Completion
+from .loopbridge import call_soon_on, foreign_loop, maybe_marshal
+from .messages import GenerationResult, OutgoingMessage, StreamDelta
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+
+class RequestHandle:
+    """One submitted request (``n`` completions): iterate it for stream deltas, or await
+    ``result()``."""
+
+    def __init__(self, engine: "Engine", request_id: str, completions: list[Completion], prompt_ids: list[int]) -> None:
+        self.request_id = request_id
+        self._engine = engine
+        self._completions = completions
+        self._by_sub = {c.sub_id: c for c in completions}
+        self._prompt_ids = prompt_ids
+        self._collector = OutputCollector()
+        self._finished = asyncio.Event()
+        self._result: Any = None
+        self._error: BaseException | None = None
+        self._stage_result: Any = None  # the stage's result for completion 0
+        self._streaming = False
+
+    @property
+    def done(self) -> bool:
+        return self._collector.closed
+
+    @property
+    def sub_ids(self) -> list[str]:
+        """The stage's request ids of this request's completions."""
+        return list(self._by_sub)
+
+    # ------------------------------------------------------------ readers
+
+    async def result(self) -> GenerationResult:
+        return await maybe_marshal(self._engine.event_loop, self._result_here)
+
+    async def _result_here(self) -> GenerationResult:
+        if not self.done:
+            try:
+                await self._finished.wait()
+            except BaseException:
+                if not self.done:
+                    self._engine._abort_handle(self)
+                raise
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+    async def __aiter__(self) -> AsyncIterator[StreamDelta]:
+        if self._streaming:
+            raise RuntimeError(
+                f"request {self.request_id!r} is already being streamed by another reader: a handle "
+                "has one stream reader at a time (any number may await result())"
+            )
+        self._streaming = True
+        own = self._engine.event_loop
+        collector = self._collector
+        wait = (lambda: maybe_marshal(own, collector.wait)) if foreign_loop(own) else collector.wait
+        try:
+            while True:
+                batch = collector.take()
+                for delta in batch:
+                    yield delta
+                if not batch:
+                    if self.done:
+                        break
+                    await wait()
+            if self._error is not None:
+                raise self._error
+        finally:
+            self._streaming = False
+            if not self.done:  # the reader stopped early, or was cancelled
+                call_soon_on(self._engine.event_loop, lambda: self._engine._abort_handle(self))
+
+    # ------------------------------------------------------------ engine side
+
+    def _on_message(self, msg: OutgoingMessage) -> None:
+        """One stage message for one of this handle's completions (loop thread)."""
+        comp = self._by_sub.get(msg.request_id)
+        if comp is None or comp.done or self.done:
+            return  # e.g. the abort that follows a stop string
+        if msg.type == "stream":
+            was_final = bool(getattr(msg.data, "finished", False))
+            delta, stopped = comp.on_delta(msg.data)
+            if delta is not None:
+                self._collector.put(delta)
+            if stopped and not was_final:
+                self._engine._end_stage_request(comp.sub_id)  # its later terminal is ignored
+        elif msg.type == "result":
+            if comp.index == 0:
+                self._stage_result = msg.data
+            delta = comp.on_result(msg.data)
+            if delta is not None:
+                self._collector.put(delta)
+        else:
+            self._fail(msg.data)
+            return
+        if all(c.done for c in self._completions):
+            self._finish(self._build_result())
+
+    def _fail(self, err: Any) -> None:
+        """One completion failed: the request fails, its other completions end."""
+        if self.done:
+            return
+        for comp in self._completions:
+            if not comp.done:
+                comp.fail()
+                self._engine._end_stage_request(comp.sub_id)
+        if not isinstance(err, BaseException):
+            err = errors.RequestFailedError(str(err))
+        self._error = err
+        self._finish(None)
+
+    def _finish(self, result: Any) -> None:
+        self._result = result
+        self._collector.close()
+        self._finished.set()
+        self._engine._handle_done(self)
+
+    def _wake(self) -> None:
+        self._collector.wake()
+
+    def _build_result(self) -> Any:
+        outputs = [c.to_output() for c in self._completions]
+        base = self._stage_result
+        if len(outputs) == 1 and base is not None and not isinstance(base, GenerationResult):
+            return base  # a custom result adapter's object: passed through
+        first = outputs[0]
+        extra = dict(base.extra) if isinstance(base, GenerationResult) else {}
+        extra.pop("top_logprobs", None)
+        return GenerationResult(
+            request_id=self.request_id,
+            output_ids=list(first.output_ids),
+            finish_reason=first.finish_reason,
+            prompt_ids=list(base.prompt_ids) if isinstance(base, GenerationResult) else list(self._prompt_ids),
+            output_logprobs=first.output_logprobs,
+            text=first.text,
+            weight_version=base.weight_version if isinstance(base, GenerationResult) else None,
+            extra=extra,
+            outputs=outputs,
+            top_logprobs=first.top_logprobs,
+        )
