@@ -19,8 +19,7 @@ import anyio
 import torch
 
 from . import errors
-from .builder import NativeStack, build_native_stack, build_scheduler
-from .channels import drain_stream
+from .backends.registry import build_stage
 from .chat import render_chat_ids
 from .completion import Completion
 from .config import SAMPLING_SEED_MASK, SamplingParams, SchedulerConfig
@@ -64,7 +63,7 @@ def check_device(device: Any) -> None:
 class Engine:
     """Load a model and serve it through an AsyncOmniScheduler. Use ``async with``."""
 
-    def __init__(self, scheduler: AsyncOmniScheduler, *, tokenizer: Tokenizer | None = None, stack: NativeStack | None = None) -> None:
+    def __init__(self, scheduler: AsyncOmniScheduler, *, tokenizer: Tokenizer | None = None, stack: Any = None) -> None:
         self.scheduler = scheduler
         self.tokenizer = tokenizer
         self.stack = stack
@@ -75,6 +74,7 @@ class Engine:
         self._started = False
         self._closed = False
         self._ids = itertools.count()
+        scheduler.attach_output_sink(self._deliver)
 
     @classmethod
     def from_pretrained(
@@ -91,14 +91,8 @@ class Engine:
         """Load a Hugging Face style folder or ``"tiny"``. ``limits`` are SchedulerConfig fields."""
         check_device(device)
         config = SchedulerConfig.from_kwargs(loop=loop, **limits)
-        if backend == "sglang":
-            from .backends.sglang import build_sglang_engine
-
-            return build_sglang_engine(path_or_name, config=config, device=device, dtype=dtype, seed=seed)
-        if backend != "native":
-            raise errors.InvalidRequestError(f"unknown backend {backend!r}; use 'native' or 'sglang'")
-        stack = build_native_stack(path_or_name, config, device=device, dtype=dtype, seed=seed)
-        return cls(build_scheduler(stack, config), tokenizer=stack.loaded.tokenizer, stack=stack)
+        built = build_stage(backend, path_or_name, config=config, device=device, dtype=dtype, seed=seed)
+        return cls(built.scheduler, tokenizer=built.tokenizer, stack=built.stack)
 
     @property
     def event_loop(self) -> asyncio.AbstractEventLoop | None:
@@ -128,7 +122,6 @@ class Engine:
             # engine is not tied to whichever task happened to start it.
             async with anyio.create_task_group() as tg:
                 await tg.start(self.scheduler.run)
-                tg.start_soon(self._route_outbox)
                 serving.set_result(None)
 
         self._serve_task = asyncio.create_task(serve(), name="omni-async-engine")
@@ -151,21 +144,9 @@ class Engine:
         if task is not None:
             await asyncio.shield(task)
 
-    async def _route_outbox(self) -> None:
-        """Hand the stage's messages over in batches: everything already waiting at once."""
-        outbox = self.scheduler.outbox
-        async for msg in drain_stream(outbox):
-            batch = [msg]
-            while True:
-                try:
-                    batch.append(outbox.receive_nowait())
-                except (anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError):
-                    break
-            self._deliver(batch)
-
     def _deliver(self, messages: list[OutgoingMessage]) -> None:
-        """Route one batch of stage messages to their handles (loop thread); each handle
-        touched is woken once, after the whole batch."""
+        """The stage's output sink: one step's messages, routed to their handles on the
+        loop thread; each handle touched is woken once, after the whole batch."""
         touched: dict[int, RequestHandle] = {}
         routes = self._routes
         for msg in messages:

@@ -242,6 +242,13 @@ class AsyncOmniScheduler:
             except (anyio.ClosedResourceError, anyio.BrokenResourceError):
                 return  # nobody listens any more
 
+    def attach_output_sink(self, sink: OutputSink) -> None:
+        """Deliver messages to ``sink`` (one call per step, on the loop thread) instead
+        of the ``outbox``: an embedding layer's fast path. Attach before serving."""
+        if self._state != "new":
+            raise RuntimeError("attach the output sink before the scheduler runs")
+        self.emission.sink = sink
+
     # ================================================================ waking
 
     def wake(self) -> None:
@@ -375,6 +382,11 @@ class AsyncOmniScheduler:
 
     def info(self) -> dict[str, Any]:
         return self.control.info()
+
+    @property
+    def admission(self) -> Any:
+        """The admission stages (builds, backlog, deferral), for introspection."""
+        return self.intake.admission
 
     @property
     def default_request_builder(self) -> RequestBuilder:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import anyio
 import pytest
@@ -56,8 +57,8 @@ class Stage:
 
 
 async def test_slow_build_on_the_pool_does_not_stall_decoding():
-    """A build blocks until another request has finished decoding. Inline, that would
-    deadlock the loop; on the pool the other request decodes meanwhile."""
+    """A build blocks until a request admitted before it has finished decoding. Inline,
+    that would deadlock the loop; on the pool the other request decodes meanwhile."""
     other_done = threading.Event()
     stage_ref = {}
 
@@ -68,14 +69,44 @@ async def test_slow_build_on_the_pool_does_not_stall_decoding():
 
     async with Stage(request_build_max_workers=2, request_builder=builder) as st:
         stage_ref["s"] = st
+        await st.send("first", n=40)
+        await wait_until(lambda: "first" in st.sched.control.active_request_ids() and not st.sched.intake.admission.active_ids())
         await st.send("slow", n=2)
-        await st.send("fast", n=40)
-        (fast,) = await st.done("fast")
-        assert fast.type == "result" and len(fast.data.output_ids) == 40
+        (first,) = await st.done("first")
+        assert first.type == "result" and len(first.data.output_ids) == 40
         other_done.set()
         (slow,) = await st.done("slow")
         assert slow.type == "result"
-        assert st.sched.admission.max_pending_observed >= 1
+
+
+async def test_pool_builds_are_admitted_in_arrival_order_when_they_finish_in_reverse():
+    """Builds finish last-to-first; admission (and so the waiting queue) keeps arrival order."""
+    gates = {f"r{i}": threading.Event() for i in range(4)}
+    admitted: list[str] = []
+    stage_ref = {}
+
+    def builder(payload):
+        assert gates[payload.request_id].wait(20)
+        data = stage_ref["s"].sched.default_request_builder(payload)
+        return data
+
+    def ready_release():
+        for rid in reversed(list(gates)):
+            gates[rid].set()
+            time.sleep(0.02)
+
+    async with Stage(request_build_max_workers=4, request_builder=builder) as st:
+        stage_ref["s"] = st
+        for rid in gates:
+            await st.send(rid, n=2)
+        await anyio.sleep(0.05)
+        await anyio.to_thread.run_sync(ready_release)
+        msgs = await st.done(*gates)
+        assert all(m.type == "result" for m in msgs)
+        firsts = [m.request_id for m in st.messages if m.type == "stream"]
+        order = list(dict.fromkeys(firsts))
+        admitted.extend(order)
+    assert admitted == list(gates), admitted
 
 
 async def test_inline_builds_keep_admission_order():
@@ -182,8 +213,8 @@ async def test_deferred_request_waits_for_chunks_and_rechecks_only_on_input():
         await wait_until(lambda: len(checks) == n_checks + 1)
         assert "d" in sched.admission.deferred
         await sched.inbox.send(IncomingMessage("d", "stream_chunk", "c2"))
-        await wait_until(lambda: "d" in sched._live)
-        data = sched._live["d"]
+        await wait_until(lambda: "d" in sched.emission.live)
+        data = sched.emission.live["d"]
         assert data.payload.prefetched_chunks == ["c0", "c1", "c2"]
         await sched.inbox.send(IncomingMessage("d", "stream_chunk", "c3"))
         await sched.inbox.send(IncomingMessage("d", "stream_done"))
@@ -238,8 +269,8 @@ async def test_tombstones_are_bounded():
     async with Stage(aborted_id_cap=100, aborted_id_keep=50) as st:
         for i in range(1000):
             st.sched.abort(f"gone-{i}")
-        assert len(st.sched._tombstones) <= 100
-        assert "gone-999" in st.sched._tombstones and "gone-0" not in st.sched._tombstones
+        assert len(st.sched.intake.tombstones) <= 100
+        assert "gone-999" in st.sched.intake.tombstones and "gone-0" not in st.sched.intake.tombstones
 
 
 async def test_thread_safe_door_submit_and_abort_from_a_plain_thread():
@@ -254,7 +285,7 @@ async def test_thread_safe_door_submit_and_abort_from_a_plain_thread():
                     sched.submit_threadsafe(
                         IncomingMessage(f"t{i}", "new_request", RequestPayload(f"t{i}", [1, 2, i], SamplingParams(max_new_tokens=n, ignore_eos=True)))
                     )
-                while "t5" not in sched._live or not sched._live["t5"].req.output_ids:
+                while "t5" not in sched.emission.live or not sched.emission.live["t5"].req.output_ids:
                     threading.Event().wait(0.001)
                 sched.abort_threadsafe("t5")
             except Exception as exc:  # pragma: no cover - reported below

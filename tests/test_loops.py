@@ -126,9 +126,12 @@ async def test_scripted_batch_sizes_order_of_sync_launch_resolve_drain():
     from omni_async.core.batch_core import NativeBatchCore
     from omni_async.core.request import Request, RequestData
 
-    engine = Engine.from_pretrained("tiny", loop="async_decode", async_decode_min_batch_size=2)
-    sched = engine.scheduler
-    sched.trace_enabled = True
+    from omni_async.builder import build_native_stack
+    from omni_async.config import SchedulerConfig
+    from omni_async.scheduler import AsyncOmniScheduler
+
+    config = SchedulerConfig(loop="async_decode", async_decode_min_batch_size=2)
+    stack = build_native_stack("tiny", config)
     script = [1, 2, 2, 1, 1]
     reqs = [Request(rid=f"s{i}", prompt_ids=[1], sampling=SamplingParams(max_new_tokens=100)) for i in range(2)]
     for r in reqs:
@@ -149,7 +152,10 @@ async def test_scripted_batch_sizes_order_of_sync_launch_resolve_drain():
         def process_result(self, batch, tokens, logprobs=None):
             return []
 
-    sched.core = ScriptedCore(sched.config, engine.stack.allocator, 4096)
+    # The stage is assembled with the scripted core through its public constructor.
+    sched = AsyncOmniScheduler(stack.runner, ScriptedCore(config, stack.allocator, 4096), stack.limits, config=config)
+    sched.trace_enabled = True
+    engine = Engine(sched, stack=stack)
     lookahead_collects = []
     plain_collect = sched.runner.collect
 

@@ -78,14 +78,14 @@ async def test_abort_of_the_thinker_mid_stream_aborts_the_talker():
 async def test_talker_build_failure_reaches_the_caller_and_stops_the_thinker():
     thinker, _ = make_thinker("normal")
     talker = make_talker("normal")
-    original = talker._request_builder
+    original = talker.intake.request_builder
 
     def failing(payload):
         if payload.request_id == "bad":
             raise RuntimeError("voice not found")
         return original(payload)
 
-    talker._request_builder = failing
+    talker.intake.request_builder = failing
     async with TwoStagePipeline(thinker, talker) as pipe:
         handle = await pipe.submit("bad", *payloads("bad", n_think=300))
         with pytest.raises(errors.RequestFailedError, match="voice not found"):

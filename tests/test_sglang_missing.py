@@ -36,5 +36,5 @@ def test_backends_package_imports_nothing_heavy():
 
 
 def test_unknown_backend_is_refused():
-    with pytest.raises(errors.InvalidRequestError, match="unknown backend"):
+    with pytest.raises(errors.ConfigError, match="unknown backend"):
         Engine.from_pretrained("tiny", backend="vllm")

@@ -34,6 +34,7 @@ class Request:
     to_finish: str | None = None
     num_retractions: int = 0
     data: Any = None  # the RequestData this request belongs to
+    _stop_ids: frozenset[int] | None = field(default=None, repr=False)
 
     @property
     def seq_len(self) -> int:
@@ -49,10 +50,14 @@ class Request:
     def fill_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
 
-    def stop_ids(self) -> set[int]:
-        ids = set(self.sampling.stop_token_ids)
-        if not self.sampling.ignore_eos:
-            ids.update(self.eos_token_ids)
+    def stop_ids(self) -> frozenset[int]:
+        """Token ids that end the request; computed once (checked for every token)."""
+        ids = self._stop_ids
+        if ids is None:
+            found = set(self.sampling.stop_token_ids)
+            if not self.sampling.ignore_eos:
+                found.update(self.eos_token_ids)
+            ids = self._stop_ids = frozenset(found)
         return ids
 
 

@@ -227,6 +227,6 @@ def default_stream_output_builder(rid: str, data: RequestData, out: RequestOutpu
         logprobs=[out.logprob] if (req.sampling.return_logprob and out.logprob is not None) else None,
         finished=out.finished,
         finish_reason=req.finish_reason if out.finished else None,
-        extra=dict(out.extra),
+        extra=dict(out.extra) if out.extra else {},
     )
     return [OutgoingMessage(rid, "stream", delta)]

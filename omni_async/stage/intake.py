@@ -87,7 +87,8 @@ class Intake:
         if problem is not None:
             rid = getattr(msg, "request_id", None)
             log.error("scheduler_malformed_message", error=problem)
-            if isinstance(rid, str) and getattr(msg, "type", None) == "new_request":
+            # The sender gets an error where it named an id no live request holds.
+            if isinstance(rid, str) and rid and not self.emission.is_live(rid):
                 self.emission.reject(rid, errors.InvalidRequestError(problem))
             return
         self.arrived.append(msg)

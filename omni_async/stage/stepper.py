@@ -20,7 +20,9 @@ from .. import errors
 from ..core.protocol import BatchCore, ScheduledBatchLike
 from ..device import StepExecutor
 from ..runners.base import ModelRunner
+from ..logs import debug_enabled, log
 from ..runners.types import ModelRunnerOutput, SchedulerOutput, SchedulerRequest
+from .ids import IdWindow
 
 
 @dataclass
@@ -83,6 +85,7 @@ class Stepper:
         self._is_serving = is_serving
         self._is_paused = is_paused
         self._inflight: deque[InflightStep] = deque()
+        self._prefill_logged: IdWindow[None] = IdWindow(10_000, 5_000)
 
     # ------------------------------------------------------------ what loops read
 
@@ -154,6 +157,11 @@ class Stepper:
 
     def _launch(self, batch: ScheduledBatchLike, *, lookahead: bool, trace: str) -> None:
         self._count(batch, lookahead)
+        if not batch.is_decode and debug_enabled():
+            for req in batch.reqs:
+                if req.rid not in self._prefill_logged:
+                    self._prefill_logged.put(req.rid, None)
+                    log.debug("scheduler_prefill_start", request_id=req.rid)
         self._trace(trace, batch)
         sched_output = SchedulerOutput(
             requests=[SchedulerRequest(request_id=r.rid, data=r.data) for r in batch.reqs],

@@ -2,7 +2,7 @@
 machinery (batch selection, result processing, radix cache, memory pools, retraction
 and aborts) and its tensor-parallel model worker, in-process.
 
-Importing this package does not import SGLang; :func:`build_sglang_engine` does, and
+Importing this package does not import SGLang; :func:`build_sglang_stage` does, and
 fails with :class:`SGLangUnavailableError` naming the install route when SGLang is
 missing. Nothing else in omni_async imports SGLang.
 
@@ -20,7 +20,7 @@ from ... import errors
 
 if TYPE_CHECKING:
     from ...config import SchedulerConfig
-    from ...engine import Engine
+    from ..registry import BuiltStage
 
 SGLANG_VERSION = "0.5.23"
 INSTALL_HINT = (
@@ -64,26 +64,26 @@ def require_sglang() -> None:
         raise SGLangUnavailableError(f"SGLang {version} is installed but does not import ({exc!r}): {INSTALL_HINT}") from exc
 
 
-def build_sglang_engine(
+def build_sglang_stage(
     path_or_name: str,
     *,
     config: "SchedulerConfig",
     device: str = "cpu",
     dtype: Any = None,
     seed: int = 0,
-) -> "Engine":
-    """Engine.from_pretrained(..., backend="sglang") lands here."""
+) -> "BuiltStage":
+    """``backend="sglang"`` in the backend registry lands here."""
     require_sglang()
-    from .builder import build_engine
+    from .builder import build_stage
 
-    return build_engine(path_or_name, config=config, device=device, dtype=dtype, seed=seed)
+    return build_stage(path_or_name, config=config, device=device, dtype=dtype, seed=seed)
 
 
 __all__ = [
     "INSTALL_HINT",
     "SGLANG_VERSION",
     "SGLangUnavailableError",
-    "build_sglang_engine",
+    "build_sglang_stage",
     "install_shims",
     "require_sglang",
     "sglang_version",

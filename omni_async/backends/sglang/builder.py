@@ -21,9 +21,9 @@ import torch
 from ... import errors
 from ...config import SchedulerConfig
 from ...device import ThreadStepExecutor
-from ...engine import Engine
 from ...models.config import ModelConfig as OmniModelConfig
 from ...scheduler import AsyncOmniScheduler, ModelLimits
+from ..registry import BuiltStage
 from ...tokenizer import load_tokenizer
 from . import SGLANG_VERSION
 
@@ -269,17 +269,6 @@ def release_stack(stack: SGLangStack) -> None:
             _ACTIVE = None
 
 
-class SGLangEngine(Engine):
-    """An Engine whose stack is the SGLang one; closing it frees the process slot."""
-
-    async def aclose(self) -> None:
-        try:
-            await super().aclose()
-        finally:
-            if self.stack is not None:
-                release_stack(self.stack)
-
-
 class StepTrackingExecutor(ThreadStepExecutor):
     """The native worker thread, noting when each step has run on it (success or not):
     the SGLang core releases a finished request's KV only once no step that reads it is
@@ -325,18 +314,20 @@ def build_scheduler(stack: SGLangStack, config: SchedulerConfig, **callbacks: An
     return scheduler
 
 
-def build_engine(
+def build_stage(
     path_or_name: str,
     *,
     config: SchedulerConfig,
     device: str = "cpu",
     dtype: Any = None,
     seed: int = 0,
-) -> Engine:
+) -> "BuiltStage":
+    """The SGLang stack and the scheduler over it; the scheduler's shutdown (its step
+    executor's close) frees this process's SGLang slot."""
     stack = build_stack(path_or_name, config, device=device, dtype=dtype, seed=seed)
     try:
         scheduler = build_scheduler(stack, config)
     except BaseException:
         release_stack(stack)
         raise
-    return SGLangEngine(scheduler, tokenizer=stack.tokenizer, stack=stack)  # type: ignore[arg-type]
+    return BuiltStage(scheduler, stack.tokenizer, stack)

@@ -1,0 +1,264 @@
+"""How busy the loops keep the GPU (issue: saturate the GPU). Run on the CUDA machine.
+
+Sections, each saved to the JSON as soon as it is done:
+- ``w256``: the reference workload (Qwen2-0.5B shape, bf16, 256 requests, prompts
+  64-512 tokens, 128 new tokens, greedy, every request streamed), each loop, repeats
+  interleaved (loop A, B, C, A, B, C, ...): output tok/s, GPU utilisation sampled
+  through NVML every 20 ms, process CPU time over wall time, and the lag of a 1 ms
+  ticker coroutine sharing the loop;
+- ``scale``: 1,024 requests of the same distribution at several
+  ``max_running_requests``;
+- ``floor``: N decode graph replays enqueued back to back with one synchronisation at
+  the end, against each loop's steady decode step at the same batch size; the host
+  cost per running request is (loop step - floor) / batch.
+
+    python bench/gpu_saturation.py --out results.json [--sections w256,scale,floor] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from gpu_suite import QWEN05, _graph_fixture, make_checkpoint, pct, prompts, ticker_lags, workload  # noqa: E402
+
+from omni_async import Engine, SamplingParams  # noqa: E402
+from omni_async.builder import build_native_stack  # noqa: E402
+from omni_async.config import SchedulerConfig  # noqa: E402
+
+LOOPS = ("normal", "overlap", "async_decode")
+RESULTS: dict = {"sections": {}}
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+class GpuSampler:
+    """NVML utilisation (percent of time a kernel ran) sampled every ``period`` s."""
+
+    def __init__(self, period: float = 0.02) -> None:
+        import pynvml
+
+        pynvml.nvmlInit()
+        self._nvml = pynvml
+        self._h = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
+        self.period = period
+        self.samples: list[int] = []
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.samples.append(self._nvml.nvmlDeviceGetUtilizationRates(self._h).gpu)
+            time.sleep(self.period)
+
+    def __enter__(self) -> "GpuSampler":
+        self._t.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._t.join()
+
+    @property
+    def mean(self) -> float | None:
+        return statistics.mean(self.samples) if self.samples else None
+
+
+def engine(path: Path, loop: str, max_running: int) -> Engine:
+    return Engine.from_pretrained(
+        str(path), device="cuda", loop=loop, dtype="bfloat16", kv_capacity_tokens=1 << 20,
+        max_running_requests=max_running, max_prefill_tokens=8192, chunked_prefill_size=8192,
+        max_queued_requests=8192, cuda_graph_max_len=1024,
+    )
+
+
+async def run_workload(eng: Engine, reqs: list[list[int]], new: int) -> dict:
+    lags: list[float] = []
+    stop = asyncio.Event()
+    tick = asyncio.create_task(ticker_lags(stop, lags))
+
+    async def one(p):
+        n = 0
+        async for d in eng.stream(input_ids=p, sampling=SamplingParams(max_new_tokens=new, ignore_eos=True)):
+            n += len(d.token_ids)
+        return n
+
+    cpu0 = time.process_time()
+    t0 = time.perf_counter()
+    with GpuSampler() as gpu:
+        counts = await asyncio.gather(*(one(p) for p in reqs))
+    wall = time.perf_counter() - t0
+    cpu = time.process_time() - cpu0
+    stop.set()
+    await tick
+    tokens = sum(counts)
+    return {
+        "tok_s": tokens / wall, "wall_s": wall, "tokens": tokens, "gpu_util_mean": gpu.mean,
+        "cpu_over_wall": cpu / wall, "ticker_p50_ms": 1000 * (pct(lags, 50) or 0), "ticker_p99_ms": 1000 * (pct(lags, 99) or 0),
+    }
+
+
+def summary(runs: list[dict], key: str) -> dict:
+    xs = [r[key] for r in runs if r.get(key) is not None]
+    if not xs:
+        return {}
+    med = statistics.median(xs)
+    return {"median": med, "min": min(xs), "max": max(xs), "spread_pct": 100 * (max(xs) - min(xs)) / med if med else None}
+
+
+async def section_w256(path: Path, repeats: int) -> dict:
+    reqs = workload(256, seed=1)
+    engines = {loop: engine(path, loop, 256) for loop in LOOPS}
+    runs: dict[str, list[dict]] = {loop: [] for loop in LOOPS}
+    for eng in engines.values():
+        await eng.start()
+        await eng.generate(input_ids=[5] * 64, sampling=SamplingParams(max_new_tokens=8))  # warm-up
+    for rep in range(repeats):
+        for loop in LOOPS:
+            r = await run_workload(engines[loop], reqs, 128)
+            runs[loop].append(r)
+            log("w256", rep, loop, {k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()})
+    for eng in engines.values():
+        await eng.aclose()
+    return {loop: {"runs": runs[loop], "tok_s": summary(runs[loop], "tok_s"), "gpu_util": summary(runs[loop], "gpu_util_mean"),
+                   "ticker_p99_ms": summary(runs[loop], "ticker_p99_ms")} for loop in LOOPS}
+
+
+async def section_scale(path: Path, loop: str, sizes: list[int]) -> dict:
+    reqs = workload(1024, seed=2)
+    out = {}
+    for mr in sizes:
+        eng = engine(path, loop, mr)
+        async with eng:
+            await eng.generate(input_ids=[5] * 64, sampling=SamplingParams(max_new_tokens=8))
+            r = await run_workload(eng, reqs, 128)
+        out[str(mr)] = r
+        log("scale", loop, mr, {k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()})
+        del eng
+        torch.cuda.empty_cache()
+    return out
+
+
+def floor_ms(path: Path, sizes: list[int], reps: int = 100) -> dict:
+    config = SchedulerConfig(kv_capacity_tokens=1 << 18, max_running_requests=max(sizes), cuda_graph_max_len=1024)
+    stack = build_native_stack(str(path), config, device="cuda", dtype="bfloat16")
+    out = {}
+    for bs in sizes:
+        replay = _graph_fixture(stack, bs)
+        for _ in range(5):
+            replay()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            replay()
+        torch.cuda.synchronize()
+        out[bs] = 1000 * (time.perf_counter() - t0) / reps
+    del stack
+    torch.cuda.empty_cache()
+    return out
+
+
+async def loop_step_ms(eng: Engine, bs: int, new: int = 96) -> float:
+    """Median gap between two tokens of one request while ``bs`` decode together."""
+    ps = prompts(bs, 150000, 128, 128, seed=bs)
+    gaps: list[float] = []
+
+    async def one(i, p):
+        last, k = None, 0
+        async for _d in eng.stream(input_ids=p, sampling=SamplingParams(max_new_tokens=new, ignore_eos=True)):
+            now = time.perf_counter()
+            k += 1
+            if last is not None and k > 8 and i == 0:
+                gaps.append(now - last)
+            last = now
+
+    await asyncio.gather(*(one(i, p) for i, p in enumerate(ps)))
+    return 1000 * statistics.median(gaps)
+
+
+async def section_floor(path: Path, sizes: list[int]) -> dict:
+    floors = floor_ms(path, sizes)
+    out = {str(bs): {"floor_ms": floors[bs]} for bs in sizes}
+    for loop in LOOPS:
+        eng = engine(path, loop, max(sizes))
+        async with eng:
+            await eng.generate(input_ids=[5] * 64, sampling=SamplingParams(max_new_tokens=8))
+            for bs in sizes:
+                ms = await loop_step_ms(eng, bs)
+                row = out[str(bs)]
+                row[f"{loop}_ms"] = ms
+                row[f"{loop}_ratio"] = ms / floors[bs]
+                row[f"{loop}_host_us_per_req"] = 1000 * (ms - floors[bs]) / bs
+        log("floor", loop, {bs: {k: round(v, 3) for k, v in out[str(bs)].items()} for bs in map(str, sizes)})
+        del eng
+        torch.cuda.empty_cache()
+    return out
+
+
+def main() -> None:
+    import uvloop
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="gpu_saturation.json")
+    ap.add_argument("--sections", default="w256,scale,floor")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--scale-loop", default="overlap")
+    ap.add_argument("--scale-sizes", default="64,128,256,512")
+    ap.add_argument("--floor-sizes", default="8,32,64,128,256")
+    ap.add_argument("--profile", default="", help="write a cProfile of the loop thread (top functions) here")
+    args = ap.parse_args()
+    RESULTS["machine"] = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "cpu_count": os.cpu_count(),
+                          "date": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())}
+    path = make_checkpoint(Path("/tmp/omni_bench/qwen05"), QWEN05)
+    wanted = args.sections.split(",")
+
+    def save():
+        Path(args.out).write_text(json.dumps(RESULTS, indent=1, default=str))
+
+    for name, make in (
+        ("w256", lambda: section_w256(path, args.repeats)),
+        ("scale", lambda: section_scale(path, args.scale_loop, [int(x) for x in args.scale_sizes.split(",")])),
+        ("floor", lambda: section_floor(path, [int(x) for x in args.floor_sizes.split(",")])),
+    ):
+        if name not in wanted:
+            continue
+        t0 = time.perf_counter()
+        try:
+            if args.profile:
+                import cProfile
+                import io
+                import pstats
+
+                prof = cProfile.Profile()
+                RESULTS["sections"][name] = prof.runcall(uvloop.run, make())
+                text = io.StringIO()
+                pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(45)
+                Path(args.profile).write_text(text.getvalue())
+            else:
+                RESULTS["sections"][name] = uvloop.run(make())
+        except Exception as exc:  # noqa: BLE001
+            import traceback
+
+            RESULTS["sections"][name] = {"error": traceback.format_exc()}
+            log(name, "failed", exc)
+        RESULTS["sections"][name]["section_s"] = time.perf_counter() - t0
+        save()
+    log(json.dumps(RESULTS, default=str)[:3000])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,48 @@
+"""The backend registry: each backend builds a stage (its scheduler over its own batch
+core, runner and memory) from a checkpoint. The engine asks the registry by name and
+never imports a backend itself."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable
+
+from .. import errors
+
+if TYPE_CHECKING:
+    from ..config import SchedulerConfig
+    from ..scheduler import AsyncOmniScheduler
+
+
+@dataclass
+class BuiltStage:
+    """What a backend hands the engine: the scheduler (closing it releases everything
+    the backend holds), the tokenizer if the checkpoint has one, and the backend's own
+    stack for introspection."""
+
+    scheduler: "AsyncOmniScheduler"
+    tokenizer: Any
+    stack: Any
+
+
+def _native(path_or_name: str, *, config: "SchedulerConfig", device: Any, dtype: Any, seed: int) -> BuiltStage:
+    from ..builder import build_native_stack, build_scheduler
+
+    stack = build_native_stack(path_or_name, config, device=device, dtype=dtype, seed=seed)
+    return BuiltStage(build_scheduler(stack, config), stack.loaded.tokenizer, stack)
+
+
+def _sglang(path_or_name: str, *, config: "SchedulerConfig", device: Any, dtype: Any, seed: int) -> BuiltStage:
+    from .sglang import build_sglang_stage
+
+    return build_sglang_stage(path_or_name, config=config, device=device, dtype=dtype, seed=seed)
+
+
+BACKENDS: dict[str, Callable[..., BuiltStage]] = {"native": _native, "sglang": _sglang}
+
+
+def build_stage(backend: str, path_or_name: str, *, config: "SchedulerConfig", device: Any = "cpu", dtype: Any = None, seed: int = 0) -> BuiltStage:
+    builder = BACKENDS.get(backend)
+    if builder is None:
+        raise errors.ConfigError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+    return builder(path_or_name, config=config, device=device, dtype=dtype, seed=seed)
