@@ -64,7 +64,6 @@ class AsyncOmniScheduler:
         self.config = config or SchedulerConfig()
         self.runner = runner
         self.core = core
-        self.limits = limits
         self.executor = executor or ThreadStepExecutor()
         self._abort_callback = abort_callback
 
@@ -382,6 +381,15 @@ class AsyncOmniScheduler:
 
     def info(self) -> dict[str, Any]:
         return self.control.info()
+
+    @property
+    def limits(self) -> ModelLimits:
+        """What requests are checked against (vocabulary, context, KV capacity, EOS)."""
+        return self.intake.limits
+
+    @limits.setter
+    def limits(self, limits: ModelLimits) -> None:
+        self.intake.limits = limits
 
     @property
     def admission(self) -> Any:

@@ -156,47 +156,69 @@ class NativeBatchCore(BatchCore):
                 self.chunked = req
         return batch
 
-    def _needs_decode(self, req: Request) -> bool:
-        """False once the tokens already sampled (in flight included) reach the request's
-        length limit: it finishes when they are processed, so a lookahead loop does not
-        spend a step (and KV) on it."""
-        return req.num_generated < req.sampling.max_new_tokens and req.seq_len < self.context_length
-
     def _schedule_decode(self) -> ScheduledBatch | None:
-        self.running = [r for r in self.running if not r.finished()]
-        if not any(self._needs_decode(r) for r in self.running):
+        """A decode step of every running request that still needs one. This runs
+        once per step for every running request, so it is one flat pass with the
+        per-row work inlined (a few microseconds per row)."""
+        self.running = [r for r in self.running if r.finish_reason is None]
+        if not self._decoding():
             return None
         if not self._retract_until_decode_fits():
             return None
+        decoding = self._decoding()
         batch = self._new_batch(ForwardMode.DECODE)
-        for req in self.running:
-            if not self._needs_decode(req):
-                continue
-            need = self.allocator.pages_for(req.num_cached + 1) - len(req.pages)
-            if need:
-                req.pages.extend(self.allocator.allocate(need))
+        ps = self.page_size
+        allocate = self.allocator.allocate
+        input_ids, inflight = batch.input_ids, batch.inflight_inputs
+        reqs, epochs, prefix_lens, sample_indices = batch.reqs, batch.epochs, batch.prefix_lens, batch.sample_indices
+        page_tables, page_counts = batch.page_tables, batch.page_counts
+        for req in decoding:
+            cached = req.num_cached
+            pages = req.pages
+            need = -(-(cached + 1) // ps) - len(pages)
+            if need > 0:
+                pages.extend(allocate(need))
             if req.num_inflight:
-                batch.inflight_inputs.append((len(batch.input_ids), req))
-                batch.input_ids.append(-1)
+                inflight.append((len(input_ids), req))
+                input_ids.append(-1)
             else:
-                batch.input_ids.append(req.output_ids[-1] if req.output_ids else req.prompt_ids[-1])
-            self._add_row(batch, req, 1, True)
-            req.num_cached += 1
+                input_ids.append(req.output_ids[-1] if req.output_ids else req.prompt_ids[-1])
+            reqs.append(req)
+            epochs.append(req.epoch)
+            prefix_lens.append(cached)
+            sample_indices.append(len(req.output_ids) + req.num_inflight)
+            page_tables.append(pages)  # shared: see ScheduledBatch.page_tables
+            page_counts.append(len(pages))
+            req.num_cached = cached + 1
             req.num_inflight += 1
+        n = len(reqs)
+        batch.extend_lens = [1] * n
+        batch.samples_kept = [True] * n
         self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
         return batch
 
+    def _decoding(self) -> list[Request]:
+        """Running requests that still need a decode step: not once the tokens already
+        sampled (in flight included) reach the request's length limit. It finishes when
+        they are processed, so a lookahead loop does not spend a step (and KV) on it."""
+        ctx = self.context_length
+        out = []
+        for r in self.running:
+            generated = len(r.output_ids) + r.num_inflight
+            if generated < r.sampling.max_new_tokens and len(r.prompt_ids) + generated < ctx:
+                out.append(r)
+        return out
+
     def _decode_pages_needed(self) -> int:
-        return sum(
-            self.allocator.pages_for(r.num_cached + 1) - len(r.pages) for r in self.running if self._needs_decode(r)
-        )
+        ps = self.page_size
+        return sum(max(0, -(-(r.num_cached + 1) // ps) - len(r.pages)) for r in self._decoding())
 
     def _retract_until_decode_fits(self) -> bool:
         """Retract the newest requests until the next decode step fits in KV. False when
         it cannot fit yet only because requests about to finish still hold KV (the
         step in flight will free it)."""
         while self._decode_pages_needed() > self.allocator.free_pages:
-            decoding = [r for r in self.running if self._needs_decode(r)]
+            decoding = self._decoding()
             if self.chunked is not None:
                 victim = self.chunked
                 self.chunked = None
@@ -263,37 +285,47 @@ class NativeBatchCore(BatchCore):
         tokens: Sequence[int],
         logprobs: Sequence[float] | None = None,
     ) -> list[StepOutcome]:
+        """Complete a step: append each live row's token and check its finish. One
+        flat pass per step over the batch, inlined like ``_schedule_decode``."""
         outcomes: list[StepOutcome] = []
+        add = outcomes.append
+        ctx = self.context_length
+        any_finished = False
+        epochs, kept = batch.epochs, batch.samples_kept
         for i, req in enumerate(batch.reqs):
-            if not batch.row_is_live(i):
+            if req.finish_reason is not None or req.epoch != epochs[i]:
                 continue  # finished or retracted after this step was scheduled
-            if not batch.samples_kept[i]:
-                outcomes.append(StepOutcome(req, None))
+            if not kept[i]:
+                add(StepOutcome(req, None))
                 continue
             req.num_inflight -= 1
             if req.to_finish is not None:
                 self._finish(req, req.to_finish)
-                outcomes.append(StepOutcome(req, None, finished=True))
+                add(StepOutcome(req, None, finished=True))
+                any_finished = True
                 continue
             token = int(tokens[i])
             logprob = float(logprobs[i]) if logprobs is not None else None
-            req.output_ids.append(token)
+            out = req.output_ids
+            out.append(token)
             if logprob is not None:
                 req.output_logprobs.append(logprob)
-            reason = self._finish_reason(req, token)
+            n = len(out)
+            sp = req.sampling
+            reason = None
+            if token in req.stop_ids() and n > sp.min_new_tokens:
+                reason = "stop"
+            elif n >= sp.max_new_tokens or len(req.prompt_ids) + n + req.num_inflight >= ctx:
+                reason = "length"
             if reason is not None:
                 self._finish(req, reason)
-            outcomes.append(StepOutcome(req, token, logprob, finished=reason is not None))
-        self.running = [r for r in self.running if not r.finished()]
+                any_finished = True
+                add(StepOutcome(req, token, logprob, finished=True))
+            else:
+                add(StepOutcome(req, token, logprob))
+        if any_finished:
+            self.running = [r for r in self.running if r.finish_reason is None]
         return outcomes
-
-    def _finish_reason(self, req: Request, token: int) -> str | None:
-        n = len(req.output_ids)
-        if token in req.stop_ids() and n > req.sampling.min_new_tokens:
-            return "stop"
-        if n >= req.sampling.max_new_tokens or req.seq_len >= self.context_length:
-            return "length"
-        return None
 
     def _finish(self, req: Request, reason: str) -> None:
         req.finish_reason = reason
