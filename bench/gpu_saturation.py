@@ -78,9 +78,9 @@ class GpuSampler:
         return statistics.mean(self.samples) if self.samples else None
 
 
-def engine(path: Path, loop: str, max_running: int) -> Engine:
+def engine(path: Path, loop: str, max_running: int, launch: str = "auto") -> Engine:
     return Engine.from_pretrained(
-        str(path), device="cuda", loop=loop, dtype="bfloat16", kv_capacity_tokens=1 << 20,
+        str(path), device="cuda", loop=loop, dtype="bfloat16", kv_capacity_tokens=1 << 20, step_launch=launch,
         max_running_requests=max_running, max_prefill_tokens=8192, chunked_prefill_size=8192,
         max_queued_requests=8192, cuda_graph_max_len=1024,
     )
@@ -120,22 +120,30 @@ def summary(runs: list[dict], key: str) -> dict:
     return {"median": med, "min": min(xs), "max": max(xs), "spread_pct": 100 * (max(xs) - min(xs)) / med if med else None}
 
 
-async def section_w256(path: Path, repeats: int) -> dict:
+async def warm_up(eng: Engine) -> None:
+    """One unmeasured pass over a smaller workload of the same shapes: kernel
+    compilation and first-use allocations happen here, not in a measured repeat."""
+    await run_workload(eng, workload(96, seed=9), 16)
+
+
+async def section_w256(path: Path, repeats: int, loops: tuple[str, ...] = LOOPS, launches: tuple[str, ...] = ("auto",)) -> dict:
+    """Every (loop, launch) variant, repeats interleaved."""
     reqs = workload(256, seed=1)
-    engines = {loop: engine(path, loop, 256) for loop in LOOPS}
-    runs: dict[str, list[dict]] = {loop: [] for loop in LOOPS}
+    variants = [f"{loop}/{launch}" if len(launches) > 1 else loop for launch in launches for loop in loops]
+    engines = {v: engine(path, v.split("/")[0], 256, v.split("/")[1] if "/" in v else "auto") for v in variants}
+    runs: dict[str, list[dict]] = {v: [] for v in variants}
     for eng in engines.values():
         await eng.start()
-        await eng.generate(input_ids=[5] * 64, sampling=SamplingParams(max_new_tokens=8))  # warm-up
+        await warm_up(eng)
     for rep in range(repeats):
-        for loop in LOOPS:
+        for loop in variants:
             r = await run_workload(engines[loop], reqs, 128)
             runs[loop].append(r)
             log("w256", rep, loop, {k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()})
     for eng in engines.values():
         await eng.aclose()
     return {loop: {"runs": runs[loop], "tok_s": summary(runs[loop], "tok_s"), "gpu_util": summary(runs[loop], "gpu_util_mean"),
-                   "ticker_p99_ms": summary(runs[loop], "ticker_p99_ms")} for loop in LOOPS}
+                   "ticker_p99_ms": summary(runs[loop], "ticker_p99_ms")} for loop in variants}
 
 
 async def section_scale(path: Path, loop: str, sizes: list[int]) -> dict:
@@ -144,7 +152,7 @@ async def section_scale(path: Path, loop: str, sizes: list[int]) -> dict:
     for mr in sizes:
         eng = engine(path, loop, mr)
         async with eng:
-            await eng.generate(input_ids=[5] * 64, sampling=SamplingParams(max_new_tokens=8))
+            await warm_up(eng)
             r = await run_workload(eng, reqs, 128)
         out[str(mr)] = r
         log("scale", loop, mr, {k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()})
@@ -216,6 +224,8 @@ def main() -> None:
     ap.add_argument("--out", default="gpu_saturation.json")
     ap.add_argument("--sections", default="w256,scale,floor")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--loops", default=",".join(LOOPS))
+    ap.add_argument("--launches", default="auto", help="step_launch variants to compare, e.g. thread,inline")
     ap.add_argument("--scale-loop", default="overlap")
     ap.add_argument("--scale-sizes", default="64,128,256,512")
     ap.add_argument("--floor-sizes", default="8,32,64,128,256")
@@ -230,7 +240,7 @@ def main() -> None:
         Path(args.out).write_text(json.dumps(RESULTS, indent=1, default=str))
 
     for name, make in (
-        ("w256", lambda: section_w256(path, args.repeats)),
+        ("w256", lambda: section_w256(path, args.repeats, tuple(args.loops.split(",")), tuple(args.launches.split(",")))),
         ("scale", lambda: section_scale(path, args.scale_loop, [int(x) for x in args.scale_sizes.split(",")])),
         ("floor", lambda: section_floor(path, [int(x) for x in args.floor_sizes.split(",")])),
     ):

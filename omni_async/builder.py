@@ -9,7 +9,7 @@ import torch
 
 from .config import SchedulerConfig
 from .core.batch_core import NativeBatchCore
-from .device import EventWaiter, ThreadStepExecutor
+from .device import make_step_executor
 from .errors import InvalidRequestError
 from .kv.allocator import PageAllocator
 from .kv.cache import PagedKVCache
@@ -114,7 +114,7 @@ def build_scheduler(stack: NativeStack, config: SchedulerConfig, **callbacks: An
         stack.core,
         stack.limits,
         config=config,
-        executor=ThreadStepExecutor(event_waiter=EventWaiter(config.event_wait)),
+        executor=make_step_executor(config.step_launch, stack.device.type, config.event_wait),
         model_info=info,
         model_worker=worker,
         **callbacks,

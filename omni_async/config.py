@@ -180,8 +180,11 @@ class SchedulerConfig:
     # fits in ``cuda_graph_max_len`` positions; completion is awaited by ``event_wait``.
     cuda_graphs: bool = True
     cuda_graph_max_len: int = 2048
-    cuda_graph_max_batch: int = 256
+    cuda_graph_max_batch: int = 512
     event_wait: str = "poll"
+    # Where steps are launched: "thread" (a worker thread), "inline" (the loop thread;
+    # CUDA only) or "auto" (inline on CUDA, the worker thread on CPU).
+    step_launch: str = "auto"
     # A step that has not completed after this many seconds fails its requests with
     # DeviceTimeoutError (CPU and CUDA); None waits for ever (the CUDA event watchdog
     # still applies). Closing waits at most this long for a hung step.

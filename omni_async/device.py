@@ -69,8 +69,11 @@ class ThreadStepExecutor:
         self._inflight: set[concurrent.futures.Future[Any]] = set()
         self._closed = False
 
-    def launch(self, fn: Callable[..., T], *args: Any) -> "concurrent.futures.Future[T]":
-        """Queue a step; it starts once the steps queued before it are done."""
+    launches_inline = False
+
+    def launch(self, fn: Callable[..., T], *args: Any, inline: bool = False) -> "concurrent.futures.Future[T]":
+        """Queue a step; it starts once the steps queued before it are done.
+        ``inline`` is a hint only an inline executor takes."""
         if self._closed:
             raise RuntimeError("step executor is closed")
         fut = self._pool.submit(fn, *args)
@@ -116,7 +119,44 @@ class ThreadStepExecutor:
         return list(getattr(self._pool, "_threads", ()))
 
 
+class InlineStepExecutor(ThreadStepExecutor):
+    """Launches decode steps on the calling (loop) thread. On CUDA a graph-replayed
+    decode launch only enqueues work (inputs, one replay, sampling, one async copy), so
+    running it inline saves the thread hand-off and the GIL ping-pong between the loop
+    and a worker; completion is still awaited cooperatively. Launches that enqueue
+    thousands of kernels (eager prefill) stay on the worker thread: inline, a full
+    launch queue would block the loop. The caller orders the two (an inline launch
+    waits until every worker launch before it has been enqueued)."""
+
+    launches_inline = True
+
+    def launch(self, fn: Callable[..., T], *args: Any, inline: bool = False) -> "concurrent.futures.Future[T]":
+        if not inline:
+            return super().launch(fn, *args)
+        if self._closed:
+            raise RuntimeError("step executor is closed")
+        fut: concurrent.futures.Future[T] = concurrent.futures.Future()
+        try:
+            fut.set_result(fn(*args))
+        except BaseException as exc:  # the stepper reports it as this step's failure
+            fut.set_exception(exc)
+        return fut
+
+
 StepExecutor = ThreadStepExecutor
+
+
+def make_step_executor(launch: str, device_type: str, event_wait: str) -> ThreadStepExecutor:
+    """``launch``: "thread" (a worker thread), "inline" (the loop thread; CUDA only,
+    where a launch does not block on compute) or "auto" (inline on CUDA)."""
+    waiter = EventWaiter(event_wait)
+    if launch == "inline" or (launch == "auto" and device_type == "cuda"):
+        if device_type != "cuda":
+            raise ConfigError("step_launch='inline' needs CUDA: on CPU a step is blocking compute and would stall the loop")
+        return InlineStepExecutor(event_waiter=waiter)
+    if launch not in ("thread", "auto"):
+        raise ConfigError(f"unknown step_launch {launch!r}; choose 'auto', 'thread' or 'inline'")
+    return ThreadStepExecutor(event_waiter=waiter)
 
 
 class EventWaiter:

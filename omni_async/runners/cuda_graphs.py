@@ -15,7 +15,7 @@ from ..kv.attention import AttentionContext
 from ..kv.cache import PagedKVCache
 from ..models.decoder import DecoderModel
 
-DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256)
+DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 
 
 class DecodeGraphs:

@@ -127,7 +127,7 @@ class Stepper:
     async def step_ahead(self, batch: ScheduledBatchLike, *, lookahead: bool = False) -> None:
         """Launch ``batch``, then process the step launched before it: one step stays in
         flight while the host works on the previous one."""
-        self._launch(batch, lookahead=lookahead, trace="launch")
+        await self._launch(batch, lookahead=lookahead, trace="launch")
         if len(self._inflight) > 1:
             await self._complete(self._inflight.popleft(), trace="resolve")
 
@@ -145,7 +145,7 @@ class Stepper:
         if batch is None:
             await self._wait_for_work()
             return
-        self._launch(batch, lookahead=False, trace="sync")
+        await self._launch(batch, lookahead=False, trace="sync")
         await self._complete(self._inflight.popleft(), trace=None)
 
     async def drain(self) -> None:
@@ -155,7 +155,7 @@ class Stepper:
 
     # ------------------------------------------------------------ launch and complete
 
-    def _launch(self, batch: ScheduledBatchLike, *, lookahead: bool, trace: str) -> None:
+    async def _launch(self, batch: ScheduledBatchLike, *, lookahead: bool, trace: str) -> None:
         self._count(batch, lookahead)
         if not batch.is_decode and debug_enabled():
             for req in batch.reqs:
@@ -167,12 +167,25 @@ class Stepper:
             requests=[SchedulerRequest(request_id=r.rid, data=r.data) for r in batch.reqs],
             batch_data=batch,
         )
+        inline = self.executor.launches_inline and batch.is_decode
+        if inline:
+            await self._until_enqueued()
         try:
-            fut = self.executor.launch(self._launch_on_worker, sched_output, lookahead)
+            fut = self.executor.launch(self._launch_on_worker, sched_output, lookahead, inline=inline)
         except Exception as exc:
             self._inflight.append(InflightStep(batch, sched_output, None, lookahead, exc))
             return
         self._inflight.append(InflightStep(batch, sched_output, fut, lookahead))
+
+    async def _until_enqueued(self) -> None:
+        """Before launching on the loop thread: every step launched on the worker before
+        it must have enqueued its device work, so device order follows launch order."""
+        for step in self._inflight:
+            if step.future is not None and not step.future.done():
+                try:
+                    await self.executor.wait(step.future)
+                except Exception:
+                    pass  # that step's own completion reports the failure
 
     def _launch_on_worker(self, sched_output: SchedulerOutput, lookahead: bool) -> Any:
         return self.runner.launch(sched_output, lookahead=lookahead)

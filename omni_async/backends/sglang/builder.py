@@ -274,7 +274,7 @@ class StepTrackingExecutor(ThreadStepExecutor):
     the SGLang core releases a finished request's KV only once no step that reads it is
     still to run (see ``SGLangBatchCore._release``)."""
 
-    def launch(self, fn: Callable[..., Any], *args: Any):  # type: ignore[override]
+    def launch(self, fn: Callable[..., Any], *args: Any, inline: bool = False):  # type: ignore[override]
         def run_and_mark(*a: Any) -> Any:
             try:
                 return fn(*a)
