@@ -47,3 +47,8 @@ class ModelLoadError(OmniAsyncError):
 
 class AdminError(OmniAsyncError):
     """An admin action failed; the reply's message says why."""
+
+
+class ConfigError(OmniAsyncError, ValueError):
+    """A configuration cannot be served: an unsupported architecture, quantisation
+    type or option."""
