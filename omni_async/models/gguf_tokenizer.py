@@ -157,29 +157,32 @@ def _sentencepiece_bpe(tokens: Sequence[str], meta: Mapping[str, Any]) -> Any:
     unk_id = meta.get("tokenizer.ggml.unknown_token_id", 0)
     unk = tokens[int(unk_id)] if unk_id is not None and int(unk_id) < len(tokens) else None
     tok = Tokenizer(models.BPE(vocab=vocab, merges=pairs, unk_token=unk, fuse_unk=True, byte_fallback=True))
-    add_prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
-    tok.pre_tokenizer = pre_tokenizers.Metaspace(
-        replacement="▁", prepend_scheme="first" if add_prefix else "never", split=False
+    # A space is prepended to the first piece whatever ``add_space_prefix`` says, as the
+    # reference tokenizer for GGUF files does (the oracle prompt ids are its ids).
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=False)
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(content=" ", left=1)]
     )
-    steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
-    if add_prefix:
-        steps.append(decoders.Strip(content=" ", left=1))
-    tok.decoder = decoders.Sequence(steps)
     return tok
 
 
 def _merges_from_scores(tokens: Sequence[str], scores: Sequence[float]) -> list[tuple[str, str]]:
-    """Every split of a vocabulary token into two vocabulary tokens is a merge; a merge
-    ranks by the score of the token it makes (higher first), ties by the pieces' ids."""
+    """Merges implied by a vocabulary without any: every split of a token into two
+    vocabulary tokens. Ranked as the reference ranks them: by the made token's score (high
+    first), then the longer left piece, then the longer right piece, then file order (and,
+    within one token, the pieces' ids)."""
     vocab = {t: i for i, t in enumerate(tokens)}
-    found: list[tuple[float, int, int, str, str]] = []
-    for token, idx in vocab.items():
-        for cut in range(1, len(token)):
-            left, right = token[:cut], token[cut:]
-            if left in vocab and right in vocab:
-                found.append((-float(scores[idx]), vocab[left], vocab[right], left, right))
-    found.sort()
-    return [(left, right) for _s, _l, _r, left, right in found]
+    score_of = dict(zip(tokens, (float(x) for x in scores)))
+    found: list[tuple[str, str, float]] = []
+    for token, score in score_of.items():
+        local = [
+            (token[:cut], token[cut:], score)
+            for cut in range(1, len(token))
+            if token[:cut] in vocab and token[cut:] in vocab
+        ]
+        found.extend(sorted(local, key=lambda m: (vocab[m[0]], vocab[m[1]])))
+    found.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
+    return [(left, right) for left, right, _score in found]
 
 
 def _add_special(tok: Any, tokens: Sequence[str], types: Sequence[int], *, byte_level: bool) -> None:
