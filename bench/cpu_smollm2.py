@@ -11,7 +11,8 @@ end-of-sequence ignored, so every system makes the same number of tokens:
 - ``hf:generate_batch``: transformers' continuous batching (``generate_batch``), when
   the installed transformers has it.
 
-All in float32, both loading the same GGUF file (transformers with ``gguf_file=``).
+Both load the same GGUF file (transformers with ``gguf_file=``), in float32 unless a
+system says ``@bfloat16`` (e.g. ``omni:normal@bfloat16``, ``hf:generate@bfloat16``).
 Repeats are interleaved (every system runs once per repeat and concurrency, the order
 rotated); the table shows the median tok/s with min-max, and each omni run records whether
 its tokens equal ``hf:generate``'s. Results: bench/results/cpu_smollm2.json.
@@ -94,10 +95,18 @@ def run_hf_generate_batch(model: Any, prompts: list[list[int]], new_tokens: int,
     return wall, [list(o.generated_tokens) for o in rows]
 
 
-def load_hf(path: Path) -> Any:
+def split_system(system: str) -> tuple[str, str]:
+    """``"omni:normal@bfloat16"`` -> ``("omni:normal", "bfloat16")``; float32 by default."""
+    name, _, dtype = system.partition("@")
+    return name, dtype or "float32"
+
+
+def load_hf(path: Path, dtype: str) -> Any:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=getattr(torch, dtype)
+    ).eval()
     model.generation_config.eos_token_id = None  # as ignore_eos: always new_tokens tokens
     return model
 
@@ -108,13 +117,17 @@ def load_hf(path: Path) -> Any:
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     path = smollm2_path()
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
-    engines = {}
+    engines, hf = {}, {}
     for s in systems:
-        if s.startswith("omni:"):
-            engines[s] = Engine.from_pretrained(str(path), loop=s.split(":", 1)[1], kv_capacity_tokens=args.kv_tokens)
+        name, dtype = split_system(s)
+        if name.startswith("omni:"):
+            engines[s] = Engine.from_pretrained(
+                str(path), loop=name.split(":", 1)[1], dtype=dtype, kv_capacity_tokens=args.kv_tokens
+            )
             await engines[s].__aenter__()
+        elif dtype not in hf:
+            hf[dtype] = load_hf(path, dtype)
     tokenizer = next(iter(engines.values())).tokenizer if engines else None
-    hf = load_hf(path) if any(s.startswith("hf:") for s in systems) else None
     if tokenizer is None:
         from omni_async.models.loader import load_model
 
@@ -125,17 +138,19 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     try:
         for s, eng in engines.items():  # warm-up: first-call allocations, thread start
             await run_omni(eng, prompts_all[:2], 4)
-        if hf is not None:
-            run_hf_generate(hf, prompts_all[:2], 4, pad_id)
+        for model in hf.values():
+            run_hf_generate(model, prompts_all[:2], 4, pad_id)
         for rep in range(args.repeats):
             for conc in args.concurrency:
                 prompts = prompts_all[:conc]
                 order = systems[rep % len(systems):] + systems[: rep % len(systems)]
                 reference = None
                 for s in order:
+                    if s.startswith("hf:generate_batch") and conc > args.generate_batch_max:
+                        continue  # slow on CPU: a run at high concurrency would take minutes
                     runs.append(await _one(s, engines, hf, prompts, args.max_new_tokens, pad_id, rep, conc))
                     if s == "hf:generate":
-                        reference = runs[-1].pop("tokens")
+                        reference = runs[-1].pop("tokens", None)
                 for r in runs:
                     if r["repeat"] == rep and r["concurrency"] == conc and "tokens" in r:
                         toks = r.pop("tokens")
@@ -158,13 +173,14 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
 async def _one(s, engines, hf, prompts, new_tokens, pad_id, rep, conc) -> dict[str, Any]:
     load = C.HostLoad()
     record: dict[str, Any] = {"system": s, "repeat": rep, "concurrency": conc}
+    name, dtype = split_system(s)
     try:
         if s in engines:
             wall, tokens = await run_omni(engines[s], prompts, new_tokens)
-        elif s == "hf:generate":
-            wall, tokens = run_hf_generate(hf, prompts, new_tokens, pad_id)
-        elif s == "hf:generate_batch":
-            wall, tokens = run_hf_generate_batch(hf, prompts, new_tokens, pad_id)
+        elif name == "hf:generate":
+            wall, tokens = run_hf_generate(hf[dtype], prompts, new_tokens, pad_id)
+        elif name == "hf:generate_batch":
+            wall, tokens = run_hf_generate_batch(hf[dtype], prompts, new_tokens, pad_id)
         else:
             raise SystemExit(f"unknown system {s!r}")
     except Exception as exc:  # a system the installed transformers lacks is recorded, not fatal
@@ -189,8 +205,9 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
             if vals:
                 row[s] = {"median_tok_s": statistics.median(vals), "min": min(vals), "max": max(vals), "n": len(vals)}
         hf_best = max((v["median_tok_s"] for k, v in row.items() if k.startswith("hf:")), default=None)
+        row["hf_best"] = hf_best
         for k, v in row.items():
-            if k.startswith("omni:") and hf_best:
+            if k.startswith("omni:") and hf_best and isinstance(v, dict):
                 v["x_hf_best"] = v["median_tok_s"] / hf_best
         out[str(conc)] = row
     return out
@@ -200,6 +217,8 @@ def print_table(result: dict[str, Any]) -> None:
     print(f"\n{'C':>3} {'system':<20} {'tok/s median':>12} {'min-max':>13} {'x hf best':>9}")
     for conc, row in result["summary"].items():
         for s, v in row.items():
+            if not isinstance(v, dict):
+                continue
             x = C.fmt(v.get("x_hf_best"), ".2f")
             print(f"{conc:>3} {s:<20} {v['median_tok_s']:>12.1f} {v['min']:>6.0f}-{v['max']:<6.0f} {x:>9}")
     errors = {r["system"]: r["error"] for r in result["runs"] if "error" in r}
@@ -212,7 +231,12 @@ def print_table(result: dict[str, Any]) -> None:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--concurrency", type=C.parse_int_list, default=[1, 4, 16, 64])
-    p.add_argument("--systems", default="omni:normal,omni:overlap,omni:async_decode,hf:generate,hf:generate_batch")
+    p.add_argument(
+        "--systems",
+        default="omni:normal,omni:overlap,omni:async_decode,omni:normal@bfloat16,omni:async_decode@bfloat16,"
+        "hf:generate,hf:generate_batch,hf:generate@bfloat16",
+    )
+    p.add_argument("--generate-batch-max", type=int, default=16, help="skip hf:generate_batch above this C")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--kv-tokens", type=int, default=16384, help="omni KV capacity (tokens)")
