@@ -119,7 +119,9 @@ class GGUFFile:
         for t in self._reader.tensors:
             data = gguf.quants.dequantize(t.data, t.tensor_type)
             shape = tuple(int(d) for d in reversed(t.shape))
-            yield t.name, np.asarray(data, dtype=np.float32).reshape(shape)
+            out = np.asarray(data, dtype=np.float32).reshape(shape)
+            # F32 tensors come back as read-only views of the memory map: copy those.
+            yield t.name, out if out.flags.writeable else out.copy()
 
 
 def config_from_gguf(f: GGUFFile) -> ModelConfig:
