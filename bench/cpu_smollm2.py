@@ -224,8 +224,8 @@ def print_table(result: dict[str, Any]) -> None:
     errors = {r["system"]: r["error"] for r in result["runs"] if "error" in r}
     for s, e in errors.items():
         print(f"{s}: {e}")
-    mismatched = [(r["system"], r["concurrency"]) for r in result["runs"] if r.get("tokens_equal_hf_generate") is False]
-    print(f"omni runs whose tokens differ from hf:generate: {mismatched or 'none'}")
+    mismatched = sorted({f"{r['system']} C={r['concurrency']}" for r in result["runs"] if r.get("tokens_equal_hf_generate") is False})
+    print(f"runs whose tokens differ from hf:generate (float32): {', '.join(mismatched) or 'none'}")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
