@@ -63,6 +63,80 @@ def _expand_kv(x: torch.Tensor, n_rep: int, head_dim_axis: int) -> torch.Tensor:
     return x if n_rep == 1 else x.repeat_interleave(n_rep, dim=head_dim_axis)
 
 
+def pages_from_slots(kv_slots: torch.Tensor, page_size: int) -> torch.Tensor:
+    """``[B, L]`` KV slots back to ``[B, ceil(L / page_size)]`` page tables: the first slot
+    of each page is ``page * page_size``."""
+    return kv_slots[:, ::page_size] // page_size
+
+
+def decode_over_pages(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    pages: torch.Tensor,
+    page_size: int,
+    kv_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Decode attention on CPU, gathering whole pages rather than single slots: one
+    index entry per page instead of per token (the per-slot gather was ~10% of a SmolLM2
+    decode step at 64 sequences). Positions past each sequence's length are masked."""
+    b, p = pages.shape
+    kvh, d = k_cache.shape[1], k_cache.shape[2]
+    flat = pages.reshape(-1)
+    k = k_cache.view(-1, page_size * kvh * d).index_select(0, flat).view(b, p * page_size, kvh, d)
+    v = v_cache.view(-1, page_size * kvh * d).index_select(0, flat).view(b, p * page_size, kvh, d)
+    return _decode_sdpa(q, k, v, kv_lens, scale, q.shape[1] // kvh)
+
+
+def _decode_sdpa(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_lens: torch.Tensor, scale: float, n_rep: int
+) -> torch.Tensor:
+    """One query per sequence over ``[B, L, KVH, D]`` keys/values, masked past ``kv_lens``."""
+    if q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16):
+        return _decode_matmul(q, k, v, kv_lens, scale)
+    if not _HAS_GQA:
+        k, v = _expand_kv(k, n_rep, 2), _expand_kv(v, n_rep, 2)
+    positions = torch.arange(k.shape[1], device=q.device)
+    mask = (positions[None, :] < kv_lens[:, None])[:, None, None, :]  # [B,1,1,L]
+    out = F.scaled_dot_product_attention(
+        q.unsqueeze(2),  # [B, H, 1, D]
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        attn_mask=mask,
+        scale=scale,
+        **_GQA,
+    )
+    return out.squeeze(2)
+
+
+def _decode_matmul(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """Decode attention as two batched matmuls, softmax in float32.
+
+    On CPU in bfloat16 this is ~3x faster than torch's fused SDPA kernel (which took ~60%
+    of a bfloat16 SmolLM2 decode step at 64 sequences). Keys and values are first made
+    ``[B, KVH, L, D]`` contiguous (a copy that keeps ``D`` innermost); the keys then enter
+    the matmul as a transposed view, which BLAS reads in place. Handing it a ``[B, KVH, D,
+    L]`` permuted view instead made it copy element by element (~4x slower)."""
+    b, h, d = q.shape
+    kvh = k.shape[2]
+    keys = k.transpose(1, 2).contiguous()  # [B, KVH, L, D]
+    values = v.transpose(1, 2).contiguous()
+    scores = torch.matmul(q.view(b, kvh, h // kvh, d), keys.transpose(-1, -2)).float() * scale
+    past = torch.arange(k.shape[1], device=q.device)[None, :] >= kv_lens[:, None]
+    scores.masked_fill_(past[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(q.dtype)
+    return torch.matmul(probs, values).reshape(b, h, d)
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw) -> torch.Tensor:
+    """SDPA, in float32 for half-precision inputs on CPU, where torch's fused kernel is
+    several times slower in bfloat16 than in float32."""
+    if q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16):
+        return F.scaled_dot_product_attention(q.float(), k.float(), v.float(), **kw).to(q.dtype)
+    return F.scaled_dot_product_attention(q, k, v, **kw)
+
+
 def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -80,24 +154,14 @@ def paged_attention(
             from ..kernels.paged_decode import paged_decode_attention
 
             return paged_decode_attention(q, k_cache, v_cache, ctx.block_tables, ctx.kv_lens, ctx.page_size, scale)
+        if ctx.block_tables is not None and ctx.page_size and q.device.type == "cpu":
+            return decode_over_pages(q, k_cache, v_cache, ctx.block_tables, ctx.page_size, ctx.kv_lens, scale)
         if ctx.kv_slots is None and ctx.block_tables is not None:
             ctx.kv_slots = slots_from_tables(ctx.block_tables, ctx.page_size)  # once per forward
         assert ctx.kv_slots is not None and ctx.kv_lens is not None
         k = k_cache[ctx.kv_slots]  # [B, L, KVH, D]
         v = v_cache[ctx.kv_slots]
-        if not _HAS_GQA:
-            k, v = _expand_kv(k, n_rep, 2), _expand_kv(v, n_rep, 2)
-        positions = torch.arange(ctx.kv_slots.shape[1], device=q.device)
-        mask = (positions[None, :] < ctx.kv_lens[:, None])[:, None, None, :]  # [B,1,1,L]
-        out = F.scaled_dot_product_attention(
-            q.unsqueeze(2),  # [B, H, 1, D]
-            k.transpose(1, 2),
-            v.transpose(1, 2),
-            attn_mask=mask,
-            scale=scale,
-            **_GQA,
-        )
-        return out.squeeze(2)
+        return _decode_sdpa(q, k, v, ctx.kv_lens, scale, n_rep)
     if ctx.use_kernel and ctx.block_tables is not None:
         from ..kernels.paged_extend import paged_extend_attention
 
@@ -110,7 +174,7 @@ def paged_attention(
     for (q_start, q_len, prefix_len), slots in zip(ctx.seq_slices, ctx.seq_kv_slots):
         if prefix_len == 0 and k_new is not None and v_new is not None and _HAS_GQA:
             # A fresh sequence attends only to its own new tokens: no gather from pages.
-            o = F.scaled_dot_product_attention(
+            o = _sdpa(
                 q[q_start : q_start + q_len].transpose(0, 1),
                 k_new[q_start : q_start + q_len].transpose(0, 1),
                 v_new[q_start : q_start + q_len].transpose(0, 1),
@@ -126,6 +190,6 @@ def paged_attention(
         q_pos = prefix_len + torch.arange(q_len, device=q.device)
         mask = torch.arange(kv_len, device=q.device)[None, :] <= q_pos[:, None]
         qs = q[q_start : q_start + q_len].transpose(0, 1)  # [H, q_len, D]
-        o = F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, scale=scale)
+        o = _sdpa(qs, k, v, attn_mask=mask, scale=scale)
         out[q_start : q_start + q_len] = o.transpose(0, 1)
     return out

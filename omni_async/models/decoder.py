@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..kv.attention import AttentionContext, paged_attention
+from ..kv.attention import AttentionContext, paged_attention, pages_from_slots
 from ..kv.cache import PagedKVCache
 from .config import ModelConfig
 
@@ -130,6 +130,14 @@ class _Backbone(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
+def _prefer_page_gather(ctx: AttentionContext, page_size: int) -> None:
+    """CPU decode steps given per-slot KV indices attend through whole pages instead
+    (see :func:`~omni_async.kv.attention.decode_over_pages`); done once per forward."""
+    if ctx.is_decode and ctx.block_tables is None and ctx.kv_slots is not None and ctx.kv_slots.device.type == "cpu":
+        ctx.block_tables = pages_from_slots(ctx.kv_slots, page_size)
+        ctx.page_size = page_size
+
+
 class DecoderModel(nn.Module):
     """``forward(input_ids, positions, kv, ctx)`` returns float32 logits for the rows
     in ``ctx.logits_rows`` (the last token of each sequence)."""
@@ -162,6 +170,7 @@ class DecoderModel(nn.Module):
         ctx: AttentionContext,
         return_hidden: bool = False,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        _prefer_page_gather(ctx, kv.page_size)
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rope(positions, x.dtype)
         for layer in self.model.layers:

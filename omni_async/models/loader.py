@@ -22,6 +22,7 @@ from ..tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 from .config import ModelConfig
 from .decoder import DecoderModel, rope_inv_freq
 from .generation_config import with_generation_eos
+from .gguf import SMOLLM2_NAME, is_gguf_path, smollm2_path
 
 DTYPES = {
     "float32": torch.float32,
@@ -111,6 +112,10 @@ def load_model(
         model.inv_freq = rope_inv_freq(cfg).to(device)  # keep RoPE frequencies in float32
         return LoadedModel(model, cfg, ByteTokenizer(), TINY_NAME, "builtin")
 
+    if str(path_or_name) == SMOLLM2_NAME:
+        path_or_name = smollm2_path()
+    if is_gguf_path(path_or_name):
+        return load_gguf(Path(path_or_name), dtype=dtype, device=device)
     folder = Path(path_or_name)
     config_path = folder / "config.json"
     if not config_path.is_file():
@@ -127,6 +132,27 @@ def load_model(
     load_weights(model, folder)
     model.inv_freq = rope_inv_freq(cfg).to(device)  # buffers are not in checkpoints
     return LoadedModel(model.eval(), cfg, load_tokenizer(folder, cfg), str(folder), "safetensors")
+
+
+def load_gguf(path: Path, *, dtype: str | torch.dtype | None, device: torch.device) -> LoadedModel:
+    """A GGUF file: config and tokenizer from its metadata, weights dequantised to ``dtype``."""
+    from .gguf import GGUFFile, config_from_gguf, load_gguf_tokenizer, named_tensors
+
+    f = GGUFFile(path)
+    cfg = config_from_gguf(f)
+    torch_dtype = resolve_dtype(dtype, cfg.dtype, device)
+    with torch.device("meta"):
+        model = DecoderModel(cfg)
+    model = model.to_empty(device=device).to(torch_dtype)
+    model.tie_weights()
+    weights = dict(named_tensors(f, cfg))
+    rope_divisors = weights.pop("rope_freqs.weight", None)
+    copy_named_tensors(model, list(weights.items()), require_all=True)
+    inv_freq = rope_inv_freq(cfg)
+    if rope_divisors is not None:  # llama3-style per-frequency factors stored as a tensor
+        inv_freq = inv_freq / rope_divisors.to(torch.float32)
+    model.inv_freq = inv_freq.to(device)
+    return LoadedModel(model.eval(), cfg, load_gguf_tokenizer(f, cfg), str(path), "gguf")
 
 
 def safetensors_files(folder: Path) -> list[Path]:
