@@ -19,7 +19,8 @@ import torch
 
 from ..errors import ConfigError, ModelLoadError
 from .config import ModelConfig
-from .gguf_tokenizer import GGUFTokenizer, build_gguf_tokenizer
+from ..tokenizer import HFTokenizer
+from .gguf_tokenizer import build_gguf_tokenizer
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3")
 # Types the ``gguf`` library dequantises and that this loader accepts.
@@ -207,5 +208,5 @@ def named_tensors(f: GGUFFile, cfg: ModelConfig) -> Iterator[tuple[str, torch.Te
         yield target, torch.from_numpy(np.ascontiguousarray(arr))
 
 
-def load_gguf_tokenizer(f: GGUFFile, cfg: ModelConfig) -> GGUFTokenizer | None:
+def load_gguf_tokenizer(f: GGUFFile, cfg: ModelConfig) -> HFTokenizer | None:
     return build_gguf_tokenizer(f.meta, vocab_size=cfg.vocab_size, eos_token_ids=cfg.eos_token_ids)

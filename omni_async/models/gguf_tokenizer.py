@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any, Mapping, Sequence
 
 from ..errors import ConfigError
+from ..tokenizer import HFTokenizer
 
 CONTROL, USER_DEFINED = 3, 4  # llama.cpp token types
 
@@ -51,40 +52,7 @@ def _byte_alphabet() -> dict[int, str]:
     return {b: chr(c) for b, c in zip(printable, chars)}
 
 
-class GGUFTokenizer:
-    """``encode``/``decode`` over a ``tokenizers.Tokenizer``, with the special tokens and
-    chat template of the file (the attributes the engine's tokenizer protocol names)."""
-
-    def __init__(
-        self,
-        tokenizer: Any,
-        *,
-        eos_token_ids: tuple[int, ...],
-        vocab_size: int,
-        chat_template: str | None = None,
-        bos_token: str | None = None,
-        eos_token: str | None = None,
-    ) -> None:
-        self._tok = tokenizer
-        self.eos_token_ids = eos_token_ids
-        self.vocab_size = vocab_size
-        self.chat_template = chat_template
-        self.bos_token = bos_token
-        self.eos_token = eos_token
-
-    @property
-    def backend(self) -> Any:
-        """The underlying ``tokenizers.Tokenizer``."""
-        return self._tok
-
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
-
-    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
-
-
-def build_gguf_tokenizer(meta: Mapping[str, Any], *, vocab_size: int, eos_token_ids: tuple[int, ...]) -> GGUFTokenizer | None:
+def build_gguf_tokenizer(meta: Mapping[str, Any], *, vocab_size: int, eos_token_ids: tuple[int, ...]) -> HFTokenizer | None:
     """The file's tokenizer, or ``None`` when it has no vocabulary."""
     tokens = meta.get("tokenizer.ggml.tokens")
     if not tokens:
@@ -107,7 +75,7 @@ def build_gguf_tokenizer(meta: Mapping[str, Any], *, vocab_size: int, eos_token_
 
     bos = token_of("bos_token_id")
     _set_post_processor(tok, bos if add_bos else None, meta.get("tokenizer.ggml.bos_token_id"))
-    return GGUFTokenizer(
+    return HFTokenizer.from_object(
         tok,
         eos_token_ids=eos_token_ids,
         vocab_size=vocab_size,
