@@ -114,6 +114,8 @@ class NativeBatchCore(BatchCore):
         for req in candidates:
             if budget <= 0 or slots <= 0:
                 break
+            if req.step_failures and rows:
+                break  # a request retried after a failed step runs in a prefill of its own
             remaining = req.seq_len - req.num_cached
             n = min(remaining, budget)
             pages_needed = self.allocator.pages_for(req.num_cached + n) - len(req.pages)
@@ -129,6 +131,8 @@ class NativeBatchCore(BatchCore):
             reserved += int(math.ceil(future))
             rows.append((req, n))
             budget -= n
+            if req.step_failures:
+                break
             if n < remaining:
                 break  # this request continues as the chunked one
             slots -= 1
@@ -247,6 +251,22 @@ class NativeBatchCore(BatchCore):
         while idx < len(self.waiting) and self.waiting[idx].arrival < req.arrival:
             idx += 1
         self.waiting.insert(idx, req)
+
+    def retract_requests(self, reqs: Sequence[Request]) -> list[Request]:
+        """Back to waiting with their KV freed (a failed step's retry)."""
+        out = []
+        for req in reqs:
+            if req.finished():
+                continue
+            if req in self.running:
+                self.running.remove(req)
+            elif self.chunked is req:
+                self.chunked = None
+            else:
+                continue
+            self._retract(req)
+            out.append(req)
+        return out
 
     def retract_all(self) -> list[Request]:
         """Send every running and chunked request back to waiting, freeing its KV."""

@@ -33,6 +33,9 @@ class Request:
     finish_reason: str | None = None
     to_finish: str | None = None
     num_retractions: int = 0
+    # Failed steps this request was in. After one it is retried once, in a prefill of
+    # its own, so that a request that breaks steps fails alone.
+    step_failures: int = 0
     data: Any = None  # the RequestData this request belongs to
     _stop_ids: frozenset[int] | None = field(default=None, repr=False)
 

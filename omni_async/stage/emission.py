@@ -173,17 +173,22 @@ class Emission:
                     self.finish(req)
 
     def on_step_failed(self, batch: Any, exc: BaseException) -> None:
-        """A step raised: every live request in it ends with an error, KV released;
-        the loop carries on with the others."""
-        rids = [r.rid for r in batch.reqs]
-        log.error("scheduler_batch_failed", request_ids=rids, error=repr(exc))
+        """A step raised. Which row caused it is not known: with several live requests
+        in it, each is retried once (retracted, KV freed, prefilled again in a step of
+        its own); a request alone in a failed step, or failing a second time, ends with
+        an error. Rows of the failed requests in a step still in flight are skipped."""
         live = [batch.reqs[i] for i in range(batch.size) if batch.row_is_live(i)]
+        log.error("scheduler_batch_failed", request_ids=[r.rid for r in live], error=repr(exc))
+        first_time = [r for r in live if r.step_failures == 0] if len(live) > 1 else []
+        for req in live:
+            req.step_failures += 1
+        retried = {id(r) for r in self.core.retract_requests(first_time)} if first_time else set()
         if isinstance(exc, errors.DeviceTimeoutError):
             make: Callable[[], Exception] = lambda: errors.DeviceTimeoutError(str(exc))
         else:
             make = lambda: errors.RequestFailedError(f"model step failed: {exc!r}")
         with self.coalesced():
-            for req in self.core.fail_requests(live):
+            for req in self.core.fail_requests([r for r in live if id(r) not in retried]):
                 err = make()
                 err.__cause__ = exc
                 self.fail(req.rid, err)

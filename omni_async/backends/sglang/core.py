@@ -582,6 +582,11 @@ class SGLangBatchCore(BatchCore):
             self.running_batch.filter_batch()
         return failed
 
+    def retract_requests(self, reqs: Sequence[Request]) -> list[Request]:
+        """No retry of a failed step's requests on this backend: SGLang's retraction
+        works on its whole running batch, so they fail (the caller's fallback)."""
+        return []
+
     def retract_all(self) -> list[Request]:
         """Scheduler.pause_generation(mode="retract"): every running, just-prefilled and
         chunked request back to the waiting queue, its KV released."""
