@@ -28,7 +28,9 @@ class Admission:
         is_ready: Callable[[Any, bool], bool] | None = None,
         on_build_done: Callable[[], None] | None = None,
         orphan_cap: int = 1_000,
+        recheck_on_chunk: Callable[[str, Any], bool] | None = None,
     ) -> None:
+        self._recheck_on_chunk = recheck_on_chunk
         self._build = build
         self._is_ready = is_ready or (lambda payload, stream_done: True)
         self._on_build_done = on_build_done
@@ -116,7 +118,7 @@ class Admission:
         else:
             self.chunks.setdefault(rid, []).append(chunk)
             self._bound_orphans(self.chunks)
-        if rid in self.deferred:
+        if rid in self.deferred and (self._recheck_on_chunk is None or self._recheck_on_chunk(rid, chunk)):
             self.dirty.add(rid)
 
     def on_done(self, rid: str) -> None:

@@ -43,24 +43,35 @@ def check_sampling_vocab(sampling: SamplingParams, vocab_size: int) -> None:
         raise errors.InvalidRequestError("suppress_tokens covers the whole vocabulary: nothing could be sampled")
 
 
-def check_capacity(n_in: int, n_new: int, context_length: int, kv_capacity_tokens: int) -> None:
-    """Refuse what can never be served: say which limit and by how much."""
-    need = n_in + n_new
-    if need > context_length:
-        raise errors.RequestRejectedError(
-            f"request needs {need} tokens (input {n_in} + max_new_tokens {n_new}), over the context length "
-            f"{context_length} by {need - context_length}; shorten the input or lower max_new_tokens"
-        )
+def check_capacity(n_in: int, n_new: int, context_length: int, kv_capacity_tokens: int, *, enforce: bool = True) -> int:
+    """Refuse what can never be served, saying which limit and by how much; return the
+    ``max_new_tokens`` that will be served.
+
+    A request that cannot fit in the whole KV cache is refused whatever ``enforce``
+    says: it would hold the KV for ever and starve every request behind it. With
+    ``enforce``, a prompt that leaves no room in the context is refused and
+    ``max_new_tokens`` is clamped to the room left (generation would stop there anyway)."""
+    if enforce:
+        if n_in >= context_length:
+            raise errors.RequestRejectedError(
+                f"prompt has {n_in} tokens, the context length is {context_length}: it leaves no room for "
+                f"a new token (over by {n_in - context_length + 1}); shorten the input"
+            )
+        n_new = min(n_new, context_length - n_in)
+    need = min(n_in + n_new, context_length)
     if need > kv_capacity_tokens:
         raise errors.RequestRejectedError(
             f"request needs {need} tokens of KV (input {n_in} + max_new_tokens {n_new}), over the KV cache "
             f"capacity {kv_capacity_tokens} by {need - kv_capacity_tokens}; raise kv_capacity_tokens "
             "(or kv_memory_fraction on CUDA) or lower max_new_tokens"
         )
+    return n_new
 
 
 def check_request(ids: Any, sampling: SamplingParams, limits: Any) -> list[int]:
     """Everything the stage would refuse at admission, refused now."""
+    if hasattr(ids, "__len__") and len(ids) >= limits.context_length:  # O(1), before per-token checks
+        check_capacity(len(ids), sampling.max_new_tokens, limits.context_length, limits.kv_capacity_tokens)
     ids = check_input_ids(ids, limits.vocab_size)
     check_sampling_vocab(sampling, limits.vocab_size)
     check_capacity(len(ids), sampling.max_new_tokens, limits.context_length, limits.kv_capacity_tokens)

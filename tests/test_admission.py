@@ -21,7 +21,7 @@ class Stage:
     """A scheduler on the tiny model with an outbox collector, for stage-level tests."""
 
     def __init__(self, **cfg):
-        callbacks = {k: cfg.pop(k) for k in list(cfg) if k in ("request_builder", "request_build_ready", "stream_chunk_handler", "stream_done_handler", "abort_callback")}
+        callbacks = {k: cfg.pop(k) for k in list(cfg) if k in ("request_builder", "request_build_ready", "stream_chunk_handler", "stream_done_handler", "abort_callback", "recheck_on_chunk", "result_adapter")}
         self.config = SchedulerConfig(**cfg)
         self.stack = build_native_stack("tiny", self.config)
         self.sched = build_scheduler(self.stack, self.config, **callbacks)

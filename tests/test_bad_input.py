@@ -124,16 +124,16 @@ BAD_REQUESTS = [
     (
         "over-context",
         {},
-        dict(input_ids=_ids(4000), sampling=SamplingParams(max_new_tokens=200)),
+        dict(input_ids=_ids(4100), sampling=SamplingParams(max_new_tokens=200)),
         RequestRejectedError,
-        ["context length 4096", "by 104", "input 4000", "max_new_tokens 200"],
+        ["prompt has 4100 tokens", "context length is 4096", "over by 5"],
     ),
     (
-        "absurd-max-new-tokens",
-        {},
+        "absurd-max-new-tokens-over-kv",
+        dict(kv_capacity_tokens=256),
         dict(input_ids=[1, 2, 3], sampling=SamplingParams(max_new_tokens=10**12)),
         RequestRejectedError,
-        ["context length 4096", f"by {3 + 10**12 - 4096}"],
+        ["KV cache capacity 256", f"by {4096 - 256}"],
     ),
     (
         "over-kv-capacity",
@@ -256,8 +256,11 @@ async def test_limits_are_inclusive_at_the_boundary(tiny_engine):
     async with engine:
         res = await engine.generate(input_ids=ids, sampling=SamplingParams(max_new_tokens=56, ignore_eos=True))
         assert len(res.output_ids) == 56
-        with pytest.raises(RequestRejectedError, match=r"context length 256 by 1;"):
-            await engine.generate(input_ids=ids, sampling=SamplingParams(max_new_tokens=57))
+        # Past the context, max_new_tokens is clamped to the room left (the request is served).
+        res = await engine.generate(input_ids=ids, sampling=SamplingParams(max_new_tokens=57, ignore_eos=True))
+        assert len(res.output_ids) == 56 and res.finish_reason == "length"
+        with pytest.raises(RequestRejectedError, match=r"prompt has 256 tokens.*over by 1\)"):
+            await engine.generate(input_ids=_ids(256, seed=4), sampling=SamplingParams(max_new_tokens=1))
     assert_kv_free(engine)
 
 

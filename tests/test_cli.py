@@ -24,7 +24,7 @@ COMMANDS = {
     "generate-prompt": ["generate", "--model", "tiny", "--prompt", "héllo", "--max-new-tokens", "5"],
     "demo": ["demo", "--requests", "3", "--max-new-tokens", "8"],
     "bad-token-id": ["generate", "--model", "tiny", "--input-ids", "99999"],
-    "over-context": ["generate", "--model", "tiny", "--input-ids", "1,2,3", "--max-new-tokens", "5000"],
+    "over-context": ["generate", "--model", "tiny", "--input-ids", ",".join(["1"] * 4097), "--max-new-tokens", "5"],
     "bad-max-new-tokens": ["generate", "--model", "tiny", "--input-ids", "1,2,3", "--max-new-tokens", "0"],
     "bad-model": ["generate", "--model", str(REPO / "no-such-model-folder"), "--input-ids", "1,2,3"],
     "non-int-input-ids": ["generate", "--model", "tiny", "--input-ids", "1,x,3"],
@@ -113,7 +113,7 @@ def test_demo(cli_runs):
 # name -> (error type, parts of the message)
 BAD = {
     "bad-token-id": ("InvalidRequestError", ["input_ids[0] = 99999", "outside the vocabulary"]),
-    "over-context": ("RequestRejectedError", ["context length 4096", "by 907"]),
+    "over-context": ("RequestRejectedError", ["prompt has 4097 tokens", "context length is 4096", "over by 2"]),
     "bad-max-new-tokens": ("InvalidRequestError", ["max_new_tokens"]),
     "bad-model": ("ModelLoadError", ["no config.json"]),
     "non-int-input-ids": ("InvalidRequestError", ["input"]),

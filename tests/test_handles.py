@@ -96,7 +96,7 @@ async def test_cancelling_one_reader_aborts_for_all(tiny_engine):
         ({}, dict(input_ids=[1, 2, 999]), InvalidRequestError, "outside the vocabulary"),
         ({}, dict(input_ids=[1, 2.5]), InvalidRequestError, "not an int"),
         ({}, dict(input_ids=[1, 2], sampling=SamplingParams(suppress_tokens=[400])), InvalidRequestError, "suppress_tokens"),
-        ({"context_length": 64}, dict(input_ids=[1] * 60, sampling=SamplingParams(max_new_tokens=10)), RequestRejectedError, "context length 64 by 6"),
+        ({"context_length": 64}, dict(input_ids=[1] * 64, sampling=SamplingParams(max_new_tokens=10)), RequestRejectedError, "over by 1"),
         ({"kv_capacity_tokens": 64}, dict(input_ids=[1] * 60, sampling=SamplingParams(max_new_tokens=10)), RequestRejectedError, "KV cache capacity 64 by 6"),
         ({}, dict(input_ids=[1], metadata=5), InvalidRequestError, "metadata"),
     ],

@@ -54,6 +54,9 @@ class NativeBatchCore(BatchCore):
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.chunked)
 
+    def on_idle(self) -> None:
+        self.new_token_ratio = INIT_NEW_TOKEN_RATIO
+
     def num_waiting(self) -> int:
         return len(self.waiting)
 

@@ -80,6 +80,10 @@ class RequestData:
     finish_reason: str | None = None
     weight_version: str | None = None
     enforce_request_limits: bool = True
+    # Per-request input embeddings a stage builder may attach (prefill and decode);
+    # dropped as soon as the result is built, so they do not outlive the request.
+    input_embeds: Any = None
+    decode_input_embeds: Any = None
 
     @property
     def request_id(self) -> str:

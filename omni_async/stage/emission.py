@@ -131,6 +131,8 @@ class Emission:
         except errors.OmniAsyncError as err:
             self.fail(rid, err)
             return
+        finally:
+            data.input_embeds = data.decode_input_embeds = None
         self.live.pop(rid, None)
         self._forget(rid)
         self.send(OutgoingMessage(rid, "result", result))

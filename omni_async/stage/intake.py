@@ -22,7 +22,7 @@ from ..core.protocol import BatchCore
 from ..core.request import Request, RequestData
 from ..logs import debug_enabled, log
 from ..messages import IncomingMessage, RequestPayload
-from ..validation import check_sampling_against_vocab, validate_input_ids
+from ..request_checks import check_capacity, check_input_ids, check_sampling_vocab
 from .emission import Emission
 from .guard import call_user
 from .ids import IdWindow
@@ -56,6 +56,7 @@ class Intake:
         *,
         request_builder: RequestBuilder | None = None,
         request_build_ready: Callable[[Any, bool], bool] | None = None,
+        recheck_on_chunk: Callable[[str, Any], bool] | None = None,
         stream_chunk_handler: Callable[[RequestData, Any], None] | None = None,
         stream_done_handler: Callable[[RequestData], None] | None = None,
         on_build_done: Callable[[], None] | None = None,
@@ -77,6 +78,7 @@ class Intake:
             is_ready=_guarded_ready(request_build_ready) if request_build_ready else None,
             on_build_done=on_build_done,
             orphan_cap=_ORPHAN_INPUT_CAP,
+            recheck_on_chunk=_guarded_recheck(recheck_on_chunk) if recheck_on_chunk else None,
         )
 
     # ------------------------------------------------------------ arrivals
@@ -258,30 +260,13 @@ class Intake:
                 log.debug("scheduler_queue_enter", request_id=rid)
 
     def check_limits(self, req: Request, *, enforce: bool) -> None:
-        """Refuse what can never be served, saying which limit and by how much.
-
-        A request that cannot fit in the whole KV cache is refused whatever ``enforce``
-        says (it would hold the KV forever and starve every request behind it). With
-        ``enforce``, a prompt that does not fit the context is refused, and
-        ``max_new_tokens`` is clamped to what the context leaves."""
-        n_in = len(req.prompt_ids)
-        ctx = self.limits.context_length
-        if enforce:
-            if n_in >= ctx:
-                raise errors.RequestRejectedError(
-                    f"prompt has {n_in} tokens, the context length is {ctx}: it leaves no room for "
-                    f"a new token (over by {n_in - ctx + 1}); shorten the input")
-            room = ctx - n_in
-            if req.sampling.max_new_tokens > room:
-                s = req.sampling
-                req.sampling = dataclasses.replace(s, max_new_tokens=room, min_new_tokens=min(s.min_new_tokens, room))
-        n_new = req.sampling.max_new_tokens
-        cap = self.limits.kv_capacity_tokens
-        if n_in + n_new > cap:
-            raise errors.RequestRejectedError(
-                f"request needs {n_in + n_new} tokens of KV (input {n_in} + max_new_tokens {n_new}), "
-                f"over the KV cache capacity {cap} by {n_in + n_new - cap}; raise kv_capacity_tokens "
-                "(or kv_memory_fraction on CUDA) or lower max_new_tokens")
+        """See :func:`~omni_async.request_checks.check_capacity`: the KV guard always,
+        the context (refuse, or clamp ``max_new_tokens``) when limits are enforced."""
+        s = req.sampling
+        lim = self.limits
+        n_new = check_capacity(len(req.prompt_ids), s.max_new_tokens, lim.context_length, lim.kv_capacity_tokens, enforce=enforce)
+        if n_new < s.max_new_tokens:
+            req.sampling = dataclasses.replace(s, max_new_tokens=n_new, min_new_tokens=min(s.min_new_tokens, n_new))
 
     def default_request_builder(self, payload: Any) -> RequestData:
         """Build from a :class:`RequestPayload` (dicts are converted on arrival)."""
@@ -290,14 +275,13 @@ class Intake:
         sampling = payload.sampling
         if not isinstance(sampling, SamplingParams):
             raise errors.InvalidRequestError("sampling must be a SamplingParams")
-        n_in = len(payload.input_ids) if hasattr(payload.input_ids, "__len__") else 0
-        if n_in >= self.limits.context_length:  # before the per-token checks: O(1)
-            raise errors.RequestRejectedError(
-                f"prompt has {n_in} tokens, the context length is {self.limits.context_length}: it leaves "
-                f"no room for a new token (over by {n_in - self.limits.context_length + 1}); shorten the input")
-        ids = validate_input_ids(payload.input_ids, self.limits.vocab_size)
+        lim = self.limits
+        if hasattr(payload.input_ids, "__len__") and len(payload.input_ids) >= lim.context_length:
+            # O(1), before the per-token checks of a huge prompt
+            check_capacity(len(payload.input_ids), sampling.max_new_tokens, lim.context_length, lim.kv_capacity_tokens)
+        ids = check_input_ids(payload.input_ids, lim.vocab_size)
         sampling.validate()
-        check_sampling_against_vocab(sampling, self.limits.vocab_size)
+        check_sampling_vocab(sampling, lim.vocab_size)
         req = Request(rid=payload.request_id, prompt_ids=ids, sampling=sampling, eos_token_ids=self.limits.eos_token_ids)
         return RequestData(req=req, payload=payload)
 
@@ -372,6 +356,19 @@ def _malformed(msg: Any) -> str | None:
     if msg.type not in _MESSAGE_TYPES:
         return f"unknown message type {msg.type!r}; expected one of {', '.join(_MESSAGE_TYPES)}"
     return None
+
+
+def _guarded_recheck(fn: Callable[[str, Any], bool]) -> Callable[[str, Any], bool]:
+    """A raising re-check hook re-checks (the ready check then decides)."""
+
+    def recheck(rid: str, chunk: Any) -> bool:
+        try:
+            return bool(call_user("recheck_on_chunk", fn, rid, chunk))
+        except errors.OmniAsyncError as err:
+            log.error("scheduler_recheck_hook_failed", request_id=rid, error=str(err))
+            return True
+
+    return recheck
 
 
 def _guarded_ready(fn: Callable[[Any, bool], bool]) -> Callable[[Any, bool], bool]:

@@ -143,6 +143,7 @@ class Stepper:
             if batch is None:
                 return
         if batch is None:
+            self.core.on_idle()
             await self._wait_for_work()
             return
         await self._launch(batch, lookahead=False, trace="sync")

@@ -222,6 +222,10 @@ class SGLangBatchCore(BatchCore):
     def has_work(self) -> bool:
         return bool(self.waiting_queue or self.running_batch.reqs or self.chunked_req is not None)
 
+    def on_idle(self) -> None:
+        """SGLang's idle self-check: the new-token ratio back to its initial value."""
+        self.new_token_ratio_tracker = NewTokenRatioTracker.from_config()
+
     def num_waiting(self) -> int:
         return len(self.waiting_queue)
 
