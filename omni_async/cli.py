@@ -218,7 +218,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "generate":
         return runner(_generate(args))
     if args.command == "serve":
-        return runner(_serve(args))
+        try:
+            return runner(_serve(args))
+        except KeyboardInterrupt:  # uvicorn shut down cleanly, then passed Ctrl-C on
+            return 0
     if args.command == "pipeline-demo":
         from .pipeline import run_pipeline_demo
 
