@@ -111,15 +111,8 @@ class Engine:
 
     @classmethod
     async def load(
-        cls,
-        path_or_name: str,
-        *,
-        device: str = "cpu",
-        loop: str = "normal",
-        backend: str = "native",
-        dtype: Any = None,
-        seed: int = 0,
-        **limits: Any,
+        cls, path_or_name: str, *, device: str = "cpu", loop: str = "normal", backend: str = "native",
+        dtype: Any = None, seed: int = 0, **limits: Any,
     ) -> "Engine":
         """``from_pretrained`` in a worker thread: reading and building a checkpoint takes
         seconds, and the event loop keeps serving meanwhile. Same arguments; the engine
@@ -276,16 +269,9 @@ class Engine:
         return handle
 
     async def generate(
-        self,
-        prompt: str | None = None,
-        *,
-        input_ids: list[int] | None = None,
-        messages: list[dict[str, Any]] | None = None,
-        sampling: SamplingParams | dict[str, Any] | None = None,
-        request_id: str | None = None,
-        metadata: dict[str, Any] | None = None,
-        add_special_tokens: bool = True,
-        **unknown: Any,
+        self, prompt: str | None = None, *, input_ids: list[int] | None = None, messages: list[dict[str, Any]] | None = None,
+        sampling: SamplingParams | dict[str, Any] | None = None, request_id: str | None = None,
+        metadata: dict[str, Any] | None = None, add_special_tokens: bool = True, **unknown: Any,
     ) -> GenerationResult:
         """Submit one request and await its result (the arguments of :meth:`submit`)."""
         handle = await self.submit(
@@ -295,16 +281,9 @@ class Engine:
         return await handle.result()
 
     async def stream(
-        self,
-        prompt: str | None = None,
-        *,
-        input_ids: list[int] | None = None,
-        messages: list[dict[str, Any]] | None = None,
-        sampling: SamplingParams | dict[str, Any] | None = None,
-        request_id: str | None = None,
-        metadata: dict[str, Any] | None = None,
-        add_special_tokens: bool = True,
-        **unknown: Any,
+        self, prompt: str | None = None, *, input_ids: list[int] | None = None, messages: list[dict[str, Any]] | None = None,
+        sampling: SamplingParams | dict[str, Any] | None = None, request_id: str | None = None,
+        metadata: dict[str, Any] | None = None, add_special_tokens: bool = True, **unknown: Any,
     ) -> AsyncIterator[StreamDelta]:
         """Submit one request and yield its deltas (the arguments of :meth:`submit`)."""
         handle = await self.submit(

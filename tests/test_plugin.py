@@ -59,3 +59,19 @@ async def test_module_scoped_engine_recipe(module_engine, prompt):
     assert module_engine.event_loop is asyncio.get_running_loop()
     res = await module_engine.generate(prompt=prompt, sampling=SP)
     assert len(res.output_ids) == 4
+
+
+async def test_random_checkpoint_agrees_with_transformers(omni_engine_factory, omni_checkpoint):
+    """The written folder is a real Hugging Face checkpoint: transformers loads it, its
+    tokenizer encodes as ours does, and greedy tokens agree."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(omni_checkpoint, dtype=torch.float32).eval()
+    ids = AutoTokenizer.from_pretrained(omni_checkpoint)("héllo")["input_ids"]
+    with torch.no_grad():
+        hf = model.generate(torch.tensor([ids]), max_new_tokens=8, min_new_tokens=8, do_sample=False)[0, len(ids):].tolist()
+    engine = await omni_engine_factory(omni_checkpoint)
+    ours = await engine.generate(prompt="héllo", sampling=SamplingParams(max_new_tokens=8, ignore_eos=True))
+    assert ours.prompt_ids == ids
+    assert ours.output_ids == hf
