@@ -153,7 +153,7 @@ async def test_queue_full_is_429():
 
         async def one() -> object:
             try:
-                stream = await client.completions.create(model="tiny", prompt="x", max_tokens=64, stream=True, extra_body=EXTRA)
+                stream = await client.completions.create(model="tiny", prompt="x", max_tokens=400, stream=True, extra_body=EXTRA)
                 return len([c async for c in stream])
             except openai.RateLimitError as exc:
                 return exc
