@@ -78,10 +78,13 @@ class GpuSampler:
         return statistics.mean(self.samples) if self.samples else None
 
 
+PREFILL_TOKENS = 8192
+
+
 def engine(path: Path, loop: str, max_running: int, launch: str = "auto") -> Engine:
     return Engine.from_pretrained(
         str(path), device="cuda", loop=loop, dtype="bfloat16", kv_capacity_tokens=1 << 20, step_launch=launch,
-        max_running_requests=max_running, max_prefill_tokens=8192, chunked_prefill_size=8192,
+        max_running_requests=max_running, max_prefill_tokens=PREFILL_TOKENS, chunked_prefill_size=PREFILL_TOKENS,
         max_queued_requests=8192, cuda_graph_max_len=1024,
     )
 
@@ -218,6 +221,7 @@ async def section_floor(path: Path, sizes: list[int]) -> dict:
 
 
 def main() -> None:
+    global PREFILL_TOKENS
     import uvloop
 
     ap = argparse.ArgumentParser()
@@ -225,12 +229,15 @@ def main() -> None:
     ap.add_argument("--sections", default="w256,scale,floor")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--loops", default=",".join(LOOPS))
+    ap.add_argument("--prefill-tokens", type=int, default=PREFILL_TOKENS, help="max_prefill_tokens and chunked_prefill_size")
     ap.add_argument("--launches", default="auto", help="step_launch variants to compare, e.g. thread,inline")
     ap.add_argument("--scale-loop", default="overlap")
     ap.add_argument("--scale-sizes", default="64,128,256,512")
     ap.add_argument("--floor-sizes", default="8,32,64,128,256")
     ap.add_argument("--profile", default="", help="write a cProfile of the loop thread (top functions) here")
     args = ap.parse_args()
+    PREFILL_TOKENS = args.prefill_tokens
+    RESULTS["config"] = {"prefill_tokens": PREFILL_TOKENS, "launches": args.launches}
     RESULTS["machine"] = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "cpu_count": os.cpu_count(),
                           "date": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())}
     path = make_checkpoint(Path("/tmp/omni_bench/qwen05"), QWEN05)

@@ -6,6 +6,7 @@ from .engine import Engine, RequestHandle
 from .loopbridge import EventLoopMismatchError
 from .messages import CompletionOutput, GenerationResult, IncomingMessage, OutgoingMessage, RequestPayload, StreamDelta
 from .scheduler import AsyncOmniScheduler
+from .version import __version__
 
 __all__ = [
     "AsyncOmniScheduler",
@@ -20,6 +21,6 @@ __all__ = [
     "SamplingParams",
     "SchedulerConfig",
     "StreamDelta",
+    "__version__",
     "errors",
 ]
-__version__ = "0.1.0"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,7 +19,14 @@ from .runners.native import NativeModelRunner
 from .scheduler import AsyncOmniScheduler, ModelLimits
 from .weights import NativeModelWorker
 
+# CPU KV when kv_capacity_tokens is not given: this fraction of the memory available now,
+# within [CPU_KV_MIN_TOKENS, CPU_KV_MAX_TOKENS] (the cap keeps start-up and tests quick;
+# give kv_capacity_tokens for more). DEFAULT_CPU_KV_TOKENS is used when the available
+# memory cannot be read.
 DEFAULT_CPU_KV_TOKENS = 32768
+CPU_KV_MEMORY_FRACTION = 0.1
+CPU_KV_MIN_TOKENS = 2048
+CPU_KV_MAX_TOKENS = 65536
 
 
 @dataclass
@@ -41,8 +49,33 @@ def kv_pages_for(config: SchedulerConfig, loaded: LoadedModel, device: torch.dev
         per_token = PagedKVCache.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype)
         tokens = int(free * config.kv_memory_fraction) // per_token
     else:
-        tokens = DEFAULT_CPU_KV_TOKENS
+        per_token = PagedKVCache.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype)
+        tokens = cpu_kv_tokens(per_token)
     return max(1, tokens // config.page_size)
+
+
+def available_memory_bytes() -> int | None:
+    """Memory available to new allocations now (psutil when installed, else sysconf)."""
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().available)
+    except Exception:
+        pass
+    try:
+        return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def cpu_kv_tokens(bytes_per_token: int) -> int:
+    """Why not a constant: 32k tokens of a large model's KV can exceed a small machine's
+    memory, and are needlessly few on a big one."""
+    avail = available_memory_bytes()
+    if avail is None:
+        return DEFAULT_CPU_KV_TOKENS
+    tokens = int(avail * CPU_KV_MEMORY_FRACTION) // max(1, bytes_per_token)
+    return max(CPU_KV_MIN_TOKENS, min(CPU_KV_MAX_TOKENS, tokens))
 
 
 def build_native_stack(

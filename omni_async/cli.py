@@ -1,4 +1,5 @@
-"""Command line: ``omni-async demo`` (the embedded default job) and ``omni-async generate``."""
+"""Command line: ``omni-async demo`` (the embedded default job), ``generate``, ``serve``
+(the OpenAI-compatible server, extra ``[serve]``) and ``pipeline-demo``."""
 
 from __future__ import annotations
 
@@ -8,9 +9,11 @@ import sys
 import time
 
 from . import errors
-from .config import LOOP_KINDS, SamplingParams
+from .cli_options import add_model_flags, engine_limits, env_default
+from .config import SamplingParams
 from .engine import Engine
 from .logs import configure_cli_logging
+from .version import __version__
 
 DEMO_PROMPTS = [
     "The thinker writes text; the talker speaks it.",
@@ -23,11 +26,7 @@ DEMO_PROMPTS = [
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="tiny", help="a Hugging Face style folder, or 'tiny' (built in)")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--loop", default="normal", choices=LOOP_KINDS)
-    p.add_argument("--dtype", default=None)
-    p.add_argument("--log-level", default="WARNING")
+    add_model_flags(p)
 
 
 def _sampling(args: argparse.Namespace) -> SamplingParams:
@@ -41,19 +40,43 @@ def _sampling(args: argparse.Namespace) -> SamplingParams:
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, max_new: int) -> None:
-    p.add_argument("--max-new-tokens", type=int, default=max_new)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--max-new-tokens", type=int, default=max_new, help="tokens to generate at most")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    p.add_argument("--top-k", type=int, default=0, help="0 keeps every token")
     p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--seed", type=int, default=None, help="the request's sampling seed")
 
 
-def _load(args: argparse.Namespace) -> Engine | None:
+async def _load(args: argparse.Namespace) -> Engine | None:
+    """Load in a worker thread (Engine.load) while the loop shows that it is working:
+    a live elapsed-time line on a terminal, one line when it is done."""
+    tty = sys.stderr.isatty()
+    start = time.perf_counter()
+
+    async def progress() -> None:
+        frames = "|/-\\"
+        i = 0
+        while True:
+            print(f"\rloading {args.model} {frames[i % 4]} {time.perf_counter() - start:5.1f} s", end="", file=sys.stderr, flush=True)
+            i += 1
+            await asyncio.sleep(0.1)
+
+    ticker = asyncio.create_task(progress()) if tty else None
     try:
-        return Engine.from_pretrained(args.model, device=args.device, loop=args.loop, dtype=args.dtype)
+        engine = await Engine.load(
+            args.model, device=args.device, loop=args.loop, backend=args.backend, dtype=args.dtype, seed=args.engine_seed, **engine_limits(args)
+        )
     except errors.OmniAsyncError as exc:
+        if tty:
+            print(file=sys.stderr)
         print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
         return None
+    finally:
+        if ticker is not None:
+            ticker.cancel()
+    if tty or args.command == "serve":
+        print(f"\rloaded {args.model} in {time.perf_counter() - start:.1f} s" + " " * 8, file=sys.stderr)
+    return engine
 
 
 def _demo_header(args: argparse.Namespace, prompts: list[str]) -> None:
@@ -74,7 +97,7 @@ def _demo_header(args: argparse.Namespace, prompts: list[str]) -> None:
 
 
 async def _demo(args: argparse.Namespace) -> int:
-    engine = _load(args)
+    engine = await _load(args)
     if engine is None:
         return 2
     prompts = (DEMO_PROMPTS * (args.requests // len(DEMO_PROMPTS) + 1))[: args.requests]
@@ -116,7 +139,7 @@ async def _generate(args: argparse.Namespace) -> int:
     except ValueError:
         print("error: InvalidRequestError: --input-ids must be comma-separated integers", file=sys.stderr)
         return 2
-    engine = _load(args)
+    engine = await _load(args)
     if engine is None:
         return 2
     async with engine:
@@ -136,23 +159,53 @@ async def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="omni-async")
+async def _serve(args: argparse.Namespace) -> int:
+    try:
+        from .server import serve
+    except ImportError as exc:
+        print(f"error: ConfigError: omni-async serve needs the serve extra (pip install 'omni-async[serve]'): {exc}", file=sys.stderr)
+        return 2
+    engine = await _load(args)
+    if engine is None:
+        return 2
+    await serve(engine, host=args.host, port=args.port, log_level=args.log_level, model_name=args.served_model_name)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    fmt = argparse.ArgumentDefaultsHelpFormatter
+    parser = argparse.ArgumentParser(prog="omni-async", description=__doc__, formatter_class=fmt)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="stream several concurrent requests and print tokens/s")
+    demo = sub.add_parser("demo", help="stream several concurrent requests and print tokens/s", formatter_class=fmt)
     _add_model_args(demo)
     _add_sampling_args(demo, 48)
-    demo.add_argument("--requests", type=int, default=8)
+    demo.add_argument("--requests", type=int, default=8, help="requests sent at once")
     demo.add_argument("--show", type=int, default=2, help="print the stream of this many requests")
-    gen = sub.add_parser("generate", help="generate from a prompt or token ids")
+    gen = sub.add_parser("generate", help="generate from a prompt or token ids", formatter_class=fmt)
     _add_model_args(gen)
     _add_sampling_args(gen, 32)
     group = gen.add_mutually_exclusive_group(required=True)
-    group.add_argument("--prompt")
+    group.add_argument("--prompt", help="text, encoded with the model's tokenizer")
     group.add_argument("--input-ids", help="comma-separated token ids")
-    pipe = sub.add_parser("pipeline-demo", help="a thinker streaming into a talker in one event loop")
+    serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (extra [serve])", formatter_class=fmt)
+    _add_model_args(serve)
+    serve.add_argument("--host", default=env_default("host", "127.0.0.1"), help="address to listen on [env OMNI_ASYNC_HOST]")
+    serve.add_argument("--port", type=int, default=env_default("port", 8000, int), help="port to listen on [env OMNI_ASYNC_PORT]")
+    serve.add_argument(
+        "--served-model-name", default=env_default("served_model_name", None),
+        help="the model id clients send; None: the folder's name, or tiny [env OMNI_ASYNC_SERVED_MODEL_NAME]",
+    )
+    pipe = sub.add_parser("pipeline-demo", help="a thinker streaming into a talker in one event loop (built-in tiny models)", formatter_class=fmt)
     _add_model_args(pipe)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command == "pipeline-demo" and args.model != "tiny":
+        parser.error("pipeline-demo runs the built-in tiny thinker and talker; --model other than tiny is not supported")
     configure_cli_logging(args.log_level)
     try:
         import uvloop
@@ -164,6 +217,11 @@ def main(argv: list[str] | None = None) -> int:
         return runner(_demo(args))
     if args.command == "generate":
         return runner(_generate(args))
+    if args.command == "serve":
+        try:
+            return runner(_serve(args))
+        except KeyboardInterrupt:  # uvicorn shut down cleanly, then passed Ctrl-C on
+            return 0
     if args.command == "pipeline-demo":
         from .pipeline import run_pipeline_demo
 

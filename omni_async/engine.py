@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import hashlib
 import itertools
+import time
 import uuid
 from typing import Any, AsyncIterator
 
@@ -24,6 +26,7 @@ from .chat import render_chat_ids
 from .completion import Completion
 from .config import SAMPLING_SEED_MASK, SamplingParams, SchedulerConfig
 from .handle import RequestHandle
+from .logs import log
 from .loopbridge import call_soon_on, maybe_marshal
 from .messages import GenerationResult, IncomingMessage, OutgoingMessage, RequestPayload, StreamDelta
 from .request_checks import check_request
@@ -91,8 +94,33 @@ class Engine:
         """Load a Hugging Face style folder or ``"tiny"``. ``limits`` are SchedulerConfig fields."""
         check_device(device)
         config = SchedulerConfig.from_kwargs(loop=loop, **limits)
+        started = time.perf_counter()
         built = build_stage(backend, path_or_name, config=config, device=device, dtype=dtype, seed=seed)
-        return cls(built.scheduler, tokenizer=built.tokenizer, stack=built.stack)
+        engine = cls(built.scheduler, tokenizer=built.tokenizer, stack=built.stack)
+        log.info(
+            "engine_model_loaded",
+            model=str(path_or_name),
+            backend=backend,
+            device=str(device),
+            loop=loop,
+            load_seconds=round(time.perf_counter() - started, 4),
+            kv_capacity_tokens=built.scheduler.limits.kv_capacity_tokens,
+            context_length=built.scheduler.limits.context_length,
+        )
+        return engine
+
+    @classmethod
+    async def load(
+        cls, path_or_name: str, *, device: str = "cpu", loop: str = "normal", backend: str = "native",
+        dtype: Any = None, seed: int = 0, **limits: Any,
+    ) -> "Engine":
+        """``from_pretrained`` in a worker thread: reading and building a checkpoint takes
+        seconds, and the event loop keeps serving meanwhile. Same arguments; the engine
+        starts on first use (or ``async with``) in the calling loop."""
+        build = functools.partial(
+            cls.from_pretrained, path_or_name, device=device, loop=loop, backend=backend, dtype=dtype, seed=seed, **limits
+        )
+        return await anyio.to_thread.run_sync(build)
 
     @property
     def event_loop(self) -> asyncio.AbstractEventLoop | None:
@@ -128,6 +156,7 @@ class Engine:
         await asyncio.wait({serving, self._serve_task}, return_when=asyncio.FIRST_COMPLETED)
         if not serving.done():
             self._serve_task.result()  # the scheduler failed to start: raise its error
+        log.info("engine_started", loop=self.scheduler.config.loop)
 
     async def aclose(self) -> None:
         """End every open request (SchedulerClosedError), stop the loop and the worker."""
@@ -143,6 +172,7 @@ class Engine:
         task, self._serve_task = self._serve_task, None
         if task is not None:
             await asyncio.shield(task)
+        log.info("engine_stopped")
 
     def _deliver(self, messages: list[OutgoingMessage]) -> None:
         """The stage's output sink: one step's messages, routed to their handles on the
@@ -238,12 +268,28 @@ class Engine:
         self._handles[rid] = handle
         return handle
 
-    async def generate(self, prompt: str | None = None, **kwargs: Any) -> GenerationResult:
-        handle = await self.submit(prompt, **kwargs)
+    async def generate(
+        self, prompt: str | None = None, *, input_ids: list[int] | None = None, messages: list[dict[str, Any]] | None = None,
+        sampling: SamplingParams | dict[str, Any] | None = None, request_id: str | None = None,
+        metadata: dict[str, Any] | None = None, add_special_tokens: bool = True, **unknown: Any,
+    ) -> GenerationResult:
+        """Submit one request and await its result (the arguments of :meth:`submit`)."""
+        handle = await self.submit(
+            prompt, input_ids=input_ids, messages=messages, sampling=sampling, request_id=request_id,
+            metadata=metadata, add_special_tokens=add_special_tokens, **unknown,
+        )
         return await handle.result()
 
-    async def stream(self, prompt: str | None = None, **kwargs: Any) -> AsyncIterator[StreamDelta]:
-        handle = await self.submit(prompt, **kwargs)
+    async def stream(
+        self, prompt: str | None = None, *, input_ids: list[int] | None = None, messages: list[dict[str, Any]] | None = None,
+        sampling: SamplingParams | dict[str, Any] | None = None, request_id: str | None = None,
+        metadata: dict[str, Any] | None = None, add_special_tokens: bool = True, **unknown: Any,
+    ) -> AsyncIterator[StreamDelta]:
+        """Submit one request and yield its deltas (the arguments of :meth:`submit`)."""
+        handle = await self.submit(
+            prompt, input_ids=input_ids, messages=messages, sampling=sampling, request_id=request_id,
+            metadata=metadata, add_special_tokens=add_special_tokens, **unknown,
+        )
         async for delta in handle:
             yield delta
 

@@ -11,6 +11,9 @@ import torch
 
 from omni_async import Engine
 
+# The package's pytest plugin (also registered by its pytest11 entry point when installed).
+pytest_plugins = ["omni_async.testing"]
+
 LOOPS = ["normal", "overlap", "async_decode"]
 
 _SGLANG_TESTS = Path(__file__).parent / "sglang"

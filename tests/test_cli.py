@@ -28,6 +28,11 @@ COMMANDS = {
     "bad-max-new-tokens": ["generate", "--model", "tiny", "--input-ids", "1,2,3", "--max-new-tokens", "0"],
     "bad-model": ["generate", "--model", str(REPO / "no-such-model-folder"), "--input-ids", "1,2,3"],
     "non-int-input-ids": ["generate", "--model", "tiny", "--input-ids", "1,x,3"],
+    "version": ["--version"],
+    "bad-log-level": ["generate", "--input-ids", "1", "--log-level", "chatty"],
+    "pipeline-other-model": ["pipeline-demo", "--model", "/some/folder"],
+    "limit-flag": ["generate", "--input-ids", "1,2,3", "--max-new-tokens", "40", "--context-length", "32"],
+    "help": ["serve", "--help"],
 }
 
 
@@ -135,3 +140,75 @@ def test_bad_input_exits_with_typed_error(cli_runs, name):
     for part in parts:
         assert part in line, line
     assert "output_ids" not in run.stdout
+
+
+def test_version(cli_runs):
+    from omni_async import __version__
+
+    run = cli_runs["version"]
+    assert run.returncode == 0 and run.stdout.strip() == f"omni-async {__version__}"
+
+
+@pytest.mark.parametrize("name,part", [("bad-log-level", "invalid log level 'chatty'"), ("pipeline-other-model", "--model other than tiny")])
+def test_refused_arguments(cli_runs, name, part):
+    run = cli_runs[name]
+    assert run.returncode == 2 and part in run.stderr, run.stderr
+
+
+def test_engine_limit_flag_reaches_the_engine(cli_runs):
+    run = cli_runs["limit-flag"]  # --context-length 32: 3 + 40 tokens do not fit
+    assert run.returncode == 2
+    assert run.stderr.strip().splitlines()[-1].startswith("error: RequestRejectedError: ")
+    assert "over the context length 32 by 11" in run.stderr
+
+
+def test_help_shows_every_limit_with_default_and_variable(cli_runs):
+    import dataclasses
+
+    from omni_async import SchedulerConfig
+
+    text = " ".join(cli_runs["help"].stdout.split())
+    for f in dataclasses.fields(SchedulerConfig):
+        if f.name == "loop":
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        assert flag in text, flag
+        assert f"[env OMNI_ASYNC_{f.name.upper()}] (default: {f.default})" in text, f.name
+
+
+def test_serve_command(tmp_path):
+    """``omni-async serve`` on a free port, configured by a flag and a variable, answers
+    /v1/models and stops cleanly on SIGINT."""
+    import json
+    import os
+    import signal
+    import socket
+    import time
+    import urllib.request
+
+    pytest.importorskip("fastapi")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, OMNI_ASYNC_SERVED_MODEL_NAME="my-tiny")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "omni_async.cli", "serve", "--port", str(port), "--context-length", "1024"],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=5) as resp:
+                    models = json.loads(resp.read())
+                break
+            except OSError:
+                assert proc.poll() is None, proc.communicate()[1]
+                assert time.monotonic() < deadline, "server did not start"
+                time.sleep(0.2)
+        assert [(m["id"], m["max_model_len"]) for m in models["data"]] == [("my-tiny", 1024)]
+    finally:
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    assert "loaded tiny" in err and "Traceback" not in err

@@ -1,0 +1,177 @@
+"""Prometheus metrics for an Engine (prometheus-client, in the ``serve`` extra).
+
+Two sources, so neither the stage nor the request path pays for the other:
+
+- stage figures (running and waiting requests, KV pages, steps, tokens out) are read from
+  ``engine.scheduler.info()`` when the registry is scraped, not on every step;
+- per-request figures (requests by finish reason, prompt and generated tokens, time to
+  first token, inter-token latency, end-to-end latency) are recorded where a request's
+  output passes: :meth:`EngineMetrics.observe` wraps the iteration of a handle. The HTTP
+  server does this for every request; an application embedding the engine does the same.
+
+``registry`` is an ordinary ``CollectorRegistry``: mount it in your own app with
+``prometheus_client.make_asgi_app(registry=metrics.registry)`` or render it with
+:meth:`EngineMetrics.render`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import TYPE_CHECKING, Any, AsyncIterator, Iterator
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from . import errors
+from .messages import GenerationResult, StreamDelta
+
+if TYPE_CHECKING:
+    from .engine import Engine
+    from .handle import RequestHandle
+
+__all__ = ["CONTENT_TYPE_LATEST", "EngineMetrics"]
+
+PREFIX = "omni_async"
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+_STEP_BUCKETS = (0.0005, 0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.064, 0.128, 0.256, 0.512, 1.0, 2.0)
+
+
+class StageCollector:
+    """Reads the stage's counters at scrape time (a custom collector: no per-step cost)."""
+
+    def __init__(self, engine: "Engine") -> None:
+        self._engine = engine
+
+    def describe(self) -> list[Any]:
+        return []  # unchecked: the figures depend on what info() reports
+
+    def collect(self) -> Iterator[Any]:
+        info = self._engine.scheduler.info()
+        total = int(info.get("kv_total_pages", 0))
+        free = int(info.get("kv_free_pages", total))
+        gauges = {
+            "requests_running": ("Requests in the running batch", info.get("running_batch_size", 0)),
+            "requests_waiting": ("Requests waiting for admission or a first step", info.get("waiting_queue_size", 0)),
+            "kv_pages_used": ("KV cache pages in use", total - free),
+            "kv_pages_total": ("KV cache pages in all", total),
+            "kv_cache_usage_ratio": ("Fraction of KV cache pages in use", (total - free) / total if total else 0.0),
+        }
+        for name, (doc, value) in gauges.items():
+            yield GaugeMetricFamily(f"{PREFIX}_{name}", doc, value=float(value))
+        counters = {
+            "steps": ("Model steps run by the stage", info.get("steps", 0)),
+            "stage_tokens": ("Tokens produced by the stage (all requests)", info.get("tokens_out", 0)),
+            "failed_steps": ("Model steps that raised", info.get("failed_steps", 0)),
+            "retractions": ("Requests retracted under KV pressure", info.get("num_retractions", 0)),
+        }
+        for name, (doc, value) in counters.items():
+            yield CounterMetricFamily(f"{PREFIX}_{name}", doc, value=float(value))
+
+
+class RequestTimer:
+    """One request's timings; fed by :meth:`EngineMetrics.observe`."""
+
+    def __init__(self, metrics: "EngineMetrics") -> None:
+        self._m = metrics
+        self.start = time.perf_counter()
+        self.first_token_at: float | None = None
+        self._last: dict[int, float] = {}
+        self.done = False
+
+    def on_delta(self, delta: StreamDelta) -> None:
+        n = len(delta.token_ids)
+        if n == 0:
+            return
+        now = time.perf_counter()
+        if self.first_token_at is None:
+            self.first_token_at = now
+            self._m.time_to_first_token.observe(now - self.start)
+        prev = self._last.get(delta.index)
+        if prev is not None:
+            gap = (now - prev) / n  # a merged delta spreads its interval over its tokens
+            for _ in range(n):
+                self._m.inter_token_latency.observe(gap)
+        self._last[delta.index] = now
+
+    def finish(self, result: Any) -> None:
+        if self.done:
+            return
+        self.done = True
+        self._m.e2e_latency.observe(time.perf_counter() - self.start)
+        if isinstance(result, GenerationResult):
+            outputs = result.outputs or []
+            reason = result.finish_reason or "unknown"
+            self._m.prompt_tokens.inc(len(result.prompt_ids))
+            self._m.generation_tokens.inc(sum(len(o.output_ids) for o in outputs) if outputs else len(result.output_ids))
+        else:
+            reason = "unknown"
+        self._m.requests.labels(finish_reason=reason).inc()
+
+    def fail(self, exc: BaseException | None) -> None:
+        if self.done:
+            return
+        self.done = True
+        self._m.e2e_latency.observe(time.perf_counter() - self.start)
+        reason = "abort" if exc is None or isinstance(exc, errors.RequestAbortedError) else "error"
+        self._m.requests.labels(finish_reason=reason).inc()
+
+
+class EngineMetrics:
+    """The metrics of one engine in a registry of their own (or one you pass)."""
+
+    def __init__(self, engine: "Engine | None" = None, *, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(f"{PREFIX}_requests", "Finished requests by finish reason (abort and error included)", ["finish_reason"], registry=r)
+        self.prompt_tokens = Counter(f"{PREFIX}_prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.generation_tokens = Counter(f"{PREFIX}_generation_tokens", "Generated tokens of finished requests", registry=r)
+        self.time_to_first_token = Histogram(
+            f"{PREFIX}_time_to_first_token_seconds", "Submit to first streamed token", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.inter_token_latency = Histogram(
+            f"{PREFIX}_inter_token_latency_seconds", "Time between a completion's streamed tokens", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.e2e_latency = Histogram(
+            f"{PREFIX}_e2e_request_latency_seconds", "Submit to the request's end", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.step_time = Histogram(
+            f"{PREFIX}_step_duration_seconds", "Duration of one model step (fed by observe_step)", buckets=_STEP_BUCKETS, registry=r
+        )
+        if engine is not None:
+            self.attach(engine)
+
+    def attach(self, engine: "Engine") -> None:
+        """Export ``engine``'s stage figures from this registry."""
+        self.registry.register(StageCollector(engine))
+
+    def timer(self) -> RequestTimer:
+        return RequestTimer(self)
+
+    def observe_step(self, seconds: float) -> None:
+        """Record one step's duration (for a stage hook that reports each step)."""
+        self.step_time.observe(seconds)
+
+    async def observe(self, handle: "RequestHandle") -> AsyncIterator[StreamDelta]:
+        """Iterate ``handle`` (its deltas, unchanged) and record the request's figures.
+        Leaving early aborts the request, as leaving the handle's own stream does."""
+        timer = self.timer()
+        try:
+            async with contextlib.aclosing(handle.__aiter__()) as deltas:
+                async for delta in deltas:
+                    timer.on_delta(delta)
+                    yield delta
+        except BaseException as exc:
+            timer.fail(exc if isinstance(exc, Exception) else None)
+            raise
+        timer.finish(await handle.result())
+
+    async def result(self, handle: "RequestHandle") -> Any:
+        """Await ``handle``'s result, recording its figures on the way."""
+        async for _ in self.observe(handle):
+            pass
+        return await handle.result()
+
+    def render(self) -> bytes:
+        """The registry in Prometheus' text format (``CONTENT_TYPE_LATEST``)."""
+        return generate_latest(self.registry)

@@ -1,0 +1,13 @@
+"""The OpenAI-compatible HTTP server (``pip install 'omni-async[serve]'``).
+
+``create_app(engine)`` gives the ASGI app; ``serve(engine, host=..., port=...)`` runs it
+on uvicorn; ``running_server(engine)`` serves for the length of an ``async with`` block.
+The command line is ``omni-async serve``.
+"""
+
+from __future__ import annotations
+
+from .app import OpenAIServer, create_app, default_model_name
+from .run import running_server, serve
+
+__all__ = ["OpenAIServer", "create_app", "default_model_name", "running_server", "serve"]

@@ -1,0 +1,219 @@
+"""The OpenAI-compatible ASGI app (FastAPI) over one Engine.
+
+Routes: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions``
+(whole or SSE-streamed), ``GET /health``, ``GET /metrics``.
+
+Errors come before the stream starts: ``Engine.submit`` raises typed errors early, and a
+streamed response waits for the request's first delta (or its error, e.g. queue full)
+before it sends its headers, so a client gets a status code it can act on instead of an
+error inside a 200 stream. A client that goes away aborts its request: the streamed
+response's generator is closed (which closes the handle's stream), and a whole response
+races the result against the ``http.disconnect`` message.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from typing import Any, AsyncIterator, Awaitable
+
+import anyio
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from .. import errors
+from ..chat import render_chat_ids
+from ..engine import Engine
+from ..handle import RequestHandle
+from ..logs import log
+from ..metrics import CONTENT_TYPE_LATEST, EngineMetrics
+from ..version import __version__
+from .errors import body_of, error_body
+from .protocol import DEFAULT_COMPLETION_MAX_TOKENS, ChatCompletionRequest, CompletionRequest
+from .responses import ResponseContext, usage
+
+__all__ = ["create_app", "default_model_name"]
+
+
+def default_model_name(model: str) -> str:
+    """``tiny`` stays ``tiny``; a folder is served under its last path component."""
+    return os.path.basename(os.path.normpath(model)) or model
+
+
+def _sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+async def _until_disconnect(request: Request, work: Awaitable[Any]) -> tuple[bool, Any]:
+    """Await ``work`` unless the client disconnects first (then ``work`` is cancelled,
+    which aborts its request). Returns (completed, value)."""
+    outcome: list[Any] = []
+    async with anyio.create_task_group() as tg:
+
+        async def watch() -> None:
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+            tg.cancel_scope.cancel()
+
+        tg.start_soon(watch)
+        outcome.append(await work)
+        tg.cancel_scope.cancel()
+    return (True, outcome[0]) if outcome else (False, None)
+
+
+class OpenAIServer:
+    """Route handlers bound to one engine, its metrics and its served model name."""
+
+    def __init__(self, engine: Engine, metrics: EngineMetrics, model_name: str) -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self.model_name = model_name
+
+    def check_model(self, model: str) -> JSONResponse | None:
+        if model != self.model_name:
+            body = error_body(f"model {model!r} is not served here; this server serves {self.model_name!r}", 404, code="model_not_found", param="model")
+            return JSONResponse(body, status_code=404)
+        return None
+
+    def models(self) -> dict[str, Any]:
+        card = {
+            "id": self.model_name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "omni-async",
+            "max_model_len": self.engine.scheduler.limits.context_length,
+        }
+        return {"object": "list", "data": [card]}
+
+    async def completions(self, body: CompletionRequest, request: Request) -> Response:
+        wrong = self.check_model(body.model)
+        if wrong is not None:
+            return wrong
+        max_tokens = body.max_tokens if body.max_tokens is not None else DEFAULT_COMPLETION_MAX_TOKENS
+        sampling = body.sampling(max_tokens, top_logprobs=body.logprobs)
+        handle = await self.engine.submit(**body.engine_input(), sampling=sampling)
+        ctx = ResponseContext("completion", self.model_name, self.engine.tokenizer, logprobs=body.logprobs is not None)
+        return await self.respond(request, handle, ctx, stream=body.stream, n=body.n, include_usage=body.include_usage())
+
+    async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
+        wrong = self.check_model(body.model)
+        if wrong is not None:
+            return wrong
+        ids = render_chat_ids(self.engine.tokenizer, body.engine_messages())
+        max_tokens = body.requested_max_tokens()
+        if max_tokens is None:  # as much as the context (and the KV cache) leaves
+            limits = self.engine.scheduler.limits
+            max_tokens = max(1, min(limits.context_length, limits.kv_capacity_tokens) - len(ids))
+        top = body.chat_top_logprobs()
+        handle = await self.engine.submit(input_ids=ids, sampling=body.sampling(max_tokens, top_logprobs=top))
+        ctx = ResponseContext("chat", self.model_name, self.engine.tokenizer, logprobs=top is not None)
+        return await self.respond(request, handle, ctx, stream=body.stream, n=body.n, include_usage=body.include_usage())
+
+    async def respond(self, request: Request, handle: RequestHandle, ctx: ResponseContext, *, stream: bool, n: int, include_usage: bool) -> Response:
+        if not stream:
+            completed, result = await _until_disconnect(request, self.metrics.result(handle))
+            if not completed:
+                return Response(status_code=499)  # nobody is listening any more
+            return JSONResponse(ctx.response(result))
+        deltas = self.metrics.observe(handle)
+        try:
+            first = await deltas.__anext__()
+        except StopAsyncIteration:
+            first = None
+        except BaseException:
+            await deltas.aclose()
+            raise  # a typed error: answered with its status code by the handler
+        return StreamingResponse(self.events(handle, ctx, deltas, first, n, include_usage), media_type="text/event-stream")
+
+    async def events(
+        self, handle: RequestHandle, ctx: ResponseContext, deltas: AsyncIterator[Any], first: Any, n: int, include_usage: bool
+    ) -> AsyncIterator[str]:
+        """The SSE stream: role chunks (chat), one chunk per delta, a closing chunk for a
+        completion whose last delta carried no finish reason, usage, ``[DONE]``."""
+        finished: set[int] = set()
+        offsets = [0] * n
+        try:
+            if ctx.kind == "chat":
+                for i in range(n):
+                    yield _sse(ctx.chunk([ctx.role_choice(i)]))
+            pending = [first] if first is not None else []
+            while True:
+                for delta in pending:
+                    if delta.finished:
+                        finished.add(delta.index)
+                    if delta.text or delta.finished or (ctx.logprobs and delta.token_ids):
+                        yield _sse(ctx.chunk([ctx.delta_choice(delta, offsets[delta.index])]))
+                    offsets[delta.index] += len(delta.text or "")
+                try:
+                    pending = [await deltas.__anext__()]
+                except StopAsyncIteration:
+                    break
+            result = await handle.result()
+            for out in result.outputs:
+                if out.index not in finished:
+                    yield _sse(ctx.chunk([ctx.final_choice(out.index, out.finish_reason)]))
+            if include_usage:
+                yield _sse(ctx.chunk([], usage(result)))
+        except errors.OmniAsyncError as exc:  # after the headers: reported in the stream
+            yield _sse(body_of(exc)[1])
+        finally:
+            await deltas.aclose()
+        yield "data: [DONE]\n\n"
+
+
+def create_app(
+    engine: Engine,
+    *,
+    model_name: str | None = None,
+    metrics: EngineMetrics | None = None,
+    close_engine: bool = True,
+) -> FastAPI:
+    """The app for ``engine``. It starts the engine at startup and, with ``close_engine``,
+    closes it at shutdown. ``metrics`` defaults to a fresh registry for this engine."""
+    metrics = metrics if metrics is not None else EngineMetrics(engine)
+    name = model_name or default_model_name(str(engine.scheduler.info().get("model_path", "model")))
+    server = OpenAIServer(engine, metrics, name)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await engine.start()
+        log.info("server_started", model=name)
+        try:
+            yield
+        finally:
+            log.info("server_stopping", model=name)
+            if close_engine:
+                await engine.aclose()
+
+    app = FastAPI(title="omni-async", version=__version__, lifespan=lifespan)
+    app.state.engine = engine
+    app.state.metrics = metrics
+    app.state.model_name = name
+
+    @app.exception_handler(errors.OmniAsyncError)
+    async def typed_error(request: Request, exc: errors.OmniAsyncError) -> JSONResponse:
+        status, body = body_of(exc)
+        return JSONResponse(body, status_code=status)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
+        problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'][1:]) or 'body'}: {e['msg']}" for e in exc.errors())
+        return JSONResponse(error_body(f"invalid request: {problems}", 400), status_code=400)
+
+    app.get("/v1/models")(server.models)
+    app.post("/v1/completions", response_model=None)(server.completions)
+    app.post("/v1/chat/completions", response_model=None)(server.chat)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if engine.event_loop is None or engine.scheduler.closed:
+            return JSONResponse({"status": "unavailable"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def scrape() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    return app

@@ -1,0 +1,120 @@
+"""OpenAI response objects (completions and chat, whole and streamed) from engine output."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..messages import CompletionOutput, GenerationResult, StreamDelta
+from ..tokenizer import Tokenizer
+
+
+@dataclass
+class ResponseContext:
+    """What every object of one response shares."""
+
+    kind: str  # "completion" | "chat"
+    model: str
+    tokenizer: Tokenizer | None
+    logprobs: bool
+    id: str = ""
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def __post_init__(self) -> None:
+        if not self.id:
+            self.id = ("chatcmpl-" if self.kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
+
+    @property
+    def object(self) -> str:
+        return "chat.completion" if self.kind == "chat" else "text_completion"
+
+    @property
+    def chunk_object(self) -> str:
+        return "chat.completion.chunk" if self.kind == "chat" else "text_completion"
+
+    def token_str(self, token_id: int) -> str:
+        if self.tokenizer is None:
+            return f"token_id:{token_id}"
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    # ------------------------------------------------------------ logprobs
+
+    def logprobs_of(self, ids: list[int], lps: list[float] | None, tops: list[Any] | None, text_offset: int = 0) -> Any:
+        if not self.logprobs or lps is None:
+            return None
+        tops = tops or [[] for _ in ids]
+        if self.kind == "chat":
+            return {"content": [self._chat_token(t, lp, top) for t, lp, top in zip(ids, lps, tops)]}
+        tokens = [self.token_str(t) for t in ids]
+        offsets, at = [], text_offset
+        for tok in tokens:
+            offsets.append(at)
+            at += len(tok)
+        return {
+            "tokens": tokens,
+            "token_logprobs": list(lps),
+            "top_logprobs": [{self.token_str(t): lp for t, lp in top} for top in tops],
+            "text_offset": offsets,
+        }
+
+    def _chat_token(self, token_id: int, lp: float, top: list[tuple[int, float]]) -> dict[str, Any]:
+        def entry(t: int, v: float) -> dict[str, Any]:
+            s = self.token_str(t)
+            return {"token": s, "logprob": v, "bytes": list(s.encode("utf-8"))}
+
+        return {**entry(token_id, lp), "top_logprobs": [entry(t, v) for t, v in top]}
+
+    # ------------------------------------------------------------ whole responses
+
+    def response(self, result: GenerationResult) -> dict[str, Any]:
+        outputs = result.outputs or [
+            CompletionOutput(0, result.output_ids, result.finish_reason, result.text, result.output_logprobs, result.top_logprobs)
+        ]
+        return {
+            "id": self.id,
+            "object": self.object,
+            "created": self.created,
+            "model": self.model,
+            "choices": [self._choice(o) for o in outputs],
+            "usage": usage(result),
+        }
+
+    def _choice(self, out: CompletionOutput) -> dict[str, Any]:
+        text = out.text or ""
+        lp = self.logprobs_of(out.output_ids, out.output_logprobs, out.top_logprobs)
+        if self.kind == "chat":
+            return {"index": out.index, "message": {"role": "assistant", "content": text}, "finish_reason": out.finish_reason, "logprobs": lp}
+        return {"index": out.index, "text": text, "finish_reason": out.finish_reason, "logprobs": lp}
+
+    # ------------------------------------------------------------ stream chunks
+
+    def chunk(self, choices: list[dict[str, Any]], usage_: dict[str, int] | None = None) -> dict[str, Any]:
+        body: dict[str, Any] = {"id": self.id, "object": self.chunk_object, "created": self.created, "model": self.model, "choices": choices}
+        if usage_ is not None:
+            body["usage"] = usage_
+        return body
+
+    def role_choice(self, index: int) -> dict[str, Any]:
+        return {"index": index, "delta": {"role": "assistant", "content": ""}, "finish_reason": None, "logprobs": None}
+
+    def delta_choice(self, delta: StreamDelta, text_offset: int = 0) -> dict[str, Any]:
+        text = delta.text or ""
+        reason = delta.finish_reason if delta.finished else None
+        lp = self.logprobs_of(delta.token_ids, delta.logprobs, delta.top_logprobs, text_offset)
+        if self.kind == "chat":
+            return {"index": delta.index, "delta": {"content": text}, "finish_reason": reason, "logprobs": lp}
+        return {"index": delta.index, "text": text, "finish_reason": reason, "logprobs": lp}
+
+    def final_choice(self, index: int, reason: str | None) -> dict[str, Any]:
+        if self.kind == "chat":
+            return {"index": index, "delta": {}, "finish_reason": reason, "logprobs": None}
+        return {"index": index, "text": "", "finish_reason": reason, "logprobs": None}
+
+
+def usage(result: GenerationResult) -> dict[str, int]:
+    prompt = len(result.prompt_ids)
+    outputs = result.outputs or []
+    completion = sum(len(o.output_ids) for o in outputs) if outputs else len(result.output_ids)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
