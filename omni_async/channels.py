@@ -23,3 +23,13 @@ async def drain_stream(stream: Any) -> AsyncIterator[Any]:
             yield await stream.receive()
         except (anyio.EndOfStream, anyio.ClosedResourceError):
             return
+
+
+def take_buffered(stream: Any) -> list[Any]:
+    """Everything already buffered in a memory object stream, without waiting."""
+    items = []
+    while True:
+        try:
+            items.append(stream.receive_nowait())
+        except (anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError):
+            return items

@@ -136,20 +136,21 @@ class EngineMetrics:
             f"{PREFIX}_e2e_request_latency_seconds", "Submit to the request's end", buckets=_LATENCY_BUCKETS, registry=r
         )
         self.step_time = Histogram(
-            f"{PREFIX}_step_duration_seconds", "Duration of one model step (fed by observe_step)", buckets=_STEP_BUCKETS, registry=r
+            f"{PREFIX}_step_duration_seconds", "One model step, from launch to processed", buckets=_STEP_BUCKETS, registry=r
         )
         if engine is not None:
             self.attach(engine)
 
     def attach(self, engine: "Engine") -> None:
-        """Export ``engine``'s stage figures from this registry."""
+        """Export ``engine``'s stage figures from this registry, and time its steps."""
         self.registry.register(StageCollector(engine))
+        engine.scheduler.add_step_observer(self.observe_step)
 
     def timer(self) -> RequestTimer:
         return RequestTimer(self)
 
     def observe_step(self, seconds: float) -> None:
-        """Record one step's duration (for a stage hook that reports each step)."""
+        """Record one step's duration (the stage calls it after each step)."""
         self.step_time.observe(seconds)
 
     async def observe(self, handle: "RequestHandle") -> AsyncIterator[StreamDelta]:

@@ -23,7 +23,7 @@ import anyio.abc
 
 from . import errors
 from .admin import BACKGROUND_ACTIONS, AdminRequest, failure, run_admin_action
-from .channels import drain_stream
+from .channels import drain_stream, take_buffered
 from .config import SchedulerConfig
 from .core.protocol import BatchCore
 from .core.request import RequestData
@@ -207,7 +207,7 @@ class AsyncOmniScheduler:
 
     async def _shutdown(self) -> None:
         self._state = "closing"
-        for msg in _take_buffered(self._inbox_rx):
+        for msg in take_buffered(self._inbox_rx):
             self.intake.put(msg)
         await self.executor.aclose(self.config.step_timeout_s)
         closed = errors.SchedulerClosedError("aborted: scheduler closed")
@@ -222,7 +222,7 @@ class AsyncOmniScheduler:
                 self.emission.fail(req.rid, errors.SchedulerClosedError("aborted: scheduler closed", output_ids=req.output_ids))
             for rid in list(self.emission.live):
                 self.emission.fail(rid, errors.SchedulerClosedError("aborted: scheduler closed"))
-        for request in _take_buffered(self._admin_rx):
+        for request in take_buffered(self._admin_rx):
             request.answer(failure("scheduler closed"))
         self.inbox.close()
         self._admin_tx.close()
@@ -249,6 +249,10 @@ class AsyncOmniScheduler:
         if self._state != "new":
             raise RuntimeError("attach the output sink before the scheduler runs")
         self.emission.sink = sink
+
+    def add_step_observer(self, observe: Callable[[float], None]) -> None:
+        """Call ``observe(seconds)`` after each processed step (launch to processed)."""
+        self.stepper.step_observers.append(observe)
 
     # ================================================================ waking
 
@@ -362,7 +366,7 @@ class AsyncOmniScheduler:
         self.wake()
 
     async def _serve_admin(self) -> None:
-        for request in _take_buffered(self._admin_rx):
+        for request in take_buffered(self._admin_rx):
             if request.reply.done():
                 continue
             if request.action in BACKGROUND_ACTIONS and self._background is not None:
@@ -406,11 +410,3 @@ class AsyncOmniScheduler:
     def weight_version(self) -> str | None:
         return self.control.weight_version
 
-
-def _take_buffered(stream: Any) -> list[Any]:
-    items = []
-    while True:
-        try:
-            items.append(stream.receive_nowait())
-        except (anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError):
-            return items

@@ -192,8 +192,9 @@ async def test_stream_input_for_unknown_ids_is_bounded_and_an_ended_id_can_be_re
         assert first.type == "result"
         assert len(st.sched.admission.chunks) <= 1000
         del st.terminal["x"]
-        await st.send("x", n=30)
-        await anyio.sleep(0.05)
+        await st.send("x", n=400)
+        while "x" not in st.sched.emission.live:
+            await anyio.sleep(0.005)
         await st.sched.inbox.send(IncomingMessage("x", "stream_chunk", "for the second x"))
         (second,) = await st.done("x")
         assert second.type == "result"

@@ -85,6 +85,9 @@ async def test_in_process_metrics(tiny_engine):
     assert values[("omni_async_requests_total", (("finish_reason", "length"),))] == 2
     assert values[("omni_async_generation_tokens_total", ())] == 5 * 2 + 4 == sum(len(o.output_ids) for o in result.outputs) + 4
     assert values[("omni_async_prompt_tokens_total", ())] == 3 + 3  # "ab" is BOS + 2 bytes
+    steps = values[("omni_async_step_duration_seconds_count", ())]
+    assert steps >= 5, "every processed step is timed"
+    assert 0 < values[("omni_async_step_duration_seconds_sum", ())] < steps * 5
 
 
 def test_cpu_kv_is_sized_from_memory():

@@ -10,6 +10,7 @@ flight, and for which batches.
 from __future__ import annotations
 
 import concurrent.futures
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Protocol
@@ -48,6 +49,7 @@ class InflightStep:
     future: "concurrent.futures.Future[Any] | None"  # None when queueing the launch failed
     lookahead: bool = False
     error: BaseException | None = None
+    launched_at: float = 0.0
 
 
 class StepSink(Protocol):
@@ -85,6 +87,8 @@ class Stepper:
         self._is_serving = is_serving
         self._is_paused = is_paused
         self._inflight: deque[InflightStep] = deque()
+        # Called with each processed step's seconds from launch to processed (metrics).
+        self.step_observers: list[Callable[[float], None]] = []
         self._prefill_logged: IdWindow[None] = IdWindow(10_000, 5_000)
 
     # ------------------------------------------------------------ what loops read
@@ -176,7 +180,7 @@ class Stepper:
         except Exception as exc:
             self._inflight.append(InflightStep(batch, sched_output, None, lookahead, exc))
             return
-        self._inflight.append(InflightStep(batch, sched_output, fut, lookahead))
+        self._inflight.append(InflightStep(batch, sched_output, fut, lookahead, launched_at=time.perf_counter()))
 
     async def _until_enqueued(self) -> None:
         """Before launching on the loop thread: every step launched on the worker before
@@ -201,6 +205,13 @@ class Stepper:
             self.sink.on_step_failed(step.batch, exc)
             return
         self.sink.on_step_output(step.batch, out)
+        if self.step_observers:
+            took = time.perf_counter() - step.launched_at
+            for observe in self.step_observers:
+                try:
+                    observe(took)
+                except Exception as obs_exc:  # an observer must not break the step path
+                    log.error("scheduler_step_observer_failed", error=repr(obs_exc))
 
     async def _await_output(self, step: InflightStep) -> ModelRunnerOutput:
         if step.future is None:
