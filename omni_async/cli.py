@@ -23,6 +23,16 @@ DEMO_PROMPTS = [
     "Paged KV caches grow one page at a time.",
     "Abort, retract, resume.",
 ]
+# For a real instruct model (one whose tokenizer has a chat template): questions, asked
+# as chat turns.
+DEMO_QUESTIONS = [
+    "What is the capital of France?",
+    "Name three primary colours.",
+    "Why is the sky blue? Answer in one sentence.",
+    "Write a haiku about a cat.",
+    "What is 12 times 12?",
+    "Give one tip for writing clear code.",
+]
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -91,7 +101,7 @@ def _demo_header(args: argparse.Namespace, prompts: list[str]) -> None:
         print(f"Model: {args.model}")
     shown = min(args.show, len(prompts))
     print(f"{len(prompts)} requests, sent at once; the first {shown} are streamed below. Prompts:")
-    for i, prompt in enumerate(prompts[: max(shown, len(DEMO_PROMPTS))]):
+    for i, prompt in enumerate(prompts[:shown]):
         print(f"  [req {i}] {prompt!r}")
     print()
 
@@ -100,7 +110,10 @@ async def _demo(args: argparse.Namespace) -> int:
     engine = await _load(args)
     if engine is None:
         return 2
-    prompts = (DEMO_PROMPTS * (args.requests // len(DEMO_PROMPTS) + 1))[: args.requests]
+    tok = engine.tokenizer
+    chat = args.model != "tiny" and getattr(tok, "chat_template", None) is not None
+    pool = DEMO_QUESTIONS if chat else DEMO_PROMPTS
+    prompts = (pool * (args.requests // len(pool) + 1))[: args.requests]
     counts = [0] * len(prompts)
     texts = [""] * len(prompts)
     first_token_at: list[float | None] = [None] * len(prompts)
@@ -109,7 +122,8 @@ async def _demo(args: argparse.Namespace) -> int:
         start = time.perf_counter()
 
         async def one(i: int, prompt: str) -> None:
-            async for delta in engine.stream(prompt=prompt, sampling=_sampling(args)):
+            asked = {"messages": [{"role": "user", "content": prompt}]} if chat else {"prompt": prompt}
+            async for delta in engine.stream(**asked, sampling=_sampling(args)):
                 if first_token_at[i] is None:
                     first_token_at[i] = time.perf_counter() - start
                 counts[i] += len(delta.token_ids)
@@ -121,7 +135,7 @@ async def _demo(args: argparse.Namespace) -> int:
         elapsed = time.perf_counter() - start
     if engine.tokenizer is not None:
         print("\nCompleted text:")
-        for i in range(min(args.show, len(prompts))):
+        for i in range(min(len(prompts), max(args.show, len(DEMO_QUESTIONS)))):
             print(f"  [req {i}] {prompts[i]!r} -> {texts[i]!r}")
     total = sum(counts)
     ttfts = sorted(t for t in first_token_at if t is not None)
