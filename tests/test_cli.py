@@ -31,7 +31,7 @@ COMMANDS = {
     "version": ["--version"],
     "bad-log-level": ["generate", "--input-ids", "1", "--log-level", "chatty"],
     "pipeline-other-model": ["pipeline-demo", "--model", "/some/folder"],
-    "limit-flag": ["generate", "--input-ids", "1,2,3", "--max-new-tokens", "40", "--context-length", "32"],
+    "limit-flag": ["generate", "--input-ids", ",".join(["1"] * 40), "--max-new-tokens", "4", "--context-length", "32"],
     "help": ["serve", "--help"],
 }
 
@@ -156,10 +156,10 @@ def test_refused_arguments(cli_runs, name, part):
 
 
 def test_engine_limit_flag_reaches_the_engine(cli_runs):
-    run = cli_runs["limit-flag"]  # --context-length 32: 3 + 40 tokens do not fit
+    run = cli_runs["limit-flag"]  # --context-length 32: a 40-token prompt does not fit
     assert run.returncode == 2
     assert run.stderr.strip().splitlines()[-1].startswith("error: RequestRejectedError: ")
-    assert "over the context length 32 by 11" in run.stderr
+    assert "prompt has 40 tokens, the context length is 32" in run.stderr and "over by 9" in run.stderr
 
 
 def test_help_shows_every_limit_with_default_and_variable(cli_runs):
