@@ -184,21 +184,23 @@ def floor_ms(path: Path, sizes: list[int], reps: int = 100) -> dict:
 
 
 async def loop_step_ms(eng: Engine, bs: int, new: int = 96) -> float:
-    """Median gap between two tokens of one request while ``bs`` decode together."""
+    """Steady decode step while ``bs`` requests decode together: the wall time between
+    the moment every request has 8 tokens and the first request's end, over the decode
+    steps the stage ran in that window (deltas may merge, so tokens are not steps)."""
     ps = prompts(bs, 150000, 128, 128, seed=bs)
-    gaps: list[float] = []
+    counts = [0] * bs
+    mark: dict[str, float] = {}
 
     async def one(i, p):
-        last, k = None, 0
-        async for _d in eng.stream(input_ids=p, sampling=SamplingParams(max_new_tokens=new, ignore_eos=True)):
-            now = time.perf_counter()
-            k += 1
-            if last is not None and k > 8 and i == 0:
-                gaps.append(now - last)
-            last = now
+        async for d in eng.stream(input_ids=p, sampling=SamplingParams(max_new_tokens=new, ignore_eos=True)):
+            counts[i] += len(d.token_ids)
+            if "t1" not in mark and min(counts) >= 8:
+                mark["t1"], mark["s1"] = time.perf_counter(), eng.scheduler.info()["decode_steps"]
+            if d.finished and "t2" not in mark and "t1" in mark:
+                mark["t2"], mark["s2"] = time.perf_counter(), eng.scheduler.info()["decode_steps"]
 
     await asyncio.gather(*(one(i, p) for i, p in enumerate(ps)))
-    return 1000 * statistics.median(gaps)
+    return 1000 * (mark["t2"] - mark["t1"]) / max(1, mark["s2"] - mark["s1"])
 
 
 async def section_floor(path: Path, sizes: list[int]) -> dict:
