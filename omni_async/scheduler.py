@@ -206,6 +206,15 @@ class AsyncOmniScheduler:
         await self._stopped.wait()
 
     async def _shutdown(self) -> None:
+        """End everything; ``_stopped`` is set even if a part of closing raises, so no
+        caller of ``aclose`` can wait for ever."""
+        try:
+            await self._close_everything()
+        finally:
+            self._state = "closed"
+            self._stopped.set()
+
+    async def _close_everything(self) -> None:
         self._state = "closing"
         for msg in take_buffered(self._inbox_rx):
             self.intake.put(msg)
@@ -227,9 +236,7 @@ class AsyncOmniScheduler:
         self.inbox.close()
         self._admin_tx.close()
         self._outbox_tx.close()
-        self._state = "closed"
         log.info("scheduler_stopped")
-        self._stopped.set()
 
     async def _pump_inbox(self) -> None:
         async for msg in drain_stream(self._inbox_rx):

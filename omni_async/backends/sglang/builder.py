@@ -286,11 +286,11 @@ class StepTrackingExecutor(ThreadStepExecutor):
 
         return super().launch(run_and_mark, *args)
 
-    async def aclose(self) -> None:
+    async def aclose(self, timeout_s: float | None = None) -> None:
         """The scheduler's shutdown: once the worker stopped, another SGLang stack may be
         built in this process."""
         try:
-            await super().aclose()
+            await super().aclose(timeout_s)
         finally:
             stack = getattr(self, "stack", None)
             if stack is not None:
