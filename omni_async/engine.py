@@ -77,7 +77,6 @@ class Engine:
         self._started = False
         self._closed = False
         self._ids = itertools.count()
-        scheduler.attach_output_sink(self._deliver)
 
     @classmethod
     def from_pretrained(
@@ -142,6 +141,9 @@ class Engine:
         if self._started:
             return await maybe_marshal(self._loop, _nothing)
         self._started = True
+        # Served by this engine: the stage's messages come straight to the handles, one
+        # call per step (a scheduler used on its own keeps its outbox).
+        self.scheduler.attach_output_sink(self._deliver)
         self._loop = asyncio.get_running_loop()
         serving = self._loop.create_future()
 
