@@ -135,3 +135,13 @@ def tiny_engine():
     yield make
     for eng in made:
         assert_kv_free(eng)
+
+
+def pytest_addoption(parser):
+    parser.addoption("--soak", action="store_true", default=False,
+                     help="run the fuzz and fault-injection tests far longer (many more generated cases)")
+
+
+@pytest.fixture
+def soak(request) -> bool:
+    return bool(request.config.getoption("--soak"))
