@@ -111,6 +111,8 @@ class SampleResult:
     tokens: torch.Tensor  # [B] int64
     logprobs: torch.Tensor | None  # [B] float32, when any row asked
     ok: torch.Tensor  # [B] bool: False where the row had no admissible token
+    top_ids: torch.Tensor | None = None  # [B, K] most likely tokens, when ``top_k_logprobs``
+    top_logprobs: torch.Tensor | None = None  # [B, K] their logprobs
 
 
 def _penalised(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
@@ -173,8 +175,10 @@ def _draw(x: torch.Tensor, sb: SamplingBatch, rows: torch.Tensor | None) -> torc
     return torch.where(tokens < x.shape[-1], tokens, x.argmax(-1))
 
 
-def sample(logits: torch.Tensor, sb: SamplingBatch) -> SampleResult:
-    """Sample one token per row of ``logits`` (``[B, V]`` float32, not modified)."""
+def sample(logits: torch.Tensor, sb: SamplingBatch, top_k_logprobs: int = 0) -> SampleResult:
+    """Sample one token per row of ``logits`` (``[B, V]`` float32, not modified); with
+    ``top_k_logprobs``, also each row's most likely tokens in the distribution its
+    logprobs come from (processed, or raw where the row asked)."""
     x = _penalised(logits, sb)
     best, tokens = x.max(dim=-1)
     ok = best > float("-inf")  # False when every token is banned, or on NaN
@@ -196,7 +200,13 @@ def sample(logits: torch.Tensor, sb: SamplingBatch) -> SampleResult:
     if sb.want_logprobs:
         logprobs = _logprobs(logits, processed, tokens, sb)
         logprobs = torch.where(ok, logprobs, torch.zeros_like(logprobs))
-    return SampleResult(tokens=tokens, logprobs=logprobs, ok=ok)
+    top_ids = top_lp = None
+    if top_k_logprobs:
+        dist = torch.log_softmax(processed, dim=-1)
+        if sb.raw_logprobs is not None:
+            dist = torch.where(sb.raw_logprobs[:, None], torch.log_softmax(logits, dim=-1), dist)
+        top_lp, top_ids = dist.topk(min(top_k_logprobs, dist.shape[-1]), dim=-1)
+    return SampleResult(tokens=tokens, logprobs=logprobs, ok=ok, top_ids=top_ids, top_logprobs=top_lp)
 
 
 def _logprobs(raw: torch.Tensor, processed: torch.Tensor, tokens: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:

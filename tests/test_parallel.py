@@ -77,7 +77,6 @@ async def test_n_with_a_stop_string_and_abort(tiny_engine):
     assert_kv_free(engine)
 
 
-@pytest.mark.xfail(strict=False, reason="needs the runner to return RequestOutput.extra['top_logprobs']")
 async def test_top_logprobs_sorted_with_the_greedy_token_first(tiny_engine):
     engine = tiny_engine()
     sp = SamplingParams(max_new_tokens=10, ignore_eos=True, return_logprob=True, top_logprobs=5)

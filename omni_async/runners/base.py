@@ -217,6 +217,8 @@ class ModelRunner:
                     continue
                 row_errors[i] = NO_TOKEN_MESSAGE
             outputs[rid] = RequestOutput(request_id=rid)
+        if result.top_ids is not None:
+            self._attach_top_logprobs(result, requests, taken, outputs)
         self.post_process_outputs(result, so, outputs)
         self._advance(so, pending.forward_batch, taken, outputs)
         req_ids = [r.request_id for r in requests]
@@ -229,6 +231,16 @@ class ModelRunner:
             logprobs=logprobs,
             row_errors=row_errors,
         )
+
+    @staticmethod
+    def _attach_top_logprobs(result: BatchResult, requests: list, rows: list[int], outputs: dict[str, RequestOutput]) -> None:
+        """``extra["top_logprobs"]``: each row's asked-for most likely (token, logprob)
+        pairs. Read once the step completed (a small copy, only when a row asked)."""
+        ids, lps = result.top_ids.tolist(), result.top_logprobs.tolist()
+        for i in rows:
+            k = requests[i].data.req.sampling.top_logprobs
+            if k:
+                outputs[requests[i].request_id].extra["top_logprobs"] = list(zip(ids[i][:k], lps[i][:k]))
 
     def _advance(self, so: SchedulerOutput, forward_batch: Any, rows: list[int], outputs: dict[str, RequestOutput]) -> None:
         """Commit ``generation_steps`` for the rows that got a token."""
@@ -251,8 +263,10 @@ class ModelRunner:
 
     def _sample_into(self, result: BatchResult, forward_batch: Any, schedule_batch: Any, requests: list) -> None:
         sb = self.sampling_batch(forward_batch, schedule_batch, requests, result.logits.shape[-1])
-        res = sample(result.logits, sb)
+        top_k = max((sr.data.req.sampling.top_logprobs for sr in requests), default=0) if sb.want_logprobs else 0
+        res = sample(result.logits, sb, top_k)
         result.next_token_ids, result.next_token_logprobs, result.sample_ok = res.tokens, res.logprobs, res.ok
+        result.top_ids, result.top_logprobs = res.top_ids, res.top_logprobs
 
     @staticmethod
     def _copy_to_host(result: BatchResult, wait: bool = False) -> torch.Tensor:

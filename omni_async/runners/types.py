@@ -67,3 +67,6 @@ class BatchResult:
     can_run_cuda_graph: bool = False
     # [B] bool from the sampler: False where a row had no admissible token.
     sample_ok: torch.Tensor | None = None
+    # [B, K] the K most likely tokens of each row and their logprobs, when a row asked.
+    top_ids: torch.Tensor | None = None
+    top_logprobs: torch.Tensor | None = None
