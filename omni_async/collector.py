@@ -9,7 +9,7 @@ queue hop is paid either way.
 
 from __future__ import annotations
 
-import asyncio
+import anyio
 
 from .messages import StreamDelta
 
@@ -41,7 +41,7 @@ class OutputCollector:
     def __init__(self) -> None:
         self._pending: dict[int, StreamDelta] = {}
         self._texts: dict[int, list[str]] = {}  # text of merged deltas, joined on take
-        self._waiter: asyncio.Future[None] | None = None
+        self._waiter: anyio.Event | None = None
         self._closed = False
 
     def put(self, delta: StreamDelta) -> None:
@@ -63,8 +63,8 @@ class OutputCollector:
 
     def wake(self) -> None:
         waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
+        if waiter is not None and not waiter.is_set():
+            waiter.set()
 
     def take(self) -> list[StreamDelta]:
         if not self._pending:
@@ -87,9 +87,9 @@ class OutputCollector:
         """Until there is something to take, or the handle ended."""
         if self._pending or self._closed:
             return
-        waiter = asyncio.get_running_loop().create_future()
+        waiter = anyio.Event()
         self._waiter = waiter
         try:
-            await waiter
+            await waiter.wait()
         finally:
             self._waiter = None

@@ -9,6 +9,7 @@ incrementally, stop strings checked, and each handle's reader woken once per bat
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -27,7 +28,7 @@ from .completion import Completion
 from .config import SAMPLING_SEED_MASK, SamplingParams, SchedulerConfig
 from .handle import RequestHandle
 from .logs import log
-from .loopbridge import call_soon_on, maybe_marshal
+from .loopbridge import call_soon_on, maybe_marshal, running_asyncio_loop
 from .messages import GenerationResult, IncomingMessage, OutgoingMessage, RequestPayload, StreamDelta
 from .request_checks import check_request
 from .scheduler import AsyncOmniScheduler
@@ -77,6 +78,7 @@ class Engine:
         self._started = False
         self._closed = False
         self._ids = itertools.count()
+        self._serving_cm: Any = None
 
     @classmethod
     def from_pretrained(
@@ -129,17 +131,43 @@ class Engine:
     # ------------------------------------------------------------ lifecycle
 
     async def __aenter__(self) -> "Engine":
-        await self.start()
+        if running_asyncio_loop() is None:
+            # Not asyncio (trio): the engine serves in a task group this block owns.
+            self._serving_cm = self._serving_in_group()
+            await self._serving_cm.__aenter__()
+        else:
+            await self.start()
         return self
 
     async def __aexit__(self, *exc_info: Any) -> None:
-        await self.aclose()
+        cm, self._serving_cm = self._serving_cm, None
+        if cm is not None:
+            await cm.__aexit__(*exc_info)
+        else:
+            await self.aclose()
+
+    @contextlib.asynccontextmanager
+    async def _serving_in_group(self) -> AsyncIterator[None]:
+        if self._closed or self._started:
+            raise errors.SchedulerClosedError("engine is closed" if self._closed else "engine is already serving")
+        self._started = True
+        self.scheduler.attach_output_sink(self._deliver)
+        async with anyio.create_task_group() as tg:
+            await tg.start(self.scheduler.run)
+            log.info("engine_started", loop=self.scheduler.config.loop)
+            try:
+                yield
+            finally:
+                with anyio.CancelScope(shield=True):
+                    await self._aclose_here()
 
     async def start(self) -> None:
         if self._closed:
             raise errors.SchedulerClosedError("engine is closed")
         if self._started:
             return await maybe_marshal(self._loop, _nothing)
+        if running_asyncio_loop() is None:
+            raise errors.ConfigError("outside asyncio (trio), serve the engine with `async with engine:`")
         self._started = True
         # Served by this engine: the stage's messages come straight to the handles, one
         # call per step (a scheduler used on its own keeps its outbox).

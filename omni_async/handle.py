@@ -9,8 +9,9 @@ early.
 
 from __future__ import annotations
 
-import asyncio
 from typing import TYPE_CHECKING, Any, AsyncIterator
+
+import anyio
 
 from . import errors
 from .collector import OutputCollector
@@ -33,7 +34,7 @@ class RequestHandle:
         self._by_sub = {c.sub_id: c for c in completions}
         self._prompt_ids = prompt_ids
         self._collector = OutputCollector()
-        self._finished = asyncio.Event()
+        self._finished = anyio.Event()
         self._result: Any = None
         self._error: BaseException | None = None
         self._stage_result: Any = None  # the stage's result for completion 0

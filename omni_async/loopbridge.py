@@ -22,9 +22,18 @@ class EventLoopMismatchError(OmniAsyncError, RuntimeError):
     call from this loop cannot be marshalled to it."""
 
 
+def running_asyncio_loop() -> asyncio.AbstractEventLoop | None:
+    """The running asyncio loop, or None under another anyio backend (trio), where an
+    engine is bound to the task group of its ``async with`` block instead."""
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+
+
 def foreign_loop(own: asyncio.AbstractEventLoop | None) -> bool:
     """True when the caller runs on a loop other than ``own`` (None: not bound yet)."""
-    return own is not None and asyncio.get_running_loop() is not own
+    return own is not None and running_asyncio_loop() is not own
 
 
 def _check_alive(own: asyncio.AbstractEventLoop) -> None:
@@ -68,4 +77,4 @@ def call_soon_on(own: asyncio.AbstractEventLoop | None, fn: Callable[[], Any]) -
         own.call_soon_threadsafe(fn)
 
 
-__all__ = ["EventLoopMismatchError", "call_soon_on", "foreign_loop", "maybe_marshal", "run_on"]
+__all__ = ["EventLoopMismatchError", "call_soon_on", "foreign_loop", "maybe_marshal", "run_on", "running_asyncio_loop"]

@@ -45,3 +45,34 @@ def test_stage_serves_under_trio_with_the_same_tokens_as_asyncio(loop):
     under_trio = _serve("trio", loop, prompts, 12)
     assert under_trio == _serve("asyncio", loop, prompts, 12)
     assert all(len(v) == 12 for v in under_trio.values())
+
+
+@pytest.mark.parametrize("loop", ["normal", "async_decode"])
+def test_engine_generates_and_streams_under_trio(loop):
+    """The Engine facade under trio: ``async with`` owns the serving task group; generate,
+    stream, abort and admin work; tokens equal the asyncio engine's."""
+    from omni_async import Engine, errors
+
+    sp = SamplingParams(max_new_tokens=10, ignore_eos=True)
+
+    def run(backend: str):
+        engine = Engine.from_pretrained("tiny", loop=loop)
+        out = {}
+
+        async def main() -> None:
+            async with engine:
+                out["result"] = (await engine.generate(input_ids=[1, 2, 3], sampling=sp)).output_ids
+                out["stream"] = [t async for d in engine.stream(prompt="hi", sampling=sp) for t in d.token_ids]
+                handle = await engine.submit(input_ids=[4, 5], sampling=SamplingParams(max_new_tokens=500), request_id="gone")
+                await engine.abort("gone")
+                with pytest.raises(errors.RequestAbortedError):
+                    await handle.result()
+                out["info"] = (await engine.model_info())["success"]
+
+        anyio.run(main, backend=backend)
+        assert engine.stack.allocator.is_fully_free()
+        return out
+
+    under_trio = run("trio")
+    assert under_trio == run("asyncio")
+    assert len(under_trio["result"]) == 10 and len(under_trio["stream"]) == 10 and under_trio["info"]
