@@ -11,7 +11,7 @@ import torch
 from .config import SchedulerConfig
 from .core.batch_core import NativeBatchCore
 from .device import make_step_executor
-from .errors import InvalidRequestError
+from .errors import ConfigError
 from .kv.allocator import PageAllocator
 from .kv.cache import PagedKVCache
 from .models.loader import LoadedModel, load_model
@@ -108,7 +108,7 @@ def build_native_stack(
     context = cfg.max_position_embeddings
     if config.context_length is not None:
         if config.context_length > cfg.max_position_embeddings:
-            raise InvalidRequestError(
+            raise ConfigError(
                 f"context_length {config.context_length} exceeds the model's "
                 f"max_position_embeddings {cfg.max_position_embeddings}"
             )

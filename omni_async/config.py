@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Literal, Mapping
 
-from .errors import InvalidRequestError
+from .errors import ConfigError, InvalidRequestError
 
 LoopKind = Literal["normal", "overlap", "async_decode"]
 LOOP_KINDS: tuple[str, ...] = ("normal", "overlap", "async_decode")
@@ -26,10 +26,10 @@ def _fields_of(cls: type) -> set[str]:
     return {f.name for f in dataclasses.fields(cls)}
 
 
-def _check_unknown(cls: type, data: Mapping[str, Any]) -> None:
+def _check_unknown(cls: type, data: Mapping[str, Any], error: type[Exception] = InvalidRequestError) -> None:
     unknown = sorted(set(data) - _fields_of(cls))
     if unknown:
-        raise InvalidRequestError(
+        raise error(
             f"unknown {cls.__name__} field(s): {', '.join(unknown)}; "
             f"known fields are {', '.join(sorted(_fields_of(cls)))}"
         )
@@ -192,7 +192,7 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         if self.loop not in LOOP_KINDS:
-            raise InvalidRequestError(
+            raise ConfigError(
                 f"unknown loop {self.loop!r}; choose one of {', '.join(LOOP_KINDS)}"
             )
         positive = (
@@ -207,26 +207,26 @@ class SchedulerConfig:
         for name in positive:
             value = getattr(self, name)
             if not _is_int(value) or value < 1:
-                raise InvalidRequestError(f"{name} must be an integer >= 1, got {value!r}")
+                raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
         if not _is_int(self.chunked_prefill_size):
-            raise InvalidRequestError("chunked_prefill_size must be an integer (<= 0 disables)")
+            raise ConfigError("chunked_prefill_size must be an integer (<= 0 disables)")
         if self.kv_capacity_tokens is not None and (
             not _is_int(self.kv_capacity_tokens) or self.kv_capacity_tokens < self.page_size
         ):
-            raise InvalidRequestError(
+            raise ConfigError(
                 f"kv_capacity_tokens must be an integer >= page_size ({self.page_size}), "
                 f"got {self.kv_capacity_tokens!r}"
             )
         if self.step_timeout_s is not None and (not _is_finite(self.step_timeout_s) or self.step_timeout_s <= 0):
-            raise InvalidRequestError(f"step_timeout_s must be a positive number of seconds or None, got {self.step_timeout_s!r}")
+            raise ConfigError(f"step_timeout_s must be a positive number of seconds or None, got {self.step_timeout_s!r}")
         if not (0 < self.kv_memory_fraction <= 1):
-            raise InvalidRequestError("kv_memory_fraction must be in (0, 1]")
+            raise ConfigError("kv_memory_fraction must be in (0, 1]")
         if not (0 <= self.aborted_id_keep <= self.aborted_id_cap):
-            raise InvalidRequestError("aborted_id_keep must be in [0, aborted_id_cap]")
+            raise ConfigError("aborted_id_keep must be in [0, aborted_id_cap]")
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "SchedulerConfig":
-        _check_unknown(cls, kwargs)
+        _check_unknown(cls, kwargs, ConfigError)
         return cls(**kwargs)
 
     @property

@@ -214,3 +214,10 @@ async def test_bad_metadata_is_an_invalid_request(tiny_engine):
     async with engine:
         with pytest.raises(errors.InvalidRequestError):
             await engine.submit(input_ids=[1], metadata=5)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("limits", [dict(loop="sideways"), dict(page_size=0), dict(no_such_limit=1), dict(step_timeout_s=-1),
+                                    dict(context_length=10**9), dict(step_launch="inline")])
+def test_configuration_problems_are_config_errors(limits):
+    with pytest.raises(errors.ConfigError):
+        Engine.from_pretrained("tiny", **limits)
