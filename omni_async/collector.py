@@ -9,8 +9,11 @@ queue hop is paid either way.
 
 from __future__ import annotations
 
+from typing import Any
+
 import anyio
 
+from .loopbridge import running_asyncio_loop
 from .messages import StreamDelta
 
 
@@ -41,7 +44,7 @@ class OutputCollector:
     def __init__(self) -> None:
         self._pending: dict[int, StreamDelta] = {}
         self._texts: dict[int, list[str]] = {}  # text of merged deltas, joined on take
-        self._waiter: anyio.Event | None = None
+        self._waiter: Any = None  # an asyncio future, or an anyio event off asyncio
         self._closed = False
 
     def put(self, delta: StreamDelta) -> None:
@@ -63,8 +66,12 @@ class OutputCollector:
 
     def wake(self) -> None:
         waiter = self._waiter
-        if waiter is not None and not waiter.is_set():
+        if waiter is None:
+            return
+        if isinstance(waiter, anyio.Event):
             waiter.set()
+        elif not waiter.done():
+            waiter.set_result(None)
 
     def take(self) -> list[StreamDelta]:
         if not self._pending:
@@ -87,9 +94,16 @@ class OutputCollector:
         """Until there is something to take, or the handle ended."""
         if self._pending or self._closed:
             return
-        waiter = anyio.Event()
-        self._waiter = waiter
+        # One wait per reader per step: on asyncio a bare loop future (0.4 us, measured)
+        # instead of an anyio event (4.3 us); the portable event elsewhere (trio).
+        loop = running_asyncio_loop()
+        if loop is not None:
+            waiter = self._waiter = loop.create_future()
+            wait = waiter
+        else:
+            waiter = self._waiter = anyio.Event()
+            wait = waiter.wait()
         try:
-            await waiter.wait()
+            await wait
         finally:
             self._waiter = None
