@@ -168,11 +168,9 @@ class NativeBatchCore(BatchCore):
         once per step for every running request, so it is one flat pass with the
         per-row work inlined (a few microseconds per row)."""
         self.running = [r for r in self.running if r.finish_reason is None]
-        if not self._decoding():
+        decoding = self._retract_until_decode_fits(self._decoding())
+        if not decoding:
             return None
-        if not self._retract_until_decode_fits():
-            return None
-        decoding = self._decoding()
         batch = self._new_batch(ForwardMode.DECODE)
         ps = self.page_size
         allocate = self.allocator.allocate
@@ -216,16 +214,16 @@ class NativeBatchCore(BatchCore):
                 out.append(r)
         return out
 
-    def _decode_pages_needed(self) -> int:
+    def _decode_pages_needed(self, decoding: list[Request]) -> int:
         ps = self.page_size
-        return sum(max(0, -(-(r.num_cached + 1) // ps) - len(r.pages)) for r in self._decoding())
+        return sum(max(0, -(-(r.num_cached + 1) // ps) - len(r.pages)) for r in decoding)
 
-    def _retract_until_decode_fits(self) -> bool:
-        """Retract the newest requests until the next decode step fits in KV. False when
-        it cannot fit yet only because requests about to finish still hold KV (the
-        step in flight will free it)."""
-        while self._decode_pages_needed() > self.allocator.free_pages:
-            decoding = self._decoding()
+    def _retract_until_decode_fits(self, decoding: list[Request]) -> list[Request]:
+        """Retract the newest requests until the next decode step of ``decoding`` fits
+        in KV; returns the requests that still decode. Empty when there is nothing to
+        decode, or when it cannot fit yet only because requests about to finish still
+        hold KV (the step in flight will free it)."""
+        while decoding and self._decode_pages_needed(decoding) > self.allocator.free_pages:
             if self.chunked is not None:
                 victim = self.chunked
                 self.chunked = None
@@ -233,14 +231,15 @@ class NativeBatchCore(BatchCore):
                 victim = max(decoding, key=lambda r: r.arrival)
                 self.running.remove(victim)
             elif len(decoding) < len(self.running):
-                return False
+                return []
             else:
                 raise RuntimeError(
                     "KV cache cannot hold the single running request; admission should have refused it"
                 )
             self._retract(victim)
             self.new_token_ratio = 1.0
-        return True
+            decoding = self._decoding()
+        return decoding
 
     def _retract(self, req: Request) -> None:
         self._release(req)

@@ -218,7 +218,7 @@ class Stepper:
             raise step.error or RuntimeError("step was not launched")
         timeout = self.step_timeout_s
         try:
-            with anyio.fail_after(timeout) if timeout else _no_deadline():
+            with anyio.fail_after(timeout):  # None: no deadline
                 pending = await self.executor.wait(step.future)
                 if pending is None:
                     raise RuntimeError("runner produced no output for a non-empty batch")
@@ -241,10 +241,3 @@ class Stepper:
         if self.tracing:
             self.stats.trace.append(f"{what}:{batch.size if batch is not None else 0}")
 
-
-class _no_deadline:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: Any) -> None:
-        return None
