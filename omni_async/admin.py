@@ -28,6 +28,7 @@ UPDATE_WEIGHTS_FROM_DISTRIBUTED = "update_weights_from_distributed"
 INIT_WEIGHTS_UPDATE_GROUP = "init_weights_update_group"
 DESTROY_WEIGHTS_UPDATE_GROUP = "destroy_weights_update_group"
 WEIGHTS_CHECKER = "weights_checker"
+FLUSH_CACHE = "flush_cache"
 
 
 @dataclass
@@ -154,6 +155,8 @@ async def run_weight_update(
             success = success and flush_success
             if not flush_success:
                 message = f"{message}; cache flush failed"
+        if success:
+            c.core.invalidate_cache()  # whatever flush_cache said: cached KV is of the old weights
         if keep_pause_on_failure and not success:
             stay_paused = True
         if bool(payload.get("torch_empty_cache", False)):
@@ -207,6 +210,7 @@ async def update_weights_from_tensor(c: StageControl, payload: dict[str, Any]) -
         return unsupported(UPDATE_WEIGHTS_FROM_TENSOR)
     success, message = await c.run_on_worker(fn, payload)
     if success:
+        c.core.invalidate_cache()
         _bump_version(c, payload)
     metadata_only = payload.get("named_tensors") is None and payload.get("serialized_named_tensors") is None
     return reply(success, message, {"metadata_only": metadata_only, "weight_version": c.weight_version})
@@ -218,6 +222,16 @@ async def update_weights_from_distributed(c: StageControl, payload: dict[str, An
         return unsupported(UPDATE_WEIGHTS_FROM_DISTRIBUTED)
     data = {"group_name": payload.get("group_name"), "names": payload.get("names", [])}
     return await run_weight_update(c, payload, fn, data, keep_pause_on_failure=True)
+
+
+async def flush_cache(c: StageControl, payload: dict[str, Any]) -> dict[str, Any]:
+    """Empty the prefix cache; refused while requests are active (their KV is in use)."""
+    active = c.active_request_ids()
+    if active:
+        return reply(False, "cannot flush the cache while requests are active", {"active_request_count": len(active)})
+    await c.drain()
+    flushed = bool(c.core.flush_cache())
+    return reply(flushed, "cache flushed" if flushed else "cache flush failed: KV is still held", {})
 
 
 async def init_weights_update_group(c: StageControl, payload: dict[str, Any]) -> dict[str, Any]:
@@ -269,6 +283,7 @@ ACTIONS: dict[str, Handler] = {
     INIT_WEIGHTS_UPDATE_GROUP: init_weights_update_group,
     DESTROY_WEIGHTS_UPDATE_GROUP: destroy_weights_update_group,
     WEIGHTS_CHECKER: weights_checker,
+    FLUSH_CACHE: flush_cache,
 }
 
 # Served as tasks of their own, so that the loop keeps iterating while they wait.

@@ -189,6 +189,9 @@ class SchedulerConfig:
     # DeviceTimeoutError (CPU and CUDA); None waits for ever (the CUDA event watchdog
     # still applies). Closing waits at most this long for a hung step.
     step_timeout_s: float | None = None
+    # Native backend: requests reuse the KV pages of cached whole-page prompt prefixes
+    # (pages of finished requests stay cached until their room is needed).
+    enable_prefix_cache: bool = True
 
     def __post_init__(self) -> None:
         if self.loop not in LOOP_KINDS:
@@ -219,6 +222,8 @@ class SchedulerConfig:
             )
         if self.step_timeout_s is not None and (not _is_finite(self.step_timeout_s) or self.step_timeout_s <= 0):
             raise ConfigError(f"step_timeout_s must be a positive number of seconds or None, got {self.step_timeout_s!r}")
+        if not isinstance(self.enable_prefix_cache, bool):
+            raise ConfigError(f"enable_prefix_cache must be a bool, got {self.enable_prefix_cache!r}")
         if not (0 < self.kv_memory_fraction <= 1):
             raise ConfigError("kv_memory_fraction must be in (0, 1]")
         if not (0 <= self.aborted_id_keep <= self.aborted_id_cap):

@@ -359,6 +359,10 @@ class Engine:
     async def model_info(self) -> dict[str, Any]:
         return await self.admin("model_info")
 
+    async def flush_cache(self) -> dict[str, Any]:
+        """Empty the prefix cache (refused while requests are active)."""
+        return await self.admin("flush_cache")
+
     async def pause(self, mode: str = "abort") -> dict[str, Any]:
         return await self.admin("pause_generation", {"mode": mode})
 

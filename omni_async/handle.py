@@ -38,6 +38,7 @@ class RequestHandle:
         self._result: Any = None
         self._error: BaseException | None = None
         self._stage_result: Any = None  # the stage's result for completion 0
+        self._cached_tokens = 0
         self._streaming = False
 
     @property
@@ -109,6 +110,7 @@ class RequestHandle:
         elif msg.type == "result":
             if comp.index == 0:
                 self._stage_result = msg.data
+            self._cached_tokens += int(getattr(msg.data, "cached_tokens", 0) or 0)
             delta = comp.on_result(msg.data)
             if delta is not None:
                 self._collector.put(delta)
@@ -159,4 +161,5 @@ class RequestHandle:
             extra=extra,
             outputs=outputs,
             top_logprobs=first.top_logprobs,
+            cached_tokens=self._cached_tokens,
         )

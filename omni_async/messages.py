@@ -90,3 +90,5 @@ class GenerationResult:
     # The ``n`` completions (one for ``n=1``; the top-level fields equal ``outputs[0]``).
     outputs: list[CompletionOutput] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    # Prompt tokens whose KV came from the prefix cache (summed over the completions).
+    cached_tokens: int = 0

@@ -231,6 +231,7 @@ class AsyncOmniScheduler:
                 self.emission.fail(req.rid, errors.SchedulerClosedError("aborted: scheduler closed", output_ids=req.output_ids))
             for rid in list(self.emission.live):
                 self.emission.fail(rid, errors.SchedulerClosedError("aborted: scheduler closed"))
+        self.core.flush_cache()  # nothing holds KV now: the cached prefixes go too
         for request in take_buffered(self._admin_rx):
             request.answer(failure("scheduler closed"))
         self.inbox.close()

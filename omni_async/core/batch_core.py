@@ -16,7 +16,9 @@ from typing import Sequence
 
 from ..config import SchedulerConfig
 from ..kv.allocator import PageAllocator
+from ..kv.prefix_cache import PrefixCache
 from .batch import ForwardMode, ScheduledBatch
+from .prefix_reuse import computing_key, drop_prefix, index_pages, reuse_prefix
 from .protocol import BatchCore, StepOutcome
 from .request import Request
 
@@ -34,6 +36,7 @@ class NativeBatchCore(BatchCore):
     def __init__(self, config: SchedulerConfig, allocator: PageAllocator, context_length: int) -> None:
         self.config = config
         self.allocator = allocator
+        self.kv = PrefixCache(allocator, enabled=config.enable_prefix_cache)
         self.page_size = allocator.page_size
         self.context_length = context_length
         self.waiting: deque[Request] = deque()
@@ -61,34 +64,33 @@ class NativeBatchCore(BatchCore):
         return len(self.waiting)
 
     def active_requests(self) -> list[Request]:
-        reqs = list(self.waiting) + list(self.running)
-        if self.chunked is not None:
-            reqs.append(self.chunked)
+        reqs = list(self.waiting) + self.running + ([self.chunked] if self.chunked is not None else [])
         return [r for r in reqs if not r.finished()]
 
     def find(self, rid: str) -> Request | None:
-        for req in self.active_requests():
-            if req.rid == rid:
-                return req
-        return None
+        return next((req for req in self.active_requests() if req.rid == rid), None)
 
     def kv_is_fully_free(self) -> bool:
-        return self.allocator.is_fully_free()
+        """No request holds KV (cached prefixes nobody holds do not count)."""
+        return self.kv.held_pages == 0
 
     def flush_cache(self) -> bool:
-        """Drop cached KV. With no prefix cache, nothing outlives its request, so this
-        succeeds exactly when no request holds KV."""
-        return self.allocator.is_fully_free()
+        """Drop the cached prefixes; refused (False) while any request holds KV."""
+        return self.kv.flush()
+
+    def invalidate_cache(self) -> None:
+        self.kv.invalidate()
 
     def stats(self) -> dict[str, int]:
         return {
             "waiting_queue_size": len(self.waiting),
             "running_batch_size": len([r for r in self.running if not r.finished()]),
             "chunked_requests": int(self.chunked is not None),
-            "kv_free_pages": self.allocator.free_pages,
+            "kv_free_pages": self.kv.available_pages,
             "kv_total_pages": self.allocator.num_pages,
             "page_size": self.allocator.page_size,
             "num_retractions": self.num_retractions,
+            **self.kv.stats(),
         }
 
     # ------------------------------------------------------------------ scheduling
@@ -111,27 +113,34 @@ class NativeBatchCore(BatchCore):
             budget = min(budget, cfg.chunk_size)
         rows: list[tuple[Request, int]] = []
         reserved = self._reserved_tokens()
-        free_tokens = self.allocator.free_pages * self.page_size
+        kv = self.kv
         candidates: list[Request] = ([self.chunked] if self.chunked is not None else []) + list(self.waiting)
         slots = cfg.max_running_requests - len(self.running)
+        computing: set = set()  # index keys of the first page each row computes (None: none)
         for req in candidates:
             if budget <= 0 or slots <= 0:
                 break
             if req.step_failures and rows:
                 break  # a request retried after a failed step runs in a prefill of its own
+            fresh = not req.pages
+            if fresh and not reuse_prefix(kv, req, computing):
+                break  # its prefix is being computed by this step: it reuses it next step
             remaining = req.seq_len - req.num_cached
             n = min(remaining, budget)
             pages_needed = self.allocator.pages_for(req.num_cached + n) - len(req.pages)
             future = 0.0
             if n == remaining:
                 future = (req.sampling.max_new_tokens - req.num_generated) * self.new_token_ratio
-            fits_now = pages_needed <= self.allocator.free_pages
+            available = kv.available_pages
+            fits_now = pages_needed <= available
             lonely = not self.running and not rows
-            if not fits_now or (not lonely and pages_needed * self.page_size + future > free_tokens - reserved):
+            if not fits_now or (not lonely and pages_needed * self.page_size + future > available * self.page_size - reserved):
+                if fresh:
+                    drop_prefix(kv, req)
                 break
-            req.pages.extend(self.allocator.allocate(pages_needed))
-            free_tokens -= pages_needed * self.page_size
+            req.pages.extend(kv.allocate(pages_needed))
             reserved += int(math.ceil(future))
+            computing.add(computing_key(kv, req))
             rows.append((req, n))
             budget -= n
             if req.step_failures:
@@ -156,6 +165,7 @@ class NativeBatchCore(BatchCore):
             kept = start + n == req.seq_len
             self._add_row(batch, req, n, kept)
             req.num_cached += n
+            index_pages(self.kv, req)
             if kept:
                 req.num_inflight += 1
                 self.running.append(req)
@@ -173,7 +183,7 @@ class NativeBatchCore(BatchCore):
             return None
         batch = self._new_batch(ForwardMode.DECODE)
         ps = self.page_size
-        allocate = self.allocator.allocate
+        allocate = self.kv.allocate
         input_ids, inflight = batch.input_ids, batch.inflight_inputs
         reqs, epochs, prefix_lens, sample_indices = batch.reqs, batch.epochs, batch.prefix_lens, batch.sample_indices
         page_tables, page_counts = batch.page_tables, batch.page_counts
@@ -223,7 +233,7 @@ class NativeBatchCore(BatchCore):
         in KV; returns the requests that still decode. Empty when there is nothing to
         decode, or when it cannot fit yet only because requests about to finish still
         hold KV (the step in flight will free it)."""
-        while decoding and self._decode_pages_needed(decoding) > self.allocator.free_pages:
+        while decoding and self._decode_pages_needed(decoding) > self.kv.available_pages:
             if self.chunked is not None:
                 victim = self.chunked
                 self.chunked = None
@@ -249,10 +259,8 @@ class NativeBatchCore(BatchCore):
         req.num_retractions += 1
         self.num_retractions += 1
         # Back to the waiting queue in arrival order, so FCFS holds on resume.
-        idx = 0
-        while idx < len(self.waiting) and self.waiting[idx].arrival < req.arrival:
-            idx += 1
-        self.waiting.insert(idx, req)
+        later = (i for i, r in enumerate(self.waiting) if r.arrival >= req.arrival)
+        self.waiting.insert(next(later, len(self.waiting)), req)
 
     def retract_requests(self, reqs: Sequence[Request]) -> list[Request]:
         """Back to waiting with their KV freed (a failed step's retry)."""
@@ -272,9 +280,7 @@ class NativeBatchCore(BatchCore):
 
     def retract_all(self) -> list[Request]:
         """Send every running and chunked request back to waiting, freeing its KV."""
-        victims = [r for r in self.running if not r.finished()]
-        if self.chunked is not None:
-            victims.append(self.chunked)
+        victims = [r for r in self.running if not r.finished()] + ([self.chunked] if self.chunked else [])
         self.running = []
         self.chunked = None
         for req in sorted(victims, key=lambda r: r.arrival):
@@ -302,10 +308,7 @@ class NativeBatchCore(BatchCore):
     # ------------------------------------------------------------------ results
 
     def process_result(
-        self,
-        batch: ScheduledBatch,
-        tokens: Sequence[int],
-        logprobs: Sequence[float] | None = None,
+        self, batch: ScheduledBatch, tokens: Sequence[int], logprobs: Sequence[float] | None = None
     ) -> list[StepOutcome]:
         """Complete a step: append each live row's token and check its finish. One
         flat pass per step over the batch, inlined like ``_schedule_decode``."""
@@ -355,9 +358,13 @@ class NativeBatchCore(BatchCore):
         self._release(req)
 
     def _release(self, req: Request) -> None:
+        """Free the request's KV once; its computed full pages stay cached for reuse."""
         if req.pages:
+            if req.finish_reason != "error":
+                index_pages(self.kv, req)
             pages, req.pages = req.pages, []
-            self.allocator.free(pages)
+            req.prefix_pages = 0
+            self.kv.release(pages)
 
     # ------------------------------------------------------------------ aborts
 

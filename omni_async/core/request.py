@@ -37,6 +37,13 @@ class Request:
     # its own, so that a request that breaks steps fails alone.
     step_failures: int = 0
     data: Any = None  # the RequestData this request belongs to
+    # Prefix cache: leading pages shared through it (matched or indexed), the cache
+    # epoch they belong to (None: this request's KV is never shared, e.g. it came
+    # from input embeddings rather than token ids), and the prompt tokens its first
+    # admission found cached.
+    prefix_pages: int = 0
+    prefix_epoch: int | None = None
+    cached_tokens: int = 0
     _stop_ids: frozenset[int] | None = field(default=None, repr=False)
 
     @property

@@ -113,8 +113,13 @@ class ResponseContext:
         return {"index": index, "text": "", "finish_reason": reason, "logprobs": None}
 
 
-def usage(result: GenerationResult) -> dict[str, int]:
+def usage(result: GenerationResult) -> dict[str, Any]:
     prompt = len(result.prompt_ids)
     outputs = result.outputs or []
     completion = sum(len(o.output_ids) for o in outputs) if outputs else len(result.output_ids)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": int(result.cached_tokens)},
+    }

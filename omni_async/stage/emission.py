@@ -179,6 +179,7 @@ class Emission:
         in it, each is retried once (retracted, KV freed, prefilled again in a step of
         its own); a request alone in a failed step, or failing a second time, ends with
         an error. Rows of the failed requests in a step still in flight are skipped."""
+        self.core.invalidate_cache()  # the step's KV writes may be incomplete
         live = [batch.reqs[i] for i in range(batch.size) if batch.row_is_live(i)]
         log.error("scheduler_batch_failed", request_ids=[r.rid for r in live], error=repr(exc))
         first_time = [r for r in live if r.step_failures == 0] if len(live) > 1 else []
@@ -221,6 +222,7 @@ def default_result_adapter(data: RequestData) -> GenerationResult:
         output_logprobs=[lp for lp, _ in data.output_token_logprobs] if req.sampling.return_logprob else None,
         weight_version=data.weight_version,
         extra={k: v for k, v in data.extra_model_outputs.items() if k != "hidden_state"},
+        cached_tokens=req.cached_tokens,
     )
 
 

@@ -1,0 +1,64 @@
+"""How the batch core uses the prefix cache for one request: start it on the longest
+cached prefix of its tokens, undo that when it does not fit after all, and index its
+computed pages so that later requests reuse them."""
+
+from __future__ import annotations
+
+from ..kv.prefix_cache import Key, PrefixCache
+from .request import Request
+
+
+def shares_kv(req: Request) -> bool:
+    """KV computed from token ids alone can be shared; a request whose stage builder
+    supplies input embeddings computes KV that its token ids do not determine."""
+    data = req.data
+    return data is None or (
+        getattr(data, "input_embeds", None) is None and getattr(data, "decode_input_embeds", None) is None
+    )
+
+
+def reuse_prefix(kv: PrefixCache, req: Request, computing: set[Key]) -> bool:
+    """Start a request that holds no KV on the longest cached prefix of its tokens
+    (leaving at least one token to compute, for the logits). False, holding nothing,
+    when the page after that prefix is one this step already computes for another
+    row (``computing``): next step it is cached and this request reuses it."""
+    if not kv.enabled or not shares_kv(req):
+        return True
+    fill = req.fill_ids()
+    pages = kv.match(fill, len(fill) - 1)
+    next_key = kv.first_unmatched_key(fill, pages) if computing else None
+    if next_key is not None and next_key in computing:
+        kv.release(pages)
+        return False
+    req.pages = pages
+    req.num_cached = len(pages) * kv.page_size
+    req.prefix_pages = len(pages)
+    req.prefix_epoch = kv.epoch
+    kv.count_lookup(len(fill), req.num_cached)
+    if req.num_retractions == 0 and req.step_failures == 0:
+        req.cached_tokens = req.num_cached
+    return True
+
+
+def drop_prefix(kv: PrefixCache, req: Request) -> None:
+    """Undo :func:`reuse_prefix` for a request that does not fit after all."""
+    if req.prefix_epoch == kv.epoch:
+        kv.count_lookup(len(req.fill_ids()), req.num_cached, times=-1)
+    pages, req.pages = req.pages, []
+    kv.release(pages)
+    req.num_cached = 0
+    req.prefix_pages = 0
+
+
+def computing_key(kv: PrefixCache, req: Request) -> Key | None:
+    """The index key of the first page this request computes next."""
+    return kv.first_unmatched_key(req.fill_ids(), req.pages[: req.prefix_pages])
+
+
+def index_pages(kv: PrefixCache, req: Request) -> None:
+    """Share the request's full pages whose KV is computed, or being computed by a step
+    already launched (every later step follows it on the device). Only in the cache
+    epoch the request was admitted in: KV of older weights is never shared."""
+    if req.prefix_epoch == kv.epoch:
+        fill = req.fill_ids()
+        req.prefix_pages = kv.insert(fill, req.pages, req.prefix_pages, min(req.num_cached, len(fill)))

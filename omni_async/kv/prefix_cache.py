@@ -1,0 +1,219 @@
+"""Prefix cache: whole KV pages shared by every request whose sequence starts the same.
+
+A full page is indexed by ``(parent page, its tokens)``, so a page id stands for the
+whole prefix that ends with it and a lookup walks a request's pages from the first:
+a radix tree whose edges are one page long. Requests hold pages by reference count;
+an indexed page nobody holds stays cached, in least-recently-used order, and is
+evicted only when an allocation needs its room.
+
+Eviction order keeps the tree sound without walking it: a request always holds a
+whole path from the first page, and releases it leaf first, so a parent is always
+more recent than its children and the oldest unheld page is a leaf. Eviction still
+checks that a page has no cached children, so that no index entry can outlive its
+parent's page id (which would let a reused page id match stale KV).
+
+Everything here runs on the loop thread with the batch core; it never touches the
+KV tensors, only which pages hold what.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Sequence
+
+from .allocator import PageAllocator
+
+ROOT = -1
+Key = tuple[int, tuple[int, ...]]
+
+
+class PrefixCache:
+    """Page accounting for the batch core: allocation (evicting cached pages when short),
+    release, and, when ``enabled``, lookup and insertion of whole-page prefixes.
+
+    Disabled, it is a thin layer over the allocator with the same interface, so the
+    batch core has one code path.
+    """
+
+    def __init__(self, allocator: PageAllocator, *, enabled: bool = True) -> None:
+        self.allocator = allocator
+        self.page_size = allocator.page_size
+        self.enabled = enabled
+        self._page_of: dict[Key, int] = {}
+        self._key_of: dict[int, Key] = {}
+        self._children: dict[int, int] = {}  # indexed page -> indexed children
+        self._refs: dict[int, int] = {}  # shared pages (indexed, or indexed once) -> holders
+        self._evictable: OrderedDict[int, None] = OrderedDict()
+        # Grows on every invalidation: a request indexes its pages only in the epoch
+        # it was admitted in, since KV computed before new weights must not be shared.
+        self.epoch = 0
+        self.lookup_tokens = 0
+        self.hit_tokens = 0
+        self.evicted_pages = 0
+
+    # ------------------------------------------------------------------ accounting
+
+    @property
+    def available_pages(self) -> int:
+        """Pages an allocation can get: free ones plus cached ones nobody holds."""
+        return self.allocator.free_pages + len(self._evictable)
+
+    @property
+    def cached_pages(self) -> int:
+        return len(self._key_of)
+
+    @property
+    def held_pages(self) -> int:
+        """Pages some request holds (the KV that is not just cache)."""
+        return self.allocator.used_pages - len(self._evictable)
+
+    def count_lookup(self, tokens: int, hit_tokens: int, times: int = 1) -> None:
+        """Hit-rate bookkeeping of an admitted lookup (``times=-1`` takes one back)."""
+        self.lookup_tokens += times * tokens
+        self.hit_tokens += times * hit_tokens
+
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.lookup_tokens if self.lookup_tokens else 0.0
+
+    def stats(self) -> dict[str, float | int | bool]:
+        return {
+            "prefix_cache_enabled": self.enabled,
+            "prefix_cache_pages": self.cached_pages,
+            "prefix_cache_hit_tokens": self.hit_tokens,
+            "prefix_cache_lookup_tokens": self.lookup_tokens,
+            "prefix_cache_hit_rate": round(self.hit_rate(), 4),
+            "prefix_cache_evicted_pages": self.evicted_pages,
+        }
+
+    # ------------------------------------------------------------------ pages
+
+    def allocate(self, num_pages: int) -> list[int]:
+        """Fresh pages, private to the caller; evicts cached pages when free ones are short."""
+        short = num_pages - self.allocator.free_pages
+        if short > 0:
+            self._evict(short)
+        return self.allocator.allocate(num_pages)
+
+    def release(self, pages: Sequence[int]) -> None:
+        """Drop one hold on each page, leaf first. A private page is freed; a shared one
+        is freed or kept cached when its last holder lets go."""
+        refs, free = self._refs, self.allocator.free
+        for page in reversed(pages):
+            count = refs.get(page)
+            if count is None:
+                free([page])
+            elif count > 1:
+                refs[page] = count - 1
+            else:
+                del refs[page]
+                if page in self._key_of:
+                    self._evictable[page] = None
+                else:
+                    free([page])
+
+    # ------------------------------------------------------------------ prefixes
+
+    def match(self, tokens: Sequence[int], max_tokens: int) -> list[int]:
+        """Hold and return the cached pages of the longest whole-page prefix of
+        ``tokens`` no longer than ``max_tokens``."""
+        if not self.enabled:
+            return []
+        ps = self.page_size
+        limit = max(0, max_tokens) // ps
+        pages: list[int] = []
+        parent = ROOT
+        page_of = self._page_of
+        for i in range(limit):
+            page = page_of.get((parent, tuple(tokens[i * ps : (i + 1) * ps])))
+            if page is None:
+                break
+            pages.append(page)
+            parent = page
+        for page in pages:
+            self._hold(page)
+        return pages
+
+    def first_unmatched_key(self, tokens: Sequence[int], pages: Sequence[int]) -> Key | None:
+        """The index key the page after ``pages`` would get (None when ``tokens`` has no
+        further full page): two requests with the same one would compute the same page."""
+        ps = self.page_size
+        i = len(pages)
+        if not self.enabled or (i + 1) * ps > len(tokens):
+            return None
+        return (pages[-1] if pages else ROOT, tuple(tokens[i * ps : (i + 1) * ps]))
+
+    def insert(self, tokens: Sequence[int], pages: Sequence[int], start_page: int, num_tokens: int) -> int:
+        """Index the request's full pages ``start_page..`` whose KV covers the first
+        ``num_tokens`` of ``tokens``; returns how many leading pages are indexed now.
+
+        A page whose prefix another page already holds stays private, and so does every
+        page after it (their parent is not the indexed one): the count stops there."""
+        if not self.enabled:
+            return start_page
+        ps = self.page_size
+        end = min(num_tokens, len(tokens)) // ps
+        i = start_page
+        while i < end:
+            parent = pages[i - 1] if i else ROOT
+            if parent != ROOT and parent not in self._key_of:
+                break
+            key = (parent, tuple(tokens[i * ps : (i + 1) * ps]))
+            page = pages[i]
+            owner = self._page_of.get(key)
+            if owner is not None:
+                if owner != page:
+                    break  # computed twice: this copy stays private
+                i += 1
+                continue
+            self._page_of[key] = page
+            self._key_of[page] = key
+            self._children[page] = 0
+            if parent != ROOT:
+                self._children[parent] += 1
+            self._refs.setdefault(page, 1)  # the caller's hold; a page already shared keeps its count
+            i += 1
+        return i
+
+    def invalidate(self) -> None:
+        """Forget every cached prefix (new weights, a failed step). Unheld cached pages
+        are freed; held ones stay with their holders and are freed by their release."""
+        self.epoch += 1
+        for page in self._evictable:
+            self.allocator.free([page])
+        self._evictable.clear()
+        self._page_of.clear()
+        self._key_of.clear()
+        self._children.clear()
+
+    def flush(self) -> bool:
+        """Empty the cache; refused (False) while any request holds KV."""
+        if self.held_pages:
+            return False
+        self.invalidate()
+        return self.allocator.is_fully_free()
+
+    # ------------------------------------------------------------------ internals
+
+    def _hold(self, page: int) -> None:
+        count = self._refs.get(page, 0)
+        if count == 0:
+            self._evictable.pop(page, None)
+        self._refs[page] = count + 1
+
+    def _evict(self, num_pages: int) -> None:
+        """Free ``num_pages`` cached pages nobody holds, least recently used first."""
+        evicted = 0
+        while evicted < num_pages and self._evictable:
+            victim = next((p for p in self._evictable if not self._children.get(p)), None)
+            if victim is None:
+                break
+            del self._evictable[victim]
+            key = self._key_of.pop(victim)
+            del self._page_of[key]
+            del self._children[victim]
+            parent = key[0]
+            if parent != ROOT and parent in self._children:
+                self._children[parent] -= 1
+            self.allocator.free([victim])
+            evicted += 1
+        self.evicted_pages += evicted
