@@ -125,15 +125,15 @@ async def section(args, name: str, path: Path, reqs: list[list[int]], new: int, 
             r = await run_once(args, path, reqs, new, cache)
             r["repeat"] = rep
             runs.append(r)
-            log(f"{name} rep {rep} cache={'on ' if cache else 'off'}: " + "  ".join(f"{k}={r[k]:.1f}" for k in keys))
+            log(f"{name} rep {rep} cache={'on ' if cache else 'off'}: " + "  ".join(f"{k}={r[k]:.4g}" for k in keys))
     summ = summarise(runs, keys)
     RESULTS["sections"][name] = {"runs": runs, "summary": summ, "num_requests": len(reqs), "new_tokens": new}
     Path(args.out).write_text(json.dumps(RESULTS, indent=2))
     on, off = summ["on"], summ["off"]
     log(f"== {name} (median, range; {args.repeats} interleaved repeats)")
     for k in keys:
-        log(f"  {k:26s} on {on[k]['median']:10.1f} ({on[k]['min']:.1f}-{on[k]['max']:.1f})   "
-            f"off {off[k]['median']:10.1f} ({off[k]['min']:.1f}-{off[k]['max']:.1f})   "
+        log(f"  {k:26s} on {on[k]['median']:10.4g} ({on[k]['min']:.4g}-{on[k]['max']:.4g})   "
+            f"off {off[k]['median']:10.4g} ({off[k]['min']:.4g}-{off[k]['max']:.4g})   "
             f"off/on {off[k]['median'] / max(on[k]['median'], 1e-9):.2f}")
 
 

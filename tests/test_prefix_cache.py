@@ -9,6 +9,7 @@ import asyncio
 import random
 
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -290,3 +291,17 @@ async def test_weight_update_from_tensor_invalidates_the_cache():
         want = await fresh.generate(input_ids=prompt, sampling=sp)
     assert after.cached_tokens == 0
     assert after.output_ids == want.output_ids
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("loop", LOOPS)
+async def test_cuda_tokens_equal_without_the_cache(loop):
+    """On CUDA (float32) the extend kernel reads shared prefix pages: tokens equal the
+    cache-off run's, with retraction and eviction."""
+    mix = shared_prefix_mix(11, 18)
+    limits = dict(loop=loop, device="cuda", dtype="float32", page_size=8, kv_capacity_tokens=400,
+                  chunked_prefill_size=48, max_running_requests=8)
+    off, _ = await run_mix(mix, aborts={5}, enable_prefix_cache=False, **limits)
+    on, info = await run_mix(mix, aborts={5}, **limits)
+    assert [o[0] for o in on] == [o[0] for o in off]
+    assert info["prefix_cache_hit_tokens"] > 0
