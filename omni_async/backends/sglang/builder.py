@@ -37,7 +37,8 @@ from sglang.srt.server_args import ServerArgs
 from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
 from .core import SGLangBatchCore
-from .runner import SGLangModelRunner, SGLangModelWorker
+from .runner import SGLangModelRunner
+from .weights import SGLangModelWorker
 
 DEFAULT_CPU_KV_TOKENS = 32768
 

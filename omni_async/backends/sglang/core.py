@@ -550,6 +550,8 @@ class SGLangBatchCore(BatchCore):
             reaped.append(self._finish(sreq, sreq.to_finish, checkpoint=False))
         if marked:
             self.running_batch.filter_batch()
+            # Marked while running, then retracted before the step boundary.
+            self.waiting_queue = [r for r in self.waiting_queue if not r.finished()]
         return reaped
 
     def abort_all(self) -> list[Request]:
@@ -587,9 +589,56 @@ class SGLangBatchCore(BatchCore):
         return failed
 
     def retract_requests(self, reqs: Sequence[Request]) -> list[Request]:
-        """No retry of a failed step's requests on this backend: SGLang's retraction
-        works on its whole running batch, so they fail (the caller's fallback)."""
-        return []
+        """A failed step's retry: these requests leave the running batch, the prefill
+        batch not yet merged and the chunk slot, their KV is released through SGLang's
+        ``retract_all`` (which takes the requests to retract), and they go back to the
+        waiting queue in arrival order, to be prefilled again with the tokens they have.
+        As with SGLang's decode retraction, a step still queued on the worker that reads
+        them runs on stale rows, which processing skips (the epoch moved)."""
+        victims = []
+        for req in reqs:
+            sreq = self._sreq.get(req.rid)
+            if sreq is None or sreq.finished() or not sreq.kv.holds_kv:
+                continue
+            if any(w is sreq for w in self.waiting_queue):
+                continue
+            victims.append(sreq)
+        if not victims:
+            return []
+        self.running_batch.filter_batch(reqs_to_exclude=victims)
+        self.running_batch.batch_is_full = False
+        last = self.last_batch
+        if last is not None and last.forward_mode.is_extend() and last is not self.running_batch:
+            last.filter_batch(reqs_to_exclude=victims)
+        if self.chunked_req is not None and any(v is self.chunked_req for v in victims):
+            self.chunked_req = None
+        return self._requeue_retracted(victims)
+
+    def _requeue_retracted(self, victims: list[Req]) -> list[Request]:
+        """SGLang's ``retract_all`` on ``victims`` (KV released, request reset), then
+        back to the waiting queue ahead of later arrivals, in arrival order."""
+        for sreq in victims:
+            self._last_step.pop(id(sreq), None)
+        sglang_retract_all(
+            reqs=victims,
+            req_to_token_pool=self.req_to_token_pool,
+            token_to_kv_pool_allocator=self.token_to_kv_pool_allocator,
+            tree_cache=self.tree_cache,
+            hisparse_coordinator=None,
+            offload_kv=False,
+        )
+        ordered = sorted(victims, key=lambda s: self._omni_of(s).arrival)
+        out = []
+        for sreq in ordered:
+            req = self._omni_of(sreq)
+            req.epoch += 1
+            req.num_retractions += 1
+            req.num_inflight = 0
+            self.num_retractions += 1
+            out.append(req)
+        merged = sorted(ordered + self.waiting_queue, key=lambda s: self._omni_of(s).arrival)
+        self.waiting_queue = merged
+        return out
 
     def retract_all(self) -> list[Request]:
         """Scheduler.pause_generation(mode="retract"): every running, just-prefilled and
@@ -603,31 +652,10 @@ class SGLangBatchCore(BatchCore):
             victims.append(self.chunked_req)
         victims = [r for r in victims if r.kv.holds_kv]
         self.last_batch = None
-        for sreq in victims:
-            self._last_step.pop(id(sreq), None)
-        if victims:
-            sglang_retract_all(
-                reqs=victims,
-                req_to_token_pool=self.req_to_token_pool,
-                token_to_kv_pool_allocator=self.token_to_kv_pool_allocator,
-                tree_cache=self.tree_cache,
-                hisparse_coordinator=None,
-                offload_kv=False,
-            )
         self.running_batch.reqs = []
         self.running_batch.batch_is_full = False
         self.chunked_req = None
-        out = []
-        for sreq in sorted(victims, key=lambda s: self._omni_of(s).arrival):
-            req = self._omni_of(sreq)
-            req.epoch += 1
-            req.num_retractions += 1
-            req.num_inflight = 0
-            self.num_retractions += 1
-            out.append(req)
-        # Back to the waiting queue ahead of later arrivals, in arrival order.
-        self.waiting_queue = sorted(victims, key=lambda s: self._omni_of(s).arrival) + self.waiting_queue
-        return out
+        return self._requeue_retracted(victims) if victims else []
 
     # ------------------------------------------------------------------ pools
 
