@@ -201,6 +201,10 @@ def build_stack(
             req_to_token_pool,
             needs_cpu_seq_lens=False,
         )
+        # A row read before any step published to it (a step scheduled behind one that
+        # then failed, its rows stale) must still hold a token id, not uninitialised
+        # memory: such a step runs, and processing skips its rows.
+        future_map.output_tokens_buf.zero_()
         info = tp_worker.get_worker_info()
         max_total_num_tokens, _max_prefill, max_running, _q, max_req_len = info[:5]
 
