@@ -221,12 +221,17 @@ def build_stack(
         runner = SGLangModelRunner(tp_worker, future_map, seed=seed)
         core = SGLangBatchCore(
             config,
+            server_args=server_args,
+            tp_worker=tp_worker,
+            future_map=future_map,
             req_to_token_pool=req_to_token_pool,
             token_to_kv_pool_allocator=allocator,
             tree_cache=tree_cache,
             model_config=model_config,
             page_size=config.page_size,
             max_running_requests=min(int(config.max_running_requests), int(max_running)),
+            max_total_num_tokens=int(max_total_num_tokens),
+            max_req_len=int(max_req_len),
             context_length=context_length,
         )
         stack = SGLangStack(
