@@ -111,3 +111,36 @@ async def test_a_failed_step_is_retried_once(sg_checkpoints, loop, where):
         assert res.output_ids == hf_greedy(folder, p, n)
     assert after.output_ids == hf_greedy(folder, prompts[0], 5)
     assert_sglang_pools_free(engine)
+
+
+async def test_sglang_thinker_streams_hidden_states_into_a_talker(tmp_path):
+    """The reason for capture: an SGLang thinker feeds a (native) talker stage in one
+    event loop, every streamed thinker token with its hidden state."""
+    from omni_async import RequestPayload
+    from omni_async.backends.sglang import build_sglang_stage
+    from omni_async.config import SchedulerConfig
+    from omni_async.pipeline import TwoStagePipeline, make_talker
+
+    from ..conftest import save_random_checkpoint
+
+    folder = save_random_checkpoint("llama", tmp_path / "thinker", seed=3, vocab_size=256)
+    prompt = random_prompts(1, 256, 6, 6, seed=84)[0]
+    built = build_sglang_stage(str(folder), config=SchedulerConfig(loop="overlap"))
+    built.stack.runner.capture_hidden = True
+    async with TwoStagePipeline(built.scheduler, make_talker("overlap")) as pipe:
+        handle = await pipe.submit(
+            "c1",
+            RequestPayload("c1", prompt, SamplingParams(max_new_tokens=12, ignore_eos=True)),
+            RequestPayload("c1", [], SamplingParams(max_new_tokens=8, ignore_eos=True)),
+        )
+        events = [ev async for ev in handle]
+    thinking = [ev.data for ev in events if ev.stage == "thinker" and ev.kind == "stream"]
+    tokens = [t for d in thinking for t in d.token_ids]
+    assert tokens == hf_greedy(folder, prompt, 12)
+    ref = hf_last_hidden(folder, prompt + tokens)
+    for k, delta in enumerate(thinking):
+        torch.testing.assert_close(delta.extra["hidden_state"], ref[len(prompt) - 1 + k], atol=1e-4, rtol=1e-4)
+    talk = next(ev.data for ev in events if ev.stage == "talker" and ev.kind == "result")
+    assert len(talk.output_ids) == 8
+    assert talk.prompt_ids[0] == 256 and talk.prompt_ids[1:] == tokens[: len(talk.prompt_ids) - 1]
+    assert built.stack.core.kv_is_fully_free()
