@@ -127,11 +127,12 @@ class SGLangPlanner(Scheduler):
             get_require_mlp_sync=lambda: self.require_mlp_sync,
         )
         self.load_inquirer = self._load_inquirer()
-        if not get_parallel().pp_max_micro_batch_size:  # as Scheduler.init_model_worker
-            get_context().override(
-                "scheduler.pp_max_micro_batch_size_default",
-                pp_max_micro_batch_size=max(self.max_running_requests // get_parallel().pp_size, 1),
-            )
+        # Scheduler.init_model_worker's default, set for this stage every time: the
+        # process-wide value bounds admission (get_num_allocatable_reqs).
+        get_context().override(
+            "scheduler.pp_max_micro_batch_size_default",
+            pp_max_micro_batch_size=max(self.max_running_requests // get_parallel().pp_size, 1),
+        )
 
     def _switch_off_unused_features(self) -> None:
         self.enable_priority_scheduling = False
