@@ -11,7 +11,6 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
 
