@@ -64,3 +64,22 @@ async def test_hooks_called_over_sglang_forward_batch(sg_checkpoints):
     assert ForwardBatch in kinds
     assert calls["post_decode_launch"] == calls["post_decode_resolve"]  # every lookahead step collected
     assert_sglang_pools_free(engine)
+
+
+async def test_planning_is_sglang_own(sg_checkpoints):
+    """The core plans with SGLang's Scheduler methods, unchanged, and the planner has
+    every attribute those methods read (an SGLang upgrade that reads more fails here)."""
+    from sglang.srt.managers.scheduler import Scheduler
+
+    from omni_async.backends.sglang.planner import PLANNING_METHODS, SGLangPlanner, planning_attributes_missing
+
+    engine = sglang_engine(sg_checkpoints["llama"])
+    planner = engine.stack.core.planner
+    assert isinstance(planner, SGLangPlanner) and isinstance(planner, Scheduler)
+    for name in PLANNING_METHODS:
+        assert getattr(SGLangPlanner, name) is getattr(Scheduler, name), f"{name} is not SGLang's"
+    assert planning_attributes_missing(planner) == []
+    async with engine:
+        assert engine.stack.core.waiting_queue is planner.waiting_queue
+        res = await engine.generate(input_ids=[5, 6, 7], sampling=SamplingParams(max_new_tokens=3))
+    assert res.output_ids == hf_greedy(sg_checkpoints["llama"], [5, 6, 7], 3)

@@ -37,7 +37,8 @@ from sglang.srt.server_args import ServerArgs
 from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
 from .core import SGLangBatchCore
-from .runner import SGLangModelRunner, SGLangModelWorker
+from .runner import SGLangModelRunner
+from .weights import SGLangModelWorker
 
 DEFAULT_CPU_KV_TOKENS = 32768
 
@@ -200,6 +201,10 @@ def build_stack(
             req_to_token_pool,
             needs_cpu_seq_lens=False,
         )
+        # A row read before any step published to it (a step scheduled behind one that
+        # then failed, its rows stale) must still hold a token id, not uninitialised
+        # memory: such a step runs, and processing skips its rows.
+        future_map.output_tokens_buf.zero_()
         info = tp_worker.get_worker_info()
         max_total_num_tokens, _max_prefill, max_running, _q, max_req_len = info[:5]
 
@@ -216,12 +221,17 @@ def build_stack(
         runner = SGLangModelRunner(tp_worker, future_map, seed=seed)
         core = SGLangBatchCore(
             config,
+            server_args=server_args,
+            tp_worker=tp_worker,
+            future_map=future_map,
             req_to_token_pool=req_to_token_pool,
             token_to_kv_pool_allocator=allocator,
             tree_cache=tree_cache,
             model_config=model_config,
             page_size=config.page_size,
             max_running_requests=min(int(config.max_running_requests), int(max_running)),
+            max_total_num_tokens=int(max_total_num_tokens),
+            max_req_len=int(max_req_len),
             context_length=context_length,
         )
         stack = SGLangStack(

@@ -1,27 +1,39 @@
 """The SGLang batch core: omni-async's BatchCore protocol over SGLang's scheduling state.
 
-The state is SGLang's own: ``Req`` objects in a waiting queue, a running
-``ScheduleBatch``, a chunked request, the ``SchedulePolicy``, ``PrefillAdder``
-admission with its token budget and new-token-ratio reservation, ``ScheduleBatch``
-extend/decode preparation (``prepare_for_extend`` / ``prepare_for_decode``), decode
-memory checks and retraction (``check_decode_mem`` / ``retract_decode`` /
-``retract_all``), finish checks (``Req.update_finish_state``), and KV bookkeeping
-through the radix cache (``checkpoint_kv_cache`` / ``release_kv_cache``) over SGLang's
-``ReqToTokenPool`` and token allocator. The steps follow SGLang's
-``Scheduler.get_next_batch_to_run`` / ``update_running_batch`` /
-``process_batch_result_{prefill,decode}`` and ``abort_request``, called function by
-function (no delegation to SGLang's Scheduler class).
+Planning is SGLang's own: ``get_next_batch`` runs ``Scheduler.get_next_batch_to_run``
+(merging the last prefill batch, ``PrefillAdder`` admission with the new-token-ratio
+reserve, chunked prefill, radix prefix matching, ``prepare_for_extend`` /
+``prepare_for_decode``, ``check_decode_mem`` / ``retract_decode``) on an in-process
+``Scheduler`` set up without its IPC and model loading (planner.py), which also holds
+the waiting queue, running batch, last batch and chunked request. SGLang's ``Req``
+carries the scheduling and KV state of each omni-async request; the omni request
+carries what the stage reads (output ids, finish reason, epoch).
 
-Each omni-async :class:`~omni_async.core.request.Request` is mirrored by one SGLang
-``Req``; the omni request carries what the scheduler reads (output ids, finish reason,
-epoch) and the SGLang one carries the scheduling and KV state.
+Hand-written here, and why:
+
+- ``add_request``: builds the SGLang ``Req`` from an admitted omni request (omni-async's
+  stop set; the context clamp). SGLang's ``handle_generate_request`` parses what its
+  tokenizer process sends and runs its own validation, sessions and multimodal setup.
+- ``process_result``: per row it is SGLang's result processing (``output_ids``,
+  ``update_finish_state``, ``checkpoint_kv_cache`` / ``release_kv_cache``), but
+  SGLang's ``SchedulerBatchResultProcessor`` releases a finished request's KV at once
+  and streams through its output streamer to the detokenizer process. Here outputs go
+  to omni-async's emission, and the release waits (``_release``) until no scheduled
+  step that reads the request is still to run: on CPU the worker thread may be running
+  step N+1 while the loop thread schedules step N+2 and rewrites ``req_to_token`` rows,
+  which CUDA would order after N+1 on its stream.
+- aborts (``abort``, ``reap_aborted``, ``abort_all``, ``fail_requests``): omni-async's
+  protocol (a waiting request ends now, a running one is marked and ends at the step
+  boundary). SGLang's ``abort_request`` answers through its tokenizer process.
+- ``retract_requests`` (a failed step's retry) and ``retract_all`` (pause in retract
+  mode): SGLang's ``retract_all`` on the chosen requests; SGLang has no per-request
+  retry (a failed step stops its scheduler).
+- ``flush_cache``, ``kv_is_fully_free``, ``stats``: pool accounting.
 
 Lag. The overlap and async-decode loops schedule step N+1 before step N's result is
 processed, as SGLang's overlap scheduler does: decode inputs come from SGLang's
-FutureMap on the device, a request that finishes in step N still rides step N+1 (its
-row is skipped when N+1 is processed), and its KV is released only once no scheduled
-step that has not yet executed still reads it (``_release``): the worker thread may be
-running step N+1 while the loop thread schedules step N+2.
+FutureMap on the device, and a request that finishes in step N still rides step N+1
+(its row is skipped when N+1 is processed).
 """
 
 from __future__ import annotations
@@ -38,94 +50,17 @@ from ...core.request import Request
 
 from sglang.srt.managers.schedule_batch import (
     FINISH_ABORT,
-    FINISH_LENGTH,
-    FINISH_MATCHED_STR,
-    FINISH_MATCHED_TOKEN,
     Req,
     ScheduleBatch,
     retract_all as sglang_retract_all,
 )
-from sglang.srt.managers.schedule_policy import AddReqResult, PrefillAdder, SchedulePolicy
 from sglang.srt.managers.scheduler_components.new_token_ratio_tracker import NewTokenRatioTracker
 from sglang.srt.mem_cache.base_prefix_cache import CacheRequestOutcome, EvictParams
 from sglang.srt.mem_cache.common import checkpoint_kv_cache, release_kv_cache
 from sglang.srt.sampling.sampling_params import SamplingParams as SGLangSamplingParams
-from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
-
-class SGLangScheduledBatch:
-    """One scheduled step, with the attributes the loops and runners read from a
-    :class:`~omni_async.core.batch.ScheduledBatch`, over a snapshot of SGLang's
-    ``ScheduleBatch`` (the scheduler's own object keeps changing while the step runs
-    on the worker thread)."""
-
-    def __init__(
-        self,
-        mode: ForwardMode,
-        reqs: list[Request],
-        sreqs: list[Req],
-        samples_kept: list[bool],
-        sample_indices: list[int],
-        output_snapshots: list[list[int] | None],
-        schedule_batch: ScheduleBatch,
-        step_id: int,
-    ) -> None:
-        self.mode = mode
-        self.reqs = reqs
-        self.sreqs = sreqs
-        self.epochs = [r.epoch for r in reqs]
-        self.samples_kept = samples_kept
-        self.sample_indices = sample_indices
-        # Output tokens known to the host at scheduling, for rows whose sampling reads
-        # them (repetition penalty); None for the others.
-        self.output_snapshots = output_snapshots
-        self.schedule_batch = schedule_batch
-        self.step_id = step_id
-        self.executed = False  # set by the step executor once the step ran (or failed) on the worker
-        self.processed = False
-
-    @property
-    def is_decode(self) -> bool:
-        return self.mode is ForwardMode.DECODE
-
-    @property
-    def forward_mode(self) -> ForwardMode:
-        return self.mode
-
-    @property
-    def size(self) -> int:
-        return len(self.reqs)
-
-    @property
-    def num_tokens(self) -> int:
-        sb = self.schedule_batch
-        return int(sb.extend_num_tokens) if self.mode.is_extend() else len(self.reqs)
-
-    def row_is_live(self, i: int) -> bool:
-        """False when the row's request finished or was retracted after scheduling."""
-        req = self.reqs[i]
-        return not req.finished() and req.epoch == self.epochs[i]
-
-    def runnable_after_drain(self) -> "SGLangScheduledBatch":
-        """The batch to run after a drain finished or retracted some of its requests.
-
-        Unlike the native core, the stale rows stay in the forward (SGLang's overlap
-        'overshoot'): their KV slots were allocated with the step, the radix cache may
-        already count the slot a finished request's last token is written to, and
-        their release waits for this step to execute. Processing skips them."""
-        return self
-
-
-def _finish_reason_name(reason: Any) -> str | None:
-    if reason is None:
-        return None
-    if isinstance(reason, FINISH_LENGTH):
-        return "length"
-    if isinstance(reason, (FINISH_MATCHED_TOKEN, FINISH_MATCHED_STR)):
-        return "stop"
-    if isinstance(reason, FINISH_ABORT):
-        return "abort"
-    return "stop"
+from .batch import SGLangScheduledBatch, finish_reason_name
+from .planner import SGLangPlanner
 
 
 class SGLangBatchCore(BatchCore):
@@ -135,38 +70,41 @@ class SGLangBatchCore(BatchCore):
         self,
         config: SchedulerConfig,
         *,
+        server_args: Any,
+        tp_worker: Any,
+        future_map: Any,
         req_to_token_pool: Any,
         token_to_kv_pool_allocator: Any,
         tree_cache: Any,
         model_config: Any,
         page_size: int,
         max_running_requests: int,
+        max_total_num_tokens: int,
+        max_req_len: int,
         context_length: int,
     ) -> None:
         self.config = config
         self.req_to_token_pool = req_to_token_pool
         self.token_to_kv_pool_allocator = token_to_kv_pool_allocator
         self.tree_cache = tree_cache
-        self.model_config = model_config
         self.page_size = page_size
-        self.max_running_requests = max_running_requests
-        self.max_prefill_tokens = config.max_prefill_tokens
-        self.chunked_prefill_size = config.chunk_size
         self.context_length = context_length
         self.vocab_size = int(model_config.vocab_size)
-        self.spec_algorithm = SpeculativeAlgorithm.NONE
-        self.policy = SchedulePolicy(
-            "fcfs",
-            tree_cache,
-            enable_hierarchical_cache=False,
-            enable_priority_scheduling=False,
-            schedule_low_priority_values_first=False,
+        self.planner = SGLangPlanner(
+            server_args=server_args,
+            tp_worker=tp_worker,
+            model_config=model_config,
+            req_to_token_pool=req_to_token_pool,
+            token_to_kv_pool_allocator=token_to_kv_pool_allocator,
+            tree_cache=tree_cache,
+            future_map=future_map,
+            max_running_requests=max_running_requests,
+            max_prefill_tokens=config.max_prefill_tokens,
+            max_total_num_tokens=max_total_num_tokens,
+            max_req_len=max_req_len,
+            on_retracted=self._on_retracted,
+            on_oom_abort=self._on_oom_abort,
         )
-        self.new_token_ratio_tracker = NewTokenRatioTracker.from_config()
-        self.waiting_queue: list[Req] = []
-        self.running_batch = ScheduleBatch(reqs=[], batch_is_full=False)
-        self.chunked_req: Req | None = None
-        self.last_batch: ScheduleBatch | None = None
         self.num_retractions = 0
         self.stack: Any = None
         self.wake: Callable[[], None] | None = None  # the scheduler's wake (set by the builder)
@@ -177,6 +115,39 @@ class SGLangBatchCore(BatchCore):
         self._aborted_now: list[Request] = []  # finished by scheduling (OOM), reaped next
         self._step_id = 0
         self._arrivals = 0
+
+    # SGLang's scheduling state lives on the planner (its Scheduler).
+    @property
+    def waiting_queue(self) -> list[Req]:
+        return self.planner.waiting_queue
+
+    @waiting_queue.setter
+    def waiting_queue(self, queue: list[Req]) -> None:
+        self.planner.waiting_queue = queue
+
+    @property
+    def running_batch(self) -> ScheduleBatch:
+        return self.planner.running_batch
+
+    @running_batch.setter
+    def running_batch(self, batch: ScheduleBatch) -> None:
+        self.planner.running_batch = batch
+
+    @property
+    def last_batch(self) -> ScheduleBatch | None:
+        return self.planner.last_batch
+
+    @last_batch.setter
+    def last_batch(self, batch: ScheduleBatch | None) -> None:
+        self.planner.last_batch = batch
+
+    @property
+    def chunked_req(self) -> Req | None:
+        return self.planner.chunked_req
+
+    @chunked_req.setter
+    def chunked_req(self, req: Req | None) -> None:
+        self.planner.chunked_req = req
 
     # ------------------------------------------------------------------ requests
 
@@ -224,7 +195,7 @@ class SGLangBatchCore(BatchCore):
 
     def on_idle(self) -> None:
         """SGLang's idle self-check: the new-token ratio back to its initial value."""
-        self.new_token_ratio_tracker = NewTokenRatioTracker.from_config()
+        self.planner.new_token_ratio_tracker = NewTokenRatioTracker.from_config()
 
     def num_waiting(self) -> int:
         return len(self.waiting_queue)
@@ -285,7 +256,7 @@ class SGLangBatchCore(BatchCore):
             sreq.to_finish = reason
             sreq.update_finish_state(0)  # to_finish -> finished_reason
         self._sreq.pop(sreq.rid, None)
-        req.finish_reason = _finish_reason_name(sreq.finished_reason)
+        req.finish_reason = finish_reason_name(sreq.finished_reason)
         req.num_inflight = 0
         if isinstance(sreq.finished_reason, FINISH_ABORT):
             self.tree_cache.finish(sreq.cache_request_handle, CacheRequestOutcome.ABORT)
@@ -295,152 +266,33 @@ class SGLangBatchCore(BatchCore):
     # ------------------------------------------------------------------ scheduling
 
     def get_next_batch(self) -> SGLangScheduledBatch | None:
-        """Scheduler.get_next_batch_to_run: merge the last prefill batch into the
-        running batch, then a prefill batch when requests wait and fit, else a decode
-        step of the running batch (retracting under KV pressure)."""
+        """SGLang's ``Scheduler.get_next_batch_to_run`` (the planner), after the KV
+        releases that waited for an executed step."""
         self._flush_deferred()
-        running = self.running_batch
-        exclude: list[Req] = []
-        if self.chunked_req is not None:
-            exclude.append(self.chunked_req)
-            if self.chunked_req.extend_end > self.chunked_req.prefix_len:
-                checkpoint_kv_cache(self.chunked_req, self.tree_cache)  # stash_chunked_request
-        last = self.last_batch
-        if last is not None and last.forward_mode.is_extend():
-            if last.chunked_req is not None:
-                exclude.append(last.chunked_req)
-            last_bs = last.batch_size()
-            last.filter_batch(reqs_to_exclude=exclude)
-            if last.batch_size() < last_bs:
-                running.batch_is_full = False
-            if not last.is_empty() and last is not running:
-                if running.is_empty():
-                    running = last
-                else:
-                    running.merge_batch(last)
-        running_bs = running.batch_size()
-        running.filter_batch()
-        if running.batch_size() < running_bs:
-            running.batch_is_full = False
+        batch = self.planner.plan()
+        return None if batch is None else self._wrap(batch)
 
-        batch = self._get_new_batch_prefill(running)
-        if batch is None and not running.is_empty():
-            batch = self._update_running_batch(running)
-            if batch is not None and batch.is_empty():
-                batch = None
-        self.running_batch = running
-        self.last_batch = batch
-        if batch is None:
-            return None
-        return self._wrap(batch)
+    def _on_retracted(self, sreq: Req) -> None:
+        """``retract_decode`` released this request's KV under memory pressure: back to
+        the waiting queue (``Scheduler._add_request_to_queue``), a new epoch."""
+        req = self._omni_of(sreq)
+        req.epoch += 1
+        req.num_retractions += 1
+        req.num_inflight = 0
+        self.num_retractions += 1
+        self.waiting_queue.append(sreq)
 
-    def _num_allocatable_reqs(self, running_bs: int, num_held_rows: int = 0) -> int:
-        row_budget = max(self.req_to_token_pool.available_size() + num_held_rows, 0)
-        return min(self.max_running_requests - running_bs, row_budget)
-
-    def _get_new_batch_prefill(self, running: ScheduleBatch) -> ScheduleBatch | None:
-        """Scheduler._get_new_batch_prefill_raw, without the features omni-async does
-        not enable (LoRA, hierarchical cache, priorities, grammars, mixed chunks)."""
-        if running.is_empty():
-            running.batch_is_full = False
-        if (running.batch_is_full or not self.waiting_queue) and self.chunked_req is None:
-            return None
-        running_bs = len(running.reqs)
-        if self._num_allocatable_reqs(running_bs) <= 0 and self.chunked_req is None:
-            running.batch_is_full = True
-            return None
-        self.policy.calc_priority(self.waiting_queue, running)
-        adder = PrefillAdder(
-            self.page_size,
-            self.tree_cache,
-            self.token_to_kv_pool_allocator,
-            running,
-            self.new_token_ratio_tracker.current,
-            self.max_prefill_tokens,
-            self.chunked_prefill_size,
-            0,
-            max_running_requests=self.max_running_requests,
-            waiting_queue_len=len(self.waiting_queue),
-        )
-        if self.chunked_req is not None:
-            self.chunked_req.init_next_round_input()
-            adder.chunked_req_limit = self.policy.shortest_prefill_chunk_limit(
-                self.chunked_req, self.waiting_queue, adder.rem_chunk_tokens or 0, self.page_size
-            )
-            self.chunked_req = adder.add_chunked_req(self.chunked_req)
-        for sreq in self.waiting_queue:
-            if adder.budget_state() == AddReqResult.OTHER:
-                break
-            running_bs = len(running.reqs)
-            held = sum(r.kv.holds_kv for r in adder.can_run_list)
-            if len(adder.can_run_list) >= self._num_allocatable_reqs(running_bs, held):
-                running.batch_is_full = True
-            if running.batch_is_full:
-                break
-            sreq.init_next_round_input(self.tree_cache)
-            res = adder.add_one_req(sreq, has_chunked_req=self.chunked_req is not None, truncation_align_size=None)
-            if res != AddReqResult.CONTINUE:
-                if res == AddReqResult.NO_TOKEN:
-                    running.batch_is_full = len(adder.can_run_list) > 0 or not running.is_empty()
-                break
-        can_run: list[Req] = adder.can_run_list
-        if not can_run:
-            for sreq in adder.preempt_list:
-                self.waiting_queue.append(sreq)
-            return None
-        chosen = set(map(id, can_run))
-        self.waiting_queue = [r for r in self.waiting_queue if id(r) not in chosen]
-        if adder.new_chunked_req is not None:
-            assert self.chunked_req is None
-            self.chunked_req = adder.new_chunked_req
-        if self.chunked_req is not None:
-            self.chunked_req.inflight_middle_chunks += 1
-        batch = ScheduleBatch.init_new(
-            can_run,
-            self.req_to_token_pool,
-            self.token_to_kv_pool_allocator,
-            self.tree_cache,
-            self.model_config,
-            True,  # results may be processed a step late (omni-async's lookahead loops)
-            self.spec_algorithm,
-            chunked_req=self.chunked_req,
-        )
-        batch.contains_last_prefill_chunk = self.chunked_req is None or len(can_run) != 1
-        batch.prepare_for_extend()
-        batch.decoding_reqs = None
-        return batch
-
-    def _update_running_batch(self, batch: ScheduleBatch) -> ScheduleBatch | None:
-        """Scheduler.update_running_batch: retract under KV pressure, then prepare the
-        decode step (one KV slot per request)."""
-        initial_bs = batch.batch_size()
-        if not batch.check_decode_mem():
-            retracted, new_ratio, to_abort = batch.retract_decode()
-            self.new_token_ratio_tracker.current = new_ratio
-            for sreq in retracted:
-                req = self._omni_of(sreq)
-                req.epoch += 1
-                req.num_retractions += 1
-                req.num_inflight = 0
-                self.num_retractions += 1
-                self.waiting_queue.append(sreq)  # Scheduler._add_request_to_queue
-            for sreq in to_abort:  # KV already released by retract_decode
-                self._last_step.pop(id(sreq), None)
-                sreq.update_finish_state(0)
-                req = self._omni_of(sreq)
-                self._sreq.pop(sreq.rid, None)
-                self._omni.pop(id(sreq), None)
-                req.finish_reason = "abort"
-                req.epoch += 1
-                self._aborted_now.append(req)
-        else:
-            self.new_token_ratio_tracker.decay_step()
-        if batch.batch_size() < initial_bs:
-            batch.batch_is_full = False
-        if batch.is_empty():
-            return None
-        batch.prepare_for_decode()
-        return batch
+    def _on_oom_abort(self, sreq: Req) -> None:
+        """``retract_decode`` aborted this request (alone it no longer fits; its KV is
+        already released): it ends at the next ``reap_aborted``."""
+        self._last_step.pop(id(sreq), None)
+        sreq.update_finish_state(0)
+        req = self._omni_of(sreq)
+        self._sreq.pop(sreq.rid, None)
+        self._omni.pop(id(sreq), None)
+        req.finish_reason = "abort"
+        req.epoch += 1
+        self._aborted_now.append(req)
 
     def _wrap(self, batch: ScheduleBatch) -> SGLangScheduledBatch:
         """Snapshot the batch for the worker thread and describe its rows."""
@@ -511,7 +363,7 @@ class SGLangBatchCore(BatchCore):
                 finished = sreq.finished()
                 if finished:
                     self._sreq.pop(sreq.rid, None)
-                    req.finish_reason = _finish_reason_name(sreq.finished_reason)
+                    req.finish_reason = finish_reason_name(sreq.finished_reason)
                     req.num_inflight = 0
                     self._release(sreq, checkpoint=True)
                 elif is_extend:
@@ -550,6 +402,8 @@ class SGLangBatchCore(BatchCore):
             reaped.append(self._finish(sreq, sreq.to_finish, checkpoint=False))
         if marked:
             self.running_batch.filter_batch()
+            # Marked while running, then retracted before the step boundary.
+            self.waiting_queue = [r for r in self.waiting_queue if not r.finished()]
         return reaped
 
     def abort_all(self) -> list[Request]:
@@ -587,9 +441,56 @@ class SGLangBatchCore(BatchCore):
         return failed
 
     def retract_requests(self, reqs: Sequence[Request]) -> list[Request]:
-        """No retry of a failed step's requests on this backend: SGLang's retraction
-        works on its whole running batch, so they fail (the caller's fallback)."""
-        return []
+        """A failed step's retry: these requests leave the running batch, the prefill
+        batch not yet merged and the chunk slot, their KV is released through SGLang's
+        ``retract_all`` (which takes the requests to retract), and they go back to the
+        waiting queue in arrival order, to be prefilled again with the tokens they have.
+        As with SGLang's decode retraction, a step still queued on the worker that reads
+        them runs on stale rows, which processing skips (the epoch moved)."""
+        victims = []
+        for req in reqs:
+            sreq = self._sreq.get(req.rid)
+            if sreq is None or sreq.finished() or not sreq.kv.holds_kv:
+                continue
+            if any(w is sreq for w in self.waiting_queue):
+                continue
+            victims.append(sreq)
+        if not victims:
+            return []
+        self.running_batch.filter_batch(reqs_to_exclude=victims)
+        self.running_batch.batch_is_full = False
+        last = self.last_batch
+        if last is not None and last.forward_mode.is_extend() and last is not self.running_batch:
+            last.filter_batch(reqs_to_exclude=victims)
+        if self.chunked_req is not None and any(v is self.chunked_req for v in victims):
+            self.chunked_req = None
+        return self._requeue_retracted(victims)
+
+    def _requeue_retracted(self, victims: list[Req]) -> list[Request]:
+        """SGLang's ``retract_all`` on ``victims`` (KV released, request reset), then
+        back to the waiting queue ahead of later arrivals, in arrival order."""
+        for sreq in victims:
+            self._last_step.pop(id(sreq), None)
+        sglang_retract_all(
+            reqs=victims,
+            req_to_token_pool=self.req_to_token_pool,
+            token_to_kv_pool_allocator=self.token_to_kv_pool_allocator,
+            tree_cache=self.tree_cache,
+            hisparse_coordinator=None,
+            offload_kv=False,
+        )
+        ordered = sorted(victims, key=lambda s: self._omni_of(s).arrival)
+        out = []
+        for sreq in ordered:
+            req = self._omni_of(sreq)
+            req.epoch += 1
+            req.num_retractions += 1
+            req.num_inflight = 0
+            self.num_retractions += 1
+            out.append(req)
+        merged = sorted(ordered + self.waiting_queue, key=lambda s: self._omni_of(s).arrival)
+        self.waiting_queue = merged
+        return out
 
     def retract_all(self) -> list[Request]:
         """Scheduler.pause_generation(mode="retract"): every running, just-prefilled and
@@ -603,31 +504,10 @@ class SGLangBatchCore(BatchCore):
             victims.append(self.chunked_req)
         victims = [r for r in victims if r.kv.holds_kv]
         self.last_batch = None
-        for sreq in victims:
-            self._last_step.pop(id(sreq), None)
-        if victims:
-            sglang_retract_all(
-                reqs=victims,
-                req_to_token_pool=self.req_to_token_pool,
-                token_to_kv_pool_allocator=self.token_to_kv_pool_allocator,
-                tree_cache=self.tree_cache,
-                hisparse_coordinator=None,
-                offload_kv=False,
-            )
         self.running_batch.reqs = []
         self.running_batch.batch_is_full = False
         self.chunked_req = None
-        out = []
-        for sreq in sorted(victims, key=lambda s: self._omni_of(s).arrival):
-            req = self._omni_of(sreq)
-            req.epoch += 1
-            req.num_retractions += 1
-            req.num_inflight = 0
-            self.num_retractions += 1
-            out.append(req)
-        # Back to the waiting queue ahead of later arrivals, in arrival order.
-        self.waiting_queue = sorted(victims, key=lambda s: self._omni_of(s).arrival) + self.waiting_queue
-        return out
+        return self._requeue_retracted(victims) if victims else []
 
     # ------------------------------------------------------------------ pools
 
@@ -673,5 +553,5 @@ class SGLangBatchCore(BatchCore):
             "page_size": self.page_size,
             "req_slots_free": int(self.req_to_token_pool.available_size()),
             "num_retractions": self.num_retractions,
-            "new_token_ratio_permille": int(math.floor(self.new_token_ratio_tracker.current * 1000)),
+            "new_token_ratio_permille": int(math.floor(self.planner.new_token_ratio_tracker.current * 1000)),
         }

@@ -5,10 +5,12 @@ and tensor-parallel model worker.
 row reads the token its previous step sampled, on the device, so a step can be
 scheduled before the previous one's result reaches the host) and builds SGLang's
 ``ForwardBatch``; ``forward`` runs SGLang's model runner and hands back the logits.
-Sampling is omni-async's shared device sampler (the base runner's default
-``sampling_batch``), so greedy and seeded outputs match the native backend; the step's
-tokens are published back into the FutureMap for the next decode step. Every hook of the base contract is called
-at the same point as for the native runner.
+Hidden states (``capture_hidden`` or the capture hooks) use SGLang's own capture
+(``CaptureHiddenMode``), one row per sampled request. Sampling is omni-async's shared
+device sampler (the base runner's default ``sampling_batch``), so greedy and seeded
+outputs match the native backend; the step's tokens are published back into the
+FutureMap for the next decode step. Every hook of the base contract is called at the
+same point as for the native runner.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from ...runners.base import ModelRunner
 from ...runners.types import BatchResult, SchedulerOutput
 
 from sglang.srt.managers.overlap_utils import RelayPayload, resolve_forward_inputs
-from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch
 
 
 @dataclass
@@ -34,8 +36,12 @@ class SGLangForward:
 
 
 class SGLangModelRunner(ModelRunner):
-    def __init__(self, tp_worker: Any, future_map: Any, *, seed: int = 0) -> None:
+    def __init__(self, tp_worker: Any, future_map: Any, *, capture_hidden: bool = False, seed: int = 0) -> None:
         super().__init__(seed=seed)
+        # When set, each sampled row's final hidden state goes out with its step output
+        # (``RequestOutput.extra["hidden_state"]``), e.g. for a downstream talker stage,
+        # as on the native runner.
+        self.capture_hidden = capture_hidden
         self.tp_worker = tp_worker
         self.future_map = future_map
         self.device = torch.device(tp_worker.device) if not isinstance(tp_worker.device, torch.device) else tp_worker.device
@@ -46,11 +52,24 @@ class SGLangModelRunner(ModelRunner):
     def build_forward_batch(self, scheduler_output: SchedulerOutput, capture_hidden_mode: Any = None) -> SGLangForward:
         batch = scheduler_output.batch_data
         sb = batch.schedule_batch
-        if capture_hidden_mode is not None:  # a CaptureHiddenMode from the hooks
-            sb.capture_hidden_mode = capture_hidden_mode
         resolve_forward_inputs(sb, self.future_map)
-        fb = ForwardBatch.init_new(sb, self.tp_worker.model_runner, return_hidden_states_before_norm=False)
+        fb = ForwardBatch.init_new(
+            sb,
+            self.tp_worker.model_runner,
+            capture_hidden_mode=self._capture_mode(capture_hidden_mode),
+            return_hidden_states_before_norm=False,
+        )
         return SGLangForward(forward_batch=fb, schedule_batch=sb)
+
+    def _capture_mode(self, requested: Any) -> CaptureHiddenMode | None:
+        """SGLang's capture mode for this step: a CaptureHiddenMode from the hooks as
+        given, any other request from them (or ``capture_hidden``) as LAST, the hidden
+        state each sampled row's token comes from (after the final norm, as native)."""
+        if isinstance(requested, CaptureHiddenMode):
+            return requested
+        if requested is not None or self.capture_hidden:
+            return CaptureHiddenMode.LAST
+        return None
 
     def forward(self, forward_batch: SGLangForward) -> BatchResult:
         out = self.tp_worker.model_runner.forward(forward_batch.forward_batch)
@@ -87,6 +106,18 @@ class SGLangModelRunner(ModelRunner):
             ids.append(int(forward_batch.forward_batch.input_ids[row]))
         return ids
 
+    def post_process_outputs(self, result, scheduler_output, outputs) -> None:
+        """Each sampled row's hidden state into its output's ``extra`` (LAST capture:
+        one row per request; a FULL capture asked for by a hook is left to the hook)."""
+        hidden = result.hidden_states
+        if hidden is None or hidden.shape[0] != len(scheduler_output.requests):
+            return
+        hidden = hidden.detach().to("cpu", torch.float32)
+        for i, sched_req in enumerate(scheduler_output.requests):
+            out = outputs[sched_req.request_id]
+            if out.data is not None:
+                out.extra["hidden_state"] = hidden[i].clone()
+
     # ------------------------------------------------------------ completion
 
     def record_completion(self) -> Any:
@@ -104,46 +135,3 @@ class SGLangModelRunner(ModelRunner):
     def post_decode_resolve(self, launch_buf, result, forward_batch, schedule_batch, requests) -> None:
         result.next_token_ids = launch_buf
 
-
-class SGLangModelWorker:
-    """The stage's model worker for admin actions (the reference's ``model_worker``):
-    weight updates go through SGLang's own weight updater. Methods return
-    ``(success, message)``; the admin lifecycle (omni_async.admin) pauses, drains and
-    flushes the radix cache around them."""
-
-    def __init__(self, tp_worker: Any, *, model_path: str, load_format: str = "safetensors") -> None:
-        self.tp_worker = tp_worker
-        self.model_path = model_path
-        self.load_format = load_format
-
-    def model_info(self) -> dict[str, Any]:
-        return {"model_path": self.model_path, "load_format": self.load_format}
-
-    def update_weights_from_disk(self, payload: dict[str, Any] | str) -> tuple[bool, str]:
-        """``payload``: the admin payload (``model_path``, optional ``load_format``) or a
-        path. A failed update leaves the old weights serving (SGLang rolls back)."""
-        if isinstance(payload, dict):
-            path, load_format = payload.get("model_path"), payload.get("load_format")
-        else:
-            path, load_format = payload, None
-        if not path:
-            return False, "update_weights_from_disk needs model_path"
-        load_format = load_format or self.load_format
-        success, message = True, "Succeeded to update model weights."
-        try:
-            for _role, runner in self.tp_worker.weight_update_runners():
-                success, message = runner.weight_updater.update_weights_from_disk(str(path), load_format)
-                if not success:
-                    break
-        except Exception as exc:  # a bad path or checkpoint must not take the stage down
-            return False, f"update_weights_from_disk failed: {exc!r}"
-        if success:
-            self.model_path = str(path)
-        return bool(success), str(message)
-
-    def weights_checker(self, action: str = "checksum") -> dict[str, Any]:
-        from ...weights import weights_checksum
-
-        if action != "checksum":
-            raise ValueError(f"unsupported weights_checker action {action!r}; use 'checksum'")
-        return weights_checksum(self.tp_worker.model_runner.model)
