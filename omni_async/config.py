@@ -189,6 +189,9 @@ class SchedulerConfig:
     # DeviceTimeoutError (CPU and CUDA); None waits for ever (the CUDA event watchdog
     # still applies). Closing waits at most this long for a hung step.
     step_timeout_s: float | None = None
+    # Native backend: split the model over this many ranks (one process and device
+    # each; Megatron-style tensor parallelism). 1 runs in this process only.
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.loop not in LOOP_KINDS:
@@ -203,6 +206,7 @@ class SchedulerConfig:
             "page_size",
             "request_build_max_workers",
             "aborted_id_cap",
+            "tensor_parallel_size",
         )
         for name in positive:
             value = getattr(self, name)
