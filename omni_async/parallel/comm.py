@@ -36,8 +36,11 @@ def _options(cls: Any, timeout: timedelta, **fields: Any) -> Any:
 
 
 def _nccl_group(store: Any, rank: int, size: int, timeout: timedelta) -> Any:
-    opts = dist.ProcessGroupNCCL.Options()
-    opts._timeout = timeout
+    try:
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+    except AttributeError:  # an older binding: NCCL's default timeout applies
+        return dist.ProcessGroupNCCL(store, rank, size)
     return dist.ProcessGroupNCCL(store, rank, size, opts)
 
 

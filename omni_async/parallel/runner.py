@@ -57,16 +57,16 @@ class TensorParallelModelWorker(NativeModelWorker):
         self.group = group
 
     def _everywhere(self, method: str, args: tuple, local: Any) -> tuple[bool, list[tuple[bool, str]]]:
-        """Send the call, run it here, gather every rank's (ok, message)."""
+        """Send the call, run it here, gather every rank's (ok, message); the group is
+        held throughout, so no step (an inline decode launch) slips in between."""
         try:
             with self.group.step():
                 self.group.comm.send_object(OP_CALL, (method, args))
-            try:
-                result = local()
-                ok, message = result if isinstance(result, tuple) else (True, json.dumps(result))
-            except Exception as exc:
-                ok, message = False, f"rank 0: {exc!r}"
-            with self.group.step():
+                try:
+                    result = local()
+                    ok, message = result if isinstance(result, tuple) else (True, json.dumps(result))
+                except Exception as exc:
+                    ok, message = False, f"rank 0: {exc!r}"
                 statuses = self.group.comm.gather_status(ok, message)
         except RankFailedError as exc:
             return False, [(False, str(exc))]

@@ -1,0 +1,142 @@
+"""Tensor parallelism on CPU over gloo: two ranks (this process and one worker process)
+give the greedy tokens of one rank, in every loop and family; the admin lifecycle
+(abort, pause, weight updates) reaches both ranks; a dead worker fails the requests
+with RankFailedError and closing still returns. Float32 throughout: the all-reduce
+sums partial products in another order than one rank's matmul, so only float32 keeps
+greedy choices apart from rounding."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import pytest
+from safetensors.torch import load_file
+
+from omni_async import Engine, SamplingParams, errors
+
+from .conftest import LOOPS, assert_kv_free, random_prompts, save_random_checkpoint
+from .test_abort_close import wait_until
+
+FAMILIES = ["llama", "qwen2", "qwen3"]
+PROMPTS = random_prompts(6, 512, 3, 70, seed=5)
+N_NEW = 12
+# Small pages and KV, chunked prefill: retraction and chunking happen with two ranks too.
+LIMITS = dict(page_size=8, kv_capacity_tokens=8 * 24, chunked_prefill_size=32, max_prefill_tokens=48)
+
+_REFERENCE: dict[str, list[list[int]]] = {}
+
+
+async def greedy_all(engine: Engine, prompts=PROMPTS, n=N_NEW) -> list[list[int]]:
+    res = await asyncio.gather(*[engine.generate(input_ids=p, sampling=SamplingParams(max_new_tokens=n)) for p in prompts])
+    return [r.output_ids for r in res]
+
+
+async def one_rank(folder, prompts=PROMPTS) -> list[list[int]]:
+    key = str(folder)
+    if key not in _REFERENCE:
+        engine = Engine.from_pretrained(key, **LIMITS)
+        async with engine:
+            _REFERENCE[key] = await greedy_all(engine, prompts)
+    return _REFERENCE[key]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("loop", LOOPS)
+async def test_two_ranks_match_one_rank(hf_checkpoints, family, loop):
+    folder = hf_checkpoints[family]
+    expected = await one_rank(folder)
+    engine = Engine.from_pretrained(str(folder), loop=loop, tensor_parallel_size=2, **LIMITS)
+    async with engine:
+        got = await greedy_all(engine)
+        info = (await engine.model_info())["data"]
+        assert info["stage_tp_size"] == 2 and info["failed_steps"] == 0
+    assert got == expected
+    assert_kv_free(engine)
+
+
+async def test_a_vocabulary_that_does_not_divide_is_padded(tmp_path):
+    """511 rows: rank 1 holds 255 and a zero row; the padded logit never reaches sampling."""
+    folder = save_random_checkpoint("qwen2", tmp_path / "v511", vocab_size=511)
+    prompts = random_prompts(4, 511, 3, 40, seed=8)
+    expected = await one_rank(folder, prompts)
+    engine = Engine.from_pretrained(str(folder), tensor_parallel_size=2, **LIMITS)
+    async with engine:
+        got = await greedy_all(engine, prompts)
+        assert await engine.generate(input_ids=[510, 3], sampling=SamplingParams(max_new_tokens=2))  # the last row
+    assert got == expected
+
+
+def test_heads_that_do_not_divide_are_refused(tmp_path):
+    folder = save_random_checkpoint("llama", tmp_path / "odd", num_attention_heads=3, num_key_value_heads=3, hidden_size=48)
+    with pytest.raises(errors.ConfigError, match="tensor_parallel_size=2 does not divide.*attention heads \\(3\\)"):
+        Engine.from_pretrained(str(folder), tensor_parallel_size=2)
+    with pytest.raises(errors.ConfigError, match="KV heads \\(2\\)"):
+        Engine.from_pretrained("tiny", tensor_parallel_size=4)
+    with pytest.raises(errors.ConfigError, match="tensor_parallel_size must be an integer >= 1"):
+        Engine.from_pretrained("tiny", tensor_parallel_size=0)
+    with pytest.raises(errors.ConfigError, match="backend='sglang' runs with tensor_parallel_size=1 only"):
+        Engine.from_pretrained("tiny", backend="sglang", tensor_parallel_size=2)
+
+
+@pytest.fixture(scope="module")
+def two_llamas(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tp-weights")
+    return save_random_checkpoint("llama", root / "a", seed=1), save_random_checkpoint("llama", root / "b", seed=2)
+
+
+async def test_abort_pause_and_weight_updates_reach_both_ranks(two_llamas):
+    a, b = two_llamas
+    expected_a, expected_b = await one_rank(a), await one_rank(b)
+    engine = Engine.from_pretrained(str(a), tensor_parallel_size=2, loop="overlap", **LIMITS)
+    async with engine:
+        # abort a running request
+        handle = await engine.submit(input_ids=PROMPTS[0], sampling=SamplingParams(max_new_tokens=150, ignore_eos=True), request_id="long")
+        await wait_until(lambda: (r := engine.stack.core.find("long")) is not None and len(r.output_ids) >= 3)
+        await engine.abort("long")
+        with pytest.raises(errors.RequestAbortedError):
+            await handle.result()
+        # pause in retract mode mid-generation, resume: the same tokens as without a pause
+        pending = asyncio.ensure_future(greedy_all(engine))
+        await wait_until(lambda: engine.scheduler.info()["decode_steps"] > 0)
+        assert (await engine.pause(mode="retract"))["success"]
+        assert engine.stack.allocator.is_fully_free()
+        await engine.resume()
+        assert await pending == expected_a
+        # weights from disk: every rank loads its slice of B
+        before = (await engine.weights_checker())["data"]
+        res = await engine.update_weights_from_disk(str(b))
+        assert res["success"], res
+        assert await greedy_all(engine) == expected_b
+        after = (await engine.weights_checker())["data"]
+        assert after["checksum"] != before["checksum"] and len(after["rank_checksums"]) == 2
+        # a bad folder fails on every rank and B keeps serving
+        res = await engine.update_weights_from_disk(str(a.parent / "missing"))
+        assert not res["success"] and "missing" in res["message"]
+        assert (await engine.weights_checker())["data"]["checksum"] == after["checksum"]
+        # back to A through full tensors: each rank keeps its slice
+        res = await engine.update_weights_from_tensor(list(load_file(str(a / "model.safetensors")).items()))
+        assert res["success"], res
+        assert (await engine.weights_checker())["data"]["checksum"] == before["checksum"]
+        assert await greedy_all(engine) == expected_a
+    assert_kv_free(engine)
+
+
+async def test_a_dead_worker_fails_requests_and_close_returns(hf_checkpoints):
+    engine = Engine.from_pretrained(str(hf_checkpoints["llama"]), tensor_parallel_size=2, loop="async_decode", **LIMITS)
+    await engine.start()
+    handles = [
+        await engine.submit(input_ids=p, sampling=SamplingParams(max_new_tokens=110, ignore_eos=True)) for p in PROMPTS[:3]
+    ]
+    await wait_until(lambda: engine.scheduler.info()["decode_steps"] >= 3)
+    (pid,) = engine.stack.tensor_parallel.worker_pids
+    os.kill(pid, signal.SIGKILL)
+    for h in handles:
+        with pytest.raises(errors.RankFailedError, match="tensor-parallel"):
+            await asyncio.wait_for(h.result(), 60)
+    # later requests fail at once with the same error, and closing returns
+    with pytest.raises(errors.RankFailedError):
+        await asyncio.wait_for(engine.generate(input_ids=[5, 6, 7], sampling=SamplingParams(max_new_tokens=4)), 60)
+    await asyncio.wait_for(engine.aclose(), 60)
+    assert_kv_free(engine)
