@@ -16,6 +16,7 @@ import contextlib
 import json
 import multiprocessing
 import multiprocessing.connection
+import os
 import threading
 from datetime import timedelta
 from pathlib import Path
@@ -34,6 +35,10 @@ from .runner import TensorParallelModelWorker, TensorParallelRunner
 from .sharding import check_divisible
 from .worker import WorkerSpec, join_group, load_rank, worker_main
 
+# Set to HOST:PORT, rank 0 hosts the group's store there and starts no workers: ranks
+# 1..N-1 are launched elsewhere (torchrun, other hosts) with ``python -m
+# omni_async.parallel.worker``. Not tested: only the single-host spawn is.
+EXTERNAL_ENV = "OMNI_ASYNC_TP_EXTERNAL"
 SETUP_TIMEOUT_S = 300.0  # spawning, joining and loading
 JOIN_TIMEOUT_S = 10.0  # a worker's own exit after the shutdown message
 
@@ -100,18 +105,24 @@ class TensorParallelGroup:
     # ------------------------------------------------------------ start and stop
 
     def start(self, path: str, config: SchedulerConfig, dtype: Any, seed: int) -> WorkerSpec:
-        store = dist.TCPStore("127.0.0.1", 0, self.size, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=SETUP_TIMEOUT_S))
+        """Host the store, start the workers (unless they are launched elsewhere, see
+        ``EXTERNAL_ENV``), join the group."""
+        external = os.environ.get(EXTERNAL_ENV)
+        host, port = ("127.0.0.1", 0) if not external else (external.rpartition(":")[0] or "0.0.0.0", int(external.rpartition(":")[2]))
+        timeout = timedelta(seconds=SETUP_TIMEOUT_S)
+        store = dist.TCPStore(host, port, self.size, is_master=True, wait_for_workers=False, timeout=timeout)
         ctx = worker_context()
         base = (self.device.index or 0) if self.device.type == "cuda" else 0
         specs = [
-            WorkerSpec(path, dtype, f"cuda:{base + r}" if self.device.type == "cuda" else "cpu", seed, r, self.size, "127.0.0.1", store.port, config, self.timeout_s)
+            WorkerSpec(path, dtype, f"cuda:{base + r}" if self.device.type == "cuda" else "cpu", seed, r, self.size, host, store.port, config, self.timeout_s)
             for r in range(self.size)
         ]
-        for spec in specs[1:]:
+        for spec in specs[1:] if not external else []:
             proc = ctx.Process(target=worker_main, args=(spec,), name=f"omni-tp-rank{spec.rank}", daemon=True)
             proc.start()
             self._procs.append(proc)
-        threading.Thread(target=self._watch, name="omni-tp-watch", daemon=True).start()
+        if self._procs:
+            threading.Thread(target=self._watch, name="omni-tp-watch", daemon=True).start()
         self._store = store
         self.comm = self._join(specs[0], store)
         return specs[0]

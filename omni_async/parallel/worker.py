@@ -154,21 +154,25 @@ def worker_main(spec: WorkerSpec, store: Any = None) -> None:
 
 
 def main() -> None:
-    """``torchrun``-style entry: rank, world size and the store from the environment
-    (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT; LOCAL_RANK picks the GPU); the model
-    and engine settings from OMNI_ASYNC_TP_SPEC, a JSON object with ``path``,
-    ``dtype``, ``seed`` and SchedulerConfig fields under ``config``."""
-    extra = json.loads(os.environ.get("OMNI_ASYNC_TP_SPEC", "{}"))
+    """Entry for workers launched by ``torchrun`` (or any launcher) on other hosts,
+    joining an engine started with ``OMNI_ASYNC_TP_EXTERNAL=HOST:PORT``. From the
+    launcher's environment: ``RANK`` (this process's rank is ``rank_offset + RANK``)
+    and ``LOCAL_RANK`` (the GPU); from ``OMNI_ASYNC_TP_SPEC``, a JSON object: ``path``,
+    ``host`` and ``port`` (the engine's store), ``size`` (the engine's
+    tensor_parallel_size), and optionally ``rank_offset`` (default 1), ``dtype``,
+    ``seed`` and ``config`` (SchedulerConfig fields: page_size and the KV sizing must
+    match the engine's)."""
+    extra = json.loads(os.environ["OMNI_ASYNC_TP_SPEC"])
     local = int(os.environ.get("LOCAL_RANK", "0"))
     spec = WorkerSpec(
         path=extra["path"],
         dtype=extra.get("dtype"),
         device=f"cuda:{local}" if torch.cuda.is_available() else "cpu",
         seed=int(extra.get("seed", 0)),
-        rank=int(os.environ["RANK"]),
-        size=int(os.environ["WORLD_SIZE"]),
-        host=os.environ["MASTER_ADDR"],
-        port=int(os.environ["MASTER_PORT"]),
+        rank=int(extra.get("rank_offset", 1)) + int(os.environ.get("RANK", "0")),
+        size=int(extra["size"]),
+        host=str(extra["host"]),
+        port=int(extra["port"]),
         config=SchedulerConfig(**extra.get("config", {})),
         timeout_s=float(extra.get("timeout_s", 300)),
     )
