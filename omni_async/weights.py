@@ -121,7 +121,7 @@ class NativeModelWorker:
             return False, "update_weights_from_distributed needs names, dtypes and shapes of equal length"
         params = dict(self.model.named_parameters())
         for n, shape in zip(names, shapes):
-            if n not in params or tuple(params[n].shape) != tuple(shape):
+            if n not in params or self._full_shape(n, params[n]) != tuple(shape):
                 return False, f"tensor {n!r} with shape {tuple(shape)} does not match the model"
         received: list[tuple[str, torch.Tensor]] = []
         try:
@@ -134,8 +134,13 @@ class NativeModelWorker:
                 received.append((n, buf))
         except Exception as exc:
             return False, f"broadcast failed: {exc}"
-        copy_named_tensors(self.model, received, require_all=False)
+        copy_named_tensors(self.model, list(sharded(self.shard, received)), require_all=False)
         return True, f"received {len(received)} tensor(s) from the trainer"
+
+    def _full_shape(self, name: str, param: torch.Tensor) -> tuple[int, ...]:
+        """The shape a trainer sends: the whole tensor (this rank keeps its slice)."""
+        local = tuple(param.shape)
+        return self.shard.full_shape(name, local) if self.shard is not None else local
 
     def destroy_weights_update_group(self, payload: dict[str, Any]) -> tuple[bool, str]:
         name = str(payload.get("group_name") or "weight_update_group")

@@ -8,8 +8,13 @@ greedy choices apart from rounding."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file
@@ -121,6 +126,44 @@ async def test_abort_pause_and_weight_updates_reach_both_ranks(two_llamas):
         assert (await engine.weights_checker())["data"]["checksum"] == before["checksum"]
         assert await greedy_all(engine) == expected_a
     assert_kv_free(engine)
+
+
+async def test_weights_from_a_trainers_group_reach_both_ranks(two_llamas, tmp_path):
+    """A trainer process (rank 0 of a gloo group of three) broadcasts B's whole tensors;
+    both engine ranks (1 and 2) receive them and keep their slices. Requests are served
+    while the group forms."""
+    a, b = two_llamas
+    expected_a, expected_b = await one_rank(a), await one_rank(b)
+    tensors = load_file(str(b / "model.safetensors"))
+    names = sorted(tensors)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    spec = {"host": "127.0.0.1", "port": port, "world_size": 3, "group_name": "tp-wug", "names": names,
+            "safetensors": str(b / "model.safetensors"), "delay_s": 1.0}
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    trainer = subprocess.Popen([sys.executable, str(Path(__file__).with_name("weight_trainer.py")), str(tmp_path / "spec.json")],
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    engine = Engine.from_pretrained(str(a), tensor_parallel_size=2, **LIMITS)
+    try:
+        async with engine:
+            join = asyncio.create_task(engine.init_weights_update_group("127.0.0.1", port, 1, 3, group_name="tp-wug", timeout_s=60))
+            assert await greedy_all(engine) == expected_a
+            res = await join
+            assert res["success"], res
+            import torch.distributed as dist
+
+            dist.TCPStore("127.0.0.1", port, 3, is_master=False).set("ready", "1")
+            res = await engine.update_weights_from_distributed(
+                names, [str(tensors[n].dtype).replace("torch.", "") for n in names], [list(tensors[n].shape) for n in names], group_name="tp-wug"
+            )
+            assert res["success"], res
+            assert await greedy_all(engine) == expected_b
+            dist.TCPStore("127.0.0.1", port, 3, is_master=False).set("done", "1")
+            assert (await engine.destroy_weights_update_group("tp-wug"))["success"]
+    finally:
+        out, _ = trainer.communicate(timeout=60)
+    assert trainer.returncode == 0, out
 
 
 async def test_a_dead_worker_fails_requests_and_close_returns(hf_checkpoints):

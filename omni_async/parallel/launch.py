@@ -171,6 +171,8 @@ class TensorParallelGroup:
                 proc.kill()
                 proc.join()
         self.failure = self.failure or "tensor-parallel group closed"
+        if self.device.type == "cuda" and self.comm is not None:
+            self.comm.abort()  # release the communicators now rather than at collection
 
 
 def peek_config(path: str) -> ModelConfig | None:

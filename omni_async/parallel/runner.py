@@ -106,7 +106,25 @@ class TensorParallelModelWorker(NativeModelWorker):
         digest = hashlib.sha256("|".join(r["checksum"] for r in per_rank).encode()).hexdigest()
         return {"checksum": digest, "num_parameters": sum(r["num_parameters"] for r in per_rank), "rank_checksums": [r["checksum"] for r in per_rank]}
 
-    def _refuse(self, payload: dict[str, Any]) -> tuple[bool, str]:
-        return False, f"weight updates through a trainer's process group are not supported with tensor_parallel_size={self.group.size}"
+    # ------------------------------------------------------------ a trainer's group
 
-    init_weights_update_group = update_weights_from_distributed = _refuse
+    def init_weights_update_group(self, payload: dict[str, Any]) -> tuple[bool, str]:
+        """Every rank joins the trainer's group (rank ``rank_offset + tp_rank``; the
+        trainer's world counts all of them). Joining waits for the trainer, so the
+        workers join in the background and steps go on; rank 0 joins here (a thread of
+        its own), then collects the workers' outcomes."""
+        ok, statuses = self._everywhere("init_group_start", (payload,), lambda: (True, "joining"))
+        if not ok:
+            return self._outcome(ok, statuses)
+        mine = super().init_weights_update_group(payload)
+        wait_s = float(payload.get("timeout_s", 300)) + 30.0
+        return self._outcome(*self._everywhere("init_group_wait", (wait_s,), lambda: mine))
+
+    def update_weights_from_distributed(self, payload: dict[str, Any]) -> tuple[bool, str]:
+        """Every rank receives the trainer's whole tensors and keeps its slice."""
+        local = lambda: super(TensorParallelModelWorker, self).update_weights_from_distributed(payload)  # noqa: E731
+        return self._outcome(*self._everywhere("update_weights_from_distributed", (payload,), local))
+
+    def destroy_weights_update_group(self, payload: dict[str, Any]) -> tuple[bool, str]:
+        local = lambda: super(TensorParallelModelWorker, self).destroy_weights_update_group(payload)  # noqa: E731
+        return self._outcome(*self._everywhere("destroy_weights_update_group", (payload,), local))

@@ -165,6 +165,19 @@ class TensorParallelShard:
                 return self._split(tensor, 1, self._full_rows(cfg, field))
         return tensor
 
+    def full_shape(self, name: str, local: tuple[int, ...]) -> tuple[int, ...]:
+        """The Hugging Face shape of a tensor this rank holds ``local`` of."""
+        cfg = self.full_config
+        assert cfg is not None, "local_config first"
+        if name in _VOCAB:
+            return (cfg.vocab_size, *local[1:])
+        stem, _, kind = name.rpartition(".")
+        if any(stem.endswith(suffix) for suffix in _COLUMN):
+            return (local[0] * self.size, *local[1:])
+        if kind == "weight" and any(stem.endswith(suffix) for suffix in _ROW):
+            return (local[0], local[1] * self.size)
+        return local
+
     @staticmethod
     def _full_rows(cfg: ModelConfig, field: str) -> int:
         n = getattr(cfg, field)

@@ -14,6 +14,7 @@ README's tensor-parallel section; only the single-host spawn is tested).
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import sys
@@ -115,14 +116,30 @@ class WorkerLoop:
             self.model(inputs.input_ids, inputs.positions, self.kv, ctx)
 
     def call(self, method: str, args: tuple) -> None:
-        """A weight update or checksum on this rank's shard; every rank sees each
-        rank's (ok, message)."""
+        """A weight update or checksum on this rank's shard (or one of the ``rpc_``
+        methods below); every rank sees each rank's (ok, message)."""
         try:
-            result = getattr(self.weights, method)(*args)
+            fn = getattr(self, "rpc_" + method, None) or getattr(self.weights, method)
+            result = fn(*args)
             ok, message = result if isinstance(result, tuple) else (True, json.dumps(result))
         except Exception as exc:
             ok, message = False, f"rank {self.rank}: {exc!r}"
         self.comm.gather_status(ok, message)
+
+    def rpc_init_group_start(self, payload: dict[str, Any]) -> tuple[bool, str]:
+        """Start joining a trainer's group as ``rank_offset + rank`` in the background
+        (joining waits for every member, and this rank keeps serving steps meanwhile)."""
+        payload = dict(payload, rank_offset=int(payload.get("rank_offset", 1)) + self.rank)
+        self._joining = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="omni-tp-join").submit(
+            self.weights.init_weights_update_group, payload
+        )
+        return True, "joining"
+
+    def rpc_init_group_wait(self, timeout_s: float) -> tuple[bool, str]:
+        try:
+            return self._joining.result(timeout=timeout_s)
+        except Exception as exc:
+            return False, f"rank {self.rank}: joining the weights update group failed: {exc!r}"
 
     def capture(self, scratch_page: int, max_len: int, max_batch: int) -> None:
         self.graphs = DecodeGraphs(
