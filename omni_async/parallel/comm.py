@@ -14,6 +14,7 @@ several engines, and a trainer's own group, can live in one process):
 
 from __future__ import annotations
 
+import os
 import pickle
 from datetime import timedelta
 from typing import Any
@@ -35,13 +36,28 @@ def _options(cls: Any, timeout: timedelta, **fields: Any) -> Any:
     return opts
 
 
+# Read when an NCCL group is built: on a timeout or error, abort the communicators and
+# let the collective raise (2), instead of torch's default of ending the process (3):
+# rank 0 is the caller's process, and a dead worker must fail requests, not the caller.
+_NCCL_ENV = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_NCCL_ENABLE_MONITORING": "0"}
+
+
 def _nccl_group(store: Any, rank: int, size: int, timeout: timedelta) -> Any:
+    saved = {k: os.environ.get(k) for k in _NCCL_ENV}
+    os.environ.update(_NCCL_ENV)
     try:
-        opts = dist.ProcessGroupNCCL.Options()
-        opts._timeout = timeout
-    except AttributeError:  # an older binding: NCCL's default timeout applies
-        return dist.ProcessGroupNCCL(store, rank, size)
-    return dist.ProcessGroupNCCL(store, rank, size, opts)
+        try:
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = timeout
+        except AttributeError:  # an older binding: NCCL's default timeout applies
+            return dist.ProcessGroupNCCL(store, rank, size)
+        return dist.ProcessGroupNCCL(store, rank, size, opts)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 class GroupComm:
