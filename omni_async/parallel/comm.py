@@ -43,8 +43,8 @@ _NCCL_ENV = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_NCCL_ENABLE_MONITORI
 
 
 def _nccl_group(store: Any, rank: int, size: int, timeout: timedelta) -> Any:
-    saved = {k: os.environ.get(k) for k in _NCCL_ENV}
-    os.environ.update(_NCCL_ENV)
+    unset = [k for k in _NCCL_ENV if k not in os.environ]  # a user's own setting wins
+    os.environ.update({k: _NCCL_ENV[k] for k in unset})
     try:
         try:
             opts = dist.ProcessGroupNCCL.Options()
@@ -53,11 +53,8 @@ def _nccl_group(store: Any, rank: int, size: int, timeout: timedelta) -> Any:
             return dist.ProcessGroupNCCL(store, rank, size)
         return dist.ProcessGroupNCCL(store, rank, size, opts)
     finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        for k in unset:
+            os.environ.pop(k, None)
 
 
 class GroupComm:
