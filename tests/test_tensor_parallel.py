@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
 from omni_async import Engine, SamplingParams, errors
@@ -184,3 +185,53 @@ async def test_a_dead_worker_fails_requests_and_close_returns(hf_checkpoints):
         await asyncio.wait_for(engine.generate(input_ids=[5, 6, 7], sampling=SamplingParams(max_new_tokens=4)), 60)
     await asyncio.wait_for(engine.aclose(), 60)
     assert_kv_free(engine)
+
+
+def _ctx_kernel_extend():
+    from omni_async.kv.attention import AttentionContext
+
+    ctx = AttentionContext(is_decode=False, slot_mapping=torch.arange(7), logits_rows=torch.tensor([2, 6]), use_kernel=True,
+                           block_tables=torch.tensor([[3, 4], [5, 0]], dtype=torch.int32), page_size=4, max_q_len=4)
+    ctx.q_starts, ctx.q_lens, ctx.prefix_lens = torch.tensor([0, 3]), torch.tensor([3, 4]), torch.tensor([5, 0])
+    return ctx, None
+
+
+def _ctx_reference_extend():
+    from omni_async.kv.attention import AttentionContext
+
+    ctx = AttentionContext(is_decode=False, slot_mapping=torch.arange(5), logits_rows=torch.tensor([1, 4]))
+    ctx.seq_slices = [(0, 2, 1), (2, 3, 0)]
+    ctx.seq_kv_slots = [torch.tensor([9, 10, 11]), torch.tensor([20, 21, 22])]
+    return ctx, None
+
+
+def _ctx_graphed_decode():
+    from omni_async.kv.attention import AttentionContext
+
+    ctx = AttentionContext(is_decode=True, slot_mapping=torch.tensor([17, 33]), logits_rows=torch.arange(2), kv_lens=torch.tensor([2, 2]))
+    return ctx, torch.tensor([[4, 7], [8, 1]])
+
+
+@pytest.mark.parametrize("make", [_ctx_kernel_extend, _ctx_reference_extend, _ctx_graphed_decode])
+def test_step_inputs_survive_the_broadcast_format(make):
+    """Every field of every step shape (the CUDA kernel and graph ones included) comes out
+    of one header and one int64 tensor as it went in, dtype and shape kept."""
+    from omni_async.parallel import plan
+
+    ctx, graph_tables = make()
+    n = ctx.slot_mapping.numel()
+    header, payload = plan.pack(torch.arange(n) + 100, torch.arange(n) + 200, ctx, graph_tables)
+    assert payload.dtype == torch.int64 and plan.payload_numel(header) == payload.numel()
+    got = plan.unpack(header, payload.clone())
+    assert got.input_ids.tolist() == (torch.arange(n) + 100).tolist() and got.positions.tolist() == (torch.arange(n) + 200).tolist()
+    for name in ("slot_mapping", "logits_rows", "kv_slots", "kv_lens", "block_tables", "q_starts", "q_lens", "prefix_lens"):
+        want, have = getattr(ctx, name), getattr(got.ctx, name)
+        assert (want is None) == (have is None), name
+        if want is not None:
+            assert have.dtype == want.dtype and torch.equal(have, want), name
+    assert (got.ctx.is_decode, got.ctx.page_size, got.ctx.use_kernel, got.ctx.max_q_len) == (ctx.is_decode, ctx.page_size, ctx.use_kernel, ctx.max_q_len)
+    assert got.ctx.seq_slices == ctx.seq_slices
+    assert [t.tolist() for t in got.ctx.seq_kv_slots or []] == [t.tolist() for t in ctx.seq_kv_slots or []]
+    assert (got.graph_tables is None) == (graph_tables is None)
+    if graph_tables is not None:
+        assert torch.equal(got.graph_tables, graph_tables)
