@@ -158,6 +158,7 @@ async def section_shape(name: str, args) -> dict:
     t = time.perf_counter()
     make_checkpoint(folder, shape, "cuda" if args.device == "cuda" else "cpu", getattr(torch, args.dtype))
     out: dict = {"shape": shape, "checkpoint_s": time.perf_counter() - t, "engines": {}, "runs": {}}
+    RESULTS["sections"][name] = out  # saved after every run, so a killed command keeps what it measured
     vocab = shape["vocab_size"]
     reqs = workload(args.requests, vocab, args.prompt_lo, args.prompt_hi, seed=1)
     warm = workload(max(4, args.requests // 4), vocab, args.prompt_lo, args.prompt_hi, seed=9)
@@ -175,6 +176,8 @@ async def section_shape(name: str, args) -> dict:
             engines[tp] = eng
             log(f"  {name} TP {tp} ready in {info['build_s']:.1f} s (graphs {info['cuda_graphs']})")
     runs: dict[str, list[dict]] = {str(tp): [] for tp in engines}
+    out["runs"] = runs
+    save(args)
     for rep in range(args.repeats):
         for tp, eng in engines.items():
             if left(args) < 30:
@@ -186,10 +189,10 @@ async def section_shape(name: str, args) -> dict:
             except Exception as exc:
                 r = {"error": repr(exc)}
             runs[str(tp)].append(r)
+            save(args)
             log(f"  {name} rep {rep} TP {tp}: " + ", ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()))
     for eng in engines.values():
         await asyncio.wait_for(eng.aclose(), 120)
-    out["runs"] = runs
     out["summary"] = {tp: {"tok_s": spread([r.get("tok_s") for r in rs]), "b1_step_ms": spread([r.get("b1_step_ms") for r in rs])}
                       for tp, rs in runs.items()}
     return out
@@ -312,7 +315,7 @@ async def amain(args) -> None:
             try:
                 RESULTS["sections"][name] = await section_shape(name, args)
             except Exception as exc:
-                RESULTS["sections"][name] = {"error": traceback.format_exc()[-3000:]}
+                RESULTS["sections"].setdefault(name, {})["error"] = traceback.format_exc()[-3000:]
                 log(f"  {name} failed: {exc!r}")
             save(args)
         elif "engines" in args.sections:
@@ -337,7 +340,7 @@ def main() -> None:
     p.add_argument("--kv-tokens", type=int, default=1 << 18)
     p.add_argument("--coll-batches", default="1,64,256")
     p.add_argument("--budget-s", type=float, default=540.0, help="stop starting new work after this long")
-    p.add_argument("--run-timeout-s", type=float, default=180.0)
+    p.add_argument("--run-timeout-s", type=float, default=120.0)
     p.add_argument("--ckpt-dir", default=None, help="checkpoints are written here (reused when present); default a temp dir")
     args = p.parse_args()
     if args.smoke:
