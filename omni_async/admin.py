@@ -85,7 +85,7 @@ async def model_info(c: StageControl, payload: dict[str, Any]) -> dict[str, Any]
     info = c.info()
     if c.model_worker is not None and hasattr(c.model_worker, "model_info"):
         info.update(c.model_worker.model_info())
-    info.update({"stage_tp_rank": 0, "stage_tp_size": 1, "weight_version": c.weight_version})
+    info.update({"stage_tp_rank": 0, "stage_tp_size": info.get("tensor_parallel_size", 1), "weight_version": c.weight_version})
     return reply(True, "ok", info)
 
 

@@ -38,10 +38,12 @@ class NativeStack:
     core: NativeBatchCore
     limits: ModelLimits
     device: torch.device
+    # The tensor-parallel group (rank 0's handle on the worker ranks), or None.
+    tensor_parallel: Any = None
 
 
 def kv_pages_for(config: SchedulerConfig, loaded: LoadedModel, device: torch.device, dtype: torch.dtype) -> int:
-    cfg = loaded.config
+    cfg = loaded.model.config  # the local KV heads under tensor parallelism
     if config.kv_capacity_tokens is not None:
         tokens = config.kv_capacity_tokens
     elif device.type == "cuda":
@@ -89,21 +91,37 @@ def build_native_stack(
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
+    if config.tensor_parallel_size > 1:
+        from .parallel.launch import build_parallel_stack
+
+        return build_parallel_stack(path_or_name, config, device=device, dtype=dtype, seed=seed)
     loaded = load_model(path_or_name, dtype=dtype, device=device, seed=seed)
-    model_dtype = next(loaded.model.parameters()).dtype
-    num_pages = kv_pages_for(config, loaded, device, model_dtype)
-    cfg = loaded.config
-    # On CUDA one extra page at the end is the scratch page that padded graph rows write to.
+    num_pages = kv_pages_for(config, loaded, device, next(loaded.model.parameters()).dtype)
+    return assemble_stack(loaded, config, device, num_pages, NativeModelRunner(loaded.model, kv_cache(loaded, config, device, num_pages), device, seed=seed))
+
+
+def kv_cache(loaded: LoadedModel, config: SchedulerConfig, device: torch.device, num_pages: int) -> PagedKVCache:
+    """The paged KV of the model's (local) KV heads. On CUDA one extra page at the end
+    is the scratch page that padded graph rows write to."""
+    cfg = loaded.model.config
     scratch = 1 if device.type == "cuda" else 0
-    kv = PagedKVCache(
+    return PagedKVCache(
         num_layers=cfg.num_layers,
         num_pages=num_pages + scratch,
         page_size=config.page_size,
         num_kv_heads=cfg.num_kv_heads,
         head_dim=cfg.head_dim,
-        dtype=model_dtype,
+        dtype=next(loaded.model.parameters()).dtype,
         device=device,
     )
+
+
+def assemble_stack(
+    loaded: LoadedModel, config: SchedulerConfig, device: torch.device, num_pages: int, runner: NativeModelRunner, tensor_parallel: Any = None
+) -> NativeStack:
+    """Allocator, limits, CUDA graphs and batch core around a runner over ``num_pages``."""
+    cfg = loaded.config
+    kv = runner.kv
     allocator = PageAllocator(num_pages, config.page_size)
     context = cfg.max_position_embeddings
     if config.context_length is not None:
@@ -119,7 +137,6 @@ def build_native_stack(
         kv_capacity_tokens=allocator.capacity_tokens,
         eos_token_ids=cfg.eos_token_ids,
     )
-    runner = NativeModelRunner(loaded.model, kv, device, seed=seed)
     if device.type == "cuda" and config.cuda_graphs:
         # With the paged kernel, attention costs what each sequence really holds, so
         # graphs can span the whole context; without it they span cuda_graph_max_len.
@@ -129,7 +146,7 @@ def build_native_stack(
             max_batch=min(config.cuda_graph_max_batch, config.max_running_requests),
         )
     core = NativeBatchCore(config, allocator, context)
-    return NativeStack(loaded, kv, allocator, runner, core, limits, device)
+    return NativeStack(loaded, kv, allocator, runner, core, limits, device, tensor_parallel)
 
 
 def build_scheduler(stack: NativeStack, config: SchedulerConfig, **callbacks: Any) -> AsyncOmniScheduler:
@@ -141,13 +158,20 @@ def build_scheduler(stack: NativeStack, config: SchedulerConfig, **callbacks: An
         "dtype": str(next(stack.loaded.model.parameters()).dtype).replace("torch.", ""),
         "weight_version": "initial",
     }
-    worker = NativeModelWorker(stack.loaded.model, model_path=stack.loaded.path, load_format=stack.loaded.load_format, device=stack.device)
+    executor = make_step_executor(config.step_launch, stack.device.type, config.event_wait)
+    tp = stack.tensor_parallel
+    if tp is not None:
+        info["tensor_parallel_size"] = tp.size
+        worker = tp.model_worker(stack.loaded)
+        executor.on_close.append(tp.close)  # the worker ranks stop with the scheduler
+    else:
+        worker = NativeModelWorker(stack.loaded.model, model_path=stack.loaded.path, load_format=stack.loaded.load_format, device=stack.device)
     return AsyncOmniScheduler(
         stack.runner,
         stack.core,
         stack.limits,
         config=config,
-        executor=make_step_executor(config.step_launch, stack.device.type, config.event_wait),
+        executor=executor,
         model_info=info,
         model_worker=worker,
         **callbacks,

@@ -192,6 +192,9 @@ class SchedulerConfig:
     # Native backend: requests reuse the KV pages of cached whole-page prompt prefixes
     # (pages of finished requests stay cached until their room is needed).
     enable_prefix_cache: bool = True
+    # Native backend: split the model over this many ranks (one process and device
+    # each; Megatron-style tensor parallelism). 1 runs in this process only.
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.loop not in LOOP_KINDS:
@@ -206,6 +209,7 @@ class SchedulerConfig:
             "page_size",
             "request_build_max_workers",
             "aborted_id_cap",
+            "tensor_parallel_size",
         )
         for name in positive:
             value = getattr(self, name)

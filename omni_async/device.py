@@ -68,6 +68,8 @@ class ThreadStepExecutor:
         self.event_waiter = event_waiter or EventWaiter()
         self._inflight: set[concurrent.futures.Future[Any]] = set()
         self._closed = False
+        # Called once the worker stopped (a backend's processes, a group to release).
+        self.on_close: list[Callable[[], None]] = []
 
     launches_inline = False
 
@@ -110,9 +112,13 @@ class ThreadStepExecutor:
         after ``timeout_s`` is abandoned: the thread is left to finish on its own (it is
         a daemon of the pool) so closing is bounded."""
         self._closed = True
-        finished = await self.drain(timeout_s)
-        self._pool.shutdown(wait=finished, cancel_futures=True)
-        self.event_waiter.close()
+        try:
+            finished = await self.drain(timeout_s)
+            self._pool.shutdown(wait=finished, cancel_futures=True)
+            self.event_waiter.close()
+        finally:
+            for close in self.on_close:
+                await anyio.to_thread.run_sync(close)
 
     @property
     def threads(self) -> list[threading.Thread]:

@@ -55,9 +55,20 @@ class ConfigError(OmniAsyncError, ValueError):
     does not support."""
 
 
-class DeviceTimeoutError(OmniAsyncError, RuntimeError):
+class DeviceError(OmniAsyncError, RuntimeError):
+    """A model step failed on the device side, not because of any one request: the
+    family of step errors a request sees with its own type kept."""
+
+
+class DeviceTimeoutError(DeviceError):
     """A model step did not complete within its watchdog limit (``step_timeout_s``, or
     the CUDA event watchdog)."""
+
+
+class RankFailedError(DeviceError):
+    """A rank of a tensor-parallel engine died, or a collective with it failed or timed
+    out: the engine cannot run steps any more, so every request it serves ends with
+    this error (closing still returns)."""
 
 
 class KVAllocationError(OmniAsyncError, RuntimeError):

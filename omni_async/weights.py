@@ -20,14 +20,18 @@ import torch
 from .errors import ModelLoadError
 from .models.config import ModelConfig
 from .models.decoder import DecoderModel
-from .models.loader import copy_named_tensors, iter_checkpoint
+from .models.loader import copy_named_tensors, iter_checkpoint, sharded
 
 _DTYPES = {str(d).replace("torch.", ""): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.float64)}
 
 
 class NativeModelWorker:
-    def __init__(self, model: DecoderModel, *, model_path: str, load_format: str, device: torch.device) -> None:
+    def __init__(self, model: DecoderModel, *, model_path: str, load_format: str, device: torch.device, shard: Any = None) -> None:
         self.model = model
+        # Under tensor parallelism this rank's slice of each incoming tensor is copied,
+        # and a new checkpoint is compared with the full model's config.
+        self.shard = shard
+        self.full_config: ModelConfig = shard.full_config if shard is not None else model.config
         self.model_path = model_path
         self.load_format = load_format
         self.device = device
@@ -46,8 +50,8 @@ class NativeModelWorker:
         try:
             raw = json.loads((folder / "config.json").read_text())
             new_cfg = ModelConfig.from_hf(raw)
-            _check_same_architecture(self.model.config, new_cfg)
-            copy_named_tensors(self.model, iter_checkpoint(folder), require_all=True)
+            _check_same_architecture(self.full_config, new_cfg)
+            copy_named_tensors(self.model, sharded(self.shard, iter_checkpoint(folder)), require_all=True)
         except (OSError, ValueError, ModelLoadError) as exc:
             return False, f"failed to update weights from {folder}: {exc}"
         self.model_path = str(folder)
@@ -64,7 +68,7 @@ class NativeModelWorker:
             return False, "update_weights_from_tensor needs named_tensors (or serialized_named_tensors)"
         pairs = list(named.items()) if isinstance(named, dict) else [(str(n), t) for n, t in named]
         try:
-            names = copy_named_tensors(self.model, pairs, require_all=False)
+            names = copy_named_tensors(self.model, list(sharded(self.shard, pairs)), require_all=False)
         except ModelLoadError as exc:
             return False, f"failed to update weights from tensors: {exc}"
         return True, f"updated {len(names)} tensor(s)"
@@ -117,7 +121,7 @@ class NativeModelWorker:
             return False, "update_weights_from_distributed needs names, dtypes and shapes of equal length"
         params = dict(self.model.named_parameters())
         for n, shape in zip(names, shapes):
-            if n not in params or tuple(params[n].shape) != tuple(shape):
+            if n not in params or self._full_shape(n, params[n]) != tuple(shape):
                 return False, f"tensor {n!r} with shape {tuple(shape)} does not match the model"
         received: list[tuple[str, torch.Tensor]] = []
         try:
@@ -130,8 +134,13 @@ class NativeModelWorker:
                 received.append((n, buf))
         except Exception as exc:
             return False, f"broadcast failed: {exc}"
-        copy_named_tensors(self.model, received, require_all=False)
+        copy_named_tensors(self.model, list(sharded(self.shard, received)), require_all=False)
         return True, f"received {len(received)} tensor(s) from the trainer"
+
+    def _full_shape(self, name: str, param: torch.Tensor) -> tuple[int, ...]:
+        """The shape a trainer sends: the whole tensor (this rank keeps its slice)."""
+        local = tuple(param.shape)
+        return self.shard.full_shape(name, local) if self.shard is not None else local
 
     def destroy_weights_update_group(self, payload: dict[str, Any]) -> tuple[bool, str]:
         name = str(payload.get("group_name") or "weight_update_group")

@@ -33,6 +33,12 @@ def _native(path_or_name: str, *, config: "SchedulerConfig", device: Any, dtype:
 
 
 def _sglang(path_or_name: str, *, config: "SchedulerConfig", device: Any, dtype: Any, seed: int) -> BuiltStage:
+    if config.tensor_parallel_size > 1:
+        # The in-process SGLang stack runs SGLang's parallel runtime with world size 1.
+        raise errors.ConfigError(
+            f"backend='sglang' runs with tensor_parallel_size=1 only (got {config.tensor_parallel_size}); "
+            "use backend='native' for tensor parallelism"
+        )
     from .sglang import build_sglang_stage
 
     return build_sglang_stage(path_or_name, config=config, device=device, dtype=dtype, seed=seed)

@@ -12,7 +12,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterable, Iterator
 
 import torch
 from safetensors import safe_open
@@ -102,12 +102,20 @@ def load_model(
     dtype: str | torch.dtype | None = None,
     device: str | torch.device = "cpu",
     seed: int = 0,
+    shard: Any = None,
 ) -> LoadedModel:
+    """``shard`` (tensor parallelism, see :mod:`omni_async.parallel.sharding`) builds the
+    decoder with this rank's local shapes and slices every checkpoint tensor by name
+    before it is copied; ``LoadedModel.config`` stays the full model's."""
     device = torch.device(device)
     if str(path_or_name) == TINY_NAME:
         model = build_tiny(seed)
         cfg = model.config
         torch_dtype = resolve_dtype(dtype, cfg.dtype, device)
+        if shard is not None:
+            full = [(n, p.detach()) for n, p in model.named_parameters()]
+            model = empty_model(cfg, device, torch_dtype, shard)
+            copy_named_tensors(model, sharded(shard, full), require_all=True)
         model = model.to(device=device, dtype=torch_dtype).eval()
         model.inv_freq = rope_inv_freq(cfg).to(device)  # keep RoPE frequencies in float32
         return LoadedModel(model, cfg, ByteTokenizer(), TINY_NAME, "builtin")
@@ -115,7 +123,7 @@ def load_model(
     if str(path_or_name) == SMOLLM2_NAME:
         path_or_name = smollm2_path()
     if is_gguf_path(path_or_name):
-        return load_gguf(Path(path_or_name), dtype=dtype, device=device)
+        return load_gguf(Path(path_or_name), dtype=dtype, device=device, shard=shard)
     folder = Path(path_or_name)
     config_path = folder / "config.json"
     if not config_path.is_file():
@@ -125,34 +133,45 @@ def load_model(
     raw = json.loads(config_path.read_text())
     cfg = with_generation_eos(ModelConfig.from_hf(raw), folder)
     torch_dtype = resolve_dtype(dtype, cfg.dtype, device)
-    with torch.device("meta"):
-        model = DecoderModel(cfg)
-    model = model.to_empty(device=device).to(torch_dtype)
-    model.tie_weights()
-    load_weights(model, folder)
+    model = empty_model(cfg, device, torch_dtype, shard)
+    copy_named_tensors(model, sharded(shard, iter_checkpoint(folder)), require_all=True)
     model.inv_freq = rope_inv_freq(cfg).to(device)  # buffers are not in checkpoints
     return LoadedModel(model.eval(), cfg, load_tokenizer(folder, cfg), str(folder), "safetensors")
 
 
-def load_gguf(path: Path, *, dtype: str | torch.dtype | None, device: torch.device) -> LoadedModel:
+def load_gguf(path: Path, *, dtype: str | torch.dtype | None, device: torch.device, shard: Any = None) -> LoadedModel:
     """A GGUF file: config and tokenizer from its metadata, weights dequantised to ``dtype``."""
     from .gguf import GGUFFile, config_from_gguf, load_gguf_tokenizer, named_tensors
 
     f = GGUFFile(path)
     cfg = config_from_gguf(f)
     torch_dtype = resolve_dtype(dtype, cfg.dtype, device)
-    with torch.device("meta"):
-        model = DecoderModel(cfg)
-    model = model.to_empty(device=device).to(torch_dtype)
-    model.tie_weights()
+    model = empty_model(cfg, device, torch_dtype, shard)
     weights = dict(named_tensors(f, cfg))
     rope_divisors = weights.pop("rope_freqs.weight", None)
-    copy_named_tensors(model, list(weights.items()), require_all=True)
+    copy_named_tensors(model, sharded(shard, weights.items()), require_all=True)
     inv_freq = rope_inv_freq(cfg)
     if rope_divisors is not None:  # llama3-style per-frequency factors stored as a tensor
         inv_freq = inv_freq / rope_divisors.to(torch.float32)
     model.inv_freq = inv_freq.to(device)
     return LoadedModel(model.eval(), cfg, load_gguf_tokenizer(f, cfg), str(path), "gguf")
+
+
+def empty_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, shard: Any = None) -> DecoderModel:
+    """The decoder with uninitialised weights on ``device`` (a shard's local shapes and
+    communicating layers when given)."""
+    with torch.device("meta"):
+        model = DecoderModel(shard.local_config(cfg) if shard is not None else cfg)
+        if shard is not None:
+            shard.prepare(model)
+    model = model.to_empty(device=device).to(dtype)
+    model.tie_weights()
+    return model
+
+
+def sharded(shard: Any, named: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
+    """Checkpoint tensors as this rank holds them (all of each without a shard)."""
+    return named if shard is None else shard.slice_named(named)
 
 
 def safetensors_files(folder: Path) -> list[Path]:

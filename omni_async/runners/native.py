@@ -53,7 +53,7 @@ class NativeModelRunner(ModelRunner):
         self.kv = kv
         self.device = device
         self.page_size = kv.page_size
-        self.inputs = InputBatch(kv.page_size, model.lm_head.weight.shape[0], device)
+        self.inputs = InputBatch(kv.page_size, model.config.vocab_size, device)
 
     def build_forward_batch(self, scheduler_output: SchedulerOutput, capture_hidden_mode=None) -> ForwardBatch:
         batch = scheduler_output.batch_data

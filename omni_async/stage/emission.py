@@ -186,8 +186,8 @@ class Emission:
         for req in live:
             req.step_failures += 1
         retried = {id(r) for r in self.core.retract_requests(first_time)} if first_time else set()
-        if isinstance(exc, errors.DeviceTimeoutError):
-            make: Callable[[], Exception] = lambda: errors.DeviceTimeoutError(str(exc))
+        if isinstance(exc, errors.DeviceError):  # a timeout, a dead rank: keep the type
+            make: Callable[[], Exception] = lambda: type(exc)(str(exc))
         else:
             make = lambda: errors.RequestFailedError(f"model step failed: {exc!r}")
         with self.coalesced():
