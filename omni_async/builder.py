@@ -119,7 +119,7 @@ def build_native_stack(
         kv_capacity_tokens=allocator.capacity_tokens,
         eos_token_ids=cfg.eos_token_ids,
     )
-    runner = NativeModelRunner(loaded.model, kv, device, seed=seed)
+    runner = NativeModelRunner(loaded.model, kv, device, seed=seed, fused_kernels=config.fused_kernels)
     if device.type == "cuda" and config.cuda_graphs:
         # With the paged kernel, attention costs what each sequence really holds, so
         # graphs can span the whole context; without it they span cuda_graph_max_len.

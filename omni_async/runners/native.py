@@ -18,7 +18,7 @@ from ..kernels import triton_available
 from ..kv.attention import AttentionContext, slots_from_tables
 from ..kv.cache import PagedKVCache
 from ..models.decoder import DecoderModel
-from ..sampling import SamplingBatch
+from ..sampling import SampleResult, SamplingBatch, sample
 from .base import ModelRunner
 from .cuda_graphs import DecodeGraphs
 from .input_batch import InputBatch, SlotRows
@@ -40,7 +40,14 @@ class ForwardBatch:
 
 class NativeModelRunner(ModelRunner):
     def __init__(
-        self, model: DecoderModel, kv: PagedKVCache, device: torch.device, *, capture_hidden: bool = False, seed: int = 0
+        self,
+        model: DecoderModel,
+        kv: PagedKVCache,
+        device: torch.device,
+        *,
+        capture_hidden: bool = False,
+        seed: int = 0,
+        fused_kernels: bool = True,
     ) -> None:
         super().__init__(seed=seed)
         # When set, each sampled row's final hidden state goes out with its step output
@@ -49,6 +56,13 @@ class NativeModelRunner(ModelRunner):
         self.graphs: DecodeGraphs | None = None
         # Decode attention through the Triton paged kernel (CUDA with Triton).
         self.use_kernel = triton_available(device)
+        # Fused elementwise kernels need the Triton attention path (the rotated keys go
+        # straight to the cache); elsewhere the model keeps its reference ops.
+        self.fused = fused_kernels and self.use_kernel
+        if self.fused:
+            from ..kernels.fused import FusedOps
+
+            model.ops = FusedOps()
         self.model = model
         self.kv = kv
         self.device = device
@@ -141,16 +155,18 @@ class NativeModelRunner(ModelRunner):
             max_batch=max_batch,
             device=self.device,
             use_kernel=self.use_kernel,
+            greedy_in_graph=self.fused,
         )
         self.graphs.capture_all()
 
     def forward(self, forward_batch: ForwardBatch) -> BatchResult:
         if forward_batch.block_tables is not None and self.graphs is not None:
             ctx = forward_batch.ctx
-            logits = self.graphs.replay(
+            out = self.graphs.replay(
                 forward_batch.input_ids, forward_batch.positions, ctx.slot_mapping, forward_batch.block_tables, ctx.kv_lens
             )
-            return BatchResult(logits=logits, can_run_cuda_graph=True)
+            greedy = None if out.greedy_tokens is None else (out.greedy_tokens, out.greedy_ok)
+            return BatchResult(logits=out.logits, can_run_cuda_graph=True, graph_greedy=greedy)
         if forward_batch.capture_hidden:
             logits, hidden = self.model(
                 forward_batch.input_ids, forward_batch.positions, self.kv, forward_batch.ctx, return_hidden=True
@@ -160,6 +176,13 @@ class NativeModelRunner(ModelRunner):
         return BatchResult(logits=logits)
 
     # ------------------------------------------------------------ sampling state
+
+    def sample_logits(self, result: BatchResult, sb: SamplingBatch, top_k_logprobs: int) -> SampleResult:
+        """A plain greedy step takes the tokens its graph already sampled."""
+        if result.graph_greedy is not None and sb.plain_greedy and not top_k_logprobs:
+            tokens, ok = result.graph_greedy
+            return SampleResult(tokens=tokens, logprobs=None, ok=ok)
+        return sample(result.logits, sb, top_k_logprobs)
 
     def sampling_batch(self, forward_batch: ForwardBatch, schedule_batch, requests, vocab: int) -> SamplingBatch:
         return self.inputs.sampling_batch(forward_batch.rows, forward_batch.sample_indices, forward_batch.sample_indices_dev)
