@@ -88,7 +88,7 @@ def test_rope_store_matches_reference(dtype, tokens, heads, kv_heads, dim):
 
 def _greedy_tokens(device: str, prompts, n: int, **kw) -> list[list[int]]:
     async def run():
-        engine = Engine.from_pretrained("tiny", device=device, dtype="float32", **kw)
+        engine = Engine.from_pretrained("tiny", device=device, dtype="float32", kv_capacity_tokens=8192, **kw)
         async with engine:
             res = await asyncio.gather(
                 *[engine.generate(input_ids=p, sampling=SamplingParams(max_new_tokens=n, ignore_eos=True)) for p in prompts]
