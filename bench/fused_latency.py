@@ -167,8 +167,12 @@ def replay_fn(stack, bs: int, ctx: int = 256):
     return lambda: graphs.replay(ids, pos, slots, tables, lens)
 
 
-def runner_step_ms(stack, bs: int, steps: int = 40) -> float:
-    """The runner alone: launch (inputs, replay, sampling, host copy), wait, collect."""
+SAMPLED = dict(temperature=0.8, top_p=0.9, top_k=50, seed=3)
+
+
+def runner_step_ms(stack, bs: int, steps: int = 40, sampled: bool = False) -> float:
+    """The runner alone: launch (inputs, replay, sampling, host copy), wait, collect;
+    greedy rows, or with ``sampled`` temperature + top-k + top-p rows."""
     from omni_async import SamplingParams
     from omni_async.core.request import Request, RequestData
     from omni_async.runners.types import SchedulerOutput, SchedulerRequest
@@ -176,7 +180,7 @@ def runner_step_ms(stack, bs: int, steps: int = 40) -> float:
     core, runner = stack.core, stack.runner
     for i in range(bs):
         r = Request(rid=f"s{time.monotonic_ns()}-{i}", prompt_ids=[2 + i % 500] * 128,
-                    sampling=SamplingParams(max_new_tokens=steps + 8, ignore_eos=True), eos_token_ids=())
+                    sampling=SamplingParams(max_new_tokens=steps + 8, ignore_eos=True, **(SAMPLED if sampled else {})), eos_token_ids=())
         r.data = RequestData(req=r)
         core.add_request(r)
     times = []
@@ -203,13 +207,63 @@ def section_steps(stacks, sizes=(1, 8, 64, 256)):
         row = {f"{v}_replay_ms": spread(times[v]) for v in VARIANTS}
         row.update({f"{v}_kernels": kernels_per_call(fns[v]) for v in VARIANTS})
         if bs <= 8:
-            runner = {v: [] for v in VARIANTS}
-            for _ in range(3):
-                for v in VARIANTS:
-                    runner[v].append(runner_step_ms(stacks[v], bs))
-            row.update({f"{v}_runner_step_ms": spread(runner[v]) for v in VARIANTS})
+            for kind in ("greedy", "sampled"):
+                runner = {v: [] for v in VARIANTS}
+                for _ in range(3):
+                    for v in VARIANTS:
+                        runner[v].append(runner_step_ms(stacks[v], bs, sampled=kind == "sampled"))
+                row.update({f"{v}_runner_step_{kind}_ms": spread(runner[v]) for v in VARIANTS})
         out[str(bs)] = row
         log("steps bs", bs, {k: (round(x["median"], 3) if isinstance(x, dict) else x) for k, x in row.items()})
+    return out
+
+
+def section_profile(stacks, bs: int = 1, top: int = 14):
+    """Where a decode step's GPU time goes, by kernel name (summed over 20 replays)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    out = {}
+    for v in VARIANTS:
+        fn = replay_fn(stacks[v], bs)
+        fn()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(20):
+                fn()
+            torch.cuda.synchronize()
+        totals: dict[str, list[float]] = {}
+        for e in prof.events():
+            if e.device_type == torch.autograd.DeviceType.CUDA:
+                t = totals.setdefault(e.name[:90], [0.0, 0])
+                t[0] += e.time_range.elapsed_us() / 20
+                t[1] += 1 / 20
+        rows = sorted(totals.items(), key=lambda kv: -kv[1][0])
+        out[v] = [{"kernel": k, "us_per_step": round(t, 2), "count_per_step": c} for k, (t, c) in rows[:top]]
+        out[v + "_total_us"] = sum(t for t, _ in totals.values())
+        log("profile", v, round(out[v + "_total_us"], 1), [(r["kernel"][:40], r["us_per_step"], r["count_per_step"]) for r in out[v][:8]])
+    return out
+
+
+def section_block_n(stacks, sizes=(1, 64)):
+    """The fused step's replay with the decode attention kernel at other block sizes."""
+    from omni_async.kernels import paged_decode
+
+    stack, out = stacks["fused"], {}
+    default = paged_decode.DECODE_BLOCK_N
+    for block_n in (32, 64, 128):
+        paged_decode.DECODE_BLOCK_N = block_n
+        stack.runner.graphs.graphs.clear()
+        stack.runner.graphs.pool = None
+        stack.runner.sampling_graphs.graphs.clear()  # they read the old graphs' logits
+        stack.runner.graphs.capture_all()
+        out[str(block_n)] = {str(bs): spread([graph_ms(replay_fn(stack, bs, ctx)) for _ in range(3)]) for bs in sizes for ctx in (256,)}
+        out[str(block_n) + "_ctx2048"] = spread([graph_ms(replay_fn(stack, 1, 2048)) for _ in range(3)])
+        log("block_n", block_n, {k: round(v["median"], 3) for k, v in out[str(block_n)].items()}, round(out[str(block_n) + "_ctx2048"]["median"], 3))
+    paged_decode.DECODE_BLOCK_N = default
+    stack.runner.sampling_graphs.graphs.clear()
+    stack.runner.graphs.graphs.clear()
+    stack.runner.graphs.pool = None
+    stack.runner.graphs.capture_all()
     return out
 
 
@@ -342,7 +396,7 @@ def section_base(path: Path, root: Path):
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench/results/fused_latency.json")
-    ap.add_argument("--sections", default="ops,steps,itl,prefill,base")
+    ap.add_argument("--sections", default="ops,profile,steps,block_n,itl,prefill,base")
     ap.add_argument("--checkpoint", default=str(Path(tempfile.gettempdir()) / "qwen05-bf16"))
     ap.add_argument("--base-root", default=None)
     ap.add_argument("--peak-tflops", type=float, default=790.0)
@@ -368,11 +422,15 @@ def main() -> int:
         record("base", lambda: section_base(path, Path(args.base_root)))
     if "ops" in sections:
         record("ops", lambda: section_ops(not args.no_compile))
-    if {"steps", "prefill"} & set(sections):
+    if {"steps", "prefill", "profile", "block_n"} & set(sections):
         stacks = {v: build(path, v == "fused", chunked_prefill_size=0, max_prefill_tokens=8192) for v in VARIANTS}
         assert stacks["fused"].runner.fused and not stacks["ref"].runner.fused
+        if "profile" in sections:
+            record("profile", lambda: section_profile(stacks))
         if "steps" in sections:
             record("steps", lambda: section_steps(stacks))
+        if "block_n" in sections:
+            record("block_n", lambda: section_block_n(stacks))
         if "prefill" in sections:
             record("prefill", lambda: section_prefill(stacks, args.peak_tflops))
         del stacks

@@ -185,7 +185,7 @@ def greedy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     greedy rows (no penalty, bans or logprobs): fixed shapes, so it can live in a graph."""
     best, tokens = logits.max(dim=-1)
     ok = best > float("-inf")
-    return torch.where(ok, tokens, torch.zeros_like(tokens)), ok
+    return tokens * ok, ok  # token 0 where nothing is admissible, as in ``sample``
 
 
 def sample(logits: torch.Tensor, sb: SamplingBatch, top_k_logprobs: int = 0) -> SampleResult:

@@ -107,3 +107,67 @@ def test_fused_float32_greedy_equals_cpu_reference(loop):
     assert engine.stack.runner.graphs.replays > 0
     plain, _ = _greedy_tokens(DEV, prompts, 24, loop=loop, fused_kernels=False)
     assert fused == cpu == plain
+
+
+@pytest.mark.parametrize("filters", [(False, False, False), (True, False, False), (True, True, True), (False, True, False), (False, False, True)])
+@pytest.mark.parametrize("bs", [1, 3, 8])
+def test_graph_sampling_equals_eager_sampling(filters, bs):
+    """Random logits and per-row settings (some rows greedy, some with a filter off):
+    the replayed sampling graph picks exactly the tokens of ``sample``."""
+    from omni_async.runners.graph_sampling import SamplingGraphs
+    from omni_async.sampling import SamplingBatch, sample
+
+    vocab, buckets = 5000, (1, 2, 4, 8)
+    gen = torch.Generator(device=DEV).manual_seed(bs * 31 + sum(filters))
+    static = {b: torch.empty(b, vocab, device=DEV) for b in buckets}
+    graphs = SamplingGraphs(
+        static.__getitem__, lambda n: next(b for b in buckets if b >= n), max_batch=8, device=torch.device(DEV)
+    )
+    use_top_k, use_top_p, use_min_p = filters
+    for step in range(3):
+        logits = torch.randn(bs, vocab, generator=gen, device=DEV) * 3
+        logits[0, 7] = float("-inf")
+        b = graphs.bucket_for(bs)
+        static[b].normal_(generator=gen)  # rows past the batch hold garbage
+        static[b][:bs] = logits
+        temperature = torch.rand(bs, generator=gen, device=DEV) + 0.3
+        temperature[torch.rand(bs, generator=gen, device=DEV) < 0.3] = 0  # greedy rows
+        sampled = torch.nonzero(temperature > 0).flatten()
+        sb = SamplingBatch(
+            temperature=temperature,
+            top_k=torch.randint(0, 40, (bs,), generator=gen, device=DEV) if use_top_k else torch.zeros(bs, dtype=torch.long, device=DEV),
+            top_p=torch.rand(bs, generator=gen, device=DEV) * 0.5 + 0.5 if use_top_p else torch.ones(bs, device=DEV),
+            min_p=torch.rand(bs, generator=gen, device=DEV) * 0.2 if use_min_p else torch.zeros(bs, device=DEV),
+            seeds=torch.randint(0, 1 << 62, (bs,), generator=gen, device=DEV),
+            sample_indices=torch.full((bs,), step, dtype=torch.long, device=DEV),
+            sampled_rows=sampled if 0 < len(sampled) < bs else None,
+            num_sampled=len(sampled),
+            use_top_k=use_top_k, use_top_p=use_top_p, use_min_p=use_min_p,
+        )
+        if not sb.num_sampled:
+            continue
+        want = sample(logits, sb)
+        assert graphs.eligible(sb, 0)
+        tokens, ok = graphs.sample(sb)
+        assert torch.equal(tokens, want.tokens) and torch.equal(ok, want.ok)
+    assert graphs.replays > 0
+
+
+def test_fused_sampled_tokens_equal_unfused_on_cuda():
+    prompts = [[256, *b"sampling in the graph"], list(range(60, 90)), [256, *b"top-p"] * 5]
+    params = [
+        SamplingParams(max_new_tokens=20, temperature=0.9, top_p=0.8, seed=1, ignore_eos=True),
+        SamplingParams(max_new_tokens=20, temperature=1.2, top_k=20, min_p=0.05, seed=2, ignore_eos=True),
+        SamplingParams(max_new_tokens=20, ignore_eos=True),
+    ]
+
+    async def run(fused: bool):
+        engine = Engine.from_pretrained("tiny", device=DEV, dtype="float32", kv_capacity_tokens=8192, fused_kernels=fused)
+        async with engine:
+            res = await asyncio.gather(*[engine.generate(input_ids=p, sampling=s) for p, s in zip(prompts, params)])
+        return [r.output_ids for r in res], engine
+
+    fused, engine = asyncio.run(run(True))
+    plain, _ = asyncio.run(run(False))
+    assert engine.stack.runner.sampling_graphs is not None and engine.stack.runner.sampling_graphs.replays > 0
+    assert fused == plain

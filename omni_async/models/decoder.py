@@ -173,7 +173,8 @@ def _prefer_page_gather(ctx: AttentionContext, page_size: int) -> None:
 
 class DecoderModel(nn.Module):
     """``forward(input_ids, positions, kv, ctx)`` returns float32 logits for the rows
-    in ``ctx.logits_rows`` (the last token of each sequence)."""
+    in ``ctx.logits_rows`` (the last token of each sequence; a decode step has one
+    token per sequence and takes every row)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -210,7 +211,8 @@ class DecoderModel(nn.Module):
         delta = None
         for layer in self.model.layers:
             x, delta = layer(x, delta, cos, sin, kv, ctx, self.ops)
-        rows = ctx.logits_rows
-        hidden = self.ops.add_norm(x[rows], None if delta is None else delta[rows], self.model.norm)[1]
+        if not ctx.is_decode:  # decode wants every row: no gather
+            x, delta = x[ctx.logits_rows], None if delta is None else delta[ctx.logits_rows]
+        hidden = self.ops.add_norm(x, delta, self.model.norm)[1]
         logits = self.lm_head(hidden).to(torch.float32)
         return (logits, hidden) if return_hidden else logits

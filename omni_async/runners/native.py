@@ -21,8 +21,14 @@ from ..models.decoder import DecoderModel
 from ..sampling import SampleResult, SamplingBatch, sample
 from .base import ModelRunner
 from .cuda_graphs import DecodeGraphs
+from .graph_sampling import SamplingGraphs
 from .input_batch import InputBatch, SlotRows
 from .types import BatchResult, SchedulerOutput
+
+
+# Filtered sampling replays graphs for decode buckets up to this size (their sort over
+# the vocabulary needs memory that grows with the batch); larger steps sample eagerly.
+SAMPLING_GRAPH_MAX_BATCH = 16
 
 
 @dataclass
@@ -54,6 +60,7 @@ class NativeModelRunner(ModelRunner):
         # (``RequestOutput.extra["hidden_state"]``), e.g. for a downstream talker stage.
         self.capture_hidden = capture_hidden
         self.graphs: DecodeGraphs | None = None
+        self.sampling_graphs: SamplingGraphs | None = None
         # Decode attention through the Triton paged kernel (CUDA with Triton).
         self.use_kernel = triton_available(device)
         # Fused elementwise kernels need the Triton attention path (the rotated keys go
@@ -158,6 +165,14 @@ class NativeModelRunner(ModelRunner):
             greedy_in_graph=self.fused,
         )
         self.graphs.capture_all()
+        if self.fused:
+            graphs = self.graphs
+            self.sampling_graphs = SamplingGraphs(
+                lambda b: graphs.graphs[b][1].logits,
+                graphs.bucket_for,
+                max_batch=min(SAMPLING_GRAPH_MAX_BATCH, graphs.max_batch),
+                device=self.device,
+            )
 
     def forward(self, forward_batch: ForwardBatch) -> BatchResult:
         if forward_batch.block_tables is not None and self.graphs is not None:
@@ -178,9 +193,14 @@ class NativeModelRunner(ModelRunner):
     # ------------------------------------------------------------ sampling state
 
     def sample_logits(self, result: BatchResult, sb: SamplingBatch, top_k_logprobs: int) -> SampleResult:
-        """A plain greedy step takes the tokens its graph already sampled."""
+        """A plain greedy step takes the tokens its graph already sampled; a filtered one
+        at small batch replays a sampling graph."""
         if result.graph_greedy is not None and sb.plain_greedy and not top_k_logprobs:
             tokens, ok = result.graph_greedy
+            return SampleResult(tokens=tokens, logprobs=None, ok=ok)
+        sampler = self.sampling_graphs
+        if result.can_run_cuda_graph and sampler is not None and sampler.eligible(sb, top_k_logprobs):
+            tokens, ok = sampler.sample(sb)
             return SampleResult(tokens=tokens, logprobs=None, ok=ok)
         return sample(result.logits, sb, top_k_logprobs)
 
