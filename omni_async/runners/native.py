@@ -17,7 +17,7 @@ from ..core.batch import ScheduledBatch
 from ..kernels import triton_available
 from ..kv.attention import AttentionContext, slots_from_tables
 from ..kv.cache import PagedKVCache
-from ..models.decoder import DecoderModel
+from ..models.decoder import DecoderModel, ReferenceOps
 from ..sampling import SampleResult, SamplingBatch, sample
 from .base import ModelRunner
 from .cuda_graphs import DecodeGraphs
@@ -70,6 +70,8 @@ class NativeModelRunner(ModelRunner):
             from ..kernels.fused import FusedOps
 
             model.ops = FusedOps()
+        else:
+            model.ops = ReferenceOps()
         self.model = model
         self.kv = kv
         self.device = device
