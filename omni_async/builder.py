@@ -97,7 +97,7 @@ def build_native_stack(
         return build_parallel_stack(path_or_name, config, device=device, dtype=dtype, seed=seed)
     loaded = load_model(path_or_name, dtype=dtype, device=device, seed=seed)
     num_pages = kv_pages_for(config, loaded, device, next(loaded.model.parameters()).dtype)
-    return assemble_stack(loaded, config, device, num_pages, NativeModelRunner(loaded.model, kv_cache(loaded, config, device, num_pages), device, seed=seed))
+    return assemble_stack(loaded, config, device, num_pages, NativeModelRunner(loaded.model, kv_cache(loaded, config, device, num_pages), device, seed=seed, fused_kernels=config.fused_kernels))
 
 
 def kv_cache(loaded: LoadedModel, config: SchedulerConfig, device: torch.device, num_pages: int) -> PagedKVCache:

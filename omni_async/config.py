@@ -182,6 +182,10 @@ class SchedulerConfig:
     cuda_graph_max_len: int = 2048
     cuda_graph_max_batch: int = 512
     event_wait: str = "poll"
+    # CUDA with Triton only: the decoder's elementwise work runs through fused kernels
+    # (residual add + RMSNorm, rotary + KV write, SiLU-and-multiply) and greedy sampling
+    # is captured in the decode graphs. False keeps the torch reference path (as on CPU).
+    fused_kernels: bool = True
     # Where steps are launched: "thread" (a worker thread), "inline" (the loop thread;
     # CUDA only) or "auto" (inline on CUDA, the worker thread on CPU).
     step_launch: str = "auto"

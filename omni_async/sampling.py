@@ -105,6 +105,11 @@ class SamplingBatch:
     def size(self) -> int:
         return int(self.temperature.shape[0])
 
+    @property
+    def plain_greedy(self) -> bool:
+        """Every row greedy, nothing banned or penalised, no logprobs: :func:`greedy` alone."""
+        return not self.num_sampled and self.penalty is None and self.ban is None and not self.want_logprobs
+
 
 @dataclass
 class SampleResult:
@@ -173,6 +178,14 @@ def _draw(x: torch.Tensor, sb: SamplingBatch, rows: torch.Tensor | None) -> torc
     tokens = torch.searchsorted(cdf, target, right=True).squeeze(1)
     # Rounding can put the target at the very end: take the most likely token then.
     return torch.where(tokens < x.shape[-1], tokens, x.argmax(-1))
+
+
+def greedy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy tokens and ``ok`` exactly as :func:`sample` gives them for a batch of plain
+    greedy rows (no penalty, bans or logprobs): fixed shapes, so it can live in a graph."""
+    best, tokens = logits.max(dim=-1)
+    ok = best > float("-inf")
+    return tokens * ok, ok  # token 0 where nothing is admissible, as in ``sample``
 
 
 def sample(logits: torch.Tensor, sb: SamplingBatch, top_k_logprobs: int = 0) -> SampleResult:

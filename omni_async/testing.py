@@ -80,12 +80,13 @@ def write_random_checkpoint(folder: str | Path, *, seed: int = 0, tokenizer: boo
     from safetensors.torch import save_file
 
     from .models.loader import build_tiny, tiny_config
+    from .models.merged import hf_named_tensors
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     cfg = tiny_config()
     model = build_tiny(seed)
-    tensors = {n: p.detach().contiguous() for n, p in model.named_parameters() if n != "lm_head.weight"}
+    tensors = {n: p.detach().contiguous() for n, p in hf_named_tensors(model) if n != "lm_head.weight"}
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
     config = {
         "architectures": ["LlamaForCausalLM"],

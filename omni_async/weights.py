@@ -21,6 +21,7 @@ from .errors import ModelLoadError
 from .models.config import ModelConfig
 from .models.decoder import DecoderModel
 from .models.loader import copy_named_tensors, iter_checkpoint, sharded
+from .models.merged import hf_named_tensors, hf_parameter_slots
 
 _DTYPES = {str(d).replace("torch.", ""): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.float64)}
 
@@ -119,7 +120,7 @@ class NativeModelWorker:
         shapes = list(payload.get("shapes") or [])
         if not names or not (len(names) == len(dtypes) == len(shapes)):
             return False, "update_weights_from_distributed needs names, dtypes and shapes of equal length"
-        params = dict(self.model.named_parameters())
+        params = {n: slot.view() for n, slot in hf_parameter_slots(self.model).items()}
         for n, shape in zip(names, shapes):
             if n not in params or self._full_shape(n, params[n]) != tuple(shape):
                 return False, f"tensor {n!r} with shape {tuple(shape)} does not match the model"
@@ -157,10 +158,11 @@ class NativeModelWorker:
 
 
 def weights_checksum(model: torch.nn.Module) -> dict[str, Any]:
-    """SHA-256 over every parameter (name, dtype, shape, bytes) in name order."""
+    """SHA-256 over every tensor under its Hugging Face name (name, dtype, shape, bytes)
+    in name order, so a trainer holding an HF model can compute the same sum."""
     digest = hashlib.sha256()
     count = 0
-    for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+    for name, p in sorted(hf_named_tensors(model), key=lambda kv: kv[0]):
         t = p.detach().to("cpu").contiguous()
         digest.update(f"{name}|{t.dtype}|{tuple(t.shape)}".encode())
         digest.update(t.view(torch.uint8).numpy().tobytes())

@@ -15,6 +15,7 @@ import torch
 from omni_async import Engine, SamplingParams
 from omni_async.errors import ConfigError, ModelLoadError
 from omni_async.models import load_model
+from omni_async.models.merged import hf_named_tensors
 
 from .conftest import LOOPS, assert_kv_free
 from .gguf_files import write_gguf
@@ -111,7 +112,7 @@ async def test_written_gguf_greedy_matches_transformers(written, family, qtype, 
 @pytest.mark.parametrize("qtype", ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q4_K", "Q6_K"])
 def test_dequantised_weights_equal_transformers(gguf_dir, qtype):
     path = write_gguf(gguf_dir / f"w-{qtype}.gguf", "llama", qtype, hidden_size=256, intermediate_size=512)
-    ours = load_model(str(path)).model.state_dict()
+    ours = dict(hf_named_tensors(load_model(str(path)).model))
     theirs = hf_model(path).state_dict()
     names = [k for k in ours if k != "inv_freq"]
     assert names and all(k in theirs for k in names)

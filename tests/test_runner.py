@@ -259,3 +259,14 @@ def test_capture_hidden_hook_is_honoured_per_phase():
         stack.core.process_result(batch, out.token_ids, out.logprobs)
         seen.append((batch.is_decode, "hidden_state" in out.outputs["h"].extra))
     assert seen == [(False, False), (True, True), (True, True)]
+
+
+@pytest.mark.parametrize("fused", [True, False])
+async def test_cpu_keeps_the_reference_ops_whatever_fused_kernels_says(fused):
+    from omni_async.models.decoder import ReferenceOps
+
+    engine = Engine.from_pretrained("tiny", fused_kernels=fused)
+    async with engine:
+        out = await engine.generate(input_ids=[256, *b"abc"], sampling=SamplingParams(max_new_tokens=4))
+    assert len(out.output_ids) == 4
+    assert not engine.stack.runner.fused and type(engine.stack.loaded.model.ops) is ReferenceOps

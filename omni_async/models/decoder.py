@@ -2,7 +2,12 @@
 
 One module covers the three families; they differ only in biases (Qwen2 has q/k/v
 bias), per-head q/k RMSNorm before RoPE (Qwen3), and tied embeddings. Parameter names
-follow Hugging Face so checkpoints load by name.
+follow Hugging Face, except that q/k/v and gate/up are merged into ``qkv_proj`` and
+``gate_up_proj`` (see :mod:`.merged`, which keeps checkpoints loading by HF names).
+
+The elementwise work between the GEMMs (residual add + RMSNorm, rotary + KV write,
+SiLU-and-multiply) goes through ``model.ops``: the torch reference here, or fused
+kernels on CUDA (:mod:`omni_async.kernels.fused`).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from torch import nn
 from ..kv.attention import AttentionContext, paged_attention, pages_from_slots
 from ..kv.cache import PagedKVCache
 from .config import ModelConfig
+from .merged import MergedLinear
 
 
 class RMSNorm(nn.Module):
@@ -57,6 +63,31 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+class ReferenceOps:
+    """The plain torch path between the GEMMs: the reference every fused path is checked against."""
+
+    name = "reference"
+
+    def add_norm(self, x: torch.Tensor, delta: torch.Tensor | None, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(x + delta, norm(x + delta))``; ``delta`` None means nothing to add."""
+        if delta is not None:
+            x = x + delta
+        return x, norm(x)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    def rope_store(self, q, k, v, cos, sin, kv: PagedKVCache, layer: int, slots: torch.Tensor):
+        """Rotate q and k (``[T, heads, D]``), write k and v into the cache; returns the
+        rotated q and k."""
+        cos, sin = cos[:, None, :], sin[:, None, :]
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        kv.write(layer, slots, k, v)
+        return q, k
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
         super().__init__()
@@ -66,9 +97,8 @@ class Attention(nn.Module):
         self.head_dim = cfg.head_dim
         self.scale = cfg.head_dim**-0.5
         h, d = cfg.hidden_size, cfg.head_dim
-        self.q_proj = nn.Linear(h, cfg.num_heads * d, bias=cfg.qkv_bias)
-        self.k_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=cfg.qkv_bias)
-        self.v_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=cfg.qkv_bias)
+        parts = {"q_proj": cfg.num_heads * d, "k_proj": cfg.num_kv_heads * d, "v_proj": cfg.num_kv_heads * d}
+        self.qkv_proj = MergedLinear(h, parts, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(cfg.num_heads * d, h, bias=cfg.o_bias)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
@@ -83,17 +113,16 @@ class Attention(nn.Module):
         sin: torch.Tensor,
         kv: PagedKVCache,
         ctx: AttentionContext,
+        ops: ReferenceOps,
     ) -> torch.Tensor:
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        q, k, v = self.qkv_proj(x).split(self.qkv_proj.sizes, dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = cos[:, None, :], sin[:, None, :]
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
-        kv.write(self.layer_idx, ctx.slot_mapping, k, v)
+        q, k = ops.rope_store(q, k, v, cos, sin, kv, self.layer_idx, ctx.slot_mapping)
         out = paged_attention(q, kv.k[self.layer_idx], kv.v[self.layer_idx], ctx, self.scale, k_new=k, v_new=v)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
@@ -101,12 +130,12 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        parts = {"gate_proj": cfg.intermediate_size, "up_proj": cfg.intermediate_size}
+        self.gate_up_proj = MergedLinear(cfg.hidden_size, parts, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+    def forward(self, x: torch.Tensor, ops: ReferenceOps) -> torch.Tensor:
+        return self.down_proj(ops.silu_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -117,9 +146,13 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, kv, ctx):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv, ctx)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, delta, cos, sin, kv, ctx, ops):
+        """Residual stream ``x`` and the previous block's output ``delta`` (added here,
+        so that the add fuses with the norm); returns the new pair."""
+        x, h = ops.add_norm(x, delta, self.input_layernorm)
+        delta = self.self_attn(h, cos, sin, kv, ctx, ops)
+        x, h = ops.add_norm(x, delta, self.post_attention_layernorm)
+        return x, self.mlp(h, ops)
 
 
 class _Backbone(nn.Module):
@@ -140,7 +173,8 @@ def _prefer_page_gather(ctx: AttentionContext, page_size: int) -> None:
 
 class DecoderModel(nn.Module):
     """``forward(input_ids, positions, kv, ctx)`` returns float32 logits for the rows
-    in ``ctx.logits_rows`` (the last token of each sequence)."""
+    in ``ctx.logits_rows`` (the last token of each sequence; a decode step has one
+    token per sequence and takes every row)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -149,6 +183,7 @@ class DecoderModel(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_weights()
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        self.ops: ReferenceOps = ReferenceOps()  # replaced by fused kernels on CUDA
 
     def tie_weights(self) -> None:
         """Share the embedding with the output head when the checkpoint ties them
@@ -173,8 +208,11 @@ class DecoderModel(nn.Module):
         _prefer_page_gather(ctx, kv.page_size)
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rope(positions, x.dtype)
+        delta = None
         for layer in self.model.layers:
-            x = layer(x, cos, sin, kv, ctx)
-        hidden = self.model.norm(x[ctx.logits_rows])
+            x, delta = layer(x, delta, cos, sin, kv, ctx, self.ops)
+        if not ctx.is_decode:  # decode wants every row: no gather
+            x, delta = x[ctx.logits_rows], None if delta is None else delta[ctx.logits_rows]
+        hidden = self.ops.add_norm(x, delta, self.model.norm)[1]
         logits = self.lm_head(hidden).to(torch.float32)
         return (logits, hidden) if return_hidden else logits

@@ -22,6 +22,7 @@ from ..tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 from .config import ModelConfig
 from .decoder import DecoderModel, rope_inv_freq
 from .generation_config import with_generation_eos
+from .merged import hf_named_tensors, hf_parameter_slots
 from .gguf import SMOLLM2_NAME, is_gguf_path, smollm2_path
 
 DTYPES = {
@@ -85,7 +86,7 @@ def build_tiny(seed: int = 0) -> DecoderModel:
     gen = torch.Generator().manual_seed(seed)
     model = DecoderModel(cfg)
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for name, p in hf_named_tensors(model):  # HF order and shapes: the same draws as before merging
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
             elif name.endswith("embed_tokens.weight"):
@@ -206,9 +207,10 @@ def copy_named_tensors(
     *,
     require_all: bool,
 ) -> list[str]:
-    """Copy checkpoint tensors into the model's parameters by name. Every name and shape
-    is checked before anything is written, so a failed load leaves the model untouched."""
-    params = dict(model.named_parameters())
+    """Copy checkpoint tensors into the model's parameters by Hugging Face name (merged
+    projections take each part into its rows). Every name and shape is checked before
+    anything is written, so a failed load leaves the model untouched."""
+    params = {name: slot.view() for name, slot in hf_parameter_slots(model).items()}
     tied = model.config.tie_word_embeddings
     staged: list[tuple[torch.Tensor, torch.Tensor]] = []
     seen: set[str] = set()

@@ -213,7 +213,10 @@ def build_parallel_stack(path_or_name: str, config: SchedulerConfig, *, device: 
     try:
         spec = group.start(str(path_or_name), config, dtype, seed)
         loaded, group.shard, num_pages = load_rank(spec, group.comm)
-        runner = TensorParallelRunner(loaded.model, kv_cache(loaded, config, device, num_pages), device, group=group, seed=seed)
+        runner = TensorParallelRunner(
+            loaded.model, kv_cache(loaded, config, device, num_pages), device, group=group, seed=seed,
+            fused_kernels=config.fused_kernels,
+        )
         return assemble_stack(loaded, config, device, num_pages, runner, tensor_parallel=group)
     except BaseException:
         group.close()

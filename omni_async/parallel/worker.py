@@ -87,6 +87,10 @@ class WorkerLoop:
         self.device = torch.device(spec.device)
         self.model = loaded.model
         self.kv = kv_cache(loaded, spec.config, self.device, num_pages)
+        if spec.config.fused_kernels and triton_available(self.device):
+            from ..kernels.fused import FusedOps  # the same elementwise kernels as rank 0
+
+            self.model.ops = FusedOps()
         self.graphs: DecodeGraphs | None = None
         self.weights = NativeModelWorker(loaded.model, model_path=loaded.path, load_format=loaded.load_format, device=self.device, shard=shard)
 

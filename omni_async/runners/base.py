@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..sampling import RowSampling, SamplingBatch, SeedSource, batch_from_rows, sample
+from ..sampling import RowSampling, SampleResult, SamplingBatch, SeedSource, batch_from_rows, sample
 from .types import BatchResult, ModelRunnerOutput, RequestOutput, SchedulerOutput
 
 NO_TOKEN_MESSAGE = (
@@ -264,9 +264,13 @@ class ModelRunner:
     def _sample_into(self, result: BatchResult, forward_batch: Any, schedule_batch: Any, requests: list) -> None:
         sb = self.sampling_batch(forward_batch, schedule_batch, requests, result.logits.shape[-1])
         top_k = max((sr.data.req.sampling.top_logprobs for sr in requests), default=0) if sb.want_logprobs else 0
-        res = sample(result.logits, sb, top_k)
+        res = self.sample_logits(result, sb, top_k)
         result.next_token_ids, result.next_token_logprobs, result.sample_ok = res.tokens, res.logprobs, res.ok
         result.top_ids, result.top_logprobs = res.top_ids, res.top_logprobs
+
+    def sample_logits(self, result: BatchResult, sb: SamplingBatch, top_k_logprobs: int) -> SampleResult:
+        """Sample the step's logits; a runner may answer from work its graph already did."""
+        return sample(result.logits, sb, top_k_logprobs)
 
     @staticmethod
     def _copy_to_host(result: BatchResult, wait: bool = False) -> torch.Tensor:

@@ -5,15 +5,36 @@ page tables and sequence lengths. Attention spans a fixed ``max_pages * page_siz
 positions (masked past each row's length), so one graph serves every step of its bucket.
 Rows past the real batch write their KV into a scratch page that no request owns.
 Prefill and anything larger than the biggest bucket run eagerly.
+
+With ``greedy_in_graph`` the graph also ends with greedy sampling (the row maximum and
+whether it is finite), so a step whose rows are all plain greedy needs no kernel after
+the replay; other steps sample from the graph's logits as before.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
 from ..kv.attention import AttentionContext
 from ..kv.cache import PagedKVCache
 from ..models.decoder import DecoderModel
+from ..sampling import greedy
+
+class GraphOutputs(NamedTuple):
+    """A replay's static outputs: logits, and with greedy in the graph each row's
+    greedy token and whether its logits had a finite maximum."""
+
+    logits: torch.Tensor
+    greedy_tokens: torch.Tensor | None = None
+    greedy_ok: torch.Tensor | None = None
+
+    def rows(self, n: int) -> "GraphOutputs":
+        if self.greedy_tokens is None:
+            return GraphOutputs(self.logits[:n])
+        return GraphOutputs(self.logits[:n], self.greedy_tokens[:n], self.greedy_ok[:n])
+
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 
@@ -30,8 +51,10 @@ class DecodeGraphs:
         device: torch.device,
         buckets: tuple[int, ...] = DEFAULT_BUCKETS,
         use_kernel: bool = False,
+        greedy_in_graph: bool = False,
     ) -> None:
         self.use_kernel = use_kernel
+        self.greedy_in_graph = greedy_in_graph
         self.model = model
         self.kv = kv
         self.page_size = kv.page_size
@@ -47,7 +70,7 @@ class DecodeGraphs:
         self.block_tables = torch.full((n, self.max_pages), scratch_page, dtype=torch.long, device=device)
         self.kv_lens = torch.ones(n, dtype=torch.long, device=device)
         self.rows = torch.arange(n, device=device)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, GraphOutputs]] = {}
         self.pool = None
         self.replays = 0
 
@@ -82,12 +105,19 @@ class DecodeGraphs:
                     self.model(self.input_ids[:b], self.positions[:b], self.kv, self._ctx(b))
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=self.pool, stream=stream):
-                    out = self.model(self.input_ids[:b], self.positions[:b], self.kv, self._ctx(b))
+                    out = self._captured(b)
                 if self.pool is None:
                     self.pool = graph.pool()
                 self.graphs[b] = (graph, out)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
+
+    def _captured(self, b: int) -> GraphOutputs:
+        logits = self.model(self.input_ids[:b], self.positions[:b], self.kv, self._ctx(b))
+        if not self.greedy_in_graph:
+            return GraphOutputs(logits)
+        tokens, ok = greedy(logits)
+        return GraphOutputs(logits, tokens, ok)
 
     def _reset_padding(self, start: int, end: int) -> None:
         scratch_slot = self.scratch_page * self.page_size
@@ -104,7 +134,7 @@ class DecodeGraphs:
         slot_mapping: torch.Tensor,
         block_tables: torch.Tensor,
         kv_lens: torch.Tensor,
-    ) -> torch.Tensor:
+    ) -> GraphOutputs:
         bs = input_ids.shape[0]
         b = self.bucket_for(bs)
         assert b is not None
@@ -119,4 +149,4 @@ class DecodeGraphs:
             self._reset_padding(bs, b)
         graph.replay()
         self.replays += 1
-        return out[:bs]
+        return out.rows(bs)

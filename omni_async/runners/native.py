@@ -17,12 +17,18 @@ from ..core.batch import ScheduledBatch
 from ..kernels import triton_available
 from ..kv.attention import AttentionContext, slots_from_tables
 from ..kv.cache import PagedKVCache
-from ..models.decoder import DecoderModel
-from ..sampling import SamplingBatch
+from ..models.decoder import DecoderModel, ReferenceOps
+from ..sampling import SampleResult, SamplingBatch, sample
 from .base import ModelRunner
 from .cuda_graphs import DecodeGraphs
+from .graph_sampling import SamplingGraphs
 from .input_batch import InputBatch, SlotRows
 from .types import BatchResult, SchedulerOutput
+
+
+# Filtered sampling replays graphs for decode buckets up to this size (their sort over
+# the vocabulary needs memory that grows with the batch); larger steps sample eagerly.
+SAMPLING_GRAPH_MAX_BATCH = 16
 
 
 @dataclass
@@ -40,15 +46,32 @@ class ForwardBatch:
 
 class NativeModelRunner(ModelRunner):
     def __init__(
-        self, model: DecoderModel, kv: PagedKVCache, device: torch.device, *, capture_hidden: bool = False, seed: int = 0
+        self,
+        model: DecoderModel,
+        kv: PagedKVCache,
+        device: torch.device,
+        *,
+        capture_hidden: bool = False,
+        seed: int = 0,
+        fused_kernels: bool = True,
     ) -> None:
         super().__init__(seed=seed)
         # When set, each sampled row's final hidden state goes out with its step output
         # (``RequestOutput.extra["hidden_state"]``), e.g. for a downstream talker stage.
         self.capture_hidden = capture_hidden
         self.graphs: DecodeGraphs | None = None
+        self.sampling_graphs: SamplingGraphs | None = None
         # Decode attention through the Triton paged kernel (CUDA with Triton).
         self.use_kernel = triton_available(device)
+        # Fused elementwise kernels need the Triton attention path (the rotated keys go
+        # straight to the cache); elsewhere the model keeps its reference ops.
+        self.fused = fused_kernels and self.use_kernel
+        if self.fused:
+            from ..kernels.fused import FusedOps
+
+            model.ops = FusedOps()
+        else:
+            model.ops = ReferenceOps()
         self.model = model
         self.kv = kv
         self.device = device
@@ -141,16 +164,26 @@ class NativeModelRunner(ModelRunner):
             max_batch=max_batch,
             device=self.device,
             use_kernel=self.use_kernel,
+            greedy_in_graph=self.fused,
         )
         self.graphs.capture_all()
+        if self.fused:
+            graphs = self.graphs
+            self.sampling_graphs = SamplingGraphs(
+                lambda b: graphs.graphs[b][1].logits,
+                graphs.bucket_for,
+                max_batch=min(SAMPLING_GRAPH_MAX_BATCH, graphs.max_batch),
+                device=self.device,
+            )
 
     def forward(self, forward_batch: ForwardBatch) -> BatchResult:
         if forward_batch.block_tables is not None and self.graphs is not None:
             ctx = forward_batch.ctx
-            logits = self.graphs.replay(
+            out = self.graphs.replay(
                 forward_batch.input_ids, forward_batch.positions, ctx.slot_mapping, forward_batch.block_tables, ctx.kv_lens
             )
-            return BatchResult(logits=logits, can_run_cuda_graph=True)
+            greedy = None if out.greedy_tokens is None else (out.greedy_tokens, out.greedy_ok)
+            return BatchResult(logits=out.logits, can_run_cuda_graph=True, graph_greedy=greedy)
         if forward_batch.capture_hidden:
             logits, hidden = self.model(
                 forward_batch.input_ids, forward_batch.positions, self.kv, forward_batch.ctx, return_hidden=True
@@ -160,6 +193,18 @@ class NativeModelRunner(ModelRunner):
         return BatchResult(logits=logits)
 
     # ------------------------------------------------------------ sampling state
+
+    def sample_logits(self, result: BatchResult, sb: SamplingBatch, top_k_logprobs: int) -> SampleResult:
+        """A plain greedy step takes the tokens its graph already sampled; a filtered one
+        at small batch replays a sampling graph."""
+        if result.graph_greedy is not None and sb.plain_greedy and not top_k_logprobs:
+            tokens, ok = result.graph_greedy
+            return SampleResult(tokens=tokens, logprobs=None, ok=ok)
+        sampler = self.sampling_graphs
+        if result.can_run_cuda_graph and sampler is not None and sampler.eligible(sb, top_k_logprobs):
+            tokens, ok = sampler.sample(sb)
+            return SampleResult(tokens=tokens, logprobs=None, ok=ok)
+        return sample(result.logits, sb, top_k_logprobs)
 
     def sampling_batch(self, forward_batch: ForwardBatch, schedule_batch, requests, vocab: int) -> SamplingBatch:
         return self.inputs.sampling_batch(forward_batch.rows, forward_batch.sample_indices, forward_batch.sample_indices_dev)

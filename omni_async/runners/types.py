@@ -70,3 +70,5 @@ class BatchResult:
     # [B, K] the K most likely tokens of each row and their logprobs, when a row asked.
     top_ids: torch.Tensor | None = None
     top_logprobs: torch.Tensor | None = None
+    # Greedy tokens and ok flags computed inside a replayed CUDA graph, when it has them.
+    graph_greedy: tuple[torch.Tensor, torch.Tensor] | None = None

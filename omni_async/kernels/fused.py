@@ -1,0 +1,154 @@
+"""Fused elementwise kernels of the decoder layer in Triton (CUDA only).
+
+Why: at small batch a decode step is bound by kernel count, not bytes. The torch
+reference spends about seven kernels on a residual add + RMSNorm, a dozen on rotary and
+the KV write, three on SiLU-and-multiply; each becomes one kernel here. Each kernel
+reproduces the reference's rounding points (the residual sum and the normalised value
+are rounded to the model dtype before the next multiply), so results stay within bf16
+rounding of :class:`~omni_async.models.decoder.ReferenceOps`.
+
+Imported only when Triton is present (see :func:`omni_async.kernels.triton_available`).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _add_rms_norm_kernel(
+    X, DELTA, W, SUM, Y, stride_x, stride_d, stride_s, stride_y, n_cols, eps,
+    HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0)
+    if HAS_DELTA:
+        x = x + tl.load(DELTA + row * stride_d + cols, mask=mask, other=0.0)
+        tl.store(SUM + row * stride_s + cols, x, mask=mask)
+    x32 = x.to(tl.float32)
+    var = tl.sum(x32 * x32, axis=0) / n_cols
+    normed = (x32 * tl.math.rsqrt(var + eps)).to(x.dtype)
+    w = tl.load(W + cols, mask=mask, other=0.0)
+    y = w.to(tl.float32) * normed.to(tl.float32)
+    tl.store(Y + row * stride_y + cols, y.to(Y.dtype.element_ty), mask=mask)
+
+
+def add_rms_norm(
+    x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x + delta, rmsnorm(x + delta) * weight)`` over ``[T, H]`` rows in one pass."""
+    rows, cols = x.shape
+    out = torch.empty(rows, cols, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    total = torch.empty_like(x) if delta is not None else x
+    if rows:
+        _add_rms_norm_kernel[(rows,)](
+            x, delta if delta is not None else x, weight, total, out,
+            x.stride(0), delta.stride(0) if delta is not None else 0, total.stride(0), out.stride(0),
+            cols, eps, HAS_DELTA=delta is not None, BLOCK=triton.next_power_of_2(cols),
+        )
+    return total, out
+
+
+@triton.jit
+def _silu_mul_kernel(GU, OUT, stride_gu, stride_o, n_cols, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    gate = tl.load(GU + row * stride_gu + cols, mask=mask, other=0.0)
+    up = tl.load(GU + row * stride_gu + n_cols + cols, mask=mask, other=0.0)
+    g32 = gate.to(tl.float32)
+    silu = (g32 / (1.0 + tl.exp(-g32))).to(gate.dtype)
+    out = silu.to(tl.float32) * up.to(tl.float32)
+    tl.store(OUT + row * stride_o + cols, out.to(OUT.dtype.element_ty), mask=mask)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` for ``[T, 2I]`` rows laid out ``[gate | up]``."""
+    rows, width = gate_up.shape
+    n = width // 2
+    out = torch.empty(rows, n, dtype=gate_up.dtype, device=gate_up.device)
+    block = min(1024, triton.next_power_of_2(n))
+    if rows:
+        _silu_mul_kernel[(rows, triton.cdiv(n, block))](gate_up, out, gate_up.stride(0), out.stride(0), n, BLOCK=block)
+    return out
+
+
+@triton.jit
+def _rope_store_kernel(
+    Q, K, V, COS, SIN, QOUT, KC, VC, SLOTS,
+    sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, sc_t, so_t, so_h, skc_s, skc_h, svc_s, svc_h,
+    NH: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr,
+):
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    i = tl.arange(0, BLOCK)
+    mask = i < HALF
+    cos1 = tl.load(COS + t * sc_t + i, mask=mask, other=0.0).to(tl.float32)
+    cos2 = tl.load(COS + t * sc_t + HALF + i, mask=mask, other=0.0).to(tl.float32)
+    sin1 = tl.load(SIN + t * sc_t + i, mask=mask, other=0.0).to(tl.float32)
+    sin2 = tl.load(SIN + t * sc_t + HALF + i, mask=mask, other=0.0).to(tl.float32)
+    if h < NH:
+        src = Q + t * sq_t + h * sq_h
+        dst = QOUT + t * so_t + h * so_h
+    else:
+        kvh = h - NH
+        slot = tl.load(SLOTS + t)
+        src = K + t * sk_t + kvh * sk_h
+        dst = KC + slot * skc_s + kvh * skc_h
+        vsrc = V + t * sv_t + kvh * sv_h
+        vdst = VC + slot * svc_s + kvh * svc_h
+        tl.store(vdst + i, tl.load(vsrc + i, mask=mask), mask=mask)
+        tl.store(vdst + HALF + i, tl.load(vsrc + HALF + i, mask=mask), mask=mask)
+    x1 = tl.load(src + i, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF + i, mask=mask, other=0.0).to(tl.float32)
+    o1 = x1 * cos1 - x2 * sin1
+    o2 = x2 * cos2 + x1 * sin2
+    tl.store(dst + i, o1.to(dst.dtype.element_ty), mask=mask)
+    tl.store(dst + HALF + i, o2.to(dst.dtype.element_ty), mask=mask)
+
+
+def rope_store(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+) -> torch.Tensor:
+    """Rotate ``q`` ``[T, H, D]`` into a new tensor; rotate ``k`` and write it with ``v``
+    (``[T, KVH, D]``) into the caches at ``slots``: one launch for all heads."""
+    t, nh, d = q.shape
+    nkv = k.shape[1]
+    assert q.stride(2) == k.stride(2) == v.stride(2) == 1 and cos.stride(1) == 1
+    q_out = torch.empty(t, nh, d, dtype=q.dtype, device=q.device)
+    if t:
+        _rope_store_kernel[(t, nh + nkv)](
+            q, k, v, cos, sin, q_out, k_cache, v_cache, slots,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
+            q_out.stride(0), q_out.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+            NH=nh, HALF=d // 2, BLOCK=triton.next_power_of_2(d // 2),
+        )
+    return q_out
+
+
+class FusedOps:
+    """The decoder's elementwise ops through the kernels above (same interface as
+    :class:`~omni_async.models.decoder.ReferenceOps`). Rotated k is written straight to
+    the cache and not returned: the CUDA attention kernels read it there."""
+
+    name = "triton"
+
+    def add_norm(self, x, delta, norm):
+        return add_rms_norm(x, delta, norm.weight, norm.eps)
+
+    def silu_mul(self, gate_up):
+        return silu_mul(gate_up)
+
+    def rope_store(self, q, k, v, cos, sin, kv, layer, slots):
+        return rope_store(q, k, v, cos, sin, kv.k[layer], kv.v[layer], slots), None
