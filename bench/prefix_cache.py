@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import random
 import statistics
@@ -82,6 +83,9 @@ async def run_once(args, path: Path, reqs: list[list[int]], new: int, cache: boo
         await eng.generate(input_ids=[7] * 40, sampling=SamplingParams(max_new_tokens=4))  # warm-up
         assert (await eng.flush_cache())["success"]
         ttft: list[float] = []
+        steps: list[float] = []
+        eng.scheduler.add_step_observer(steps.append)
+        gen2 = gc.get_stats()[2]["collections"]
         t0 = time.perf_counter()
 
         async def one(p: list[int]) -> tuple[int, int]:
@@ -104,6 +108,9 @@ async def run_once(args, path: Path, reqs: list[list[int]], new: int, cache: boo
         "ttft_p50_ms": 1000 * pct(ttft, 50), "ttft_p90_ms": 1000 * pct(ttft, 90),
         "prompt_tokens": prompt_tokens, "cached_tokens": cached, "prefill_tokens_computed": prompt_tokens - cached,
         "prefix_cache_hit_rate": info.get("prefix_cache_hit_rate"),
+        # Stall diagnostics: the longest step, steps over 50 ms, full GC passes meanwhile.
+        "step_max_ms": 1000 * max(steps, default=0.0), "steps": len(steps),
+        "steps_over_50ms": sum(1 for x in steps if x > 0.05), "gc_gen2": gc.get_stats()[2]["collections"] - gen2,
     }
 
 
@@ -120,12 +127,15 @@ def summarise(runs: list[dict], keys: list[str]) -> dict:
 
 async def section(args, name: str, path: Path, reqs: list[list[int]], new: int, keys: list[str]) -> None:
     runs = []
+    await run_once(args, path, reqs[: len(reqs) // 4], new, True)  # unmeasured: kernel compilation
     for rep in range(args.repeats):
-        for cache in (True, False):
+        for cache in ((True, False) if rep % 2 == 0 else (False, True)):  # order alternates
+            gc.collect()
             r = await run_once(args, path, reqs, new, cache)
             r["repeat"] = rep
             runs.append(r)
-            log(f"{name} rep {rep} cache={'on ' if cache else 'off'}: " + "  ".join(f"{k}={r[k]:.4g}" for k in keys))
+            extra = ("step_max_ms", "steps_over_50ms", "gc_gen2")
+            log(f"{name} rep {rep} cache={'on ' if cache else 'off'}: " + "  ".join(f"{k}={r[k]:.4g}" for k in keys + list(extra)))
     summ = summarise(runs, keys)
     RESULTS["sections"][name] = {"runs": runs, "summary": summ, "num_requests": len(reqs), "new_tokens": new}
     Path(args.out).write_text(json.dumps(RESULTS, indent=2))
