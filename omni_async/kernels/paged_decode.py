@@ -39,7 +39,7 @@ def _paged_decode_kernel(
     for start in range(0, seq_len, BLOCK_N):
         m, l, acc = attend_block(
             q, K, V, TABLES, b * stride_tb, start, seq_len, g * stride_kh, g * stride_vh, stride_ks, stride_vs,
-            d, dmask, q_pos, m, l, acc, scale, PS, BLOCK_N, IEEE,
+            d, dmask, q_pos, m, l, acc, scale, PS, BLOCK_N, IEEE, True,
         )
     out = acc / l[:, None]
     tl.store(O + b * stride_ob + h[:, None] * stride_oh + d[None, :], out.to(O.dtype.element_ty), mask=rmask[:, None] & dmask[None, :])

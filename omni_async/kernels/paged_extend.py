@@ -42,14 +42,26 @@ def _paged_extend_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     kv_end = prefix + tl.minimum((mblock + 1) * BLOCK_M, q_len)
-    for start in range(0, kv_end, BLOCK_N):
+    # Blocks at or below this block's first query position are seen whole by every row
+    # (a cached prefix, mostly): no masks there; the rest is masked.
+    full_end = ((prefix + mblock * BLOCK_M + 1) // BLOCK_N) * BLOCK_N
+    for start in range(0, full_end, BLOCK_N):
         m_i, l_i, acc = attend_block(
             q, K, V, TABLES, seq * stride_tb, start, kv_end, g * stride_kh, g * stride_vh, stride_ks, stride_vs,
-            d, dmask, q_pos, m_i, l_i, acc, scale, PS, BLOCK_N, IEEE,
+            d, dmask, q_pos, m_i, l_i, acc, scale, PS, BLOCK_N, IEEE, False,
+        )
+    for start in range(full_end, kv_end, BLOCK_N):
+        m_i, l_i, acc = attend_block(
+            q, K, V, TABLES, seq * stride_tb, start, kv_end, g * stride_kh, g * stride_vh, stride_ks, stride_vs,
+            d, dmask, q_pos, m_i, l_i, acc, scale, PS, BLOCK_N, IEEE, True,
         )
     out = acc / l_i[:, None]
     tl.store(O + (q_start + m_offs)[:, None] * stride_ot + h * stride_oh + d[None, :], out.to(O.dtype.element_ty),
              mask=mmask[:, None] & dmask[None, :])
+
+
+# Launch shape of the extend kernel.
+TUNING = {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 3}
 
 
 def _pow2(x: int, floor: int = 16) -> int:
@@ -70,19 +82,27 @@ def paged_extend_attention(
     max_q_len: int,
     page_size: int,
     scale: float,
+    *,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
 ) -> torch.Tensor:
-    """``q``: ``[T, H, D]`` (all sequences' new tokens); caches ``[slots, KVH, D]``."""
+    """``q``: ``[T, H, D]`` (all sequences' new tokens); caches ``[slots, KVH, D]``. The
+    block sizes and launch shape default to ``TUNING`` (chosen by ``bench/extend_kernel.py``)."""
     _t, heads, dim = q.shape
     kv_heads = k_cache.shape[1]
     q = q.contiguous()
     out = torch.empty_like(q)
-    block_m = 64
+    block_m = block_m or TUNING["block_m"]
+    block_n = block_n or TUNING["block_n"]
+    launch = {"num_warps": num_warps or TUNING["num_warps"], "num_stages": num_stages or TUNING["num_stages"]}
     grid = (q_lens.shape[0], triton.cdiv(max_q_len, block_m), heads)
     _paged_extend_kernel[grid](
         q, k_cache, v_cache, out, block_tables, q_starts, q_lens, prefix_lens, scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         out.stride(0), out.stride(1), block_tables.stride(0),
         R=heads // kv_heads, PS=page_size, D=dim,
-        BLOCK_M=block_m, BLOCK_N=64, BLOCK_D=_pow2(dim), IEEE=q.dtype == torch.float32,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=_pow2(dim), IEEE=q.dtype == torch.float32, **launch,
     )
     return out
