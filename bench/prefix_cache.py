@@ -111,6 +111,7 @@ async def run_once(args, path: Path, reqs: list[list[int]], new: int, cache: boo
         # Stall diagnostics: the longest step, steps over 50 ms, full GC passes meanwhile.
         "step_max_ms": 1000 * max(steps, default=0.0), "steps": len(steps),
         "steps_over_50ms": sum(1 for x in steps if x > 0.05), "gc_gen2": gc.get_stats()[2]["collections"] - gen2,
+        "first_steps_ms": [round(1000 * x, 2) for x in steps[:12]],
     }
 
 

@@ -61,7 +61,7 @@ def _paged_extend_kernel(
 
 
 # Launch shape of the extend kernel.
-TUNING = {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 3}
+TUNING = {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 2}
 
 
 def _pow2(x: int, floor: int = 16) -> int:
