@@ -199,6 +199,11 @@ class SchedulerConfig:
     # Native backend: split the model over this many ranks (one process and device
     # each; Megatron-style tensor parallelism). 1 runs in this process only.
     tensor_parallel_size: int = 1
+    # Engine.from_pretrained / load: once the model is built, collect and then freeze
+    # what exists (gc.freeze), so the cyclic GC's full passes while serving scan only
+    # the objects serving made, not torch's and the model's (a full pass over those
+    # stalls the loop for tens to hundreds of ms). Process-wide, hence opt-in.
+    gc_freeze: bool = False
 
     def __post_init__(self) -> None:
         if self.loop not in LOOP_KINDS:
@@ -230,8 +235,9 @@ class SchedulerConfig:
             )
         if self.step_timeout_s is not None and (not _is_finite(self.step_timeout_s) or self.step_timeout_s <= 0):
             raise ConfigError(f"step_timeout_s must be a positive number of seconds or None, got {self.step_timeout_s!r}")
-        if not isinstance(self.enable_prefix_cache, bool):
-            raise ConfigError(f"enable_prefix_cache must be a bool, got {self.enable_prefix_cache!r}")
+        for name in ("enable_prefix_cache", "gc_freeze"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if not (0 < self.kv_memory_fraction <= 1):
             raise ConfigError("kv_memory_fraction must be in (0, 1]")
         if not (0 <= self.aborted_id_keep <= self.aborted_id_cap):

@@ -76,16 +76,18 @@ class RequestHandle:
         self._streaming = True
         own = self._engine.event_loop
         collector = self._collector
-        wait = (lambda: maybe_marshal(own, collector.wait)) if foreign_loop(own) else collector.wait
+        if foreign_loop(own):
+            async def next_batch() -> list[StreamDelta]:
+                return await maybe_marshal(own, collector.next_batch)
+        else:
+            next_batch = collector.next_batch
         try:
             while True:
-                batch = collector.take()
+                batch = await next_batch()
+                if not batch:
+                    break
                 for delta in batch:
                     yield delta
-                if not batch:
-                    if self.done:
-                        break
-                    await wait()
             if self._error is not None:
                 raise self._error
         finally:
@@ -117,7 +119,7 @@ class RequestHandle:
         else:
             self._fail(msg.data)
             return
-        if all(c.done for c in self._completions):
+        if comp.done and all(c.done for c in self._completions):
             self._finish(self._build_result())
 
     def _fail(self, err: Any) -> None:

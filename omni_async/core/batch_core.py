@@ -97,7 +97,7 @@ class NativeBatchCore(BatchCore):
 
     def get_next_batch(self) -> ScheduledBatch | None:
         """A prefill batch when requests wait and fit, else a decode step of the running set."""
-        return self._schedule_prefill() or self._schedule_decode()
+        return (self._schedule_prefill() if self.waiting or self.chunked else None) or self._schedule_decode()
 
     def _reserved_tokens(self) -> int:
         reserved = 0.0
