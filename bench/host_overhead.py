@@ -203,6 +203,9 @@ async def run_workload(engine, reqs: list[list[int]], new: int) -> tuple[dict, l
     tokens = sum(len(o) for o in outs)
     return {
         "us_per_token": 1e6 * wall / tokens,
+        # CPU time of the process (every thread) per token: steadier than wall time on a
+        # shared machine, where waiting for a core shows up in wall time only.
+        "cpu_us_per_token": 1e6 * cpu / tokens,
         "tok_s": tokens / wall,
         "wall_s": wall,
         "tokens": tokens,
@@ -338,18 +341,20 @@ def main() -> int:
             r = run_child(code, args)
             per[label].append(r)
             for b, br in r["batches"].items():
-                line = "  ".join(f"{loop} {runs[0]['us_per_token']:.2f}" for loop, runs in br["runs"].items())
-                print(f"rep {rep} {label:>8} batch {b:>4}: us/token {line}  equal={br['loops_equal']}", flush=True)
+                line = "  ".join(f"{loop} {runs[0]['us_per_token']:.2f}/{runs[0]['cpu_us_per_token']:.2f}"
+                                 for loop, runs in br["runs"].items())
+                print(f"rep {rep} {label:>8} batch {b:>4}: us/token wall/cpu {line}  equal={br['loops_equal']}", flush=True)
     result: dict = {"config": vars(args), "labels": labels, "runs": per, "summary": {}}
-    print(f"\n{'label':>8} {'batch':>5} {'loop':>13} {'us/token median (min-max)':>28} {'spread':>7} "
+    print(f"\n{'label':>8} {'batch':>5} {'loop':>13} {'us/token median (min-max)':>28} {'spread':>7} {'cpu us/token':>12} "
           f"{'tick p99 ms':>11} {'tick max':>8} {'gc2 passes':>10} {'gc max ms':>9}")
     for label in labels:
         for b in per[label][0]["batches"]:
             for loop in args.loops.split(","):
                 runs = [r["batches"][b]["runs"][loop][0] for r in per[label]]
                 s = summary([x["us_per_token"] for x in runs])
+                c = summary([x["cpu_us_per_token"] for x in runs])
                 result["summary"][f"{label}/{b}/{loop}"] = {
-                    "us_per_token": s, "tok_s": summary([x["tok_s"] for x in runs]),
+                    "us_per_token": s, "cpu_us_per_token": c, "tok_s": summary([x["tok_s"] for x in runs]),
                     "ticker_p99_ms": summary([x["ticker_p99_ms"] for x in runs]),
                     "ticker_max_ms": max(x["ticker_max_ms"] for x in runs),
                     "gc_gen2_passes": [x["gc_passes"][2] for x in runs],
@@ -357,7 +362,7 @@ def main() -> int:
                     "loops_equal": all(r["batches"][b]["loops_equal"] for r in per[label]),
                 }
                 print(f"{label:>8} {b:>5} {loop:>13} {s['median']:>10.2f} ({s['min']:.2f}-{s['max']:.2f}) "
-                      f"{s['spread_pct']:>6}% {statistics.median(x['ticker_p99_ms'] for x in runs):>11.2f} "
+                      f"{s['spread_pct']:>6}% {c['median']:>12.2f} {statistics.median(x['ticker_p99_ms'] for x in runs):>11.2f} "
                       f"{max(x['ticker_max_ms'] for x in runs):>8.1f} {max(x['gc_passes'][2] for x in runs):>10} "
                       f"{max(x['gc_max_pause_ms'] for x in runs):>9.2f}")
     digests = {label: {b: br["token_digest"] for b, br in per[label][0]["batches"].items()} for label in labels}

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from itertools import repeat
 from typing import Sequence
 
 from ..config import SchedulerConfig
@@ -316,11 +317,11 @@ class NativeBatchCore(BatchCore):
         add = outcomes.append
         ctx = self.context_length
         any_finished = False
-        epochs, kept = batch.epochs, batch.samples_kept
-        for i, req in enumerate(batch.reqs):
-            if req.finish_reason is not None or req.epoch != epochs[i]:
+        lps = logprobs if logprobs is not None else repeat(None)
+        for req, epoch, keep, token, logprob in zip(batch.reqs, batch.epochs, batch.samples_kept, tokens, lps):
+            if req.finish_reason is not None or req.epoch != epoch:
                 continue  # finished or retracted after this step was scheduled
-            if not kept[i]:
+            if not keep:
                 add(StepOutcome(req, None))
                 continue
             req.num_inflight -= 1
@@ -329,11 +330,11 @@ class NativeBatchCore(BatchCore):
                 add(StepOutcome(req, None, finished=True))
                 any_finished = True
                 continue
-            token = int(tokens[i])
-            logprob = float(logprobs[i]) if logprobs is not None else None
+            token = int(token)
             out = req.output_ids
             out.append(token)
             if logprob is not None:
+                logprob = float(logprob)
                 req.output_logprobs.append(logprob)
             n = len(out)
             sp = req.sampling
