@@ -175,9 +175,8 @@ class NativeBatchCore(BatchCore):
         return batch
 
     def _schedule_decode(self) -> ScheduledBatch | None:
-        """A decode step of every running request that still needs one. This runs
-        once per step for every running request, so it is one flat pass with the
-        per-row work inlined (a few microseconds per row)."""
+        """A decode step of every running request that still needs one: it runs every step
+        for every running request, so it is one flat pass with the per-row work inlined."""
         self.running = [r for r in self.running if r.finish_reason is None]
         decoding = self._retract_until_decode_fits(self._decoding())
         if not decoding:
@@ -214,9 +213,8 @@ class NativeBatchCore(BatchCore):
         return batch
 
     def _decoding(self) -> list[Request]:
-        """Running requests that still need a decode step: not once the tokens already
-        sampled (in flight included) reach the request's length limit. It finishes when
-        they are processed, so a lookahead loop does not spend a step (and KV) on it."""
+        """Running requests that still need a decode step: not once the tokens sampled (in
+        flight too) reach the length limit, so a lookahead loop spends no step on them."""
         ctx = self.context_length
         out = []
         for r in self.running:
@@ -225,16 +223,18 @@ class NativeBatchCore(BatchCore):
                 out.append(r)
         return out
 
-    def _decode_pages_needed(self, decoding: list[Request]) -> int:
-        ps = self.page_size
-        return sum(max(0, -(-(r.num_cached + 1) // ps) - len(r.pages)) for r in decoding)
+    def _decode_fits(self, decoding: list[Request]) -> bool:
+        """A request holds the pages of its cached tokens, so one more token needs at most
+        one more page: the per-request count runs only when that bound does not fit."""
+        free, ps = self.kv.available_pages, self.page_size
+        return len(decoding) <= free or sum(max(0, -(-(r.num_cached + 1) // ps) - len(r.pages)) for r in decoding) <= free
 
     def _retract_until_decode_fits(self, decoding: list[Request]) -> list[Request]:
         """Retract the newest requests until the next decode step of ``decoding`` fits
         in KV; returns the requests that still decode. Empty when there is nothing to
         decode, or when it cannot fit yet only because requests about to finish still
         hold KV (the step in flight will free it)."""
-        while decoding and self._decode_pages_needed(decoding) > self.kv.available_pages:
+        while decoding and not self._decode_fits(decoding):
             if self.chunked is not None:
                 victim = self.chunked
                 self.chunked = None
