@@ -83,6 +83,16 @@ async def test_gc_freeze_freezes_the_heap_after_loading():
     assert gc.get_freeze_count() == 0  # off by default
 
 
-def test_gc_freeze_must_be_a_bool():
-    with pytest.raises(ConfigError, match="gc_freeze"):
-        SchedulerConfig(gc_freeze="yes")
+def test_gc_gen0_threshold_is_applied():
+    before = gc.get_threshold()
+    try:
+        Engine.from_pretrained("tiny", gc_gen0_threshold=12345)
+        assert gc.get_threshold() == (12345, *before[1:])
+    finally:
+        gc.set_threshold(*before)
+
+
+@pytest.mark.parametrize("kw", [{"gc_freeze": "yes"}, {"gc_gen0_threshold": 0}, {"gc_gen0_threshold": 1.5}])
+def test_gc_options_are_checked(kw):
+    with pytest.raises(ConfigError, match=next(iter(kw))):
+        SchedulerConfig(**kw)
