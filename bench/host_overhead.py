@@ -15,7 +15,9 @@ request-step, since the null device costs (almost) nothing.
 Every loop gets an unmeasured warm-up pass, then repeats interleaved. With ``--code``
 given more than once, each checkout runs in its own process and the processes are
 interleaved too (a before/after comparison in one run). Per run: us per token, tok/s,
-wall time, a 1 ms ticker's lag (p50/p99/max) and the cyclic GC's passes and pauses.
+CPU time per token, wall time, a 1 ms ticker's lag (p50/p99/max) and the cyclic GC's
+passes and pauses, under each GC mode (``--gc default,tuned``: Python's own, and what
+``gc_freeze=True, gc_gen0_threshold=10000`` do), switched per run in one process.
 Tokens of every loop are checked equal. ``--profile`` adds a cProfile top list.
 
     python bench/host_overhead.py --batches 256,64 --repeats 3
@@ -232,6 +234,20 @@ def make_engine(loop: str, batch: int, device_s: float):
     return eng
 
 
+def apply_gc_mode(mode: str) -> None:
+    """``tuned``: what ``gc_freeze=True, gc_gen0_threshold=10000`` do at engine load,
+    applied per run so both modes run side by side; ``default``: Python's own."""
+    if mode == "tuned":
+        gc.set_threshold(10_000, 10, 10)
+        gc.collect()
+        gc.freeze()
+    elif mode == "default":
+        gc.unfreeze()
+        gc.set_threshold(700, 10, 10)
+    else:
+        raise ValueError(f"unknown GC mode {mode!r}")
+
+
 async def child_main(args) -> dict:
     """One checkout, every loop: a warm-up pass, then ``--child-repeats`` measured runs."""
     import torch
@@ -247,24 +263,28 @@ async def child_main(args) -> dict:
         for eng in engines.values():
             await eng.start()
             await run_workload(eng, workload(min(batch, 64), seed=9, vocab=250), 16)
-        if args.gc_freeze:
-            gc.collect()
-            gc.freeze()
-        runs: dict[str, list[dict]] = {loop: [] for loop in loops}
+        gcs = args.gc.split(",")
+        runs: dict[str, list[dict]] = {}
         tokens: dict[str, list[list[int]]] = {}
         for _ in range(args.child_repeats):
-            for loop in loops:
-                r, toks = await run_workload(engines[loop], reqs, args.new)
-                runs[loop].append(r)
-                tokens.setdefault(loop, toks)
-        ref = tokens.get(loops[0], [])
+            for mode in gcs:
+                for loop in loops:
+                    key = f"{loop}/{mode}" if len(gcs) > 1 else loop
+                    apply_gc_mode(mode)
+                    r, toks = await run_workload(engines[loop], reqs, args.new)
+                    runs.setdefault(key, []).append(r)
+                    tokens.setdefault(key, toks)
+        apply_gc_mode("default")
+        ref = next(iter(tokens.values()), [])
         out["batches"][str(batch)] = {
             "runs": runs,
             "loops_equal": all(tokens[loop] == ref for loop in tokens),
             "token_digest": zlib.crc32(json.dumps(ref).encode()),
         }
         if args.profile:
+            apply_gc_mode(gcs[-1])
             out["batches"][str(batch)]["profile"] = await profile_runs(engines, reqs, args.new, args.profile_top)
+            apply_gc_mode("default")
         for eng in engines.values():
             await eng.aclose()
     return out
@@ -296,8 +316,7 @@ def run_child(code: str, args) -> dict:
         "--new", str(args.new), "--child-repeats", "1",
         "--device-us", str(args.device_us),
     ]
-    if args.gc_freeze:
-        cmd.append("--gc-freeze")
+    cmd += ["--gc", args.gc]
     env = dict(os.environ, PYTHONPATH=str(Path(code).resolve()))
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=str(Path(code).resolve()))
     if proc.returncode != 0:
@@ -320,7 +339,7 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--code", action="append", help="checkout to import omni_async from (repeatable)")
     ap.add_argument("--labels", default="", help="comma-separated labels of the --code checkouts")
-    ap.add_argument("--gc-freeze", action="store_true", help="gc.freeze() after the warm-up (the Engine option's effect)")
+    ap.add_argument("--gc", default="default,tuned", help="GC modes side by side (default: Python's; tuned: frozen heap, gen0 threshold 10000)")
     ap.add_argument("--profile", action="store_true", help="one more cProfile'd run per loop (first checkout, one process)")
     ap.add_argument("--profile-top", type=int, default=30)
     ap.add_argument("--out", default="host_overhead.json")
@@ -345,11 +364,11 @@ def main() -> int:
                                  for loop, runs in br["runs"].items())
                 print(f"rep {rep} {label:>8} batch {b:>4}: us/token wall/cpu {line}  equal={br['loops_equal']}", flush=True)
     result: dict = {"config": vars(args), "labels": labels, "runs": per, "summary": {}}
-    print(f"\n{'label':>8} {'batch':>5} {'loop':>13} {'us/token median (min-max)':>28} {'spread':>7} {'cpu us/token':>12} "
+    print(f"\n{'label':>8} {'batch':>5} {'loop':>20} {'us/token median (min-max)':>28} {'spread':>7} {'cpu us/token':>12} "
           f"{'tick p99 ms':>11} {'tick max':>8} {'gc2 passes':>10} {'gc max ms':>9}")
     for label in labels:
         for b in per[label][0]["batches"]:
-            for loop in args.loops.split(","):
+            for loop in per[label][0]["batches"][b]["runs"]:
                 runs = [r["batches"][b]["runs"][loop][0] for r in per[label]]
                 s = summary([x["us_per_token"] for x in runs])
                 c = summary([x["cpu_us_per_token"] for x in runs])
@@ -361,7 +380,7 @@ def main() -> int:
                     "gc_max_pause_ms": max(x["gc_max_pause_ms"] for x in runs),
                     "loops_equal": all(r["batches"][b]["loops_equal"] for r in per[label]),
                 }
-                print(f"{label:>8} {b:>5} {loop:>13} {s['median']:>10.2f} ({s['min']:.2f}-{s['max']:.2f}) "
+                print(f"{label:>8} {b:>5} {loop:>20} {s['median']:>10.2f} ({s['min']:.2f}-{s['max']:.2f}) "
                       f"{s['spread_pct']:>6}% {c['median']:>12.2f} {statistics.median(x['ticker_p99_ms'] for x in runs):>11.2f} "
                       f"{max(x['ticker_max_ms'] for x in runs):>8.1f} {max(x['gc_passes'][2] for x in runs):>10} "
                       f"{max(x['gc_max_pause_ms'] for x in runs):>9.2f}")
@@ -369,7 +388,7 @@ def main() -> int:
     result["token_digests"] = digests
     print("token digests (equal across checkouts when the tokens are):", digests)
     if args.profile:
-        prof_args = argparse.Namespace(**{**vars(args), "profile": True, "child_repeats": 0})
+        prof_args = argparse.Namespace(**{**vars(args), "profile": True, "child_repeats": 0, "gc": "tuned"})
         env_code = codes[-1]
         sys.path.insert(0, str(Path(env_code).resolve()))
         result["profile"] = {b: br["profile"] for b, br in run_async(child_main(prof_args))["batches"].items()}
