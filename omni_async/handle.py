@@ -40,10 +40,11 @@ class RequestHandle:
         self._stage_result: Any = None  # the stage's result for completion 0
         self._cached_tokens = 0
         self._streaming = False
+        self._ended = False  # the collector closed: checked for every message
 
     @property
     def done(self) -> bool:
-        return self._collector.closed
+        return self._ended
 
     @property
     def sub_ids(self) -> list[str]:
@@ -100,7 +101,7 @@ class RequestHandle:
     def _on_message(self, msg: OutgoingMessage) -> None:
         """One stage message for one of this handle's completions (loop thread)."""
         comp = self._by_sub.get(msg.request_id)
-        if comp is None or comp.done or self.done:
+        if comp is None or comp.done or self._ended:
             return  # e.g. the abort that follows a stop string
         if msg.type == "stream":
             was_final = bool(getattr(msg.data, "finished", False))
@@ -137,6 +138,7 @@ class RequestHandle:
 
     def _finish(self, result: Any) -> None:
         self._result = result
+        self._ended = True
         self._collector.close()
         self._finished.set()
         self._engine._handle_done(self)

@@ -176,39 +176,30 @@ class NativeBatchCore(BatchCore):
 
     def _schedule_decode(self) -> ScheduledBatch | None:
         """A decode step of every running request that still needs one: it runs every step
-        for every running request, so it is one flat pass with the per-row work inlined."""
+        for every running request, so each column is one comprehension over the rows."""
         self.running = [r for r in self.running if r.finish_reason is None]
         decoding = self._retract_until_decode_fits(self._decoding())
         if not decoding:
             return None
         batch = self._new_batch(ForwardMode.DECODE)
-        ps = self.page_size
-        allocate = self.kv.allocate
-        input_ids, inflight = batch.input_ids, batch.inflight_inputs
-        reqs, epochs, prefix_lens, sample_indices = batch.reqs, batch.epochs, batch.prefix_lens, batch.sample_indices
-        page_tables, page_counts = batch.page_tables, batch.page_counts
+        n = len(decoding)
+        batch.reqs, batch.extend_lens, batch.samples_kept = decoding, [1] * n, [True] * n
+        batch.epochs = [r.epoch for r in decoding]
+        batch.prefix_lens = [r.num_cached for r in decoding]
+        batch.sample_indices = [len(r.output_ids) + r.num_inflight for r in decoding]
+        # A decode input still in flight (-1) is read on the device from the step before.
+        batch.input_ids = [-1 if r.num_inflight else (r.output_ids or r.prompt_ids)[-1] for r in decoding]
+        batch.inflight_inputs = [(i, r) for i, r in enumerate(decoding) if r.num_inflight]
+        ps, allocate = self.page_size, self.kv.allocate
         for req in decoding:
             cached = req.num_cached
-            pages = req.pages
-            need = -(-(cached + 1) // ps) - len(pages)
+            need = -(-(cached + 1) // ps) - len(req.pages)
             if need > 0:
-                pages.extend(allocate(need))
-            if req.num_inflight:
-                inflight.append((len(input_ids), req))
-                input_ids.append(-1)
-            else:
-                input_ids.append(req.output_ids[-1] if req.output_ids else req.prompt_ids[-1])
-            reqs.append(req)
-            epochs.append(req.epoch)
-            prefix_lens.append(cached)
-            sample_indices.append(len(req.output_ids) + req.num_inflight)
-            page_tables.append(pages)  # shared: see ScheduledBatch.page_tables
-            page_counts.append(len(pages))
+                req.pages.extend(allocate(need))
             req.num_cached = cached + 1
             req.num_inflight += 1
-        n = len(reqs)
-        batch.extend_lens = [1] * n
-        batch.samples_kept = [True] * n
+        batch.page_tables = [r.pages for r in decoding]  # shared: see ScheduledBatch.page_tables
+        batch.page_counts = [len(p) for p in batch.page_tables]
         self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
         return batch
 
