@@ -129,24 +129,50 @@ async def warm_up(eng: Engine) -> None:
     await run_workload(eng, workload(96, seed=9), 16)
 
 
-async def section_w256(path: Path, repeats: int, loops: tuple[str, ...] = LOOPS, launches: tuple[str, ...] = ("auto",)) -> dict:
-    """Every (loop, launch) variant, repeats interleaved."""
+GC_MODES = ("default", "tuned")
+
+
+def apply_gc_mode(mode: str) -> None:
+    """Switch the process's cyclic GC between runs. ``tuned`` is what the engine options
+    ``gc_freeze=True, gc_gen0_threshold=10000`` do at load (applied here per run, so both
+    modes run side by side in one process); ``default`` is Python's own."""
+    import gc
+
+    if mode == "tuned":
+        gc.set_threshold(10_000, 10, 10)
+        gc.collect()
+        gc.freeze()
+    else:
+        gc.unfreeze()
+        gc.set_threshold(700, 10, 10)
+
+
+async def section_w256(path: Path, repeats: int, loops: tuple[str, ...] = LOOPS, launches: tuple[str, ...] = ("auto",),
+                       gcs: tuple[str, ...] = ("default",)) -> dict:
+    """Every (loop, launch, GC mode) variant, repeats interleaved."""
     reqs = workload(256, seed=1)
-    variants = [f"{loop}/{launch}" if len(launches) > 1 else loop for launch in launches for loop in loops]
-    engines = {v: engine(path, v.split("/")[0], 256, v.split("/")[1] if "/" in v else "auto") for v in variants}
+    combos = [(loop, launch, gc) for gc in gcs for launch in launches for loop in loops]
+
+    def name(loop: str, launch: str, gc: str) -> str:
+        return "/".join([loop] + ([launch] if len(launches) > 1 else []) + ([gc] if len(gcs) > 1 else []))
+
+    variants = {name(*c): c for c in combos}
+    engines = {(loop, launch): engine(path, loop, 256, launch) for loop, launch, _gc in combos}
     runs: dict[str, list[dict]] = {v: [] for v in variants}
     for eng in engines.values():
         await eng.start()
         await warm_up(eng)
     for rep in range(repeats):
-        for loop in variants:
-            r = await run_workload(engines[loop], reqs, 128)
-            runs[loop].append(r)
-            log("w256", rep, loop, {k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()})
+        for v, (loop, launch, gc) in variants.items():
+            apply_gc_mode(gc)
+            r = await run_workload(engines[(loop, launch)], reqs, 128)
+            runs[v].append(r)
+            log("w256", rep, v, {k: round(x, 3) if isinstance(x, float) else x for k, x in r.items()})
+    apply_gc_mode("default")
     for eng in engines.values():
         await eng.aclose()
-    return {loop: {"runs": runs[loop], "tok_s": summary(runs[loop], "tok_s"), "gpu_util": summary(runs[loop], "gpu_util_mean"),
-                   "ticker_p99_ms": summary(runs[loop], "ticker_p99_ms")} for loop in variants}
+    return {v: {"runs": runs[v], "tok_s": summary(runs[v], "tok_s"), "gpu_util": summary(runs[v], "gpu_util_mean"),
+                "ticker_p99_ms": summary(runs[v], "ticker_p99_ms")} for v in variants}
 
 
 async def section_scale(path: Path, loop: str, sizes: list[int]) -> dict:
@@ -233,13 +259,14 @@ def main() -> None:
     ap.add_argument("--loops", default=",".join(LOOPS))
     ap.add_argument("--prefill-tokens", type=int, default=PREFILL_TOKENS, help="max_prefill_tokens and chunked_prefill_size")
     ap.add_argument("--launches", default="auto", help="step_launch variants to compare, e.g. thread,inline")
+    ap.add_argument("--gc", default="default", help="GC modes for w256, side by side: default,tuned (see apply_gc_mode)")
     ap.add_argument("--scale-loop", default="overlap")
     ap.add_argument("--scale-sizes", default="64,128,256,512")
     ap.add_argument("--floor-sizes", default="8,32,64,128,256")
     ap.add_argument("--profile", default="", help="write a cProfile of the loop thread (top functions) here")
     args = ap.parse_args()
     PREFILL_TOKENS = args.prefill_tokens
-    RESULTS["config"] = {"prefill_tokens": PREFILL_TOKENS, "launches": args.launches}
+    RESULTS["config"] = {"prefill_tokens": PREFILL_TOKENS, "launches": args.launches, "gc": args.gc}
     RESULTS["machine"] = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "cpu_count": os.cpu_count(),
                           "date": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())}
     path = make_checkpoint(Path("/tmp/omni_bench/qwen05"), QWEN05)
@@ -249,7 +276,8 @@ def main() -> None:
         Path(args.out).write_text(json.dumps(RESULTS, indent=1, default=str))
 
     for name, make in (
-        ("w256", lambda: section_w256(path, args.repeats, tuple(args.loops.split(",")), tuple(args.launches.split(",")))),
+        ("w256", lambda: section_w256(path, args.repeats, tuple(args.loops.split(",")), tuple(args.launches.split(",")),
+                                       tuple(args.gc.split(",")))),
         ("scale", lambda: section_scale(path, args.scale_loop, [int(x) for x in args.scale_sizes.split(",")])),
         ("floor", lambda: section_floor(path, [int(x) for x in args.floor_sizes.split(",")])),
     ):

@@ -46,6 +46,7 @@ class OutputCollector:
         self._texts: dict[int, list[str]] = {}  # text of merged deltas, joined on take
         self._waiter: Any = None  # an asyncio future, or an anyio event off asyncio
         self._closed = False
+        self._loop: Any = None  # the asyncio loop the reader waits on, once known
 
     def put(self, delta: StreamDelta) -> None:
         cur = self._pending.get(delta.index)
@@ -94,9 +95,25 @@ class OutputCollector:
         """Until there is something to take, or the handle ended."""
         if self._pending or self._closed:
             return
+        await self._wait_once()
+
+    async def next_batch(self) -> list[StreamDelta]:
+        """The reader's step: the pending deltas, after waiting for some if there are
+        none yet; [] once the handle ended with nothing left. One call per reader per
+        step instead of a take, a closed check and a wait."""
+        while True:
+            if self._pending:
+                return self.take()
+            if self._closed:
+                return []
+            await self._wait_once()
+
+    async def _wait_once(self) -> None:
         # One wait per reader per step: on asyncio a bare loop future (0.4 us, measured)
         # instead of an anyio event (4.3 us); the portable event elsewhere (trio).
-        loop = running_asyncio_loop()
+        loop = self._loop
+        if loop is None:
+            loop = self._loop = running_asyncio_loop()
         if loop is not None:
             waiter = self._waiter = loop.create_future()
             wait = waiter

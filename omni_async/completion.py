@@ -44,6 +44,8 @@ class Completion:
         """(the delta for the reader or None, whether a stop string just ended it)."""
         if self.done:
             return None, False
+        if self._decoder is None:
+            return self._on_ids(delta), False
         parts: list[str] = []
         kept, stopped = self._take_tokens(delta.token_ids, parts)
         self._take_scores(delta, kept)
@@ -60,6 +62,19 @@ class Completion:
             delta.finish_reason = self.finish_reason
         delta.text = "".join(parts) if self._decoder is not None else None
         return delta, stopped
+
+    def _on_ids(self, delta: StreamDelta) -> StreamDelta:
+        """``on_delta`` without a tokenizer (no text, no stop strings): the token ids and
+        scores are taken as they are."""
+        ids = delta.token_ids
+        self.output_ids.extend(ids)
+        if delta.logprobs is not None or delta.extra:
+            self._take_scores(delta, len(ids))
+        delta.index = self.index
+        if delta.finished:
+            self.finish_reason = delta.finish_reason
+        delta.text = None
+        return delta
 
     def on_result(self, result: Any) -> StreamDelta | None:
         """The stage's terminal result: tokens not seen in a delta are taken now, and a

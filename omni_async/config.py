@@ -199,6 +199,16 @@ class SchedulerConfig:
     # Native backend: split the model over this many ranks (one process and device
     # each; Megatron-style tensor parallelism). 1 runs in this process only.
     tensor_parallel_size: int = 1
+    # Engine.from_pretrained / load: once the model is built, collect and then freeze
+    # what exists (gc.freeze), so the cyclic GC's full passes while serving scan only
+    # the objects serving made, not torch's and the model's (a full pass over those
+    # stalls the loop for tens to hundreds of ms). Process-wide, hence opt-in.
+    gc_freeze: bool = False
+    # Engine.from_pretrained / load: the cyclic GC's first threshold (gc.set_threshold),
+    # None leaves Python's 700. Serving allocates a few container objects per token that
+    # live until the readers run, so at 700 a young-generation pass runs every step or
+    # two; 10_000 cuts that to a few per run (bench/host_overhead.py). Process-wide.
+    gc_gen0_threshold: int | None = None
 
     def __post_init__(self) -> None:
         if self.loop not in LOOP_KINDS:
@@ -230,8 +240,11 @@ class SchedulerConfig:
             )
         if self.step_timeout_s is not None and (not _is_finite(self.step_timeout_s) or self.step_timeout_s <= 0):
             raise ConfigError(f"step_timeout_s must be a positive number of seconds or None, got {self.step_timeout_s!r}")
-        if not isinstance(self.enable_prefix_cache, bool):
-            raise ConfigError(f"enable_prefix_cache must be a bool, got {self.enable_prefix_cache!r}")
+        for name in ("enable_prefix_cache", "gc_freeze"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.gc_gen0_threshold is not None and (not _is_int(self.gc_gen0_threshold) or self.gc_gen0_threshold < 1):
+            raise ConfigError(f"gc_gen0_threshold must be an integer >= 1 or None, got {self.gc_gen0_threshold!r}")
         if not (0 < self.kv_memory_fraction <= 1):
             raise ConfigError("kv_memory_fraction must be in (0, 1]")
         if not (0 <= self.aborted_id_keep <= self.aborted_id_cap):

@@ -27,6 +27,7 @@ from .chat import render_chat_ids
 from .completion import Completion
 from .config import SAMPLING_SEED_MASK, SamplingParams, SchedulerConfig
 from .handle import RequestHandle
+from .heap import configure_gc
 from .logs import log
 from .loopbridge import call_soon_on, maybe_marshal, running_asyncio_loop
 from .messages import GenerationResult, IncomingMessage, OutgoingMessage, RequestPayload, StreamDelta
@@ -98,6 +99,7 @@ class Engine:
         started = time.perf_counter()
         built = build_stage(backend, path_or_name, config=config, device=device, dtype=dtype, seed=seed)
         engine = cls(built.scheduler, tokenizer=built.tokenizer, stack=built.stack)
+        configure_gc(config.gc_freeze, config.gc_gen0_threshold)
         log.info(
             "engine_model_loaded",
             model=str(path_or_name),

@@ -40,10 +40,11 @@ class RequestHandle:
         self._stage_result: Any = None  # the stage's result for completion 0
         self._cached_tokens = 0
         self._streaming = False
+        self._ended = False  # the collector closed: checked for every message
 
     @property
     def done(self) -> bool:
-        return self._collector.closed
+        return self._ended
 
     @property
     def sub_ids(self) -> list[str]:
@@ -76,16 +77,18 @@ class RequestHandle:
         self._streaming = True
         own = self._engine.event_loop
         collector = self._collector
-        wait = (lambda: maybe_marshal(own, collector.wait)) if foreign_loop(own) else collector.wait
+        if foreign_loop(own):
+            async def next_batch() -> list[StreamDelta]:
+                return await maybe_marshal(own, collector.next_batch)
+        else:
+            next_batch = collector.next_batch
         try:
             while True:
-                batch = collector.take()
+                batch = await next_batch()
+                if not batch:
+                    break
                 for delta in batch:
                     yield delta
-                if not batch:
-                    if self.done:
-                        break
-                    await wait()
             if self._error is not None:
                 raise self._error
         finally:
@@ -98,7 +101,7 @@ class RequestHandle:
     def _on_message(self, msg: OutgoingMessage) -> None:
         """One stage message for one of this handle's completions (loop thread)."""
         comp = self._by_sub.get(msg.request_id)
-        if comp is None or comp.done or self.done:
+        if comp is None or comp.done or self._ended:
             return  # e.g. the abort that follows a stop string
         if msg.type == "stream":
             was_final = bool(getattr(msg.data, "finished", False))
@@ -117,7 +120,7 @@ class RequestHandle:
         else:
             self._fail(msg.data)
             return
-        if all(c.done for c in self._completions):
+        if comp.done and all(c.done for c in self._completions):
             self._finish(self._build_result())
 
     def _fail(self, err: Any) -> None:
@@ -135,6 +138,7 @@ class RequestHandle:
 
     def _finish(self, result: Any) -> None:
         self._result = result
+        self._ended = True
         self._collector.close()
         self._finished.set()
         self._engine._handle_done(self)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from itertools import repeat
 from typing import Sequence
 
 from ..config import SchedulerConfig
@@ -97,7 +98,7 @@ class NativeBatchCore(BatchCore):
 
     def get_next_batch(self) -> ScheduledBatch | None:
         """A prefill batch when requests wait and fit, else a decode step of the running set."""
-        return self._schedule_prefill() or self._schedule_decode()
+        return (self._schedule_prefill() if self.waiting or self.chunked else None) or self._schedule_decode()
 
     def _reserved_tokens(self) -> int:
         reserved = 0.0
@@ -174,48 +175,37 @@ class NativeBatchCore(BatchCore):
         return batch
 
     def _schedule_decode(self) -> ScheduledBatch | None:
-        """A decode step of every running request that still needs one. This runs
-        once per step for every running request, so it is one flat pass with the
-        per-row work inlined (a few microseconds per row)."""
+        """A decode step of every running request that still needs one: it runs every step
+        for every running request, so each column is one comprehension over the rows."""
         self.running = [r for r in self.running if r.finish_reason is None]
         decoding = self._retract_until_decode_fits(self._decoding())
         if not decoding:
             return None
         batch = self._new_batch(ForwardMode.DECODE)
-        ps = self.page_size
-        allocate = self.kv.allocate
-        input_ids, inflight = batch.input_ids, batch.inflight_inputs
-        reqs, epochs, prefix_lens, sample_indices = batch.reqs, batch.epochs, batch.prefix_lens, batch.sample_indices
-        page_tables, page_counts = batch.page_tables, batch.page_counts
+        n = len(decoding)
+        batch.reqs, batch.extend_lens, batch.samples_kept = decoding, [1] * n, [True] * n
+        batch.epochs = [r.epoch for r in decoding]
+        batch.prefix_lens = [r.num_cached for r in decoding]
+        batch.sample_indices = [len(r.output_ids) + r.num_inflight for r in decoding]
+        # A decode input still in flight (-1) is read on the device from the step before.
+        batch.input_ids = [-1 if r.num_inflight else (r.output_ids or r.prompt_ids)[-1] for r in decoding]
+        batch.inflight_inputs = [(i, r) for i, r in enumerate(decoding) if r.num_inflight]
+        ps, allocate = self.page_size, self.kv.allocate
         for req in decoding:
             cached = req.num_cached
-            pages = req.pages
-            need = -(-(cached + 1) // ps) - len(pages)
+            need = -(-(cached + 1) // ps) - len(req.pages)
             if need > 0:
-                pages.extend(allocate(need))
-            if req.num_inflight:
-                inflight.append((len(input_ids), req))
-                input_ids.append(-1)
-            else:
-                input_ids.append(req.output_ids[-1] if req.output_ids else req.prompt_ids[-1])
-            reqs.append(req)
-            epochs.append(req.epoch)
-            prefix_lens.append(cached)
-            sample_indices.append(len(req.output_ids) + req.num_inflight)
-            page_tables.append(pages)  # shared: see ScheduledBatch.page_tables
-            page_counts.append(len(pages))
+                req.pages.extend(allocate(need))
             req.num_cached = cached + 1
             req.num_inflight += 1
-        n = len(reqs)
-        batch.extend_lens = [1] * n
-        batch.samples_kept = [True] * n
+        batch.page_tables = [r.pages for r in decoding]  # shared: see ScheduledBatch.page_tables
+        batch.page_counts = [len(p) for p in batch.page_tables]
         self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
         return batch
 
     def _decoding(self) -> list[Request]:
-        """Running requests that still need a decode step: not once the tokens already
-        sampled (in flight included) reach the request's length limit. It finishes when
-        they are processed, so a lookahead loop does not spend a step (and KV) on it."""
+        """Running requests that still need a decode step: not once the tokens sampled (in
+        flight too) reach the length limit, so a lookahead loop spends no step on them."""
         ctx = self.context_length
         out = []
         for r in self.running:
@@ -224,16 +214,18 @@ class NativeBatchCore(BatchCore):
                 out.append(r)
         return out
 
-    def _decode_pages_needed(self, decoding: list[Request]) -> int:
-        ps = self.page_size
-        return sum(max(0, -(-(r.num_cached + 1) // ps) - len(r.pages)) for r in decoding)
+    def _decode_fits(self, decoding: list[Request]) -> bool:
+        """A request holds the pages of its cached tokens, so one more token needs at most
+        one more page: the per-request count runs only when that bound does not fit."""
+        free, ps = self.kv.available_pages, self.page_size
+        return len(decoding) <= free or sum(max(0, -(-(r.num_cached + 1) // ps) - len(r.pages)) for r in decoding) <= free
 
     def _retract_until_decode_fits(self, decoding: list[Request]) -> list[Request]:
         """Retract the newest requests until the next decode step of ``decoding`` fits
         in KV; returns the requests that still decode. Empty when there is nothing to
         decode, or when it cannot fit yet only because requests about to finish still
         hold KV (the step in flight will free it)."""
-        while decoding and self._decode_pages_needed(decoding) > self.kv.available_pages:
+        while decoding and not self._decode_fits(decoding):
             if self.chunked is not None:
                 victim = self.chunked
                 self.chunked = None
@@ -316,11 +308,11 @@ class NativeBatchCore(BatchCore):
         add = outcomes.append
         ctx = self.context_length
         any_finished = False
-        epochs, kept = batch.epochs, batch.samples_kept
-        for i, req in enumerate(batch.reqs):
-            if req.finish_reason is not None or req.epoch != epochs[i]:
+        lps = logprobs if logprobs is not None else repeat(None)
+        for req, epoch, keep, token, logprob in zip(batch.reqs, batch.epochs, batch.samples_kept, tokens, lps):
+            if req.finish_reason is not None or req.epoch != epoch:
                 continue  # finished or retracted after this step was scheduled
-            if not kept[i]:
+            if not keep:
                 add(StepOutcome(req, None))
                 continue
             req.num_inflight -= 1
@@ -329,11 +321,11 @@ class NativeBatchCore(BatchCore):
                 add(StepOutcome(req, None, finished=True))
                 any_finished = True
                 continue
-            token = int(tokens[i])
-            logprob = float(logprobs[i]) if logprobs is not None else None
+            token = int(token)
             out = req.output_ids
             out.append(token)
             if logprob is not None:
+                logprob = float(logprob)
                 req.output_logprobs.append(logprob)
             n = len(out)
             sp = req.sampling

@@ -11,7 +11,7 @@ from typing import Any, Protocol, Sequence, runtime_checkable
 from .request import Request
 
 
-@dataclass
+@dataclass(slots=True)
 class StepOutcome:
     """What processing one row of a step produced."""
 

@@ -3,8 +3,27 @@ through a page table, folded into a running (online) softmax."""
 
 from __future__ import annotations
 
+import inspect
+
 import triton
 import triton.language as tl
+
+
+def unspecialized(ints: tuple[str, ...] = (), pointers: tuple[str, ...] = ()) -> dict:
+    """``triton.jit`` options that keep these arguments out of the compile key.
+
+    Why: Triton compiles a kernel once per specialisation of its arguments (an integer
+    equal to 1, an integer or a pointer divisible by 16), at the launch that first meets
+    it. An argument whose value moves between steps (a page-table stride that follows
+    the input batch's page capacity, a row of a stacked host array whose alignment
+    follows the batch's parity) can then compile a new variant mid-run: a stall of
+    hundreds of ms on the launching thread. The options exist in this Triton or not
+    (``do_not_specialize_on_alignment`` came in Triton 3.x); what exists is used."""
+    params = inspect.signature(triton.jit).parameters
+    opts: dict = {"do_not_specialize": list(ints)} if ints else {}
+    if "do_not_specialize_on_alignment" in params and (ints or pointers):
+        opts["do_not_specialize_on_alignment"] = [*ints, *pointers]
+    return opts
 
 
 @triton.jit

@@ -13,10 +13,13 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention_block import attend_block
+from .attention_block import attend_block, unspecialized
 
 
-@triton.jit
+# ``stride_tb`` is the page-table row stride: the graphs' static table width, but in an
+# eager decode step the input batch's page capacity, which grows with the longest
+# sequence seen. It only offsets the table row, so nothing is lost by not specialising.
+@triton.jit(**unspecialized(ints=("stride_tb",)))
 def _paged_decode_kernel(
     Q, K, V, O, TABLES, LENS, scale,
     stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ob, stride_oh, stride_tb,

@@ -12,10 +12,14 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention_block import attend_block
+from .attention_block import attend_block, unspecialized
 
 
-@triton.jit
+# Kept out of the compile key, since they change between prefill steps: ``stride_tb``
+# (the input batch's page capacity) and the per-sequence scalars, rows of one stacked
+# host array whose 16-byte alignment depends on the batch size's parity. Each is read
+# as a scalar or only offsets a row, so specialising them buys nothing.
+@triton.jit(**unspecialized(ints=("stride_tb",), pointers=("Q_START", "Q_LEN", "PREFIX")))
 def _paged_extend_kernel(
     Q, K, V, O, TABLES, Q_START, Q_LEN, PREFIX, scale,
     stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ot, stride_oh, stride_tb,

@@ -206,10 +206,11 @@ class ModelRunner:
         outputs: dict[str, RequestOutput] = {}
         row_errors: dict[int, str] = {}
         taken: list[int] = []
-        kept, live = batch.samples_kept, batch.row_is_live
+        kept, epochs, reqs = batch.samples_kept, batch.epochs, batch.reqs
         for i, sr in enumerate(requests):
             rid = sr.request_id
-            if kept[i] and live(i):
+            req = reqs[i]  # live: not finished or retracted since it was scheduled
+            if kept[i] and req.finish_reason is None and req.epoch == epochs[i]:
                 if ok[i]:
                     lp = logprobs[i] if logprobs is not None else None
                     outputs[rid] = RequestOutput(request_id=rid, data=token_ids[i], logprob=lp)
@@ -245,18 +246,26 @@ class ModelRunner:
     def _advance(self, so: SchedulerOutput, forward_batch: Any, rows: list[int], outputs: dict[str, RequestOutput]) -> None:
         """Commit ``generation_steps`` for the rows that got a token."""
         skip = self.finalize_skip_rids(so)
+        cls = type(self)
+        hooked = (
+            cls.on_generation_steps_advanced is not ModelRunner.on_generation_steps_advanced
+            or cls.on_generation_step_advanced is not ModelRunner.on_generation_step_advanced
+        )
         advanced = []
+        requests = so.requests
         for i in rows:
-            sr = so.requests[i]
-            if sr.request_id in skip:
+            sr = requests[i]
+            rid = sr.request_id
+            if skip and rid in skip:
                 continue
             data = sr.data
             data.generation_steps += 1
-            advanced.append((sr, data.generation_steps))
-            extra = outputs[sr.request_id].extra
+            if hooked:
+                advanced.append((sr, data.generation_steps))
+            extra = outputs[rid].extra
             if extra:
                 data.extra_model_outputs.update(extra)
-        if advanced:
+        if advanced:  # only a runner that overrides a hook pays for the list
             self.on_generation_steps_advanced(advanced, forward_batch)
 
     # ------------------------------------------------------------ sampling

@@ -11,7 +11,7 @@ from ..core.batch import ScheduledBatch
 from ..core.request import RequestData
 
 
-@dataclass
+@dataclass(slots=True)
 class SchedulerRequest:
     request_id: str
     data: RequestData
@@ -25,7 +25,7 @@ class SchedulerOutput:
     batch_data: ScheduledBatch | None
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestOutput:
     """One request's product of one step. ``data`` is the sampled token id (None for
     a non-final prefill chunk); ``extra`` is merged into ``extra_model_outputs``."""

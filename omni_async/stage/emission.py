@@ -149,7 +149,9 @@ class Emission:
 
     def on_step_output(self, batch: Any, out: ModelRunnerOutput) -> None:
         """Process one step: rows the runner could not sample fail alone, then the core
-        appends tokens and checks finishes, then each row's stream message is built."""
+        appends tokens and checks finishes, then each row's stream message is built.
+        With the default stream builder the message is built inline (no callback guard,
+        no per-row list): this runs for every running request on every step."""
         with self.coalesced():
             for row, message in (out.row_errors or {}).items():
                 req = batch.reqs[row]
@@ -157,22 +159,30 @@ class Emission:
                     self.fail_request(req, errors.RequestFailedError(f"sampling failed for this request: {message}"))
             outcomes = self.core.process_result(batch, out.token_ids, out.logprobs)
             outputs = out.outputs
+            inline = self.stream_output_builder is default_stream_output_builder and not debug_enabled()
+            pending = self._pending
+            emitted = 0
             for oc in outcomes:
                 req = oc.req
-                if oc.token is not None:
-                    if self.stats is not None:
-                        self.stats.tokens_out += 1
-                    data: RequestData = req.data
-                    if oc.logprob is not None and req.sampling.return_logprob:
-                        data.output_token_logprobs.append([oc.logprob, oc.token])
+                token = oc.token
+                if token is not None:
+                    emitted += 1
+                    logprob = oc.logprob
+                    if logprob is not None and req.sampling.return_logprob:
+                        req.data.output_token_logprobs.append([logprob, token])
                     req_output = outputs.get(req.rid) if outputs else None
                     if req_output is None:
-                        req_output = RequestOutput(req.rid, oc.token, logprob=oc.logprob)
+                        req_output = RequestOutput(req.rid, token, logprob=logprob)
                     req_output.finished = oc.finished
-                    if not self._emit_stream(req, req_output):
+                    if inline:
+                        if req_output.data is not None:
+                            pending.append(stream_message(req, req_output))
+                    elif not self._emit_stream(req, req_output):
                         continue
                 if oc.finished:
                     self.finish(req)
+            if self.stats is not None:
+                self.stats.tokens_out += emitted
 
     def on_step_failed(self, batch: Any, exc: BaseException) -> None:
         """A step raised. Which row caused it is not known: with several live requests
@@ -229,13 +239,20 @@ def default_result_adapter(data: RequestData) -> GenerationResult:
 def default_stream_output_builder(rid: str, data: RequestData, out: RequestOutput) -> list[OutgoingMessage]:
     if out.data is None:
         return []
-    req = data.req
+    return [stream_message(data.req, out)]
+
+
+def stream_message(req: Request, out: RequestOutput) -> OutgoingMessage:
+    """The default stream message of one row's token (``out.data`` is not None)."""
+    rid = req.rid
+    finished = out.finished
+    logprob = out.logprob
     delta = StreamDelta(
         request_id=rid,
         token_ids=[int(out.data)],
-        logprobs=[out.logprob] if (req.sampling.return_logprob and out.logprob is not None) else None,
-        finished=out.finished,
-        finish_reason=req.finish_reason if out.finished else None,
+        logprobs=[logprob] if (logprob is not None and req.sampling.return_logprob) else None,
+        finished=finished,
+        finish_reason=req.finish_reason if finished else None,
         extra=dict(out.extra) if out.extra else {},
     )
-    return [OutgoingMessage(rid, "stream", delta)]
+    return OutgoingMessage(rid, "stream", delta)

@@ -1,0 +1,404 @@
+"""Host cost per running request per step, with the device taken out (issue 12).
+
+The real Engine, stage, batch core, persistent input batch, sampling bookkeeping,
+collect, emission, handles and one streaming consumer task per request, over the
+built-in ``tiny`` model whose device step is replaced by a null one: decode steps go
+through a stand-in for the CUDA graphs that copies the inputs into static buffers like
+a replay does and "samples" a token computed from the input token and position in one
+tensor op; prefill steps return the same way without a forward. Decode launches run
+inline on the loop thread (the CUDA path's ``step_launch="auto"``), prefill on the
+worker thread. What is left is the host's part of the GPU workload of
+``bench/gpu_saturation.py`` (256 streamed requests, prompts 64-512, 128 new tokens,
+greedy, no tokenizer): the time per generated token is the host cost per
+request-step, since the null device costs (almost) nothing.
+
+Every loop gets an unmeasured warm-up pass, then repeats interleaved. With ``--code``
+given more than once, each checkout runs in its own process and the processes are
+interleaved too (a before/after comparison in one run). Per run: us per token, tok/s,
+CPU time per token, wall time, a 1 ms ticker's lag (p50/p99/max) and the cyclic GC's
+passes and pauses, under each GC mode (``--gc default,tuned``: Python's own, and what
+``gc_freeze=True, gc_gen0_threshold=10000`` do), switched per run in one process.
+Tokens of every loop are checked equal. ``--profile`` adds a cProfile top list.
+
+    python bench/host_overhead.py --batches 256,64 --repeats 3
+    python bench/host_overhead.py --code /tmp/before --code . --labels before,after
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+import zlib
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent
+LOOPS = ("normal", "overlap", "async_decode")
+
+
+# ------------------------------------------------------------------ the null device
+
+
+def install_null_device(engine, device_s: float = 0.0) -> None:
+    """Swap the engine's device work for a null step: decode through a stand-in for the
+    captured graphs, prefill without a forward, decode launches inline on the loop."""
+    import torch
+
+    from omni_async.device import InlineStepExecutor
+    from omni_async.runners.cuda_graphs import GraphOutputs
+    from omni_async.runners.types import BatchResult
+
+    sched = engine.scheduler
+    runner = sched.runner
+    vocab = runner.model.config.vocab_size
+    cap = 1024
+
+    def fake_tokens(ids, pos):
+        # A pure function of (input token, position): every loop yields the same tokens.
+        return (ids * 7 + pos * 13 + 1) % (vocab - 3) + 3
+
+    class NullGraphs:
+        """What ``DecodeGraphs`` does on the host for one replay: copy the step's
+        inputs into static buffers; the "graph" is one elementwise op."""
+
+        max_batch = cap
+
+        def __init__(self) -> None:
+            self.input_ids = torch.zeros(cap, dtype=torch.long)
+            self.positions = torch.zeros(cap, dtype=torch.long)
+            self.slot_mapping = torch.zeros(cap, dtype=torch.long)
+            self.block_tables = torch.zeros((cap, 64), dtype=torch.long)
+            self.kv_lens = torch.zeros(cap, dtype=torch.long)
+            self.logits = torch.zeros((cap, vocab))
+            self.ok = torch.ones(cap, dtype=torch.bool)
+            self.replays = 0
+
+        def bucket_for(self, bs: int) -> int | None:
+            return bs if bs <= cap else None
+
+        def fits(self, bs: int, pages: int) -> bool:
+            return bs <= cap and pages <= self.block_tables.shape[1]
+
+        def replay(self, input_ids, positions, slot_mapping, block_tables, kv_lens):
+            bs = input_ids.shape[0]
+            self.input_ids[:bs].copy_(input_ids)
+            self.positions[:bs].copy_(positions)
+            self.slot_mapping[:bs].copy_(slot_mapping)
+            self.block_tables[:bs, : block_tables.shape[1]].copy_(block_tables)
+            self.kv_lens[:bs].copy_(kv_lens)
+            self.replays += 1
+            return GraphOutputs(self.logits[:bs], fake_tokens(self.input_ids[:bs], self.positions[:bs]), self.ok[:bs])
+
+    class NullEvent:
+        """A CUDA event stand-in: done ``device_s`` after the launch, and never at the
+        first two queries, so the loop's cooperative wait yields once per step as it
+        does while a real step runs."""
+
+        def __init__(self) -> None:
+            self.done_at = time.perf_counter() + device_s
+            self.queries = 0
+
+        def query(self) -> bool:
+            self.queries += 1
+            return self.queries > 2 and time.perf_counter() >= self.done_at
+
+        def synchronize(self) -> None:
+            while not self.query():
+                pass
+
+    graphs = NullGraphs()
+    base_cls = type(runner)
+
+    class NullDeviceRunner(base_cls):  # type: ignore[misc, valid-type]
+        def forward(self, fb):
+            if fb.block_tables is not None and self.graphs is not None:
+                return super().forward(fb)
+            rows = fb.ctx.logits_rows
+            tokens = fake_tokens(fb.input_ids.index_select(0, rows), fb.positions.index_select(0, rows))
+            n = tokens.shape[0]
+            return BatchResult(logits=graphs.logits[:n], graph_greedy=(tokens, graphs.ok[:n]))
+
+        def record_completion(self):
+            return NullEvent()
+
+    runner.__class__ = NullDeviceRunner
+    runner.graphs = graphs
+    executor = InlineStepExecutor(event_waiter=sched.executor.event_waiter)
+    sched.executor = sched.stepper.executor = executor
+
+
+# ------------------------------------------------------------------ one process, one checkout
+
+
+def workload(n: int, seed: int, vocab: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(rng.randint(64, 512))] for _ in range(n)]
+
+
+class GcWatch:
+    """Passes of the cyclic GC during a run, with their pauses, by generation."""
+
+    def __init__(self) -> None:
+        self.passes = [0, 0, 0]
+        self.pause_s = [0.0, 0.0, 0.0]
+        self.max_pause_s = 0.0
+        self._t0 = 0.0
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+            return
+        took = time.perf_counter() - self._t0
+        g = info["generation"]
+        self.passes[g] += 1
+        self.pause_s[g] += took
+        self.max_pause_s = max(self.max_pause_s, took)
+
+    def __enter__(self) -> "GcWatch":
+        gc.callbacks.append(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        gc.callbacks.remove(self)
+
+
+async def ticker(stop: asyncio.Event, lags: list[float], period: float = 0.001) -> None:
+    while not stop.is_set():
+        t = time.perf_counter()
+        await asyncio.sleep(period)
+        lags.append(max(0.0, time.perf_counter() - t - period))
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))] if xs else 0.0
+
+
+async def run_workload(engine, reqs: list[list[int]], new: int) -> tuple[dict, list[list[int]]]:
+    from omni_async import SamplingParams
+
+    sp = SamplingParams(max_new_tokens=new, ignore_eos=True)
+    lags: list[float] = []
+    stop = asyncio.Event()
+    tick = asyncio.create_task(ticker(stop, lags))
+
+    async def one(p: list[int]) -> list[int]:
+        out: list[int] = []
+        async for d in engine.stream(input_ids=p, sampling=sp):
+            out.extend(d.token_ids)
+        return out
+
+    steps0 = engine.scheduler.stats.decode_steps
+    with GcWatch() as gcw:
+        cpu0, t0 = time.process_time(), time.perf_counter()
+        outs = await asyncio.gather(*(one(p) for p in reqs))
+        wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+    stop.set()
+    await tick
+    tokens = sum(len(o) for o in outs)
+    return {
+        "us_per_token": 1e6 * wall / tokens,
+        # CPU time of the process (every thread) per token: steadier than wall time on a
+        # shared machine, where waiting for a core shows up in wall time only.
+        "cpu_us_per_token": 1e6 * cpu / tokens,
+        "tok_s": tokens / wall,
+        "wall_s": wall,
+        "tokens": tokens,
+        "cpu_over_wall": cpu / wall,
+        "decode_steps": engine.scheduler.stats.decode_steps - steps0,
+        "ticker_p50_ms": 1e3 * pct(lags, 50),
+        "ticker_p99_ms": 1e3 * pct(lags, 99),
+        "ticker_max_ms": 1e3 * max(lags, default=0.0),
+        "gc_passes": gcw.passes,
+        "gc_pause_ms": [round(1e3 * s, 3) for s in gcw.pause_s],
+        "gc_max_pause_ms": 1e3 * gcw.max_pause_s,
+    }, outs
+
+
+def make_engine(loop: str, batch: int, device_s: float):
+    from omni_async import Engine
+
+    eng = Engine.from_pretrained(
+        "tiny", loop=loop, max_running_requests=batch, kv_capacity_tokens=batch * 700,
+        max_prefill_tokens=8192, chunked_prefill_size=8192, max_queued_requests=8192,
+    )
+    eng.tokenizer = None  # as in the GPU workload (a random checkpoint has no tokenizer)
+    install_null_device(eng, device_s)
+    return eng
+
+
+def apply_gc_mode(mode: str) -> None:
+    """``tuned``: what ``gc_freeze=True, gc_gen0_threshold=10000`` do at engine load,
+    applied per run so both modes run side by side; ``default``: Python's own."""
+    if mode == "tuned":
+        gc.set_threshold(10_000, 10, 10)
+        gc.collect()
+        gc.freeze()
+    elif mode == "default":
+        gc.unfreeze()
+        gc.set_threshold(700, 10, 10)
+    else:
+        raise ValueError(f"unknown GC mode {mode!r}")
+
+
+async def child_main(args) -> dict:
+    """One checkout, every loop: a warm-up pass, then ``--child-repeats`` measured runs."""
+    import torch
+
+    torch.set_num_threads(1)
+    import omni_async
+
+    loops = args.loops.split(",")
+    out: dict = {"package": str(Path(omni_async.__file__).parent), "batches": {}}
+    for batch in [int(b) for b in args.batches.split(",")]:
+        engines = {loop: make_engine(loop, batch, args.device_us * 1e-6) for loop in loops}
+        reqs = workload(batch, seed=batch, vocab=250)
+        for eng in engines.values():
+            await eng.start()
+            await run_workload(eng, workload(min(batch, 64), seed=9, vocab=250), 16)
+        gcs = args.gc.split(",")
+        runs: dict[str, list[dict]] = {}
+        tokens: dict[str, list[list[int]]] = {}
+        for _ in range(args.child_repeats):
+            for mode in gcs:
+                for loop in loops:
+                    key = f"{loop}/{mode}" if len(gcs) > 1 else loop
+                    apply_gc_mode(mode)
+                    r, toks = await run_workload(engines[loop], reqs, args.new)
+                    runs.setdefault(key, []).append(r)
+                    tokens.setdefault(key, toks)
+        apply_gc_mode("default")
+        ref = next(iter(tokens.values()), [])
+        out["batches"][str(batch)] = {
+            "runs": runs,
+            "loops_equal": all(tokens[loop] == ref for loop in tokens),
+            "token_digest": zlib.crc32(json.dumps(ref).encode()),
+        }
+        if args.profile:
+            apply_gc_mode(gcs[-1])
+            out["batches"][str(batch)]["profile"] = await profile_runs(engines, reqs, args.new, args.profile_top)
+            apply_gc_mode("default")
+        for eng in engines.values():
+            await eng.aclose()
+    return out
+
+
+async def profile_runs(engines: dict, reqs: list[list[int]], new: int, top: int) -> dict[str, str]:
+    import cProfile
+    import io
+    import pstats
+
+    texts = {}
+    for loop, eng in engines.items():
+        prof = cProfile.Profile()
+        prof.enable()
+        await run_workload(eng, reqs, new)
+        prof.disable()
+        s = io.StringIO()
+        pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(top)
+        texts[loop] = s.getvalue()
+    return texts
+
+
+# ------------------------------------------------------------------ the parent: interleaving
+
+
+def run_child(code: str, args) -> dict:
+    cmd = [
+        sys.executable, str(BENCH / "host_overhead.py"), "--child", "--batches", args.batches, "--loops", args.loops,
+        "--new", str(args.new), "--child-repeats", "1",
+        "--device-us", str(args.device_us),
+    ]
+    cmd += ["--gc", args.gc]
+    env = dict(os.environ, PYTHONPATH=str(Path(code).resolve()))
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=str(Path(code).resolve()))
+    if proc.returncode != 0:
+        raise RuntimeError(f"child under {code} failed:\n{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def summary(xs: list[float]) -> dict:
+    med = statistics.median(xs)
+    return {"median": round(med, 3), "min": round(min(xs), 3), "max": round(max(xs), 3),
+            "spread_pct": round(100 * (max(xs) - min(xs)) / med, 1) if med else None}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batches", default="256,64")
+    ap.add_argument("--loops", default=",".join(LOOPS))
+    ap.add_argument("--new", type=int, default=128)
+    ap.add_argument("--device-us", type=float, default=0.0, help="null step's device time per step (0: none)")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--code", action="append", help="checkout to import omni_async from (repeatable)")
+    ap.add_argument("--labels", default="", help="comma-separated labels of the --code checkouts")
+    ap.add_argument("--gc", default="default,tuned", help="GC modes side by side (default: Python's; tuned: frozen heap, gen0 threshold 10000)")
+    ap.add_argument("--profile", action="store_true", help="one more cProfile'd run per loop (first checkout, one process)")
+    ap.add_argument("--profile-top", type=int, default=30)
+    ap.add_argument("--out", default="host_overhead.json")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--child-repeats", type=int, default=1, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    sys.path.insert(0, str(BENCH))
+    from _common import machine_facts, run_async, save_json
+
+    if args.child:
+        print(json.dumps(run_async(child_main(args))))
+        return 0
+    codes = args.code or [str(BENCH.parent)]
+    labels = args.labels.split(",") if args.labels else [Path(c).resolve().name for c in codes]
+    per: dict[str, list[dict]] = {label: [] for label in labels}
+    for rep in range(args.repeats):
+        for code, label in zip(codes, labels):
+            r = run_child(code, args)
+            per[label].append(r)
+            for b, br in r["batches"].items():
+                line = "  ".join(f"{loop} {runs[0]['us_per_token']:.2f}/{runs[0]['cpu_us_per_token']:.2f}"
+                                 for loop, runs in br["runs"].items())
+                print(f"rep {rep} {label:>8} batch {b:>4}: us/token wall/cpu {line}  equal={br['loops_equal']}", flush=True)
+    result: dict = {"config": vars(args), "labels": labels, "runs": per, "summary": {}}
+    print(f"\n{'label':>8} {'batch':>5} {'loop':>20} {'us/token median (min-max)':>28} {'spread':>7} {'cpu us/token':>12} "
+          f"{'tick p99 ms':>11} {'tick max':>8} {'gc2 passes':>10} {'gc max ms':>9}")
+    for label in labels:
+        for b in per[label][0]["batches"]:
+            for loop in per[label][0]["batches"][b]["runs"]:
+                runs = [r["batches"][b]["runs"][loop][0] for r in per[label]]
+                s = summary([x["us_per_token"] for x in runs])
+                c = summary([x["cpu_us_per_token"] for x in runs])
+                result["summary"][f"{label}/{b}/{loop}"] = {
+                    "us_per_token": s, "cpu_us_per_token": c, "tok_s": summary([x["tok_s"] for x in runs]),
+                    "ticker_p99_ms": summary([x["ticker_p99_ms"] for x in runs]),
+                    "ticker_max_ms": max(x["ticker_max_ms"] for x in runs),
+                    "gc_gen2_passes": [x["gc_passes"][2] for x in runs],
+                    "gc_max_pause_ms": max(x["gc_max_pause_ms"] for x in runs),
+                    "loops_equal": all(r["batches"][b]["loops_equal"] for r in per[label]),
+                }
+                print(f"{label:>8} {b:>5} {loop:>20} {s['median']:>10.2f} ({s['min']:.2f}-{s['max']:.2f}) "
+                      f"{s['spread_pct']:>6}% {c['median']:>12.2f} {statistics.median(x['ticker_p99_ms'] for x in runs):>11.2f} "
+                      f"{max(x['ticker_max_ms'] for x in runs):>8.1f} {max(x['gc_passes'][2] for x in runs):>10} "
+                      f"{max(x['gc_max_pause_ms'] for x in runs):>9.2f}")
+    digests = {label: {b: br["token_digest"] for b, br in per[label][0]["batches"].items()} for label in labels}
+    result["token_digests"] = digests
+    print("token digests (equal across checkouts when the tokens are):", digests)
+    if args.profile:
+        prof_args = argparse.Namespace(**{**vars(args), "profile": True, "child_repeats": 0, "gc": "tuned"})
+        env_code = codes[-1]
+        sys.path.insert(0, str(Path(env_code).resolve()))
+        result["profile"] = {b: br["profile"] for b, br in run_async(child_main(prof_args))["batches"].items()}
+        for b, texts in result["profile"].items():
+            for loop, text in texts.items():
+                print(f"\n===== cProfile batch {b} {loop} =====\n" + "\n".join(text.splitlines()[:args.profile_top + 12]))
+    result["machine"] = machine_facts()
+    print(f"\nsaved {save_json(args.out, result)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

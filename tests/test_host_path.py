@@ -1,0 +1,98 @@
+"""The per-step host path: the inline default stream emission gives the same deltas as
+the guarded builder path, streams end once, and the ``gc_freeze`` option."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+
+from omni_async import Engine, SamplingParams
+from omni_async.builder import build_native_stack, build_scheduler
+from omni_async.config import SchedulerConfig
+from omni_async.errors import ConfigError
+from omni_async.stage.emission import default_stream_output_builder
+
+from .conftest import LOOPS
+
+PROMPTS = [[5, 6, 7], [9, 10, 11, 12], [3] * 20, [40, 41]]
+
+
+def _sampling(i: int) -> SamplingParams:
+    # Mixed rows: logprobs on some, a length limit that differs, sampled and greedy.
+    return SamplingParams(
+        max_new_tokens=5 + 3 * i, ignore_eos=True, return_logprob=i % 2 == 0,
+        temperature=0.0 if i < 2 else 0.9, seed=i,
+    )
+
+
+async def _streams(engine: Engine) -> list[tuple]:
+    """Per request: its tokens, logprobs, how many deltas said finished, and the last
+    delta's finish reason (a lagging reader gets merged deltas, so the split varies)."""
+    async with engine:
+        out = []
+        for i, ids in enumerate(PROMPTS):
+            tokens, logprobs, finished, reason = [], [], 0, None
+            async for d in engine.stream(input_ids=ids, sampling=_sampling(i)):
+                tokens += d.token_ids
+                if d.logprobs is not None:
+                    logprobs += d.logprobs
+                finished += d.finished
+                reason = d.finish_reason
+            out.append((tokens, logprobs, finished, reason))
+        return out
+
+
+def _engine(loop: str, builder=None) -> Engine:
+    config = SchedulerConfig(loop=loop)
+    stack = build_native_stack("tiny", config)
+    kw = {"stream_output_builder": builder} if builder is not None else {}
+    sched = build_scheduler(stack, config, **kw)
+    return Engine(sched, tokenizer=None, stack=stack)
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+async def test_inline_stream_messages_equal_the_builder_path(loop):
+    calls = []
+
+    def wrapped(*args):  # not the default builder itself: the guarded path runs
+        calls.append(args[0])
+        return default_stream_output_builder(*args)
+
+    inline = await _streams(_engine(loop))
+    guarded = await _streams(_engine(loop, wrapped))
+    assert calls, "the custom builder was not called"
+    assert inline == guarded
+    for i, (tokens, logprobs, finished, reason) in enumerate(inline):
+        assert len(tokens) == 5 + 3 * i
+        assert len(logprobs) == (len(tokens) if i % 2 == 0 else 0)
+        assert finished == 1 and reason == "length"
+
+
+async def test_gc_freeze_freezes_the_heap_after_loading():
+    gc.unfreeze()
+    try:
+        engine = Engine.from_pretrained("tiny", gc_freeze=True)
+        assert gc.get_freeze_count() > 1000  # torch's and the model's objects
+        async with engine:
+            res = await engine.generate(input_ids=[5, 6, 7], sampling=SamplingParams(max_new_tokens=4, ignore_eos=True))
+        assert len(res.output_ids) == 4
+    finally:
+        gc.unfreeze()
+    engine = Engine.from_pretrained("tiny")
+    assert gc.get_freeze_count() == 0  # off by default
+
+
+def test_gc_gen0_threshold_is_applied():
+    before = gc.get_threshold()
+    try:
+        Engine.from_pretrained("tiny", gc_gen0_threshold=12345)
+        assert gc.get_threshold() == (12345, *before[1:])
+    finally:
+        gc.set_threshold(*before)
+
+
+@pytest.mark.parametrize("kw", [{"gc_freeze": "yes"}, {"gc_gen0_threshold": 0}, {"gc_gen0_threshold": 1.5}])
+def test_gc_options_are_checked(kw):
+    with pytest.raises(ConfigError, match=next(iter(kw))):
+        SchedulerConfig(**kw)
