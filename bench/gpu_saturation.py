@@ -40,6 +40,7 @@ from omni_async.config import SchedulerConfig  # noqa: E402
 
 LOOPS = ("normal", "overlap", "async_decode")
 RESULTS: dict = {"sections": {}}
+STALLS: list = []  # call sites of loop stalls over 100 ms, per run (see StallWatch)
 
 
 def log(*a):
@@ -102,17 +103,62 @@ async def run_workload(eng: Engine, reqs: list[list[int]], new: int) -> dict:
 
     cpu0 = time.process_time()
     t0 = time.perf_counter()
-    with GpuSampler() as gpu:
+    watch = StallWatch()
+    watch_tick = asyncio.create_task(watch.ticker(stop))
+    with GpuSampler() as gpu, watch:
         counts = await asyncio.gather(*(one(p) for p in reqs))
     wall = time.perf_counter() - t0
     cpu = time.process_time() - cpu0
     stop.set()
     await tick
+    await watch_tick
     tokens = sum(counts)
-    return {
+    if watch.stalls:
+        STALLS.append(watch.stalls[:4])
+    return {"stalls_over_100ms": len(watch.stalls),
         "tok_s": tokens / wall, "wall_s": wall, "tokens": tokens, "gpu_util_mean": gpu.mean,
         "cpu_over_wall": cpu / wall, "ticker_p50_ms": 1000 * (pct(lags, 50) or 0), "ticker_p99_ms": 1000 * (pct(lags, 99) or 0),
     }
+
+
+class StallWatch:
+    """A watchdog thread: when the loop thread has not come back to a 1 ms ticker for
+    ``threshold`` s, it records where every thread is (once per stall), so a long stall
+    names its call site instead of showing up only as a ticker percentile."""
+
+    def __init__(self, threshold: float = 0.1) -> None:
+        self.threshold = threshold
+        self.last_tick = time.perf_counter()
+        self.loop_thread = threading.get_ident()
+        self.stalls: list[dict] = []
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+
+    async def ticker(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            self.last_tick = time.perf_counter()
+            await asyncio.sleep(0.001)
+
+    def _run(self) -> None:
+        import traceback
+
+        reported = None
+        while not self._stop.wait(0.01):
+            since = time.perf_counter() - self.last_tick
+            if since > self.threshold and reported != self.last_tick:
+                reported = self.last_tick
+                frames = sys._current_frames()
+                stacks = {("loop" if tid == self.loop_thread else str(tid)): "".join(traceback.format_stack(f)[-14:])
+                          for tid, f in frames.items() if tid != threading.get_ident()}
+                self.stalls.append({"after_s": round(since, 3), "stacks": stacks})
+
+    def __enter__(self) -> "StallWatch":
+        self._t.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._t.join()
 
 
 def summary(runs: list[dict], key: str) -> dict:
@@ -273,6 +319,7 @@ def main() -> None:
     wanted = args.sections.split(",")
 
     def save():
+        RESULTS["stalls"] = STALLS
         Path(args.out).write_text(json.dumps(RESULTS, indent=1, default=str))
 
     for name, make in (
