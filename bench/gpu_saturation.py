@@ -18,6 +18,7 @@ Sections, each saved to the JSON as soon as it is done:
 from __future__ import annotations
 
 import argparse
+from typing import Any
 import asyncio
 import json
 import os
@@ -103,7 +104,7 @@ async def run_workload(eng: Engine, reqs: list[list[int]], new: int) -> dict:
 
     cpu0 = time.process_time()
     t0 = time.perf_counter()
-    watch = StallWatch()
+    watch = StallWatch(stats=eng.scheduler.stats)
     watch_tick = asyncio.create_task(watch.ticker(stop))
     with GpuSampler() as gpu, watch:
         counts = await asyncio.gather(*(one(p) for p in reqs))
@@ -126,9 +127,10 @@ class StallWatch:
     ``threshold`` s, it records where every thread is (once per stall), so a long stall
     names its call site instead of showing up only as a ticker percentile."""
 
-    def __init__(self, threshold: float = 0.1) -> None:
+    def __init__(self, threshold: float = 0.1, stats: Any = None) -> None:
         self.threshold = threshold
-        self.last_tick = time.perf_counter()
+        self.stats = stats  # the scheduler's StepStats: which step the stall came at
+        self.started = self.last_tick = time.perf_counter()
         self.loop_thread = threading.get_ident()
         self.stalls: list[dict] = []
         self._stop = threading.Event()
@@ -150,7 +152,10 @@ class StallWatch:
                 frames = sys._current_frames()
                 stacks = {("loop" if tid == self.loop_thread else str(tid)): "".join(traceback.format_stack(f)[-14:])
                           for tid, f in frames.items() if tid != threading.get_ident()}
-                self.stalls.append({"after_s": round(since, 3), "stacks": stacks})
+                st = self.stats
+                counters = {k: getattr(st, k) for k in ("steps", "prefill_steps", "decode_steps")} if st else {}
+                self.stalls.append({"after_s": round(since, 3), "at_s": round(self.last_tick - self.started, 3),
+                                    "counters": counters, "stacks": stacks})
 
     def __enter__(self) -> "StallWatch":
         self._t.start()
