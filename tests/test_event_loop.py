@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import pytest
+import torch
 
 from omni_async import Engine, SamplingParams
 
@@ -56,3 +57,30 @@ async def test_idle_scheduler_sleeps_and_wakes_on_arrival():
         res = await engine.generate(input_ids=[1, 2], sampling=SamplingParams(max_new_tokens=2))
         assert len(res.output_ids) == 2
         assert engine.scheduler.stats.steps > steps_before
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: steps launched inline on the loop thread")
+@pytest.mark.parametrize("loop", LOOPS)
+async def test_other_tasks_run_between_any_two_inline_steps(loop):
+    """With decode launched inline and a device that keeps up, every await of a loop
+    iteration can return at once; the loop still yields once per iteration, so a task
+    that only ever yields (``sleep(0)``) sees at most a couple of steps between its turns."""
+    engine = Engine.from_pretrained("tiny", device="cuda", loop=loop, step_launch="inline")
+    seen: list[int] = []
+    stop = asyncio.Event()
+
+    async def spinner():
+        while not stop.is_set():
+            seen.append(engine.scheduler.stats.steps)
+            await asyncio.sleep(0)
+
+    async with engine:
+        task = asyncio.create_task(spinner())
+        await asyncio.gather(
+            *[engine.generate(input_ids=[i + 2] * 8, sampling=SamplingParams(max_new_tokens=64, ignore_eos=True)) for i in range(16)]
+        )
+        stop.set()
+        await task
+    gaps = [b - a for a, b in zip(seen, seen[1:])]
+    assert engine.scheduler.stats.steps > 60
+    assert max(gaps) <= 2, f"{max(gaps)} steps ran without the spinner getting a turn"
