@@ -153,6 +153,10 @@ def _is_finite(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
+# Weight formats the native CPU path can run its projections in (SchedulerConfig.quantization).
+QUANTIZATION_MODES = ("int8",)
+
+
 @dataclass
 class SchedulerConfig:
     """Limits and loop choice of one :class:`~omni_async.scheduler.AsyncOmniScheduler`.
@@ -199,6 +203,10 @@ class SchedulerConfig:
     # Native backend: split the model over this many ranks (one process and device
     # each; Megatron-style tensor parallelism). 1 runs in this process only.
     tensor_parallel_size: int = 1
+    # Native backend on CPU: "int8" runs every projection and the output head through
+    # int8 GEMMs (weights per channel, activations per step; float32 elsewhere): faster,
+    # not exact (see omni_async/models/quantized.py). None keeps the exact float path.
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         if self.loop not in LOOP_KINDS:
@@ -232,6 +240,8 @@ class SchedulerConfig:
             raise ConfigError(f"step_timeout_s must be a positive number of seconds or None, got {self.step_timeout_s!r}")
         if not isinstance(self.enable_prefix_cache, bool):
             raise ConfigError(f"enable_prefix_cache must be a bool, got {self.enable_prefix_cache!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATION_MODES:
+            raise ConfigError(f"unknown quantization {self.quantization!r}; choose None or one of {', '.join(QUANTIZATION_MODES)}")
         if not (0 < self.kv_memory_fraction <= 1):
             raise ConfigError("kv_memory_fraction must be in (0, 1]")
         if not (0 <= self.aborted_id_keep <= self.aborted_id_cap):
