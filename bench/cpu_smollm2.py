@@ -13,6 +13,10 @@ end-of-sequence ignored, so every system makes the same number of tokens:
 
 Both load the same GGUF file (transformers with ``gguf_file=``), in float32 unless a
 system says ``@bfloat16`` (e.g. ``omni:normal@bfloat16``, ``hf:generate@bfloat16``).
+``omni:<loop>+int8`` runs omni-async with ``quantization="int8"`` (int8 GEMMs, float32
+between them): not exact, so its runs record how far their tokens agree with
+``hf:generate`` (float32): the mean fraction of each request's tokens before the first
+difference.
 Repeats are interleaved (every system runs once per repeat and concurrency, the order
 rotated); the table shows the median tok/s with min-max, and each omni run records whether
 its tokens equal ``hf:generate``'s. Results: bench/results/cpu_smollm2.json.
@@ -96,9 +100,24 @@ def run_hf_generate_batch(model: Any, prompts: list[list[int]], new_tokens: int,
 
 
 def split_system(system: str) -> tuple[str, str]:
-    """``"omni:normal@bfloat16"`` -> ``("omni:normal", "bfloat16")``; float32 by default."""
-    name, _, dtype = system.partition("@")
+    """``"omni:normal@bfloat16"`` -> ``("omni:normal", "bfloat16")``; float32 by default
+    (a ``+int8`` suffix is the quantization, see :func:`quantization_of`)."""
+    name, _, dtype = system.split("+", 1)[0].partition("@")
     return name, dtype or "float32"
+
+
+def quantization_of(system: str) -> str | None:
+    """``"omni:normal+int8"`` -> ``"int8"``; None without a suffix."""
+    return system.partition("+")[2] or None
+
+
+def prefix_agreement(tokens: list[list[int]], reference: list[list[int]]) -> float:
+    """Mean over requests of the fraction of tokens before the first difference."""
+    fractions = []
+    for got, ref in zip(tokens, reference):
+        same = next((i for i, (a, b) in enumerate(zip(got, ref)) if a != b), min(len(got), len(ref)))
+        fractions.append(same / max(1, len(ref)))
+    return sum(fractions) / max(1, len(fractions))
 
 
 def load_hf(path: Path, dtype: str) -> Any:
@@ -122,7 +141,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         name, dtype = split_system(s)
         if name.startswith("omni:"):
             engines[s] = Engine.from_pretrained(
-                str(path), loop=name.split(":", 1)[1], dtype=dtype, kv_capacity_tokens=args.kv_tokens
+                str(path), loop=name.split(":", 1)[1], dtype=dtype, kv_capacity_tokens=args.kv_tokens,
+                quantization=quantization_of(s),
             )
             await engines[s].__aenter__()
         elif dtype not in hf:
@@ -155,6 +175,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                     if r["repeat"] == rep and r["concurrency"] == conc and "tokens" in r:
                         toks = r.pop("tokens")
                         r["tokens_equal_hf_generate"] = None if reference is None else toks == reference
+                        if reference is not None:
+                            r["prefix_agreement_hf_generate"] = prefix_agreement(toks, reference)
                 print(_progress(runs, rep, conc), flush=True)
     finally:
         for eng in engines.values():
@@ -226,6 +248,9 @@ def print_table(result: dict[str, Any]) -> None:
         print(f"{s}: {e}")
     mismatched = sorted({f"{r['system']} C={r['concurrency']}" for r in result["runs"] if r.get("tokens_equal_hf_generate") is False})
     print(f"runs whose tokens differ from hf:generate (float32): {', '.join(mismatched) or 'none'}")
+    for s in dict.fromkeys(r["system"] for r in result["runs"] if "prefix_agreement_hf_generate" in r):
+        vals = [r["prefix_agreement_hf_generate"] for r in result["runs"] if r["system"] == s and "prefix_agreement_hf_generate" in r]
+        print(f"{s}: tokens before the first difference from hf:generate (float32): {min(vals):.2f}-{max(vals):.2f} of each request's")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -234,7 +259,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--systems",
         default="omni:normal,omni:overlap,omni:async_decode,omni:normal@bfloat16,omni:async_decode@bfloat16,"
-        "hf:generate,hf:generate_batch,hf:generate@bfloat16",
+        "omni:normal+int8,omni:async_decode+int8,hf:generate,hf:generate_batch,hf:generate@bfloat16",
     )
     p.add_argument("--generate-batch-max", type=int, default=16, help="skip hf:generate_batch above this C")
     p.add_argument("--repeats", type=int, default=2)

@@ -14,7 +14,8 @@ from .device import make_step_executor
 from .errors import ConfigError
 from .kv.allocator import PageAllocator
 from .kv.cache import PagedKVCache
-from .models.loader import LoadedModel, load_model
+from .models.loader import LoadedModel, load_model, resolve_dtype
+from .models.quantized import check_quantization, quantization_of, quantize_linears
 from .runners.native import NativeModelRunner
 from .scheduler import AsyncOmniScheduler, ModelLimits
 from .weights import NativeModelWorker
@@ -91,11 +92,14 @@ def build_native_stack(
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
+    requested = None if dtype is None else resolve_dtype(dtype, "float32", device)
+    check_quantization(config.quantization, device, requested, config.tensor_parallel_size)
     if config.tensor_parallel_size > 1:
         from .parallel.launch import build_parallel_stack
 
         return build_parallel_stack(path_or_name, config, device=device, dtype=dtype, seed=seed)
     loaded = load_model(path_or_name, dtype=dtype, device=device, seed=seed)
+    quantize_linears(loaded.model, config.quantization)
     num_pages = kv_pages_for(config, loaded, device, next(loaded.model.parameters()).dtype)
     return assemble_stack(loaded, config, device, num_pages, NativeModelRunner(loaded.model, kv_cache(loaded, config, device, num_pages), device, seed=seed, fused_kernels=config.fused_kernels))
 
@@ -157,6 +161,7 @@ def build_scheduler(stack: NativeStack, config: SchedulerConfig, **callbacks: An
         "device": str(stack.device),
         "dtype": str(next(stack.loaded.model.parameters()).dtype).replace("torch.", ""),
         "weight_version": "initial",
+        "quantization": quantization_of(stack.loaded.model),
     }
     executor = make_step_executor(config.step_launch, stack.device.type, config.event_wait)
     tp = stack.tensor_parallel

@@ -153,6 +153,10 @@ def _is_finite(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
+# Weight formats the native CPU path can run its projections in (SchedulerConfig.quantization).
+QUANTIZATION_MODES = ("int8",)
+
+
 @dataclass
 class SchedulerConfig:
     """Limits and loop choice of one :class:`~omni_async.scheduler.AsyncOmniScheduler`.
@@ -209,6 +213,10 @@ class SchedulerConfig:
     # live until the readers run, so at 700 a young-generation pass runs every step or
     # two; 10_000 cuts that to a few per run (bench/host_overhead.py). Process-wide.
     gc_gen0_threshold: int | None = None
+    # Native backend on CPU: "int8" runs every projection and the output head through
+    # int8 GEMMs (weights per channel, activations per step; float32 elsewhere): faster,
+    # not exact (see omni_async/models/quantized.py). None keeps the exact float path.
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         if self.loop not in LOOP_KINDS:
@@ -245,6 +253,8 @@ class SchedulerConfig:
                 raise ConfigError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.gc_gen0_threshold is not None and (not _is_int(self.gc_gen0_threshold) or self.gc_gen0_threshold < 1):
             raise ConfigError(f"gc_gen0_threshold must be an integer >= 1 or None, got {self.gc_gen0_threshold!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATION_MODES:
+            raise ConfigError(f"unknown quantization {self.quantization!r}; choose None or one of {', '.join(QUANTIZATION_MODES)}")
         if not (0 < self.kv_memory_fraction <= 1):
             raise ConfigError("kv_memory_fraction must be in (0, 1]")
         if not (0 <= self.aborted_id_keep <= self.aborted_id_cap):

@@ -22,6 +22,7 @@ from ..kv.attention import AttentionContext, paged_attention, pages_from_slots
 from ..kv.cache import PagedKVCache
 from .config import ModelConfig
 from .merged import MergedLinear
+from .quantized import Linear
 
 
 class RMSNorm(nn.Module):
@@ -99,7 +100,7 @@ class Attention(nn.Module):
         h, d = cfg.hidden_size, cfg.head_dim
         parts = {"q_proj": cfg.num_heads * d, "k_proj": cfg.num_kv_heads * d, "v_proj": cfg.num_kv_heads * d}
         self.qkv_proj = MergedLinear(h, parts, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(cfg.num_heads * d, h, bias=cfg.o_bias)
+        self.o_proj = Linear(cfg.num_heads * d, h, bias=cfg.o_bias)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
@@ -132,7 +133,7 @@ class MLP(nn.Module):
         super().__init__()
         parts = {"gate_proj": cfg.intermediate_size, "up_proj": cfg.intermediate_size}
         self.gate_up_proj = MergedLinear(cfg.hidden_size, parts, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor, ops: ReferenceOps) -> torch.Tensor:
         return self.down_proj(ops.silu_mul(self.gate_up_proj(x)))
@@ -180,7 +181,7 @@ class DecoderModel(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = _Backbone(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_weights()
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
         self.ops: ReferenceOps = ReferenceOps()  # replaced by fused kernels on CUDA

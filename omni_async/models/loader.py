@@ -23,6 +23,7 @@ from .config import ModelConfig
 from .decoder import DecoderModel, rope_inv_freq
 from .generation_config import with_generation_eos
 from .merged import hf_named_tensors, hf_parameter_slots
+from .quantized import refresh_quantized
 from .gguf import SMOLLM2_NAME, is_gguf_path, smollm2_path
 
 DTYPES = {
@@ -237,4 +238,5 @@ def copy_named_tensors(
     with torch.no_grad():
         for target, tensor in staged:
             target.copy_(tensor.to(device=target.device, dtype=target.dtype))
+    refresh_quantized(model)  # int8 copies follow their float weights
     return sorted(seen)

@@ -18,8 +18,10 @@ from typing import Iterator
 import torch
 from torch import nn
 
+from .quantized import Linear
 
-class MergedLinear(nn.Linear):
+
+class MergedLinear(Linear):
     """One ``nn.Linear`` whose output rows are named parts laid end to end, e.g.
     ``{"q_proj": 896, "k_proj": 128, "v_proj": 128}``."""
 
