@@ -93,4 +93,6 @@ async def test_int8_smollm2_stays_near_float32():
             prompts = [render_chat_ids(engine.tokenizer, [{"role": "user", "content": q}]) for q in questions]
             answers[mode] = await greedy(engine, prompts, 8)
     firsts = sum(a[0] == b[0] for a, b in zip(answers["int8"], answers[None]))
-    assert firsts >= 4 and prefix_agreement(answers["int8"], answers[None]) >= 0.2
+    # Measured here: 5 of 8 first tokens and 0.45 of the answers. The floor leaves room for
+    # a CPU whose int8 kernels round differently (AVX2 without VNNI); garbage agrees with ~0.
+    assert firsts >= 3 and prefix_agreement(answers["int8"], answers[None]) >= 0.15
