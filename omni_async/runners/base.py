@@ -246,10 +246,12 @@ class ModelRunner:
     def _advance(self, so: SchedulerOutput, forward_batch: Any, rows: list[int], outputs: dict[str, RequestOutput]) -> None:
         """Commit ``generation_steps`` for the rows that got a token."""
         skip = self.finalize_skip_rids(so)
-        cls = type(self)
+        cls, own = type(self), self.__dict__
         hooked = (
             cls.on_generation_steps_advanced is not ModelRunner.on_generation_steps_advanced
             or cls.on_generation_step_advanced is not ModelRunner.on_generation_step_advanced
+            or "on_generation_steps_advanced" in own  # a hook set on the instance
+            or "on_generation_step_advanced" in own
         )
         advanced = []
         requests = so.requests
