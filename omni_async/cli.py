@@ -9,7 +9,7 @@ import sys
 import time
 
 from . import errors
-from .cli_options import add_model_flags, engine_limits, env_default
+from .cli_options import add_model_flags, engine_limits, env_default, parse_bool
 from .config import SamplingParams
 from .engine import Engine
 from .logs import configure_cli_logging
@@ -209,6 +209,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--served-model-name", default=env_default("served_model_name", None),
         help="the model id clients send; None: the folder's name, or tiny [env OMNI_ASYNC_SERVED_MODEL_NAME]",
+    )
+    # The server owns its process, so the collector is tuned for serving unless told
+    # otherwise (a full GC pass over torch's heap stalls every stream; bench/RESULTS.md).
+    serve.set_defaults(
+        gc_freeze=env_default("gc_freeze", True, parse_bool),
+        gc_gen0_threshold=env_default("gc_gen0_threshold", 10_000, int),
     )
     pipe = sub.add_parser("pipeline-demo", help="a thinker streaming into a talker in one event loop (built-in tiny models)", formatter_class=fmt)
     _add_model_args(pipe)

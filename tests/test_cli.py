@@ -167,13 +167,15 @@ def test_help_shows_every_limit_with_default_and_variable(cli_runs):
 
     from omni_async import SchedulerConfig
 
-    text = " ".join(cli_runs["help"].stdout.split())
+    text = " ".join(cli_runs["help"].stdout.split())  # the help of `serve`
+    serve_defaults = {"gc_freeze": True, "gc_gen0_threshold": 10_000}  # the server owns its process
     for f in dataclasses.fields(SchedulerConfig):
         if f.name == "loop":
             continue
         flag = "--" + f.name.replace("_", "-")
         assert flag in text, flag
-        assert f"[env OMNI_ASYNC_{f.name.upper()}] (default: {f.default})" in text, f.name
+        default = serve_defaults.get(f.name, f.default)
+        assert f"[env OMNI_ASYNC_{f.name.upper()}] (default: {default})" in text, f.name
 
 
 def test_serve_command(tmp_path):
@@ -212,3 +214,14 @@ def test_serve_command(tmp_path):
         out, err = proc.communicate(timeout=60)
     assert proc.returncode == 0, err
     assert "loaded tiny" in err and "Traceback" not in err
+
+
+def test_serve_tunes_the_collector_by_default_and_the_library_does_not():
+    """The server owns its process; an embedding application keeps Python's GC settings."""
+    from omni_async.cli import build_parser
+    from omni_async.cli_options import engine_limits
+
+    parser = build_parser()
+    assert engine_limits(parser.parse_args(["serve"])) == {"gc_freeze": True, "gc_gen0_threshold": 10_000}
+    assert engine_limits(parser.parse_args(["serve", "--no-gc-freeze", "--gc-gen0-threshold", "none"])) == {}
+    assert "gc_freeze" not in engine_limits(parser.parse_args(["demo"]))
