@@ -134,3 +134,14 @@ async def test_sglang_qwen2_and_stop_tokens(sg_checkpoints):
     assert [t for d in deltas for t in d.token_ids] == ref[:6] and deltas[-1].finished
     assert info["success"] and info["data"]["backend"] == "sglang"
     assert_sglang_pools_free(engine)
+
+
+async def test_sglang_without_its_prefix_cache(sg_checkpoints):
+    """``enable_prefix_cache=False`` turns SGLang's radix cache off (its chunk cache
+    serves instead); tokens still equal transformers under the same KV pressure."""
+    folder = sg_checkpoints["llama"]
+    prompts, lengths = _workload(512)
+    sg = sglang_engine(folder, loop="overlap", enable_prefix_cache=False, **LIMITS)
+    results = await _run_all(sg, prompts, lengths)
+    assert type(sg.stack.core.tree_cache).__name__ != "RadixCache"
+    assert [r.output_ids for r in results] == _expected(folder, prompts, lengths)

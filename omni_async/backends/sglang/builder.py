@@ -141,6 +141,7 @@ def build_stack(
         random_seed=int(seed),
         schedule_policy="fcfs",
         disable_overlap_schedule=True,  # omni-async's loops do the overlapping
+        disable_radix_cache=not config.enable_prefix_cache,  # SGLang's own prefix cache
         sampling_backend="pytorch",
         load_format="safetensors",
         log_level="error",
