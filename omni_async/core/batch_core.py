@@ -117,7 +117,7 @@ class NativeBatchCore(BatchCore):
         kv = self.kv
         candidates: list[Request] = ([self.chunked] if self.chunked is not None else []) + list(self.waiting)
         slots = cfg.max_running_requests - len(self.running)
-        computing: set = set()  # index keys of the first page each row computes (None: none)
+        computing: set = set()  # index keys of the first page each row computes
         for req in candidates:
             if budget <= 0 or slots <= 0:
                 break
@@ -141,7 +141,8 @@ class NativeBatchCore(BatchCore):
                 break
             req.pages.extend(kv.allocate(pages_needed))
             reserved += int(math.ceil(future))
-            computing.add(computing_key(kv, req))
+            if (key := computing_key(kv, req)) is not None:
+                computing.add(key)
             rows.append((req, n))
             budget -= n
             if req.step_failures:

@@ -26,8 +26,7 @@ def reuse_prefix(kv: PrefixCache, req: Request, computing: set[Key]) -> bool:
         return True
     fill = req.fill_ids()
     pages = kv.match(fill, len(fill) - 1)
-    next_key = kv.first_unmatched_key(fill, pages) if computing else None
-    if next_key is not None and next_key in computing:
+    if computing and kv.first_unmatched_key(fill, pages) in computing:
         kv.release(pages)
         return False
     req.pages = pages
