@@ -25,8 +25,25 @@ class ForwardMode(enum.Enum):
         return self is ForwardMode.DECODE
 
 
+class StepShape:
+    """What every backend's scheduled step says about itself, derived from its ``mode``
+    and ``reqs`` (the native batch below and the SGLang backend's snapshot share it)."""
+
+    @property
+    def is_decode(self) -> bool:
+        return self.mode is ForwardMode.DECODE  # type: ignore[attr-defined]
+
+    @property
+    def forward_mode(self) -> ForwardMode:
+        return self.mode  # type: ignore[attr-defined]
+
+    @property
+    def size(self) -> int:
+        return len(self.reqs)  # type: ignore[attr-defined]
+
+
 @dataclass(eq=False)
-class ScheduledBatch:
+class ScheduledBatch(StepShape):
     mode: ForwardMode
     reqs: list[Request]
     epochs: list[int]
@@ -47,18 +64,6 @@ class ScheduledBatch:
     page_tables: list[list[int]] = field(default_factory=list)
     page_counts: list[int] = field(default_factory=list)
     step_id: int = 0
-
-    @property
-    def is_decode(self) -> bool:
-        return self.mode is ForwardMode.DECODE
-
-    @property
-    def forward_mode(self) -> ForwardMode:
-        return self.mode
-
-    @property
-    def size(self) -> int:
-        return len(self.reqs)
 
     @property
     def num_tokens(self) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ...core.batch import ForwardMode
+from ...core.batch import ForwardMode, StepShape
 from ...core.request import Request
 
 from sglang.srt.managers.schedule_batch import (
@@ -18,7 +18,7 @@ from sglang.srt.managers.schedule_batch import (
 )
 
 
-class SGLangScheduledBatch:
+class SGLangScheduledBatch(StepShape):
     """One scheduled step, with the attributes the loops and runners read from a
     :class:`~omni_async.core.batch.ScheduledBatch`, over a snapshot of SGLang's
     ``ScheduleBatch`` (the scheduler's own object keeps changing while the step runs
@@ -48,18 +48,6 @@ class SGLangScheduledBatch:
         self.step_id = step_id
         self.executed = False  # set by the step executor once the step ran (or failed) on the worker
         self.processed = False
-
-    @property
-    def is_decode(self) -> bool:
-        return self.mode is ForwardMode.DECODE
-
-    @property
-    def forward_mode(self) -> ForwardMode:
-        return self.mode
-
-    @property
-    def size(self) -> int:
-        return len(self.reqs)
 
     @property
     def num_tokens(self) -> int:
