@@ -203,34 +203,40 @@ class ModelRunner:
         if host is None or result.next_token_ids is not pending.copied:
             host = self._copy_to_host(result, wait=True)  # a hook replaced the tokens
         token_ids, ok, logprobs = _host_values(host)
-        outputs: dict[str, RequestOutput] = {}
-        row_errors: dict[int, str] = {}
-        taken: list[int] = []
         kept, epochs, reqs = batch.samples_kept, batch.epochs, batch.reqs
-        for i, sr in enumerate(requests):
-            rid = sr.request_id
-            req = reqs[i]  # live: not finished or retracted since it was scheduled
-            if kept[i] and req.finish_reason is None and req.epoch == epochs[i]:
-                if ok[i]:
-                    lp = logprobs[i] if logprobs is not None else None
-                    outputs[rid] = RequestOutput(request_id=rid, data=token_ids[i], logprob=lp)
-                    taken.append(i)
-                    continue
-                row_errors[i] = NO_TOKEN_MESSAGE
-            outputs[rid] = RequestOutput(request_id=rid)
-        if result.top_ids is not None:
-            self._attach_top_logprobs(result, requests, taken, outputs)
-        self.post_process_outputs(result, so, outputs)
-        self._advance(so, pending.forward_batch, taken, outputs)
-        req_ids = [r.request_id for r in requests]
-        return ModelRunnerOutput(
-            outputs=outputs,
-            req_ids=req_ids,
-            req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
+        # Live rows: not finished or retracted since the step was scheduled.
+        live = [i for i, (k, r, e) in enumerate(zip(kept, reqs, epochs)) if k and r.finish_reason is None and r.epoch == e]
+        row_errors: dict[int, str] = {}
+        if all(ok):
+            taken = live
+        else:
+            taken = [i for i in live if ok[i]]
+            row_errors = {i: NO_TOKEN_MESSAGE for i in live if not ok[i]}
+        out = ModelRunnerOutput(
+            requests=requests, token_ids=token_ids, logprobs=logprobs, row_errors=row_errors, taken=taken,
             can_run_cuda_graph=result.can_run_cuda_graph,
-            token_ids=token_ids,
-            logprobs=logprobs,
-            row_errors=row_errors,
+        )
+        if result.top_ids is not None or self.wants_request_outputs(result):
+            outputs = out.outputs
+            if result.top_ids is not None:
+                self._attach_top_logprobs(result, requests, taken, outputs)
+            self.post_process_outputs(result, so, outputs)
+        self._advance(so, pending.forward_batch, taken, out.built_outputs or {})
+        return out
+
+    def wants_request_outputs(self, result: BatchResult) -> bool:
+        """Whether this step needs a ``RequestOutput`` per request: when a subclass
+        overrides ``post_process_outputs`` or a step hook. Plain steps skip them."""
+        cls = type(self)
+        return cls.post_process_outputs is not ModelRunner.post_process_outputs or self._step_hooked()
+
+    def _step_hooked(self) -> bool:
+        cls, own = type(self), self.__dict__
+        return (
+            cls.on_generation_steps_advanced is not ModelRunner.on_generation_steps_advanced
+            or cls.on_generation_step_advanced is not ModelRunner.on_generation_step_advanced
+            or "on_generation_steps_advanced" in own  # a hook set on the instance
+            or "on_generation_step_advanced" in own
         )
 
     @staticmethod
@@ -246,15 +252,13 @@ class ModelRunner:
     def _advance(self, so: SchedulerOutput, forward_batch: Any, rows: list[int], outputs: dict[str, RequestOutput]) -> None:
         """Commit ``generation_steps`` for the rows that got a token."""
         skip = self.finalize_skip_rids(so)
-        cls, own = type(self), self.__dict__
-        hooked = (
-            cls.on_generation_steps_advanced is not ModelRunner.on_generation_steps_advanced
-            or cls.on_generation_step_advanced is not ModelRunner.on_generation_step_advanced
-            or "on_generation_steps_advanced" in own  # a hook set on the instance
-            or "on_generation_step_advanced" in own
-        )
-        advanced = []
         requests = so.requests
+        if not outputs and not skip:  # a plain step: only the counters move
+            for i in rows:
+                requests[i].data.generation_steps += 1
+            return
+        hooked = self._step_hooked()
+        advanced = []
         for i in rows:
             sr = requests[i]
             rid = sr.request_id
@@ -264,9 +268,9 @@ class ModelRunner:
             data.generation_steps += 1
             if hooked:
                 advanced.append((sr, data.generation_steps))
-            extra = outputs[rid].extra
-            if extra:
-                data.extra_model_outputs.update(extra)
+            out = outputs.get(rid)
+            if out is not None and out.extra:
+                data.extra_model_outputs.update(out.extra)
         if advanced:  # only a runner that overrides a hook pays for the list
             self.on_generation_steps_advanced(advanced, forward_batch)
 

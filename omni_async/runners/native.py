@@ -222,6 +222,15 @@ class NativeModelRunner(ModelRunner):
             slots, tokens = slots.index_select(0, kept_dev), tokens.index_select(0, kept_dev)
         self.inputs.publish(slots, tokens)
 
+    def wants_request_outputs(self, result) -> bool:
+        """Per-request outputs only for a step with hidden states (or a subclass's own
+        ``post_process_outputs`` or step hook)."""
+        return (
+            result.hidden_states is not None
+            or type(self).post_process_outputs is not NativeModelRunner.post_process_outputs
+            or self._step_hooked()
+        )
+
     def post_process_outputs(self, result, scheduler_output, outputs) -> None:
         if result.hidden_states is None:
             return

@@ -158,7 +158,7 @@ class Emission:
                 if batch.row_is_live(row):
                     self.fail_request(req, errors.RequestFailedError(f"sampling failed for this request: {message}"))
             outcomes = self.core.process_result(batch, out.token_ids, out.logprobs)
-            outputs = out.outputs
+            outputs = out.built_outputs  # None on a plain step
             inline = self.stream_output_builder is default_stream_output_builder and not debug_enabled()
             pending = self._pending
             emitted = 0
@@ -168,17 +168,23 @@ class Emission:
                 if token is not None:
                     emitted += 1
                     logprob = oc.logprob
-                    if logprob is not None and req.sampling.return_logprob:
+                    want_lp = logprob is not None and req.sampling.return_logprob
+                    if want_lp:
                         req.data.output_token_logprobs.append([logprob, token])
                     req_output = outputs.get(req.rid) if outputs else None
-                    if req_output is None:
-                        req_output = RequestOutput(req.rid, token, logprob=logprob)
-                    req_output.finished = oc.finished
-                    if inline:
-                        if req_output.data is not None:
-                            pending.append(stream_message(req, req_output))
-                    elif not self._emit_stream(req, req_output):
-                        continue
+                    if req_output is None and inline:  # the common step: the message, directly
+                        rid, fin = req.rid, oc.finished
+                        pending.append(OutgoingMessage(rid, "stream", StreamDelta(
+                            rid, [token], [logprob] if want_lp else None, fin, req.finish_reason if fin else None)))
+                    else:
+                        if req_output is None:
+                            req_output = RequestOutput(req.rid, token, logprob=logprob)
+                        req_output.finished = oc.finished
+                        if inline:
+                            if req_output.data is not None:
+                                pending.append(stream_message(req, req_output))
+                        elif not self._emit_stream(req, req_output):
+                            continue
                 if oc.finished:
                     self.finish(req)
             if self.stats is not None:
