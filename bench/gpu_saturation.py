@@ -166,6 +166,106 @@ class StallWatch:
         self._t.join()
 
 
+class StepTimeline:
+    """Per step, where the time goes (bench instrumentation, wrapped around one engine's
+    runner and emission): host time to launch, CUDA-event GPU time between the launch's
+    first and last enqueue, when the output was collected and processed. Summarised per
+    phase: prefill steps (any row prefilling) and decode-only steps."""
+
+    def __init__(self, eng: Engine) -> None:
+        self.steps: list[dict] = []
+        st = eng.scheduler.stepper
+        runner, sink = st.runner, st.sink
+        launch, collect, process = runner.launch, runner.collect, sink.on_step_output
+        by_out: dict[int, dict] = {}
+
+        def timed_launch(sched_output, lookahead=False):
+            b = sched_output.batch_data
+            rec = {"decode": bool(b.is_decode), "rows": b.size, "thread": threading.get_ident(),
+                   "ev0": torch.cuda.Event(enable_timing=True), "ev1": torch.cuda.Event(enable_timing=True)}
+            rec["ev0"].record()
+            t0 = time.perf_counter()
+            pending = launch(sched_output, lookahead=lookahead)
+            rec["launch_s"] = (t0, time.perf_counter())
+            rec["ev1"].record()
+            self.steps.append(rec)
+            if pending is not None:
+                by_out[id(pending)] = rec
+            return pending
+
+        def timed_collect(pending):
+            t0 = time.perf_counter()
+            out = collect(pending)
+            rec = by_out.pop(id(pending), None)
+            if rec is not None:
+                rec["collect_s"] = (t0, time.perf_counter())
+                by_out[id(out)] = rec
+            return out
+
+        def timed_process(batch, out):
+            t0 = time.perf_counter()
+            process(batch, out)
+            rec = by_out.pop(id(out), None)
+            if rec is not None:
+                rec["process_s"] = (t0, time.perf_counter())
+
+        runner.launch, runner.collect, sink.on_step_output = timed_launch, timed_collect, timed_process
+        self._restore = lambda: (delattr(runner, "launch"), delattr(runner, "collect"), delattr(sink, "on_step_output"))
+
+    def close(self) -> None:
+        self._restore()
+
+    def summary(self, wall_s: float) -> dict:
+        torch.cuda.synchronize()
+        loop_thread = threading.get_ident()
+        out: dict = {"wall_s": wall_s}
+        for phase, want in (("prefill", False), ("decode", True)):
+            rs = [r for r in self.steps if r["decode"] == want]
+            if not rs:
+                continue
+            gpu = [r["ev0"].elapsed_time(r["ev1"]) for r in rs]
+            launch = [1000 * (r["launch_s"][1] - r["launch_s"][0]) for r in rs]
+            collect = [1000 * (r["collect_s"][1] - r["collect_s"][0]) for r in rs if "collect_s" in r]
+            process = [1000 * (r["process_s"][1] - r["process_s"][0]) for r in rs if "process_s" in r]
+            span = (min(r["launch_s"][0] for r in rs), max(r.get("process_s", r["launch_s"])[1] for r in rs))
+            out[phase] = {
+                "steps": len(rs), "rows_mean": statistics.mean(r["rows"] for r in rs),
+                "on_loop_thread": sum(r["thread"] == loop_thread for r in rs),
+                "gpu_ms_sum": sum(gpu), "gpu_ms_median": statistics.median(gpu),
+                "launch_ms_sum": sum(launch), "launch_ms_median": statistics.median(launch),
+                "collect_ms_sum": sum(collect), "process_ms_sum": sum(process),
+                "process_ms_median": statistics.median(process) if process else None,
+                "first_s": span[0], "last_s": span[1],
+            }
+        t0 = min(r["launch_s"][0] for r in self.steps)
+        for phase in ("prefill", "decode"):
+            if phase in out:
+                out[phase]["first_s"] -= t0
+                out[phase]["last_s"] -= t0
+        out["gpu_busy_from_events"] = sum(out[p]["gpu_ms_sum"] for p in ("prefill", "decode") if p in out) / 1000 / wall_s
+        return out
+
+
+async def section_timeline(path: Path, loops: tuple[str, ...], gc_mode: str = "tuned") -> dict:
+    """One W256 run per loop with every step timed (see StepTimeline)."""
+    reqs = workload(256, seed=1)
+    out = {}
+    for loop in loops:
+        eng = engine(path, loop, 256)
+        async with eng:
+            await warm_up(eng)
+            apply_gc_mode(gc_mode)
+            tl = StepTimeline(eng)
+            r = await run_workload(eng, reqs, 128)
+            tl.close()
+            apply_gc_mode("default")
+            out[loop] = {"run": r, "timeline": tl.summary(r["wall_s"])}
+        log("timeline", loop, json.dumps(out[loop], default=lambda x: round(x, 3) if isinstance(x, float) else str(x)))
+        del eng
+        torch.cuda.empty_cache()
+    return out
+
+
 def summary(runs: list[dict], key: str) -> dict:
     xs = [r[key] for r in runs if r.get(key) is not None]
     if not xs:
@@ -332,6 +432,7 @@ def main() -> None:
                                        tuple(args.gc.split(",")))),
         ("scale", lambda: section_scale(path, args.scale_loop, [int(x) for x in args.scale_sizes.split(",")])),
         ("floor", lambda: section_floor(path, [int(x) for x in args.floor_sizes.split(",")])),
+        ("timeline", lambda: section_timeline(path, tuple(args.loops.split(",")))),
     ):
         if name not in wanted:
             continue
