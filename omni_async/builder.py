@@ -105,10 +105,11 @@ def build_native_stack(
 
 
 def kv_cache(loaded: LoadedModel, config: SchedulerConfig, device: torch.device, num_pages: int) -> PagedKVCache:
-    """The paged KV of the model's (local) KV heads. On CUDA one extra page at the end
-    is the scratch page that padded graph rows write to."""
+    """The paged KV of the model's (local) KV heads, plus one page at the end that the
+    allocator never hands out: the scratch page that padded graph rows, and multi-step
+    rows past their last forward, write to."""
     cfg = loaded.model.config
-    scratch = 1 if device.type == "cuda" else 0
+    scratch = 1
     return PagedKVCache(
         num_layers=cfg.num_layers,
         num_pages=num_pages + scratch,

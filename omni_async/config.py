@@ -217,6 +217,13 @@ class SchedulerConfig:
     # int8 GEMMs (weights per channel, activations per step; float32 elsewhere): faster,
     # not exact (see omni_async/models/quantized.py). None keeps the exact float path.
     quantization: str | None = None
+    # Native backend: decode steps per launch. With k > 1 one scheduled decode step runs
+    # k forwards back to back on the device, each reading the tokens the one before
+    # sampled there; the host schedules, collects, checks finishes and streams once per
+    # k tokens, so its per-token cost falls about k-fold. Tokens are the same as k=1
+    # (tokens after a stop are discarded); a stop or abort is seen up to k-1 forwards
+    # late, and stream deltas carry up to k tokens. At most page_size.
+    decode_steps: int = 1
 
     def __post_init__(self) -> None:
         if self.loop not in LOOP_KINDS:
@@ -232,11 +239,14 @@ class SchedulerConfig:
             "request_build_max_workers",
             "aborted_id_cap",
             "tensor_parallel_size",
+            "decode_steps",
         )
         for name in positive:
             value = getattr(self, name)
             if not _is_int(value) or value < 1:
                 raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.decode_steps > self.page_size:
+            raise ConfigError(f"decode_steps must be at most page_size ({self.page_size}), got {self.decode_steps}")
         if not _is_int(self.chunked_prefill_size):
             raise ConfigError("chunked_prefill_size must be an integer (<= 0 disables)")
         if self.kv_capacity_tokens is not None and (

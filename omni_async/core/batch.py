@@ -63,6 +63,9 @@ class ScheduledBatch(StepShape):
     # later. The runner keeps its own page tables and reads only the new entries.
     page_tables: list[list[int]] = field(default_factory=list)
     page_counts: list[int] = field(default_factory=list)
+    # Decode only, with decode_steps > 1: the forwards each row runs in this launch
+    # (fewer than decode_steps where its length limit comes first). None: one.
+    row_steps: list[int] | None = None
     step_id: int = 0
 
     @property

@@ -19,6 +19,7 @@ from ..config import SchedulerConfig
 from ..kv.allocator import PageAllocator
 from ..kv.prefix_cache import PrefixCache
 from .batch import ForwardMode, ScheduledBatch
+from .multi_step import process_multi_step, row_steps
 from .prefix_reuse import computing_key, drop_prefix, index_pages, reuse_prefix
 from .protocol import BatchCore, StepOutcome
 from .request import Request
@@ -40,6 +41,7 @@ class NativeBatchCore(BatchCore):
         self.kv = PrefixCache(allocator, enabled=config.enable_prefix_cache)
         self.page_size = allocator.page_size
         self.context_length = context_length
+        self.decode_steps = config.decode_steps
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.chunked: Request | None = None
@@ -192,13 +194,15 @@ class NativeBatchCore(BatchCore):
         batch.input_ids = [-1 if r.num_inflight else (r.output_ids or r.prompt_ids)[-1] for r in decoding]
         batch.inflight_inputs = [(i, r) for i, r in enumerate(decoding) if r.num_inflight]
         ps, allocate = self.page_size, self.kv.allocate
-        for req in decoding:
+        steps = row_steps(decoding, self.decode_steps, self.context_length) if self.decode_steps > 1 else None
+        for req, k in zip(decoding, steps or repeat(1)):
             cached = req.num_cached
-            need = -(-(cached + 1) // ps) - len(req.pages)
+            need = -(-(cached + k) // ps) - len(req.pages)
             if need > 0:
                 req.pages.extend(allocate(need))
-            req.num_cached = cached + 1
-            req.num_inflight += 1
+            req.num_cached = cached + k
+            req.num_inflight += k
+        batch.row_steps = steps
         batch.page_tables = [r.pages for r in decoding]  # shared: see ScheduledBatch.page_tables
         batch.page_counts = [len(p) for p in batch.page_tables]
         self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
@@ -219,7 +223,8 @@ class NativeBatchCore(BatchCore):
         """A request holds the pages of its cached tokens, so one more token needs at most
         one more page: the per-request count runs only when that bound does not fit."""
         free, ps = self.kv.available_pages, self.page_size
-        return len(decoding) <= free or sum(max(0, -(-(r.num_cached + 1) // ps) - len(r.pages)) for r in decoding) <= free
+        k = self.decode_steps  # <= page_size: still at most one more page per row
+        return len(decoding) <= free or sum(max(0, -(-(r.num_cached + k) // ps) - len(r.pages)) for r in decoding) <= free
 
     def _retract_until_decode_fits(self, decoding: list[Request]) -> list[Request]:
         """Retract the newest requests until the next decode step of ``decoding`` fits
@@ -305,6 +310,8 @@ class NativeBatchCore(BatchCore):
     ) -> list[StepOutcome]:
         """Complete a step: append each live row's token and check its finish. One
         flat pass per step over the batch, inlined like ``_schedule_decode``."""
+        if batch.row_steps is not None:
+            return process_multi_step(self, batch, tokens, logprobs)
         outcomes: list[StepOutcome] = []
         add = outcomes.append
         ctx = self.context_length
@@ -318,7 +325,7 @@ class NativeBatchCore(BatchCore):
                 continue
             req.num_inflight -= 1
             if req.to_finish is not None:
-                self._finish(req, req.to_finish)
+                self.finish_request(req, req.to_finish)
                 add(StepOutcome(req, None, finished=True))
                 any_finished = True
                 continue
@@ -336,7 +343,7 @@ class NativeBatchCore(BatchCore):
             elif n >= sp.max_new_tokens or len(req.prompt_ids) + n + req.num_inflight >= ctx:
                 reason = "length"
             if reason is not None:
-                self._finish(req, reason)
+                self.finish_request(req, reason)
                 any_finished = True
                 add(StepOutcome(req, token, logprob, finished=True))
             else:
@@ -345,7 +352,7 @@ class NativeBatchCore(BatchCore):
             self.running = [r for r in self.running if r.finish_reason is None]
         return outcomes
 
-    def _finish(self, req: Request, reason: str) -> None:
+    def finish_request(self, req: Request, reason: str) -> None:
         req.finish_reason = reason
         req.num_inflight = 0
         self._release(req)
@@ -367,7 +374,7 @@ class NativeBatchCore(BatchCore):
         for req in self.waiting:
             if req.rid == rid:
                 self.waiting.remove(req)
-                self._finish(req, "abort")
+                self.finish_request(req, "abort")
                 return req
         for req in self.running + ([self.chunked] if self.chunked else []):
             if req.rid == rid and not req.finished():
@@ -382,7 +389,7 @@ class NativeBatchCore(BatchCore):
             reaped.append(self.chunked)
             self.chunked = None
         for req in reaped:
-            self._finish(req, req.to_finish or "abort")
+            self.finish_request(req, req.to_finish or "abort")
         self.running = [r for r in self.running if not r.finished()]
         return reaped
 
@@ -393,7 +400,7 @@ class NativeBatchCore(BatchCore):
         self.running = []
         self.chunked = None
         for req in victims:
-            self._finish(req, "abort")
+            self.finish_request(req, "abort")
         return victims
 
     def fail_requests(self, reqs: Sequence[Request]) -> list[Request]:
@@ -406,7 +413,7 @@ class NativeBatchCore(BatchCore):
                 self.waiting.remove(req)
             if self.chunked is req:
                 self.chunked = None
-            self._finish(req, "error")
+            self.finish_request(req, "error")
             failed.append(req)
         self.running = [r for r in self.running if not r.finished()]
         return failed

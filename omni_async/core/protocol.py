@@ -16,9 +16,13 @@ class StepOutcome:
     """What processing one row of a step produced."""
 
     req: Request
-    token: int | None  # None when the row was a non-final prefill chunk
+    token: int | None  # None when the row was a non-final prefill chunk; else the newest
     logprob: float | None = None
     finished: bool = False
+    # A multi-step decode row (decode_steps > 1): every token it kept, oldest first,
+    # and their logprobs when asked. None for a one-token row.
+    tokens: list[int] | None = None
+    logprobs: list[float] | None = None
 
 
 @runtime_checkable

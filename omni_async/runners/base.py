@@ -203,6 +203,9 @@ class ModelRunner:
         if host is None or result.next_token_ids is not pending.copied:
             host = self._copy_to_host(result, wait=True)  # a hook replaced the tokens
         token_ids, ok, logprobs = _host_values(host)
+        steps = getattr(batch, "row_steps", None)  # a multi-step decode: tokens forward-major
+        if steps is not None and not all(ok):
+            ok = _rows_ok(ok, steps)
         kept, epochs, reqs = batch.samples_kept, batch.epochs, batch.reqs
         # Live rows: not finished or retracted since the step was scheduled.
         live = [i for i, (k, r, e) in enumerate(zip(kept, reqs, epochs)) if k and r.finish_reason is None and r.epoch == e]
@@ -214,14 +217,14 @@ class ModelRunner:
             row_errors = {i: NO_TOKEN_MESSAGE for i in live if not ok[i]}
         out = ModelRunnerOutput(
             requests=requests, token_ids=token_ids, logprobs=logprobs, row_errors=row_errors, taken=taken,
-            can_run_cuda_graph=result.can_run_cuda_graph,
+            can_run_cuda_graph=result.can_run_cuda_graph, row_steps=steps,
         )
         if result.top_ids is not None or self.wants_request_outputs(result):
             outputs = out.outputs
             if result.top_ids is not None:
                 self._attach_top_logprobs(result, requests, taken, outputs)
             self.post_process_outputs(result, so, outputs)
-        self._advance(so, pending.forward_batch, taken, out.built_outputs or {})
+        self._advance(so, pending.forward_batch, taken, out.built_outputs or {}, steps)
         return out
 
     def wants_request_outputs(self, result: BatchResult) -> bool:
@@ -249,10 +252,14 @@ class ModelRunner:
             if k:
                 outputs[requests[i].request_id].extra["top_logprobs"] = list(zip(ids[i][:k], lps[i][:k]))
 
-    def _advance(self, so: SchedulerOutput, forward_batch: Any, rows: list[int], outputs: dict[str, RequestOutput]) -> None:
+    def _advance(self, so: SchedulerOutput, forward_batch: Any, rows: list[int], outputs: dict[str, RequestOutput], steps: list[int] | None = None) -> None:
         """Commit ``generation_steps`` for the rows that got a token."""
         skip = self.finalize_skip_rids(so)
         requests = so.requests
+        if steps is not None:  # a multi-step decode: each row advanced by its forwards
+            for i in rows:
+                if not (skip and requests[i].request_id in skip):
+                    requests[i].data.generation_steps += steps[i] - 1
         if not outputs and not skip:  # a plain step: only the counters move
             for i in rows:
                 requests[i].data.generation_steps += 1
@@ -292,11 +299,11 @@ class ModelRunner:
         """One ``[2 or 3, B]`` int64 tensor (tokens, ok, float32 logprob bits) copied
         to pinned host memory without waiting (the step's event marks it complete), or
         with a wait when asked."""
-        tokens = result.next_token_ids.to(torch.long)
-        ok = result.sample_ok if result.sample_ok is not None else torch.ones_like(tokens, dtype=torch.bool)
+        tokens = result.next_token_ids.to(torch.long).reshape(-1)  # a multi-step decode's [k, B] flattened
+        ok = result.sample_ok.reshape(-1) if result.sample_ok is not None else torch.ones_like(tokens, dtype=torch.bool)
         parts = [tokens, ok.to(torch.long)]
         if result.next_token_logprobs is not None:
-            parts.append(result.next_token_logprobs.to(torch.float32).view(torch.int32).to(torch.long))
+            parts.append(result.next_token_logprobs.reshape(-1).to(torch.float32).view(torch.int32).to(torch.long))
         packed = torch.stack(parts)
         if packed.device.type == "cpu" or wait:
             return packed.cpu()
@@ -374,6 +381,12 @@ class ModelRunner:
     def on_generation_steps_advanced(self, advanced_steps, forward_batch) -> None:
         for sched_req, steps in advanced_steps:
             self.on_generation_step_advanced(sched_req, steps)
+
+
+def _rows_ok(ok: list[int], steps: list[int]) -> list[int]:
+    """Per row of a multi-step decode: 1 when each of its forwards sampled a token."""
+    size = len(steps)
+    return [int(all(ok[j * size + i] for j in range(n))) for i, n in enumerate(steps)]
 
 
 def _host_values(host: torch.Tensor) -> tuple[list[int], list[int], list[float] | None]:

@@ -42,6 +42,11 @@ class ForwardBatch:
     sample_indices_dev: torch.Tensor
     block_tables: torch.Tensor | None = None  # set when the step replays a CUDA graph
     capture_hidden: bool = False  # the step hands out each sampled row's hidden state
+    # A multi-step decode (decode_steps > 1): forwards per row on the device, the rows'
+    # page tables, and the widest context of the first forward.
+    row_steps: torch.Tensor | None = None
+    tables: torch.Tensor | None = None
+    span: int = 0
 
 
 class NativeModelRunner(ModelRunner):
@@ -93,22 +98,73 @@ class NativeModelRunner(ModelRunner):
 
     def _build_decode(self, batch: ScheduledBatch, rows: SlotRows, sidx: np.ndarray, capture: bool) -> ForwardBatch:
         """One small host array, one copy; the rest is gathered on the device."""
-        ps = self.page_size
         host = np.array([batch.prefix_lens, batch.input_ids, sidx], dtype=np.int64)
         positions, host_ids, sidx_dev = torch.from_numpy(host).to(self.device, non_blocking=True).unbind(0)
         # A decode input still in flight (-1 on the host) is the slot's newest token.
         input_ids = torch.where(host_ids >= 0, host_ids, self.inputs.last_token.index_select(0, rows.slots_dev))
         tables = self.inputs.block_tables(rows)
-        slot_mapping = tables.gather(1, (positions // ps)[:, None]).squeeze(1) * ps + positions % ps
-        kv_lens = positions + 1
-        logits_rows = torch.arange(batch.size, device=self.device)
         graphed = None if capture else self._graph_tables(batch, rows, tables)
-        ctx = AttentionContext(is_decode=True, slot_mapping=slot_mapping, logits_rows=logits_rows, kv_lens=kv_lens)
+        span = max(batch.prefix_lens) + 1
+        ctx = self._decode_ctx(tables, positions, graphed, span)
+        fb = ForwardBatch(input_ids, positions, ctx, batch, rows, sidx, sidx_dev, block_tables=graphed, capture_hidden=capture)
+        if batch.row_steps is not None:
+            fb.row_steps = torch.tensor(batch.row_steps, dtype=torch.long).to(self.device, non_blocking=True)
+            fb.tables, fb.span = tables, span
+        return fb
+
+    def _decode_ctx(self, tables: torch.Tensor, positions: torch.Tensor, graphed: torch.Tensor | None, span: int,
+                    valid: torch.Tensor | None = None) -> AttentionContext:
+        """Where each row's new KV goes and what it attends to; rows not ``valid`` (a
+        multi-step row past its last forward) write to the scratch page."""
+        ps = self.page_size
+        slot_mapping = tables.gather(1, (positions // ps)[:, None]).squeeze(1) * ps + positions % ps
+        if valid is not None:
+            slot_mapping = torch.where(valid, slot_mapping, (self.kv.num_pages - 1) * ps)
+        logits_rows = torch.arange(positions.shape[0], device=self.device)
+        ctx = AttentionContext(is_decode=True, slot_mapping=slot_mapping, logits_rows=logits_rows, kv_lens=positions + 1)
         if graphed is None and self.use_kernel:
             ctx.block_tables, ctx.page_size, ctx.use_kernel = tables, ps, True
         elif graphed is None:  # the torch reference: pages gathered into a padded [B, L] view
-            ctx.kv_slots = slots_from_tables(tables, ps)[:, : max(batch.prefix_lens) + 1]
-        return ForwardBatch(input_ids, positions, ctx, batch, rows, sidx, sidx_dev, block_tables=graphed, capture_hidden=capture)
+            ctx.kv_slots = slots_from_tables(tables, ps)[:, :span]
+        return ctx
+
+    def _forward_and_sample(self, fb: ForwardBatch, batch: ScheduledBatch, requests: list, is_prefill: bool, lookahead: bool):
+        """A multi-step decode runs its forwards back to back, each on the tokens the one
+        before sampled (published to the slots, so penalties see them); the step's
+        result holds every forward's tokens, forward-major ``[k, B]``."""
+        if fb.row_steps is None:
+            return super()._forward_and_sample(fb, batch, requests, is_prefill, lookahead)
+        results: list[BatchResult] = []
+        sub = fb
+        for j in range(max(batch.row_steps)):
+            if j:
+                sub = self._next_forward(fb, j, results[-1].next_token_ids)
+            result, launch_buf = super()._forward_and_sample(sub, batch, requests, False, lookahead)
+            if launch_buf is not None:
+                result.next_token_ids = launch_buf
+            self.inputs.publish(fb.rows.slots_dev, result.next_token_ids)
+            results.append(result)
+        last = results[-1]
+        merged = BatchResult(
+            logits=last.logits,
+            next_token_ids=torch.stack([r.next_token_ids for r in results]),
+            next_token_logprobs=None if last.next_token_logprobs is None else torch.stack([r.next_token_logprobs for r in results]),
+            hidden_states=last.hidden_states,
+            can_run_cuda_graph=last.can_run_cuda_graph,
+            sample_ok=None if last.sample_ok is None else torch.stack([r.sample_ok for r in results]),
+        )
+        return merged, (merged.next_token_ids if lookahead else None)
+
+    def _next_forward(self, fb: ForwardBatch, j: int, tokens: torch.Tensor) -> ForwardBatch:
+        """Forward ``j`` of a multi-step decode: one position further for every row that
+        still runs (the others repeat their last position and write to scratch)."""
+        assert fb.row_steps is not None and fb.tables is not None
+        positions = fb.positions + (fb.row_steps - 1).clamp(max=j)
+        ctx = self._decode_ctx(fb.tables, positions, fb.block_tables, fb.span + j, valid=fb.row_steps > j)
+        return ForwardBatch(
+            tokens, positions, ctx, fb.batch, fb.rows, fb.sample_indices + j, fb.sample_indices_dev + j,
+            block_tables=fb.block_tables, capture_hidden=fb.capture_hidden,
+        )
 
     def _build_extend(self, batch: ScheduledBatch, rows: SlotRows, sidx: np.ndarray) -> ForwardBatch:
         """Flat token positions and KV slots computed with numpy from the host page
@@ -212,6 +268,8 @@ class NativeModelRunner(ModelRunner):
     def publish_tokens(self, result: BatchResult, forward_batch: ForwardBatch, schedule_batch) -> None:
         """Rows that keep their token record it in their slot: the next decode step
         reads it there even before the host has seen it."""
+        if forward_batch.row_steps is not None:
+            return  # a multi-step decode published each forward's tokens as it went
         tokens = result.next_token_ids
         slots = forward_batch.rows.slots_dev
         if not schedule_batch.is_decode and not all(schedule_batch.samples_kept):

@@ -56,11 +56,13 @@ class ModelRunnerOutput:
     taken: list[int] = field(default_factory=list)  # rows that got a token
     can_run_cuda_graph: bool = False
     built_outputs: dict[str, RequestOutput] | None = None  # ``outputs`` once built
+    row_steps: list[int] | None = None  # a multi-step decode: forwards per row
+
 
     @property
     def outputs(self) -> dict[str, RequestOutput]:
         if self.built_outputs is None:
-            self.built_outputs = request_outputs(self.requests, self.taken, self.token_ids, self.logprobs)
+            self.built_outputs = request_outputs(self.requests, self.taken, self.token_ids, self.logprobs, self.row_steps)
         return self.built_outputs
 
     @cached_property
@@ -77,14 +79,17 @@ class ModelRunnerOutput:
 
 
 def request_outputs(requests: list[SchedulerRequest], taken: list[int], token_ids: list[int],
-                    logprobs: list[float] | None) -> dict[str, RequestOutput]:
-    """A ``RequestOutput`` per request: the sampled token for the rows in ``taken``, none
-    for the others (a prefill chunk, a skipped or failed row)."""
+                    logprobs: list[float] | None, row_steps: list[int] | None = None) -> dict[str, RequestOutput]:
+    """A ``RequestOutput`` per request: the sampled token for the rows in ``taken`` (a
+    multi-step row's last one), none for the others (a prefill chunk, a skipped or
+    failed row)."""
     outputs = {sr.request_id: RequestOutput(request_id=sr.request_id) for sr in requests}
+    size = len(requests)
     for i in taken:
+        at = i if row_steps is None else (row_steps[i] - 1) * size + i
         out = outputs[requests[i].request_id]
-        out.data = token_ids[i]
-        out.logprob = logprobs[i] if logprobs is not None else None
+        out.data = token_ids[at]
+        out.logprob = logprobs[at] if logprobs is not None else None
     return outputs
 
 

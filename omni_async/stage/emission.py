@@ -166,25 +166,25 @@ class Emission:
                 req = oc.req
                 token = oc.token
                 if token is not None:
-                    emitted += 1
+                    tokens = oc.tokens  # a multi-step row: all its tokens; else None
                     logprob = oc.logprob
                     want_lp = logprob is not None and req.sampling.return_logprob
-                    if want_lp:
-                        req.data.output_token_logprobs.append([logprob, token])
+                    if tokens is None:
+                        emitted += 1
+                        if want_lp:
+                            req.data.output_token_logprobs.append([logprob, token])
+                    else:
+                        emitted += len(tokens)
+                        if want_lp:
+                            req.data.output_token_logprobs.extend([lp, t] for lp, t in zip(oc.logprobs or (), tokens))
                     req_output = outputs.get(req.rid) if outputs else None
                     if req_output is None and inline:  # the common step: the message, directly
                         rid, fin = req.rid, oc.finished
+                        lps = ([logprob] if tokens is None else oc.logprobs) if want_lp else None
                         pending.append(OutgoingMessage(rid, "stream", StreamDelta(
-                            rid, [token], [logprob] if want_lp else None, fin, req.finish_reason if fin else None)))
-                    else:
-                        if req_output is None:
-                            req_output = RequestOutput(req.rid, token, logprob=logprob)
-                        req_output.finished = oc.finished
-                        if inline:
-                            if req_output.data is not None:
-                                pending.append(stream_message(req, req_output))
-                        elif not self._emit_stream(req, req_output):
-                            continue
+                            rid, [token] if tokens is None else tokens, lps, fin, req.finish_reason if fin else None)))
+                    elif not self._emit_outputs(req, oc, req_output, inline):
+                        continue
                 if oc.finished:
                     self.finish(req)
             if self.stats is not None:
@@ -211,6 +211,25 @@ class Emission:
                 err = make()
                 err.__cause__ = exc
                 self.fail(req.rid, err)
+
+    def _emit_outputs(self, req: Request, oc: Any, req_output: RequestOutput | None, inline: bool) -> bool:
+        """A row's token(s) through ``RequestOutput``s: the runner's (extra outputs), or a
+        custom stream builder's. A multi-step row's earlier tokens go first, one each;
+        the runner's output carries the last. False when the request failed."""
+        earlier = oc.tokens[:-1] if oc.tokens is not None else []
+        lps = oc.logprobs or [None] * len(earlier)
+        outs = [RequestOutput(req.rid, t, logprob=lp) for t, lp in zip(earlier, lps)]
+        if req_output is None:
+            req_output = RequestOutput(req.rid, oc.token, logprob=oc.logprob)
+        req_output.finished = oc.finished
+        outs.append(req_output)
+        for out in outs:
+            if inline:
+                if out.data is not None:
+                    self._pending.append(stream_message(req, out))
+            elif not self._emit_stream(req, out):
+                return False
+        return True
 
     def _emit_stream(self, req: Request, req_output: RequestOutput) -> bool:
         rid = req.rid

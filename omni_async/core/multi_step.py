@@ -1,0 +1,85 @@
+"""Multi-step decode in the batch core (``decode_steps`` = k > 1).
+
+One scheduled decode step covers up to k forwards per row: the runner runs them back to
+back on the device, each reading the tokens the one before sampled there, and the host
+sees the k tokens of every row at once. What the host does per step (scheduling, the
+launch, collecting, finish checks, emission, waking readers) then happens once per k
+tokens instead of once per token.
+
+Scheduling gives each row ``min(k, tokens left before its length limit)`` forwards and
+the pages they write. Processing walks each row's tokens in order and stops at the first
+that finishes it: later tokens of that row are dropped, as if they were never sampled,
+so the tokens equal those of k = 1. Their KV writes land beyond the finished sequence
+(positions no page index covers) and their pages are released with the request.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Sequence
+
+from .protocol import StepOutcome
+from .request import Request
+
+if TYPE_CHECKING:
+    from .batch import ScheduledBatch
+    from .batch_core import NativeBatchCore
+
+
+def row_steps(decoding: list[Request], k: int, context_length: int) -> list[int] | None:
+    """Forwards per row: k, or fewer where the row's token or context limit comes first
+    (counting tokens still in flight). None (one forward) while a row asks for top
+    logprobs, which are read per forward."""
+    if any(r.sampling.top_logprobs for r in decoding):
+        return None
+    out = []
+    for r in decoding:
+        generated = len(r.output_ids) + r.num_inflight
+        out.append(min(k, r.sampling.max_new_tokens - generated, context_length - len(r.prompt_ids) - generated))
+    return out
+
+
+def process_multi_step(
+    core: "NativeBatchCore", batch: "ScheduledBatch", tokens: Sequence[int], logprobs: Sequence[float] | None
+) -> list[StepOutcome]:
+    """``process_result`` of a multi-step decode. ``tokens`` (and ``logprobs``) are
+    forward-major: row i's j-th token is at ``j * batch.size + i``."""
+    outcomes: list[StepOutcome] = []
+    size, ctx = batch.size, core.context_length
+    any_finished = False
+    assert batch.row_steps is not None
+    for i, (req, epoch, steps) in enumerate(zip(batch.reqs, batch.epochs, batch.row_steps)):
+        if req.finish_reason is not None or req.epoch != epoch:
+            continue  # finished or retracted after this step was scheduled
+        req.num_inflight -= steps
+        if req.to_finish is not None:
+            core.finish_request(req, req.to_finish)
+            outcomes.append(StepOutcome(req, None, finished=True))
+            any_finished = True
+            continue
+        out, sp, stop_ids = req.output_ids, req.sampling, req.stop_ids()
+        kept: list[int] = []
+        lps: list[float] | None = [] if logprobs is not None else None
+        reason = None
+        for j in range(steps):
+            token = int(tokens[j * size + i])
+            out.append(token)
+            kept.append(token)
+            if lps is not None:
+                lp = float(logprobs[j * size + i])  # type: ignore[index]
+                req.output_logprobs.append(lp)
+                lps.append(lp)
+            n = len(out)
+            if token in stop_ids and n > sp.min_new_tokens:
+                reason = "stop"
+            elif n >= sp.max_new_tokens or len(req.prompt_ids) + n + req.num_inflight >= ctx:
+                reason = "length"
+            if reason is not None:
+                break
+        if reason is not None:
+            core.finish_request(req, reason)
+            any_finished = True
+        last_lp = lps[-1] if lps else None
+        outcomes.append(StepOutcome(req, kept[-1], last_lp, finished=reason is not None, tokens=kept, logprobs=lps))
+    if any_finished:
+        core.running = [r for r in core.running if r.finish_reason is None]
+    return outcomes

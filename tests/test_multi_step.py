@@ -1,0 +1,169 @@
+"""Multi-step decode (``decode_steps`` = k > 1): one scheduled decode step runs up to k
+forwards on the device. The tokens must equal k = 1's in every loop, for greedy and
+seeded sampling, whatever ends a request mid-chunk (stop token, length, context, abort,
+retraction), and the KV (with prefix caching on) must come back whole."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+from omni_async import Engine, SamplingParams, errors
+
+from .conftest import LOOPS, assert_kv_free
+
+
+def same(a: list, b: list) -> bool:
+    """Tokens and finish reasons equal; logprobs equal up to float noise (batches are
+    composed differently, so the float sums are too)."""
+    for x, y in zip(a, b, strict=True):
+        if x[:2] != y[:2] or (len(x) > 2 and (x[2] is None) != (y[2] is None)):
+            return False
+        if len(x) > 2 and x[2] is not None and x[2] != pytest.approx(y[2], abs=1e-4):
+            return False
+    return True
+
+
+def mixed_requests(seed: int, n: int) -> list[tuple[list[int], SamplingParams]]:
+    rng = random.Random(seed)
+    system = [rng.randrange(3, 250) for _ in range(40)]
+    out = []
+    for i in range(n):
+        prompt = (system if i % 2 else []) + [rng.randrange(3, 250) for _ in range(rng.randint(3, 30))]
+        kind = i % 4
+        sp = SamplingParams(
+            max_new_tokens=rng.randint(3, 30),
+            temperature=0.0 if kind == 0 else 0.9,
+            top_k=30 if kind == 1 else 0,
+            top_p=0.8 if kind == 2 else 1.0,
+            repetition_penalty=1.3 if kind == 3 else 1.0,
+            seed=100 + i,
+            stop_token_ids=[rng.randrange(3, 250) for _ in range(6)],
+            min_new_tokens=2 if i % 5 == 0 else 0,
+            return_logprob=i % 3 == 0,
+        )
+        out.append((prompt, sp))
+    return out
+
+
+async def run(reqs, *, retract_at: int | None = None, abort: set[int] = frozenset(), **limits):
+    """Every request streamed; returns (tokens, finish reason, logprobs) per request,
+    the deltas' sizes, and the stage's info."""
+    engine = Engine.from_pretrained("tiny", **limits)
+    sizes: list[int] = []
+    retracted = asyncio.Event()
+    async with engine:
+
+        async def one(i, prompt, sp):
+            handle = await engine.submit(input_ids=prompt, sampling=sp, request_id=f"r{i}")
+            got: list[int] = []
+            try:
+                async for delta in handle:
+                    got.extend(delta.token_ids)
+                    sizes.append(len(delta.token_ids))
+                    if i in abort and len(got) >= 2:
+                        await engine.abort(handle.request_id)
+                    if retract_at is not None and i == 0 and len(got) >= retract_at and not retracted.is_set():
+                        retracted.set()
+                        assert (await engine.pause(mode="retract"))["success"]
+                        await engine.resume()
+            except errors.RequestAbortedError:
+                return ("aborted",)
+            res = await handle.result()
+            assert res.output_ids == got  # the deltas add up to the result
+            return (res.output_ids, res.finish_reason, res.output_logprobs)
+
+        outs = await asyncio.gather(*(one(i, p, sp) for i, (p, sp) in enumerate(reqs)))
+        info = engine.scheduler.info()
+        model = (await engine.model_info())["data"]
+        assert model["kv_free_pages"] == model["kv_total_pages"], "a finished request still holds KV"
+    assert_kv_free(engine)
+    return outs, sizes, info
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+async def test_tokens_equal_one_step_decode(loop):
+    reqs = mixed_requests(3, 12)
+    one, sizes_one, info_one = await run(reqs, loop=loop, max_running_requests=8)
+    four, sizes_four, info_four = await run(reqs, loop=loop, max_running_requests=8, decode_steps=4)
+    assert same(four, one)
+    assert {o[1] for o in one} >= {"stop", "length"}  # both finishes happen, mid-chunk too
+    assert max(sizes_one) == 1 and max(sizes_four) == 4
+    assert info_four["decode_steps"] < info_one["decode_steps"] / 2  # fewer host steps
+    assert info_four["tokens_out"] == info_one["tokens_out"]
+
+
+async def test_stop_token_mid_chunk_drops_the_rest():
+    prompt = [5, 6, 7, 8, 9, 10]
+    base, _, _ = await run([(prompt, SamplingParams(max_new_tokens=20, ignore_eos=True))])
+    tokens = base[0][0]
+    at = next(i for i in range(5, 20) if tokens[i] not in tokens[:i])  # a token first seen there
+    sp = SamplingParams(max_new_tokens=20, stop_token_ids=[tokens[at]])
+    for loop in LOOPS:
+        got, _, _ = await run([(prompt, sp)], loop=loop, decode_steps=4)
+        assert got[0][0] == tokens[: at + 1] and got[0][1] == "stop"
+
+
+async def test_context_limit_mid_chunk():
+    limits = dict(context_length=64, decode_steps=4)
+    prompt = list(range(3, 3 + 57))  # room for 7 tokens: not a multiple of 4
+    one, _, _ = await run([(prompt, SamplingParams(max_new_tokens=50, ignore_eos=True))], context_length=64)
+    four, _, _ = await run([(prompt, SamplingParams(max_new_tokens=50, ignore_eos=True))], **limits)
+    assert same(four, one) and len(one[0][0]) == 7 and one[0][1] == "length"
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+async def test_retraction_abort_and_prefix_cache_under_pressure(loop):
+    """A KV small enough to retract, a pause-retract, an abort and shared prefixes:
+    tokens equal k = 1's and every page comes back."""
+    reqs = mixed_requests(11, 14)
+    for _, sp in reqs:
+        sp.ignore_eos = True
+    limits = dict(loop=loop, page_size=8, kv_capacity_tokens=360, chunked_prefill_size=48, max_running_requests=8)
+    one, _, info_one = await run(reqs, retract_at=6, abort={4}, **limits)
+    four, _, info_four = await run(reqs, retract_at=6, abort={4}, decode_steps=4, **limits)
+    assert same([o for i, o in enumerate(four) if i != 4], [o for i, o in enumerate(one) if i != 4])
+    assert four[4] == ("aborted",)
+    assert info_four["num_retractions"] > 0 and info_four["prefix_cache_hit_tokens"] > 0  # the pressure is real
+
+
+async def test_top_logprobs_fall_back_to_one_forward():
+    sp = SamplingParams(max_new_tokens=9, temperature=0.7, seed=4, top_logprobs=3, return_logprob=True)
+    eng_one = Engine.from_pretrained("tiny")
+    eng_four = Engine.from_pretrained("tiny", decode_steps=4)
+    async with eng_one, eng_four:
+        a = await eng_one.generate(input_ids=[4, 5, 6], sampling=sp)
+        b = await eng_four.generate(input_ids=[4, 5, 6], sampling=sp)
+    assert b.output_ids == a.output_ids and b.top_logprobs == a.top_logprobs and len(b.top_logprobs) == 9
+
+
+@pytest.mark.parametrize("bad", [0, 17, "4"])
+def test_decode_steps_is_checked(bad):
+    with pytest.raises(errors.ConfigError, match="decode_steps"):
+        Engine.from_pretrained("tiny", decode_steps=bad)
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+async def test_follow_up_reuses_the_pages_of_a_chunk_that_ended_early(loop):
+    """A chat-style follow-up (prompt = the last prompt + its answer + more) reuses the
+    cached pages up to the answer's end. The answer's last launch ran 2 of its 4
+    forwards (1 + 4 + 4 + 2 tokens), and its last computed position closes a page
+    (22 + 11 - 1 = 32), while a longer companion ran all 4: the forwards past a row's
+    end must not touch its KV."""
+    prompt = [(33 * i) % 200 + 3 for i in range(22)]  # its answer's last two tokens differ
+    sp = SamplingParams(max_new_tokens=11, ignore_eos=True)
+    limits = dict(loop=loop, page_size=8)
+    engine = Engine.from_pretrained("tiny", decode_steps=4, **limits)
+    async with engine:
+        # A companion that decodes longer, so the launch runs all 4 forwards.
+        long = SamplingParams(max_new_tokens=30, ignore_eos=True)
+        first, _ = await asyncio.gather(engine.generate(input_ids=prompt, sampling=sp), engine.generate(input_ids=prompt[:5], sampling=long))
+        follow = prompt + first.output_ids + [9, 10]
+        second = await engine.generate(input_ids=follow, sampling=sp)
+    assert second.cached_tokens >= 32
+    plain = Engine.from_pretrained("tiny", enable_prefix_cache=False, **limits)
+    async with plain:
+        assert (await plain.generate(input_ids=prompt, sampling=sp)).output_ids == first.output_ids
+        assert (await plain.generate(input_ids=follow, sampling=sp)).output_ids == second.output_ids
