@@ -83,9 +83,14 @@ class GpuSampler:
 PREFILL_TOKENS = 8192
 
 
-def engine(path: Path, loop: str, max_running: int, launch: str = "auto") -> Engine:
+STEP_VARIANTS: tuple[int, ...] = (1,)
+DECODE_STEPS = 1  # --decode-steps: the engines' decode_steps where a section does not vary it
+
+
+def engine(path: Path, loop: str, max_running: int, launch: str = "auto", decode_steps: int | None = None) -> Engine:
     return Engine.from_pretrained(
         str(path), device="cuda", loop=loop, dtype="bfloat16", kv_capacity_tokens=1 << 20, step_launch=launch,
+        decode_steps=decode_steps or DECODE_STEPS,
         max_running_requests=max_running, max_prefill_tokens=PREFILL_TOKENS, chunked_prefill_size=PREFILL_TOKENS,
         max_queued_requests=8192, cuda_graph_max_len=1024,
     )
@@ -302,21 +307,23 @@ async def section_w256(path: Path, repeats: int, loops: tuple[str, ...] = LOOPS,
                        gcs: tuple[str, ...] = ("default",)) -> dict:
     """Every (loop, launch, GC mode) variant, repeats interleaved."""
     reqs = workload(256, seed=1)
-    combos = [(loop, launch, gc) for gc in gcs for launch in launches for loop in loops]
+    steps = STEP_VARIANTS
+    combos = [(loop, launch, gc, k) for k in steps for gc in gcs for launch in launches for loop in loops]
 
-    def name(loop: str, launch: str, gc: str) -> str:
-        return "/".join([loop] + ([launch] if len(launches) > 1 else []) + ([gc] if len(gcs) > 1 else []))
+    def name(loop: str, launch: str, gc: str, k: int) -> str:
+        return "/".join([loop] + ([launch] if len(launches) > 1 else []) + ([gc] if len(gcs) > 1 else [])
+                        + ([f"k{k}"] if len(steps) > 1 else []))
 
     variants = {name(*c): c for c in combos}
-    engines = {(loop, launch): engine(path, loop, 256, launch) for loop, launch, _gc in combos}
+    engines = {(loop, launch, k): engine(path, loop, 256, launch, k) for loop, launch, _gc, k in combos}
     runs: dict[str, list[dict]] = {v: [] for v in variants}
     for eng in engines.values():
         await eng.start()
         await warm_up(eng)
     for rep in range(repeats):
-        for v, (loop, launch, gc) in variants.items():
+        for v, (loop, launch, gc, k) in variants.items():
             apply_gc_mode(gc)
-            r = await run_workload(engines[(loop, launch)], reqs, 128)
+            r = await run_workload(engines[(loop, launch, k)], reqs, 128)
             runs[v].append(r)
             log("w256", rep, v, {k: round(x, 3) if isinstance(x, float) else x for k, x in r.items()})
     apply_gc_mode("default")
@@ -377,7 +384,8 @@ async def loop_step_ms(eng: Engine, bs: int, new: int = 96) -> float:
                 mark["t2"], mark["s2"] = time.perf_counter(), eng.scheduler.info()["decode_steps"]
 
     await asyncio.gather(*(one(i, p) for i, p in enumerate(ps)))
-    return 1000 * (mark["t2"] - mark["t1"]) / max(1, mark["s2"] - mark["s1"])
+    forwards = DECODE_STEPS * (mark["s2"] - mark["s1"])  # each decode step runs decode_steps forwards
+    return 1000 * (mark["t2"] - mark["t1"]) / max(1, forwards)
 
 
 async def section_floor(path: Path, sizes: list[int]) -> dict:
@@ -400,7 +408,7 @@ async def section_floor(path: Path, sizes: list[int]) -> dict:
 
 
 def main() -> None:
-    global PREFILL_TOKENS
+    global PREFILL_TOKENS, DECODE_STEPS, STEP_VARIANTS
     import uvloop
 
     ap = argparse.ArgumentParser()
@@ -414,10 +422,13 @@ def main() -> None:
     ap.add_argument("--scale-loop", default="overlap")
     ap.add_argument("--scale-sizes", default="64,128,256,512")
     ap.add_argument("--floor-sizes", default="8,32,64,128,256")
+    ap.add_argument("--decode-steps", default="1", help="decode_steps values: w256 compares them side by side; other sections use the first")
     ap.add_argument("--profile", default="", help="write a cProfile of the loop thread (top functions) here")
     args = ap.parse_args()
+    STEP_VARIANTS = tuple(int(x) for x in args.decode_steps.split(","))
+    DECODE_STEPS = STEP_VARIANTS[0]
     PREFILL_TOKENS = args.prefill_tokens
-    RESULTS["config"] = {"prefill_tokens": PREFILL_TOKENS, "launches": args.launches, "gc": args.gc}
+    RESULTS["config"] = {"prefill_tokens": PREFILL_TOKENS, "launches": args.launches, "gc": args.gc, "decode_steps": args.decode_steps}
     RESULTS["machine"] = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "cpu_count": os.cpu_count(),
                           "date": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())}
     path = make_checkpoint(Path("/tmp/omni_bench/qwen05"), QWEN05)

@@ -9,6 +9,7 @@ import asyncio
 import random
 
 import pytest
+import torch
 
 from omni_async import Engine, SamplingParams, errors
 
@@ -167,3 +168,15 @@ async def test_follow_up_reuses_the_pages_of_a_chunk_that_ended_early(loop):
     async with plain:
         assert (await plain.generate(input_ids=prompt, sampling=sp)).output_ids == first.output_ids
         assert (await plain.generate(input_ids=follow, sampling=sp)).output_ids == second.output_ids
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("loop", LOOPS)
+async def test_cuda_graph_path_tokens_equal_one_step_decode(loop):
+    """On CUDA the forwards replay the decode graphs back to back (greedy sampled in
+    the graph, filtered sampling outside): tokens equal k = 1's, float32."""
+    reqs = mixed_requests(5, 12)
+    limits = dict(loop=loop, device="cuda", dtype="float32", max_running_requests=8, page_size=8, kv_capacity_tokens=4096)
+    one, _, _ = await run(reqs, **limits)
+    four, sizes, _ = await run(reqs, decode_steps=4, **limits)
+    assert same(four, one) and max(sizes) == 4
