@@ -247,6 +247,8 @@ class SchedulerConfig:
                 raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
         if self.decode_steps > self.page_size:
             raise ConfigError(f"decode_steps must be at most page_size ({self.page_size}), got {self.decode_steps}")
+        if self.decode_steps > 1 and self.tensor_parallel_size > 1:
+            raise ConfigError("decode_steps > 1 is not supported with tensor_parallel_size > 1 yet")
         if not _is_int(self.chunked_prefill_size):
             raise ConfigError("chunked_prefill_size must be an integer (<= 0 disables)")
         if self.kv_capacity_tokens is not None and (

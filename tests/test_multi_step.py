@@ -180,3 +180,10 @@ async def test_cuda_graph_path_tokens_equal_one_step_decode(loop):
     one, _, _ = await run(reqs, **limits)
     four, sizes, _ = await run(reqs, decode_steps=4, **limits)
     assert same(four, one) and max(sizes) == 4
+
+
+def test_decode_steps_is_refused_where_it_does_not_run():
+    with pytest.raises(errors.ConfigError, match="tensor_parallel_size"):
+        Engine.from_pretrained("tiny", decode_steps=4, tensor_parallel_size=2)
+    with pytest.raises(errors.ConfigError, match="sglang.*decode_steps"):
+        Engine.from_pretrained("tiny", decode_steps=4, backend="sglang")

@@ -39,6 +39,8 @@ def _sglang(path_or_name: str, *, config: "SchedulerConfig", device: Any, dtype:
             f"backend='sglang' runs with tensor_parallel_size=1 only (got {config.tensor_parallel_size}); "
             "use backend='native' for tensor parallelism"
         )
+    if config.decode_steps > 1:
+        raise errors.ConfigError(f"backend='sglang' runs one decode forward per step (got decode_steps={config.decode_steps})")
     from .sglang import build_sglang_stage
 
     return build_sglang_stage(path_or_name, config=config, device=device, dtype=dtype, seed=seed)
