@@ -84,6 +84,16 @@ async def run(reqs, *, retract_at: int | None = None, abort: set[int] = frozense
     return outs, sizes, info
 
 
+async def test_seeded_sampling_without_penalties_equals_one_step_decode():
+    """Later forwards reuse the first one's sampling settings when nothing reads the
+    tokens sampled so far (no penalty, no ban): their seeds still follow the index."""
+    reqs = [(p, SamplingParams(max_new_tokens=sp.max_new_tokens, temperature=0.9, top_p=0.9, seed=sp.seed, ignore_eos=True))
+            for p, sp in mixed_requests(8, 10)]
+    one, _, _ = await run(reqs, loop="async_decode")
+    four, _, _ = await run(reqs, loop="async_decode", decode_steps=4)
+    assert same(four, one)
+
+
 @pytest.mark.parametrize("loop", LOOPS)
 async def test_tokens_equal_one_step_decode(loop):
     reqs = mixed_requests(3, 12)

@@ -73,6 +73,7 @@ class DecodeGraphs:
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, GraphOutputs]] = {}
         self.pool = None
         self.replays = 0
+        self._last_tables: torch.Tensor | None = None  # the page tables of the last replay
 
     def bucket_for(self, bs: int) -> int | None:
         for b in self.buckets:
@@ -97,6 +98,7 @@ class DecodeGraphs:
     @torch.inference_mode()
     def capture_all(self) -> None:
         self._reset_padding(0, self.max_batch)
+        self._last_tables = None
         stream = torch.cuda.Stream(device=self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
@@ -139,14 +141,19 @@ class DecodeGraphs:
         b = self.bucket_for(bs)
         assert b is not None
         graph, out = self.graphs[b]
+        # The forwards of a multi-step decode share their page tables: after the first,
+        # the tables and the padding rows are already in place.
+        again = block_tables is self._last_tables
         self.input_ids[:bs].copy_(input_ids, non_blocking=True)
         self.positions[:bs].copy_(positions, non_blocking=True)
         self.slot_mapping[:bs].copy_(slot_mapping, non_blocking=True)
-        self.block_tables[:bs, : block_tables.shape[1]].copy_(block_tables, non_blocking=True)
-        self.block_tables[:bs, block_tables.shape[1] :] = self.scratch_page
+        if not again:
+            self.block_tables[:bs, : block_tables.shape[1]].copy_(block_tables, non_blocking=True)
+            self.block_tables[:bs, block_tables.shape[1] :] = self.scratch_page
         self.kv_lens[:bs].copy_(kv_lens, non_blocking=True)
-        if b > bs:
+        if b > bs and not again:
             self._reset_padding(bs, b)
+        self._last_tables = block_tables
         graph.replay()
         self.replays += 1
         return out.rows(bs)

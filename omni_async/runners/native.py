@@ -8,6 +8,7 @@ sampling settings) is gathered there by slot.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -47,6 +48,7 @@ class ForwardBatch:
     row_steps: torch.Tensor | None = None
     tables: torch.Tensor | None = None
     span: int = 0
+    sampling: SamplingBatch | None = None  # the first forward's, for the later ones to reuse
 
 
 class NativeModelRunner(ModelRunner):
@@ -113,14 +115,14 @@ class NativeModelRunner(ModelRunner):
         return fb
 
     def _decode_ctx(self, tables: torch.Tensor, positions: torch.Tensor, graphed: torch.Tensor | None, span: int,
-                    valid: torch.Tensor | None = None) -> AttentionContext:
+                    valid: torch.Tensor | None = None, rows: torch.Tensor | None = None) -> AttentionContext:
         """Where each row's new KV goes and what it attends to; rows not ``valid`` (a
         multi-step row past its last forward) write to the scratch page."""
         ps = self.page_size
         slot_mapping = tables.gather(1, (positions // ps)[:, None]).squeeze(1) * ps + positions % ps
         if valid is not None:
             slot_mapping = torch.where(valid, slot_mapping, (self.kv.num_pages - 1) * ps)
-        logits_rows = torch.arange(positions.shape[0], device=self.device)
+        logits_rows = torch.arange(positions.shape[0], device=self.device) if rows is None else rows
         ctx = AttentionContext(is_decode=True, slot_mapping=slot_mapping, logits_rows=logits_rows, kv_lens=positions + 1)
         if graphed is None and self.use_kernel:
             ctx.block_tables, ctx.page_size, ctx.use_kernel = tables, ps, True
@@ -160,10 +162,10 @@ class NativeModelRunner(ModelRunner):
         still runs (the others repeat their last position and write to scratch)."""
         assert fb.row_steps is not None and fb.tables is not None
         positions = fb.positions + (fb.row_steps - 1).clamp(max=j)
-        ctx = self._decode_ctx(fb.tables, positions, fb.block_tables, fb.span + j, valid=fb.row_steps > j)
+        ctx = self._decode_ctx(fb.tables, positions, fb.block_tables, fb.span + j, valid=fb.row_steps > j, rows=fb.ctx.logits_rows)
         return ForwardBatch(
             tokens, positions, ctx, fb.batch, fb.rows, fb.sample_indices + j, fb.sample_indices_dev + j,
-            block_tables=fb.block_tables, capture_hidden=fb.capture_hidden,
+            block_tables=fb.block_tables, capture_hidden=fb.capture_hidden, sampling=fb.sampling,
         )
 
     def _build_extend(self, batch: ScheduledBatch, rows: SlotRows, sidx: np.ndarray) -> ForwardBatch:
@@ -263,7 +265,16 @@ class NativeModelRunner(ModelRunner):
         return sample(result.logits, sb, top_k_logprobs)
 
     def sampling_batch(self, forward_batch: ForwardBatch, schedule_batch, requests, vocab: int) -> SamplingBatch:
-        return self.inputs.sampling_batch(forward_batch.rows, forward_batch.sample_indices, forward_batch.sample_indices_dev)
+        """The later forwards of a multi-step decode reuse the first one's settings with
+        their own generation indices, unless a penalty or a ban (which read the tokens
+        sampled so far) has to be gathered again."""
+        first = forward_batch.sampling
+        if first is not None and first.penalty is None and first.ban is None:
+            return dataclasses.replace(first, sample_indices=forward_batch.sample_indices_dev)
+        sb = self.inputs.sampling_batch(forward_batch.rows, forward_batch.sample_indices, forward_batch.sample_indices_dev)
+        if forward_batch.row_steps is not None:
+            forward_batch.sampling = sb
+        return sb
 
     def publish_tokens(self, result: BatchResult, forward_batch: ForwardBatch, schedule_batch) -> None:
         """Rows that keep their token record it in their slot: the next decode step
