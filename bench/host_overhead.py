@@ -222,12 +222,12 @@ async def run_workload(engine, reqs: list[list[int]], new: int) -> tuple[dict, l
     }, outs
 
 
-def make_engine(loop: str, batch: int, device_s: float):
+def make_engine(loop: str, batch: int, device_s: float, decode_steps: int = 1):
     from omni_async import Engine
 
     eng = Engine.from_pretrained(
         "tiny", loop=loop, max_running_requests=batch, kv_capacity_tokens=batch * 700,
-        max_prefill_tokens=8192, chunked_prefill_size=8192, max_queued_requests=8192,
+        max_prefill_tokens=8192, chunked_prefill_size=8192, max_queued_requests=8192, decode_steps=decode_steps,
     )
     eng.tokenizer = None  # as in the GPU workload (a random checkpoint has no tokenizer)
     install_null_device(eng, device_s)
@@ -258,7 +258,9 @@ async def child_main(args) -> dict:
     loops = args.loops.split(",")
     out: dict = {"package": str(Path(omni_async.__file__).parent), "batches": {}}
     for batch in [int(b) for b in args.batches.split(",")]:
-        engines = {loop: make_engine(loop, batch, args.device_us * 1e-6) for loop in loops}
+        ks = [int(k) for k in args.decode_steps.split(",")]
+        engines = {(loop if len(ks) == 1 else f"{loop}/k{k}"): make_engine(loop, batch, args.device_us * 1e-6, k)
+                   for k in ks for loop in loops}
         reqs = workload(batch, seed=batch, vocab=250)
         for eng in engines.values():
             await eng.start()
@@ -268,7 +270,7 @@ async def child_main(args) -> dict:
         tokens: dict[str, list[list[int]]] = {}
         for _ in range(args.child_repeats):
             for mode in gcs:
-                for loop in loops:
+                for loop in engines:
                     key = f"{loop}/{mode}" if len(gcs) > 1 else loop
                     apply_gc_mode(mode)
                     r, toks = await run_workload(engines[loop], reqs, args.new)
@@ -314,7 +316,7 @@ def run_child(code: str, args) -> dict:
     cmd = [
         sys.executable, str(BENCH / "host_overhead.py"), "--child", "--batches", args.batches, "--loops", args.loops,
         "--new", str(args.new), "--child-repeats", "1",
-        "--device-us", str(args.device_us),
+        "--device-us", str(args.device_us), "--decode-steps", args.decode_steps,
     ]
     cmd += ["--gc", args.gc]
     env = dict(os.environ, PYTHONPATH=str(Path(code).resolve()))
@@ -337,6 +339,7 @@ def main() -> int:
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--device-us", type=float, default=0.0, help="null step's device time per step (0: none)")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--decode-steps", default="1", help="decode_steps values, side by side (variants loop/kN)")
     ap.add_argument("--code", action="append", help="checkout to import omni_async from (repeatable)")
     ap.add_argument("--labels", default="", help="comma-separated labels of the --code checkouts")
     ap.add_argument("--gc", default="default,tuned", help="GC modes side by side (default: Python's; tuned: frozen heap, gen0 threshold 10000)")
