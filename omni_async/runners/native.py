@@ -48,6 +48,8 @@ class ForwardBatch:
     row_steps: torch.Tensor | None = None
     tables: torch.Tensor | None = None
     span: int = 0
+    all_positions: torch.Tensor | None = None  # [k, B]: each forward's positions
+    all_slots: torch.Tensor | None = None  # [k, B]: each forward's KV slots (scratch past a row's end)
     sampling: SamplingBatch | None = None  # the first forward's, for the later ones to reuse
 
 
@@ -107,21 +109,30 @@ class NativeModelRunner(ModelRunner):
         tables = self.inputs.block_tables(rows)
         graphed = None if capture else self._graph_tables(batch, rows, tables)
         span = max(batch.prefix_lens) + 1
-        ctx = self._decode_ctx(tables, positions, graphed, span)
+        if batch.row_steps is None:
+            ctx = self._decode_ctx(tables, positions, self._slots(tables, positions), graphed, span)
+            return ForwardBatch(input_ids, positions, ctx, batch, rows, sidx, sidx_dev, block_tables=graphed, capture_hidden=capture)
+        # A multi-step decode: every forward's positions and KV slots in one go, [k, B].
+        steps = torch.tensor(batch.row_steps, dtype=torch.long).to(self.device, non_blocking=True)
+        later = torch.arange(max(batch.row_steps), device=self.device)[:, None]
+        all_positions = positions + torch.minimum(steps - 1, later)  # rows past their end repeat it
+        all_slots = self._slots(tables, all_positions.T).T
+        all_slots = torch.where(steps > later, all_slots, (self.kv.num_pages - 1) * self.page_size)  # ... writing to scratch
+        ctx = self._decode_ctx(tables, positions, all_slots[0], graphed, span)
         fb = ForwardBatch(input_ids, positions, ctx, batch, rows, sidx, sidx_dev, block_tables=graphed, capture_hidden=capture)
-        if batch.row_steps is not None:
-            fb.row_steps = torch.tensor(batch.row_steps, dtype=torch.long).to(self.device, non_blocking=True)
-            fb.tables, fb.span = tables, span
+        fb.row_steps, fb.tables, fb.span, fb.all_positions, fb.all_slots = steps, tables, span, all_positions, all_slots
         return fb
 
-    def _decode_ctx(self, tables: torch.Tensor, positions: torch.Tensor, graphed: torch.Tensor | None, span: int,
-                    valid: torch.Tensor | None = None, rows: torch.Tensor | None = None) -> AttentionContext:
-        """Where each row's new KV goes and what it attends to; rows not ``valid`` (a
-        multi-step row past its last forward) write to the scratch page."""
+    def _slots(self, tables: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """KV slots of ``positions`` (``[B]`` or ``[B, k]``) through the rows' page tables."""
         ps = self.page_size
-        slot_mapping = tables.gather(1, (positions // ps)[:, None]).squeeze(1) * ps + positions % ps
-        if valid is not None:
-            slot_mapping = torch.where(valid, slot_mapping, (self.kv.num_pages - 1) * ps)
+        pages = tables.gather(1, (positions // ps).reshape(positions.shape[0], -1)).reshape(positions.shape)
+        return pages * ps + positions % ps
+
+    def _decode_ctx(self, tables: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
+                    graphed: torch.Tensor | None, span: int, rows: torch.Tensor | None = None) -> AttentionContext:
+        """Where each row's new KV goes and what it attends to."""
+        ps = self.page_size
         logits_rows = torch.arange(positions.shape[0], device=self.device) if rows is None else rows
         ctx = AttentionContext(is_decode=True, slot_mapping=slot_mapping, logits_rows=logits_rows, kv_lens=positions + 1)
         if graphed is None and self.use_kernel:
@@ -160,9 +171,9 @@ class NativeModelRunner(ModelRunner):
     def _next_forward(self, fb: ForwardBatch, j: int, tokens: torch.Tensor) -> ForwardBatch:
         """Forward ``j`` of a multi-step decode: one position further for every row that
         still runs (the others repeat their last position and write to scratch)."""
-        assert fb.row_steps is not None and fb.tables is not None
-        positions = fb.positions + (fb.row_steps - 1).clamp(max=j)
-        ctx = self._decode_ctx(fb.tables, positions, fb.block_tables, fb.span + j, valid=fb.row_steps > j, rows=fb.ctx.logits_rows)
+        assert fb.all_positions is not None and fb.all_slots is not None and fb.tables is not None
+        positions = fb.all_positions[j]
+        ctx = self._decode_ctx(fb.tables, positions, fb.all_slots[j], fb.block_tables, fb.span + j, rows=fb.ctx.logits_rows)
         return ForwardBatch(
             tokens, positions, ctx, fb.batch, fb.rows, fb.sample_indices + j, fb.sample_indices_dev + j,
             block_tables=fb.block_tables, capture_hidden=fb.capture_hidden, sampling=fb.sampling,
