@@ -90,7 +90,7 @@ DECODE_STEPS = 1  # --decode-steps: the engines' decode_steps where a section do
 
 def engine(path: Path, loop: str, max_running: int, launch: str = "auto", decode_steps: int | None = None) -> Engine:
     return Engine.from_pretrained(
-        str(path), device="cuda", loop=loop, dtype="bfloat16", kv_capacity_tokens=1 << 20, step_launch=launch,
+        str(path), device="cuda", loop=loop, dtype="bfloat16", kv_capacity_tokens=1 << 19, step_launch=launch,
         decode_steps=decode_steps or DECODE_STEPS,
         max_running_requests=max_running, max_prefill_tokens=PREFILL_TOKENS, chunked_prefill_size=PREFILL_TOKENS,
         max_queued_requests=8192, cuda_graph_max_len=1024,
