@@ -98,6 +98,10 @@ def engine(path: Path, loop: str, max_running: int, launch: str = "auto", decode
 
 
 async def run_workload(eng: Engine, reqs: list[list[int]], new: int) -> dict:
+    # Every run starts from an empty prefix cache: the repeats send the same prompts, and
+    # a warm cache would make every repeat after the first skip most of its prefill.
+    flushed = await eng.flush_cache()
+    assert flushed.get("success"), flushed
     lags: list[float] = []
     stop = asyncio.Event()
     tick = asyncio.create_task(ticker_lags(stop, lags))

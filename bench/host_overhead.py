@@ -185,6 +185,7 @@ async def run_workload(engine, reqs: list[list[int]], new: int) -> tuple[dict, l
     from omni_async import SamplingParams
 
     sp = SamplingParams(max_new_tokens=new, ignore_eos=True)
+    assert (await engine.flush_cache())["success"]  # repeats send the same prompts: start cold
     lags: list[float] = []
     stop = asyncio.Event()
     tick = asyncio.create_task(ticker(stop, lags))
