@@ -83,15 +83,15 @@ class GpuSampler:
 PREFILL_TOKENS = 8192
 
 
-STEP_VARIANTS: tuple[int, ...] = (1,)
+STEP_VARIANTS: tuple[int | None, ...] = (None,)
 SCALE_GC = "tuned"  # --scale-gc
-DECODE_STEPS = 1  # --decode-steps: the engines' decode_steps where a section does not vary it
+DECODE_STEPS: int | None = None  # --decode-steps: the engines' decode_steps where a section does not vary it
 
 
-def engine(path: Path, loop: str, max_running: int, launch: str = "auto", decode_steps: int | None = None) -> Engine:
+def engine(path: Path, loop: str, max_running: int, launch: str = "auto", decode_steps: Any = "section") -> Engine:
     return Engine.from_pretrained(
         str(path), device="cuda", loop=loop, dtype="bfloat16", kv_capacity_tokens=1 << 19, step_launch=launch,
-        decode_steps=decode_steps or DECODE_STEPS,
+        decode_steps=DECODE_STEPS if decode_steps == "section" else decode_steps,
         max_running_requests=max_running, max_prefill_tokens=PREFILL_TOKENS, chunked_prefill_size=PREFILL_TOKENS,
         max_queued_requests=8192, cuda_graph_max_len=1024,
     )
@@ -319,7 +319,7 @@ async def section_w256(path: Path, repeats: int, loops: tuple[str, ...] = LOOPS,
 
     def name(loop: str, launch: str, gc: str, k: int) -> str:
         return "/".join([loop] + ([launch] if len(launches) > 1 else []) + ([gc] if len(gcs) > 1 else [])
-                        + ([f"k{k}"] if len(steps) > 1 else []))
+                        + ([f"k{k or 'auto'}"] if len(steps) > 1 else []))
 
     variants = {name(*c): c for c in combos}
     engines = {(loop, launch, k): engine(path, loop, 256, launch, k) for loop, launch, _gc, k in combos}
@@ -393,7 +393,8 @@ async def loop_step_ms(eng: Engine, bs: int, new: int = 96) -> float:
                 mark["t2"], mark["s2"] = time.perf_counter(), eng.scheduler.info()["decode_steps"]
 
     await asyncio.gather(*(one(i, p) for i, p in enumerate(ps)))
-    forwards = DECODE_STEPS * (mark["s2"] - mark["s1"])  # each decode step runs decode_steps forwards
+    k = DECODE_STEPS if DECODE_STEPS is not None else (4 if bs >= 64 else 1)  # auto: multi_step.resolve_decode_steps
+    forwards = k * (mark["s2"] - mark["s1"])  # each decode step runs k forwards
     return 1000 * (mark["t2"] - mark["t1"]) / max(1, forwards)
 
 
@@ -432,10 +433,10 @@ def main() -> None:
     ap.add_argument("--scale-gc", default="tuned", help="GC mode of the scale section's runs")
     ap.add_argument("--scale-sizes", default="64,128,256,512")
     ap.add_argument("--floor-sizes", default="8,32,64,128,256")
-    ap.add_argument("--decode-steps", default="1", help="decode_steps values: w256 compares them side by side; other sections use the first")
+    ap.add_argument("--decode-steps", default="auto", help="decode_steps values (auto: the engine's default): w256 compares them side by side; other sections use the first")
     ap.add_argument("--profile", default="", help="write a cProfile of the loop thread (top functions) here")
     args = ap.parse_args()
-    STEP_VARIANTS = tuple(int(x) for x in args.decode_steps.split(","))
+    STEP_VARIANTS = tuple(None if x == "auto" else int(x) for x in args.decode_steps.split(","))
     DECODE_STEPS = STEP_VARIANTS[0]
     PREFILL_TOKENS = args.prefill_tokens
     SCALE_GC = args.scale_gc

@@ -10,6 +10,7 @@ import torch
 
 from .config import SchedulerConfig
 from .core.batch_core import NativeBatchCore
+from .core.multi_step import resolve_decode_steps
 from .device import make_step_executor
 from .errors import ConfigError
 from .kv.allocator import PageAllocator
@@ -150,7 +151,8 @@ def assemble_stack(
             max_len=context if runner.use_kernel else min(config.cuda_graph_max_len, context),
             max_batch=min(config.cuda_graph_max_batch, config.max_running_requests),
         )
-    core = NativeBatchCore(config, allocator, context)
+    steps = resolve_decode_steps(config.decode_steps, device.type, config.tensor_parallel_size)
+    core = NativeBatchCore(config, allocator, context, decode_steps=steps)
     return NativeStack(loaded, kv, allocator, runner, core, limits, device, tensor_parallel)
 
 

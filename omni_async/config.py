@@ -222,8 +222,11 @@ class SchedulerConfig:
     # sampled there; the host schedules, collects, checks finishes and streams once per
     # k tokens, so its per-token cost falls about k-fold. Tokens are the same as k=1
     # (tokens after a stop are discarded); a stop or abort is seen up to k-1 forwards
-    # late, and stream deltas carry up to k tokens. At most page_size.
-    decode_steps: int = 1
+    # late, and stream deltas carry up to k tokens. At most page_size. None (the
+    # default) chooses: on CUDA 4 while at least 64 requests decode (where one Python
+    # thread cannot keep up with one forward per step) and 1 below that; 1 on CPU, with
+    # tensor parallelism and on the SGLang backend.
+    decode_steps: int | None = None
 
     def __post_init__(self) -> None:
         if self.loop not in LOOP_KINDS:
@@ -239,16 +242,16 @@ class SchedulerConfig:
             "request_build_max_workers",
             "aborted_id_cap",
             "tensor_parallel_size",
-            "decode_steps",
         )
         for name in positive:
             value = getattr(self, name)
             if not _is_int(value) or value < 1:
                 raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
-        if self.decode_steps > self.page_size:
-            raise ConfigError(f"decode_steps must be at most page_size ({self.page_size}), got {self.decode_steps}")
-        if self.decode_steps > 1 and self.tensor_parallel_size > 1:
-            raise ConfigError("decode_steps > 1 is not supported with tensor_parallel_size > 1 yet")
+        if self.decode_steps is not None:
+            if not _is_int(self.decode_steps) or not 1 <= self.decode_steps <= self.page_size:
+                raise ConfigError(f"decode_steps must be None or an integer in [1, page_size={self.page_size}], got {self.decode_steps!r}")
+            if self.decode_steps > 1 and self.tensor_parallel_size > 1:
+                raise ConfigError("decode_steps > 1 is not supported with tensor_parallel_size > 1 yet")
         if not _is_int(self.chunked_prefill_size):
             raise ConfigError("chunked_prefill_size must be an integer (<= 0 disables)")
         if self.kv_capacity_tokens is not None and (

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from omni_async import Engine, SamplingParams, errors
+from omni_async.core.multi_step import resolve_decode_steps
 
 from .conftest import LOOPS, assert_kv_free
 
@@ -101,7 +102,7 @@ async def test_tokens_equal_one_step_decode(loop):
     four, sizes_four, info_four = await run(reqs, loop=loop, max_running_requests=8, decode_steps=4)
     assert same(four, one)
     assert {o[1] for o in one} >= {"stop", "length"}  # both finishes happen, mid-chunk too
-    assert max(sizes_one) == 1 and max(sizes_four) == 4
+    assert max(sizes_four) > 1  # deltas carry several tokens (a lagging reader's merge more)
     assert info_four["decode_steps"] < info_one["decode_steps"] / 2  # fewer host steps
     assert info_four["tokens_out"] == info_one["tokens_out"]
 
@@ -187,9 +188,9 @@ async def test_cuda_graph_path_tokens_equal_one_step_decode(loop):
     the graph, filtered sampling outside): tokens equal k = 1's, float32."""
     reqs = mixed_requests(5, 12)
     limits = dict(loop=loop, device="cuda", dtype="float32", max_running_requests=8, page_size=8, kv_capacity_tokens=4096)
-    one, _, _ = await run(reqs, **limits)
-    four, sizes, _ = await run(reqs, decode_steps=4, **limits)
-    assert same(four, one) and max(sizes) == 4
+    one, _, info_one = await run(reqs, **limits)
+    four, _, info_four = await run(reqs, decode_steps=4, **limits)
+    assert same(four, one) and info_four["decode_steps"] < 0.6 * info_one["decode_steps"]
 
 
 def test_decode_steps_is_refused_where_it_does_not_run():
@@ -197,3 +198,24 @@ def test_decode_steps_is_refused_where_it_does_not_run():
         Engine.from_pretrained("tiny", decode_steps=4, tensor_parallel_size=2)
     with pytest.raises(errors.ConfigError, match="sglang.*decode_steps"):
         Engine.from_pretrained("tiny", decode_steps=4, backend="sglang")
+
+
+def test_auto_takes_four_forwards_on_cuda_at_large_batch_only():
+    assert resolve_decode_steps(None, "cuda") == (4, 64)
+    assert resolve_decode_steps(None, "cpu") == (1, 1)
+    assert resolve_decode_steps(None, "cuda", tensor_parallel_size=2) == (1, 1)
+    assert resolve_decode_steps(3, "cpu") == (3, 1)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+async def test_cuda_default_runs_multi_step_at_large_batch():
+    """The default (decode_steps=None) on CUDA: one forward per step below 64 decoding
+    requests, four from 64 on; tokens equal one forward per step throughout."""
+    rng = random.Random(2)
+    reqs = [([rng.randrange(3, 250) for _ in range(rng.randint(4, 40))], SamplingParams(max_new_tokens=rng.randint(8, 24), ignore_eos=True))
+            for _ in range(80)]
+    limits = dict(device="cuda", dtype="float32", max_running_requests=128, kv_capacity_tokens=16384, loop="async_decode")
+    one, _, info_one = await run(reqs, decode_steps=1, **limits)
+    auto, _, info_auto = await run(reqs, **limits)
+    assert same(auto, one)
+    assert info_auto["decode_steps"] < 0.6 * info_one["decode_steps"]  # most steps ran 4 forwards

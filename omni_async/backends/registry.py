@@ -39,7 +39,7 @@ def _sglang(path_or_name: str, *, config: "SchedulerConfig", device: Any, dtype:
             f"backend='sglang' runs with tensor_parallel_size=1 only (got {config.tensor_parallel_size}); "
             "use backend='native' for tensor parallelism"
         )
-    if config.decode_steps > 1:
+    if (config.decode_steps or 1) > 1:
         raise errors.ConfigError(f"backend='sglang' runs one decode forward per step (got decode_steps={config.decode_steps})")
     from .sglang import build_sglang_stage
 

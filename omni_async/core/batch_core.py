@@ -35,13 +35,13 @@ NEW_TOKEN_RATIO_DECAY = (INIT_NEW_TOKEN_RATIO - MIN_NEW_TOKEN_RATIO) / 600
 
 
 class NativeBatchCore(BatchCore):
-    def __init__(self, config: SchedulerConfig, allocator: PageAllocator, context_length: int) -> None:
+    def __init__(self, config: SchedulerConfig, allocator: PageAllocator, context_length: int, decode_steps: tuple[int, int] = (1, 1)) -> None:
         self.config = config
         self.allocator = allocator
         self.kv = PrefixCache(allocator, enabled=config.enable_prefix_cache)
         self.page_size = allocator.page_size
         self.context_length = context_length
-        self.decode_steps = config.decode_steps
+        self.decode_steps, self.multi_step_min_batch = decode_steps  # see multi_step.resolve_decode_steps
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.chunked: Request | None = None
@@ -194,7 +194,8 @@ class NativeBatchCore(BatchCore):
         batch.input_ids = [-1 if r.num_inflight else (r.output_ids or r.prompt_ids)[-1] for r in decoding]
         batch.inflight_inputs = [(i, r) for i, r in enumerate(decoding) if r.num_inflight]
         ps, allocate = self.page_size, self.kv.allocate
-        steps = row_steps(decoding, self.decode_steps, self.context_length) if self.decode_steps > 1 else None
+        k = self.decode_steps if len(decoding) >= self.multi_step_min_batch else 1
+        steps = row_steps(decoding, k, self.context_length) if k > 1 else None
         for req, k in zip(decoding, steps or repeat(1)):
             cached = req.num_cached
             need = -(-(cached + k) // ps) - len(req.pages)

@@ -25,6 +25,21 @@ if TYPE_CHECKING:
     from .batch_core import NativeBatchCore
 
 
+# decode_steps=None on CUDA: this many forwards per step while at least
+# AUTO_MIN_BATCH requests decode (below that one thread keeps up with one per step).
+AUTO_STEPS = 4
+AUTO_MIN_BATCH = 64
+
+
+def resolve_decode_steps(configured: int | None, device_type: str, tensor_parallel_size: int = 1) -> tuple[int, int]:
+    """(forwards per decode step, the fewest decoding requests that use them)."""
+    if configured is not None:
+        return configured, 1
+    if device_type == "cuda" and tensor_parallel_size == 1:
+        return AUTO_STEPS, AUTO_MIN_BATCH
+    return 1, 1
+
+
 def row_steps(decoding: list[Request], k: int, context_length: int) -> list[int] | None:
     """Forwards per row: k, or fewer where the row's token or context limit comes first
     (counting tokens still in flight). None (one forward) while a row asks for top

@@ -147,26 +147,33 @@ class NativeModelRunner(ModelRunner):
         result holds every forward's tokens, forward-major ``[k, B]``."""
         if fb.row_steps is None:
             return super()._forward_and_sample(fb, batch, requests, is_prefill, lookahead)
-        results: list[BatchResult] = []
-        sub = fb
-        for j in range(max(batch.row_steps)):
+        k, size = max(batch.row_steps), batch.size
+        # Each forward's outputs are copied out at once: a graph's outputs are views of its
+        # static buffers, which the next replay overwrites.
+        tokens = torch.empty((k, size), dtype=torch.long, device=self.device)
+        ok = torch.empty((k, size), dtype=torch.bool, device=self.device)
+        logprobs: torch.Tensor | None = None
+        sub, last = fb, None
+        for j in range(k):
             if j:
-                sub = self._next_forward(fb, j, results[-1].next_token_ids)
-            result, launch_buf = super()._forward_and_sample(sub, batch, requests, False, lookahead)
-            if launch_buf is not None:
-                result.next_token_ids = launch_buf
-            self.inputs.publish(fb.rows.slots_dev, result.next_token_ids)
-            results.append(result)
-        last = results[-1]
+                sub = self._next_forward(fb, j, tokens[j - 1])
+            last, launch_buf = super()._forward_and_sample(sub, batch, requests, False, lookahead)
+            tokens[j].copy_(launch_buf if launch_buf is not None else last.next_token_ids)
+            if last.sample_ok is not None:
+                ok[j].copy_(last.sample_ok)
+            else:
+                ok[j].fill_(True)
+            if last.next_token_logprobs is not None:
+                if logprobs is None:
+                    logprobs = torch.zeros((k, size), dtype=torch.float32, device=self.device)
+                logprobs[j].copy_(last.next_token_logprobs)
+            self.inputs.publish(fb.rows.slots_dev, tokens[j])
+        assert last is not None
         merged = BatchResult(
-            logits=last.logits,
-            next_token_ids=torch.stack([r.next_token_ids for r in results]),
-            next_token_logprobs=None if last.next_token_logprobs is None else torch.stack([r.next_token_logprobs for r in results]),
-            hidden_states=last.hidden_states,
-            can_run_cuda_graph=last.can_run_cuda_graph,
-            sample_ok=None if last.sample_ok is None else torch.stack([r.sample_ok for r in results]),
+            logits=last.logits, next_token_ids=tokens, next_token_logprobs=logprobs, hidden_states=last.hidden_states,
+            can_run_cuda_graph=last.can_run_cuda_graph, sample_ok=ok,
         )
-        return merged, (merged.next_token_ids if lookahead else None)
+        return merged, (tokens if lookahead else None)
 
     def _next_forward(self, fb: ForwardBatch, j: int, tokens: torch.Tensor) -> ForwardBatch:
         """Forward ``j`` of a multi-step decode: one position further for every row that
