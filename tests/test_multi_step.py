@@ -218,4 +218,4 @@ async def test_cuda_default_runs_multi_step_at_large_batch():
     one, _, info_one = await run(reqs, decode_steps=1, **limits)
     auto, _, info_auto = await run(reqs, **limits)
     assert same(auto, one)
-    assert info_auto["decode_steps"] < 0.6 * info_one["decode_steps"]  # most steps ran 4 forwards
+    assert info_auto["decode_steps"] < 0.7 * info_one["decode_steps"]  # 4 forwards while >= 64 decode
