@@ -80,7 +80,8 @@ class GpuSampler:
         return statistics.mean(self.samples) if self.samples else None
 
 
-PREFILL_TOKENS = 8192
+PREFILL_TOKENS: int | None = 8192
+PREFILL_VARIANTS: tuple[int | None, ...] = (8192,)
 
 
 STEP_VARIANTS: tuple[int | None, ...] = (None,)
@@ -88,11 +89,14 @@ SCALE_GC = "tuned"  # --scale-gc
 DECODE_STEPS: int | None = None  # --decode-steps: the engines' decode_steps where a section does not vary it
 
 
-def engine(path: Path, loop: str, max_running: int, launch: str = "auto", decode_steps: Any = "section") -> Engine:
+def engine(path: Path, loop: str, max_running: int, launch: str = "auto", decode_steps: Any = "section",
+           prefill: Any = "section") -> Engine:
+    prefill = PREFILL_TOKENS if prefill == "section" else prefill  # None: the engine's defaults
+    budget = {} if prefill is None else {"max_prefill_tokens": prefill, "chunked_prefill_size": prefill}
     return Engine.from_pretrained(
         str(path), device="cuda", loop=loop, dtype="bfloat16", kv_capacity_tokens=1 << 19, step_launch=launch,
-        decode_steps=DECODE_STEPS if decode_steps == "section" else decode_steps,
-        max_running_requests=max_running, max_prefill_tokens=PREFILL_TOKENS, chunked_prefill_size=PREFILL_TOKENS,
+        decode_steps=DECODE_STEPS if decode_steps == "section" else decode_steps, **budget,
+        max_running_requests=max_running,
         max_queued_requests=8192, cuda_graph_max_len=1024,
     )
 
@@ -314,23 +318,23 @@ async def section_w256(path: Path, repeats: int, loops: tuple[str, ...] = LOOPS,
                        gcs: tuple[str, ...] = ("default",)) -> dict:
     """Every (loop, launch, GC mode) variant, repeats interleaved."""
     reqs = workload(256, seed=1)
-    steps = STEP_VARIANTS
-    combos = [(loop, launch, gc, k) for k in steps for gc in gcs for launch in launches for loop in loops]
+    steps, budgets = STEP_VARIANTS, PREFILL_VARIANTS
+    combos = [(loop, launch, gc, k, p) for p in budgets for k in steps for gc in gcs for launch in launches for loop in loops]
 
-    def name(loop: str, launch: str, gc: str, k: int) -> str:
+    def name(loop: str, launch: str, gc: str, k: int, p: int | None) -> str:
         return "/".join([loop] + ([launch] if len(launches) > 1 else []) + ([gc] if len(gcs) > 1 else [])
-                        + ([f"k{k or 'auto'}"] if len(steps) > 1 else []))
+                        + ([f"k{k or 'auto'}"] if len(steps) > 1 else []) + ([f"p{p or 'default'}"] if len(budgets) > 1 else []))
 
     variants = {name(*c): c for c in combos}
-    engines = {(loop, launch, k): engine(path, loop, 256, launch, k) for loop, launch, _gc, k in combos}
+    engines = {(loop, launch, k, p): engine(path, loop, 256, launch, k, p) for loop, launch, _gc, k, p in combos}
     runs: dict[str, list[dict]] = {v: [] for v in variants}
     for eng in engines.values():
         await eng.start()
         await warm_up(eng)
     for rep in range(repeats):
-        for v, (loop, launch, gc, k) in variants.items():
+        for v, (loop, launch, gc, k, p) in variants.items():
             apply_gc_mode(gc)
-            r = await run_workload(engines[(loop, launch, k)], reqs, 128)
+            r = await run_workload(engines[(loop, launch, k, p)], reqs, 128)
             runs[v].append(r)
             log("w256", rep, v, {k: round(x, 3) if isinstance(x, float) else x for k, x in r.items()})
     apply_gc_mode("default")
@@ -418,7 +422,7 @@ async def section_floor(path: Path, sizes: list[int]) -> dict:
 
 
 def main() -> None:
-    global PREFILL_TOKENS, DECODE_STEPS, STEP_VARIANTS, SCALE_GC
+    global PREFILL_TOKENS, PREFILL_VARIANTS, DECODE_STEPS, STEP_VARIANTS, SCALE_GC
     import uvloop
 
     ap = argparse.ArgumentParser()
@@ -426,7 +430,8 @@ def main() -> None:
     ap.add_argument("--sections", default="w256,scale,floor")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--loops", default=",".join(LOOPS))
-    ap.add_argument("--prefill-tokens", type=int, default=PREFILL_TOKENS, help="max_prefill_tokens and chunked_prefill_size")
+    ap.add_argument("--prefill-tokens", default=str(PREFILL_TOKENS),
+                    help="max_prefill_tokens and chunked_prefill_size (default: the engine's): w256 compares a list; other sections use the first")
     ap.add_argument("--launches", default="auto", help="step_launch variants to compare, e.g. thread,inline")
     ap.add_argument("--gc", default="default", help="GC modes for w256, side by side: default,tuned (see apply_gc_mode)")
     ap.add_argument("--scale-loop", default="overlap")
@@ -438,9 +443,10 @@ def main() -> None:
     args = ap.parse_args()
     STEP_VARIANTS = tuple(None if x == "auto" else int(x) for x in args.decode_steps.split(","))
     DECODE_STEPS = STEP_VARIANTS[0]
-    PREFILL_TOKENS = args.prefill_tokens
+    PREFILL_VARIANTS = tuple(None if x == "default" else int(x) for x in args.prefill_tokens.split(","))
+    PREFILL_TOKENS = PREFILL_VARIANTS[0]
     SCALE_GC = args.scale_gc
-    RESULTS["config"] = {"prefill_tokens": PREFILL_TOKENS, "launches": args.launches, "gc": args.gc, "decode_steps": args.decode_steps, "scale_gc": args.scale_gc}
+    RESULTS["config"] = {"prefill_tokens": args.prefill_tokens, "launches": args.launches, "gc": args.gc, "decode_steps": args.decode_steps, "scale_gc": args.scale_gc}
     RESULTS["machine"] = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "cpu_count": os.cpu_count(),
                           "date": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())}
     path = make_checkpoint(Path("/tmp/omni_bench/qwen05"), QWEN05)

@@ -153,6 +153,12 @@ def _is_finite(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
+# Engine.from_pretrained's prefill budget per step on CUDA unless given (SchedulerConfig's
+# 4096 / 512 suit CPU): an eager prefill forward costs the host ~12-15 ms whatever its size,
+# so 512-token chunks left the GPU idle most of a prefill phase (W256 on the H200: 13-15k
+# output tok/s against 67-71k with 8192-token chunks, bench/RESULTS.md).
+CUDA_PREFILL_BUDGET = {"max_prefill_tokens": 16384, "chunked_prefill_size": 8192}
+
 # Weight formats the native CPU path can run its projections in (SchedulerConfig.quantization).
 QUANTIZATION_MODES = ("int8",)
 

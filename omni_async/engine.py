@@ -25,7 +25,7 @@ from . import errors
 from .backends.registry import build_stage
 from .chat import render_chat_ids
 from .completion import Completion
-from .config import SAMPLING_SEED_MASK, SamplingParams, SchedulerConfig
+from .config import CUDA_PREFILL_BUDGET, SAMPLING_SEED_MASK, SamplingParams, SchedulerConfig
 from .handle import RequestHandle
 from .heap import configure_gc
 from .logs import log
@@ -95,6 +95,8 @@ class Engine:
     ) -> "Engine":
         """Load a Hugging Face style folder or ``"tiny"``. ``limits`` are SchedulerConfig fields."""
         check_device(device)
+        if torch.device(device).type == "cuda":
+            limits = {**CUDA_PREFILL_BUDGET, **limits}
         config = SchedulerConfig.from_kwargs(loop=loop, **limits)
         started = time.perf_counter()
         built = build_stage(backend, path_or_name, config=config, device=device, dtype=dtype, seed=seed)

@@ -219,3 +219,12 @@ async def test_cuda_default_runs_multi_step_at_large_batch():
     auto, _, info_auto = await run(reqs, **limits)
     assert same(auto, one)
     assert info_auto["decode_steps"] < 0.7 * info_one["decode_steps"]  # 4 forwards while >= 64 decode
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_prefill_budget_defaults_and_overrides():
+    eng = Engine.from_pretrained("tiny", device="cuda")
+    assert (eng.scheduler.config.max_prefill_tokens, eng.scheduler.config.chunked_prefill_size) == (16384, 8192)
+    eng = Engine.from_pretrained("tiny", device="cuda", chunked_prefill_size=256)
+    assert (eng.scheduler.config.max_prefill_tokens, eng.scheduler.config.chunked_prefill_size) == (16384, 256)
+    assert Engine.from_pretrained("tiny").scheduler.config.chunked_prefill_size == 512
