@@ -153,6 +153,7 @@ def assemble_stack(
         )
     steps = resolve_decode_steps(config.decode_steps, device.type, config.tensor_parallel_size)
     core = NativeBatchCore(config, allocator, context, decode_steps=steps)
+    core.multi_step_allowed = runner.multi_step_allowed
     return NativeStack(loaded, kv, allocator, runner, core, limits, device, tensor_parallel)
 
 

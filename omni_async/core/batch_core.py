@@ -13,13 +13,13 @@ from __future__ import annotations
 import math
 from collections import deque
 from itertools import repeat
-from typing import Sequence
+from typing import Callable, Sequence
 
 from ..config import SchedulerConfig
 from ..kv.allocator import PageAllocator
 from ..kv.prefix_cache import PrefixCache
 from .batch import ForwardMode, ScheduledBatch
-from .multi_step import process_multi_step, row_steps
+from .multi_step import process_multi_step, steps_for
 from .prefix_reuse import computing_key, drop_prefix, index_pages, reuse_prefix
 from .protocol import BatchCore, StepOutcome
 from .request import Request
@@ -42,6 +42,7 @@ class NativeBatchCore(BatchCore):
         self.page_size = allocator.page_size
         self.context_length = context_length
         self.decode_steps, self.multi_step_min_batch = decode_steps  # see multi_step.resolve_decode_steps
+        self.multi_step_allowed: Callable[[], bool] = lambda: True  # the runner's say (builder)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.chunked: Request | None = None
@@ -194,8 +195,7 @@ class NativeBatchCore(BatchCore):
         batch.input_ids = [-1 if r.num_inflight else (r.output_ids or r.prompt_ids)[-1] for r in decoding]
         batch.inflight_inputs = [(i, r) for i, r in enumerate(decoding) if r.num_inflight]
         ps, allocate = self.page_size, self.kv.allocate
-        k = self.decode_steps if len(decoding) >= self.multi_step_min_batch else 1
-        steps = row_steps(decoding, k, self.context_length) if k > 1 else None
+        steps = steps_for(self, decoding)
         for req, k in zip(decoding, steps or repeat(1)):
             cached = req.num_cached
             need = -(-(cached + k) // ps) - len(req.pages)

@@ -40,6 +40,15 @@ def resolve_decode_steps(configured: int | None, device_type: str, tensor_parall
     return 1, 1
 
 
+def steps_for(core: "NativeBatchCore", decoding: list[Request]) -> list[int] | None:
+    """Forwards per row of the next decode step; None for one forward (a small batch
+    under the automatic choice, or a runner that hands out per-step hidden states)."""
+    k = core.decode_steps
+    if k <= 1 or len(decoding) < core.multi_step_min_batch or not core.multi_step_allowed():
+        return None
+    return row_steps(decoding, k, core.context_length)
+
+
 def row_steps(decoding: list[Request], k: int, context_length: int) -> list[int] | None:
     """Forwards per row: k, or fewer where the row's token or context limit comes first
     (counting tokens still in flight). None (one forward) while a row asks for top

@@ -141,6 +141,13 @@ class NativeModelRunner(ModelRunner):
             ctx.kv_slots = slots_from_tables(tables, ps)[:, :span]
         return ctx
 
+    def multi_step_allowed(self) -> bool:
+        """Several forwards per decode step hand out one hidden state per step: not while
+        hidden states are captured (``capture_hidden`` or a capture hook)."""
+        return not self.capture_hidden and (
+            type(self).requested_capture_hidden_mode_decode is ModelRunner.requested_capture_hidden_mode_decode
+        )
+
     def _forward_and_sample(self, fb: ForwardBatch, batch: ScheduledBatch, requests: list, is_prefill: bool, lookahead: bool):
         """A multi-step decode runs its forwards back to back, each on the tokens the one
         before sampled (published to the slots, so penalties see them); the step's
