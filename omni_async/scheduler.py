@@ -277,7 +277,7 @@ class AsyncOmniScheduler:
     async def _wait_for_work(self) -> None:
         """Idle: await the channels (no polling). Whatever may create work sets the
         wake signal: arrivals, aborts, admin requests, build completions, close."""
-        if self.serving and not self.intake.has_arrivals():
+        if self.serving:
             await self._wake.wait()
 
     async def _begin_iteration(self) -> None:

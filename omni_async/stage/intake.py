@@ -31,10 +31,6 @@ RequestBuilder = Callable[[Any], RequestData]
 _MESSAGE_TYPES = ("new_request", "stream_chunk", "stream_done")
 # Arrivals handled between two checkpoints: a burst never holds the loop for long.
 _ARRIVALS_PER_CHECKPOINT = 256
-# New requests taken per loop iteration: the rest of a burst waits for the next one, so
-# the first prefill starts (and the device works) while the burst is still admitted. At
-# 256 at once the first launch came after all of them (17 ms of host work on a 2-core box).
-_NEW_REQUESTS_PER_ITERATION = 64
 # Stream input kept for ids that are neither live nor being admitted (a request that
 # may still arrive): bounded, oldest dropped.
 _ORPHAN_INPUT_CAP = 1_000
@@ -102,18 +98,16 @@ class Intake:
             self._arrived_new[msg.request_id] = self._arrived_new.get(msg.request_id, 0) + 1
 
     def has_arrivals(self) -> bool:
-        """Messages left for a later iteration (a burst is taken in parts)."""
         return bool(self.arrived)
 
     async def receive_and_admit(self) -> None:
         """Arrivals, re-checked deferrals, builds (inline or collected from the pool)."""
         self._admit_built(self.admission.collect())
-        handled = taken = 0
-        while self.arrived and taken < _NEW_REQUESTS_PER_ITERATION:
+        handled = 0
+        while self.arrived:
             msg = self.arrived.popleft()
             rid = msg.request_id
             if msg.type == "new_request":
-                taken += 1
                 self._count_out(rid)
                 self._offer(rid, msg.data)
             elif msg.type == "stream_chunk":
