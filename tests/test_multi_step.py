@@ -10,6 +10,8 @@ import random
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from omni_async import Engine, SamplingParams, errors
 from omni_async.core.multi_step import resolve_decode_steps
@@ -21,7 +23,7 @@ def same(a: list, b: list) -> bool:
     """Tokens and finish reasons equal; logprobs equal up to float noise (batches are
     composed differently, so the float sums are too)."""
     for x, y in zip(a, b, strict=True):
-        if x[:2] != y[:2] or (len(x) > 2 and (x[2] is None) != (y[2] is None)):
+        if x[:2] != y[:2] or x[3:] != y[3:] or (len(x) > 2 and (x[2] is None) != (y[2] is None)):
             return False
         if len(x) > 2 and x[2] is not None and x[2] != pytest.approx(y[2], abs=1e-4):
             return False
@@ -60,10 +62,13 @@ async def run(reqs, *, retract_at: int | None = None, abort: set[int] = frozense
 
         async def one(i, prompt, sp):
             handle = await engine.submit(input_ids=prompt, sampling=sp, request_id=f"r{i}")
-            got: list[int] = []
+            got: list[int] = []  # completion 0's tokens
+            per_completion: dict[int, list[int]] = {}
             try:
                 async for delta in handle:
-                    got.extend(delta.token_ids)
+                    per_completion.setdefault(delta.index, []).extend(delta.token_ids)
+                    if delta.index == 0:
+                        got.extend(delta.token_ids)
                     sizes.append(len(delta.token_ids))
                     if i in abort and len(got) >= 2:
                         await engine.abort(handle.request_id)
@@ -75,7 +80,8 @@ async def run(reqs, *, retract_at: int | None = None, abort: set[int] = frozense
                 return ("aborted",)
             res = await handle.result()
             assert res.output_ids == got  # the deltas add up to the result
-            return (res.output_ids, res.finish_reason, res.output_logprobs)
+            assert [c.output_ids for c in res.outputs] == [per_completion.get(c.index, []) for c in res.outputs]
+            return (res.output_ids, res.finish_reason, res.output_logprobs, [c.output_ids for c in res.outputs])
 
         outs = await asyncio.gather(*(one(i, p, sp) for i, (p, sp) in enumerate(reqs)))
         info = engine.scheduler.info()
@@ -241,3 +247,45 @@ async def test_hidden_state_capture_keeps_one_forward_per_step():
     assert len(tokens) == 9
     assert all("hidden_state" in d.extra for d in deltas if d.token_ids)
     assert sum(1 for d in deltas if d.token_ids) == 9  # one token, one hidden state per delta
+
+
+_mix = st.lists(
+    st.fixed_dictionaries({
+        "prompt": st.lists(st.integers(3, 249), min_size=1, max_size=40),
+        "max_new_tokens": st.integers(1, 20),
+        "temperature": st.sampled_from([0.0, 0.7]),
+        "top_k": st.sampled_from([0, 20]),
+        "top_p": st.sampled_from([1.0, 0.9]),
+        "repetition_penalty": st.sampled_from([1.0, 1.2]),
+        "seed": st.integers(0, 2**31),
+        "stop_token_ids": st.lists(st.integers(3, 249), max_size=8),
+        "min_new_tokens": st.integers(0, 3),
+        "return_logprob": st.booleans(),
+        "n": st.sampled_from([1, 1, 2]),
+    }),
+    min_size=1, max_size=6,
+)
+
+
+def test_generated_mixes_equal_one_step_decode(soak):
+    """Generated request mixes (sampling, stops, min tokens, logprobs, n) under several k
+    and every loop: tokens equal one forward per step's. ``--soak`` runs many more."""
+
+    @settings(max_examples=200 if soak else 10, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(mix=_mix, k=st.sampled_from([2, 3, 4, 8]), loop=st.sampled_from(LOOPS))
+    def inner(mix, k, loop):
+        reqs = []
+        for r in mix:
+            fields = {key: v for key, v in r.items() if key != "prompt"}
+            fields["min_new_tokens"] = min(fields["min_new_tokens"], fields["max_new_tokens"])
+            reqs.append((r["prompt"], SamplingParams(**fields)))
+
+        async def both():
+            one, _, _ = await run(reqs, loop=loop, max_running_requests=4, page_size=8)
+            many, _, _ = await run(reqs, loop=loop, max_running_requests=4, page_size=8, decode_steps=k)
+            return one, many
+
+        one, many = asyncio.run(both())
+        assert same(many, one)
+
+    inner()
