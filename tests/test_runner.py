@@ -261,6 +261,24 @@ def test_capture_hidden_hook_is_honoured_per_phase():
     assert seen == [(False, False), (True, True), (True, True)]
 
 
+class RecordingRunner(NativeModelRunner):
+    """Its own ``post_process_outputs``: every step must hand it per-request outputs."""
+
+    def post_process_outputs(self, result, scheduler_output, outputs):
+        self.seen.append({rid: out.data for rid, out in outputs.items()})
+
+
+async def test_a_runners_own_post_process_outputs_sees_every_step():
+    engine = Engine.from_pretrained("tiny")
+    engine.stack.runner.__class__ = RecordingRunner
+    engine.stack.runner.seen = []
+    async with engine:
+        res = await engine.generate(input_ids=[5, 6, 7], sampling=SamplingParams(max_new_tokens=4, ignore_eos=True))
+    seen = engine.stack.runner.seen
+    assert len(seen) == 4  # the prefill's token and three decode steps
+    assert [list(s.values())[0] for s in seen] == res.output_ids
+
+
 @pytest.mark.parametrize("fused", [True, False])
 async def test_cpu_keeps_the_reference_ops_whatever_fused_kernels_says(fused):
     from omni_async.models.decoder import ReferenceOps

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -228,10 +228,17 @@ class ModelRunner:
         return out
 
     def wants_request_outputs(self, result: BatchResult) -> bool:
-        """Whether this step needs a ``RequestOutput`` per request: when a subclass
-        overrides ``post_process_outputs`` or a step hook. Plain steps skip them."""
-        cls = type(self)
-        return cls.post_process_outputs is not ModelRunner.post_process_outputs or self._step_hooked()
+        """Whether this step needs a ``RequestOutput`` per request: for a subclass's own
+        ``post_process_outputs`` (one marked :func:`hidden_states_only` only on a step
+        with hidden states) or a step hook. Plain steps skip them."""
+        hook = type(self).post_process_outputs
+        if hook is ModelRunner.post_process_outputs:
+            custom = False
+        elif getattr(hook, "hidden_states_only", False):
+            custom = result.hidden_states is not None
+        else:
+            custom = True
+        return custom or self._step_hooked()
 
     def _step_hooked(self) -> bool:
         cls, own = type(self), self.__dict__
@@ -381,6 +388,13 @@ class ModelRunner:
     def on_generation_steps_advanced(self, advanced_steps, forward_batch) -> None:
         for sched_req, steps in advanced_steps:
             self.on_generation_step_advanced(sched_req, steps)
+
+
+def hidden_states_only(hook: Callable[..., None]) -> Callable[..., None]:
+    """Mark a ``post_process_outputs`` that reads only the step's hidden states: steps
+    without hidden states then build no per-request outputs for it."""
+    hook.hidden_states_only = True  # type: ignore[attr-defined]
+    return hook
 
 
 def _rows_ok(ok: list[int], steps: list[int]) -> list[int]:

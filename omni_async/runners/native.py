@@ -20,7 +20,7 @@ from ..kv.attention import AttentionContext, slots_from_tables
 from ..kv.cache import PagedKVCache
 from ..models.decoder import DecoderModel, ReferenceOps
 from ..sampling import SampleResult, SamplingBatch, sample
-from .base import ModelRunner
+from .base import ModelRunner, hidden_states_only
 from .cuda_graphs import DecodeGraphs
 from .graph_sampling import SamplingGraphs
 from .input_batch import InputBatch, SlotRows
@@ -316,15 +316,7 @@ class NativeModelRunner(ModelRunner):
             slots, tokens = slots.index_select(0, kept_dev), tokens.index_select(0, kept_dev)
         self.inputs.publish(slots, tokens)
 
-    def wants_request_outputs(self, result) -> bool:
-        """Per-request outputs only for a step with hidden states (or a subclass's own
-        ``post_process_outputs`` or step hook)."""
-        return (
-            result.hidden_states is not None
-            or type(self).post_process_outputs is not NativeModelRunner.post_process_outputs
-            or self._step_hooked()
-        )
-
+    @hidden_states_only
     def post_process_outputs(self, result, scheduler_output, outputs) -> None:
         if result.hidden_states is None:
             return

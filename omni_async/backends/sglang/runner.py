@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from ...runners.base import ModelRunner
+from ...runners.base import ModelRunner, hidden_states_only
 from ...runners.types import BatchResult, SchedulerOutput
 
 from sglang.srt.managers.overlap_utils import RelayPayload, resolve_forward_inputs
@@ -106,15 +106,7 @@ class SGLangModelRunner(ModelRunner):
             ids.append(int(forward_batch.forward_batch.input_ids[row]))
         return ids
 
-    def wants_request_outputs(self, result) -> bool:
-        """Per-request outputs only for a step with hidden states (or a subclass's own
-        ``post_process_outputs`` or step hook)."""
-        return (
-            result.hidden_states is not None
-            or type(self).post_process_outputs is not SGLangModelRunner.post_process_outputs
-            or self._step_hooked()
-        )
-
+    @hidden_states_only
     def post_process_outputs(self, result, scheduler_output, outputs) -> None:
         """Each sampled row's hidden state into its output's ``extra`` (LAST capture:
         one row per request; a FULL capture asked for by a hook is left to the hook)."""
