@@ -16,7 +16,8 @@ system says ``@bfloat16`` (e.g. ``omni:normal@bfloat16``, ``hf:generate@bfloat16
 ``omni:<loop>+int8`` runs omni-async with ``quantization="int8"`` (int8 GEMMs, float32
 between them): not exact, so its runs record how far their tokens agree with
 ``hf:generate`` (float32): the mean fraction of each request's tokens before the first
-difference.
+difference. A ``+kernel`` suffix (``omni:normal+int8+kernel``) adds
+``cpu_attention_kernel=True``: decode attention reading the KV pages in place.
 Repeats are interleaved (every system runs once per repeat and concurrency, the order
 rotated); the table shows the median tok/s with min-max, and each omni run records whether
 its tokens equal ``hf:generate``'s. Results: bench/results/cpu_smollm2.json.
@@ -107,8 +108,13 @@ def split_system(system: str) -> tuple[str, str]:
 
 
 def quantization_of(system: str) -> str | None:
-    """``"omni:normal+int8"`` -> ``"int8"``; None without a suffix."""
-    return system.partition("+")[2] or None
+    """``"omni:normal+int8"`` -> ``"int8"``; None without that suffix."""
+    return "int8" if "int8" in system.split("+")[1:] else None
+
+
+def kernel_of(system: str) -> bool:
+    """``"omni:normal+int8+kernel"``: with ``cpu_attention_kernel=True``."""
+    return "kernel" in system.split("+")[1:]
 
 
 def prefix_agreement(tokens: list[list[int]], reference: list[list[int]]) -> float:
@@ -142,7 +148,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         if name.startswith("omni:"):
             engines[s] = Engine.from_pretrained(
                 str(path), loop=name.split(":", 1)[1], dtype=dtype, kv_capacity_tokens=args.kv_tokens,
-                quantization=quantization_of(s),
+                quantization=quantization_of(s), cpu_attention_kernel=kernel_of(s),
             )
             await engines[s].__aenter__()
         elif dtype not in hf:

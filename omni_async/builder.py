@@ -152,6 +152,11 @@ def assemble_stack(
             max_batch=min(config.cuda_graph_max_batch, config.max_running_requests),
         )
     steps = resolve_decode_steps(config.decode_steps, device.type, config.tensor_parallel_size)
+    if config.cpu_attention_kernel and device.type == "cpu":
+        from .kernels.cpu_paged import load
+
+        load()  # built now (ConfigError if it cannot be), not inside the first step
+        runner.cpu_attention_kernel = True
     core = NativeBatchCore(config, allocator, context, decode_steps=steps)
     core.multi_step_allowed = runner.multi_step_allowed
     return NativeStack(loaded, kv, allocator, runner, core, limits, device, tensor_parallel)

@@ -233,6 +233,10 @@ class SchedulerConfig:
     # thread cannot keep up with one forward per step) and 1 below that; 1 on CPU, with
     # tensor parallelism and on the SGLang backend.
     decode_steps: int | None = None
+    # Native backend on CPU: decode attention through a C++ kernel that reads the KV
+    # pages in place instead of gathering them (omni_async/kernels/cpu_paged.py; built
+    # with the system compiler on first use). Close to the reference, not bit-equal.
+    cpu_attention_kernel: bool = False
 
     def __post_init__(self) -> None:
         if self.loop not in LOOP_KINDS:
@@ -258,6 +262,8 @@ class SchedulerConfig:
                 raise ConfigError(f"decode_steps must be None or an integer in [1, page_size={self.page_size}], got {self.decode_steps!r}")
             if self.decode_steps > 1 and self.tensor_parallel_size > 1:
                 raise ConfigError("decode_steps > 1 is not supported with tensor_parallel_size > 1 yet")
+        if self.cpu_attention_kernel and self.tensor_parallel_size > 1:
+            raise ConfigError("cpu_attention_kernel is not supported with tensor_parallel_size > 1 yet")
         if not _is_int(self.chunked_prefill_size):
             raise ConfigError("chunked_prefill_size must be an integer (<= 0 disables)")
         if self.kv_capacity_tokens is not None and (
@@ -269,7 +275,7 @@ class SchedulerConfig:
             )
         if self.step_timeout_s is not None and (not _is_finite(self.step_timeout_s) or self.step_timeout_s <= 0):
             raise ConfigError(f"step_timeout_s must be a positive number of seconds or None, got {self.step_timeout_s!r}")
-        for name in ("enable_prefix_cache", "gc_freeze"):
+        for name in ("enable_prefix_cache", "gc_freeze", "cpu_attention_kernel"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.gc_gen0_threshold is not None and (not _is_int(self.gc_gen0_threshold) or self.gc_gen0_threshold < 1):

@@ -34,6 +34,7 @@ class AttentionContext:
     block_tables: torch.Tensor | None = None
     page_size: int = 0
     use_kernel: bool = False  # attention through the Triton paged kernels (CUDA)
+    cpu_kernel: bool = False  # CPU decode through the C++ kernel reading pages in place
     # Extend steps through the kernel: per-sequence starts, lengths, prefixes on the device.
     q_starts: torch.Tensor | None = None
     q_lens: torch.Tensor | None = None
@@ -155,6 +156,10 @@ def paged_attention(
 
             return paged_decode_attention(q, k_cache, v_cache, ctx.block_tables, ctx.kv_lens, ctx.page_size, scale)
         if ctx.block_tables is not None and ctx.page_size and q.device.type == "cpu":
+            if ctx.cpu_kernel:
+                from ..kernels.cpu_paged import paged_decode
+
+                return paged_decode(q, k_cache, v_cache, ctx.block_tables, ctx.page_size, ctx.kv_lens, scale)
             return decode_over_pages(q, k_cache, v_cache, ctx.block_tables, ctx.page_size, ctx.kv_lens, scale)
         if ctx.kv_slots is None and ctx.block_tables is not None:
             ctx.kv_slots = slots_from_tables(ctx.block_tables, ctx.page_size)  # once per forward

@@ -86,6 +86,7 @@ class NativeModelRunner(ModelRunner):
         self.device = device
         self.page_size = kv.page_size
         self.inputs = InputBatch(kv.page_size, model.config.vocab_size, device)
+        self.cpu_attention_kernel = False  # set from SchedulerConfig.cpu_attention_kernel (builder)
 
     def build_forward_batch(self, scheduler_output: SchedulerOutput, capture_hidden_mode=None) -> ForwardBatch:
         batch = scheduler_output.batch_data
@@ -139,6 +140,7 @@ class NativeModelRunner(ModelRunner):
             ctx.block_tables, ctx.page_size, ctx.use_kernel = tables, ps, True
         elif graphed is None:  # the torch reference: pages gathered into a padded [B, L] view
             ctx.kv_slots = slots_from_tables(tables, ps)[:, :span]
+            ctx.cpu_kernel = self.cpu_attention_kernel
         return ctx
 
     def multi_step_allowed(self) -> bool:
