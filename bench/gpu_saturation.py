@@ -188,6 +188,8 @@ class StepTimeline:
 
     def __init__(self, eng: Engine) -> None:
         self.steps: list[dict] = []
+        self.created = time.perf_counter()  # just before the run: the gap to its first launch
+        self.closed_at: float | None = None
         st = eng.scheduler.stepper
         runner, sink = st.runner, st.sink
         launch, collect, process = runner.launch, runner.collect, sink.on_step_output
@@ -227,6 +229,7 @@ class StepTimeline:
         self._restore = lambda: (delattr(runner, "launch"), delattr(runner, "collect"), delattr(sink, "on_step_output"))
 
     def close(self) -> None:
+        self.closed_at = time.perf_counter()
         self._restore()
 
     def summary(self, wall_s: float) -> dict:
@@ -252,6 +255,9 @@ class StepTimeline:
                 "first_s": span[0], "last_s": span[1],
             }
         t0 = min(r["launch_s"][0] for r in self.steps)
+        out["start_gap_ms"] = 1000 * (t0 - self.created)  # submitting and admitting, before the first launch
+        last = max(r.get("process_s", r["launch_s"])[1] for r in self.steps)
+        out["end_gap_ms"] = 1000 * ((self.closed_at or last) - last)  # the last readers, after the last step
         for phase in ("prefill", "decode"):
             if phase in out:
                 out[phase]["first_s"] -= t0

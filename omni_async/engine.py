@@ -34,6 +34,7 @@ from .messages import GenerationResult, IncomingMessage, OutgoingMessage, Reques
 from .request_checks import check_request
 from .scheduler import AsyncOmniScheduler
 from .tokenizer import Tokenizer
+from .wakeups import SlicedWaker
 
 _TERMINAL = ("result", "error")
 
@@ -80,6 +81,7 @@ class Engine:
         self._closed = False
         self._ids = itertools.count()
         self._serving_cm: Any = None
+        self._waker = SlicedWaker()  # a step's readers are woken a slice at a time
 
     @classmethod
     def from_pretrained(
@@ -210,7 +212,7 @@ class Engine:
 
     def _deliver(self, messages: list[OutgoingMessage]) -> None:
         """The stage's output sink: one step's messages, routed to their handles on the
-        loop thread; each handle touched is woken once, after the whole batch."""
+        loop thread; each handle touched is woken once, after the whole batch, in slices."""
         touched: dict[int, RequestHandle] = {}
         routes = self._routes
         for msg in messages:
@@ -226,8 +228,7 @@ class Engine:
                 failure.__cause__ = exc
                 handle._fail(failure)
             touched[id(handle)] = handle
-        for handle in touched.values():
-            handle._wake()
+        self._waker.wake([handle._wake for handle in touched.values()])
 
     def _handle_done(self, handle: RequestHandle) -> None:
         if self._handles.get(handle.request_id) is handle:

@@ -298,3 +298,33 @@ async def test_thread_safe_door_submit_and_abort_from_a_plain_thread():
         assert errors_seen == []
         assert [m.type for m in msgs] == ["result"] * 5 + ["error"]
         assert isinstance(msgs[5].data, errors.RequestAbortedError)
+
+
+class _ActiveAtLaunch:
+    """A runner mixin recording how many requests the stage had admitted at each launch."""
+
+    def launch(self, sched_output, lookahead=False):
+        self.active_at_launch.append(self.active())
+        return super().launch(sched_output, lookahead=lookahead)
+
+
+@pytest.mark.parametrize("loop", ["normal", "overlap"])
+async def test_a_cold_burst_launches_its_first_prefill_before_admitting_the_rest(loop):
+    """40 requests arrive at once on an idle engine: the first prefill launches once one
+    prefill budget of them is admitted, and every request is still served."""
+    from omni_async import Engine
+
+    engine = Engine.from_pretrained("tiny", loop=loop, max_prefill_tokens=256, chunked_prefill_size=256)
+    runner = engine.stack.runner
+    runner.__class__ = type("ActiveAtLaunchRunner", (_ActiveAtLaunch, type(runner)), {})
+    runner.active_at_launch = []
+    runner.active = lambda: engine.scheduler.info()["active_requests"]
+    prompts = [[3 + i, 4, 5, 6] * 16 for i in range(40)]  # 64 tokens each: 4 fill the budget
+    sp = SamplingParams(max_new_tokens=3, ignore_eos=True)
+    async with engine:
+        results = await asyncio.gather(*(engine.generate(input_ids=p, sampling=sp) for p in prompts))
+        again = await engine.generate(input_ids=prompts[-1], sampling=sp)
+    assert all(len(r.output_ids) == 3 for r in results)
+    assert results[-1].output_ids == again.output_ids
+    assert runner.active_at_launch[0] <= 4, runner.active_at_launch[:5]
+    assert max(runner.active_at_launch) >= 36  # the rest were admitted while it ran

@@ -104,12 +104,20 @@ class Intake:
         """Arrivals, re-checked deferrals, builds (inline or collected from the pool)."""
         self._admit_built(self.admission.collect())
         handled = 0
+        # Cold (nothing running or waiting), a burst is taken one prefill budget at a
+        # time: the first prefill launches after its own requests are admitted, not
+        # after the whole burst's (W256 on the H200: the GPU sat idle ~20 ms before).
+        cold_budget = self.config.max_prefill_tokens if not self.core.has_work() else None
         while self.arrived:
             msg = self.arrived.popleft()
             rid = msg.request_id
             if msg.type == "new_request":
                 self._count_out(rid)
                 self._offer(rid, msg.data)
+                if cold_budget is not None:
+                    cold_budget -= _prompt_len(msg.data)
+                    if cold_budget <= 0:
+                        break
             elif msg.type == "stream_chunk":
                 self.on_stream_chunk(rid, msg.data)
             else:
@@ -346,6 +354,11 @@ class Intake:
 
     def add_tombstone(self, rid: str, *, handled: bool) -> None:
         self.tombstones.put(rid, handled)
+
+
+def _prompt_len(data: Any) -> int:
+    ids = data.get("input_ids") if isinstance(data, dict) else getattr(data, "input_ids", None)
+    return len(ids) if hasattr(ids, "__len__") else 0
 
 
 def _malformed(msg: Any) -> str | None:

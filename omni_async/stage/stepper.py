@@ -141,6 +141,9 @@ class Stepper:
         flight while the host works on the previous one."""
         await self._launch(batch, lookahead=lookahead, trace="launch")
         if len(self._inflight) > 1:
+            # The previous step's output is often ready already, and nothing below would
+            # yield: a turn for the caller's other tasks between the launch and processing.
+            await anyio.lowlevel.checkpoint()
             await self._complete(self._inflight.popleft(), trace="resolve")
 
     async def step_in_sync(self, batch: ScheduledBatchLike | None) -> None:

@@ -1,0 +1,114 @@
+"""Does a decode launch wait for the device? (H200 diagnostic)
+
+256 requests of the W256 distribution are driven through the batch core and the runner
+synchronously until they all decode; then, several times, a long ``torch.cuda._sleep``
+is enqueued and the next decode step launched behind it with ``sys.setprofile`` timing
+every C call the launch makes. A launch that only enqueues returns in well under the
+sleep; one that blocks names the call that waited.
+
+    python bench/launch_blocking.py --out $OUT/launch_blocking.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from gpu_saturation import engine  # noqa: E402
+from gpu_suite import QWEN05, make_checkpoint, workload  # noqa: E402
+
+from omni_async import SamplingParams  # noqa: E402
+from omni_async.core.request import Request, RequestData  # noqa: E402
+from omni_async.runners.types import SchedulerOutput, SchedulerRequest  # noqa: E402
+
+
+class CallTimer:
+    """Times C calls (and Python calls) made on this thread while active."""
+
+    def __init__(self) -> None:
+        self.stack: list[tuple[str, float]] = []
+        self.total: dict[str, float] = defaultdict(float)
+        self.count: dict[str, int] = defaultdict(int)
+
+    def __call__(self, frame, event, arg) -> None:
+        now = time.perf_counter()
+        if event == "c_call":
+            self.stack.append((f"{getattr(arg, '__qualname__', arg)} @ {Path(frame.f_code.co_filename).name}:{frame.f_lineno}", now))
+        elif event in ("c_return", "c_exception") and self.stack:
+            key, t0 = self.stack.pop()
+            self.total[key] += now - t0
+            self.count[key] += 1
+
+    def top(self, n: int = 12) -> list:
+        return [(k, round(1000 * v, 3), self.count[k]) for k, v in sorted(self.total.items(), key=lambda kv: -kv[1])[:n]]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="launch_blocking.json")
+    ap.add_argument("--rows", type=int, default=256)
+    ap.add_argument("--trials", type=int, default=6)
+    ap.add_argument("--sleep-ms", type=float, default=100.0)
+    args = ap.parse_args()
+    path = make_checkpoint(Path("/tmp/omni_bench/qwen05"), QWEN05)
+    eng = engine(path, "normal", args.rows)
+    stack = eng.stack
+    for i, p in enumerate(workload(args.rows, seed=1)):
+        req = Request(rid=f"r{i}", prompt_ids=p, sampling=SamplingParams(max_new_tokens=128, ignore_eos=True))
+        req.data = RequestData(req=req)
+        stack.core.add_request(req)
+
+    def step(lookahead: bool = False):
+        batch = stack.core.get_next_batch()
+        so = SchedulerOutput([SchedulerRequest(r.rid, r.data) for r in batch.reqs], batch)
+        return batch, stack.runner.launch(so, lookahead=lookahead and batch.is_decode)
+
+    def finish(batch, pending) -> None:
+        pending.event.synchronize()
+        out = stack.runner.collect(pending)
+        stack.core.process_result(batch, out.token_ids, out.logprobs)
+
+    warm = 0
+    while True:  # prefill everything, then a few decode steps
+        batch, pending = step()
+        finish(batch, pending)
+        warm += batch.is_decode
+        if warm >= 3:
+            break
+    trials = []
+    sleep_cycles = int(args.sleep_ms * 1e-3 * 2e9)
+    for t in range(args.trials):
+        lookahead = bool(t % 2)
+        torch.cuda.synchronize()
+        # calibrate: how long does the sleep actually take on this GPU?
+        torch.cuda._sleep(sleep_cycles)
+        timer = CallTimer()
+        t0 = time.perf_counter()
+        sys.setprofile(timer)
+        batch, pending = step(lookahead)
+        sys.setprofile(None)
+        launch_ms = 1000 * (time.perf_counter() - t0)
+        still_running = not pending.event.query()
+        t1 = time.perf_counter()
+        finish(batch, pending)
+        rest_ms = 1000 * (time.perf_counter() - t1)
+        rec = {"trial": t, "lookahead": lookahead, "rows": batch.size, "decode": batch.is_decode,
+               "row_steps_max": max(batch.row_steps) if getattr(batch, "row_steps", None) else 1,
+               "launch_ms": round(launch_ms, 3), "sleep_still_running_after_launch": still_running,
+               "wait_after_launch_ms": round(rest_ms, 3), "top_c_calls": timer.top()}
+        trials.append(rec)
+        print(json.dumps(rec), flush=True)
+    res = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "rows": args.rows, "sleep_ms": args.sleep_ms,
+           "trials": trials}
+    Path(args.out).write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,222 @@
+"""Where a 1 ms ticker sharing the loop loses its turns during W256 (H200 diagnostic).
+
+For each (loop, GIL switch interval, step launch) variant, one warmed-up W256 run with:
+- a 1 ms ticker coroutine recording each turn's lag and the step counters around it, so
+  the lags split into the prefill phase (prefill steps still to come) and the decode phase;
+- a watchdog thread that, whenever the ticker has been late for more than 2 ms, samples
+  where the loop thread and the forward worker are (innermost frames), so the long turns
+  name their call sites.
+
+    python bench/ticker_lag.py --loops overlap,normal --switch 0.005,0.0005 --out $OUT/ticker.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import json
+import os
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from gpu_saturation import apply_gc_mode, engine, warm_up  # noqa: E402
+from gpu_suite import QWEN05, make_checkpoint, pct, workload  # noqa: E402
+
+from omni_async import SamplingParams  # noqa: E402
+
+
+def frame_key(frame, depth: int = 4, ours_only: bool = False) -> str:
+    """The innermost ``depth`` frames as file:line:function, innermost first (with
+    ``ours_only``, frames of omni_async and this bench only: the call path)."""
+    parts = []
+    while frame is not None and len(parts) < depth:
+        code = frame.f_code
+        if not ours_only or "omni_async" in code.co_filename or "bench" in code.co_filename:
+            parts.append(f"{Path(code.co_filename).name}:{frame.f_lineno}:{code.co_name}")
+        frame = frame.f_back
+    return " < ".join(parts)
+
+
+class LagSampler:
+    def __init__(self, stats, threshold: float = 0.002, period: float = 0.0002) -> None:
+        self.stats = stats
+        self.threshold = threshold
+        self.period = period
+        self.due = time.perf_counter()
+        self.ticks: list[tuple[float, float, int, int]] = []  # (start, lag, prefill steps at end, decode steps at end)
+        self.loop_sites: collections.Counter[str] = collections.Counter()
+        self.loop_paths: collections.Counter[str] = collections.Counter()  # our frames only, deeper
+        self.worker_sites: collections.Counter[str] = collections.Counter()
+        self.loop_thread = threading.get_ident()
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._watch, daemon=True)
+
+    async def ticker(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            t = time.perf_counter()
+            self.due = t + 0.001
+            await asyncio.sleep(0.001)
+            now = time.perf_counter()
+            self.ticks.append((t, max(0.0, now - self.due), self.stats.prefill_steps, self.stats.decode_steps))
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self.period):
+            if time.perf_counter() - self.due <= self.threshold:
+                continue
+            frames = sys._current_frames()
+            loop_frame = frames.get(self.loop_thread)
+            if loop_frame is not None:
+                self.loop_sites[frame_key(loop_frame)] += 1
+                self.loop_paths[frame_key(loop_frame, 7, ours_only=True)] += 1
+            for th in threading.enumerate():
+                if th.name.startswith("omni-forward") and th.ident in frames:
+                    self.worker_sites[frame_key(frames[th.ident], 3)] += 1
+
+    def __enter__(self) -> "LagSampler":
+        self._t.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._t.join()
+
+    def summary(self) -> dict:
+        lags = [lag for _, lag, _, _ in self.ticks]
+        last_prefill = max((p for *_, p, _ in self.ticks), default=0)
+        pre = [lag for _, lag, p, _ in self.ticks if p < last_prefill]
+        dec = [lag for _, lag, p, _ in self.ticks if p >= last_prefill]
+        ms = lambda xs, q: round(1000 * (pct(xs, q) or 0), 3)  # noqa: E731
+        return {
+            "ticks": len(lags), "p50_ms": ms(lags, 50), "p99_ms": ms(lags, 99), "max_ms": round(1000 * max(lags, default=0), 3),
+            "over_1ms": sum(x > 0.001 for x in lags), "over_5ms": sum(x > 0.005 for x in lags),
+            "prefill_ticks": len(pre), "prefill_p99_ms": ms(pre, 99), "prefill_over_1ms": sum(x > 0.001 for x in pre),
+            "decode_ticks": len(dec), "decode_p99_ms": ms(dec, 99), "decode_over_1ms": sum(x > 0.001 for x in dec),
+            "worst": sorted(((round(1000 * lag, 2), p, d) for _, lag, p, d in self.ticks), reverse=True)[:12],
+            "loop_sites": self.loop_sites.most_common(14), "loop_paths": self.loop_paths.most_common(30), "worker_sites": self.worker_sites.most_common(8),
+        }
+
+
+async def one_run(eng, reqs, new: int = 128) -> dict:
+    flushed = await eng.flush_cache()
+    assert flushed.get("success"), flushed
+    stop = asyncio.Event()
+    sampler = LagSampler(eng.scheduler.stats)
+
+    end_prof = None
+    if PROFILE_END:
+        import cProfile
+
+        end_prof = cProfile.Profile()
+
+    async def one(p):
+        n = 0
+        async for d in eng.stream(input_ids=p, sampling=SamplingParams(max_new_tokens=new, ignore_eos=True)):
+            n += len(d.token_ids)
+        if end_prof is not None and not ended:  # the first reader done: profile the rest
+            ended.append(time.perf_counter())
+            end_prof.enable()
+        return n
+
+    ended: list[float] = []
+
+    prof = None
+    if PROFILE_START:
+        import cProfile
+
+        prof = cProfile.Profile()
+        executor = eng.scheduler.stepper.executor
+        launch = executor.launch
+
+        def first_launch(*a, **kw):  # on the loop thread: the end of the start window
+            prof.disable()
+            executor.launch = launch
+            return launch(*a, **kw)
+
+        executor.launch = first_launch
+        prof.enable()
+    with sampler:
+        tick = asyncio.create_task(sampler.ticker(stop))
+        t0 = time.perf_counter()
+        counts = await asyncio.gather(*(one(p) for p in reqs))
+        wall = time.perf_counter() - t0
+        if end_prof is not None:
+            end_prof.disable()
+        stop.set()
+        await tick
+    out = {"tok_s": sum(counts) / wall, "wall_s": wall, **sampler.summary()}
+    import io
+    import pstats
+
+    for name, pr in (("start", prof), ("end", end_prof)):
+        if pr is None:
+            continue
+        for key in ("tottime", "cumulative"):
+            text = io.StringIO()
+            pstats.Stats(pr, stream=text).sort_stats(key).print_stats(45)
+            out[f"{name}_profile_{key}"] = text.getvalue()
+    if ended:
+        out["end_window_ms"] = 1000 * (t0 + wall - ended[0])
+    return out
+
+
+PROFILE_START = False
+PROFILE_END = False
+
+
+async def main_async(args) -> dict:
+    path = make_checkpoint(Path("/tmp/omni_bench/qwen05"), QWEN05)
+    reqs = workload(256, seed=1)
+    out: dict = {}
+    for loop in args.loops.split(","):
+        for launch in args.launches.split(","):
+            eng = engine(path, loop, 256, launch)
+            async with eng:
+                await warm_up(eng)
+                for rep in range(args.repeats):
+                    for interval, slice_size in [(i, sl) for i in args.switch.split(",") for sl in args.slices.split(",")]:
+                        sys.setswitchinterval(float(interval))
+                        eng._waker.slice_size = int(slice_size)  # bench only: the readers' wake-up slice
+                        apply_gc_mode("tuned")
+                        r = await one_run(eng, reqs)
+                        apply_gc_mode("default")
+                        sys.setswitchinterval(0.005)
+                        name = f"{loop}/{launch}/switch{interval}/slice{slice_size}"
+                        out.setdefault(name, []).append(r)
+                        print(name, rep, json.dumps({k: v for k, v in r.items() if k not in ("loop_sites", "loop_paths", "worker_sites", "worst") and "_profile_" not in k}), flush=True)
+            del eng
+            torch.cuda.empty_cache()
+    return out
+
+
+def main() -> None:
+    import uvloop
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="ticker_lag.json")
+    ap.add_argument("--loops", default="overlap,normal")
+    ap.add_argument("--launches", default="auto")
+    ap.add_argument("--switch", default="0.005", help="sys.setswitchinterval values, side by side")
+    ap.add_argument("--slices", default="32", help="reader wake-up slice sizes, side by side (100000: all at once)")
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--profile-end", action="store_true", help="cProfile from the first request's end to the last's")
+    ap.add_argument("--profile-start", action="store_true", help="cProfile the loop thread from submission to the first launch")
+    args = ap.parse_args()
+    global PROFILE_START, PROFILE_END
+    PROFILE_START, PROFILE_END = args.profile_start, args.profile_end
+    res = {"machine": {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "cpu_count": os.cpu_count(),
+                       "date": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())},
+           "config": vars(args), "runs": uvloop.run(main_async(args))}
+    for name, runs in res["runs"].items():
+        print(name, "p99", statistics.median(r["p99_ms"] for r in runs), "tok/s", [round(r["tok_s"]) for r in runs])
+    Path(args.out).write_text(json.dumps(res, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()
