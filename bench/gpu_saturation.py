@@ -65,7 +65,7 @@ class GpuSampler:
     def _run(self) -> None:
         while not self._stop.is_set():
             self.samples.append(self._nvml.nvmlDeviceGetUtilizationRates(self._h).gpu)
-            time.sleep(self.period)
+            self._stop.wait(self.period)  # a stop ends the wait: joining costs nothing
 
     def __enter__(self) -> "GpuSampler":
         self._t.start()
@@ -122,7 +122,8 @@ async def run_workload(eng: Engine, reqs: list[list[int]], new: int) -> dict:
     watch_tick = asyncio.create_task(watch.ticker(stop))
     with GpuSampler() as gpu, watch:
         counts = await asyncio.gather(*(one(p) for p in reqs))
-    wall = time.perf_counter() - t0
+        t_end = time.perf_counter()  # before the samplers' threads are joined
+    wall = t_end - t0
     cpu = time.process_time() - cpu0
     stop.set()
     await tick
@@ -130,7 +131,7 @@ async def run_workload(eng: Engine, reqs: list[list[int]], new: int) -> dict:
     tokens = sum(counts)
     if watch.stalls:
         STALLS.append(watch.stalls[:4])
-    return {"stalls_over_100ms": len(watch.stalls),
+    return {"stalls_over_100ms": len(watch.stalls), "t_start": t0, "t_end": t_end,
         "tok_s": tokens / wall, "wall_s": wall, "tokens": tokens, "gpu_util_mean": gpu.mean,
         "cpu_over_wall": cpu / wall, "ticker_p50_ms": 1000 * (pct(lags, 50) or 0), "ticker_p99_ms": 1000 * (pct(lags, 99) or 0),
     }
@@ -232,7 +233,7 @@ class StepTimeline:
         self.closed_at = time.perf_counter()
         self._restore()
 
-    def summary(self, wall_s: float) -> dict:
+    def summary(self, wall_s: float, run_span: tuple[float, float] | None = None) -> dict:
         torch.cuda.synchronize()
         loop_thread = threading.get_ident()
         out: dict = {"wall_s": wall_s}
@@ -255,9 +256,10 @@ class StepTimeline:
                 "first_s": span[0], "last_s": span[1],
             }
         t0 = min(r["launch_s"][0] for r in self.steps)
-        out["start_gap_ms"] = 1000 * (t0 - self.created)  # submitting and admitting, before the first launch
+        start, end = run_span if run_span else (self.created, self.closed_at)
+        out["start_gap_ms"] = 1000 * (t0 - start)  # submitting and admitting, before the first launch
         last = max(r.get("process_s", r["launch_s"])[1] for r in self.steps)
-        out["end_gap_ms"] = 1000 * ((self.closed_at or last) - last)  # the last readers, after the last step
+        out["end_gap_ms"] = 1000 * ((end or last) - last)  # the last readers, after the last step
         for phase in ("prefill", "decode"):
             if phase in out:
                 out[phase]["first_s"] -= t0
@@ -279,7 +281,7 @@ async def section_timeline(path: Path, loops: tuple[str, ...], gc_mode: str = "t
             r = await run_workload(eng, reqs, 128)
             tl.close()
             apply_gc_mode("default")
-            out[loop] = {"run": r, "timeline": tl.summary(r["wall_s"])}
+            out[loop] = {"run": r, "timeline": tl.summary(r["wall_s"], (r["t_start"], r["t_end"]))}
         log("timeline", loop, json.dumps(out[loop], default=lambda x: round(x, 3) if isinstance(x, float) else str(x)))
         del eng
         torch.cuda.empty_cache()

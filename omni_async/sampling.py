@@ -189,9 +189,12 @@ def greedy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def sample(logits: torch.Tensor, sb: SamplingBatch, top_k_logprobs: int = 0) -> SampleResult:
-    """Sample one token per row of ``logits`` (``[B, V]`` float32, not modified); with
-    ``top_k_logprobs``, also each row's most likely tokens in the distribution its
-    logprobs come from (processed, or raw where the row asked)."""
+    """Sample one token per row of ``logits`` (``[B, V]``, not modified; float32, or a
+    graph's bfloat16/float16 logits, converted first); with ``top_k_logprobs``, also
+    each row's most likely tokens in the distribution its logprobs come from (processed,
+    or raw where the row asked)."""
+    if logits.dtype != torch.float32:
+        logits = logits.to(torch.float32)
     x = _penalised(logits, sb)
     best, tokens = x.max(dim=-1)
     ok = best > float("-inf")  # False when every token is banned, or on NaN

@@ -235,3 +235,36 @@ async def test_invalid_sampling_combinations_are_typed_errors(tiny_engine):
             await engine.generate(input_ids=[1], sampling=SamplingParams(suppress_tokens=list(range(320))))
         ok = await engine.generate(input_ids=[1], sampling=SamplingParams(max_new_tokens=2, top_k=100_000, temperature=1.0, seed=1))
         assert len(ok.output_ids) == 2
+
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_greedy_on_half_logits_is_greedy_on_their_float32(device, dtype):
+    """Decode graphs hand back logits in the model's dtype: greedy on them must pick what
+    greedy on their (exact) float32 conversion picks, ties included (values quantised
+    so that many rows have tied maxima)."""
+    from omni_async.sampling import greedy
+
+    gen = torch.Generator().manual_seed(5)
+    logits = (torch.randn(64, 1000, generator=gen) * 4).round().to(dtype).to(device)
+    logits[3] = float("-inf")  # nothing admissible: token 0, not ok
+    tokens, ok = greedy(logits)
+    ref_tokens, ref_ok = greedy(logits.to(torch.float32))
+    assert torch.equal(tokens, ref_tokens) and torch.equal(ok, ref_ok)
+    ties = (logits.to(torch.float32) == logits.to(torch.float32).max(dim=-1, keepdim=True).values).sum(dim=-1)
+    assert (ties > 1).sum() >= 10  # the case is exercised
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_sampling_half_logits_equals_sampling_their_float32(device):
+    """``sample`` converts half logits first: seeded draws and logprobs are the same."""
+    gen = torch.Generator().manual_seed(9)
+    logits = (torch.randn(6, 500, generator=gen) * 3).to(torch.bfloat16).to(device)
+    params = [SamplingParams(temperature=0.8, top_p=0.9, top_k=40, seed=11 + i) for i in range(5)] + [SamplingParams()]
+    rows = [RowSampling(sp, f"r{i}", 1, [], []) for i, sp in enumerate(params)]
+    half = sample_rows(logits.clone(), rows, True)
+    full = sample_rows(logits.to(torch.float32), rows, True)
+    assert torch.equal(half[0], full[0]) and torch.equal(half[1], full[1])

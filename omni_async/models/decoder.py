@@ -173,7 +173,8 @@ def _prefer_page_gather(ctx: AttentionContext, page_size: int) -> None:
 
 
 class DecoderModel(nn.Module):
-    """``forward(input_ids, positions, kv, ctx)`` returns float32 logits for the rows
+    """``forward(input_ids, positions, kv, ctx)`` returns float32 logits (the head's
+    dtype with ``float_logits=False``) for the rows
     in ``ctx.logits_rows`` (the last token of each sequence; a decode step has one
     token per sequence and takes every row)."""
 
@@ -205,6 +206,7 @@ class DecoderModel(nn.Module):
         kv: PagedKVCache,
         ctx: AttentionContext,
         return_hidden: bool = False,
+        float_logits: bool = True,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         _prefer_page_gather(ctx, kv.page_size)
         x = self.model.embed_tokens(input_ids)
@@ -215,5 +217,7 @@ class DecoderModel(nn.Module):
         if not ctx.is_decode:  # decode wants every row: no gather
             x, delta = x[ctx.logits_rows], None if delta is None else delta[ctx.logits_rows]
         hidden = self.ops.add_norm(x, delta, self.model.norm)[1]
-        logits = self.lm_head(hidden).to(torch.float32)
+        logits = self.lm_head(hidden)
+        if float_logits:  # the decode graphs keep the head's dtype (see DecodeGraphs._captured)
+            logits = logits.to(torch.float32)
         return (logits, hidden) if return_hidden else logits

@@ -95,8 +95,9 @@ def request_outputs(requests: list[SchedulerRequest], taken: list[int], token_id
 
 @dataclass
 class BatchResult:
-    """A forward's product on the device: logits of the sampled rows, and after sampling
-    the next token ids (and, when asked, their log-probabilities)."""
+    """A forward's product on the device: logits of the sampled rows (float32; in the
+    model's dtype from a replayed decode graph), and after sampling the next token ids
+    (and, when asked, their log-probabilities)."""
 
     logits: torch.Tensor | None
     next_token_ids: torch.Tensor | None = None
