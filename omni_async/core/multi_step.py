@@ -81,24 +81,19 @@ def process_multi_step(
             any_finished = True
             continue
         out, sp, stop_ids = req.output_ids, req.sampling, req.stop_ids()
-        kept: list[int] = []
-        lps: list[float] | None = [] if logprobs is not None else None
-        reason = None
-        for j in range(steps):
-            token = int(tokens[j * size + i])
-            out.append(token)
-            kept.append(token)
-            if lps is not None:
-                lp = float(logprobs[j * size + i])  # type: ignore[index]
-                req.output_logprobs.append(lp)
-                lps.append(lp)
-            n = len(out)
-            if token in stop_ids and n > sp.min_new_tokens:
-                reason = "stop"
-            elif n >= sp.max_new_tokens or len(req.prompt_ids) + n + req.num_inflight >= ctx:
-                reason = "length"
-            if reason is not None:
-                break
+        end = i + steps * size
+        row = tokens[i:end:size]  # the row's tokens, forward by forward
+        if stop_ids.isdisjoint(row):  # the common row: no stop id, so only limits can end it
+            limit = min(sp.max_new_tokens - len(out), ctx - len(req.prompt_ids) - req.num_inflight - len(out))
+            kept, reason = (row, None) if limit > steps else (row[: max(1, limit)], "length")
+            kept = [int(t) for t in kept]
+            out.extend(kept)
+            lps = None
+            if logprobs is not None:
+                lps = [float(lp) for lp in logprobs[i:end:size][: len(kept)]]
+                req.output_logprobs.extend(lps)
+        else:
+            kept, lps, reason = _walk_row(req, row, None if logprobs is None else logprobs[i:end:size], ctx)
         if reason is not None:
             core.finish_request(req, reason)
             any_finished = True
@@ -107,3 +102,25 @@ def process_multi_step(
     if any_finished:
         core.running = [r for r in core.running if r.finish_reason is None]
     return outcomes
+
+
+def _walk_row(req: Request, row: Sequence[int], row_lps: Sequence[float] | None, ctx: int):
+    """A row holding a stop id, token by token: what it keeps, their logprobs, and why it
+    ended (None: it runs on)."""
+    out, sp, stop_ids = req.output_ids, req.sampling, req.stop_ids()
+    kept: list[int] = []
+    lps: list[float] | None = [] if row_lps is not None else None
+    for j, t in enumerate(row):
+        token = int(t)
+        out.append(token)
+        kept.append(token)
+        if lps is not None:
+            lp = float(row_lps[j])  # type: ignore[index]
+            req.output_logprobs.append(lp)
+            lps.append(lp)
+        n = len(out)
+        if token in stop_ids and n > sp.min_new_tokens:
+            return kept, lps, "stop"
+        if n >= sp.max_new_tokens or len(req.prompt_ids) + n + req.num_inflight >= ctx:
+            return kept, lps, "length"
+    return kept, lps, None
