@@ -61,7 +61,7 @@ def main() -> None:
     eng = engine(path, "normal", args.rows)
     stack = eng.stack
     for i, p in enumerate(workload(args.rows, seed=1)):
-        req = Request(rid=f"r{i}", prompt_ids=p, sampling=SamplingParams(max_new_tokens=128, ignore_eos=True))
+        req = Request(rid=f"r{i}", prompt_ids=p, sampling=SamplingParams(max_new_tokens=512, ignore_eos=True))
         req.data = RequestData(req=req)
         stack.core.add_request(req)
 
@@ -105,8 +105,47 @@ def main() -> None:
                "wait_after_launch_ms": round(rest_ms, 3), "top_c_calls": timer.top()}
         trials.append(rec)
         print(json.dumps(rec), flush=True)
+    # Launch times without the profiler: with the GPU idle, and with the step before
+    # still running (the overlap loop's situation: scheduled on in-flight tokens).
+    synced, inflight = [], []
+    for _ in range(12):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        b1, p1 = step()
+        synced.append(1000 * (time.perf_counter() - t0))
+        t0 = time.perf_counter()
+        b2, p2 = step()
+        inflight.append(1000 * (time.perf_counter() - t0))
+        finish(b1, p1)
+        finish(b2, p2)
+    # Where a launch's host time goes: scheduling against the runner's launch, then a
+    # cProfile of ten launches.
+    sched_ms, launch_ms = [], []
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    for _ in range(10):
+        t0 = time.perf_counter()
+        batch = stack.core.get_next_batch()
+        so = SchedulerOutput([SchedulerRequest(r.rid, r.data) for r in batch.reqs], batch)
+        t1 = time.perf_counter()
+        prof.enable()
+        pending = stack.runner.launch(so)
+        prof.disable()
+        t2 = time.perf_counter()
+        sched_ms.append(1000 * (t1 - t0))
+        launch_ms.append(1000 * (t2 - t1))
+        finish(batch, pending)
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(35)
+    print("schedule ms", [round(x, 2) for x in sched_ms], "launch ms (profiled)", [round(x, 2) for x in launch_ms])
+    print(text.getvalue()[:9000])
+    print("idle-GPU launch ms", [round(x, 2) for x in synced], flush=True)
+    print("in-flight launch ms", [round(x, 2) for x in inflight], flush=True)
     res = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "rows": args.rows, "sleep_ms": args.sleep_ms,
-           "trials": trials}
+           "trials": trials, "idle_gpu_launch_ms": synced, "in_flight_launch_ms": inflight}
     Path(args.out).write_text(json.dumps(res, indent=1))
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import gc
 import json
 import os
 import statistics
@@ -26,7 +27,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from gpu_saturation import apply_gc_mode, engine, warm_up  # noqa: E402
+from gpu_saturation import StepTimeline, apply_gc_mode, engine, warm_up  # noqa: E402
 from gpu_suite import QWEN05, make_checkpoint, pct, workload  # noqa: E402
 
 from omni_async import SamplingParams  # noqa: E402
@@ -42,6 +43,63 @@ def frame_key(frame, depth: int = 4, ours_only: bool = False) -> str:
             parts.append(f"{Path(code.co_filename).name}:{frame.f_lineno}:{code.co_name}")
         frame = frame.f_back
     return " < ".join(parts)
+
+
+class TimedAwaitable:
+    """Wraps a coroutine so that every resumption (one synchronous segment of the task
+    that awaits it, until its next yield to the loop) is timed."""
+
+    def __init__(self, coro, segments: list, stats) -> None:
+        self.coro, self.segments, self.stats = coro, segments, stats
+
+    def __await__(self):
+        return self
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        return self.send(None)
+
+    def _timed(self, fn, *args):
+        t = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            self.segments.append((time.perf_counter() - t, t, self.stats.prefill_steps, self.stats.decode_steps))
+
+    def send(self, value):
+        return self._timed(self.coro.send, value)
+
+    def throw(self, *exc):
+        return self._timed(self.coro.throw, *exc)
+
+    def close(self):
+        return self.coro.close()
+
+
+def segment_summary(segments: list, t0: float) -> dict:
+    xs = sorted(d for d, *_ in segments)
+    ms = lambda q: round(1000 * xs[min(len(xs) - 1, int(q / 100 * (len(xs) - 1)))], 3) if xs else 0  # noqa: E731
+    worst = sorted(segments, reverse=True)[:12]
+    return {"count": len(xs), "total_ms": round(1000 * sum(xs), 1), "p50_ms": ms(50), "p99_ms": ms(99),
+            "max_ms": round(1000 * xs[-1], 3) if xs else 0, "over_1ms": sum(x > 0.001 for x in xs),
+            "worst": [(round(1000 * d, 2), round(1000 * (t - t0), 1), p, k) for d, t, p, k in worst]}
+
+
+def inside(segments: list, timeline) -> list:
+    """For the stage's ten longest segments: the launch / collect / process calls that ran
+    inside each, with their durations (ms)."""
+    out = []
+    for d, t, _, _ in sorted(segments, reverse=True)[:10]:
+        parts = []
+        for rec in timeline.steps:
+            for key in ("launch_s", "collect_s", "process_s"):
+                span = rec.get(key)
+                if span and t <= span[0] and span[1] <= t + d:
+                    parts.append((key[:-2], "decode" if rec["decode"] else "prefill", rec["rows"], round(1000 * (span[1] - span[0]), 2)))
+        out.append({"segment_ms": round(1000 * d, 2), "calls": parts, "unaccounted_ms": round(1000 * d - sum(p[3] for p in parts), 2)})
+    return out
 
 
 class LagSampler:
@@ -141,16 +199,23 @@ async def one_run(eng, reqs, new: int = 128) -> dict:
 
         executor.launch = first_launch
         prof.enable()
+    reader_segments: list = []
+    timeline = StepTimeline(eng) if TIMELINE else None
     with sampler:
         tick = asyncio.create_task(sampler.ticker(stop))
         t0 = time.perf_counter()
-        counts = await asyncio.gather(*(one(p) for p in reqs))
+        STAGE_SEGMENTS.clear()
+        counts = await asyncio.gather(*(TimedAwaitable(one(p), reader_segments, eng.scheduler.stats) for p in reqs))
         wall = time.perf_counter() - t0
         if end_prof is not None:
             end_prof.disable()
         stop.set()
         await tick
-    out = {"tok_s": sum(counts) / wall, "wall_s": wall, **sampler.summary()}
+    if timeline is not None:
+        timeline.close()
+    out = {"tok_s": sum(counts) / wall, "wall_s": wall, **sampler.summary(),
+           "inside_worst_segments": inside(STAGE_SEGMENTS, timeline) if timeline is not None else None,
+           "stage_segments": segment_summary(STAGE_SEGMENTS, t0), "reader_segments": segment_summary(reader_segments, t0)}
     import io
     import pstats
 
@@ -168,6 +233,8 @@ async def one_run(eng, reqs, new: int = 128) -> dict:
 
 PROFILE_START = False
 PROFILE_END = False
+STAGE_SEGMENTS: list = []
+TIMELINE = True
 
 
 async def main_async(args) -> dict:
@@ -177,19 +244,25 @@ async def main_async(args) -> dict:
     for loop in args.loops.split(","):
         for launch in args.launches.split(","):
             eng = engine(path, loop, 256, launch)
+            run = eng.scheduler.run
+            eng.scheduler.run = lambda *a, **kw: TimedAwaitable(run(*a, **kw), STAGE_SEGMENTS, eng.scheduler.stats)
             async with eng:
                 await warm_up(eng)
                 for rep in range(args.repeats):
-                    for interval, slice_size in [(i, sl) for i in args.switch.split(",") for sl in args.slices.split(",")]:
+                    combos = [(i, sl, g) for i in args.switch.split(",") for sl in args.slices.split(",") for g in args.gc.split(",")]
+                    for interval, slice_size, gc_mode in combos:
                         sys.setswitchinterval(float(interval))
                         eng._waker.slice_size = int(slice_size)  # bench only: the readers' wake-up slice
                         apply_gc_mode("tuned")
+                        if gc_mode == "off":
+                            gc.disable()
                         r = await one_run(eng, reqs)
+                        gc.enable()
                         apply_gc_mode("default")
                         sys.setswitchinterval(0.005)
-                        name = f"{loop}/{launch}/switch{interval}/slice{slice_size}"
+                        name = f"{loop}/{launch}/switch{interval}/slice{slice_size}/gc-{gc_mode}"
                         out.setdefault(name, []).append(r)
-                        print(name, rep, json.dumps({k: v for k, v in r.items() if k not in ("loop_sites", "loop_paths", "worker_sites", "worst") and "_profile_" not in k}), flush=True)
+                        print(name, rep, json.dumps({k: v for k, v in r.items() if k not in ("loop_sites", "loop_paths", "worker_sites", "worst", "stage_segments", "reader_segments") and "_profile_" not in k}), flush=True)
             del eng
             torch.cuda.empty_cache()
     return out
@@ -204,6 +277,7 @@ def main() -> None:
     ap.add_argument("--launches", default="auto")
     ap.add_argument("--switch", default="0.005", help="sys.setswitchinterval values, side by side")
     ap.add_argument("--slices", default="32", help="reader wake-up slice sizes, side by side (100000: all at once)")
+    ap.add_argument("--gc", default="tuned", help="GC during the runs, side by side: tuned (frozen heap, gen0 10000), off")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--profile-end", action="store_true", help="cProfile from the first request's end to the last's")
     ap.add_argument("--profile-start", action="store_true", help="cProfile the loop thread from submission to the first launch")
