@@ -50,6 +50,8 @@ class ForwardBatch:
     span: int = 0
     all_positions: torch.Tensor | None = None  # [k, B]: each forward's positions
     all_slots: torch.Tensor | None = None  # [k, B]: each forward's KV slots (scratch past a row's end)
+    all_kv_lens: torch.Tensor | None = None  # [k, B]: each forward's attended length
+    all_sample_indices: torch.Tensor | None = None  # [k, B]: each forward's generation indices
     sampling: SamplingBatch | None = None  # the first forward's, for the later ones to reuse
 
 
@@ -69,6 +71,7 @@ class NativeModelRunner(ModelRunner):
         # (``RequestOutput.extra["hidden_state"]``), e.g. for a downstream talker stage.
         self.capture_hidden = capture_hidden
         self.graphs: DecodeGraphs | None = None
+        self._later_cols: dict[int, torch.Tensor] = {}  # a multi-step decode's forward offsets
         self.sampling_graphs: SamplingGraphs | None = None
         # Decode attention through the Triton paged kernel (CUDA with Triton).
         self.use_kernel = triton_available(device)
@@ -103,8 +106,9 @@ class NativeModelRunner(ModelRunner):
 
     def _build_decode(self, batch: ScheduledBatch, rows: SlotRows, sidx: np.ndarray, capture: bool) -> ForwardBatch:
         """One small host array, one copy; the rest is gathered on the device."""
-        host = np.array([batch.prefix_lens, batch.input_ids, sidx], dtype=np.int64)
-        positions, host_ids, sidx_dev = torch.from_numpy(host).to(self.device, non_blocking=True).unbind(0)
+        multi = batch.row_steps is not None
+        host = np.array([batch.prefix_lens, batch.input_ids, sidx] + ([batch.row_steps] if multi else []), dtype=np.int64)
+        positions, host_ids, sidx_dev, *rest = torch.from_numpy(host).to(self.device, non_blocking=True).unbind(0)
         # A decode input still in flight (-1 on the host) is the slot's newest token.
         input_ids = torch.where(host_ids >= 0, host_ids, self.inputs.last_token.index_select(0, rows.slots_dev))
         tables = self.inputs.block_tables(rows)
@@ -113,16 +117,26 @@ class NativeModelRunner(ModelRunner):
         if batch.row_steps is None:
             ctx = self._decode_ctx(tables, positions, self._slots(tables, positions), graphed, span)
             return ForwardBatch(input_ids, positions, ctx, batch, rows, sidx, sidx_dev, block_tables=graphed, capture_hidden=capture)
-        # A multi-step decode: every forward's positions and KV slots in one go, [k, B].
-        steps = torch.tensor(batch.row_steps, dtype=torch.long).to(self.device, non_blocking=True)
-        later = torch.arange(max(batch.row_steps), device=self.device)[:, None]
+        # A multi-step decode: every forward's inputs in one go, [k, B] (each torch call
+        # costs the H200's host 10-100 us: per-forward arithmetic would be paid k times).
+        (steps,) = rest
+        later = self._later(max(batch.row_steps))
         all_positions = positions + torch.minimum(steps - 1, later)  # rows past their end repeat it
         all_slots = self._slots(tables, all_positions.T).T
         all_slots = torch.where(steps > later, all_slots, (self.kv.num_pages - 1) * self.page_size)  # ... writing to scratch
-        ctx = self._decode_ctx(tables, positions, all_slots[0], graphed, span)
+        all_kv_lens = all_positions + 1
+        ctx = self._decode_ctx(tables, positions, all_slots[0], graphed, span, kv_lens=all_kv_lens[0])
         fb = ForwardBatch(input_ids, positions, ctx, batch, rows, sidx, sidx_dev, block_tables=graphed, capture_hidden=capture)
         fb.row_steps, fb.tables, fb.span, fb.all_positions, fb.all_slots = steps, tables, span, all_positions, all_slots
+        fb.all_kv_lens, fb.all_sample_indices = all_kv_lens, sidx_dev + later
         return fb
+
+    def _later(self, k: int) -> torch.Tensor:
+        """``[[0], [1], ..., [k-1]]`` on the device, made once per k."""
+        col = self._later_cols.get(k)
+        if col is None:
+            col = self._later_cols[k] = torch.arange(k, device=self.device)[:, None]
+        return col
 
     def _slots(self, tables: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """KV slots of ``positions`` (``[B]`` or ``[B, k]``) through the rows' page tables."""
@@ -131,11 +145,13 @@ class NativeModelRunner(ModelRunner):
         return pages * ps + positions % ps
 
     def _decode_ctx(self, tables: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
-                    graphed: torch.Tensor | None, span: int, rows: torch.Tensor | None = None) -> AttentionContext:
+                    graphed: torch.Tensor | None, span: int, rows: torch.Tensor | None = None,
+                    kv_lens: torch.Tensor | None = None) -> AttentionContext:
         """Where each row's new KV goes and what it attends to."""
         ps = self.page_size
         logits_rows = torch.arange(positions.shape[0], device=self.device) if rows is None else rows
-        ctx = AttentionContext(is_decode=True, slot_mapping=slot_mapping, logits_rows=logits_rows, kv_lens=positions + 1)
+        kv_lens = positions + 1 if kv_lens is None else kv_lens
+        ctx = AttentionContext(is_decode=True, slot_mapping=slot_mapping, logits_rows=logits_rows, kv_lens=kv_lens)
         if graphed is None and self.use_kernel:
             ctx.block_tables, ctx.page_size, ctx.use_kernel = tables, ps, True
         elif graphed is None:  # the torch reference: pages gathered into a padded [B, L] view
@@ -163,6 +179,9 @@ class NativeModelRunner(ModelRunner):
         ok = torch.empty((k, size), dtype=torch.bool, device=self.device)
         logprobs: torch.Tensor | None = None
         sub, last = fb, None
+        # Later forwards read the tokens before them directly; the slots' record is for the
+        # next step, so one publish at the end does, unless penalties mark every token seen.
+        every_forward = "seen" in self.inputs.masks
         for j in range(k):
             if j:
                 sub = self._next_forward(fb, j, tokens[j - 1])
@@ -176,7 +195,8 @@ class NativeModelRunner(ModelRunner):
                 if logprobs is None:
                     logprobs = torch.zeros((k, size), dtype=torch.float32, device=self.device)
                 logprobs[j].copy_(last.next_token_logprobs)
-            self.inputs.publish(fb.rows.slots_dev, tokens[j])
+            if every_forward or j == k - 1:
+                self.inputs.publish(fb.rows.slots_dev, tokens[j])
         assert last is not None
         merged = BatchResult(
             logits=last.logits, next_token_ids=tokens, next_token_logprobs=logprobs, hidden_states=last.hidden_states,
@@ -188,10 +208,12 @@ class NativeModelRunner(ModelRunner):
         """Forward ``j`` of a multi-step decode: one position further for every row that
         still runs (the others repeat their last position and write to scratch)."""
         assert fb.all_positions is not None and fb.all_slots is not None and fb.tables is not None
+        assert fb.all_kv_lens is not None and fb.all_sample_indices is not None
         positions = fb.all_positions[j]
-        ctx = self._decode_ctx(fb.tables, positions, fb.all_slots[j], fb.block_tables, fb.span + j, rows=fb.ctx.logits_rows)
+        ctx = self._decode_ctx(fb.tables, positions, fb.all_slots[j], fb.block_tables, fb.span + j, rows=fb.ctx.logits_rows,
+                               kv_lens=fb.all_kv_lens[j])
         return ForwardBatch(
-            tokens, positions, ctx, fb.batch, fb.rows, fb.sample_indices + j, fb.sample_indices_dev + j,
+            tokens, positions, ctx, fb.batch, fb.rows, fb.sample_indices + j, fb.all_sample_indices[j],
             block_tables=fb.block_tables, capture_hidden=fb.capture_hidden, sampling=fb.sampling,
         )
 
