@@ -162,6 +162,7 @@ def assemble_stack(
 
         load_fused()  # built now (ConfigError if it cannot be), not inside the first step
         runner.model.ops = CpuFusedOps()
+        runner.cpu_fused_ops = True
     core = NativeBatchCore(config, allocator, context, decode_steps=steps)
     core.multi_step_allowed = runner.multi_step_allowed
     return NativeStack(loaded, kv, allocator, runner, core, limits, device, tensor_parallel)

@@ -237,10 +237,11 @@ class SchedulerConfig:
     # pages in place instead of gathering them (omni_async/kernels/cpu_paged.py; built
     # with the system compiler on first use). Close to the reference, not bit-equal.
     cpu_attention_kernel: bool = False
-    # Native backend on CPU: the elementwise ops between the GEMMs (residual add +
-    # RMSNorm, rotary + KV write, SiLU-and-multiply) through fused C++ kernels, one call
-    # each and no parallel region at decode sizes (omni_async/kernels/cpu_fused.py; built
-    # with the system compiler on first use). Close to the reference, not bit-equal.
+    # Native backend on CPU: the work between the GEMMs (residual add + RMSNorm, rotary +
+    # KV write, SiLU-and-multiply, and an extend step's attention) through fused C++
+    # kernels, one call each and no parallel region at decode sizes
+    # (omni_async/kernels/cpu_fused.py; built with the system compiler on first use).
+    # Close to the reference, not bit-equal.
     cpu_fused_ops: bool = False
 
     def __post_init__(self) -> None:

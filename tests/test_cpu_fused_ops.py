@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from omni_async import Engine, SamplingParams, errors
+from omni_async.kv.attention import AttentionContext, paged_attention
 from omni_async.models.decoder import ReferenceOps, RMSNorm
 
 from .conftest import LOOPS, assert_kv_free
@@ -103,8 +104,42 @@ def test_rope_store_matches_the_reference(fused, dtype, rows, heads, kv_heads):
     assert torch.equal(got_kv.k[0], ref_kv.k[0]) and torch.equal(got_kv.v[0], ref_kv.v[0])
 
 
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 4), (8, 1)])
+def test_extend_attention_matches_the_reference(dtype, tol, heads, kv_heads):
+    """An extend step's attention in one call over the cache (new sequences and one with
+    a cached prefix) gives what the per-sequence SDPA loop gives."""
+    gen = torch.Generator().manual_seed(heads + kv_heads)
+    d, page = 64, 16
+    lens, prefixes = [1, 37, 5, 64, 20, 1], [0, 0, 7, 0, 0, 30]
+    total = sum(lens)
+    q = torch.randn(total, heads, d, generator=gen).to(dtype)
+    kv_new = torch.randn(total, 2 * kv_heads, d, generator=gen).to(dtype)
+    k_new, v_new = kv_new[:, :kv_heads], kv_new[:, kv_heads:]  # strided, as the model's v is
+    k_cache = torch.randn(64 * page, kv_heads, d, generator=gen).to(dtype)
+    v_cache = torch.randn(64 * page, kv_heads, d, generator=gen).to(dtype)
+    starts = [sum(lens[:i]) for i in range(len(lens))]
+    order, slot_lists, next_slot = torch.randperm(64 * page, generator=gen), [], 0  # scattered slots, as pages are
+    for start, n, prefix in zip(starts, lens, prefixes):
+        slots = order[next_slot : next_slot + prefix + n]
+        k_cache[slots[prefix:]], v_cache[slots[prefix:]] = k_new[start : start + n], v_new[start : start + n]
+        slot_lists.append(slots)
+        next_slot += prefix + n
+
+    def attend(cpu_prefill: bool) -> torch.Tensor:
+        ctx = AttentionContext(is_decode=False, slot_mapping=torch.zeros(total, dtype=torch.long), logits_rows=torch.zeros(1))
+        ctx.seq_slices, ctx.seq_kv_slots, ctx.cpu_prefill = list(zip(starts, lens, prefixes)), slot_lists, cpu_prefill
+        return paged_attention(q, k_cache, v_cache, ctx, d**-0.5, k_new=k_new, v_new=v_new)
+
+    ref, got = attend(False), attend(True)
+    assert got.dtype == dtype and got.shape == ref.shape
+    torch.testing.assert_close(got.float(), ref.float(), atol=tol, rtol=tol)
+
+
 def test_engine_tokens_agree_across_loops_and_with_the_reference():
-    prompts = [[5, 6, 7], list(range(3, 60)), [9] * 20, list(range(100, 140))]
+    """Also through the extend kernel's prefix cases: a prompt over the chunked-prefill
+    size, and a second round whose prompts extend the first's (prefix cache hits)."""
+    prompts = [[5, 6, 7], list(range(3, 60)), [9] * 20, list(range(100, 140)), [3 + i % 200 for i in range(600)]]
     sp = SamplingParams(max_new_tokens=12, ignore_eos=True)
 
     async def tokens(**kw):
@@ -112,8 +147,10 @@ def test_engine_tokens_agree_across_loops_and_with_the_reference():
         async with engine:
             assert engine.stack.runner.model.ops.name == ("cpu_fused" if kw.get("cpu_fused_ops") else "reference")
             out = await asyncio.gather(*(engine.generate(input_ids=p, sampling=sp) for p in prompts))
+            again = await asyncio.gather(*(engine.generate(input_ids=p + r.output_ids, sampling=sp) for p, r in zip(prompts, out)))
+            cached = sum(r.cached_tokens or 0 for r in again)
         assert_kv_free(engine)
-        return [r.output_ids for r in out]
+        return [r.output_ids for r in out + again], cached
 
     async def all_runs():
         ref = await tokens()
@@ -121,8 +158,9 @@ def test_engine_tokens_agree_across_loops_and_with_the_reference():
         runs.append(await tokens(cpu_fused_ops=True, cpu_attention_kernel=True))
         return ref, runs
 
-    ref, runs = asyncio.run(all_runs())
-    assert all(r == ref for r in runs)
+    (ref, cached), runs = asyncio.run(all_runs())
+    assert cached > 0
+    assert all(r == ref for r, _ in runs)
 
 
 def test_refused_with_tensor_parallelism():

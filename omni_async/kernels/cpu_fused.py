@@ -1,4 +1,4 @@
-"""The decoder's elementwise ops between the GEMMs as fused C++ CPU kernels (``cpu_fused_ops=True``).
+"""The decoder's work between the GEMMs as fused C++ CPU kernels (``cpu_fused_ops=True``).
 
 Why: on a small CPU a decode step at 16-64 rows spends as much time between the GEMMs
 as in them. Each torch op of residual add + RMSNorm (about six), rotary + KV write (about
@@ -10,15 +10,17 @@ between regions and every region wakes a sleeping thread (measured on a 2-core V
 add + RMSNorm of 64 x 576 floats took 0.25 ms through torch in the step thread, 0.02 ms
 with no second team). Each op below is one call, one pass over its rows, no temporaries,
 and runs on the calling thread unless it has enough rows to pay for a parallel region
-(prefill).
+(prefill). The attention of an extend step (prefill, with or without a cached prefix) is
+one call per layer too, instead of an SDPA call (and its regions) per sequence.
 
 Rounding follows :class:`~omni_async.models.decoder.ReferenceOps` step by step (the
 residual sum, the normalised value, SiLU and the rotary products are rounded to the
 activation dtype where the reference rounds them; float32 arithmetic in between, FMA
 contraction off), so float32 results differ from the reference only by the summation
-order of the RMSNorm mean and by SiLU's exp (a polynomial, about 1 ulp): close, not
-bit-equal, hence opt-in. Float32 and bfloat16 activations. Compiled from the C++ below
-with the system compiler on first use (``torch.utils.cpp_extension``, cached by torch).
+order of the RMSNorm mean and of the attention, and by exp (a polynomial, about 1 ulp):
+close, not bit-equal, hence opt-in. Float32 and bfloat16 activations. Compiled from the
+C++ below with the system compiler on first use (``torch.utils.cpp_extension``, about
+20 s once; cached by torch).
 """
 
 from __future__ import annotations
@@ -200,6 +202,65 @@ std::vector<torch::Tensor> rope_store(torch::Tensor q, torch::Tensor k, torch::T
   });
   return {qo, ko};
 }
+
+// Causal attention of an extend step, reading K/V from the cache through each sequence's
+// slots (its cached prefix, then its new tokens, already written): query i of a sequence
+// with prefix p attends to its first p + i + 1 positions. One task per (sequence, query
+// head), float32 arithmetic.
+template <typename T>
+static void extend_rows(const T* q, const T* kc, const T* vc, T* out, const int64_t* slots, const int64_t* seqs,
+                        int64_t S, int64_t H, int64_t KVH, int64_t D, float scale) {
+  const int64_t rep = H / KVH;
+  int64_t longest = 1;  // seqs: [S, 4] rows of (q_start, q_len, prefix_len, first slot index)
+  for (int64_t s = 0; s < S; ++s) longest = std::max(longest, seqs[s * 4 + 1] + seqs[s * 4 + 2]);
+  at::parallel_for(0, S * H, 1, [&](int64_t lo, int64_t hi) {
+    std::vector<float> scores(longest), qf(D), acc(D);
+    for (int64_t task = lo; task < hi; ++task) {
+      const int64_t s = task / H, h = task % H, g = h / rep;
+      const int64_t start = seqs[s * 4], n = seqs[s * 4 + 1], prefix = seqs[s * 4 + 2];
+      const int64_t* sl = slots + seqs[s * 4 + 3];
+      for (int64_t i = 0; i < n; ++i) {
+        const T* qrow = q + ((start + i) * H + h) * D;
+        for (int64_t d = 0; d < D; ++d) qf[d] = static_cast<float>(qrow[d]) * scale;
+        const int64_t len = prefix + i + 1;
+        float mx = -INFINITY;
+        for (int64_t j = 0; j < len; ++j) {
+          const T* krow = kc + (sl[j] * KVH + g) * D;
+          float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+          for (int64_t d = 0; d < D; ++d) dot += qf[d] * static_cast<float>(krow[d]);
+          scores[j] = dot;
+          mx = std::max(mx, dot);
+        }
+        for (int64_t j = 0; j < len; ++j) scores[j] = exp_poly(scores[j] - mx);
+        float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t j = 0; j < len; ++j) sum += scores[j];
+        std::fill(acc.begin(), acc.end(), 0.f);
+        for (int64_t j = 0; j < len; ++j) {
+          const T* vrow = vc + (sl[j] * KVH + g) * D;
+          const float w = scores[j] / sum;
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) acc[d] += w * static_cast<float>(vrow[d]);
+        }
+        T* orow = out + ((start + i) * H + h) * D;
+        for (int64_t d = 0; d < D; ++d) orow[d] = static_cast<T>(acc[d]);
+      }
+    }
+  });
+}
+
+torch::Tensor extend_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots,
+                               torch::Tensor seqs, double scale) {
+  auto out = torch::empty_like(q);
+  const int64_t H = q.size(1), D = q.size(2), KVH = k_cache.size(1), S = seqs.size(0);
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "extend_attention", [&] {
+    extend_rows<scalar_t>(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
+                          out.data_ptr<scalar_t>(), slots.data_ptr<int64_t>(), seqs.data_ptr<int64_t>(), S, H, KVH, D,
+                          static_cast<float>(scale));
+  });
+  return out;
+}
 """
 
 _lock = threading.Lock()
@@ -215,7 +276,7 @@ def load() -> Any:
 
             try:
                 _module = load_inline(
-                    "omni_async_cpu_fused", cpp_sources=_SOURCE, functions=["add_rms_norm", "silu_mul", "rope_store"],
+                    "omni_async_cpu_fused", cpp_sources=_SOURCE, functions=["add_rms_norm", "silu_mul", "rope_store", "extend_attention"],
                     extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fno-trapping-math", "-fopenmp"], extra_ldflags=["-fopenmp"],
                 )
             except Exception as exc:  # no compiler, no ninja, a failed build
@@ -243,6 +304,25 @@ def rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Ten
     and write the rotated k and ``v`` into the caches (``[slots, KVH, D]``) at ``slots``."""
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     return tuple(load().rope_store(q, k, v, cos.contiguous(), sin.contiguous(), k_cache, v_cache, slots.to(torch.long).contiguous()))
+
+
+def extend_tables(seq_slices: list[tuple[int, int, int]], seq_kv_slots: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """What :func:`extend_attention` reads: every sequence's KV slots end to end, and per
+    sequence ``(q_start, q_len, prefix_len, offset of its first slot)``; built once per
+    forward (the layers share them)."""
+    offsets = [0]
+    for slots in seq_kv_slots[:-1]:
+        offsets.append(offsets[-1] + int(slots.shape[0]))
+    seqs = torch.tensor([(*sl, off) for sl, off in zip(seq_slices, offsets)], dtype=torch.long)
+    return torch.cat([s.to(torch.long) for s in seq_kv_slots]), seqs
+
+
+def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor],
+                     scale: float) -> torch.Tensor:
+    """Causal attention of an extend step's ``q`` ``[T, H, D]`` over each sequence's
+    cached prefix and new tokens (their K/V already in the caches ``[slots, KVH, D]``),
+    in one call; ``tables`` from :func:`extend_tables`."""
+    return load().extend_attention(q.contiguous(), k_cache, v_cache, tables[0], tables[1], scale)
 
 
 class CpuFusedOps:
