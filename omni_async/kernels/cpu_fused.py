@@ -33,6 +33,28 @@ import torch
 from .. import errors
 from ..logs import log
 
+EXP_POLY = r"""
+// exp for SiLU and softmax: Cephes' single-precision polynomial (about 1.3 ulp over [-87, 88]; 0 below,
+// inf above), branch-free so the loop around it vectorises with one division per element
+// (std::floor does with -fno-trapping-math). The clamp is on the power of two, not on x:
+// clamping x makes GCC add a second, predicated division.
+static inline float exp_poly(float x) {
+  float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  n = std::min(std::max(n, -127.f), 128.f);
+  float r = x - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  float y = 1.9875691500e-4f;
+  y = y * r + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = y * (r * r) + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  return y * __builtin_bit_cast(float, bits);
+}
+"""
+
 _SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -55,26 +77,7 @@ static void over_rows(int64_t rows, int64_t per_row, const F& body) {
 }
 
 template <typename T> static inline T round_to(float v) { return static_cast<T>(v); }
-
-// exp for SiLU: Cephes' single-precision polynomial (about 1.3 ulp over [-87, 88]; 0 below,
-// inf above), branch-free so the loop around it vectorises with one division per element
-// (std::floor does with -fno-trapping-math). The clamp is on the power of two, not on x:
-// clamping x makes GCC add a second, predicated division.
-static inline float exp_poly(float x) {
-  float n = std::floor(x * 1.44269504088896341f + 0.5f);
-  n = std::min(std::max(n, -127.f), 128.f);
-  float r = x - n * 0.693359375f;
-  r = r - n * -2.12194440e-4f;
-  float y = 1.9875691500e-4f;
-  y = y * r + 1.3981999507e-3f;
-  y = y * r + 8.3334519073e-3f;
-  y = y * r + 4.1665795894e-2f;
-  y = y * r + 1.6666665459e-1f;
-  y = y * r + 5.0000001201e-1f;
-  y = y * (r * r) + r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  return y * __builtin_bit_cast(float, bits);
-}
+""" + EXP_POLY + r"""
 
 // Sum of squares with 16 independent partial sums (vectorisable without reassociation flags).
 static inline float sum_squares(const float* v, int64_t n) {
