@@ -17,7 +17,9 @@ system says ``@bfloat16`` (e.g. ``omni:normal@bfloat16``, ``hf:generate@bfloat16
 between them): not exact, so its runs record how far their tokens agree with
 ``hf:generate`` (float32): the mean fraction of each request's tokens before the first
 difference. A ``+kernel`` suffix (``omni:normal+int8+kernel``) adds
-``cpu_attention_kernel=True``: decode attention reading the KV pages in place.
+``cpu_attention_kernel=True``: decode attention reading the KV pages in place; a
+``+fused`` suffix adds ``cpu_fused_ops=True``: the elementwise ops between the GEMMs
+through fused C++ kernels.
 Repeats are interleaved (every system runs once per repeat and concurrency, the order
 rotated); the table shows the median tok/s with min-max, and each omni run records whether
 its tokens equal ``hf:generate``'s. Results: bench/results/cpu_smollm2.json.
@@ -117,6 +119,11 @@ def kernel_of(system: str) -> bool:
     return "kernel" in system.split("+")[1:]
 
 
+def fused_of(system: str) -> bool:
+    """``"omni:normal+int8+kernel+fused"``: with ``cpu_fused_ops=True``."""
+    return "fused" in system.split("+")[1:]
+
+
 def prefix_agreement(tokens: list[list[int]], reference: list[list[int]]) -> float:
     """Mean over requests of the fraction of tokens before the first difference."""
     fractions = []
@@ -148,7 +155,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         if name.startswith("omni:"):
             engines[s] = Engine.from_pretrained(
                 str(path), loop=name.split(":", 1)[1], dtype=dtype, kv_capacity_tokens=args.kv_tokens,
-                quantization=quantization_of(s), cpu_attention_kernel=kernel_of(s),
+                quantization=quantization_of(s), cpu_attention_kernel=kernel_of(s), cpu_fused_ops=fused_of(s),
             )
             await engines[s].__aenter__()
         elif dtype not in hf:

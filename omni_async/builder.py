@@ -157,6 +157,12 @@ def assemble_stack(
 
         load()  # built now (ConfigError if it cannot be), not inside the first step
         runner.cpu_attention_kernel = True
+    if config.cpu_fused_ops and device.type == "cpu":
+        from .kernels.cpu_fused import CpuFusedOps, load as load_fused
+
+        load_fused()  # built now (ConfigError if it cannot be), not inside the first step
+        runner.model.ops = CpuFusedOps()
+        runner.cpu_fused_ops = True
     core = NativeBatchCore(config, allocator, context, decode_steps=steps)
     core.multi_step_allowed = runner.multi_step_allowed
     return NativeStack(loaded, kv, allocator, runner, core, limits, device, tensor_parallel)

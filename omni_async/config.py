@@ -237,6 +237,12 @@ class SchedulerConfig:
     # pages in place instead of gathering them (omni_async/kernels/cpu_paged.py; built
     # with the system compiler on first use). Close to the reference, not bit-equal.
     cpu_attention_kernel: bool = False
+    # Native backend on CPU: the work between the GEMMs (residual add + RMSNorm, rotary +
+    # KV write, SiLU-and-multiply, and an extend step's attention) through fused C++
+    # kernels, one call each and no parallel region at decode sizes
+    # (omni_async/kernels/cpu_fused.py; built with the system compiler on first use).
+    # Close to the reference, not bit-equal.
+    cpu_fused_ops: bool = False
 
     def __post_init__(self) -> None:
         if self.loop not in LOOP_KINDS:
@@ -262,8 +268,9 @@ class SchedulerConfig:
                 raise ConfigError(f"decode_steps must be None or an integer in [1, page_size={self.page_size}], got {self.decode_steps!r}")
             if self.decode_steps > 1 and self.tensor_parallel_size > 1:
                 raise ConfigError("decode_steps > 1 is not supported with tensor_parallel_size > 1 yet")
-        if self.cpu_attention_kernel and self.tensor_parallel_size > 1:
-            raise ConfigError("cpu_attention_kernel is not supported with tensor_parallel_size > 1 yet")
+        for name in ("cpu_attention_kernel", "cpu_fused_ops"):
+            if getattr(self, name) and self.tensor_parallel_size > 1:
+                raise ConfigError(f"{name} is not supported with tensor_parallel_size > 1 yet")
         if not _is_int(self.chunked_prefill_size):
             raise ConfigError("chunked_prefill_size must be an integer (<= 0 disables)")
         if self.kv_capacity_tokens is not None and (
@@ -275,7 +282,7 @@ class SchedulerConfig:
             )
         if self.step_timeout_s is not None and (not _is_finite(self.step_timeout_s) or self.step_timeout_s <= 0):
             raise ConfigError(f"step_timeout_s must be a positive number of seconds or None, got {self.step_timeout_s!r}")
-        for name in ("enable_prefix_cache", "gc_freeze", "cpu_attention_kernel"):
+        for name in ("enable_prefix_cache", "gc_freeze", "cpu_attention_kernel", "cpu_fused_ops"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.gc_gen0_threshold is not None and (not _is_int(self.gc_gen0_threshold) or self.gc_gen0_threshold < 1):

@@ -35,6 +35,8 @@ class AttentionContext:
     page_size: int = 0
     use_kernel: bool = False  # attention through the Triton paged kernels (CUDA)
     cpu_kernel: bool = False  # CPU decode through the C++ kernel reading pages in place
+    cpu_prefill: bool = False  # CPU extend through one C++ call per layer (cpu_fused_ops)
+    cpu_prefill_tables: tuple[torch.Tensor, torch.Tensor] | None = None  # built by its first layer
     # Extend steps through the kernel: per-sequence starts, lengths, prefixes on the device.
     q_starts: torch.Tensor | None = None
     q_lens: torch.Tensor | None = None
@@ -175,6 +177,12 @@ def paged_attention(
             ctx.max_q_len, ctx.page_size, scale,
         )
     assert ctx.seq_slices is not None and ctx.seq_kv_slots is not None
+    if ctx.cpu_prefill and k_cache.is_contiguous() and v_cache.is_contiguous() and q.dtype == k_cache.dtype:
+        from ..kernels.cpu_fused import extend_attention, extend_tables
+
+        if ctx.cpu_prefill_tables is None:
+            ctx.cpu_prefill_tables = extend_tables(ctx.seq_slices, ctx.seq_kv_slots)
+        return extend_attention(q, k_cache, v_cache, ctx.cpu_prefill_tables, scale)
     out = torch.empty_like(q)
     for (q_start, q_len, prefix_len), slots in zip(ctx.seq_slices, ctx.seq_kv_slots):
         if prefix_len == 0 and k_new is not None and v_new is not None and _HAS_GQA:

@@ -90,6 +90,7 @@ class NativeModelRunner(ModelRunner):
         self.page_size = kv.page_size
         self.inputs = InputBatch(kv.page_size, model.config.vocab_size, device)
         self.cpu_attention_kernel = False  # set from SchedulerConfig.cpu_attention_kernel (builder)
+        self.cpu_fused_ops = False  # set from SchedulerConfig.cpu_fused_ops (builder), with model.ops
 
     def build_forward_batch(self, scheduler_output: SchedulerOutput, capture_hidden_mode=None) -> ForwardBatch:
         batch = scheduler_output.batch_data
@@ -244,6 +245,7 @@ class NativeModelRunner(ModelRunner):
         else:
             ctx.seq_slices = list(zip(starts.tolist(), n.tolist(), prefix.tolist()))
             ctx.seq_kv_slots = [self._seq_slots(int(s), int(p + k)) for s, p, k in zip(rows.slots, prefix, n)]
+            ctx.cpu_prefill = self.cpu_fused_ops
         return ForwardBatch(input_ids, positions, ctx, batch, rows, sidx, sidx_dev)
 
     def _seq_slots(self, slot: int, length: int) -> torch.Tensor:
