@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import os
+import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 import torch
 
@@ -20,6 +21,8 @@ from .models.quantized import check_quantization, quantization_of, quantize_line
 from .runners.native import NativeModelRunner
 from .scheduler import AsyncOmniScheduler, ModelLimits
 from .weights import NativeModelWorker
+
+T = TypeVar("T")
 
 # CPU KV when kv_capacity_tokens is not given: this fraction of the memory available now,
 # within [CPU_KV_MIN_TOKENS, CPU_KV_MAX_TOKENS] (the cap keeps start-up and tests quick;
@@ -99,10 +102,39 @@ def build_native_stack(
         from .parallel.launch import build_parallel_stack
 
         return build_parallel_stack(path_or_name, config, device=device, dtype=dtype, seed=seed)
-    loaded = load_model(path_or_name, dtype=dtype, device=device, seed=seed)
-    quantize_linears(loaded.model, config.quantization)
-    num_pages = kv_pages_for(config, loaded, device, next(loaded.model.parameters()).dtype)
-    return assemble_stack(loaded, config, device, num_pages, NativeModelRunner(loaded.model, kv_cache(loaded, config, device, num_pages), device, seed=seed, fused_kernels=config.fused_kernels))
+
+    def build() -> NativeStack:
+        loaded = load_model(path_or_name, dtype=dtype, device=device, seed=seed)
+        quantize_linears(loaded.model, config.quantization)
+        num_pages = kv_pages_for(config, loaded, device, next(loaded.model.parameters()).dtype)
+        runner = NativeModelRunner(loaded.model, kv_cache(loaded, config, device, num_pages), device, seed=seed, fused_kernels=config.fused_kernels)
+        return assemble_stack(loaded, config, device, num_pages, runner)
+
+    return build_off_this_thread(build) if device.type == "cpu" else build()
+
+
+def build_off_this_thread(build: Callable[[], T]) -> T:
+    """Run ``build`` in a thread of its own and return (or raise) its result.
+
+    On CPU a thread that runs a parallel torch op gets an OpenMP team for its life. Loading
+    on the caller's thread would leave its team next to the step thread's, and with more
+    OpenMP threads than cores libgomp sleeps between parallel regions, so every torch op of
+    every step pays a thread wake-up: 10x per op on the 2-core VM (bench/RESULTS.md). The
+    team of a thread that has ended is released."""
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["value"] = build()
+        except BaseException as exc:  # re-raised in the caller's thread
+            box["error"] = exc
+
+    thread = threading.Thread(target=run, name="omni-load", daemon=True)
+    thread.start()
+    thread.join()
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
 
 
 def kv_cache(loaded: LoadedModel, config: SchedulerConfig, device: torch.device, num_pages: int) -> PagedKVCache:

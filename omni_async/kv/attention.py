@@ -46,13 +46,10 @@ class AttentionContext:
     seq_kv_slots: list[torch.Tensor] | None = None
 
 
-try:  # grouped-query attention without materialising repeated K/V (torch >= 2.5)
-    F.scaled_dot_product_attention(
-        torch.zeros(1, 2, 1, 4), torch.zeros(1, 1, 1, 4), torch.zeros(1, 1, 1, 4), enable_gqa=True
-    )
-    _HAS_GQA = True
-except TypeError:  # pragma: no cover
-    _HAS_GQA = False
+# Grouped-query attention without materialising repeated K/V (torch >= 2.5). Read from the
+# version, not probed with a call: a torch op at import would give the importing thread an
+# OpenMP team, which slows every CPU step (see builder.build_off_this_thread).
+_HAS_GQA = torch.torch_version.TorchVersion(torch.__version__) >= "2.5"
 _GQA = {"enable_gqa": True} if _HAS_GQA else {}
 
 
