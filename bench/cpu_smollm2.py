@@ -26,6 +26,7 @@ its tokens equal ``hf:generate``'s. Results: bench/results/cpu_smollm2.json.
 
     python bench/cpu_smollm2.py                                # 1,4,16,64 x 2 repeats
     python bench/cpu_smollm2.py --concurrency 16 --repeats 3 --systems omni:normal,hf:generate
+    python bench/cpu_smollm2.py --isolate --concurrency 1,16,64 --repeats 3   # a process per system
 """
 
 from __future__ import annotations
@@ -183,9 +184,9 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                         continue  # slow on CPU: a run at high concurrency would take minutes
                     runs.append(await _one(s, engines, hf, prompts, args.max_new_tokens, pad_id, rep, conc))
                     if s == "hf:generate":
-                        reference = runs[-1].pop("tokens", None)
+                        reference = runs[-1]["tokens"] if args.keep_tokens else runs[-1].pop("tokens", None)
                 for r in runs:
-                    if r["repeat"] == rep and r["concurrency"] == conc and "tokens" in r:
+                    if r["repeat"] == rep and r["concurrency"] == conc and "tokens" in r and not args.keep_tokens:
                         toks = r.pop("tokens")
                         r["tokens_equal_hf_generate"] = None if reference is None else toks == reference
                         if reference is not None:
@@ -281,11 +282,64 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--torch-threads", type=int, default=None)
     p.add_argument("--malloc", choices=["steady", "default"], default="steady")
     p.add_argument("--out", default="cpu_smollm2.json")
+    p.add_argument("--isolate", action="store_true", help="every system in a process of its own (see run_isolated)")
+    p.add_argument("--keep-tokens", action="store_true", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
+def run_isolated(args: argparse.Namespace) -> dict[str, Any]:
+    """Every system in a process of its own, once per repeat, the order rotated.
+
+    In one process the systems slow each other down: every thread that runs parallel
+    torch ops (transformers on the main thread, each engine's step thread) keeps an OpenMP
+    team, and with more OpenMP threads than cores libgomp sleeps between parallel regions,
+    so every op pays a thread wake-up (transformers ran 25-40% slower next to the engines,
+    an int8 engine about 2x slower next to a second team). Tokens are compared with
+    ``hf:generate``'s (float32) of the same repeat and concurrency across the processes."""
+    import json
+    import subprocess
+    import tempfile
+
+    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    runs: list[dict[str, Any]] = []
+    for rep in range(args.repeats):
+        for s in systems[rep % len(systems):] + systems[: rep % len(systems)]:
+            with tempfile.TemporaryDirectory() as tmp:
+                out = Path(tmp) / "run.json"
+                cmd = [sys.executable, str(Path(__file__).resolve()), "--systems", s, "--repeats", "1", "--keep-tokens",
+                       "--concurrency", ",".join(map(str, args.concurrency)), "--max-new-tokens", str(args.max_new_tokens),
+                       "--kv-tokens", str(args.kv_tokens), "--generate-batch-max", str(args.generate_batch_max),
+                       "--malloc", args.malloc, "--out", str(out)]
+                if args.torch_threads:
+                    cmd += ["--torch-threads", str(args.torch_threads)]
+                subprocess.run(cmd, check=True, capture_output=True, text=True)
+                child = json.loads(out.read_text())
+            for r in child["runs"]:
+                r["repeat"] = rep
+                runs.append(r)
+            print(f"[repeat {rep}] {s}: " + ", ".join(f"C={r['concurrency']} {r.get('tok_s', 0):.0f}" for r in child["runs"]), flush=True)
+    for r in runs:
+        ref = next((x.get("tokens") for x in runs if x["system"] == "hf:generate" and x["repeat"] == r["repeat"]
+                    and x["concurrency"] == r["concurrency"]), None)
+        toks = r.get("tokens")
+        if toks is not None and ref is not None and r["system"] != "hf:generate":
+            r["tokens_equal_hf_generate"] = toks == ref
+            r["prefix_agreement_hf_generate"] = prefix_agreement(toks, ref)
+    for r in runs:
+        r.pop("tokens", None)
+    return {"benchmark": "cpu_smollm2", "isolated": True, "machine": C.machine_facts(),
+            "args": {k: v for k, v in vars(args).items() if k != "malloc_info"}, "model": str(smollm2_path()),
+            "runs": runs, "summary": summarize(runs)}
+
+
 def main(argv: list[str] | None = None) -> int:
-    return C.run_benchmark(parse_args(argv), main_async, print_table)
+    args = parse_args(argv)
+    if args.isolate:
+        result = run_isolated(args)
+        print_table(result)
+        print(f"\nsaved {C.save_json(args.out, result)}")
+        return 0
+    return C.run_benchmark(args, main_async, print_table)
 
 
 if __name__ == "__main__":
