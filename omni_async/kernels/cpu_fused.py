@@ -25,13 +25,11 @@ C++ below with the system compiler on first use (``torch.utils.cpp_extension``, 
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 import torch
 
-from .. import errors
-from ..logs import log
+from .cpu_build import CppKernels
 
 EXP_POLY = r"""
 // exp for SiLU and softmax: Cephes' single-precision polynomial (about 1.3 ulp over [-87, 88]; 0 below,
@@ -266,26 +264,12 @@ torch::Tensor extend_attention(torch::Tensor q, torch::Tensor k_cache, torch::Te
 }
 """
 
-_lock = threading.Lock()
-_module: Any = None
+_KERNELS = CppKernels("omni_async_cpu_fused", _SOURCE, ["add_rms_norm", "silu_mul", "rope_store", "extend_attention"], "cpu_fused_ops", extra_cflags=["-ffp-contract=off"])
 
 
 def load() -> Any:
     """The compiled extension (built on first call); ConfigError when it cannot be built."""
-    global _module
-    with _lock:
-        if _module is None:
-            from torch.utils.cpp_extension import load_inline
-
-            try:
-                _module = load_inline(
-                    "omni_async_cpu_fused", cpp_sources=_SOURCE, functions=["add_rms_norm", "silu_mul", "rope_store", "extend_attention"],
-                    extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fno-trapping-math", "-fopenmp"], extra_ldflags=["-fopenmp"],
-                )
-            except Exception as exc:  # no compiler, no ninja, a failed build
-                log.error("cpu_fused_ops_build_failed", error=repr(exc))
-                raise errors.ConfigError(f"cpu_fused_ops=True, but its C++ kernels could not be built: {exc!r}") from exc
-        return _module
+    return _KERNELS.load()
 
 
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:

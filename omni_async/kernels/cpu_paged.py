@@ -13,13 +13,11 @@ scores), so it is close to the reference (float32: ~1e-6), not bit-equal: opt-in
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 import torch
 
-from .. import errors
-from ..logs import log
+from .cpu_build import CppKernels
 from .cpu_fused import EXP_POLY
 
 _SOURCE = r"""
@@ -95,26 +93,12 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor kc, torch::Tensor vc, 
 }
 """
 
-_lock = threading.Lock()
-_module: Any = None
+_KERNELS = CppKernels("omni_async_cpu_paged", _SOURCE, ["paged_decode"], "cpu_attention_kernel")
 
 
 def load() -> Any:
     """The compiled extension (built on first call); ConfigError when it cannot be built."""
-    global _module
-    with _lock:
-        if _module is None:
-            from torch.utils.cpp_extension import load_inline
-
-            try:
-                _module = load_inline(
-                    "omni_async_cpu_paged", cpp_sources=_SOURCE, functions=["paged_decode"],
-                    extra_cflags=["-O3", "-march=native", "-fno-trapping-math", "-fopenmp"], extra_ldflags=["-fopenmp"],
-                )
-            except Exception as exc:  # no compiler, no ninja, a failed build
-                log.error("cpu_attention_kernel_build_failed", error=repr(exc))
-                raise errors.ConfigError(f"cpu_attention_kernel=True, but its C++ kernel could not be built: {exc!r}") from exc
-        return _module
+    return _KERNELS.load()
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pages: torch.Tensor, page_size: int,
