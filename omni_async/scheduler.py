@@ -1,11 +1,10 @@
 """AsyncOmniScheduler: the stage-facing scheduler, as coroutines.
 
-This module holds the stage's lifecycle and channels and the thread-safe door; the
-work is split by concern under :mod:`omni_async.stage`: ``intake`` (arrivals,
-validation, admission, stream input, tombstones), ``emission`` (the live table and
-exactly one terminal message per request), ``stepper`` (the one step path the loops
-drive) and ``control`` (pause, resume, drain, abort_all, info; admin actions are
-written against it).
+This module holds the stage's lifecycle and channels and the thread-safe door; the work
+is split by concern under :mod:`omni_async.stage`: ``intake`` (arrivals, validation,
+admission, stream input, tombstones), ``emission`` (the live table and exactly one
+terminal message per request), ``stepper`` (the one step path the loops drive) and
+``control`` (pause, resume, drain, abort_all, info; admin actions are written against it).
 
 Channels are anyio memory object streams: ``inbox`` (send :class:`IncomingMessage`),
 ``outbox`` (receive :class:`OutgoingMessage`) and an admin channel.
@@ -275,8 +274,7 @@ class AsyncOmniScheduler:
             call(fn, *args)
 
     async def _wait_for_work(self) -> None:
-        """Idle: await the channels (no polling). Whatever may create work sets the
-        wake signal: arrivals, aborts, admin requests, build completions, close."""
+        """Idle: await the channels. Arrivals, aborts, admin, builds and close set the signal."""
         if self.serving:
             await self._wake.wait()
 
@@ -287,6 +285,8 @@ class AsyncOmniScheduler:
         with self.emission.coalesced():
             await self._serve_admin()
             await self.intake.receive_and_admit()
+            if self.intake.has_arrivals():  # what a cold burst left: the next iteration takes it
+                self._wake.set()
             for req in self.core.reap_aborted():
                 self.emission.finish(req)
 

@@ -328,3 +328,20 @@ async def test_a_cold_burst_launches_its_first_prefill_before_admitting_the_rest
     assert results[-1].output_ids == again.output_ids
     assert runner.active_at_launch[0] <= 4, runner.active_at_launch[:5]
     assert max(runner.active_at_launch) >= 36  # the rest were admitted while it ran
+
+
+async def test_a_cold_burst_whose_first_budget_is_refused_still_serves_the_rest():
+    """The first prefill budget of a cold burst is all refused at the build: the loop
+    must take the rest of the burst without waiting for another message."""
+    async with Stage(max_prefill_tokens=64, chunked_prefill_size=64) as st:
+        bad = [f"bad{i}" for i in range(4)]
+        good = [f"good{i}" for i in range(3)]
+        for rid in bad:  # 64 tokens each, one out of the vocabulary
+            payload = RequestPayload(rid, [5] * 63 + [10**9], SamplingParams(max_new_tokens=4, ignore_eos=True))
+            st.sched.inbox.send_nowait(IncomingMessage(rid, "new_request", payload))
+        for rid in good:
+            payload = RequestPayload(rid, [5, 6, 7], SamplingParams(max_new_tokens=4, ignore_eos=True))
+            st.sched.inbox.send_nowait(IncomingMessage(rid, "new_request", payload))
+        out = await st.done(*bad, *good, timeout=20.0)
+    assert [m.type for m in out] == ["error"] * 4 + ["result"] * 3
+    assert all(isinstance(m.data, errors.InvalidRequestError) for m in out[:4])
