@@ -115,7 +115,7 @@ class NativeModelRunner(ModelRunner):
         tables = self.inputs.block_tables(rows)
         graphed = None if capture else self._graph_tables(batch, rows, tables)
         span = max(batch.prefix_lens) + 1
-        if batch.row_steps is None:
+        if not multi:
             ctx = self._decode_ctx(tables, positions, self._slots(tables, positions), graphed, span)
             return ForwardBatch(input_ids, positions, ctx, batch, rows, sidx, sidx_dev, block_tables=graphed, capture_hidden=capture)
         # A multi-step decode: every forward's inputs in one go, [k, B] (each torch call
