@@ -85,17 +85,19 @@ PREFILL_VARIANTS: tuple[int | None, ...] = (8192,)
 
 
 STEP_VARIANTS: tuple[int | None, ...] = (None,)
+FUSE_VARIANTS: tuple[bool, ...] = (True,)  # --fuse: fuse_decode_steps values, side by side in w256
 SCALE_GC = "tuned"  # --scale-gc
 DECODE_STEPS: int | None = None  # --decode-steps: the engines' decode_steps where a section does not vary it
 
 
 def engine(path: Path, loop: str, max_running: int, launch: str = "auto", decode_steps: Any = "section",
-           prefill: Any = "section") -> Engine:
+           prefill: Any = "section", fuse: bool | None = None) -> Engine:
     prefill = PREFILL_TOKENS if prefill == "section" else prefill  # None: the engine's defaults
     budget = {} if prefill is None else {"max_prefill_tokens": prefill, "chunked_prefill_size": prefill}
     return Engine.from_pretrained(
         str(path), device="cuda", loop=loop, dtype="bfloat16", kv_capacity_tokens=1 << 19, step_launch=launch,
         decode_steps=DECODE_STEPS if decode_steps == "section" else decode_steps, **budget,
+        fuse_decode_steps=FUSE_VARIANTS[0] if fuse is None else fuse,
         max_running_requests=max_running,
         max_queued_requests=8192, cuda_graph_max_len=1024,
     )
@@ -326,23 +328,24 @@ async def section_w256(path: Path, repeats: int, loops: tuple[str, ...] = LOOPS,
                        gcs: tuple[str, ...] = ("default",)) -> dict:
     """Every (loop, launch, GC mode) variant, repeats interleaved."""
     reqs = workload(256, seed=1)
-    steps, budgets = STEP_VARIANTS, PREFILL_VARIANTS
-    combos = [(loop, launch, gc, k, p) for p in budgets for k in steps for gc in gcs for launch in launches for loop in loops]
+    steps, budgets, fuses = STEP_VARIANTS, PREFILL_VARIANTS, FUSE_VARIANTS
+    combos = [(loop, launch, gc, k, p, f) for f in fuses for p in budgets for k in steps for gc in gcs for launch in launches for loop in loops]
 
-    def name(loop: str, launch: str, gc: str, k: int, p: int | None) -> str:
+    def name(loop: str, launch: str, gc: str, k: int, p: int | None, f: bool) -> str:
         return "/".join([loop] + ([launch] if len(launches) > 1 else []) + ([gc] if len(gcs) > 1 else [])
-                        + ([f"k{k or 'auto'}"] if len(steps) > 1 else []) + ([f"p{p or 'default'}"] if len(budgets) > 1 else []))
+                        + ([f"k{k or 'auto'}"] if len(steps) > 1 else []) + ([f"p{p or 'default'}"] if len(budgets) > 1 else [])
+                        + (["fused" if f else "unfused"] if len(fuses) > 1 else []))
 
     variants = {name(*c): c for c in combos}
-    engines = {(loop, launch, k, p): engine(path, loop, 256, launch, k, p) for loop, launch, _gc, k, p in combos}
+    engines = {(loop, launch, k, p, f): engine(path, loop, 256, launch, k, p, f) for loop, launch, _gc, k, p, f in combos}
     runs: dict[str, list[dict]] = {v: [] for v in variants}
     for eng in engines.values():
         await eng.start()
         await warm_up(eng)
     for rep in range(repeats):
-        for v, (loop, launch, gc, k, p) in variants.items():
+        for v, (loop, launch, gc, k, p, f) in variants.items():
             apply_gc_mode(gc)
-            r = await run_workload(engines[(loop, launch, k, p)], reqs, 128)
+            r = await run_workload(engines[(loop, launch, k, p, f)], reqs, 128)
             runs[v].append(r)
             log("w256", rep, v, {k: round(x, 3) if isinstance(x, float) else x for k, x in r.items()})
     apply_gc_mode("default")
@@ -430,7 +433,7 @@ async def section_floor(path: Path, sizes: list[int]) -> dict:
 
 
 def main() -> None:
-    global PREFILL_TOKENS, PREFILL_VARIANTS, DECODE_STEPS, STEP_VARIANTS, SCALE_GC
+    global PREFILL_TOKENS, PREFILL_VARIANTS, DECODE_STEPS, STEP_VARIANTS, SCALE_GC, FUSE_VARIANTS
     import uvloop
 
     ap = argparse.ArgumentParser()
@@ -448,13 +451,16 @@ def main() -> None:
     ap.add_argument("--floor-sizes", default="8,32,64,128,256")
     ap.add_argument("--decode-steps", default="auto", help="decode_steps values (auto: the engine's default): w256 compares them side by side; other sections use the first")
     ap.add_argument("--profile", default="", help="write a cProfile of the loop thread (top functions) here")
+    ap.add_argument("--fuse", default="on", help="fuse_decode_steps values: w256 compares them side by side (on,off); other sections use the first")
     args = ap.parse_args()
+    FUSE_VARIANTS = tuple(x == "on" for x in args.fuse.split(","))
     STEP_VARIANTS = tuple(None if x == "auto" else int(x) for x in args.decode_steps.split(","))
     DECODE_STEPS = STEP_VARIANTS[0]
     PREFILL_VARIANTS = tuple(None if x == "default" else int(x) for x in args.prefill_tokens.split(","))
     PREFILL_TOKENS = PREFILL_VARIANTS[0]
     SCALE_GC = args.scale_gc
-    RESULTS["config"] = {"prefill_tokens": args.prefill_tokens, "launches": args.launches, "gc": args.gc, "decode_steps": args.decode_steps, "scale_gc": args.scale_gc}
+    RESULTS["config"] = {"prefill_tokens": args.prefill_tokens, "launches": args.launches, "gc": args.gc, "decode_steps": args.decode_steps, "scale_gc": args.scale_gc,
+                         "fuse": args.fuse}
     RESULTS["machine"] = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "cpu_count": os.cpu_count(),
                           "date": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())}
     path = make_checkpoint(Path("/tmp/omni_bench/qwen05"), QWEN05)

@@ -56,9 +56,10 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=256)
     ap.add_argument("--trials", type=int, default=6)
     ap.add_argument("--sleep-ms", type=float, default=100.0)
+    ap.add_argument("--fuse", default="on", help="fuse_decode_steps: on (one launch per multi-step greedy decode) or off")
     args = ap.parse_args()
     path = make_checkpoint(Path("/tmp/omni_bench/qwen05"), QWEN05)
-    eng = engine(path, "normal", args.rows)
+    eng = engine(path, "normal", args.rows, fuse=args.fuse == "on")
     stack = eng.stack
     for i, p in enumerate(workload(args.rows, seed=1)):
         req = Request(rid=f"r{i}", prompt_ids=p, sampling=SamplingParams(max_new_tokens=512, ignore_eos=True))

@@ -233,6 +233,11 @@ class SchedulerConfig:
     # thread cannot keep up with one forward per step) and 1 below that; 1 on CPU, with
     # tensor parallelism and on the SGLang backend.
     decode_steps: int | None = None
+    # Native backend, decode_steps > 1: a multi-step decode whose rows are all plain
+    # greedy runs its forwards, their inputs and greedy sampling as one launch (one CUDA
+    # graph per batch bucket; eagerly on CPU) instead of forward by forward from the
+    # host. Same tokens; False keeps the forward-by-forward path (for comparison).
+    fuse_decode_steps: bool = True
     # Native backend on CPU: decode attention through a C++ kernel that reads the KV
     # pages in place instead of gathering them (omni_async/kernels/cpu_paged.py; built
     # with the system compiler on first use). Close to the reference, not bit-equal.
@@ -282,7 +287,7 @@ class SchedulerConfig:
             )
         if self.step_timeout_s is not None and (not _is_finite(self.step_timeout_s) or self.step_timeout_s <= 0):
             raise ConfigError(f"step_timeout_s must be a positive number of seconds or None, got {self.step_timeout_s!r}")
-        for name in ("enable_prefix_cache", "gc_freeze", "cpu_attention_kernel", "cpu_fused_ops"):
+        for name in ("enable_prefix_cache", "gc_freeze", "cpu_attention_kernel", "cpu_fused_ops", "fuse_decode_steps"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.gc_gen0_threshold is not None and (not _is_int(self.gc_gen0_threshold) or self.gc_gen0_threshold < 1):

@@ -147,6 +147,45 @@ async def test_retraction_abort_and_prefix_cache_under_pressure(loop):
     assert info_four["num_retractions"] > 0 and info_four["prefix_cache_hit_tokens"] > 0  # the pressure is real
 
 
+def greedy_requests(seed: int, n: int, **extra) -> list[tuple[list[int], SamplingParams]]:
+    """Plain greedy requests (stop ids and lengths vary): their multi-step decodes run fused."""
+    rng = random.Random(seed)
+    system = [rng.randrange(3, 250) for _ in range(24)]
+    return [
+        ((system if i % 3 == 0 else []) + [rng.randrange(3, 250) for _ in range(rng.randint(3, 30))],
+         SamplingParams(max_new_tokens=rng.randint(5, 40), stop_token_ids=[rng.randrange(3, 250) for _ in range(4)], **extra))
+        for i in range(n)
+    ]
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+async def test_fused_greedy_decode_equals_one_step_decode(loop):
+    """Plain greedy rows run their k forwards as one fused launch (eagerly on CPU):
+    stops and lengths mid-chunk, a retraction, an abort and shared prefixes give k = 1's
+    tokens, and every page comes back."""
+    reqs = greedy_requests(4, 12)
+    reqs[0] = (reqs[0][0], SamplingParams(max_new_tokens=40, ignore_eos=True))  # lives to be retracted
+    limits = dict(loop=loop, page_size=8, kv_capacity_tokens=400, chunked_prefill_size=48, max_running_requests=8)
+    one, _, _ = await run(reqs, retract_at=5, abort={3}, **limits)
+    four, _, info = await run(reqs, retract_at=5, abort={3}, decode_steps=4, **limits)
+    assert same([o for i, o in enumerate(four) if i != 3], [o for i, o in enumerate(one) if i != 3])
+    assert {o[1] for i, o in enumerate(one) if i != 3} >= {"stop", "length"}
+    assert info["fused_decode_launches"] > 0 and info["fused_decode_replays"] == 0  # no graphs on CPU
+    assert info["num_retractions"] > 0
+
+
+async def test_a_sampled_row_keeps_the_step_off_the_fused_path():
+    """One row with a temperature, a penalty or logprobs among greedy rows: the step runs
+    forward by forward (the fused launch samples greedy only); tokens equal k = 1's."""
+    for odd in (dict(temperature=0.8, seed=5), dict(repetition_penalty=1.2), dict(return_logprob=True)):
+        reqs = greedy_requests(6, 4)
+        reqs[0] = (reqs[0][0], SamplingParams(max_new_tokens=60, ignore_eos=True, **odd))  # outlives the others
+        one, _, _ = await run(reqs, max_running_requests=4)
+        four, _, info = await run(reqs, max_running_requests=4, decode_steps=4)
+        assert same(four, one)
+        assert info["fused_decode_launches"] == 0, odd
+
+
 async def test_top_logprobs_fall_back_to_one_forward():
     sp = SamplingParams(max_new_tokens=9, temperature=0.7, seed=4, top_logprobs=3, return_logprob=True)
     eng_one = Engine.from_pretrained("tiny")
@@ -197,6 +236,10 @@ async def test_cuda_graph_path_tokens_equal_one_step_decode(loop):
     one, _, info_one = await run(reqs, **limits)
     four, _, info_four = await run(reqs, decode_steps=4, **limits)
     assert same(four, one) and info_four["decode_steps"] < 0.6 * info_one["decode_steps"]
+    greedy_reqs = greedy_requests(7, 12)  # all greedy: one fused graph replay per step
+    one, _, _ = await run(greedy_reqs, **limits)
+    four, _, info_four = await run(greedy_reqs, decode_steps=4, **limits)
+    assert same(four, one) and info_four["fused_decode_replays"] > 0
 
 
 def test_decode_steps_is_refused_where_it_does_not_run():
@@ -225,6 +268,7 @@ async def test_cuda_default_runs_multi_step_at_large_batch():
     auto, _, info_auto = await run(reqs, **limits)
     assert same(auto, one)
     assert info_auto["decode_steps"] < 0.7 * info_one["decode_steps"]  # 4 forwards while >= 64 decode
+    assert info_auto["fused_decode_replays"] > 0  # all greedy: the fused graphs ran
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

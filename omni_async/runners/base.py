@@ -118,6 +118,9 @@ class ModelRunner:
             seed = self._base_seeds[req] = self._seed_source.draw()
         return seed
 
+    def stats(self) -> dict[str, Any]:
+        return {}  # runner counters for the stage's info()
+
     def record_completion(self) -> Any:
         """A marker that is done once the device finished the work enqueued so far:
         a CUDA event on CUDA, None on CPU (where the launch ran to completion)."""
@@ -202,19 +205,15 @@ class ModelRunner:
         host = pending.host
         if host is None or result.next_token_ids is not pending.copied:
             host = self._copy_to_host(result, wait=True)  # a hook replaced the tokens
-        token_ids, ok, logprobs = _host_values(host)
+        token_ids, ok, logprobs = _host_values(host, batch.size)
         steps = getattr(batch, "row_steps", None)  # a multi-step decode: tokens forward-major
         if steps is not None and not all(ok):
             ok = _rows_ok(ok, steps)
         kept, epochs, reqs = batch.samples_kept, batch.epochs, batch.reqs
         # Live rows: not finished or retracted since the step was scheduled.
         live = [i for i, (k, r, e) in enumerate(zip(kept, reqs, epochs)) if k and r.finish_reason is None and r.epoch == e]
-        row_errors: dict[int, str] = {}
-        if all(ok):
-            taken = live
-        else:
-            taken = [i for i in live if ok[i]]
-            row_errors = {i: NO_TOKEN_MESSAGE for i in live if not ok[i]}
+        taken = live if all(ok) else [i for i in live if ok[i]]
+        row_errors = {} if taken is live else {i: NO_TOKEN_MESSAGE for i in live if not ok[i]}
         out = ModelRunnerOutput(
             requests=requests, token_ids=token_ids, logprobs=logprobs, row_errors=row_errors, taken=taken,
             can_run_cuda_graph=result.can_run_cuda_graph, row_steps=steps,
@@ -305,18 +304,15 @@ class ModelRunner:
     def _copy_to_host(result: BatchResult, wait: bool = False) -> torch.Tensor:
         """One ``[2 or 3, B]`` int64 tensor (tokens, ok, float32 logprob bits) copied
         to pinned host memory without waiting (the step's event marks it complete), or
-        with a wait when asked."""
+        with a wait when asked. A fused multi-step decode's ``packed`` goes as it is."""
+        if result.packed is not None:
+            return _to_host(result.packed, wait)
         tokens = result.next_token_ids.to(torch.long).reshape(-1)  # a multi-step decode's [k, B] flattened
         ok = result.sample_ok.reshape(-1) if result.sample_ok is not None else torch.ones_like(tokens, dtype=torch.bool)
         parts = [tokens, ok.to(torch.long)]
         if result.next_token_logprobs is not None:
             parts.append(result.next_token_logprobs.reshape(-1).to(torch.float32).view(torch.int32).to(torch.long))
-        packed = torch.stack(parts)
-        if packed.device.type == "cpu" or wait:
-            return packed.cpu()
-        host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
-        host.copy_(packed, non_blocking=True)
-        return host
+        return _to_host(torch.stack(parts), wait)
 
     # ------------------------------------------------------------ hooks
 
@@ -403,10 +399,19 @@ def _rows_ok(ok: list[int], steps: list[int]) -> list[int]:
     return [int(all(ok[j * size + i] for j in range(n))) for i, n in enumerate(steps)]
 
 
-def _host_values(host: torch.Tensor) -> tuple[list[int], list[int], list[float] | None]:
-    """Token ids, ok flags and logprobs (or None) as Python lists."""
+def _to_host(packed: torch.Tensor, wait: bool) -> torch.Tensor:
+    if packed.device.type == "cpu" or wait:
+        return packed.cpu()
+    host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+    host.copy_(packed, non_blocking=True)
+    return host
+
+
+def _host_values(host: torch.Tensor, rows: int) -> tuple[list[int], list[int], list[float] | None]:
+    """Token ids, ok flags and logprobs (or None) as Python lists; a fused multi-step
+    decode's ``[2, k, B]`` less its padding rows, forward-major."""
     arr = host.numpy()
-    logprobs = None
-    if arr.shape[0] > 2:
-        logprobs = arr[2].astype(np.int32).view(np.float32).astype(np.float64).tolist()
+    if arr.ndim == 3:
+        arr = arr[:, :, :rows].reshape(arr.shape[0], -1)
+    logprobs = arr[2].astype(np.int32).view(np.float32).astype(np.float64).tolist() if arr.shape[0] > 2 else None
     return arr[0].tolist(), arr[1].tolist(), logprobs

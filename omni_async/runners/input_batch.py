@@ -96,6 +96,10 @@ class InputBatch:
         self._free.extend(range(slots - 1, old_s - 1, -1))
         self._cap, self._pages_cap = slots, pages
 
+    def reserve_pages(self, pages: int) -> None:
+        """Make the page tables at least ``pages`` wide now."""
+        self._grow(self._cap, pages)
+
     def set_pad_page(self, page: int) -> None:
         """Unused page-table entries point at ``page`` (before any request joined)."""
         self.pad_page = page
@@ -249,6 +253,15 @@ class InputBatch:
         seen = self.masks.get("seen")
         if seen is not None:
             seen[rows_dev, tokens] = True
+
+    def plain_greedy(self, rows: SlotRows, sample_indices: np.ndarray) -> bool:
+        """Whether every row samples plain greedy (no temperature, penalty, ban or
+        logprobs) from ``sample_indices`` on, read from the host mirror."""
+        s = rows.slots
+        fp, flags = self.fp[s], self.flags[s]
+        if (fp[:, TEMP] != 0).any() or (fp[:, PENALTY] != 1).any() or flags[:, WANT_LP].any() or flags[:, HAS_SUPPRESS].any():
+            return False
+        return not (flags[:, HAS_STOP] & (sample_indices < self.ip[s, MIN_NEW])).any()
 
     def sampling_batch(self, rows: SlotRows, sample_indices: np.ndarray, sample_indices_dev: torch.Tensor) -> SamplingBatch:
         """Sampling inputs of a step's rows, gathered on the device by slot. What runs is

@@ -22,6 +22,7 @@ from ..models.decoder import DecoderModel, ReferenceOps
 from ..sampling import SampleResult, SamplingBatch, sample
 from .base import ModelRunner, hidden_states_only
 from .cuda_graphs import DecodeGraphs
+from .fused_decode import FUSED_SKIPS, FusedBatch, FusedDecode
 from .graph_sampling import SamplingGraphs
 from .input_batch import InputBatch, SlotRows
 from .types import BatchResult, SchedulerOutput
@@ -71,6 +72,8 @@ class NativeModelRunner(ModelRunner):
         # (``RequestOutput.extra["hidden_state"]``), e.g. for a downstream talker stage.
         self.capture_hidden = capture_hidden
         self.graphs: DecodeGraphs | None = None
+        self.fused: FusedDecode | None = None  # multi-step greedy decodes in one launch
+        self.fused_min_batch = 1
         self._later_cols: dict[int, torch.Tensor] = {}  # a multi-step decode's forward offsets
         self.sampling_graphs: SamplingGraphs | None = None
         # Decode attention through the Triton paged kernel (CUDA with Triton).
@@ -105,9 +108,11 @@ class NativeModelRunner(ModelRunner):
         fb.capture_hidden = capture
         return fb
 
-    def _build_decode(self, batch: ScheduledBatch, rows: SlotRows, sidx: np.ndarray, capture: bool) -> ForwardBatch:
+    def _build_decode(self, batch: ScheduledBatch, rows: SlotRows, sidx: np.ndarray, capture: bool) -> ForwardBatch | FusedBatch:
         """One small host array, one copy; the rest is gathered on the device."""
         multi = batch.row_steps is not None
+        if multi and not capture and self._fusable(batch, rows, sidx):
+            return self._build_fused(batch, rows)
         host = np.array([batch.prefix_lens, batch.input_ids, sidx] + ([batch.row_steps] if multi else []), dtype=np.int64)
         positions, host_ids, sidx_dev, *rest = torch.from_numpy(host).to(self.device, non_blocking=True).unbind(0)
         # A decode input still in flight (-1 on the host) is the slot's newest token.
@@ -131,6 +136,48 @@ class NativeModelRunner(ModelRunner):
         fb.row_steps, fb.tables, fb.span, fb.all_positions, fb.all_slots = steps, tables, span, all_positions, all_slots
         fb.all_kv_lens, fb.all_sample_indices = all_kv_lens, sidx_dev + later
         return fb
+
+    def configure_decode_steps(self, steps: int, min_batch: int, *, fused: bool = True) -> None:
+        """Forwards per multi-step decode (``resolve_decode_steps``): with k > 1 and
+        ``fused``, a step whose rows are all plain greedy runs as one fused launch (a
+        graph per bucket from ``min_batch`` rows when CUDA graphs are captured after this)."""
+        self.fused = FusedDecode(self.model, self.kv, steps) if steps > 1 and fused else None
+        self.fused_min_batch = min_batch
+
+    def _fusable(self, batch: ScheduledBatch, rows: SlotRows, sidx: np.ndarray) -> bool:
+        """A multi-step decode runs fused when every row takes all k forwards, is plain
+        greedy, and this runner overrides no hook the fused launch skips."""
+        fused = self.fused
+        if fused is None or max(batch.row_steps) != fused.steps or not self._plain_hooks():
+            return False
+        return self.inputs.plain_greedy(rows, sidx)
+
+    def _plain_hooks(self) -> bool:
+        cls, own = type(self), self.__dict__
+        return all(getattr(cls, name) is getattr(NativeModelRunner, name) and name not in own for name in FUSED_SKIPS)
+
+    def _build_fused(self, batch: ScheduledBatch, rows: SlotRows) -> FusedBatch:
+        assert self.fused is not None
+        return self.fused.batch(batch, rows, graphed=batch.size >= self.fused_min_batch)
+
+    def _fused_step(self, fb: FusedBatch, lookahead: bool) -> tuple[BatchResult, torch.Tensor | None]:
+        """Replay (or run) the fused forwards; publish the rows' newest tokens."""
+        fused = self.fused
+        assert fused is not None
+
+        def eager_ctx(tables, positions, slots, kv_lens, j):
+            return self._decode_ctx(tables, positions, slots, None, fb.span + j, kv_lens=kv_lens)
+
+        out = fused.run(fb.host, fb.bucket, self.inputs.table_dev, self.inputs.last_token, fb.rows.widest, eager_ctx)
+        tokens = out[0]
+        self.inputs.publish(fb.rows.slots_dev, tokens[-1, : fb.batch.size])
+        result = BatchResult(logits=None, next_token_ids=tokens, sample_ok=out[1], can_run_cuda_graph=fb.bucket is not None, packed=out)
+        return result, (tokens if lookahead else None)
+
+    def stats(self) -> dict[str, int]:
+        """Fused multi-step decode launches, and how many of them replayed a graph."""
+        fused = self.fused
+        return {"fused_decode_launches": fused.launches if fused else 0, "fused_decode_replays": fused.replays if fused else 0}
 
     def _later(self, k: int) -> torch.Tensor:
         """``[[0], [1], ..., [k-1]]`` on the device, made once per k."""
@@ -171,6 +218,8 @@ class NativeModelRunner(ModelRunner):
         """A multi-step decode runs its forwards back to back, each on the tokens the one
         before sampled (published to the slots, so penalties see them); the step's
         result holds every forward's tokens, forward-major ``[k, B]``."""
+        if isinstance(fb, FusedBatch):
+            return self._fused_step(fb, lookahead)
         if fb.row_steps is None:
             return super()._forward_and_sample(fb, batch, requests, is_prefill, lookahead)
         k, size = max(batch.row_steps), batch.size
@@ -265,17 +314,24 @@ class NativeModelRunner(ModelRunner):
         """Capture decode graphs (CUDA only). Unused page-table entries then point at the
         scratch page, which padded graph rows write to."""
         self.inputs.set_pad_page(scratch_page)
+        max_pages = -(-max_len // self.page_size)
+        if self.fused is not None:
+            self.inputs.reserve_pages(max_pages)  # the fused graphs gather whole table rows
         self.graphs = DecodeGraphs(
             self.model,
             self.kv,
             scratch_page=scratch_page,
-            max_pages_per_seq=-(-max_len // self.page_size),
+            max_pages_per_seq=max_pages,
             max_batch=max_batch,
             device=self.device,
             use_kernel=self.use_kernel,
             greedy_in_graph=self.fused,
         )
         self.graphs.capture_all()
+        if self.fused is not None:
+            graphs = self.graphs
+            buckets = tuple(b for b in graphs.buckets if b >= self.fused_min_batch)
+            self.fused.capture(buckets, graphs.max_pages, scratch_page, self.use_kernel, graphs.pool, self.device)
         if self.fused:
             graphs = self.graphs
             self.sampling_graphs = SamplingGraphs(
@@ -330,8 +386,8 @@ class NativeModelRunner(ModelRunner):
     def publish_tokens(self, result: BatchResult, forward_batch: ForwardBatch, schedule_batch) -> None:
         """Rows that keep their token record it in their slot: the next decode step
         reads it there even before the host has seen it."""
-        if forward_batch.row_steps is not None:
-            return  # a multi-step decode published each forward's tokens as it went
+        if isinstance(forward_batch, FusedBatch) or forward_batch.row_steps is not None:
+            return  # a multi-step decode published its tokens as it went
         tokens = result.next_token_ids
         slots = forward_batch.rows.slots_dev
         if not schedule_batch.is_decode and not all(schedule_batch.samples_kept):

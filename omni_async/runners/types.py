@@ -111,3 +111,6 @@ class BatchResult:
     top_logprobs: torch.Tensor | None = None
     # Greedy tokens and ok flags computed inside a replayed CUDA graph, when it has them.
     graph_greedy: tuple[torch.Tensor, torch.Tensor] | None = None
+    # A fused multi-step decode: ``[2, k, B]`` int64 tokens and ok flags (B padded to its
+    # graph's bucket), copied to the host as it is (the reader drops the padding rows).
+    packed: torch.Tensor | None = None

@@ -116,6 +116,7 @@ class StageControl:
             }
         )
         info.update(self.core.stats())
+        info.update(self.stepper.runner.stats())
         info.update(self.intake.admission.stats())
         return info
 
