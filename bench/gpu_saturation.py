@@ -372,12 +372,49 @@ async def section_scale(path: Path, loop: str, sizes: list[int]) -> dict:
     return out
 
 
+FLOOR_CONTEXT = 180  # the mean context of loop_step_ms's window (128-token prompts, tokens 8 to 96)
+
+
+def _own_pages_fixture(stack, bs: int):
+    """One decode graph replay where every row attends to its own pages, as the loop's
+    rows do (the shared-pages fixture reads one row's KV for all of them, from cache)."""
+    graphs, dev, ps = stack.runner.graphs, stack.device, stack.kv.page_size
+    pages = -(-(FLOOR_CONTEXT + 1) // ps)
+    ids = torch.randint(2, 1000, (bs,), device=dev)
+    pos = torch.full((bs,), FLOOR_CONTEXT, device=dev)
+    tables = torch.arange(bs * pages, device=dev).view(bs, pages)
+    slots = tables[:, FLOOR_CONTEXT // ps] * ps + FLOOR_CONTEXT % ps
+    return lambda: graphs.replay(ids, pos, slots, tables, pos + 1)
+
+
+def _fused_fixture(stack, bs: int):
+    """One fused multi-step graph replay (k forwards, own pages): what the loop replays
+    from 64 rows on."""
+    import numpy as np
+
+    runner, ps = stack.runner, stack.kv.page_size
+    fused = runner.fused
+    bucket = fused.bucket_for(bs, 1)
+    pages = -(-(FLOOR_CONTEXT + fused.steps + 1) // ps)
+    table = torch.full((bs, fused.max_pages), pages * bs, dtype=torch.long, device=stack.device)
+    table[:, :pages] = torch.arange(bs * pages, device=stack.device).view(bs, pages)
+    host = np.zeros((bucket, 4), dtype=np.int64)
+    host[:bs] = [FLOOR_CONTEXT, 7, fused.steps, 0]
+    host[:bs, 3] = np.arange(bs)
+    last = torch.zeros(bs, dtype=torch.long, device=stack.device)
+    return lambda: fused.run(host, bucket, table, last, pages, None), fused.steps
+
+
 def floor_ms(path: Path, sizes: list[int], reps: int = 100) -> dict:
+    """Per forward, graph replays enqueued back to back, one synchronisation at the end:
+    ``shared`` (every row on the same 16 pages, the original fixture), ``own`` (each row
+    its own pages at the window's mean context) and ``fused`` (the k-forward graph the
+    loop replays from 64 rows, own pages; per forward)."""
     config = SchedulerConfig(kv_capacity_tokens=1 << 18, max_running_requests=max(sizes), cuda_graph_max_len=1024)
     stack = build_native_stack(str(path), config, device="cuda", dtype="bfloat16")
-    out = {}
-    for bs in sizes:
-        replay = _graph_fixture(stack, bs)
+    out: dict = {}
+
+    def timed(replay, per: int = 1) -> float:
         for _ in range(5):
             replay()
         torch.cuda.synchronize()
@@ -385,7 +422,13 @@ def floor_ms(path: Path, sizes: list[int], reps: int = 100) -> dict:
         for _ in range(reps):
             replay()
         torch.cuda.synchronize()
-        out[bs] = 1000 * (time.perf_counter() - t0) / reps
+        return 1000 * (time.perf_counter() - t0) / reps / per
+
+    for bs in sizes:
+        row = out[bs] = {"shared": timed(_graph_fixture(stack, bs)), "own": timed(_own_pages_fixture(stack, bs))}
+        if stack.runner.fused is not None and stack.runner.fused.bucket_for(bs, 1) is not None:
+            replay, k = _fused_fixture(stack, bs)
+            row["fused"] = timed(replay, k)
     del stack
     torch.cuda.empty_cache()
     return out
@@ -414,8 +457,15 @@ async def loop_step_ms(eng: Engine, bs: int, new: int = 96) -> float:
 
 
 async def section_floor(path: Path, sizes: list[int]) -> dict:
+    """Each loop's steady step per forward against the floors of floor_ms; ``floor_ms``
+    is the graph the loop replays at that size (fused from 64 rows when it exists), own
+    pages; ratios against the shared-pages fixture are kept for continuity."""
     floors = floor_ms(path, sizes)
-    out = {str(bs): {"floor_ms": floors[bs]} for bs in sizes}
+    out = {}
+    for bs in sizes:
+        f = floors[bs]
+        out[str(bs)] = {"floor_ms": f.get("fused", f["own"]) if bs >= 64 else f["own"], "floor_own_ms": f["own"],
+                        "floor_shared_ms": f["shared"], "floor_fused_ms": f.get("fused")}
     for loop in LOOPS:
         eng = engine(path, loop, max(sizes))
         async with eng:
@@ -423,10 +473,12 @@ async def section_floor(path: Path, sizes: list[int]) -> dict:
             for bs in sizes:
                 ms = await loop_step_ms(eng, bs)
                 row = out[str(bs)]
+                floor = row["floor_ms"]
                 row[f"{loop}_ms"] = ms
-                row[f"{loop}_ratio"] = ms / floors[bs]
-                row[f"{loop}_host_us_per_req"] = 1000 * (ms - floors[bs]) / bs
-        log("floor", loop, {bs: {k: round(v, 3) for k, v in out[str(bs)].items()} for bs in map(str, sizes)})
+                row[f"{loop}_ratio"] = ms / floor
+                row[f"{loop}_ratio_shared"] = ms / row["floor_shared_ms"]
+                row[f"{loop}_host_us_per_req"] = 1000 * (ms - floor) / bs
+        log("floor", loop, {bs: {k: round(v, 3) if isinstance(v, float) else v for k, v in out[str(bs)].items()} for bs in map(str, sizes)})
         del eng
         torch.cuda.empty_cache()
     return out

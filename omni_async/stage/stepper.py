@@ -141,6 +141,7 @@ class Stepper:
         flight while the host works on the previous one."""
         await self._launch(batch, lookahead=lookahead, trace="launch")
         if len(self._inflight) > 1:
+            await self._until_launched(self._inflight[-1])
             # The previous step's output is often ready already, and nothing below would
             # yield: a turn for the caller's other tasks between the launch and processing.
             await anyio.lowlevel.checkpoint()
@@ -202,6 +203,19 @@ class Stepper:
                     await self.executor.wait(step.future)
                 except Exception:
                     pass  # that step's own completion reports the failure
+
+    async def _until_launched(self, step: InflightStep) -> None:
+        """A step the loop launched inline would run on the worker only when it is a
+        prefill: wait for that launch to end before polling the previous step's
+        completion. The poll spins on the loop thread, and two threads that both want the
+        GIL take it in switch-interval turns, which slowed the launch feeding the device
+        (an 8,192-token prefill launch on the H200: 11 ms alone, 16-19 ms beside the poll)."""
+        fut = step.future
+        if self.executor.launches_inline and fut is not None and not fut.done():
+            try:
+                await self.executor.wait(fut)
+            except Exception:
+                pass  # the step's own completion reports the failure
 
     def _launch_on_worker(self, sched_output: SchedulerOutput, lookahead: bool) -> Any:
         return self.runner.launch(sched_output, lookahead=lookahead)
