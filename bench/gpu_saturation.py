@@ -42,6 +42,7 @@ from omni_async.config import SchedulerConfig  # noqa: E402
 LOOPS = ("normal", "overlap", "async_decode")
 RESULTS: dict = {"sections": {}}
 STALLS: list = []  # call sites of loop stalls over 100 ms, per run (see StallWatch)
+WINDOWS: list = []  # floor: what each loop_step_ms window ran (step and fused-launch counts)
 
 
 def log(*a):
@@ -372,6 +373,7 @@ async def section_scale(path: Path, loop: str, sizes: list[int]) -> dict:
     return out
 
 
+FLOOR_GC = "tuned"  # --floor-gc
 FLOOR_CONTEXT = 180  # the mean context of loop_step_ms's window (128-token prompts, tokens 8 to 96)
 
 
@@ -447,12 +449,17 @@ async def loop_step_ms(eng: Engine, bs: int, new: int = 96) -> float:
             counts[i] += len(d.token_ids)
             if "t1" not in mark and min(counts) >= 8:
                 mark["t1"], mark["s1"] = time.perf_counter(), eng.scheduler.info()["decode_steps"]
+                mark["i1"] = eng.scheduler.info()
             if d.finished and "t2" not in mark and "t1" in mark:
                 mark["t2"], mark["s2"] = time.perf_counter(), eng.scheduler.info()["decode_steps"]
+                mark["i2"] = eng.scheduler.info()
 
     await asyncio.gather(*(one(i, p) for i, p in enumerate(ps)))
     k = DECODE_STEPS if DECODE_STEPS is not None else (4 if bs >= 64 else 1)  # auto: multi_step.resolve_decode_steps
     forwards = k * (mark["s2"] - mark["s1"])  # each decode step runs k forwards
+    WINDOWS.append({key: mark["i2"].get(key, 0) - mark["i1"].get(key, 0) for key in
+                    ("decode_steps", "fused_decode_launches", "fused_decode_replays", "iterations", "num_retractions")}
+                   | {"bs": bs, "window_ms": 1000 * (mark["t2"] - mark["t1"])})
     return 1000 * (mark["t2"] - mark["t1"]) / max(1, forwards)
 
 
@@ -470,6 +477,7 @@ async def section_floor(path: Path, sizes: list[int]) -> dict:
         eng = engine(path, loop, max(sizes))
         async with eng:
             await eng.generate(input_ids=[5] * 64, sampling=SamplingParams(max_new_tokens=8))
+            apply_gc_mode(FLOOR_GC)  # as in the other sections (a full pass of the default GC can stall a window)
             for bs in sizes:
                 ms = await loop_step_ms(eng, bs)
                 row = out[str(bs)]
@@ -478,6 +486,7 @@ async def section_floor(path: Path, sizes: list[int]) -> dict:
                 row[f"{loop}_ratio"] = ms / floor
                 row[f"{loop}_ratio_shared"] = ms / row["floor_shared_ms"]
                 row[f"{loop}_host_us_per_req"] = 1000 * (ms - floor) / bs
+            apply_gc_mode("default")
         log("floor", loop, {bs: {k: round(v, 3) if isinstance(v, float) else v for k, v in out[str(bs)].items()} for bs in map(str, sizes)})
         del eng
         torch.cuda.empty_cache()
@@ -485,7 +494,7 @@ async def section_floor(path: Path, sizes: list[int]) -> dict:
 
 
 def main() -> None:
-    global PREFILL_TOKENS, PREFILL_VARIANTS, DECODE_STEPS, STEP_VARIANTS, SCALE_GC, FUSE_VARIANTS
+    global PREFILL_TOKENS, PREFILL_VARIANTS, DECODE_STEPS, STEP_VARIANTS, SCALE_GC, FUSE_VARIANTS, FLOOR_GC
     import uvloop
 
     ap = argparse.ArgumentParser()
@@ -501,6 +510,7 @@ def main() -> None:
     ap.add_argument("--scale-gc", default="tuned", help="GC mode of the scale section's runs")
     ap.add_argument("--scale-sizes", default="64,128,256,512")
     ap.add_argument("--floor-sizes", default="8,32,64,128,256")
+    ap.add_argument("--floor-gc", default="tuned", help="GC mode of the floor section's loop runs")
     ap.add_argument("--decode-steps", default="auto", help="decode_steps values (auto: the engine's default): w256 compares them side by side; other sections use the first")
     ap.add_argument("--profile", default="", help="write a cProfile of the loop thread (top functions) here")
     ap.add_argument("--fuse", default="on", help="fuse_decode_steps values: w256 compares them side by side (on,off); other sections use the first")
@@ -511,6 +521,7 @@ def main() -> None:
     PREFILL_VARIANTS = tuple(None if x == "default" else int(x) for x in args.prefill_tokens.split(","))
     PREFILL_TOKENS = PREFILL_VARIANTS[0]
     SCALE_GC = args.scale_gc
+    FLOOR_GC = args.floor_gc
     RESULTS["config"] = {"prefill_tokens": args.prefill_tokens, "launches": args.launches, "gc": args.gc, "decode_steps": args.decode_steps, "scale_gc": args.scale_gc,
                          "fuse": args.fuse}
     RESULTS["machine"] = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "cpu_count": os.cpu_count(),
@@ -520,6 +531,7 @@ def main() -> None:
 
     def save():
         RESULTS["stalls"] = STALLS
+        RESULTS["floor_windows"] = WINDOWS
         Path(args.out).write_text(json.dumps(RESULTS, indent=1, default=str))
 
     for name, make in (

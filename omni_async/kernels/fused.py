@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import FastKernel
+
 
 @triton.jit
 def _add_rms_norm_kernel(
@@ -37,6 +39,9 @@ def _add_rms_norm_kernel(
     tl.store(Y + row * stride_y + cols, y.to(Y.dtype.element_ty), mask=mask)
 
 
+_ADD_RMS_NORM_LAUNCH = FastKernel(_add_rms_norm_kernel)
+
+
 def add_rms_norm(
     x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -45,7 +50,7 @@ def add_rms_norm(
     out = torch.empty(rows, cols, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
     total = torch.empty_like(x) if delta is not None else x
     if rows:
-        _add_rms_norm_kernel[(rows,)](
+        _ADD_RMS_NORM_LAUNCH[(rows,)](
             x, delta if delta is not None else x, weight, total, out,
             x.stride(0), delta.stride(0) if delta is not None else 0, total.stride(0), out.stride(0),
             cols, eps, HAS_DELTA=delta is not None, BLOCK=triton.next_power_of_2(cols),
@@ -66,6 +71,9 @@ def _silu_mul_kernel(GU, OUT, stride_gu, stride_o, n_cols, BLOCK: tl.constexpr):
     tl.store(OUT + row * stride_o + cols, out.to(OUT.dtype.element_ty), mask=mask)
 
 
+_SILU_MUL_LAUNCH = FastKernel(_silu_mul_kernel)
+
+
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` for ``[T, 2I]`` rows laid out ``[gate | up]``."""
     rows, width = gate_up.shape
@@ -73,7 +81,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty(rows, n, dtype=gate_up.dtype, device=gate_up.device)
     block = min(1024, triton.next_power_of_2(n))
     if rows:
-        _silu_mul_kernel[(rows, triton.cdiv(n, block))](gate_up, out, gate_up.stride(0), out.stride(0), n, BLOCK=block)
+        _SILU_MUL_LAUNCH[(rows, triton.cdiv(n, block))](gate_up, out, gate_up.stride(0), out.stride(0), n, BLOCK=block)
     return out
 
 
@@ -121,6 +129,9 @@ def _rope_store_kernel(
         tl.store(vdst + HALF, tl.load(vsrc + HALF, mask=mk), mask=mk)
 
 
+_ROPE_STORE_LAUNCH = FastKernel(_rope_store_kernel)
+
+
 def rope_store(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -138,7 +149,7 @@ def rope_store(
     assert q.stride(2) == k.stride(2) == v.stride(2) == 1 and cos.stride(1) == 1
     q_out = torch.empty(t, nh, d, dtype=q.dtype, device=q.device)
     if t:
-        _rope_store_kernel[(t, 2)](
+        _ROPE_STORE_LAUNCH[(t, 2)](
             q, k, v, cos, sin, q_out, k_cache, v_cache, slots,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
             q_out.stride(0), q_out.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),

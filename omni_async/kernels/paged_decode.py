@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from .attention_block import attend_block, unspecialized
+from .launch import FastKernel
 
 
 # ``stride_tb`` is the page-table row stride: the graphs' static table width, but in an
@@ -55,6 +56,9 @@ def _paged_decode_kernel(
 DECODE_BLOCK_N = 128
 
 
+_PAGED_DECODE_LAUNCH = FastKernel(_paged_decode_kernel)
+
+
 def _pow2(x: int, floor: int = 16) -> int:
     p = floor
     while p < x:
@@ -76,7 +80,7 @@ def paged_decode_attention(
     kv_heads = k_cache.shape[1]
     q = q.contiguous()
     out = torch.empty_like(q)
-    _paged_decode_kernel[(bsz, kv_heads)](
+    _PAGED_DECODE_LAUNCH[(bsz, kv_heads)](
         q, k_cache, v_cache, out, block_tables, kv_lens, scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         out.stride(0), out.stride(1), block_tables.stride(0),

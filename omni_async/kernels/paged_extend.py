@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from .attention_block import attend_block, unspecialized
+from .launch import FastKernel
 
 
 # Kept out of the compile key, since they change between prefill steps: ``stride_tb``
@@ -68,6 +69,9 @@ def _paged_extend_kernel(
 TUNING = {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 2}
 
 
+_PAGED_EXTEND_LAUNCH = FastKernel(_paged_extend_kernel)
+
+
 def _pow2(x: int, floor: int = 16) -> int:
     p = floor
     while p < x:
@@ -102,7 +106,7 @@ def paged_extend_attention(
     block_n = block_n or TUNING["block_n"]
     launch = {"num_warps": num_warps or TUNING["num_warps"], "num_stages": num_stages or TUNING["num_stages"]}
     grid = (q_lens.shape[0], triton.cdiv(max_q_len, block_m), heads)
-    _paged_extend_kernel[grid](
+    _PAGED_EXTEND_LAUNCH[grid](
         q, k_cache, v_cache, out, block_tables, q_starts, q_lens, prefix_lens, scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         out.stride(0), out.stride(1), block_tables.stride(0),
