@@ -38,6 +38,7 @@ from gpu_suite import QWEN05, _graph_fixture, make_checkpoint, pct, prompts, tic
 from omni_async import Engine, SamplingParams  # noqa: E402
 from omni_async.builder import build_native_stack  # noqa: E402
 from omni_async.config import SchedulerConfig  # noqa: E402
+from omni_async.core.multi_step import resolve_decode_steps  # noqa: E402
 
 LOOPS = ("normal", "overlap", "async_decode")
 RESULTS: dict = {"sections": {}}
@@ -390,21 +391,23 @@ def _own_pages_fixture(stack, bs: int):
 
 
 def _fused_fixture(stack, bs: int):
-    """One fused multi-step graph replay (k forwards, own pages): what the loop replays
-    from 64 rows on."""
+    """One fused multi-step graph replay (k forwards, own pages), k as the engine's plan
+    gives it for ``bs`` rows: what the loop replays from 64 rows. None without one."""
     import numpy as np
 
     runner, ps = stack.runner, stack.kv.page_size
-    fused = runner.fused
-    bucket = fused.bucket_for(bs, 1)
-    pages = -(-(FLOOR_CONTEXT + fused.steps + 1) // ps)
+    fused, k = runner.fused, runner.decode_plan.for_batch(bs)
+    bucket = fused.graph_for(bs, 1, k) if fused is not None else None
+    if bucket is None:
+        return None
+    pages = -(-(FLOOR_CONTEXT + k + 1) // ps)
     table = torch.full((bs, fused.max_pages), pages * bs, dtype=torch.long, device=stack.device)
     table[:, :pages] = torch.arange(bs * pages, device=stack.device).view(bs, pages)
     host = np.zeros((bucket, 4), dtype=np.int64)
-    host[:bs] = [FLOOR_CONTEXT, 7, fused.steps, 0]
+    host[:bs] = [FLOOR_CONTEXT, 7, k, 0]
     host[:bs, 3] = np.arange(bs)
     last = torch.zeros(bs, dtype=torch.long, device=stack.device)
-    return lambda: fused.run(host, bucket, table, last, pages, None), fused.steps
+    return (lambda: fused.run(host, k, bucket, table, last, pages, None)), k
 
 
 def floor_ms(path: Path, sizes: list[int], reps: int = 100) -> dict:
@@ -428,9 +431,9 @@ def floor_ms(path: Path, sizes: list[int], reps: int = 100) -> dict:
 
     for bs in sizes:
         row = out[bs] = {"shared": timed(_graph_fixture(stack, bs)), "own": timed(_own_pages_fixture(stack, bs))}
-        if stack.runner.fused is not None and stack.runner.fused.bucket_for(bs, 1) is not None:
-            replay, k = _fused_fixture(stack, bs)
-            row["fused"] = timed(replay, k)
+        fixture = _fused_fixture(stack, bs)
+        if fixture is not None:
+            row["fused"] = timed(fixture[0], fixture[1])
     del stack
     torch.cuda.empty_cache()
     return out
@@ -455,7 +458,7 @@ async def loop_step_ms(eng: Engine, bs: int, new: int = 96) -> float:
                 mark["i2"] = eng.scheduler.info()
 
     await asyncio.gather(*(one(i, p) for i, p in enumerate(ps)))
-    k = DECODE_STEPS if DECODE_STEPS is not None else (4 if bs >= 64 else 1)  # auto: multi_step.resolve_decode_steps
+    k = resolve_decode_steps(DECODE_STEPS, "cuda").for_batch(bs)
     forwards = k * (mark["s2"] - mark["s1"])  # each decode step runs k forwards
     WINDOWS.append({key: mark["i2"].get(key, 0) - mark["i1"].get(key, 0) for key in
                     ("decode_steps", "fused_decode_launches", "fused_decode_replays", "iterations", "num_retractions")}

@@ -229,14 +229,14 @@ class SchedulerConfig:
     # k tokens, so its per-token cost falls about k-fold. Tokens are the same as k=1
     # (tokens after a stop are discarded); a stop or abort is seen up to k-1 forwards
     # late, and stream deltas carry up to k tokens. At most page_size. None (the
-    # default) chooses: on CUDA 4 while at least 64 requests decode (where one Python
-    # thread cannot keep up with one forward per step) and 1 below that; 1 on CPU, with
-    # tensor parallelism and on the SGLang backend.
+    # default) chooses by how many requests decode: on CUDA 1 below 64, 4 from 64 (where
+    # one Python thread cannot keep up with one forward per step) and 8 from 256 (capped
+    # at page_size); 1 on CPU, with tensor parallelism and on the SGLang backend.
     decode_steps: int | None = None
     # Native backend, decode_steps > 1: a multi-step decode whose rows are all plain
     # greedy runs its forwards, their inputs and greedy sampling as one launch (one CUDA
-    # graph per batch bucket; eagerly on CPU) instead of forward by forward from the
-    # host. Same tokens; False keeps the forward-by-forward path (for comparison).
+    # graph per batch bucket and k; eagerly on CPU) instead of forward by forward from
+    # the host. Same tokens; False keeps the forward-by-forward path (for comparison).
     fuse_decode_steps: bool = True
     # Native backend on CPU: decode attention through a C++ kernel that reads the KV
     # pages in place instead of gathering them (omni_async/kernels/cpu_paged.py; built

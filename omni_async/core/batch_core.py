@@ -19,7 +19,7 @@ from ..config import SchedulerConfig
 from ..kv.allocator import PageAllocator
 from ..kv.prefix_cache import PrefixCache
 from .batch import ForwardMode, ScheduledBatch
-from .multi_step import process_multi_step, steps_for
+from .multi_step import DecodeSteps, process_multi_step, steps_for
 from .prefix_reuse import computing_key, drop_prefix, index_pages, reuse_prefix
 from .protocol import BatchCore, StepOutcome
 from .request import Request
@@ -35,13 +35,13 @@ NEW_TOKEN_RATIO_DECAY = (INIT_NEW_TOKEN_RATIO - MIN_NEW_TOKEN_RATIO) / 600
 
 
 class NativeBatchCore(BatchCore):
-    def __init__(self, config: SchedulerConfig, allocator: PageAllocator, context_length: int, decode_steps: tuple[int, int] = (1, 1)) -> None:
+    def __init__(self, config: SchedulerConfig, allocator: PageAllocator, context_length: int, decode_steps: DecodeSteps = DecodeSteps()) -> None:
         self.config = config
         self.allocator = allocator
         self.kv = PrefixCache(allocator, enabled=config.enable_prefix_cache)
         self.page_size = allocator.page_size
         self.context_length = context_length
-        self.decode_steps, self.multi_step_min_batch = decode_steps  # see multi_step.resolve_decode_steps
+        self.decode_plan = decode_steps  # forwards per decode step by batch size (multi_step.resolve_decode_steps)
         self.multi_step_allowed: Callable[[], bool] = lambda: True  # the runner's say (builder)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -224,7 +224,7 @@ class NativeBatchCore(BatchCore):
         """A request holds the pages of its cached tokens, so one more token needs at most
         one more page: the per-request count runs only when that bound does not fit."""
         free, ps = self.kv.available_pages, self.page_size
-        k = self.decode_steps  # <= page_size: still at most one more page per row
+        k = self.decode_plan.most  # <= page_size: still at most one more page per row
         return len(decoding) <= free or sum(max(0, -(-(r.num_cached + k) // ps) - len(r.pages)) for r in decoding) <= free
 
     def _retract_until_decode_fits(self, decoding: list[Request]) -> list[Request]:

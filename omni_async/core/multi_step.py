@@ -15,6 +15,7 @@ so the tokens equal those of k = 1. Their KV writes land beyond the finished seq
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
 from .protocol import StepOutcome
@@ -25,26 +26,49 @@ if TYPE_CHECKING:
     from .batch_core import NativeBatchCore
 
 
-# decode_steps=None on CUDA: this many forwards per step while at least
-# AUTO_MIN_BATCH requests decode (below that one thread keeps up with one per step).
-AUTO_STEPS = 4
-AUTO_MIN_BATCH = 64
+# decode_steps=None on CUDA: forwards per step by how many requests decode. One below 64
+# (one thread keeps up with one forward per step), 4 from 64, 8 from 256: at 256 rows
+# and more the host's per-step work (scheduling, the launch, processing, one wake-up per
+# reader) outgrew 4 forwards' device time on the H200 (bench/RESULTS.md).
+AUTO_TIERS = ((64, 4), (256, 8))
 
 
-def resolve_decode_steps(configured: int | None, device_type: str, tensor_parallel_size: int = 1) -> tuple[int, int]:
-    """(forwards per decode step, the fewest decoding requests that use them)."""
+@dataclass(frozen=True)
+class DecodeSteps:
+    """Forwards per decode step by the number of decoding requests: ``tiers`` are
+    ``(fewest requests, forwards)`` pairs in ascending order; below the first, one."""
+
+    tiers: tuple[tuple[int, int], ...] = ()
+
+    def for_batch(self, decoding: int) -> int:
+        k = 1
+        for least, steps in self.tiers:
+            if decoding >= least:
+                k = steps
+        return k
+
+    @property
+    def most(self) -> int:
+        return max((k for _, k in self.tiers), default=1)
+
+
+def resolve_decode_steps(configured: int | None, device_type: str, tensor_parallel_size: int = 1,
+                         page_size: int = 16) -> DecodeSteps:
+    """``SchedulerConfig.decode_steps`` on this device: a fixed k for every batch, or
+    (None) the automatic tiers on CUDA, at most ``page_size`` (a step then adds at most
+    one page per row), and one forward elsewhere."""
     if configured is not None:
-        return configured, 1
+        return DecodeSteps(((1, configured),) if configured > 1 else ())
     if device_type == "cuda" and tensor_parallel_size == 1:
-        return AUTO_STEPS, AUTO_MIN_BATCH
-    return 1, 1
+        return DecodeSteps(tuple((least, min(k, page_size)) for least, k in AUTO_TIERS if min(k, page_size) > 1))
+    return DecodeSteps()
 
 
 def steps_for(core: "NativeBatchCore", decoding: list[Request]) -> list[int] | None:
     """Forwards per row of the next decode step; None for one forward (a small batch
     under the automatic choice, or a runner that hands out per-step hidden states)."""
-    k = core.decode_steps
-    if k <= 1 or len(decoding) < core.multi_step_min_batch or not core.multi_step_allowed():
+    k = core.decode_plan.for_batch(len(decoding))
+    if k <= 1 or not core.multi_step_allowed():
         return None
     return row_steps(decoding, k, core.context_length)
 

@@ -44,6 +44,7 @@ class FusedBatch:
     batch: ScheduledBatch
     rows: SlotRows
     host: np.ndarray
+    steps: int  # forwards (the most any row runs)
     bucket: int | None
     span: int  # the widest context of the first forward (the eager path's attention span)
     capture_hidden: bool = False
@@ -56,6 +57,13 @@ FUSED_SKIPS = (
     "sample_before_post_decode", "sample_logits", "sampling_batch", "forward", "post_process_outputs",
     "on_generation_steps_advanced", "on_generation_step_advanced", "finalize_skip_rids",
 )
+
+
+def leaves_hooks(runner: object, base: type) -> bool:
+    """Whether ``runner`` leaves every hook in FUSED_SKIPS as ``base`` has it (on its
+    class and on the instance)."""
+    cls, own = type(runner), runner.__dict__
+    return all(getattr(cls, name) is getattr(base, name) and name not in own for name in FUSED_SKIPS)
 
 
 # ctx_for(tables, positions, slots, kv_lens, j) -> the attention context of forward j.
@@ -92,16 +100,15 @@ def fused_forwards(
 
 
 class FusedDecode:
-    """Runs :func:`fused_forwards` for a step: replaying a captured graph when one fits
-    (CUDA graphs on), else eagerly."""
+    """Runs :func:`fused_forwards` for a step: replaying the captured graph of its bucket
+    and forward count when CUDA graphs are on, else eagerly (any forward count)."""
 
-    def __init__(self, model: DecoderModel, kv: PagedKVCache, steps: int) -> None:
+    def __init__(self, model: DecoderModel, kv: PagedKVCache) -> None:
         self.model = model
         self.kv = kv
-        self.steps = steps
         self.scratch_slot = (kv.num_pages - 1) * kv.page_size
         self.max_pages = 0  # the graphs' page-table width (0: no graphs)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # (bucket, k)
         self.buckets: tuple[int, ...] = ()
         self.launches = 0
         self.replays = 0
@@ -109,13 +116,16 @@ class FusedDecode:
     # ------------------------------------------------------------ graphs
 
     @torch.inference_mode()
-    def capture(self, buckets: tuple[int, ...], max_pages: int, scratch_page: int, use_kernel: bool, pool, device: torch.device) -> None:
-        """One graph per bucket, over static input buffers sized for the largest; the
-        tables' unused columns hold the scratch page. ``pool``: the decode graphs' memory
-        pool, shared (steps replay one at a time on one stream)."""
-        if not buckets:
+    def capture(self, wanted: dict[int, set[int]], max_pages: int, scratch_page: int, use_kernel: bool, pool,
+                device: torch.device) -> None:
+        """A graph per bucket and forward count in ``wanted`` (bucket -> the counts its
+        batches use), over static input buffers sized for the largest bucket; the tables'
+        unused columns hold the scratch page. ``pool``: the decode graphs' memory pool,
+        shared (steps replay one at a time on one stream)."""
+        wanted = {b: ks for b, ks in wanted.items() if ks}
+        if not wanted:
             return
-        n, ps = max(buckets), self.kv.page_size
+        n, ps = max(wanted), self.kv.page_size
         self.inputs = torch.zeros((n, 4), dtype=torch.long, device=device)
         self.newest = torch.zeros(n, dtype=torch.long, device=device)
         self.tables = torch.full((n, max_pages), scratch_page, dtype=torch.long, device=device)
@@ -131,43 +141,45 @@ class FusedDecode:
         stream = torch.cuda.Stream(device=device)
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):
-            for b in sorted(buckets, reverse=True):
+            for b in sorted(wanted, reverse=True):
                 args = (self.inputs[:b], self.newest[:b], self.tables[:b], self.scratch_slot, ctx_for(b))
-                scratch_out = torch.empty((2, self.steps, b), dtype=torch.long, device=device)
-                for _ in range(2):  # warm up outside the graph
-                    fused_forwards(self.model, self.kv, self.steps, *args, scratch_out)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    out = torch.empty((2, self.steps, b), dtype=torch.long, device=device)
-                    fused_forwards(self.model, self.kv, self.steps, *args, out)
-                self.graphs[b] = (graph, out)
+                for k in sorted(wanted[b], reverse=True):
+                    scratch_out = torch.empty((2, k, b), dtype=torch.long, device=device)
+                    for _ in range(2):  # warm up outside the graph
+                        fused_forwards(self.model, self.kv, k, *args, scratch_out)
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool, stream=stream):
+                        out = torch.empty((2, k, b), dtype=torch.long, device=device)
+                        fused_forwards(self.model, self.kv, k, *args, out)
+                    self.graphs[(b, k)] = (graph, out)
         torch.cuda.current_stream(device).wait_stream(stream)
         torch.cuda.synchronize(device)
-        self.buckets = tuple(sorted(buckets))
+        self.buckets = tuple(sorted(wanted))
 
-    def bucket_for(self, rows: int, widest: int) -> int | None:
-        """The graph a step of ``rows`` rows replays, or None (run eagerly)."""
+    def graph_for(self, rows: int, widest: int, steps: int) -> int | None:
+        """The bucket whose graph of ``steps`` forwards a step of ``rows`` rows replays,
+        or None (none captured)."""
         if widest > self.max_pages:
             return None
-        return next((b for b in self.buckets if b >= rows), None)
+        bucket = next((b for b in self.buckets if b >= rows), None)
+        return bucket if (bucket, steps) in self.graphs else None
 
     # ------------------------------------------------------------ a step
 
-    def batch(self, batch: ScheduledBatch, rows: SlotRows, graphed: bool) -> FusedBatch:
+    def batch(self, batch: ScheduledBatch, rows: SlotRows, steps: int, bucket: int | None) -> FusedBatch:
         """The step's ``[B, 4]`` host array, padded to its graph's bucket (padding rows
         run no forward: 0 steps, position 0, token 0, slot 0)."""
         size = batch.size
-        bucket = self.bucket_for(size, rows.widest) if graphed else None
         arr = np.zeros((bucket or size, 4), dtype=np.int64)
         arr[:size, POSITION] = batch.prefix_lens
         arr[:size, TOKEN] = batch.input_ids
         arr[:size, STEPS] = batch.row_steps
         arr[:size, SLOT] = rows.slots
-        return FusedBatch(batch, rows, arr, bucket, max(batch.prefix_lens) + 1)
+        return FusedBatch(batch, rows, arr, steps, bucket, max(batch.prefix_lens) + 1)
 
     @torch.inference_mode()
-    def run(self, host: np.ndarray, bucket: int | None, table_dev: torch.Tensor, last_token: torch.Tensor, widest: int,
-            eager_ctx: ContextFactory) -> torch.Tensor:
+    def run(self, host: np.ndarray, steps: int, bucket: int | None, table_dev: torch.Tensor, last_token: torch.Tensor,
+            widest: int, eager_ctx: ContextFactory) -> torch.Tensor:
         """``[2, steps, B]`` tokens and ``ok`` flags of the step (B: the bucket when a
         graph ran, whose padding rows the reader skips). ``table_dev`` and ``last_token``:
         the slots' page tables (at least as wide as the graphs') and newest tokens.
@@ -175,7 +187,7 @@ class FusedDecode:
         self.launches += 1
         src = torch.from_numpy(host)
         if bucket is not None:
-            graph, out = self.graphs[bucket]
+            graph, out = self.graphs[(bucket, steps)]
             self.inputs[:bucket].copy_(src, non_blocking=True)
             slots = self.inputs[:bucket, SLOT]
             if table_dev.shape[1] != self.max_pages:
@@ -187,8 +199,8 @@ class FusedDecode:
             return out
         inputs = src.to(table_dev.device, non_blocking=True)
         slots = inputs[:, SLOT]
-        out = torch.empty((2, self.steps, host.shape[0]), dtype=torch.long, device=table_dev.device)
+        out = torch.empty((2, steps, host.shape[0]), dtype=torch.long, device=table_dev.device)
         tables = table_dev.index_select(0, slots)[:, :widest]
-        fused_forwards(self.model, self.kv, self.steps, inputs, last_token.index_select(0, slots), tables,
+        fused_forwards(self.model, self.kv, steps, inputs, last_token.index_select(0, slots), tables,
                        self.scratch_slot, eager_ctx, out)
         return out

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from ..core.batch import ScheduledBatch
+from ..core.multi_step import DecodeSteps
 from ..kernels import triton_available
 from ..kv.attention import AttentionContext, slots_from_tables
 from ..kv.cache import PagedKVCache
@@ -22,7 +23,7 @@ from ..models.decoder import DecoderModel, ReferenceOps
 from ..sampling import SampleResult, SamplingBatch, sample
 from .base import ModelRunner, hidden_states_only
 from .cuda_graphs import DecodeGraphs
-from .fused_decode import FUSED_SKIPS, FusedBatch, FusedDecode
+from .fused_decode import FusedBatch, FusedDecode, leaves_hooks
 from .graph_sampling import SamplingGraphs
 from .input_batch import InputBatch, SlotRows
 from .types import BatchResult, SchedulerOutput
@@ -73,7 +74,7 @@ class NativeModelRunner(ModelRunner):
         self.capture_hidden = capture_hidden
         self.graphs: DecodeGraphs | None = None
         self.fused: FusedDecode | None = None  # multi-step greedy decodes in one launch
-        self.fused_min_batch = 1
+        self.decode_plan = DecodeSteps()
         self._later_cols: dict[int, torch.Tensor] = {}  # a multi-step decode's forward offsets
         self.sampling_graphs: SamplingGraphs | None = None
         # Decode attention through the Triton paged kernel (CUDA with Triton).
@@ -137,28 +138,29 @@ class NativeModelRunner(ModelRunner):
         fb.all_kv_lens, fb.all_sample_indices = all_kv_lens, sidx_dev + later
         return fb
 
-    def configure_decode_steps(self, steps: int, min_batch: int, *, fused: bool = True) -> None:
-        """Forwards per multi-step decode (``resolve_decode_steps``): with k > 1 and
-        ``fused``, a step whose rows are all plain greedy runs as one fused launch (a
-        graph per bucket from ``min_batch`` rows when CUDA graphs are captured after this)."""
-        self.fused = FusedDecode(self.model, self.kv, steps) if steps > 1 and fused else None
-        self.fused_min_batch = min_batch
+    def configure_decode_steps(self, plan: DecodeSteps, *, fused: bool = True) -> None:
+        """Forwards per decode step by batch size (``resolve_decode_steps``); ``fused``:
+        plain greedy multi-step decodes run as one launch (a graph per bucket and k when
+        CUDA graphs are captured after this, else eagerly)."""
+        self.decode_plan = plan
+        self.fused = FusedDecode(self.model, self.kv) if plan.most > 1 and fused else None
 
     def _fusable(self, batch: ScheduledBatch, rows: SlotRows, sidx: np.ndarray) -> bool:
-        """A multi-step decode runs fused when every row takes all k forwards, is plain
-        greedy, and this runner overrides no hook the fused launch skips."""
+        """A multi-step decode runs fused when every row is plain greedy, this runner
+        overrides no hook the fused launch skips, and (with CUDA graphs) a fused graph
+        fits it: otherwise its forwards replay the one-forward graphs."""
         fused = self.fused
-        if fused is None or max(batch.row_steps) != fused.steps or not self._plain_hooks():
+        if fused is None or not leaves_hooks(self, NativeModelRunner):
+            return False
+        if self.graphs is not None and fused.graph_for(batch.size, rows.widest, max(batch.row_steps)) is None:
             return False
         return self.inputs.plain_greedy(rows, sidx)
 
-    def _plain_hooks(self) -> bool:
-        cls, own = type(self), self.__dict__
-        return all(getattr(cls, name) is getattr(NativeModelRunner, name) and name not in own for name in FUSED_SKIPS)
-
     def _build_fused(self, batch: ScheduledBatch, rows: SlotRows) -> FusedBatch:
-        assert self.fused is not None
-        return self.fused.batch(batch, rows, graphed=batch.size >= self.fused_min_batch)
+        fused, steps = self.fused, max(batch.row_steps)
+        assert fused is not None
+        bucket = fused.graph_for(batch.size, rows.widest, steps) if self.graphs is not None else None
+        return fused.batch(batch, rows, steps, bucket)
 
     def _fused_step(self, fb: FusedBatch, lookahead: bool) -> tuple[BatchResult, torch.Tensor | None]:
         """Replay (or run) the fused forwards; publish the rows' newest tokens."""
@@ -168,16 +170,15 @@ class NativeModelRunner(ModelRunner):
         def eager_ctx(tables, positions, slots, kv_lens, j):
             return self._decode_ctx(tables, positions, slots, None, fb.span + j, kv_lens=kv_lens)
 
-        out = fused.run(fb.host, fb.bucket, self.inputs.table_dev, self.inputs.last_token, fb.rows.widest, eager_ctx)
+        out = fused.run(fb.host, fb.steps, fb.bucket, self.inputs.table_dev, self.inputs.last_token, fb.rows.widest, eager_ctx)
         tokens = out[0]
         self.inputs.publish(fb.rows.slots_dev, tokens[-1, : fb.batch.size])
         result = BatchResult(logits=None, next_token_ids=tokens, sample_ok=out[1], can_run_cuda_graph=fb.bucket is not None, packed=out)
         return result, (tokens if lookahead else None)
 
-    def stats(self) -> dict[str, int]:
-        """Fused multi-step decode launches, and how many of them replayed a graph."""
-        fused = self.fused
-        return {"fused_decode_launches": fused.launches if fused else 0, "fused_decode_replays": fused.replays if fused else 0}
+    def stats(self) -> dict[str, int]:  # fused multi-step launches, and how many replayed a graph
+        f = self.fused
+        return {"fused_decode_launches": f.launches if f else 0, "fused_decode_replays": f.replays if f else 0}
 
     def _later(self, k: int) -> torch.Tensor:
         """``[[0], [1], ..., [k-1]]`` on the device, made once per k."""
@@ -329,9 +330,10 @@ class NativeModelRunner(ModelRunner):
         )
         self.graphs.capture_all()
         if self.fused is not None:
-            graphs = self.graphs
-            buckets = tuple(b for b in graphs.buckets if b >= self.fused_min_batch)
-            self.fused.capture(buckets, graphs.max_pages, scratch_page, self.use_kernel, graphs.pool, self.device)
+            graphs, plan = self.graphs, self.decode_plan
+            lows = (0,) + graphs.buckets[:-1]
+            wanted = {b: {plan.for_batch(n) for n in range(low + 1, b + 1)} - {1} for low, b in zip(lows, graphs.buckets)}
+            self.fused.capture(wanted, graphs.max_pages, scratch_page, self.use_kernel, graphs.pool, self.device)
         if self.fused:
             graphs = self.graphs
             self.sampling_graphs = SamplingGraphs(
