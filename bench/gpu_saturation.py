@@ -440,9 +440,11 @@ def floor_ms(path: Path, sizes: list[int], reps: int = 100) -> dict:
 
 
 async def loop_step_ms(eng: Engine, bs: int, new: int = 96) -> float:
-    """Steady decode step while ``bs`` requests decode together: the wall time between
-    the moment every request has 8 tokens and the first request's end, over the decode
-    steps the stage ran in that window (deltas may merge, so tokens are not steps)."""
+    """Steady decode time per forward while ``bs`` requests decode together: the wall
+    time between the moment every request has 8 tokens and the first request's end, over
+    the forwards the stage processed in that window (tokens it emitted / ``bs``: every
+    request takes one token per forward). Counting launched steps times k instead
+    missed the steps in flight at the window's edges, a bias that grows with k."""
     ps = prompts(bs, 150000, 128, 128, seed=bs)
     counts = [0] * bs
     mark: dict[str, float] = {}
@@ -459,11 +461,13 @@ async def loop_step_ms(eng: Engine, bs: int, new: int = 96) -> float:
 
     await asyncio.gather(*(one(i, p) for i, p in enumerate(ps)))
     k = resolve_decode_steps(DECODE_STEPS, "cuda").for_batch(bs)
-    forwards = k * (mark["s2"] - mark["s1"])  # each decode step runs k forwards
-    WINDOWS.append({key: mark["i2"].get(key, 0) - mark["i1"].get(key, 0) for key in
-                    ("decode_steps", "fused_decode_launches", "fused_decode_replays", "iterations", "num_retractions")}
-                   | {"bs": bs, "window_ms": 1000 * (mark["t2"] - mark["t1"])})
-    return 1000 * (mark["t2"] - mark["t1"]) / max(1, forwards)
+    forwards = (mark["i2"]["tokens_out"] - mark["i1"]["tokens_out"]) / bs
+    window = {key: mark["i2"].get(key, 0) - mark["i1"].get(key, 0) for key in
+              ("decode_steps", "fused_decode_launches", "fused_decode_replays", "iterations", "num_retractions")}
+    window.update(bs=bs, k=k, forwards=forwards, forwards_by_steps=k * window["decode_steps"],
+                  window_ms=1000 * (mark["t2"] - mark["t1"]))
+    WINDOWS.append(window)
+    return 1000 * (mark["t2"] - mark["t1"]) / max(1.0, forwards)
 
 
 async def section_floor(path: Path, sizes: list[int]) -> dict:
