@@ -210,11 +210,22 @@ class EventWaiter:
         expected = self._expected_s
         if expected is not None and expected > 0.002:
             await anyio.sleep(expected - 0.0015)
+            if event.query():
+                # Done before the sleep ended: the steps got shorter (prefill to decode).
+                # Averaging in this wait's time would keep the estimate near what the sleep
+                # itself lasted, for dozens of steps each waited for far too long.
+                self._expected_s = expected / 2
+                return
         while not event.query():
             self.polls += 1
             await anyio.lowlevel.checkpoint()
         took = anyio.current_time() - start
-        self._expected_s = took if self._expected_s is None else 0.8 * self._expected_s + 0.2 * took
+        self._expected_s = took if expected is None else 0.8 * expected + 0.2 * took
+
+    @property
+    def expected_s(self) -> float | None:
+        """How long the next wait is expected to take (poll mode), from the recent ones."""
+        return self._expected_s
 
     def close(self) -> None:
         if self._thread is not None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 
@@ -67,6 +68,30 @@ async def test_watchdog_catches_a_completion_that_never_signals(mode):
         await waiter.wait(ev)
     ev.set()  # release the waiter thread
     waiter.close()
+
+
+class TimedEvent:
+    """Completes ``seconds`` after it is made."""
+
+    def __init__(self, seconds: float) -> None:
+        self.at = time.perf_counter() + seconds
+
+    def query(self) -> bool:
+        return time.perf_counter() >= self.at
+
+
+async def test_poll_estimate_follows_steps_that_got_shorter():
+    """After long steps (a prefill) the waiter sleeps most of the expected time before
+    polling; once steps are short (decode), it must not keep sleeping the long time."""
+    waiter = EventWaiter("poll")
+    for _ in range(3):
+        await waiter.wait(TimedEvent(0.03))
+    assert waiter.expected_s is not None and waiter.expected_s > 0.02
+    started = time.perf_counter()
+    for _ in range(8):
+        await waiter.wait(TimedEvent(0.001))
+    assert waiter.expected_s < 0.004
+    assert time.perf_counter() - started < 0.18  # eight 1 ms steps, not eight ~28 ms sleeps
 
 
 def test_unknown_mode_is_refused():
