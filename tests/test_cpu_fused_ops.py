@@ -149,18 +149,22 @@ def test_engine_tokens_agree_across_loops_and_with_the_reference():
             out = await asyncio.gather(*(engine.generate(input_ids=p, sampling=sp) for p in prompts))
             again = await asyncio.gather(*(engine.generate(input_ids=p + r.output_ids, sampling=sp) for p, r in zip(prompts, out)))
             cached = sum(r.cached_tokens or 0 for r in again)
+            fused = engine.scheduler.info()["fused_decode_launches"]
         assert_kv_free(engine)
-        return [r.output_ids for r in out + again], cached
+        return [r.output_ids for r in out + again], cached, fused
 
     async def all_runs():
         ref = await tokens()
         runs = [await tokens(loop=loop, cpu_fused_ops=True) for loop in LOOPS]
         runs.append(await tokens(cpu_fused_ops=True, cpu_attention_kernel=True))
-        return ref, runs
+        # four forwards per step, run as one fused launch through both kernels
+        multi = await tokens(cpu_fused_ops=True, cpu_attention_kernel=True, decode_steps=4, loop="async_decode")
+        return ref, runs, multi
 
-    (ref, cached), runs = asyncio.run(all_runs())
+    (ref, cached, _), runs, multi = asyncio.run(all_runs())
     assert cached > 0
-    assert all(r == ref for r, _ in runs)
+    assert all(r == ref for r, _, _ in runs)
+    assert multi[0] == ref and multi[2] > 0
 
 
 def test_refused_with_tensor_parallelism():
