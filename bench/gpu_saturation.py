@@ -396,7 +396,7 @@ def _fused_fixture(stack, bs: int):
     import numpy as np
 
     runner, ps = stack.runner, stack.kv.page_size
-    fused, k = runner.fused, runner.decode_plan.for_batch(bs)
+    fused, k = runner.fused_decode, runner.decode_plan.for_batch(bs)
     bucket = fused.graph_for(bs, 1, k) if fused is not None else None
     if bucket is None:
         return None

@@ -280,11 +280,14 @@ async def test_a_runners_own_post_process_outputs_sees_every_step():
 
 
 @pytest.mark.parametrize("fused", [True, False])
-async def test_cpu_keeps_the_reference_ops_whatever_fused_kernels_says(fused):
+@pytest.mark.parametrize("decode_steps", [1, 4])
+async def test_cpu_keeps_the_reference_ops_whatever_fused_kernels_says(fused, decode_steps):
+    """Neither ``fused_kernels`` nor a multi-step plan (whose fused launch is another
+    thing) turns the Triton elementwise kernels on off CUDA."""
     from omni_async.models.decoder import ReferenceOps
 
-    engine = Engine.from_pretrained("tiny", fused_kernels=fused)
+    engine = Engine.from_pretrained("tiny", fused_kernels=fused, decode_steps=decode_steps)
     async with engine:
         out = await engine.generate(input_ids=[256, *b"abc"], sampling=SamplingParams(max_new_tokens=4))
     assert len(out.output_ids) == 4
-    assert not engine.stack.runner.fused and type(engine.stack.loaded.model.ops) is ReferenceOps
+    assert engine.stack.runner.fused is False and type(engine.stack.loaded.model.ops) is ReferenceOps

@@ -73,7 +73,7 @@ class NativeModelRunner(ModelRunner):
         # (``RequestOutput.extra["hidden_state"]``), e.g. for a downstream talker stage.
         self.capture_hidden = capture_hidden
         self.graphs: DecodeGraphs | None = None
-        self.fused: FusedDecode | None = None  # multi-step greedy decodes in one launch
+        self.fused_decode: FusedDecode | None = None  # multi-step greedy decodes in one launch
         self.decode_plan = DecodeSteps()
         self._later_cols: dict[int, torch.Tensor] = {}  # a multi-step decode's forward offsets
         self.sampling_graphs: SamplingGraphs | None = None
@@ -143,13 +143,13 @@ class NativeModelRunner(ModelRunner):
         plain greedy multi-step decodes run as one launch (a graph per bucket and k when
         CUDA graphs are captured after this, else eagerly)."""
         self.decode_plan = plan
-        self.fused = FusedDecode(self.model, self.kv) if plan.most > 1 and fused else None
+        self.fused_decode = FusedDecode(self.model, self.kv) if plan.most > 1 and fused else None
 
     def _fusable(self, batch: ScheduledBatch, rows: SlotRows, sidx: np.ndarray) -> bool:
         """A multi-step decode runs fused when every row is plain greedy, this runner
         overrides no hook the fused launch skips, and (with CUDA graphs) a fused graph
         fits it: otherwise its forwards replay the one-forward graphs."""
-        fused = self.fused
+        fused = self.fused_decode
         if fused is None or not leaves_hooks(self, NativeModelRunner):
             return False
         if self.graphs is not None and fused.graph_for(batch.size, rows.widest, max(batch.row_steps)) is None:
@@ -157,14 +157,14 @@ class NativeModelRunner(ModelRunner):
         return self.inputs.plain_greedy(rows, sidx)
 
     def _build_fused(self, batch: ScheduledBatch, rows: SlotRows) -> FusedBatch:
-        fused, steps = self.fused, max(batch.row_steps)
+        fused, steps = self.fused_decode, max(batch.row_steps)
         assert fused is not None
         bucket = fused.graph_for(batch.size, rows.widest, steps) if self.graphs is not None else None
         return fused.batch(batch, rows, steps, bucket)
 
     def _fused_step(self, fb: FusedBatch, lookahead: bool) -> tuple[BatchResult, torch.Tensor | None]:
         """Replay (or run) the fused forwards; publish the rows' newest tokens."""
-        fused = self.fused
+        fused = self.fused_decode
         assert fused is not None
 
         def eager_ctx(tables, positions, slots, kv_lens, j):
@@ -177,7 +177,7 @@ class NativeModelRunner(ModelRunner):
         return result, (tokens if lookahead else None)
 
     def stats(self) -> dict[str, int]:  # fused multi-step launches, and how many replayed a graph
-        f = self.fused
+        f = self.fused_decode
         return {"fused_decode_launches": f.launches if f else 0, "fused_decode_replays": f.replays if f else 0}
 
     def _later(self, k: int) -> torch.Tensor:
@@ -316,7 +316,7 @@ class NativeModelRunner(ModelRunner):
         scratch page, which padded graph rows write to."""
         self.inputs.set_pad_page(scratch_page)
         max_pages = -(-max_len // self.page_size)
-        if self.fused is not None:
+        if self.fused_decode is not None:
             self.inputs.reserve_pages(max_pages)  # the fused graphs gather whole table rows
         self.graphs = DecodeGraphs(
             self.model,
@@ -329,11 +329,11 @@ class NativeModelRunner(ModelRunner):
             greedy_in_graph=self.fused,
         )
         self.graphs.capture_all()
-        if self.fused is not None:
+        if self.fused_decode is not None:
             graphs, plan = self.graphs, self.decode_plan
             lows = (0,) + graphs.buckets[:-1]
             wanted = {b: {plan.for_batch(n) for n in range(low + 1, b + 1)} - {1} for low, b in zip(lows, graphs.buckets)}
-            self.fused.capture(wanted, graphs.max_pages, scratch_page, self.use_kernel, graphs.pool, self.device)
+            self.fused_decode.capture(wanted, graphs.max_pages, scratch_page, self.use_kernel, graphs.pool, self.device)
         if self.fused:
             graphs = self.graphs
             self.sampling_graphs = SamplingGraphs(
