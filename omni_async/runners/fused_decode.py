@@ -5,7 +5,7 @@ forward (input arithmetic, static-buffer copies, the replay, sampling, copying t
 tokens out), and each call costs the H200's host 10-100 us: at 256 rows the launch took
 longer than the device needed for the forwards. When every row is plain greedy (no
 sampling filters, penalties, bans or logprobs), everything between the step's inputs
-and its tokens is fixed-shape device work, so it can be one CUDA graph per batch bucket:
+and its tokens is fixed-shape device work, so it can be one CUDA graph per batch bucket and k:
 the host copies one small ``[B, 4]`` array in, gathers the rows' page tables and newest
 tokens into the graph's input buffers, replays, and copies ``[2, k, B]`` out.
 
@@ -35,6 +35,7 @@ from .input_batch import SlotRows
 # Columns of the step's host array: the row's position before this step, its input token
 # (-1: still in flight, read from its slot's newest token), the forwards it runs, its slot.
 POSITION, TOKEN, STEPS, SLOT = range(4)
+
 
 @dataclass
 class FusedBatch:

@@ -198,11 +198,7 @@ class Stepper:
         """Before launching on the loop thread: every step launched on the worker before
         it must have enqueued its device work, so device order follows launch order."""
         for step in self._inflight:
-            if step.future is not None and not step.future.done():
-                try:
-                    await self.executor.wait(step.future)
-                except Exception:
-                    pass  # that step's own completion reports the failure
+            await self._launched(step)
 
     async def _until_launched(self, step: InflightStep) -> None:
         """A step the loop launched inline would run on the worker only when it is a
@@ -210,12 +206,16 @@ class Stepper:
         completion. The poll spins on the loop thread, and two threads that both want the
         GIL take it in switch-interval turns, which slowed the launch feeding the device
         (an 8,192-token prefill launch on the H200: 11 ms alone, 16-19 ms beside the poll)."""
-        fut = step.future
-        if self.executor.launches_inline and fut is not None and not fut.done():
+        if self.executor.launches_inline:
+            await self._launched(step)
+
+    async def _launched(self, step: InflightStep) -> None:
+        """Until ``step``'s launch has returned (at once for an inline launch)."""
+        if step.future is not None and not step.future.done():
             try:
-                await self.executor.wait(fut)
+                await self.executor.wait(step.future)
             except Exception:
-                pass  # the step's own completion reports the failure
+                pass  # that step's own completion reports the failure
 
     def _launch_on_worker(self, sched_output: SchedulerOutput, lookahead: bool) -> Any:
         return self.runner.launch(sched_output, lookahead=lookahead)
