@@ -112,8 +112,9 @@ class NativeModelRunner(ModelRunner):
     def _build_decode(self, batch: ScheduledBatch, rows: SlotRows, sidx: np.ndarray, capture: bool) -> ForwardBatch | FusedBatch:
         """One small host array, one copy; the rest is gathered on the device."""
         multi = batch.row_steps is not None
-        if multi and not capture and self._fusable(batch, rows, sidx):
-            return self._build_fused(batch, rows)
+        fused = self._fused_batch(batch, rows, sidx) if multi and not capture else None
+        if fused is not None:
+            return fused
         host = np.array([batch.prefix_lens, batch.input_ids, sidx] + ([batch.row_steps] if multi else []), dtype=np.int64)
         positions, host_ids, sidx_dev, *rest = torch.from_numpy(host).to(self.device, non_blocking=True).unbind(0)
         # A decode input still in flight (-1 on the host) is the slot's newest token.
@@ -145,21 +146,21 @@ class NativeModelRunner(ModelRunner):
         self.decode_plan = plan
         self.fused_decode = FusedDecode(self.model, self.kv) if plan.most > 1 and fused else None
 
-    def _fusable(self, batch: ScheduledBatch, rows: SlotRows, sidx: np.ndarray) -> bool:
-        """A multi-step decode runs fused when every row is plain greedy, this runner
-        overrides no hook the fused launch skips, and (with CUDA graphs) a fused graph
-        fits it: otherwise its forwards replay the one-forward graphs."""
-        fused = self.fused_decode
-        if fused is None or not leaves_hooks(self, NativeModelRunner):
-            return False
-        if self.graphs is not None and fused.graph_for(batch.size, rows.widest, max(batch.row_steps)) is None:
-            return False
-        return self.inputs.plain_greedy(rows, sidx)
-
-    def _build_fused(self, batch: ScheduledBatch, rows: SlotRows) -> FusedBatch:
+    def _fused_batch(self, batch: ScheduledBatch, rows: SlotRows, sidx: np.ndarray) -> FusedBatch | None:
+        """A multi-step decode as one fused launch, or None: it runs fused when every row
+        is plain greedy, this runner overrides no hook the fused launch skips, and (with
+        CUDA graphs) a fused graph fits it; otherwise its forwards replay the one-forward
+        graphs."""
         fused, steps = self.fused_decode, max(batch.row_steps)
-        assert fused is not None
-        bucket = fused.graph_for(batch.size, rows.widest, steps) if self.graphs is not None else None
+        if fused is None or not leaves_hooks(self, NativeModelRunner):
+            return None
+        bucket = None
+        if self.graphs is not None:
+            bucket = fused.graph_for(batch.size, rows.widest, steps)
+            if bucket is None:
+                return None
+        if not self.inputs.plain_greedy(rows, sidx):
+            return None
         return fused.batch(batch, rows, steps, bucket)
 
     def _fused_step(self, fb: FusedBatch, lookahead: bool) -> tuple[BatchResult, torch.Tensor | None]:
