@@ -25,7 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from omni_async import IncomingMessage, RequestPayload, SamplingParams  # noqa: E402
-from omni_async.builder import build_native_stack, build_scheduler  # noqa: E402
+from omni_async.backends.native.builder import build_native_stack, build_scheduler  # noqa: E402
 from omni_async.config import SchedulerConfig  # noqa: E402
 
 

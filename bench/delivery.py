@@ -3,7 +3,7 @@
 The stage hands the engine one batch of stream messages per step; the engine routes
 each to its handle, detokenises incrementally, checks stop strings, merges the delta
 into the handle's single slot and wakes each reader once. This measures that path
-(``Engine._deliver``, the function the stage's sink calls) for B running requests over
+(the engine's ``Router.deliver``, the function the stage's sink calls) for B running requests over
 S steps, next to a bare per-token ``asyncio.Queue`` hop (a floor: no processing), with readers
 that keep up (a task per handle, woken every step) and readers that lag (nobody reads
 until the end: deltas merge). No model runs: the messages are synthetic.
@@ -22,10 +22,10 @@ from typing import Any
 from _common import event_loop_name, machine_facts, parse_int_list, run_benchmark
 
 from omni_async import Engine, SamplingParams
-from omni_async.completion import Completion
-from omni_async.handle import RequestHandle
+from omni_async.client.completion import Completion
+from omni_async.client.handle import RequestHandle
 from omni_async.messages import OutgoingMessage, StreamDelta
-from omni_async.tokenizer import ByteTokenizer, HFTokenizer
+from omni_async.text.tokenizer import ByteTokenizer, HFTokenizer
 
 CORPUS = ["naïve café 日本語 🙂 the thinker writes text and the talker speaks it", "Grüße, привет мир 中文"] * 8
 
@@ -58,8 +58,8 @@ async def run_engine_path(engine: Engine, tokenizer: Any, batch: int, steps: int
     rids = [f"r{i}" for i in range(batch)]
     handles = []
     for rid in rids:
-        handle = RequestHandle(engine, rid, [Completion(0, rid, sp, tokenizer)], [1])
-        engine._routes[rid] = handle
+        handle = RequestHandle(rid, [Completion(0, rid, sp, tokenizer)], [1], engine._router.hooks)
+        engine._router.route(rid, handle)
         handles.append(handle)
     vocab = tokenizer.vocab_size if tokenizer is not None else 256
     msgs = step_messages(rids, steps, vocab, seed=batch)
@@ -72,10 +72,10 @@ async def run_engine_path(engine: Engine, tokenizer: Any, batch: int, steps: int
     await asyncio.sleep(0)
     t0 = time.perf_counter()
     for batch_msgs in msgs:
-        engine._deliver(batch_msgs)
+        engine._router.deliver(batch_msgs)
         if readers:
             await asyncio.sleep(0)  # the readers run once per step
-    engine._deliver([OutgoingMessage(r, "result", None) for r in rids])
+    engine._router.deliver([OutgoingMessage(r, "result", None) for r in rids])
     await asyncio.gather(*tasks)
     elapsed = time.perf_counter() - t0
     engine._routes.clear()

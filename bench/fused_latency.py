@@ -90,7 +90,8 @@ def kernels_per_call(fn, calls: int = 5) -> float:
 def section_ops(compile_too: bool):
     from omni_async.kernels.fused import FusedOps
     from omni_async.kv.cache import PagedKVCache
-    from omni_async.models.decoder import ReferenceOps, RMSNorm
+    from omni_async.kernels.reference import ReferenceOps
+    from omni_async.models.decoder import RMSNorm
 
     dev, dt = torch.device("cuda"), torch.bfloat16
     h, inter, nh, nkv, d = 896, 4864, 14, 2, 64
@@ -147,7 +148,7 @@ def section_ops(compile_too: bool):
 
 
 def build(path: Path, fused: bool | None, max_running: int = 256, **extra):
-    from omni_async.builder import build_native_stack
+    from omni_async.backends.native.builder import build_native_stack
     from omni_async.config import SchedulerConfig
 
     kw = dict(kv_capacity_tokens=1 << 17, max_running_requests=max_running, cuda_graph_max_len=4096, **extra)
@@ -175,7 +176,7 @@ def runner_step_ms(stack, bs: int, steps: int = 40, sampled: bool = False) -> fl
     greedy rows, or with ``sampled`` temperature + top-k + top-p rows."""
     from omni_async import SamplingParams
     from omni_async.core.request import Request, RequestData
-    from omni_async.runners.types import SchedulerOutput, SchedulerRequest
+    from omni_async.core.runner_io import SchedulerOutput, SchedulerRequest
 
     core, runner = stack.core, stack.runner
     for i in range(bs):
@@ -327,7 +328,7 @@ def prefill_flops(seqs: int, length: int, shape=QWEN05) -> float:
 def prefill_ms(stack, seqs: int, length: int) -> float:
     from omni_async import SamplingParams
     from omni_async.core.request import Request, RequestData
-    from omni_async.runners.types import SchedulerOutput, SchedulerRequest
+    from omni_async.core.runner_io import SchedulerOutput, SchedulerRequest
 
     core, runner = stack.core, stack.runner
     for i in range(seqs):

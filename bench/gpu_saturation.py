@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from gpu_suite import QWEN05, _graph_fixture, make_checkpoint, pct, prompts, ticker_lags, workload  # noqa: E402
 
 from omni_async import Engine, SamplingParams  # noqa: E402
-from omni_async.builder import build_native_stack  # noqa: E402
+from omni_async.backends.native.builder import build_native_stack  # noqa: E402
 from omni_async.config import SchedulerConfig  # noqa: E402
 from omni_async.core.multi_step import resolve_decode_steps  # noqa: E402
 

@@ -35,10 +35,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from omni_async import Engine, SamplingParams  # noqa: E402
-from omni_async.builder import build_native_stack  # noqa: E402
+from omni_async.backends.native.builder import build_native_stack  # noqa: E402
 from omni_async.config import SchedulerConfig  # noqa: E402
 from omni_async.core.request import Request, RequestData  # noqa: E402
-from omni_async.runners.types import SchedulerOutput, SchedulerRequest  # noqa: E402
+from omni_async.core.runner_io import SchedulerOutput, SchedulerRequest  # noqa: E402
 
 RESULTS: dict = {"sections": {}}
 QWEN05 = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
@@ -294,7 +294,7 @@ def _graph_fixture(stack, bs):
 
 
 def section_await(path: Path, steps: int):
-    from omni_async.device import EventWaiter
+    from omni_async.stage.executor import EventWaiter
 
     config = SchedulerConfig(kv_capacity_tokens=65536, max_running_requests=64, cuda_graph_max_len=1024)
     stack = build_native_stack(str(path), config, device="cuda", dtype="bfloat16")

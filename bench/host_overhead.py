@@ -51,7 +51,7 @@ def install_null_device(engine, device_s: float = 0.0) -> None:
     captured graphs, prefill without a forward, decode launches inline on the loop."""
     import torch
 
-    from omni_async.device import InlineStepExecutor
+    from omni_async.stage.executor import InlineStepExecutor
     from omni_async.runners.cuda_graphs import GraphOutputs
     from omni_async.runners.types import BatchResult
 

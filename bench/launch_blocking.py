@@ -26,7 +26,7 @@ from gpu_suite import QWEN05, make_checkpoint, workload  # noqa: E402
 
 from omni_async import SamplingParams  # noqa: E402
 from omni_async.core.request import Request, RequestData  # noqa: E402
-from omni_async.runners.types import SchedulerOutput, SchedulerRequest  # noqa: E402
+from omni_async.core.runner_io import SchedulerOutput, SchedulerRequest  # noqa: E402
 
 
 class CallTimer:

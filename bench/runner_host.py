@@ -47,10 +47,10 @@ def step_costs(bs: int, steps: int, kind: str) -> dict:
     """Decode steps of ``bs`` rows on the tiny model (CPU): medians in us per row."""
     import torch
 
-    from omni_async.builder import build_native_stack
+    from omni_async.backends.native.builder import build_native_stack
     from omni_async.config import SchedulerConfig
     from omni_async.core.request import Request, RequestData
-    from omni_async.runners.types import SchedulerOutput, SchedulerRequest
+    from omni_async.core.runner_io import SchedulerOutput, SchedulerRequest
 
     prompt = 128
     config = SchedulerConfig(
@@ -87,7 +87,7 @@ def step_costs(bs: int, steps: int, kind: str) -> dict:
 
 def _sample_cost(runner, fb, batch, so, logits, new_api: bool) -> float:
     if new_api:
-        from omni_async.sampling import sample
+        from omni_async.runners.sampling import sample
 
         t0 = time.perf_counter()
         sb = runner.sampling_batch(fb, batch, so.requests, logits.shape[-1])
@@ -101,7 +101,7 @@ def sampler_costs(bs: int, vocab: int, kind: str, reps: int = 5) -> float:
     """The sampler alone on ``[bs, vocab]`` random logits from plain rows: us per row."""
     import torch
 
-    from omni_async.sampling import RowSampling, sample_rows
+    from omni_async.runners.sampling import RowSampling, sample_rows
 
     rng = random.Random(bs)
     rows = [

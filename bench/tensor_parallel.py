@@ -202,7 +202,7 @@ async def section_shape(name: str, args) -> dict:
 
 
 def _collectives_rank(rank: int, port: int, device_type: str, shape: dict, batches: list[int], dtype: str, reps: int, q) -> None:
-    from omni_async.parallel.comm import GroupComm
+    from omni_async.backends.native.parallel.comm import GroupComm
 
     try:
         dev = torch.device(f"cuda:{rank}") if device_type == "cuda" else torch.device("cpu")

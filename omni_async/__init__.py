@@ -3,7 +3,7 @@
 from . import errors
 from .config import SamplingParams, SchedulerConfig
 from .engine import Engine, RequestHandle
-from .loopbridge import EventLoopMismatchError
+from .client.loopbridge import EventLoopMismatchError
 from .messages import CompletionOutput, GenerationResult, IncomingMessage, OutgoingMessage, RequestPayload, StreamDelta
 from .scheduler import AsyncOmniScheduler
 from .version import __version__

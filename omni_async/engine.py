@@ -1,9 +1,10 @@
 """Engine: the user-facing async API over an AsyncOmniScheduler.
 
 ``generate`` / ``stream`` / ``submit`` send one ``new_request`` per completion into the
-stage's inbox. The stage's messages reach the engine in batches (``_deliver``), which
-hands each to its :class:`~omni_async.handle.RequestHandle`: tokens are detokenised
-incrementally, stop strings checked, and each handle's reader woken once per batch.
+stage's inbox. The stage's messages reach the engine's router in batches
+(:class:`~omni_async.client.router.Router`), which hands each to its
+:class:`~omni_async.client.handle.RequestHandle`: tokens are detokenised incrementally,
+stop strings checked, and each handle's reader woken once per batch.
 """
 
 from __future__ import annotations
@@ -23,20 +24,18 @@ import torch
 
 from . import errors
 from .backends.registry import build_stage
-from .chat import render_chat_ids
-from .completion import Completion
+from .text.chat import render_chat_ids
+from .client.completion import Completion
 from .config import CUDA_PREFILL_BUDGET, SAMPLING_SEED_MASK, SamplingParams, SchedulerConfig
-from .handle import RequestHandle
+from .client.handle import RequestHandle
+from .client.router import Router
 from .heap import configure_gc
 from .logs import log
-from .loopbridge import call_soon_on, maybe_marshal, running_asyncio_loop
-from .messages import GenerationResult, IncomingMessage, OutgoingMessage, RequestPayload, StreamDelta
-from .request_checks import check_request
+from .client.loopbridge import call_soon_on, maybe_marshal, running_asyncio_loop
+from .messages import GenerationResult, IncomingMessage, RequestPayload, StreamDelta
+from .stage.request_checks import check_request
 from .scheduler import AsyncOmniScheduler
-from .tokenizer import Tokenizer
-from .wakeups import SlicedWaker
-
-_TERMINAL = ("result", "error")
+from .text.tokenizer import Tokenizer
 
 __all__ = ["Engine", "RequestHandle"]
 
@@ -73,15 +72,13 @@ class Engine:
         self.scheduler = scheduler
         self.tokenizer = tokenizer
         self.stack = stack
-        self._handles: dict[str, RequestHandle] = {}  # open requests by user id
-        self._routes: dict[str, RequestHandle] = {}  # stage request id -> handle, until its terminal
+        self._router = Router(abort_stage_request=self._abort_stage_request, event_loop=lambda: self._loop)
         self._serve_task: "asyncio.Task[None] | None" = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._started = False
         self._closed = False
         self._ids = itertools.count()
         self._serving_cm: Any = None
-        self._waker = SlicedWaker()  # a step's readers are woken a slice at a time
 
     @classmethod
     def from_pretrained(
@@ -157,7 +154,7 @@ class Engine:
         if self._closed or self._started:
             raise errors.SchedulerClosedError("engine is closed" if self._closed else "engine is already serving")
         self._started = True
-        self.scheduler.attach_output_sink(self._deliver)
+        self.scheduler.attach_output_sink(self._router.deliver)
         async with anyio.create_task_group() as tg:
             await tg.start(self.scheduler.run)
             log.info("engine_started", loop=self.scheduler.config.loop)
@@ -177,7 +174,7 @@ class Engine:
         self._started = True
         # Served by this engine: the stage's messages come straight to the handles, one
         # call per step (a scheduler used on its own keeps its outbox).
-        self.scheduler.attach_output_sink(self._deliver)
+        self.scheduler.attach_output_sink(self._router.deliver)
         self._loop = asyncio.get_running_loop()
         serving = self._loop.create_future()
 
@@ -210,39 +207,9 @@ class Engine:
             await asyncio.shield(task)
         log.info("engine_stopped")
 
-    def _deliver(self, messages: list[OutgoingMessage]) -> None:
-        """The stage's output sink: one step's messages, routed to their handles on the
-        loop thread; each handle touched is woken once, after the whole batch, in slices."""
-        touched: dict[int, RequestHandle] = {}
-        routes = self._routes
-        for msg in messages:
-            handle = routes.get(msg.request_id)
-            if handle is None:
-                continue
-            if msg.type in _TERMINAL:
-                del routes[msg.request_id]
-            try:
-                handle._on_message(msg)
-            except Exception as exc:  # e.g. a tokenizer that raised: this request fails alone
-                failure = errors.RequestFailedError(f"processing the output of {handle.request_id!r} failed: {exc!r}")
-                failure.__cause__ = exc
-                handle._fail(failure)
-            touched[id(handle)] = handle
-        self._waker.wake([handle._wake for handle in touched.values()])
-
-    def _handle_done(self, handle: RequestHandle) -> None:
-        if self._handles.get(handle.request_id) is handle:
-            del self._handles[handle.request_id]
-
-    def _end_stage_request(self, sub_id: str) -> None:
-        """End one stage request early (a stop string, a failed sibling); its terminal
-        message still comes and is ignored."""
-        if sub_id in self._routes and not self.scheduler.closed:
+    def _abort_stage_request(self, sub_id: str) -> None:
+        if not self.scheduler.closed:
             self.scheduler.abort(sub_id)
-
-    def _abort_handle(self, handle: RequestHandle) -> None:
-        for sub_id in handle.sub_ids:
-            self._end_stage_request(sub_id)
 
     # ------------------------------------------------------------ requests
 
@@ -281,7 +248,7 @@ class Engine:
         if not isinstance(rid, str) or not rid:
             raise errors.InvalidRequestError("request_id must be a non-empty string")
         subs = [rid] if sampling.n == 1 else [f"{rid}/{i}" for i in range(sampling.n)]
-        if rid in self._handles or any(s in self._routes for s in subs):
+        if self._router.is_taken(rid, subs):
             raise errors.RequestRejectedError(f"duplicate request id {rid!r}: a request with this id is active")
         if sampling.stop and self.tokenizer is None:
             raise errors.InvalidRequestError("stop strings need a tokenizer, and this model has none: use stop_token_ids")
@@ -290,17 +257,16 @@ class Engine:
             dataclasses.replace(sampling, n=1, seed=completion_seed(sampling.seed, i)) for i in range(sampling.n)
         ]
         comps = [Completion(i, sub, per_sub[i], self.tokenizer) for i, sub in enumerate(subs)]
-        handle = RequestHandle(self, rid, comps, ids)
+        handle = RequestHandle(rid, comps, ids, self._router.hooks)
         try:
             for sub, sp in zip(subs, per_sub):
                 payload = RequestPayload(request_id=sub, input_ids=list(ids), sampling=sp, metadata=dict(metadata or {}))
                 self.scheduler.inbox.send_nowait(IncomingMessage(sub, "new_request", payload))
-                self._routes[sub] = handle
+                self._router.route(sub, handle)
         except (anyio.ClosedResourceError, anyio.BrokenResourceError):
-            for sub in subs:
-                self._routes.pop(sub, None)
+            self._router.unroute(subs)
             raise errors.SchedulerClosedError("engine is closed") from None
-        self._handles[rid] = handle
+        self._router.open(handle)
         return handle
 
     async def generate(
@@ -332,9 +298,9 @@ class Engine:
         call_soon_on(self._loop, lambda: self._abort_now(request_id))
 
     def _abort_now(self, request_id: str) -> None:
-        handle = self._handles.get(request_id)
+        handle = self._router.get(request_id)
         if handle is not None:
-            self._abort_handle(handle)
+            self._router.abort(handle)
 
     def _input_ids(self, prompt: Any, input_ids: Any, messages: Any, add_special_tokens: bool) -> Any:
         given = [n for n, v in (("prompt", prompt), ("input_ids", input_ids), ("messages", messages)) if v is not None]
@@ -403,7 +369,7 @@ class Engine:
 
     @property
     def open_requests(self) -> list[str]:
-        return sorted(self._handles)
+        return self._router.open_requests
 
 
 async def _nothing() -> None:

@@ -14,7 +14,7 @@ from typing import Any, AsyncIterator, Callable
 import anyio
 
 from . import errors
-from .channels import drain_stream
+from .stage.channels import drain_stream
 from .messages import IncomingMessage, OutgoingMessage
 from .scheduler import AsyncOmniScheduler
 
@@ -161,7 +161,7 @@ async def run_pipeline_demo(args: Any) -> int:
     tiny, another seed) that starts once 3 chunks have arrived; both outputs stream."""
     import time
 
-    from .builder import build_native_stack, build_scheduler
+    from .backends.native.builder import build_native_stack, build_scheduler
     from .config import SamplingParams, SchedulerConfig
     from .messages import RequestPayload
 
@@ -202,7 +202,7 @@ def make_talker(loop: str, device: str = "cpu", min_chunks: int = TALKER_MIN_CHU
     """A talker stage over the tiny model (seed 1): deferred until ``min_chunks`` thinker
     chunks have arrived; its prompt is those thinker tokens; later chunks are collected
     on its request data as it decodes."""
-    from .builder import build_native_stack, build_scheduler
+    from .backends.native.builder import build_native_stack, build_scheduler
     from .config import SchedulerConfig
 
     config = SchedulerConfig(loop=loop)

@@ -21,19 +21,19 @@ import anyio
 import anyio.abc
 
 from . import errors
-from .admin import BACKGROUND_ACTIONS, AdminRequest, failure, run_admin_action
-from .channels import drain_stream, take_buffered
+from .stage.admin import BACKGROUND_ACTIONS, AdminRequest, failure, run_admin_action
+from .stage.channels import drain_stream, take_buffered
 from .config import SchedulerConfig
-from .core.protocol import BatchCore
+from .core.protocol import BatchCore, StepRunner
 from .core.request import RequestData
-from .device import StepExecutor, ThreadStepExecutor, await_future, threadsafe_caller
+from .stage.executor import StepExecutor, ThreadStepExecutor, await_future, threadsafe_caller
 from .logs import log
 from .loops import LOOPS
 from .messages import IncomingMessage, OutgoingMessage
-from .runners.base import ModelRunner
 from .stage.control import StageControl
 from .stage.emission import Emission, OutputSink, ResultAdapter, StreamOutputBuilder
 from .stage.intake import Intake, ModelLimits, RequestBuilder
+from .stage.state import StageState
 from .stage.stepper import Stepper, StepStats
 from .stage.wake import WakeSignal
 
@@ -43,7 +43,7 @@ __all__ = ["AsyncOmniScheduler", "ModelLimits"]
 class AsyncOmniScheduler:
     def __init__(
         self,
-        runner: ModelRunner,
+        runner: StepRunner,
         core: BatchCore,
         limits: ModelLimits,
         *,
@@ -73,7 +73,7 @@ class AsyncOmniScheduler:
 
         self._wake = WakeSignal()
         self._stopped = anyio.Event()
-        self._state = "new"  # new -> running -> closing -> closed
+        self.state = StageState(weight_version=(model_info or {}).get("weight_version"))
         self._call_soon: Callable[..., None] | None = None
         self._loop_thread: int | None = None
         self._background: anyio.abc.TaskGroup | None = None
@@ -84,7 +84,7 @@ class AsyncOmniScheduler:
             output_sink or self._to_outbox,
             result_adapter=result_adapter,
             stream_output_builder=stream_output_builder,
-            weight_version=lambda: self.control.weight_version,
+            state=self.state,
             ended_cap=self.config.aborted_id_cap,
             ended_keep=self.config.aborted_id_keep,
             stats=self.stats,
@@ -108,8 +108,7 @@ class AsyncOmniScheduler:
             self.emission,
             begin_iteration=self._begin_iteration,
             wait_for_work=self._wait_for_work,
-            is_serving=lambda: self._state == "running",
-            is_paused=lambda: self.control.paused,
+            state=self.state,
             config=self.config,
             stats=self.stats,
         )
@@ -119,6 +118,7 @@ class AsyncOmniScheduler:
             self.emission,
             self.stepper,
             wake=self.wake,
+            state=self.state,
             loop_name=self.config.loop,
             model_info=model_info,
             model_worker=model_worker,
@@ -128,15 +128,15 @@ class AsyncOmniScheduler:
 
     @property
     def serving(self) -> bool:
-        return self._state == "running"
+        return self.state.serving
 
     @property
     def closed(self) -> bool:
-        return self._state in ("closing", "closed")
+        return self.state.closed
 
     @property
     def paused(self) -> bool:
-        return self.control.paused
+        return self.state.paused
 
     @property
     def trace_enabled(self) -> bool:
@@ -170,9 +170,9 @@ class AsyncOmniScheduler:
         if self.closed:
             task_status.started()
             return  # closed before the loop started: nothing to serve
-        if self._state != "new":
-            raise RuntimeError(f"scheduler cannot run from state {self._state!r}")
-        self._state = "running"
+        if self.state.lifecycle != "new":
+            raise RuntimeError(f"scheduler cannot run from state {self.state.lifecycle!r}")
+        self.state.lifecycle = "running"
         self._call_soon = threadsafe_caller()
         self._loop_thread = threading.get_ident()
         log.info("scheduler_started", loop=self.config.loop)
@@ -194,13 +194,13 @@ class AsyncOmniScheduler:
     async def aclose(self) -> None:
         """Stop serving: the step in flight completes (or times out), then every open
         request ends with one ``error`` (SchedulerClosedError); the worker stops."""
-        if self._state == "new":
-            self._state = "closing"
+        if self.state.lifecycle == "new":
+            self.state.lifecycle = "closing"
             with anyio.CancelScope(shield=True):
                 await self._shutdown()
             return
-        if self._state == "running":
-            self._state = "closing"
+        if self.state.lifecycle == "running":
+            self.state.lifecycle = "closing"
             self.wake()
         await self._stopped.wait()
 
@@ -210,11 +210,11 @@ class AsyncOmniScheduler:
         try:
             await self._close_everything()
         finally:
-            self._state = "closed"
+            self.state.lifecycle = "closed"
             self._stopped.set()
 
     async def _close_everything(self) -> None:
-        self._state = "closing"
+        self.state.lifecycle = "closing"
         for msg in take_buffered(self._inbox_rx):
             self.intake.put(msg)
         await self.executor.aclose(self.config.step_timeout_s)
@@ -253,7 +253,7 @@ class AsyncOmniScheduler:
     def attach_output_sink(self, sink: OutputSink) -> None:
         """Deliver messages to ``sink`` (one call per step, on the loop thread) instead
         of the ``outbox``: an embedding layer's fast path. Attach before serving."""
-        if self._state != "new":
+        if self.state.lifecycle != "new":
             raise RuntimeError("attach the output sink before the scheduler runs")
         self.emission.sink = sink
 
@@ -416,5 +416,5 @@ class AsyncOmniScheduler:
 
     @property
     def weight_version(self) -> str | None:
-        return self.control.weight_version
+        return self.state.weight_version
 

@@ -59,7 +59,7 @@ def _bytes_to_unicode() -> dict[int, str]:
 def _write_tokenizer(folder: Path, bos: int, eos: int) -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 
-    from .tokenizer import BYTE_CHAT_TEMPLATE
+    from .text.tokenizer import BYTE_CHAT_TEMPLATE
 
     vocab = {ch: b for b, ch in _bytes_to_unicode().items()}
     vocab.update({"<s>": bos, "</s>": eos})

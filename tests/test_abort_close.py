@@ -152,7 +152,7 @@ async def test_close_with_requests_in_flight(loop):
 async def test_scheduler_emits_exactly_one_terminal_per_request():
     """At the stage level: count terminal messages per id through aborts and close."""
     from omni_async import IncomingMessage, RequestPayload
-    from omni_async.builder import build_native_stack, build_scheduler
+    from omni_async.backends.native.builder import build_native_stack, build_scheduler
     from omni_async.config import SchedulerConfig
 
     config = SchedulerConfig(max_running_requests=3)

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 from omni_async import Engine, SamplingParams, errors
 from omni_async.models.loader import load_model
-from omni_async.weights import weights_checksum
+from omni_async.models.checksum import weights_checksum
 
 from .conftest import LOOPS, assert_kv_free, hf_greedy, random_prompts, save_random_checkpoint
 from .test_abort_close import wait_until

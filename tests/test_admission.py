@@ -11,7 +11,7 @@ import anyio
 import pytest
 
 from omni_async import IncomingMessage, RequestPayload, SamplingParams, errors
-from omni_async.builder import build_native_stack, build_scheduler
+from omni_async.backends.native.builder import build_native_stack, build_scheduler
 from omni_async.config import SchedulerConfig
 
 from .test_abort_close import wait_until

@@ -16,7 +16,7 @@ import anyio
 import pytest
 
 from omni_async import Engine, SamplingParams
-from omni_async.builder import build_native_stack, build_scheduler
+from omni_async.backends.native.builder import build_native_stack, build_scheduler
 from omni_async.config import SchedulerConfig
 from omni_async.errors import (
     InvalidRequestError,
@@ -27,7 +27,7 @@ from omni_async.errors import (
     SchedulerClosedError,
 )
 from omni_async.messages import GenerationResult, IncomingMessage, RequestPayload
-from omni_async.tokenizer import ByteTokenizer
+from omni_async.text.tokenizer import ByteTokenizer
 
 from .conftest import assert_kv_free
 

@@ -7,7 +7,7 @@ import pytest
 
 from omni_async import Engine, SamplingParams
 from omni_async.errors import InvalidRequestError
-from omni_async.tokenizer import ByteTokenizer
+from omni_async.text.tokenizer import ByteTokenizer
 
 from .conftest import assert_kv_free
 from .text_fixtures import write_text_checkpoint

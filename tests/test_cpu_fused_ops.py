@@ -14,7 +14,8 @@ import torch
 
 from omni_async import Engine, SamplingParams, errors
 from omni_async.kv.attention import AttentionContext, paged_attention
-from omni_async.models.decoder import ReferenceOps, RMSNorm
+from omni_async.kernels.reference import ReferenceOps
+from omni_async.models.decoder import RMSNorm
 
 from .conftest import LOOPS, assert_kv_free
 

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from omni_async.device import DeviceTimeoutError, EventWaiter
+from omni_async.stage.executor import DeviceTimeoutError, EventWaiter
 
 
 class StandInEvent:

@@ -12,7 +12,8 @@ import torch
 from omni_async import Engine, SamplingParams
 from omni_async.kernels import triton_available
 from omni_async.kv.cache import PagedKVCache
-from omni_async.models.decoder import RMSNorm, ReferenceOps
+from omni_async.kernels.reference import ReferenceOps
+from omni_async.models.decoder import RMSNorm
 
 pytestmark = pytest.mark.skipif(not triton_available("cuda"), reason="needs CUDA and Triton")
 
@@ -132,7 +133,7 @@ def test_graph_sampling_equals_eager_sampling(filters, bs):
     """Random logits and per-row settings (some rows greedy, some with a filter off):
     the replayed sampling graph picks exactly the tokens of ``sample``."""
     from omni_async.runners.graph_sampling import SamplingGraphs
-    from omni_async.sampling import SamplingBatch, sample
+    from omni_async.runners.sampling import SamplingBatch, sample
 
     vocab, buckets = 5000, (1, 2, 4, 8)
     gen = torch.Generator(device=DEV).manual_seed(bs * 31 + sum(filters))

@@ -12,8 +12,8 @@ import torch
 
 from omni_async import Engine, SamplingParams
 from omni_async.errors import ConfigError, InvalidRequestError, RequestAbortedError, RequestFailedError, RequestRejectedError
-from omni_async.tokenizer import ByteTokenizer
-from omni_async.loopbridge import EventLoopMismatchError
+from omni_async.text.tokenizer import ByteTokenizer
+from omni_async.client.loopbridge import EventLoopMismatchError
 
 from .conftest import assert_kv_free
 

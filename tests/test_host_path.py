@@ -8,7 +8,7 @@ import gc
 import pytest
 
 from omni_async import Engine, SamplingParams
-from omni_async.builder import build_native_stack, build_scheduler
+from omni_async.backends.native.builder import build_native_stack, build_scheduler
 from omni_async.config import SchedulerConfig
 from omni_async.errors import ConfigError
 from omni_async.stage.emission import default_stream_output_builder

@@ -12,7 +12,7 @@ import torch
 from omni_async import SamplingParams
 from omni_async.core.request import Request
 from omni_async.runners.input_batch import InputBatch
-from omni_async.sampling import RowSampling, SeedSource, batch_from_rows
+from omni_async.runners.sampling import RowSampling, SeedSource, batch_from_rows
 
 VOCAB = 50
 PAGE = 4

@@ -13,7 +13,7 @@ import anyio
 import pytest
 
 from omni_async import Engine, IncomingMessage, RequestPayload, SamplingParams, errors
-from omni_async.builder import build_native_stack, build_scheduler
+from omni_async.backends.native.builder import build_native_stack, build_scheduler
 from omni_async.config import SchedulerConfig
 from omni_async.runners.native import NativeModelRunner
 

@@ -126,7 +126,7 @@ async def test_scripted_batch_sizes_order_of_sync_launch_resolve_drain():
     from omni_async.core.batch_core import NativeBatchCore
     from omni_async.core.request import Request, RequestData
 
-    from omni_async.builder import build_native_stack
+    from omni_async.backends.native.builder import build_native_stack
     from omni_async.config import SchedulerConfig
     from omni_async.scheduler import AsyncOmniScheduler
 

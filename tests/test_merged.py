@@ -14,7 +14,7 @@ from omni_async.models.config import ModelConfig
 from omni_async.models.decoder import DecoderModel
 from omni_async.models.loader import copy_named_tensors, load_model
 from omni_async.models.merged import hf_named_tensors, hf_parameter_slots
-from omni_async.weights import weights_checksum
+from omni_async.models.checksum import weights_checksum
 
 from .conftest import hf_greedy, random_prompts
 

@@ -23,7 +23,7 @@ from omni_async.kv.attention import AttentionContext
 from omni_async.kv.cache import PagedKVCache
 from omni_async.models.decoder import rope_inv_freq
 from omni_async.models.loader import load_model
-from omni_async.tokenizer import ByteTokenizer, HFTokenizer
+from omni_async.text.tokenizer import ByteTokenizer, HFTokenizer
 
 from .conftest import _hf_model, assert_kv_free, random_prompts
 

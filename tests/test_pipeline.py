@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from omni_async import RequestPayload, SamplingParams, errors
-from omni_async.builder import build_native_stack, build_scheduler
+from omni_async.backends.native.builder import build_native_stack, build_scheduler
 from omni_async.config import SchedulerConfig
 from omni_async.pipeline import TwoStagePipeline, make_talker
 

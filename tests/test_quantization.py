@@ -9,7 +9,7 @@ import asyncio
 import pytest
 
 from omni_async import Engine, SamplingParams, errors
-from omni_async.chat import render_chat_ids
+from omni_async.text.chat import render_chat_ids
 from omni_async.models.loader import load_model
 from omni_async.models.merged import hf_named_tensors
 

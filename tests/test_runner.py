@@ -13,7 +13,7 @@ from omni_async import Engine, SamplingParams, errors
 from omni_async.core.request import Request, RequestData
 from omni_async.runners.base import ModelRunner
 from omni_async.runners.native import NativeModelRunner
-from omni_async.runners.types import SchedulerOutput, SchedulerRequest
+from omni_async.core.runner_io import SchedulerOutput, SchedulerRequest
 
 from .conftest import LOOPS, assert_kv_free
 
@@ -104,7 +104,7 @@ def test_values_that_overflow_float32_are_refused():
 
 
 def test_tiny_temperature_never_yields_nan_logprobs():
-    from omni_async.sampling import RowSampling, sample_rows
+    from omni_async.runners.sampling import RowSampling, sample_rows
 
     logits = torch.randn(3, 40) * 30
     rows = [RowSampling(SamplingParams(temperature=t, seed=1), "x", 0, [], []) for t in (1e-300, 1e-30, 1e-6)]
@@ -146,7 +146,7 @@ def test_unseeded_base_seeds_come_from_the_runner_seed():
 
 
 async def test_seeded_rows_are_batch_invariant_with_penalties_and_bans():
-    from omni_async.sampling import RowSampling, sample_rows
+    from omni_async.runners.sampling import RowSampling, sample_rows
 
     torch.manual_seed(1)
     vocab = 64
@@ -284,7 +284,7 @@ async def test_a_runners_own_post_process_outputs_sees_every_step():
 async def test_cpu_keeps_the_reference_ops_whatever_fused_kernels_says(fused, decode_steps):
     """Neither ``fused_kernels`` nor a multi-step plan (whose fused launch is another
     thing) turns the Triton elementwise kernels on off CUDA."""
-    from omni_async.models.decoder import ReferenceOps
+    from omni_async.kernels.reference import ReferenceOps
 
     engine = Engine.from_pretrained("tiny", fused_kernels=fused, decode_steps=decode_steps)
     async with engine:

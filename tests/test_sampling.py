@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from omni_async import Engine, SamplingParams, errors
-from omni_async.sampling import RowSampling, sample_rows
+from omni_async.runners.sampling import RowSampling, sample_rows
 
 from .conftest import LOOPS, _hf_model, assert_kv_free
 
@@ -171,7 +171,7 @@ async def test_min_new_tokens_and_stop_ids(hf_checkpoints):
 
 
 async def test_eos_finishes_unless_ignored(tiny_engine):
-    from omni_async.tokenizer import ByteTokenizer
+    from omni_async.text.tokenizer import ByteTokenizer
 
     engine = tiny_engine()
     async with engine:
@@ -246,7 +246,7 @@ def test_greedy_on_half_logits_is_greedy_on_their_float32(device, dtype):
     """Decode graphs hand back logits in the model's dtype: greedy on them must pick what
     greedy on their (exact) float32 conversion picks, ties included (values quantised
     so that many rows have tied maxima)."""
-    from omni_async.sampling import greedy
+    from omni_async.runners.sampling import greedy
 
     gen = torch.Generator().manual_seed(5)
     logits = (torch.randn(64, 1000, generator=gen) * 4).round().to(dtype).to(device)

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from omni_async import SamplingParams
-from omni_async.sampling import RowSampling, batch_from_rows, sample
+from omni_async.runners.sampling import RowSampling, batch_from_rows, sample
 
 VOCAB = 48
 

@@ -9,7 +9,7 @@ import pytest
 
 import omni_async
 from omni_async import Engine, SamplingParams
-from omni_async.builder import CPU_KV_MAX_TOKENS, CPU_KV_MEMORY_FRACTION, CPU_KV_MIN_TOKENS, available_memory_bytes, cpu_kv_tokens
+from omni_async.backends.native.kv_sizing import CPU_KV_MAX_TOKENS, CPU_KV_MEMORY_FRACTION, CPU_KV_MIN_TOKENS, available_memory_bytes, cpu_kv_tokens
 from omni_async.testing import write_random_checkpoint
 
 
@@ -68,7 +68,7 @@ async def test_in_process_metrics(tiny_engine):
     pytest.importorskip("prometheus_client")
     from prometheus_client.parser import text_string_to_metric_families
 
-    from omni_async.metrics import EngineMetrics
+    from omni_async.server.metrics import EngineMetrics
 
     engine = tiny_engine()
     metrics = EngineMetrics(engine)

@@ -217,7 +217,7 @@ def _ctx_graphed_decode():
 def test_step_inputs_survive_the_broadcast_format(make):
     """Every field of every step shape (the CUDA kernel and graph ones included) comes out
     of one header and one int64 tensor as it went in, dtype and shape kept."""
-    from omni_async.parallel import plan
+    from omni_async.backends.native.parallel import plan
 
     ctx, graph_tables = make()
     n = ctx.slot_mapping.numel()

@@ -10,7 +10,7 @@ import random
 import pytest
 
 from omni_async import Engine, SamplingParams
-from omni_async.tokenizer import ByteTokenizer, HFTokenizer
+from omni_async.text.tokenizer import ByteTokenizer, HFTokenizer
 
 from .conftest import LOOPS, assert_kv_free
 from .text_fixtures import KINDS, MULTIBYTE_TEXTS, train_tokenizer, write_text_checkpoint
@@ -180,7 +180,7 @@ async def test_generation_config_eos_is_used(hf_checkpoints, tmp_path, as_list):
     ],
 )
 def test_stop_matcher_holds_back_and_cuts(stops, chunks, include, streamed, stopped):
-    from omni_async.stops import StopMatcher
+    from omni_async.text.stops import StopMatcher
 
     m = StopMatcher(stops, include)
     got = [m.feed(c)[0] for c in chunks]
@@ -209,7 +209,7 @@ from hypothesis import strategies as st  # noqa: E402
 def test_stop_matcher_equals_a_search_of_the_whole_text(text, cuts, stops, include):
     """However the text is chunked, the cut is where a search of the whole text so far
     puts it, and a stop string that is not included is never streamed."""
-    from omni_async.stops import StopMatcher
+    from omni_async.text.stops import StopMatcher
 
     bounds = sorted({0, len(text), *[c for c in cuts if c <= len(text)]})
     chunks = [text[a:b] for a, b in zip(bounds, bounds[1:])]

@@ -6,7 +6,7 @@ import anyio
 import pytest
 
 from omni_async import IncomingMessage, RequestPayload, SamplingParams
-from omni_async.builder import build_native_stack, build_scheduler
+from omni_async.backends.native.builder import build_native_stack, build_scheduler
 from omni_async.config import SchedulerConfig
 
 pytest.importorskip("trio")

@@ -9,7 +9,7 @@ import functools
 import pytest
 
 from omni_async import SamplingParams
-from omni_async.wakeups import SlicedWaker
+from omni_async.client.wakeups import SlicedWaker
 
 
 async def test_other_tasks_run_between_slices():

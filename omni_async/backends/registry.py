@@ -1,35 +1,20 @@
-"""The backend registry: each backend builds a stage (its scheduler over its own batch
-core, runner and memory) from a checkpoint. The engine asks the registry by name and
-never imports a backend itself."""
+"""The backend registry, dispatch only: each backend builds a stage (its scheduler over
+its own batch core, runner and memory) from a checkpoint. The engine asks the registry
+by name and never imports a backend itself; backends are imported on first use."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
 from .. import errors
+from .base import BuiltStage
 
-if TYPE_CHECKING:
-    from ..config import SchedulerConfig
-    from ..scheduler import AsyncOmniScheduler
-
-
-@dataclass
-class BuiltStage:
-    """What a backend hands the engine: the scheduler (closing it releases everything
-    the backend holds), the tokenizer if the checkpoint has one, and the backend's own
-    stack for introspection."""
-
-    scheduler: "AsyncOmniScheduler"
-    tokenizer: Any
-    stack: Any
 
 
 def _native(path_or_name: str, *, config: "SchedulerConfig", device: Any, dtype: Any, seed: int) -> BuiltStage:
-    from ..builder import build_native_stack, build_scheduler
+    from .native.builder import build_native_stage
 
-    stack = build_native_stack(path_or_name, config, device=device, dtype=dtype, seed=seed)
-    return BuiltStage(build_scheduler(stack, config), stack.loaded.tokenizer, stack)
+    return build_native_stage(path_or_name, config=config, device=device, dtype=dtype, seed=seed)
 
 
 def _sglang(path_or_name: str, *, config: "SchedulerConfig", device: Any, dtype: Any, seed: int) -> BuiltStage:

@@ -20,6 +20,7 @@ from ..kv.allocator import PageAllocator
 from ..kv.prefix_cache import PrefixCache
 from .batch import ForwardMode, ScheduledBatch
 from .multi_step import DecodeSteps, process_multi_step, steps_for
+from .step_results import process_one_forward
 from .prefix_reuse import computing_key, drop_prefix, index_pages, reuse_prefix
 from .protocol import BatchCore, StepOutcome
 from .request import Request
@@ -309,47 +310,14 @@ class NativeBatchCore(BatchCore):
     def process_result(
         self, batch: ScheduledBatch, tokens: Sequence[int], logprobs: Sequence[float] | None = None
     ) -> list[StepOutcome]:
-        """Complete a step: append each live row's token and check its finish. One
-        flat pass per step over the batch, inlined like ``_schedule_decode``."""
-        if batch.row_steps is not None:
-            return process_multi_step(self, batch, tokens, logprobs)
-        outcomes: list[StepOutcome] = []
-        add = outcomes.append
-        ctx = self.context_length
-        any_finished = False
-        lps = logprobs if logprobs is not None else repeat(None)
-        for req, epoch, keep, token, logprob in zip(batch.reqs, batch.epochs, batch.samples_kept, tokens, lps):
-            if req.finish_reason is not None or req.epoch != epoch:
-                continue  # finished or retracted after this step was scheduled
-            if not keep:
-                add(StepOutcome(req, None))
-                continue
-            req.num_inflight -= 1
-            if req.to_finish is not None:
-                self.finish_request(req, req.to_finish)
-                add(StepOutcome(req, None, finished=True))
-                any_finished = True
-                continue
-            token = int(token)
-            out = req.output_ids
-            out.append(token)
-            if logprob is not None:
-                logprob = float(logprob)
-                req.output_logprobs.append(logprob)
-            n = len(out)
-            sp = req.sampling
-            reason = None
-            if token in req.stop_ids() and n > sp.min_new_tokens:
-                reason = "stop"
-            elif n >= sp.max_new_tokens or len(req.prompt_ids) + n + req.num_inflight >= ctx:
-                reason = "length"
-            if reason is not None:
-                self.finish_request(req, reason)
-                any_finished = True
-                add(StepOutcome(req, token, logprob, finished=True))
-            else:
-                add(StepOutcome(req, token, logprob))
-        if any_finished:
+        """Complete a step: each live row's tokens appended and its finish checked (one
+        flat pass, :mod:`.step_results`), then the rows that ended are finished here,
+        where their KV is freed."""
+        process = process_one_forward if batch.row_steps is None else process_multi_step
+        outcomes, finishes = process(batch, tokens, logprobs, self.context_length)
+        for req, reason in finishes:
+            self.finish_request(req, reason)
+        if finishes:
             self.running = [r for r in self.running if r.finish_reason is None]
         return outcomes
 

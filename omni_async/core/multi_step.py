@@ -87,22 +87,23 @@ def row_steps(decoding: list[Request], k: int, context_length: int) -> list[int]
 
 
 def process_multi_step(
-    core: "NativeBatchCore", batch: "ScheduledBatch", tokens: Sequence[int], logprobs: Sequence[float] | None
-) -> list[StepOutcome]:
-    """``process_result`` of a multi-step decode. ``tokens`` (and ``logprobs``) are
-    forward-major: row i's j-th token is at ``j * batch.size + i``."""
+    batch: "ScheduledBatch", tokens: Sequence[int], logprobs: Sequence[float] | None, context_length: int
+) -> tuple[list[StepOutcome], list[tuple[Request, str]]]:
+    """``process_result`` of a multi-step decode: each live row's outcome, and the rows
+    that end with it and why (the batch core finishes those: their KV is its to free).
+    ``tokens`` (and ``logprobs``) are forward-major: row i's j-th token is at
+    ``j * batch.size + i``."""
     outcomes: list[StepOutcome] = []
-    size, ctx = batch.size, core.context_length
-    any_finished = False
+    finishes: list[tuple[Request, str]] = []
+    size, ctx = batch.size, context_length
     assert batch.row_steps is not None
     for i, (req, epoch, steps) in enumerate(zip(batch.reqs, batch.epochs, batch.row_steps)):
         if req.finish_reason is not None or req.epoch != epoch:
             continue  # finished or retracted after this step was scheduled
         req.num_inflight -= steps
         if req.to_finish is not None:
-            core.finish_request(req, req.to_finish)
+            finishes.append((req, req.to_finish))
             outcomes.append(StepOutcome(req, None, finished=True))
-            any_finished = True
             continue
         out, sp, stop_ids = req.output_ids, req.sampling, req.stop_ids()
         end = i + steps * size
@@ -119,13 +120,10 @@ def process_multi_step(
         else:
             kept, lps, reason = _walk_row(req, row, None if logprobs is None else logprobs[i:end:size], ctx)
         if reason is not None:
-            core.finish_request(req, reason)
-            any_finished = True
+            finishes.append((req, reason))
         last_lp = lps[-1] if lps else None
         outcomes.append(StepOutcome(req, kept[-1], last_lp, finished=reason is not None, tokens=kept, logprobs=lps))
-    if any_finished:
-        core.running = [r for r in core.running if r.finish_reason is None]
-    return outcomes
+    return outcomes, finishes
 
 
 def _walk_row(req: Request, row: Sequence[int], row_lps: Sequence[float] | None, ctx: int):

@@ -6,9 +6,12 @@ the SGLang backend's core. Pure scheduling state: no asyncio, no torch here.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol, Sequence, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, Sequence, runtime_checkable
 
 from .request import Request
+
+if TYPE_CHECKING:
+    from .runner_io import ModelRunnerOutput
 
 
 @dataclass(slots=True)
@@ -95,3 +98,23 @@ class BatchCore(Protocol):
         requests hold stay theirs. A core without a prefix cache does nothing."""
         ...
     def stats(self) -> dict[str, int]: ...
+
+
+class LaunchedStep(Protocol):
+    """A step a runner launched and has not collected: the stage awaits ``event`` (a
+    device completion marker, or None when the launch ran to completion) and hands the
+    step back to the runner's ``collect``."""
+
+    event: Any
+
+
+class StepRunner(Protocol):
+    """The model runner as the stage sees it: one launch path, one collect path, and the
+    two per-batch policies the loops ask about. ``runners.base.ModelRunner`` implements
+    it (with the reference's hooks); the stage never imports a runner."""
+
+    def launch(self, scheduler_output: Any, *, lookahead: bool = False) -> LaunchedStep | None: ...
+    def collect(self, pending: Any) -> "ModelRunnerOutput": ...
+    def lookahead_eligible(self, batch: Any) -> bool: ...
+    def overlap_eligible(self, batch: Any) -> bool: ...
+    def stats(self) -> dict[str, Any]: ...

@@ -13,7 +13,7 @@ and runs on the calling thread unless it has enough rows to pay for a parallel r
 (prefill). The attention of an extend step (prefill, with or without a cached prefix) is
 one call per layer too, instead of an SDPA call (and its regions) per sequence.
 
-Rounding follows :class:`~omni_async.models.decoder.ReferenceOps` step by step (the
+Rounding follows :class:`~omni_async.kernels.reference.ReferenceOps` step by step (the
 residual sum, the normalised value, SiLU and the rotary products are rounded to the
 activation dtype where the reference rounds them; float32 arithmetic in between, FMA
 contraction off), so float32 results differ from the reference only by the summation
@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from .cpu_build import CppKernels
+from .reference import ReferenceOps
 
 EXP_POLY = r"""
 // exp for SiLU and softmax: Cephes' single-precision polynomial (about 1.3 ulp over [-87, 88]; 0 below,
@@ -314,14 +315,12 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 class CpuFusedOps:
     """The decoder's elementwise ops through the kernels above (same interface as
-    :class:`~omni_async.models.decoder.ReferenceOps`); shapes or dtypes they do not
+    :class:`~omni_async.kernels.reference.ReferenceOps`); shapes or dtypes they do not
     take (mixed dtypes, a non-contiguous cache) go to the reference ops."""
 
     name = "cpu_fused"
 
     def __init__(self) -> None:
-        from ..models.decoder import ReferenceOps
-
         self.reference = ReferenceOps()
 
     def add_norm(self, x, delta, norm):

@@ -5,7 +5,7 @@ reference spends about seven kernels on a residual add + RMSNorm, a dozen on rot
 the KV write, three on SiLU-and-multiply; each becomes one kernel here. Each kernel
 reproduces the reference's rounding points (the residual sum and the normalised value
 are rounded to the model dtype before the next multiply), so results stay within bf16
-rounding of :class:`~omni_async.models.decoder.ReferenceOps`.
+rounding of :class:`~omni_async.kernels.reference.ReferenceOps`.
 
 Imported only when Triton is present (see :func:`omni_async.kernels.triton_available`).
 """
@@ -161,7 +161,7 @@ def rope_store(
 
 class FusedOps:
     """The decoder's elementwise ops through the kernels above (same interface as
-    :class:`~omni_async.models.decoder.ReferenceOps`). Rotated k is written straight to
+    :class:`~omni_async.kernels.reference.ReferenceOps`). Rotated k is written straight to
     the cache and not returned: the CUDA attention kernels read it there."""
 
     name = "triton"

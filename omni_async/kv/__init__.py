@@ -1,7 +1,3 @@
-"""Paged KV cache: page allocator, cache tensors, and attention over pages."""
-
-from .allocator import KVAllocationError, PageAllocator
-from .attention import AttentionContext, paged_attention
-from .cache import PagedKVCache
-
-__all__ = ["PageAllocator", "KVAllocationError", "PagedKVCache", "AttentionContext", "paged_attention"]
+"""Paged KV: the page allocator and prefix cache (pure bookkeeping, imported by the batch
+core without torch), the cache tensors (``cache``) and attention over them
+(``attention``)."""

@@ -6,7 +6,7 @@ follow Hugging Face, except that q/k/v and gate/up are merged into ``qkv_proj`` 
 ``gate_up_proj`` (see :mod:`.merged`, which keeps checkpoints loading by HF names).
 
 The elementwise work between the GEMMs (residual add + RMSNorm, rotary + KV write,
-SiLU-and-multiply) goes through ``model.ops``: the torch reference here, or fused
+SiLU-and-multiply) goes through ``model.ops``: the torch reference (:mod:`omni_async.kernels.reference`), or fused
 kernels on CUDA (:mod:`omni_async.kernels.fused`).
 """
 
@@ -15,9 +15,9 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from ..kernels.reference import ReferenceOps
 from ..kv.attention import AttentionContext, paged_attention, pages_from_slots
 from ..kv.cache import PagedKVCache
 from .config import ModelConfig
@@ -57,36 +57,6 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
         is_medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
         inv_freq = torch.where(is_medium, smoothed, scaled)
     return inv_freq
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-class ReferenceOps:
-    """The plain torch path between the GEMMs: the reference every fused path is checked against."""
-
-    name = "reference"
-
-    def add_norm(self, x: torch.Tensor, delta: torch.Tensor | None, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(x + delta, norm(x + delta))``; ``delta`` None means nothing to add."""
-        if delta is not None:
-            x = x + delta
-        return x, norm(x)
-
-    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        gate, up = gate_up.chunk(2, dim=-1)
-        return F.silu(gate) * up
-
-    def rope_store(self, q, k, v, cos, sin, kv: PagedKVCache, layer: int, slots: torch.Tensor):
-        """Rotate q and k (``[T, heads, D]``), write k and v into the cache; returns the
-        rotated q and k."""
-        cos, sin = cos[:, None, :], sin[:, None, :]
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
-        kv.write(layer, slots, k, v)
-        return q, k
 
 
 class Attention(nn.Module):

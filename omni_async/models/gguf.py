@@ -19,7 +19,7 @@ import torch
 
 from ..errors import ConfigError, ModelLoadError
 from .config import ModelConfig
-from ..tokenizer import HFTokenizer
+from ..text.tokenizer import HFTokenizer
 from .gguf_tokenizer import build_gguf_tokenizer
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3")

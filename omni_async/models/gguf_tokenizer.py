@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any, Mapping, Sequence
 
 from ..errors import ConfigError
-from ..tokenizer import HFTokenizer
+from ..text.tokenizer import HFTokenizer
 
 CONTROL, USER_DEFINED = 3, 4  # llama.cpp token types
 

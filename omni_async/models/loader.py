@@ -18,7 +18,7 @@ import torch
 from safetensors import safe_open
 
 from ..errors import ModelLoadError
-from ..tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
+from ..text.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 from .config import ModelConfig
 from .decoder import DecoderModel, rope_inv_freq
 from .generation_config import with_generation_eos
@@ -106,7 +106,7 @@ def load_model(
     seed: int = 0,
     shard: Any = None,
 ) -> LoadedModel:
-    """``shard`` (tensor parallelism, see :mod:`omni_async.parallel.sharding`) builds the
+    """``shard`` (tensor parallelism, see :mod:`omni_async.backends.native.parallel.sharding`) builds the
     decoder with this rank's local shapes and slices every checkpoint tensor by name
     before it is copied; ``LoadedModel.config`` stays the full model's."""
     device = torch.device(device)

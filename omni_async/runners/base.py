@@ -25,8 +25,9 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from ..sampling import RowSampling, SampleResult, SamplingBatch, SeedSource, batch_from_rows, sample
-from .types import BatchResult, ModelRunnerOutput, RequestOutput, SchedulerOutput
+from .sampling import RowSampling, SampleResult, SamplingBatch, SeedSource, batch_from_rows, sample
+from ..core.runner_io import ModelRunnerOutput, RequestOutput, SchedulerOutput
+from .types import BatchResult
 
 NO_TOKEN_MESSAGE = (
     "no admissible token: the sampling settings ban every token at this step "

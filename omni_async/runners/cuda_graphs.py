@@ -20,7 +20,7 @@ import torch
 from ..kv.attention import AttentionContext
 from ..kv.cache import PagedKVCache
 from ..models.decoder import DecoderModel
-from ..sampling import greedy
+from .sampling import greedy
 
 class GraphOutputs(NamedTuple):
     """A replay's static outputs: logits, and with greedy in the graph each row's

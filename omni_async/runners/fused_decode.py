@@ -29,7 +29,7 @@ from ..core.batch import ScheduledBatch
 from ..kv.attention import AttentionContext
 from ..kv.cache import PagedKVCache
 from ..models.decoder import DecoderModel
-from ..sampling import greedy
+from .sampling import greedy
 from .input_batch import SlotRows
 
 # Columns of the step's host array: the row's position before this step, its input token

@@ -7,7 +7,7 @@ elementwise work. Replayed from a graph they are one launch.
 A graph runs every row of its bucket through the filters the step needs; a row whose
 setting is off passes through unchanged (``top_k`` 0 keeps the whole vocabulary,
 ``top_p`` 1 and ``min_p`` 0 drop nothing), and greedy rows take the row maximum, so the
-tokens equal :func:`~omni_async.sampling.sample`'s for the same inputs. One graph per
+tokens equal :func:`~omni_async.runners.sampling.sample`'s for the same inputs. One graph per
 (bucket, filters in use), captured the first time a step needs it, for buckets up to
 ``max_batch`` (the sort over the vocabulary needs memory that grows with the batch).
 Steps with penalties, bans or logprobs sample eagerly.
@@ -19,7 +19,7 @@ from typing import Callable
 
 import torch
 
-from ..sampling import SamplingBatch, greedy, sample
+from .sampling import SamplingBatch, greedy, sample
 
 
 class SamplingGraphs:

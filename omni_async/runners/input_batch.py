@@ -27,7 +27,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from ..sampling import SamplingBatch
+from .sampling import SamplingBatch
 
 # Columns of the float32 and int64 per-slot sampling tables.
 TEMP, TOP_P, MIN_P, PENALTY, RAW = range(5)

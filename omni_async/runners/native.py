@@ -9,7 +9,6 @@ sampling settings) is gathered there by slot.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -19,42 +18,22 @@ from ..core.multi_step import DecodeSteps
 from ..kernels import triton_available
 from ..kv.attention import AttentionContext, slots_from_tables
 from ..kv.cache import PagedKVCache
-from ..models.decoder import DecoderModel, ReferenceOps
-from ..sampling import SampleResult, SamplingBatch, sample
+from ..kernels.reference import ReferenceOps
+from ..models.decoder import DecoderModel
+from .sampling import SampleResult, SamplingBatch, sample
 from .base import ModelRunner, hidden_states_only
 from .cuda_graphs import DecodeGraphs
+from .forward_batch import ForwardBatch
 from .fused_decode import FusedBatch, FusedDecode, leaves_hooks
 from .graph_sampling import SamplingGraphs
 from .input_batch import InputBatch, SlotRows
-from .types import BatchResult, SchedulerOutput
+from ..core.runner_io import SchedulerOutput
+from .types import BatchResult
 
 
 # Filtered sampling replays graphs for decode buckets up to this size (their sort over
 # the vocabulary needs memory that grows with the batch); larger steps sample eagerly.
 SAMPLING_GRAPH_MAX_BATCH = 16
-
-
-@dataclass
-class ForwardBatch:
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    ctx: AttentionContext
-    batch: ScheduledBatch
-    rows: SlotRows
-    sample_indices: np.ndarray  # [B] generation index of each row's token
-    sample_indices_dev: torch.Tensor
-    block_tables: torch.Tensor | None = None  # set when the step replays a CUDA graph
-    capture_hidden: bool = False  # the step hands out each sampled row's hidden state
-    # A multi-step decode (decode_steps > 1): forwards per row on the device, the rows'
-    # page tables, and the widest context of the first forward.
-    row_steps: torch.Tensor | None = None
-    tables: torch.Tensor | None = None
-    span: int = 0
-    all_positions: torch.Tensor | None = None  # [k, B]: each forward's positions
-    all_slots: torch.Tensor | None = None  # [k, B]: each forward's KV slots (scratch past a row's end)
-    all_kv_lens: torch.Tensor | None = None  # [k, B]: each forward's attended length
-    all_sample_indices: torch.Tensor | None = None  # [k, B]: each forward's generation indices
-    sampling: SamplingBatch | None = None  # the first forward's, for the later ones to reuse
 
 
 class NativeModelRunner(ModelRunner):

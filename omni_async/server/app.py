@@ -24,11 +24,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from .. import errors
-from ..chat import render_chat_ids
+from ..text.chat import render_chat_ids
 from ..engine import Engine
-from ..handle import RequestHandle
+from ..client.handle import RequestHandle
 from ..logs import log
-from ..metrics import CONTENT_TYPE_LATEST, EngineMetrics
+from .metrics import CONTENT_TYPE_LATEST, EngineMetrics
 from ..version import __version__
 from .errors import body_of, error_body
 from .protocol import DEFAULT_COMPLETION_MAX_TOKENS, ChatCompletionRequest, CompletionRequest

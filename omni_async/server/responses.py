@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..messages import CompletionOutput, GenerationResult, StreamDelta
-from ..tokenizer import Tokenizer
+from ..text.tokenizer import Tokenizer
 
 
 @dataclass

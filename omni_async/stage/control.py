@@ -1,6 +1,6 @@
 """The stage's public control API: pause, resume, drain, abort_all, active ids, info.
 
-Admin actions (:mod:`omni_async.admin`) are written against this API, and so are tests
+Admin actions (:mod:`omni_async.stage.admin`) are written against this API, and so are tests
 and applications that need to steer or inspect a running stage.
 """
 
@@ -12,6 +12,7 @@ from .. import errors
 from ..core.protocol import BatchCore
 from .emission import Emission
 from .intake import Intake
+from .state import StageState
 from .stepper import Stepper
 
 T = TypeVar("T")
@@ -27,6 +28,7 @@ class StageControl:
         stepper: Stepper,
         *,
         wake: Callable[[], None],
+        state: StageState,
         loop_name: str,
         model_info: dict[str, Any] | None = None,
         model_worker: Any = None,
@@ -39,9 +41,32 @@ class StageControl:
         self.loop_name = loop_name
         self.model_info = dict(model_info or {})
         self.model_worker = model_worker
-        self.weight_version: str | None = self.model_info.get("weight_version")
-        self.paused = False
-        self.pause_mode: str | None = None
+        self.state = state
+
+    # The admin actions read and set these (a weight update pauses, then restores).
+    @property
+    def paused(self) -> bool:
+        return self.state.paused
+
+    @paused.setter
+    def paused(self, value: bool) -> None:
+        self.state.paused = value
+
+    @property
+    def pause_mode(self) -> str | None:
+        return self.state.pause_mode
+
+    @pause_mode.setter
+    def pause_mode(self, value: str | None) -> None:
+        self.state.pause_mode = value
+
+    @property
+    def weight_version(self) -> str | None:
+        return self.state.weight_version
+
+    @weight_version.setter
+    def weight_version(self, value: str | None) -> None:
+        self.state.weight_version = value
 
     # ------------------------------------------------------------ steering
 

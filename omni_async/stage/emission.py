@@ -17,9 +17,10 @@ from ..core.protocol import BatchCore
 from ..core.request import Request, RequestData
 from ..logs import debug_enabled, log
 from ..messages import GenerationResult, OutgoingMessage, StreamDelta
-from ..runners.types import ModelRunnerOutput, RequestOutput
+from ..core.runner_io import ModelRunnerOutput, RequestOutput
 from .guard import call_user
 from .ids import IdWindow
+from .state import StageState
 
 OutputSink = Callable[[list[OutgoingMessage]], None]
 ResultAdapter = Callable[[RequestData], Any]
@@ -34,7 +35,7 @@ class Emission:
         *,
         result_adapter: ResultAdapter | None = None,
         stream_output_builder: StreamOutputBuilder | None = None,
-        weight_version: Callable[[], str | None] = lambda: None,
+        state: StageState | None = None,
         ended_cap: int = 10_000,
         ended_keep: int = 5_000,
         stats: Any = None,
@@ -43,7 +44,7 @@ class Emission:
         self.sink = sink
         self.result_adapter = result_adapter or default_result_adapter
         self.stream_output_builder = stream_output_builder or default_stream_output_builder
-        self.weight_version = weight_version
+        self.state = state or StageState()
         self.live: dict[str, RequestData] = {}
         # Recently terminated ids: stream input for them is dropped, an abort of one is
         # a no-op. Bounded; a new request with the same id leaves the window.
@@ -125,7 +126,7 @@ class Emission:
             return
         data.output_ids = list(req.output_ids)
         data.finish_reason = req.finish_reason
-        data.weight_version = self.weight_version()
+        data.weight_version = self.state.weight_version
         try:
             result = call_user("result adapter", self.result_adapter, data)
         except errors.OmniAsyncError as err:

@@ -16,13 +16,13 @@ from typing import Any, Callable, Iterable
 import anyio.lowlevel
 
 from .. import errors
-from ..admission import Admission
+from .admission import Admission
 from ..config import SamplingParams, SchedulerConfig
 from ..core.protocol import BatchCore
 from ..core.request import Request, RequestData
 from ..logs import debug_enabled, log
 from ..messages import IncomingMessage, RequestPayload
-from ..request_checks import check_capacity, check_input_ids, check_sampling_vocab
+from .request_checks import check_capacity, check_input_ids, check_sampling_vocab
 from .emission import Emission
 from .guard import call_user
 from .ids import IdWindow
@@ -269,7 +269,7 @@ class Intake:
                 log.debug("scheduler_queue_enter", request_id=rid)
 
     def check_limits(self, req: Request, *, enforce: bool) -> None:
-        """See :func:`~omni_async.request_checks.check_capacity`: the KV guard always,
+        """See :func:`~omni_async.stage.request_checks.check_capacity`: the KV guard always,
         the context (refuse, or clamp ``max_new_tokens``) when limits are enforced."""
         s = req.sampling
         lim = self.limits

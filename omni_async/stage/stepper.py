@@ -18,12 +18,12 @@ from typing import Any, Awaitable, Callable, Protocol
 import anyio
 
 from .. import errors
-from ..core.protocol import BatchCore, ScheduledBatchLike
-from ..device import StepExecutor
-from ..runners.base import ModelRunner
+from ..core.protocol import BatchCore, ScheduledBatchLike, StepRunner
+from .executor import StepExecutor
 from ..logs import debug_enabled, log
-from ..runners.types import ModelRunnerOutput, SchedulerOutput, SchedulerRequest
+from ..core.runner_io import ModelRunnerOutput, SchedulerOutput, SchedulerRequest
 from .ids import IdWindow
+from .state import StageState
 
 
 @dataclass
@@ -63,14 +63,13 @@ class Stepper:
     def __init__(
         self,
         core: BatchCore,
-        runner: ModelRunner,
+        runner: StepRunner,
         executor: StepExecutor,
         sink: StepSink,
         *,
         begin_iteration: Callable[[], Awaitable[None]],
         wait_for_work: Callable[[], Awaitable[None]],
-        is_serving: Callable[[], bool],
-        is_paused: Callable[[], bool],
+        state: StageState,
         config: Any,
         stats: StepStats | None = None,
     ) -> None:
@@ -84,8 +83,7 @@ class Stepper:
         self.step_timeout_s: float | None = getattr(config, "step_timeout_s", None)
         self._begin_iteration = begin_iteration
         self._wait_for_work = wait_for_work
-        self._is_serving = is_serving
-        self._is_paused = is_paused
+        self.state = state
         self._inflight: deque[InflightStep] = deque()
         # Called with each processed step's seconds from launch to processed (metrics).
         self.step_observers: list[Callable[[float], None]] = []
@@ -95,7 +93,7 @@ class Stepper:
 
     @property
     def serving(self) -> bool:
-        return self._is_serving()
+        return self.state.serving
 
     @property
     def in_flight(self) -> int:
@@ -116,7 +114,7 @@ class Stepper:
 
     def next_batch(self) -> ScheduledBatchLike | None:
         """The batch core's next step; None while generation is paused."""
-        if self._is_paused():
+        if self.state.paused:
             return None
         return self.core.get_next_batch()
 

@@ -20,7 +20,7 @@ from ... import errors
 
 if TYPE_CHECKING:
     from ...config import SchedulerConfig
-    from ..registry import BuiltStage
+    from ..base import BuiltStage
 
 SGLANG_VERSION = "0.5.23"
 INSTALL_HINT = (

@@ -20,11 +20,11 @@ import torch
 
 from ... import errors
 from ...config import SchedulerConfig
-from ...device import ThreadStepExecutor
+from ...stage.executor import ThreadStepExecutor
 from ...models.config import ModelConfig as OmniModelConfig
 from ...scheduler import AsyncOmniScheduler, ModelLimits
-from ..registry import BuiltStage
-from ...tokenizer import load_tokenizer
+from ..base import BuiltStage
+from ...text.tokenizer import load_tokenizer
 from . import SGLANG_VERSION
 
 from sglang.srt.configs.model_config import ModelConfig as SGLangModelConfig

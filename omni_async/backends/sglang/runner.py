@@ -21,7 +21,8 @@ from typing import Any
 import torch
 
 from ...runners.base import ModelRunner, hidden_states_only
-from ...runners.types import BatchResult, SchedulerOutput
+from ...core.runner_io import SchedulerOutput
+from ...runners.types import BatchResult
 
 from sglang.srt.managers.overlap_utils import RelayPayload, resolve_forward_inputs
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch

@@ -3,7 +3,7 @@ weight updates from disk, from tensors and from a trainer through a torch.distri
 group, all through SGLang's own weight updater (``ModelRunner.weight_updater``), and a
 checksum a trainer can compare.
 
-Methods return ``(success, message)`` and block; the admin layer (omni_async.admin)
+Methods return ``(success, message)`` and block; the admin layer (omni_async.stage.admin)
 runs them on the forward thread between two steps. Disk and distributed updates go
 through the admin lifecycle (pause, drain, refusal while requests run, radix-cache
 flush); a tensor update is applied directly, as the reference does.
@@ -214,7 +214,7 @@ class SGLangModelWorker:
     # ------------------------------------------------------------ checksum
 
     def weights_checker(self, action: str = "checksum") -> dict[str, Any]:
-        from ...weights import weights_checksum
+        from ...models.checksum import weights_checksum
 
         if action != "checksum":
             raise ValueError(f"unsupported weights_checker action {action!r}; use 'checksum'")

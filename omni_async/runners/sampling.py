@@ -29,7 +29,7 @@ from typing import Sequence
 
 import torch
 
-from .config import SAMPLING_SEED_MASK, SamplingParams
+from ..config import SAMPLING_SEED_MASK, SamplingParams
 
 MASK32 = 0xFFFFFFFF
 # Multipliers below 2**31, so every product of a 32-bit value stays below 2**63.

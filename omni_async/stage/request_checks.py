@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import errors
-from .config import SamplingParams
+from .. import errors
+from ..config import SamplingParams
 
 
 def check_input_ids(input_ids: Any, vocab_size: int) -> list[int]:

@@ -25,11 +25,13 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
-from ..config import SchedulerConfig
-from ..errors import ConfigError, RankFailedError
-from ..logs import log
-from ..models.config import ModelConfig
-from ..models.loader import TINY_NAME, tiny_config
+from ....config import SchedulerConfig
+from ....errors import ConfigError, RankFailedError
+from ....logs import log
+from ..kv_sizing import kv_cache
+from ..stack import assemble_stack
+from ....models.config import ModelConfig
+from ....models.loader import TINY_NAME, tiny_config
 from .comm import OP_SHUTDOWN
 from .runner import TensorParallelModelWorker, TensorParallelRunner
 from .sharding import check_divisible
@@ -37,7 +39,7 @@ from .worker import WorkerSpec, join_group, load_rank, worker_main
 
 # Set to HOST:PORT, rank 0 hosts the group's store there and starts no workers: ranks
 # 1..N-1 are launched elsewhere (torchrun, other hosts) with ``python -m
-# omni_async.parallel.worker``. Not tested: only the single-host spawn is.
+# omni_async.backends.native.parallel.worker``. Not tested: only the single-host spawn is.
 EXTERNAL_ENV = "OMNI_ASYNC_TP_EXTERNAL"
 SETUP_TIMEOUT_S = 300.0  # spawning, joining and loading
 JOIN_TIMEOUT_S = 10.0  # a worker's own exit after the shutdown message
@@ -50,7 +52,7 @@ def worker_context() -> Any:
     fork server keeps the environment it started with (the first engine's)."""
     if "forkserver" in multiprocessing.get_all_start_methods():
         ctx = multiprocessing.get_context("forkserver")
-        ctx.set_forkserver_preload(["omni_async.parallel.worker", "torch._dynamo"])  # meta-device init imports dynamo (~1 s)
+        ctx.set_forkserver_preload(["omni_async.backends.native.parallel.worker", "torch._dynamo"])  # meta-device init imports dynamo (~1 s)
         return ctx
     return multiprocessing.get_context("spawn")
 
@@ -201,8 +203,6 @@ def check_devices(device: torch.device, size: int) -> None:
 def build_parallel_stack(path_or_name: str, config: SchedulerConfig, *, device: torch.device, dtype: Any, seed: int) -> Any:
     """The native stack on rank 0 with the workers started; every rank has loaded its
     shard and allocated the same number of KV pages when this returns."""
-    from ..builder import assemble_stack, kv_cache
-
     size = config.tensor_parallel_size
     check_devices(device, size)
     cfg = peek_config(str(path_or_name))

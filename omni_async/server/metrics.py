@@ -23,12 +23,12 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Iterator
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from . import errors
-from .messages import GenerationResult, StreamDelta
+from .. import errors
+from ..messages import GenerationResult, StreamDelta
 
 if TYPE_CHECKING:
-    from .engine import Engine
-    from .handle import RequestHandle
+    from ..engine import Engine
+    from ..client.handle import RequestHandle
 
 __all__ = ["CONTENT_TYPE_LATEST", "EngineMetrics"]
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any, Callable, Coroutine, TypeVar
 
-from .errors import OmniAsyncError
+from ..errors import OmniAsyncError
 
 T = TypeVar("T")
 

@@ -7,7 +7,7 @@ a status every rank sees), a CUDA graph capture (in lockstep with rank 0, whose
 captures contain the same collectives), or shutdown. A worker whose group breaks (rank
 0 died, a collective failed) exits.
 
-The same entry point serves a multi-node launch: ``python -m omni_async.parallel.worker``
+The same entry point serves a multi-node launch: ``python -m omni_async.backends.native.parallel.worker``
 under ``torchrun`` reads its rank and the store's address from the environment (see the
 README's tensor-parallel section; only the single-host spawn is tested).
 """
@@ -25,12 +25,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..builder import kv_cache, kv_pages_for
-from ..config import SchedulerConfig
-from ..errors import ModelLoadError
-from ..kernels import triton_available
-from ..models.loader import LoadedModel, load_model
-from ..runners.cuda_graphs import DecodeGraphs
+from ..kv_sizing import kv_cache, kv_pages_for
+from ....config import SchedulerConfig
+from ....errors import ModelLoadError
+from ....kernels import triton_available
+from ....models.loader import LoadedModel, load_model
+from ....runners.cuda_graphs import DecodeGraphs
 from ..weights import NativeModelWorker
 from . import plan
 from .comm import OP_CALL, OP_CAPTURE, OP_FORWARD, OP_SHUTDOWN, GroupComm
@@ -88,7 +88,7 @@ class WorkerLoop:
         self.model = loaded.model
         self.kv = kv_cache(loaded, spec.config, self.device, num_pages)
         if spec.config.fused_kernels and triton_available(self.device):
-            from ..kernels.fused import FusedOps  # the same elementwise kernels as rank 0
+            from ....kernels.fused import FusedOps  # the same elementwise kernels as rank 0
 
             self.model.ops = FusedOps()
         self.graphs: DecodeGraphs | None = None

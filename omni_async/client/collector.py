@@ -14,7 +14,7 @@ from typing import Any
 import anyio
 
 from .loopbridge import running_asyncio_loop
-from .messages import StreamDelta
+from ..messages import StreamDelta
 
 
 def merge_into(cur: StreamDelta, new: StreamDelta, texts: list[str]) -> None:

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from .config import SamplingParams
-from .detokenize import finish_text
-from .messages import CompletionOutput, GenerationResult, StreamDelta
-from .stops import StopMatcher
-from .tokenizer import Tokenizer
+from ..config import SamplingParams
+from ..text.detokenize import finish_text
+from ..messages import CompletionOutput, GenerationResult, StreamDelta
+from ..text.stops import StopMatcher
+from ..text.tokenizer import Tokenizer
 
 
 def _pairs(value: Any) -> list[tuple[int, float]]:

@@ -19,10 +19,11 @@ from typing import Any
 
 import torch
 
-from ..errors import RankFailedError
-from ..models.loader import LoadedModel
-from ..runners.native import ForwardBatch, NativeModelRunner
-from ..runners.types import BatchResult
+from ....errors import RankFailedError
+from ....models.loader import LoadedModel
+from ....runners.forward_batch import ForwardBatch
+from ....runners.native import NativeModelRunner
+from ....runners.types import BatchResult
 from ..weights import NativeModelWorker
 from . import plan
 from .comm import OP_CALL, OP_CAPTURE

@@ -30,8 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..errors import ConfigError
-from ..models.config import ModelConfig
+from ....errors import ConfigError
+from ....models.config import ModelConfig
 
 Collective = Callable[[torch.Tensor], torch.Tensor]
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import codecs
 from typing import Callable, Protocol
 
-from .logs import log
+from ..logs import log
 
 REPLACEMENT = "\ufffd"
 
@@ -24,7 +24,7 @@ class IncrementalDecoder(Protocol):
 
 
 class ByteStreamDecoder:
-    """For :class:`~omni_async.tokenizer.ByteTokenizer`: ids 0..255 are UTF-8 bytes,
+    """For :class:`~omni_async.text.tokenizer.ByteTokenizer`: ids 0..255 are UTF-8 bytes,
     anything else is special and has no text. Python's incremental UTF-8 decoder gives
     exactly what a one-shot ``bytes.decode(errors="replace")`` gives."""
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kv.attention import AttentionContext
+from ....kv.attention import AttentionContext
 from .comm import OP_FORWARD
 
 # Tensor fields, by id (the order they are packed in).

@@ -17,7 +17,7 @@ from .detokenize import REPLACEMENT, ByteStreamDecoder, IncrementalDecoder, Wind
 if TYPE_CHECKING:
     import tokenizers
 
-    from .models.config import ModelConfig
+    from ..models.config import ModelConfig
 
 _BYTE_PIECE = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 # The built-in model's template: plain role markers, so chat works out of the box.

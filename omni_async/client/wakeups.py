@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Callable, Iterable
 
-from .logs import log
+from ..logs import log
 from .loopbridge import running_asyncio_loop
 
 Wake = Callable[[], None]

@@ -15,9 +15,9 @@ from typing import Any, Awaitable, Callable
 
 import anyio
 
-from . import errors
-from .logs import log
-from .stage.control import PAUSE_MODES, StageControl
+from .. import errors
+from ..logs import log
+from .control import PAUSE_MODES, StageControl
 
 MODEL_INFO = "model_info"
 PAUSE_GENERATION = "pause_generation"

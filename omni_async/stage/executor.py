@@ -17,7 +17,7 @@ from typing import Any, Callable, TypeVar
 import anyio
 import anyio.lowlevel
 
-from .errors import ConfigError, DeviceTimeoutError
+from ..errors import ConfigError, DeviceTimeoutError
 
 T = TypeVar("T")
 

@@ -8,7 +8,6 @@ reference's model worker does; they are blocking and run off the event loop.
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 from datetime import timedelta
@@ -17,11 +16,12 @@ from typing import Any
 
 import torch
 
-from .errors import ModelLoadError
-from .models.config import ModelConfig
-from .models.decoder import DecoderModel
-from .models.loader import copy_named_tensors, iter_checkpoint, sharded
-from .models.merged import hf_named_tensors, hf_parameter_slots
+from ...errors import ModelLoadError
+from ...models.config import ModelConfig
+from ...models.decoder import DecoderModel
+from ...models.loader import copy_named_tensors, iter_checkpoint, sharded
+from ...models.checksum import weights_checksum
+from ...models.merged import hf_named_tensors, hf_parameter_slots
 
 _DTYPES = {str(d).replace("torch.", ""): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.float64)}
 
@@ -155,19 +155,6 @@ class NativeModelWorker:
         if action != "checksum":
             raise ValueError(f"unsupported weights_checker action {action!r}; use 'checksum'")
         return weights_checksum(self.model)
-
-
-def weights_checksum(model: torch.nn.Module) -> dict[str, Any]:
-    """SHA-256 over every tensor under its Hugging Face name (name, dtype, shape, bytes)
-    in name order, so a trainer holding an HF model can compute the same sum."""
-    digest = hashlib.sha256()
-    count = 0
-    for name, p in sorted(hf_named_tensors(model), key=lambda kv: kv[0]):
-        t = p.detach().to("cpu").contiguous()
-        digest.update(f"{name}|{t.dtype}|{tuple(t.shape)}".encode())
-        digest.update(t.view(torch.uint8).numpy().tobytes())
-        count += t.numel()
-    return {"checksum": digest.hexdigest(), "num_parameters": count}
 
 
 def _check_same_architecture(old: ModelConfig, new: ModelConfig) -> None:

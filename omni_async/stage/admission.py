@@ -17,7 +17,7 @@ import concurrent.futures
 from collections import OrderedDict, deque
 from typing import Any, Callable
 
-from .config import SchedulerConfig
+from ..config import SchedulerConfig
 
 
 class Admission:

@@ -13,23 +13,23 @@ from typing import TYPE_CHECKING, Any, AsyncIterator
 
 import anyio
 
-from . import errors
+from .. import errors
 from .collector import OutputCollector
 from .completion import Completion
 from .loopbridge import call_soon_on, foreign_loop, maybe_marshal
-from .messages import GenerationResult, OutgoingMessage, StreamDelta
+from ..messages import GenerationResult, OutgoingMessage, StreamDelta
 
 if TYPE_CHECKING:
-    from .engine import Engine
+    from .router import HandleHooks
 
 
 class RequestHandle:
     """One submitted request (``n`` completions): iterate it for stream deltas, or await
     ``result()``."""
 
-    def __init__(self, engine: "Engine", request_id: str, completions: list[Completion], prompt_ids: list[int]) -> None:
+    def __init__(self, request_id: str, completions: list[Completion], prompt_ids: list[int], hooks: "HandleHooks") -> None:
         self.request_id = request_id
-        self._engine = engine
+        self._hooks = hooks
         self._completions = completions
         self._by_sub = {c.sub_id: c for c in completions}
         self._prompt_ids = prompt_ids
@@ -54,7 +54,7 @@ class RequestHandle:
     # ------------------------------------------------------------ readers
 
     async def result(self) -> GenerationResult:
-        return await maybe_marshal(self._engine.event_loop, self._result_here)
+        return await maybe_marshal(self._hooks.event_loop(), self._result_here)
 
     async def _result_here(self) -> GenerationResult:
         if not self.done:
@@ -62,7 +62,7 @@ class RequestHandle:
                 await self._finished.wait()
             except BaseException:
                 if not self.done:
-                    self._engine._abort_handle(self)
+                    self._hooks.abort(self)
                 raise
         if self._error is not None:
             raise self._error
@@ -75,7 +75,7 @@ class RequestHandle:
                 "has one stream reader at a time (any number may await result())"
             )
         self._streaming = True
-        own = self._engine.event_loop
+        own = self._hooks.event_loop()
         collector = self._collector
         if foreign_loop(own):
             async def next_batch() -> list[StreamDelta]:
@@ -94,12 +94,13 @@ class RequestHandle:
         finally:
             self._streaming = False
             if not self.done:  # the reader stopped early, or was cancelled
-                call_soon_on(self._engine.event_loop, lambda: self._engine._abort_handle(self))
+                call_soon_on(self._hooks.event_loop(), lambda: self._hooks.abort(self))
 
-    # ------------------------------------------------------------ engine side
+    # ------------------------------------------------------------ router side
 
-    def _on_message(self, msg: OutgoingMessage) -> None:
-        """One stage message for one of this handle's completions (loop thread)."""
+    def on_message(self, msg: OutgoingMessage) -> None:
+        """One stage message for one of this handle's completions (the router calls it, on
+        the loop thread)."""
         comp = self._by_sub.get(msg.request_id)
         if comp is None or comp.done or self._ended:
             return  # e.g. the abort that follows a stop string
@@ -109,7 +110,7 @@ class RequestHandle:
             if delta is not None:
                 self._collector.put(delta)
             if stopped and not was_final:
-                self._engine._end_stage_request(comp.sub_id)  # its later terminal is ignored
+                self._hooks.end_completion(comp.sub_id)  # its later terminal is ignored
         elif msg.type == "result":
             if comp.index == 0:
                 self._stage_result = msg.data
@@ -118,19 +119,19 @@ class RequestHandle:
             if delta is not None:
                 self._collector.put(delta)
         else:
-            self._fail(msg.data)
+            self.fail(msg.data)
             return
         if comp.done and all(c.done for c in self._completions):
             self._finish(self._build_result())
 
-    def _fail(self, err: Any) -> None:
+    def fail(self, err: Any) -> None:
         """One completion failed: the request fails, its other completions end."""
         if self.done:
             return
         for comp in self._completions:
             if not comp.done:
                 comp.fail()
-                self._engine._end_stage_request(comp.sub_id)
+                self._hooks.end_completion(comp.sub_id)
         if not isinstance(err, BaseException):
             err = errors.RequestFailedError(str(err))
         self._error = err
@@ -141,9 +142,10 @@ class RequestHandle:
         self._ended = True
         self._collector.close()
         self._finished.set()
-        self._engine._handle_done(self)
+        self._hooks.done(self)
 
-    def _wake(self) -> None:
+    def wake(self) -> None:
+        """Let the stream reader take what the collector holds (once per step)."""
         self._collector.wake()
 
     def _build_result(self) -> Any:

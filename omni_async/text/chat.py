@@ -14,7 +14,7 @@ from datetime import datetime
 from functools import lru_cache
 from typing import Any, Mapping, Sequence
 
-from . import errors
+from .. import errors
 from .tokenizer import Tokenizer
 
 

@@ -1,0 +1,84 @@
+"""Build a native stage from a checkpoint: the model loaded (off the caller's thread on
+CPU, or across ranks under tensor parallelism), its KV cache sized, the runner and batch
+core assembled (:mod:`.stack`), and the scheduler around them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ...config import SchedulerConfig
+from ...models.loader import load_model, resolve_dtype
+from ...models.quantized import check_quantization, quantization_of, quantize_linears
+from ...runners.native import NativeModelRunner
+from ...scheduler import AsyncOmniScheduler
+from ...stage.executor import make_step_executor
+from ..base import BuiltStage
+from .kv_sizing import kv_cache, kv_pages_for
+from .stack import NativeStack, assemble_stack, build_off_this_thread
+from .weights import NativeModelWorker
+
+
+def build_native_stack(
+    path_or_name: str,
+    config: SchedulerConfig,
+    *,
+    device: str | torch.device = "cpu",
+    dtype: Any = None,
+    seed: int = 0,
+) -> NativeStack:
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    requested = None if dtype is None else resolve_dtype(dtype, "float32", device)
+    check_quantization(config.quantization, device, requested, config.tensor_parallel_size)
+    if config.tensor_parallel_size > 1:
+        from .parallel.launch import build_parallel_stack
+
+        return build_parallel_stack(path_or_name, config, device=device, dtype=dtype, seed=seed)
+
+    def build() -> NativeStack:
+        loaded = load_model(path_or_name, dtype=dtype, device=device, seed=seed)
+        quantize_linears(loaded.model, config.quantization)
+        num_pages = kv_pages_for(config, loaded, device, next(loaded.model.parameters()).dtype)
+        runner = NativeModelRunner(loaded.model, kv_cache(loaded, config, device, num_pages), device, seed=seed, fused_kernels=config.fused_kernels)
+        return assemble_stack(loaded, config, device, num_pages, runner)
+
+    return build_off_this_thread(build) if device.type == "cpu" else build()
+
+
+def build_scheduler(stack: NativeStack, config: SchedulerConfig, **callbacks: Any) -> AsyncOmniScheduler:
+    info = {
+        "model_path": stack.loaded.path,
+        "load_format": stack.loaded.load_format,
+        "model_family": stack.loaded.config.family,
+        "device": str(stack.device),
+        "dtype": str(next(stack.loaded.model.parameters()).dtype).replace("torch.", ""),
+        "weight_version": "initial",
+        "quantization": quantization_of(stack.loaded.model),
+    }
+    executor = make_step_executor(config.step_launch, stack.device.type, config.event_wait)
+    tp = stack.tensor_parallel
+    if tp is not None:
+        info["tensor_parallel_size"] = tp.size
+        worker = tp.model_worker(stack.loaded)
+        executor.on_close.append(tp.close)  # the worker ranks stop with the scheduler
+    else:
+        worker = NativeModelWorker(stack.loaded.model, model_path=stack.loaded.path, load_format=stack.loaded.load_format, device=stack.device)
+    return AsyncOmniScheduler(
+        stack.runner,
+        stack.core,
+        stack.limits,
+        config=config,
+        executor=executor,
+        model_info=info,
+        model_worker=worker,
+        **callbacks,
+    )
+
+
+def build_native_stage(path_or_name: str, *, config: SchedulerConfig, device: Any, dtype: Any, seed: int) -> BuiltStage:
+    """``backend="native"`` in the backend registry lands here."""
+    stack = build_native_stack(path_or_name, config, device=device, dtype=dtype, seed=seed)
+    return BuiltStage(build_scheduler(stack, config), stack.loaded.tokenizer, stack)

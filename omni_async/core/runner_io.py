@@ -1,0 +1,95 @@
+"""Typed hand-offs between the stage and a model runner (the reference contract): the
+step handed to the runner and its product as the stage reads it. Host values only, no
+torch, so the stage and the batch cores type against them without importing a runner."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import TYPE_CHECKING, Any
+
+from .request import RequestData
+
+if TYPE_CHECKING:
+    from .protocol import ScheduledBatchLike
+
+
+@dataclass(slots=True)
+class SchedulerRequest:
+    request_id: str
+    data: RequestData
+
+
+@dataclass
+class SchedulerOutput:
+    """One step handed to the runner: its requests (batch order) and the batch."""
+
+    requests: list[SchedulerRequest]
+    batch_data: "ScheduledBatchLike | None"
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """One request's product of one step. ``data`` is the sampled token id (None for
+    a non-final prefill chunk); ``extra`` is merged into ``extra_model_outputs``."""
+
+    request_id: str
+    data: int | None = None
+    logprob: float | None = None
+    finished: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class ModelRunnerOutput:
+    """One step's product as the stage reads it: batch-ordered host values
+    (``token_ids``, ``logprobs``), what the batch core consumes, and ``outputs``, a
+    ``RequestOutput`` per request. Those are built when the step is collected only if
+    something reads them per row (a runner's ``post_process_outputs`` or step hooks, top
+    logprobs, hidden states), otherwise on first access: a plain decode step builds no
+    per-row objects."""
+
+    requests: list[SchedulerRequest]
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] | None = None
+    # Rows (batch index) that could not be sampled, with the reason: the stage fails
+    # those requests alone; their entry in ``token_ids`` is meaningless.
+    row_errors: dict[int, str] = field(default_factory=dict)
+    taken: list[int] = field(default_factory=list)  # rows that got a token
+    can_run_cuda_graph: bool = False
+    built_outputs: dict[str, RequestOutput] | None = None  # ``outputs`` once built
+    row_steps: list[int] | None = None  # a multi-step decode: forwards per row
+
+
+    @property
+    def outputs(self) -> dict[str, RequestOutput]:
+        if self.built_outputs is None:
+            self.built_outputs = request_outputs(self.requests, self.taken, self.token_ids, self.logprobs, self.row_steps)
+        return self.built_outputs
+
+    @cached_property
+    def req_ids(self) -> list[str]:
+        return [r.request_id for r in self.requests]
+
+    @cached_property
+    def req_id_to_index(self) -> dict[str, int]:
+        return {rid: i for i, rid in enumerate(self.req_ids)}
+
+    def failed_requests(self) -> dict[str, str]:
+        """``row_errors`` by request id: the requests the stage should fail alone."""
+        return {self.req_ids[i]: msg for i, msg in self.row_errors.items()}
+
+
+def request_outputs(requests: list[SchedulerRequest], taken: list[int], token_ids: list[int],
+                    logprobs: list[float] | None, row_steps: list[int] | None = None) -> dict[str, RequestOutput]:
+    """A ``RequestOutput`` per request: the sampled token for the rows in ``taken`` (a
+    multi-step row's last one), none for the others (a prefill chunk, a skipped or
+    failed row)."""
+    outputs = {sr.request_id: RequestOutput(request_id=sr.request_id) for sr in requests}
+    size = len(requests)
+    for i in taken:
+        at = i if row_steps is None else (row_steps[i] - 1) * size + i
+        out = outputs[requests[i].request_id]
+        out.data = token_ids[at]
+        out.logprob = logprobs[at] if logprobs is not None else None
+    return outputs

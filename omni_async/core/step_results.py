@@ -1,0 +1,57 @@
+"""A one-forward step's results applied to its requests: tokens appended, finishes found.
+
+Pure over the batch's requests: the rows that end are returned with their reason, and the
+batch core finishes them (their KV is its to free). A multi-step decode's results go
+through :func:`omni_async.core.multi_step.process_multi_step`, which returns the same pair.
+At batch 256 each microsecond per row is a quarter millisecond of the loop per step, so
+the pass is one flat loop with its lookups hoisted."""
+
+from __future__ import annotations
+
+from itertools import repeat
+from typing import Sequence
+
+from .batch import ScheduledBatch
+from .protocol import StepOutcome
+from .request import Request
+
+
+def process_one_forward(
+    batch: ScheduledBatch, tokens: Sequence[int], logprobs: Sequence[float] | None, context_length: int
+) -> tuple[list[StepOutcome], list[tuple[Request, str]]]:
+    """Each live row's outcome, and the rows that end with this step and why."""
+    outcomes: list[StepOutcome] = []
+    finishes: list[tuple[Request, str]] = []
+    add = outcomes.append
+    ctx = context_length
+    lps = logprobs if logprobs is not None else repeat(None)
+    for req, epoch, keep, token, logprob in zip(batch.reqs, batch.epochs, batch.samples_kept, tokens, lps):
+        if req.finish_reason is not None or req.epoch != epoch:
+            continue  # finished or retracted after this step was scheduled
+        if not keep:
+            add(StepOutcome(req, None))
+            continue
+        req.num_inflight -= 1
+        if req.to_finish is not None:
+            finishes.append((req, req.to_finish))
+            add(StepOutcome(req, None, finished=True))
+            continue
+        token = int(token)
+        out = req.output_ids
+        out.append(token)
+        if logprob is not None:
+            logprob = float(logprob)
+            req.output_logprobs.append(logprob)
+        n = len(out)
+        sp = req.sampling
+        reason = None
+        if token in req.stop_ids() and n > sp.min_new_tokens:
+            reason = "stop"
+        elif n >= sp.max_new_tokens or len(req.prompt_ids) + n + req.num_inflight >= ctx:
+            reason = "length"
+        if reason is not None:
+            finishes.append((req, reason))
+            add(StepOutcome(req, token, logprob, finished=True))
+        else:
+            add(StepOutcome(req, token, logprob))
+    return outcomes, finishes

@@ -1,0 +1,43 @@
+"""The plain torch path between the GEMMs: what every fused path is checked against.
+
+It sits with the kernels, below the models, so a fused kernel set can fall back to it
+for shapes it does not cover without reaching up into the decoder."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class ReferenceOps:
+    """Residual add + norm, SiLU-and-multiply and rotary + KV write, in torch."""
+
+    name = "reference"
+
+    def add_norm(
+        self, x: torch.Tensor, delta: torch.Tensor | None, norm: Callable[[torch.Tensor], torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(x + delta, norm(x + delta))``; ``delta`` None means nothing to add."""
+        if delta is not None:
+            x = x + delta
+        return x, norm(x)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    def rope_store(self, q, k, v, cos, sin, kv: Any, layer: int, slots: torch.Tensor):
+        """Rotate q and k (``[T, heads, D]``), write k and v into the cache (a
+        ``PagedKVCache``); returns the rotated q and k."""
+        cos, sin = cos[:, None, :], sin[:, None, :]
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        kv.write(layer, slots, k, v)
+        return q, k

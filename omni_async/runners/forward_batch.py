@@ -1,0 +1,37 @@
+"""One forward's inputs on the device, as the native runner builds them from the
+persistent slot state (and the tensor-parallel runner sends them to the other ranks)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..core.batch import ScheduledBatch
+from ..kv.attention import AttentionContext
+from .input_batch import SlotRows
+from .sampling import SamplingBatch
+
+
+@dataclass
+class ForwardBatch:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    ctx: AttentionContext
+    batch: ScheduledBatch
+    rows: SlotRows
+    sample_indices: np.ndarray  # [B] generation index of each row's token
+    sample_indices_dev: torch.Tensor
+    block_tables: torch.Tensor | None = None  # set when the step replays a CUDA graph
+    capture_hidden: bool = False  # the step hands out each sampled row's hidden state
+    # A multi-step decode (decode_steps > 1): forwards per row on the device, the rows'
+    # page tables, and the widest context of the first forward.
+    row_steps: torch.Tensor | None = None
+    tables: torch.Tensor | None = None
+    span: int = 0
+    all_positions: torch.Tensor | None = None  # [k, B]: each forward's positions
+    all_slots: torch.Tensor | None = None  # [k, B]: each forward's KV slots (scratch past a row's end)
+    all_kv_lens: torch.Tensor | None = None  # [k, B]: each forward's attended length
+    all_sample_indices: torch.Tensor | None = None  # [k, B]: each forward's generation indices
+    sampling: SamplingBatch | None = None  # the first forward's, for the later ones to reuse
