@@ -192,6 +192,9 @@ class SchedulerConfig:
     cuda_graph_max_len: int = 2048
     cuda_graph_max_batch: int = 512
     event_wait: str = "poll"
+    # CUDA only: the stage launches its steps on a CUDA stream of its own, so stages that
+    # share a GPU queue their work independently (see ModelRunner.use_own_stream).
+    own_cuda_stream: bool = True
     # CUDA with Triton only: the decoder's elementwise work runs through fused kernels
     # (residual add + RMSNorm, rotary + KV write, SiLU-and-multiply) and greedy sampling
     # is captured in the decode graphs. False keeps the torch reference path (as on CPU).
@@ -287,7 +290,7 @@ class SchedulerConfig:
             )
         if self.step_timeout_s is not None and (not _is_finite(self.step_timeout_s) or self.step_timeout_s <= 0):
             raise ConfigError(f"step_timeout_s must be a positive number of seconds or None, got {self.step_timeout_s!r}")
-        for name in ("enable_prefix_cache", "gc_freeze", "cpu_attention_kernel", "cpu_fused_ops", "fuse_decode_steps"):
+        for name in ("enable_prefix_cache", "gc_freeze", "cpu_attention_kernel", "cpu_fused_ops", "fuse_decode_steps", "own_cuda_stream"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.gc_gen0_threshold is not None and (not _is_int(self.gc_gen0_threshold) or self.gc_gen0_threshold < 1):

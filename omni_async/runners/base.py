@@ -70,6 +70,9 @@ class ModelRunner:
         # Base seeds of unseeded requests, drawn once per request (kept across
         # retraction) and forgotten with the request.
         self._base_seeds: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+        # The CUDA stream every step is launched on (None: the current one). A stage of its
+        # own (``use_own_stream``) lets two stages on one GPU queue work independently.
+        self.stream: Any = None
 
     # ------------------------------------------------------------ backend parts
 
@@ -133,11 +136,30 @@ class ModelRunner:
 
     # ------------------------------------------------------------ the two paths
 
-    @torch.inference_mode()
+    def use_own_stream(self, device: torch.device) -> None:
+        """Launch every step on a CUDA stream of this runner's own.
+
+        Two stages that share a GPU on one stream serialise: each step of one waits
+        behind whatever the other queued before it, so a lookahead loop's step in flight
+        holds the other stage's next step back; and the small kernels of a small model
+        cannot run beside the other stage's. Own streams queue independently. Work on the
+        default stream (weights loaded or updated, caches filled) is waited for at each
+        launch, an event wait on the device."""
+        self.stream = torch.cuda.Stream(device)
+
     def launch(self, scheduler_output: SchedulerOutput, *, lookahead: bool = False) -> PendingStep | None:
         """Build, hooks, forward, sample, one host copy, completion marker; no wait.
         ``lookahead`` launches a decode step whose host half runs
         ``post_decode_resolve`` at collect. None for an empty batch."""
+        stream = self.stream
+        if stream is None:
+            return self._launch(scheduler_output, lookahead)
+        stream.wait_stream(torch.cuda.default_stream(stream.device))
+        with torch.cuda.stream(stream):
+            return self._launch(scheduler_output, lookahead)
+
+    @torch.inference_mode()
+    def _launch(self, scheduler_output: SchedulerOutput, lookahead: bool) -> PendingStep | None:
         batch = scheduler_output.batch_data
         if batch is None or not batch.reqs:
             return None
@@ -195,10 +217,16 @@ class ModelRunner:
             self._sample_into(result, fb, batch, requests)
         return result, launch_buf
 
-    @torch.inference_mode()
     def collect(self, pending: PendingStep) -> ModelRunnerOutput:
         """After the step's marker completed: ``post_decode_resolve`` for a lookahead
         step, the host values, per-request outputs and bookkeeping for live rows."""
+        if self.stream is None:
+            return self._collect(pending)
+        with torch.cuda.stream(self.stream):
+            return self._collect(pending)
+
+    @torch.inference_mode()
+    def _collect(self, pending: PendingStep) -> ModelRunnerOutput:
         so, batch, result = pending.scheduler_output, pending.schedule_batch, pending.batch_result
         requests = so.requests
         if pending.lookahead:

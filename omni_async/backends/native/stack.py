@@ -83,6 +83,8 @@ def assemble_stack(
     )
     steps = resolve_decode_steps(config.decode_steps, device.type, config.tensor_parallel_size, config.page_size)
     runner.configure_decode_steps(steps, fused=config.fuse_decode_steps)
+    if device.type == "cuda" and config.own_cuda_stream and config.tensor_parallel_size == 1:
+        runner.use_own_stream(device)
     if device.type == "cuda" and config.cuda_graphs:
         # With the paged kernel, attention costs what each sequence really holds, so
         # graphs can span the whole context; without it they span cuda_graph_max_len.
