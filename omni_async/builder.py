@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ from .kv.allocator import PageAllocator
 from .kv.cache import PagedKVCache
 from .models.loader import LoadedModel, load_model, resolve_dtype
 from .models.quantized import check_quantization, quantization_of, quantize_linears
+from .release import release_stage_memory
 from .runners.native import NativeModelRunner
 from .scheduler import AsyncOmniScheduler, ModelLimits
 from .weights import NativeModelWorker
@@ -201,6 +203,22 @@ def assemble_stack(
     return NativeStack(loaded, kv, allocator, runner, core, limits, device, tensor_parallel)
 
 
+# The attributes through which each part built here holds device memory (the weights,
+# the KV cache, CUDA graphs, the runner's step buffers). The config, tokenizer, allocator
+# and core stay: a closed engine can still be inspected.
+RUNNER_DEVICE_STATE = ("graphs", "sampling_graphs", "fused_decode", "_later_cols", "model", "kv", "inputs")
+
+
+def device_state_of(stack: NativeStack, worker: Any) -> list[tuple[Any, tuple[str, ...]]]:
+    """What closing the stage built from ``stack`` lets go of, part by part."""
+    return [
+        (stack.runner, RUNNER_DEVICE_STATE),
+        (worker, ("model",)),
+        (stack, ("kv",)),
+        (stack.loaded, ("model",)),
+    ]
+
+
 def build_scheduler(stack: NativeStack, config: SchedulerConfig, **callbacks: Any) -> AsyncOmniScheduler:
     info = {
         "model_path": stack.loaded.path,
@@ -219,6 +237,9 @@ def build_scheduler(stack: NativeStack, config: SchedulerConfig, **callbacks: An
         executor.on_close.append(tp.close)  # the worker ranks stop with the scheduler
     else:
         worker = NativeModelWorker(stack.loaded.model, model_path=stack.loaded.path, load_format=stack.loaded.load_format, device=stack.device)
+    # Once the stage has closed, its model, KV, graphs and buffers go at once, not at a
+    # GC pass (the executor closes with the stage, after its last step).
+    executor.after_close.append(functools.partial(release_stage_memory, stack.device, device_state_of(stack, worker)))
     return AsyncOmniScheduler(
         stack.runner,
         stack.core,

@@ -21,7 +21,7 @@ from typing import Any, AsyncIterator
 import anyio
 import torch
 
-from . import errors
+from . import errors, release
 from .backends.registry import build_stage
 from .chat import render_chat_ids
 from .completion import Completion
@@ -157,7 +157,7 @@ class Engine:
         if self._closed or self._started:
             raise errors.SchedulerClosedError("engine is closed" if self._closed else "engine is already serving")
         self._started = True
-        self.scheduler.attach_output_sink(self._deliver)
+        self.scheduler.attach_output_sink(release.weak_method(self._deliver))
         async with anyio.create_task_group() as tg:
             await tg.start(self.scheduler.run)
             log.info("engine_started", loop=self.scheduler.config.loop)
@@ -177,7 +177,7 @@ class Engine:
         self._started = True
         # Served by this engine: the stage's messages come straight to the handles, one
         # call per step (a scheduler used on its own keeps its outbox).
-        self.scheduler.attach_output_sink(self._deliver)
+        self.scheduler.attach_output_sink(release.weak_method(self._deliver))
         self._loop = asyncio.get_running_loop()
         serving = self._loop.create_future()
 

@@ -30,6 +30,7 @@ from .device import StepExecutor, ThreadStepExecutor, await_future, threadsafe_c
 from .logs import log
 from .loops import LOOPS
 from .messages import IncomingMessage, OutgoingMessage
+from .release import weak_getter, weak_method
 from .runners.base import ModelRunner
 from .stage.control import StageControl
 from .stage.emission import Emission, OutputSink, ResultAdapter, StreamOutputBuilder
@@ -81,10 +82,10 @@ class AsyncOmniScheduler:
         self.stats = StepStats()
         self.emission = Emission(
             core,
-            output_sink or self._to_outbox,
+            output_sink or weak_method(self._to_outbox),
             result_adapter=result_adapter,
             stream_output_builder=stream_output_builder,
-            weight_version=lambda: self.control.weight_version,
+            weight_version=weak_getter(self, "control.weight_version"),
             ended_cap=self.config.aborted_id_cap,
             ended_keep=self.config.aborted_id_keep,
             stats=self.stats,
@@ -99,17 +100,16 @@ class AsyncOmniScheduler:
             recheck_on_chunk=recheck_on_chunk,
             stream_chunk_handler=stream_chunk_handler,
             stream_done_handler=stream_done_handler,
-            on_build_done=lambda: self._call_in_loop(self.wake),
+            on_build_done=weak_method(self._call_in_loop, weak_method(self.wake)),
         )
         self.stepper = Stepper(
             core,
             runner,
             self.executor,
             self.emission,
-            begin_iteration=self._begin_iteration,
-            wait_for_work=self._wait_for_work,
-            is_serving=lambda: self._state == "running",
-            is_paused=lambda: self.control.paused,
+            begin_iteration=weak_method(self._begin_iteration),  # weak: no reference cycle
+            wait_for_work=weak_method(self._wait_for_work),
+            is_serving=weak_getter(self, "serving"), is_paused=weak_getter(self, "control.paused"),
             config=self.config,
             stats=self.stats,
         )
@@ -118,7 +118,7 @@ class AsyncOmniScheduler:
             self.intake,
             self.emission,
             self.stepper,
-            wake=self.wake,
+            wake=weak_method(self.wake),
             loop_name=self.config.loop,
             model_info=model_info,
             model_worker=model_worker,
