@@ -99,13 +99,16 @@ class GpuBusy:
         self.period = period
         self._stop = threading.Event()
         self._handle = None
+        self._thread = threading.Thread(target=self._run, daemon=True)
         if enabled:
-            import pynvml
-
+            try:
+                import pynvml  # pip install nvidia-ml-py (the [bench] extra)
+            except ImportError:
+                log("GPU busy not measured: pynvml missing (pip install nvidia-ml-py)")
+                return
             pynvml.nvmlInit()
             self._nvml = pynvml
             self._handle = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
-        self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
         while self._handle is not None and not self._stop.is_set():
