@@ -39,6 +39,14 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     add_model_flags(p)
 
 
+def _share(text: str) -> float | int:
+    """A memory share as typed: '0.3' is a fraction, '8000000000' bytes."""
+    try:
+        return int(text) if text.isdigit() else float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a fraction or a byte count: {text!r}") from None
+
+
 def _sampling(args: argparse.Namespace) -> SamplingParams:
     return SamplingParams(
         max_new_tokens=args.max_new_tokens,
@@ -216,8 +224,15 @@ def build_parser() -> argparse.ArgumentParser:
         gc_freeze=env_default("gc_freeze", True, parse_bool),
         gc_gen0_threshold=env_default("gc_gen0_threshold", 10_000, int),
     )
-    pipe = sub.add_parser("pipeline-demo", help="a thinker streaming into a talker in one event loop (built-in tiny models)", formatter_class=fmt)
+    pipe = sub.add_parser("pipeline-demo", help="a thinker streaming into a talker in one event loop on one device", formatter_class=fmt)
     _add_model_args(pipe)
+    pipe.add_argument("--thinker", default="tiny", help="the thinker's checkpoint folder, or 'tiny' (built in)")
+    pipe.add_argument("--talker", default="tiny", help="the talker's checkpoint folder, or 'tiny' (built in, another seed)")
+    for stage in ("thinker", "talker"):
+        pipe.add_argument(
+            f"--{stage}-share", type=_share, default=None,
+            help=f"the {stage}'s memory budget: a fraction of the device's total memory (0.3) or bytes (an integer)",
+        )
     return parser
 
 
@@ -225,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "pipeline-demo" and args.model != "tiny":
-        parser.error("pipeline-demo runs the built-in tiny thinker and talker; --model other than tiny is not supported")
+        parser.error("pipeline-demo takes its checkpoints from --thinker and --talker, not --model")
     configure_cli_logging(args.log_level)
     try:
         import uvloop
@@ -243,9 +258,14 @@ def main(argv: list[str] | None = None) -> int:
         except KeyboardInterrupt:  # uvicorn shut down cleanly, then passed Ctrl-C on
             return 0
     if args.command == "pipeline-demo":
+        from .errors import ConfigError
         from .pipeline import run_pipeline_demo
 
-        return runner(run_pipeline_demo(args))
+        try:
+            return runner(run_pipeline_demo(args))
+        except ConfigError as exc:
+            print(f"omni-async pipeline-demo: error: {exc}", file=sys.stderr)
+            return 2
     return 1
 
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Mapping
 
 from .errors import ConfigError, InvalidRequestError
+from .memory_budget import check_budget
 
 LoopKind = Literal["normal", "overlap", "async_decode"]
 LOOP_KINDS: tuple[str, ...] = ("normal", "overlap", "async_decode")
@@ -169,6 +170,8 @@ class SchedulerConfig:
 
     KV sizing: on CPU the capacity is ``kv_capacity_tokens``; on CUDA it is
     ``kv_memory_fraction`` of free device memory unless ``kv_capacity_tokens`` is set.
+    With ``memory_budget`` the KV gets what the budget leaves after the weights and a
+    reserve (or, with ``kv_capacity_tokens`` too, that KV is checked to fit).
     """
 
     loop: LoopKind = "normal"
@@ -180,6 +183,11 @@ class SchedulerConfig:
     page_size: int = 16
     kv_capacity_tokens: int | None = None
     kv_memory_fraction: float = 0.8
+    # This engine's share of the device, whatever else is loaded: a float in (0, 1] of
+    # the device's total memory (RAM on CPU) or an int number of bytes, covering the
+    # weights, an activation/graph reserve and the KV cache, which gets what remains
+    # (omni_async/memory_budget.py). None sizes the KV as above.
+    memory_budget: float | int | None = None
     context_length: int | None = None
     request_build_max_workers: int = 1
     request_build_max_pending: int | None = None
@@ -297,6 +305,8 @@ class SchedulerConfig:
             raise ConfigError(f"gc_gen0_threshold must be an integer >= 1 or None, got {self.gc_gen0_threshold!r}")
         if self.quantization is not None and self.quantization not in QUANTIZATION_MODES:
             raise ConfigError(f"unknown quantization {self.quantization!r}; choose None or one of {', '.join(QUANTIZATION_MODES)}")
+        if self.memory_budget is not None:
+            check_budget(self.memory_budget)
         if not (0 < self.kv_memory_fraction <= 1):
             raise ConfigError("kv_memory_fraction must be in (0, 1]")
         if not (0 <= self.aborted_id_keep <= self.aborted_id_cap):

@@ -35,6 +35,7 @@ from .client.loopbridge import call_soon_on, maybe_marshal, running_asyncio_loop
 from .messages import GenerationResult, IncomingMessage, RequestPayload, StreamDelta
 from .stage.request_checks import check_request
 from .scheduler import AsyncOmniScheduler
+from .stage.weak import weak_method
 from .text.tokenizer import Tokenizer
 
 __all__ = ["Engine", "RequestHandle"]
@@ -72,7 +73,9 @@ class Engine:
         self.scheduler = scheduler
         self.tokenizer = tokenizer
         self.stack = stack
-        self._router = Router(abort_stage_request=self._abort_stage_request, event_loop=lambda: self._loop)
+        # Weak: the stage holds the router (its output sink), so the router must not hold
+        # the engine (no reference cycle; a closed engine is freed by reference counting).
+        self._router = Router(abort_stage_request=weak_method(self._abort_stage_request), event_loop=weak_method(self._serving_loop))
         self._serve_task: "asyncio.Task[None] | None" = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._started = False
@@ -125,6 +128,9 @@ class Engine:
             cls.from_pretrained, path_or_name, device=device, loop=loop, backend=backend, dtype=dtype, seed=seed, **limits
         )
         return await anyio.to_thread.run_sync(build)
+
+    def _serving_loop(self) -> asyncio.AbstractEventLoop | None:
+        return self._loop
 
     @property
     def event_loop(self) -> asyncio.AbstractEventLoop | None:

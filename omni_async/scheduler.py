@@ -21,7 +21,8 @@ import anyio
 import anyio.abc
 
 from . import errors
-from .stage.admin import BACKGROUND_ACTIONS, AdminRequest, failure, run_admin_action
+from .stage.admin import AdminRequest, failure
+from .stage.admin_channel import AdminChannel
 from .stage.channels import drain_stream, take_buffered
 from .config import SchedulerConfig
 from .core.protocol import BatchCore, StepRunner
@@ -35,6 +36,7 @@ from .stage.emission import Emission, OutputSink, ResultAdapter, StreamOutputBui
 from .stage.intake import Intake, ModelLimits, RequestBuilder
 from .stage.state import StageState
 from .stage.stepper import Stepper, StepStats
+from .stage.weak import weak_method
 from .stage.wake import WakeSignal
 
 __all__ = ["AsyncOmniScheduler", "ModelLimits"]
@@ -69,7 +71,6 @@ class AsyncOmniScheduler:
 
         self.inbox, self._inbox_rx = anyio.create_memory_object_stream[IncomingMessage](math.inf)
         self._outbox_tx, self.outbox = anyio.create_memory_object_stream[OutgoingMessage](math.inf)
-        self._admin_tx, self._admin_rx = anyio.create_memory_object_stream[AdminRequest](math.inf)
 
         self._wake = WakeSignal()
         self._stopped = anyio.Event()
@@ -81,7 +82,7 @@ class AsyncOmniScheduler:
         self.stats = StepStats()
         self.emission = Emission(
             core,
-            output_sink or self._to_outbox,
+            output_sink or weak_method(self._to_outbox),
             result_adapter=result_adapter,
             stream_output_builder=stream_output_builder,
             state=self.state,
@@ -99,15 +100,15 @@ class AsyncOmniScheduler:
             recheck_on_chunk=recheck_on_chunk,
             stream_chunk_handler=stream_chunk_handler,
             stream_done_handler=stream_done_handler,
-            on_build_done=lambda: self._call_in_loop(self.wake),
+            on_build_done=weak_method(self._call_in_loop, weak_method(self.wake)),
         )
         self.stepper = Stepper(
             core,
             runner,
             self.executor,
             self.emission,
-            begin_iteration=self._begin_iteration,
-            wait_for_work=self._wait_for_work,
+            begin_iteration=weak_method(self._begin_iteration),  # weak: no reference cycle
+            wait_for_work=weak_method(self._wait_for_work),
             state=self.state,
             config=self.config,
             stats=self.stats,
@@ -117,12 +118,13 @@ class AsyncOmniScheduler:
             self.intake,
             self.emission,
             self.stepper,
-            wake=self.wake,
+            wake=weak_method(self.wake),
             state=self.state,
             loop_name=self.config.loop,
             model_info=model_info,
             model_worker=model_worker,
         )
+        self.admin_channel = AdminChannel(self.control)
 
     # ================================================================ lifecycle
 
@@ -231,10 +233,8 @@ class AsyncOmniScheduler:
             for rid in list(self.emission.live):
                 self.emission.fail(rid, errors.SchedulerClosedError("aborted: scheduler closed"))
         self.core.flush_cache()  # nothing holds KV now: the cached prefixes go too
-        for request in take_buffered(self._admin_rx):
-            request.answer(failure("scheduler closed"))
+        self.admin_channel.close()
         self.inbox.close()
-        self._admin_tx.close()
         self._outbox_tx.close()
         log.info("scheduler_stopped")
 
@@ -283,7 +283,7 @@ class AsyncOmniScheduler:
         every loop iteration."""
         self._wake.clear()
         with self.emission.coalesced():
-            await self._serve_admin()
+            await self.admin_channel.serve(self._background)
             await self.intake.receive_and_admit()
             if self.intake.has_arrivals():  # what a cold burst left: the next iteration takes it
                 self._wake.set()
@@ -342,8 +342,8 @@ class AsyncOmniScheduler:
         if not self.serving:
             if self.closed:
                 return failure("scheduler closed")
-            return await run_admin_action(self.control, request)
-        self._admin_tx.send_nowait(request)
+            return await self.admin_channel.run_now(request)
+        self.admin_channel.post(request)
         self.wake()
         return await await_future(request.reply)
 
@@ -366,27 +366,8 @@ class AsyncOmniScheduler:
             return failure(f"admin operation timed out after {timeout:.1f}s", error="admin operation timed out")
 
     def _admin_from_thread(self, request: AdminRequest) -> None:
-        try:
-            self._admin_tx.send_nowait(request)
-        except (anyio.ClosedResourceError, anyio.BrokenResourceError):
-            request.answer(failure("scheduler closed"))
-            return
-        self.wake()
-
-    async def _serve_admin(self) -> None:
-        for request in take_buffered(self._admin_rx):
-            if request.reply.done():
-                continue
-            if request.action in BACKGROUND_ACTIONS and self._background is not None:
-                self._background.start_soon(self._serve_admin_in_background, request)
-            else:
-                request.answer(await run_admin_action(self.control, request))
-
-    async def _serve_admin_in_background(self, request: AdminRequest) -> None:
-        try:
-            request.answer(await run_admin_action(self.control, request))
-        finally:
-            request.answer(failure("scheduler closed"))
+        if self.admin_channel.post(request):
+            self.wake()
 
     # ================================================================ introspection
 

@@ -111,7 +111,9 @@ def _greedy_tokens(device: str, prompts, n: int, **kw) -> list[list[int]]:
             res = await asyncio.gather(
                 *[engine.generate(input_ids=p, sampling=SamplingParams(max_new_tokens=n, ignore_eos=True)) for p in prompts]
             )
-        return [r.output_ids for r in res], engine
+            runner = engine.stack.runner
+            seen = (runner.fused, runner.graphs)  # closing releases the graphs
+        return [r.output_ids for r in res], seen
 
     return asyncio.run(run())
 
@@ -120,9 +122,9 @@ def _greedy_tokens(device: str, prompts, n: int, **kw) -> list[list[int]]:
 def test_fused_float32_greedy_equals_cpu_reference(loop):
     prompts = [[256, *b"hello there"], list(range(40, 140)), [256, *b"fused kernels"] * 7]
     cpu, _ = _greedy_tokens("cpu", prompts, 24, loop=loop)
-    fused, engine = _greedy_tokens(DEV, prompts, 24, loop=loop, fused_kernels=True)
-    assert engine.stack.runner.fused and engine.stack.runner.graphs is not None
-    assert engine.stack.runner.graphs.replays > 0
+    fused, (was_fused, graphs) = _greedy_tokens(DEV, prompts, 24, loop=loop, fused_kernels=True)
+    assert was_fused and graphs is not None
+    assert graphs.replays > 0
     plain, _ = _greedy_tokens(DEV, prompts, 24, loop=loop, fused_kernels=False)
     assert fused == cpu == plain
 
@@ -183,9 +185,10 @@ def test_fused_sampled_tokens_equal_unfused_on_cuda():
         engine = Engine.from_pretrained("tiny", device=DEV, dtype="float32", kv_capacity_tokens=8192, fused_kernels=fused)
         async with engine:
             res = await asyncio.gather(*[engine.generate(input_ids=p, sampling=s) for p, s in zip(prompts, params)])
-        return [r.output_ids for r in res], engine
+            sampling_graphs = engine.stack.runner.sampling_graphs  # closing releases them
+        return [r.output_ids for r in res], sampling_graphs
 
-    fused, engine = asyncio.run(run(True))
+    fused, sampling_graphs = asyncio.run(run(True))
     plain, _ = asyncio.run(run(False))
-    assert engine.stack.runner.sampling_graphs is not None and engine.stack.runner.sampling_graphs.replays > 0
+    assert sampling_graphs is not None and sampling_graphs.replays > 0
     assert fused == plain

@@ -362,10 +362,11 @@ async def test_tiny_is_deterministic_per_seed():
     for seed in (0, 0, 1):
         engine = Engine.from_pretrained("tiny", loop="normal", seed=seed)
         async with engine:
+            weights = {k: v.clone() for k, v in engine.stack.loaded.model.state_dict().items()}
             g = await greedy(engine, prompts, 16)
             s = [(await engine.generate(input_ids=p, sampling=sampled)).output_ids for p in prompts]
         assert_kv_free(engine)
-        runs.append((engine.stack.loaded.model.state_dict(), g, s))
+        runs.append((weights, g, s))
     (w0, g0, s0), (w0b, g0b, s0b), (w1, g1, s1) = runs
     assert all(torch.equal(w0[k], w0b[k]) for k in w0)
     assert (g0, s0) == (g0b, s0b)
@@ -382,12 +383,13 @@ async def test_tiny_context_and_long_prompt():
     assert cfg.vocab_size == ByteTokenizer.VOCAB_SIZE and cfg.eos_token_ids == (ByteTokenizer.EOS,)
     rng = random.Random(4)
     ids = [rng.randrange(0, 256) for _ in range(2040)]
+    model = engine.stack.loaded.model  # closing releases the engine's reference to it
     async with engine:
         res = await engine.generate(input_ids=ids, sampling=SamplingParams(max_new_tokens=8, ignore_eos=True))
     assert_kv_free(engine)
     assert len(res.output_ids) == 8 and res.finish_reason == "length"
     # Chunked prefill and decode at positions up to 2047 agree with one plain forward.
-    full = prefill_logits(engine.stack.loaded.model, ids + res.output_ids[:-1])
+    full = prefill_logits(model, ids + res.output_ids[:-1])
     assert full[len(ids) - 1 :].argmax(-1).tolist() == res.output_ids
 
 

@@ -289,5 +289,6 @@ async def test_cpu_keeps_the_reference_ops_whatever_fused_kernels_says(fused, de
     engine = Engine.from_pretrained("tiny", fused_kernels=fused, decode_steps=decode_steps)
     async with engine:
         out = await engine.generate(input_ids=[256, *b"abc"], sampling=SamplingParams(max_new_tokens=4))
+        ops = engine.stack.loaded.model.ops
     assert len(out.output_ids) == 4
-    assert engine.stack.runner.fused is False and type(engine.stack.loaded.model.ops) is ReferenceOps
+    assert engine.stack.runner.fused is False and type(ops) is ReferenceOps

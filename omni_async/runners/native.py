@@ -21,7 +21,8 @@ from ..kv.cache import PagedKVCache
 from ..kernels.reference import ReferenceOps
 from ..models.decoder import DecoderModel
 from .sampling import SampleResult, SamplingBatch, sample
-from .base import ModelRunner, hidden_states_only
+from .base import ModelRunner
+from .hooks import hidden_states_only
 from .cuda_graphs import DecodeGraphs
 from .forward_batch import ForwardBatch
 from .fused_decode import FusedBatch, FusedDecode, leaves_hooks

@@ -70,6 +70,9 @@ class ThreadStepExecutor:
         self._closed = False
         # Called once the worker stopped (a backend's processes, a group to release).
         self.on_close: list[Callable[[], None]] = []
+        # Called on the loop's thread after on_close: quick, non-blocking releases (the
+        # stage's device memory, omni_async.release).
+        self.after_close: list[Callable[[], None]] = []
 
     launches_inline = False
 
@@ -119,6 +122,8 @@ class ThreadStepExecutor:
         finally:
             for close in self.on_close:
                 await anyio.to_thread.run_sync(close)
+            for release in self.after_close:
+                release()
 
     @property
     def threads(self) -> list[threading.Thread]:

@@ -22,6 +22,7 @@ from ..core.protocol import BatchCore
 from ..core.request import Request, RequestData
 from ..logs import debug_enabled, log
 from ..messages import IncomingMessage, RequestPayload
+from .weak import weak_method
 from .request_checks import check_capacity, check_input_ids, check_sampling_vocab
 from .emission import Emission
 from .guard import call_user
@@ -66,7 +67,9 @@ class Intake:
         self.core = core
         self.limits = limits
         self.emission = emission
-        self.request_builder = request_builder or self.default_request_builder
+        # None: the default builder, looked up per call (a bound method stored here would
+        # make a reference cycle; see omni_async.stage.weak).
+        self.request_builder = request_builder
         self._stream_chunk_handler = stream_chunk_handler
         self._stream_done_handler = stream_done_handler
         self.arrived: deque[IncomingMessage] = deque()
@@ -75,7 +78,7 @@ class Intake:
         self.tombstones: IdWindow[bool] = IdWindow(config.aborted_id_cap, config.aborted_id_keep)
         self.admission = Admission(
             config,
-            build=self._build,
+            build=weak_method(self._build),
             is_ready=_guarded_ready(request_build_ready) if request_build_ready else None,
             on_build_done=on_build_done,
             orphan_cap=_ORPHAN_INPUT_CAP,
@@ -219,7 +222,7 @@ class Intake:
         rid = payload.request_id
         if debug_enabled():
             log.debug("scheduler_request_build_start", request_id=rid)
-        data = call_user("request builder", self.request_builder, payload)
+        data = call_user("request builder", self.request_builder or self.default_request_builder, payload)
         if debug_enabled():
             log.debug("scheduler_request_build_end", request_id=rid)
         return data

@@ -4,6 +4,7 @@ core assembled (:mod:`.stack`), and the scheduler around them."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -16,6 +17,7 @@ from ...scheduler import AsyncOmniScheduler
 from ...stage.executor import make_step_executor
 from ..base import BuiltStage
 from .kv_sizing import kv_cache, kv_pages_for
+from .release import device_state_of, release_stage_memory
 from .stack import NativeStack, assemble_stack, build_off_this_thread
 from .weights import NativeModelWorker
 
@@ -66,6 +68,9 @@ def build_scheduler(stack: NativeStack, config: SchedulerConfig, **callbacks: An
         executor.on_close.append(tp.close)  # the worker ranks stop with the scheduler
     else:
         worker = NativeModelWorker(stack.loaded.model, model_path=stack.loaded.path, load_format=stack.loaded.load_format, device=stack.device)
+    # Once the stage has closed, its model, KV, graphs and buffers go at once, not at a
+    # GC pass (the executor closes with the stage, after its last step).
+    executor.after_close.append(functools.partial(release_stage_memory, stack.device, device_state_of(stack, worker)))
     return AsyncOmniScheduler(
         stack.runner,
         stack.core,

@@ -8,6 +8,8 @@ import torch
 
 from ...config import SchedulerConfig
 from ...kv.cache import PagedKVCache
+from ...logs import log
+from ...memory_budget import MemoryPlan, activation_reserve_bytes, device_total_bytes, model_bytes, plan_memory
 from ...models.loader import LoadedModel
 
 # CPU KV when kv_capacity_tokens is not given: this fraction of the memory available now,
@@ -23,7 +25,9 @@ CPU_KV_MAX_TOKENS = 65536
 
 def kv_pages_for(config: SchedulerConfig, loaded: LoadedModel, device: torch.device, dtype: torch.dtype) -> int:
     cfg = loaded.model.config  # the local KV heads under tensor parallelism
-    if config.kv_capacity_tokens is not None:
+    if config.memory_budget is not None:
+        tokens = budget_plan(config, loaded, device, dtype).kv_tokens
+    elif config.kv_capacity_tokens is not None:
         tokens = config.kv_capacity_tokens
     elif device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(device)
@@ -33,6 +37,35 @@ def kv_pages_for(config: SchedulerConfig, loaded: LoadedModel, device: torch.dev
         per_token = PagedKVCache.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype)
         tokens = cpu_kv_tokens(per_token)
     return max(1, tokens // config.page_size)
+
+
+def budget_plan(config: SchedulerConfig, loaded: LoadedModel, device: torch.device, dtype: torch.dtype) -> MemoryPlan:
+    """How ``config.memory_budget`` is spent on this loaded model (ConfigError when it
+    cannot hold the weights, the reserve and a minimum KV)."""
+    cfg = loaded.model.config
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    graphs = device.type == "cuda" and config.cuda_graphs
+    reserve = activation_reserve_bytes(
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        vocab_size=cfg.vocab_size,
+        prefill_tokens=config.chunk_size or config.max_prefill_tokens,
+        max_batch=config.max_running_requests,
+        dtype_bytes=itemsize,
+        cuda_graph_batch=min(config.cuda_graph_max_batch, config.max_running_requests) if graphs else 0,
+        device_type=device.type,
+    )
+    plan = plan_memory(
+        config.memory_budget,  # type: ignore[arg-type]
+        total_bytes=device_total_bytes(device),
+        weights_bytes=model_bytes(loaded.model),
+        reserve_bytes=reserve,
+        kv_bytes_per_token=PagedKVCache.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype),
+        page_size=config.page_size,
+        kv_tokens=config.kv_capacity_tokens,
+    )
+    log.info("engine_memory_plan", device=str(device), **plan.as_dict())
+    return plan
 
 
 def available_memory_bytes() -> int | None:

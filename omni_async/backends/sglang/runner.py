@@ -20,7 +20,8 @@ from typing import Any
 
 import torch
 
-from ...runners.base import ModelRunner, hidden_states_only
+from ...runners.base import ModelRunner
+from ...runners.hooks import hidden_states_only
 from ...core.runner_io import SchedulerOutput
 from ...runners.types import BatchResult
 

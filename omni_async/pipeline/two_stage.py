@@ -13,10 +13,10 @@ from typing import Any, AsyncIterator, Callable
 
 import anyio
 
-from . import errors
-from .stage.channels import drain_stream
-from .messages import IncomingMessage, OutgoingMessage
-from .scheduler import AsyncOmniScheduler
+from .. import errors
+from ..messages import IncomingMessage, OutgoingMessage
+from ..scheduler import AsyncOmniScheduler
+from ..stage.channels import drain_stream
 
 
 @dataclass
@@ -85,6 +85,46 @@ class TwoStagePipeline:
         self.buffer = buffer
         self._handles: dict[str, PipelineHandle] = {}
         self._task_group: Any = None
+        self.stacks: tuple[Any, ...] = ()  # what from_pretrained built, for introspection
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        thinker: str = "tiny",
+        talker: str = "tiny",
+        *,
+        device: str = "cpu",
+        loop: str = "normal",
+        shares: tuple[float | int | None, float | int | None] = (None, None),
+        dtype: Any = None,
+        seeds: tuple[int, int] = (0, 1),
+        talker_min_chunks: int = 3,
+        capture_hidden: bool = True,
+        thinker_limits: dict[str, Any] | None = None,
+        talker_limits: dict[str, Any] | None = None,
+        **pipeline: Any,
+    ) -> "TwoStagePipeline":
+        """Both stages on one device, each within its share of the device's memory
+        (``memory_budget``: a fraction of its total memory or bytes; None sizes that
+        stage's KV as an engine would). ConfigError when the shares add up to more than
+        the device (before anything loads) or one cannot hold its model and a minimum
+        KV. The talker is deferred until ``talker_min_chunks`` thinker chunks arrived;
+        its prompt is BOS and the thinker's tokens so far. ``capture_hidden``: thinker
+        stream chunks carry their hidden states. ``pipeline``: this class's options."""
+        from .colocate import build_stage_scheduler, build_talker, check_shares
+
+        check_shares(shares)
+        first, first_stack = build_stage_scheduler(
+            thinker, device=device, loop=loop, dtype=dtype, seed=seeds[0], memory_budget=shares[0],
+            capture_hidden=capture_hidden, **(thinker_limits or {}),
+        )
+        second, second_stack = build_talker(
+            talker, min_chunks=talker_min_chunks, device=device, loop=loop, dtype=dtype, seed=seeds[1],
+            memory_budget=shares[1], **(talker_limits or {}),
+        )
+        pipe = cls(first, second, **pipeline)
+        pipe.stacks = (first_stack, second_stack)
+        return pipe
 
     async def __aenter__(self) -> "TwoStagePipeline":
         self._task_group = anyio.create_task_group()
@@ -151,77 +191,3 @@ class TwoStagePipeline:
                 handle = self._handles.get(msg.request_id)
                 if handle is not None and self.names[0] not in handle._open:
                     self._handles.pop(msg.request_id, None)
-
-
-# ---------------------------------------------------------------- the demo
-
-
-async def run_pipeline_demo(args: Any) -> int:
-    """A thinker (tiny) streams tokens and per-step hidden states to a talker (a second
-    tiny, another seed) that starts once 3 chunks have arrived; both outputs stream."""
-    import time
-
-    from .backends.native.builder import build_native_stack, build_scheduler
-    from .config import SamplingParams, SchedulerConfig
-    from .messages import RequestPayload
-
-    stack_a = build_native_stack("tiny", SchedulerConfig(loop=args.loop), device=args.device, seed=0)
-    stack_a.runner.capture_hidden = True
-    thinker = build_scheduler(stack_a, SchedulerConfig(loop=args.loop))
-    talker = make_talker(args.loop, args.device)
-    tok = stack_a.loaded.tokenizer
-    prompts = ["Tell me a story about a loop.", "What does the talker say?"]
-    async with TwoStagePipeline(thinker, talker) as pipe:
-        start = time.perf_counter()
-
-        async def one(i: int, prompt: str) -> None:
-            rid = f"conv-{i}"
-            ids = tok.encode(prompt)
-            first = RequestPayload(rid, ids, SamplingParams(max_new_tokens=24, temperature=0.8, seed=i, ignore_eos=True))
-            second = RequestPayload(rid, [], SamplingParams(max_new_tokens=16, temperature=0.8, seed=100 + i, ignore_eos=True))
-            handle = await pipe.submit(rid, first, second)
-            async for ev in handle:
-                t = 1000 * (time.perf_counter() - start)
-                if ev.kind == "stream":
-                    extra = ev.data.extra
-                    note = f" hidden|{float(extra['hidden_state'].norm()):.2f}|" if "hidden_state" in extra else ""
-                    print(f"{t:7.1f} ms  {rid} {ev.stage:7s} +{ev.data.token_ids}{note}")
-                else:
-                    print(f"{t:7.1f} ms  {rid} {ev.stage:7s} {ev.kind}: {len(ev.data.output_ids)} tokens")
-
-        import asyncio
-
-        await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
-    return 0
-
-
-TALKER_MIN_CHUNKS = 3
-
-
-def make_talker(loop: str, device: str = "cpu", min_chunks: int = TALKER_MIN_CHUNKS) -> AsyncOmniScheduler:
-    """A talker stage over the tiny model (seed 1): deferred until ``min_chunks`` thinker
-    chunks have arrived; its prompt is those thinker tokens; later chunks are collected
-    on its request data as it decodes."""
-    from .backends.native.builder import build_native_stack, build_scheduler
-    from .config import SchedulerConfig
-
-    config = SchedulerConfig(loop=loop)
-    stack = build_native_stack("tiny", config, device=device, seed=1)
-
-    def build(payload: Any):
-        tokens = [t for chunk in payload.prefetched_chunks for t in chunk.token_ids]
-        payload.input_ids = [256] + tokens  # BOS, then the thinker's tokens so far
-        data = sched.default_request_builder(payload)
-        data.stream_chunks = []  # the prefetched ones became the prompt
-        return data
-
-    sched = build_scheduler(
-        stack,
-        config,
-        request_builder=build,
-        request_build_ready=lambda payload, done: len(payload.prefetched_chunks) >= min_chunks or done,
-    )
-    return sched
-
-
-__all__ = ["TwoStagePipeline", "PipelineHandle", "StageEvent", "make_talker", "run_pipeline_demo"]

@@ -1,0 +1,472 @@
+"""Co-located stages on one device: a thinker streaming into a talker through
+``TwoStagePipeline``, against each stage alone on the same requests.
+
+The workload (issue: co-located stages run faster together than apart): random-weight
+bf16 checkpoints of a thinker (Qwen2-1.5B shape, or Llama-8B with ``--thinker-shape
+llama-8b``) and a talker (Qwen2-0.5B shape), built on the fly; ``--conversations`` (128)
+conversations, thinker prompts of 100-512 tokens and 256 new tokens; the talker is
+deferred until 3 thinker chunks have arrived (its prompt: BOS and the thinker's tokens so
+far), then writes 512 tokens; temperature 0.7, ignore_eos; each stage
+``max_running_requests=256``, an explicit KV size (or ``--shares``, each stage's
+``memory_budget``), prefill budget 16384/8192.
+
+For each loop: the thinker alone, the talker alone (prompt: BOS and 3 tokens), the
+pipeline; repeats interleaved (repeat 1: every loop's three runs, then repeat 2, ...).
+Each run builds its stages, serves, closes, and records: wall time, each stage's tokens
+and tok/s, time to first token (p50/p90) of each stage, GPU busy (NVML, sampled in a
+thread), and ``torch.cuda.memory_allocated()`` before building, after closing (no
+``gc.collect()``) and after a ``gc.collect()``. The JSON is saved after every run.
+
+    python bench/colocate.py --out bench/results/colocate_h200.json [--loops normal,overlap,async_decode]
+        [--repeats 3] [--conversations 128] [--thinker-shape qwen2-1.5b|llama-8b] [--shares 0.5,0.3]
+    python bench/colocate.py --smoke --out bench/results/colocate_smoke_cpu.json   # tiny shapes, CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import cProfile
+import pstats
+import gc
+import random
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from _common import LOOPS, machine_facts, parse_loops, percentile, save_json  # noqa: E402
+
+from omni_async import SamplingParams  # noqa: E402
+from omni_async.pipeline.colocate import build_stage_scheduler  # noqa: E402
+from omni_async.messages import IncomingMessage, RequestPayload  # noqa: E402
+from omni_async.pipeline import TwoStagePipeline  # noqa: E402
+
+QWEN_COMMON = dict(family="qwen2", max_position_embeddings=32768, rope_theta=1_000_000.0)
+SHAPES: dict[str, dict[str, Any]] = {
+    "qwen2-1.5b": dict(QWEN_COMMON, hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
+                       intermediate_size=8960, vocab_size=151936, tie_word_embeddings=True),
+    "qwen2-0.5b": dict(QWEN_COMMON, hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                       intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True),
+    "llama-8b": dict(family="llama", hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                     intermediate_size=14336, vocab_size=128256, max_position_embeddings=8192, rope_theta=500_000.0,
+                     tie_word_embeddings=False),
+    # --smoke: small enough for a CPU run in seconds.
+    "smoke-thinker": dict(family="qwen2", hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                          intermediate_size=128, vocab_size=512, max_position_embeddings=2048, tie_word_embeddings=True),
+    "smoke-talker": dict(family="qwen2", hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                         intermediate_size=64, vocab_size=512, max_position_embeddings=2048, tie_word_embeddings=True),
+}
+
+
+def log(*a: Any) -> None:
+    print(*a, flush=True)
+
+
+def make_checkpoint(folder: Path, shape_name: str, dtype: torch.dtype, device: str, seed: int) -> Path:
+    """A random-weight checkpoint of ``shape_name`` in ``folder`` (kept: later runs reuse
+    it), written with transformers' save_pretrained; no tokenizer (input_ids only)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    if (folder / "config.json").exists():
+        return folder
+    shape = dict(SHAPES[shape_name])
+    family = shape.pop("family")
+    config_cls, model_cls = (LlamaConfig, LlamaForCausalLM) if family == "llama" else (Qwen2Config, Qwen2ForCausalLM)
+    cfg = config_cls(bos_token_id=1, eos_token_id=2, pad_token_id=0, **shape)
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = model_cls(cfg).to(dtype)
+    model.save_pretrained(folder)
+    del model
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    return folder
+
+
+class GpuBusy:
+    """NVML utilisation (percent of time a kernel ran), sampled every ``period`` s in a
+    thread; nothing on a machine without NVML."""
+
+    def __init__(self, enabled: bool, period: float = 0.02) -> None:
+        self.samples: list[int] = []
+        self.period = period
+        self._stop = threading.Event()
+        self._handle = None
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        if enabled:
+            try:
+                import pynvml  # pip install nvidia-ml-py (the [bench] extra)
+            except ImportError:
+                log("GPU busy not measured: pynvml missing (pip install nvidia-ml-py)")
+                return
+            pynvml.nvmlInit()
+            self._nvml = pynvml
+            self._handle = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
+
+    def _run(self) -> None:
+        while self._handle is not None and not self._stop.is_set():
+            self.samples.append(self._nvml.nvmlDeviceGetUtilizationRates(self._handle).gpu)
+            self._stop.wait(self.period)
+
+    def __enter__(self) -> "GpuBusy":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    @property
+    def mean(self) -> float | None:
+        return statistics.mean(self.samples) if self.samples else None
+
+
+def memory_allocated(device: str) -> int | None:
+    if not device.startswith("cuda"):
+        return None
+    torch.cuda.synchronize()
+    return int(torch.cuda.memory_allocated())
+
+
+# ------------------------------------------------------------------ the workload
+
+
+def workload(args: argparse.Namespace, thinker_vocab: int, talker_bos: int) -> dict[str, list]:
+    rng = random.Random(args.seed)
+    thinker = [[rng.randrange(3, thinker_vocab) for _ in range(rng.randint(args.prompt_min, args.prompt_max))]
+               for _ in range(args.conversations)]
+    talker = [[talker_bos] + [rng.randrange(3, thinker_vocab) for _ in range(3)] for _ in range(args.conversations)]
+    return {"thinker": thinker, "talker": talker}
+
+
+def thinker_sampling(args: argparse.Namespace, i: int) -> SamplingParams:
+    return SamplingParams(max_new_tokens=args.thinker_new, temperature=args.temperature, seed=i, ignore_eos=True)
+
+
+def talker_sampling(args: argparse.Namespace, i: int) -> SamplingParams:
+    return SamplingParams(max_new_tokens=args.talker_new, temperature=args.temperature, seed=100_000 + i, ignore_eos=True)
+
+
+def stage_limits(args: argparse.Namespace, kv_tokens: int | None) -> dict[str, Any]:
+    limits: dict[str, Any] = {"max_running_requests": args.max_running}
+    if kv_tokens:
+        limits["kv_capacity_tokens"] = kv_tokens
+    if args.device.startswith("cuda"):
+        limits.update(max_prefill_tokens=args.max_prefill, chunked_prefill_size=args.chunked_prefill)
+    limits.update(args.set)
+    return limits
+
+
+def parse_settings(text: str) -> dict[str, Any]:
+    """``name=value,...`` SchedulerConfig fields for both stages (true/false, ints, floats,
+    strings), e.g. ``own_cuda_stream=false,event_wait=thread``."""
+    out: dict[str, Any] = {}
+    for item in filter(None, text.split(",")):
+        name, _, raw = item.partition("=")
+        value: Any = raw
+        if raw.lower() in ("true", "false"):
+            value = raw.lower() == "true"
+        else:
+            for cast in (int, float):
+                try:
+                    value = cast(raw)
+                    break
+                except ValueError:
+                    pass
+        out[name.strip()] = value
+    return out
+
+
+def stage_stats(name: str, submitted: dict[str, float], first: dict[str, float], ends: list[float],
+                tokens: int, t0: float) -> dict[str, Any]:
+    ttft = [first[r] - submitted[r] for r in first]
+    span = (max(ends) - t0) if ends else None
+    return {
+        f"{name}_tokens": tokens,
+        f"{name}_span_s": span,
+        f"{name}_tok_s": tokens / span if span else None,
+        f"{name}_ttft_p50_ms": _ms(percentile(ttft, 50)),
+        f"{name}_ttft_p90_ms": _ms(percentile(ttft, 90)),
+    }
+
+
+def _ms(x: float | None) -> float | None:
+    return None if x is None else 1000 * x
+
+
+async def run_alone(args: argparse.Namespace, stage: str, path: Path, loop: str, prompts: list[list[int]]) -> dict:
+    """One stage by itself: every request sent at once, its outbox drained."""
+    kv = args.kv_thinker if stage == "thinker" else args.kv_talker
+    share = args.shares[0] if stage == "thinker" else args.shares[1]
+    sched, _stack = build_stage_scheduler(str(path), device=args.device, loop=loop, dtype=args.dtype,
+                                          seed=0 if stage == "thinker" else 1, memory_budget=share, **stage_limits(args, kv))
+    sampling = thinker_sampling if stage == "thinker" else talker_sampling
+    submitted: dict[str, float] = {}
+    first: dict[str, float] = {}
+    ends: list[float] = []
+    tokens = 0
+    async with sched:
+        with GpuBusy(args.device.startswith("cuda")) as busy:
+            t0 = time.perf_counter()
+            for i, ids in enumerate(prompts):
+                rid = f"{stage}-{i}"
+                submitted[rid] = time.perf_counter()
+                sched.inbox.send_nowait(IncomingMessage(rid, "new_request", RequestPayload(rid, ids, sampling(args, i))))
+            open_ids = set(submitted)
+            async for msg in sched.outbox:
+                now = time.perf_counter()
+                if msg.type == "stream":
+                    first.setdefault(msg.request_id, now)
+                    tokens += len(msg.data.token_ids)
+                elif msg.type == "error":
+                    raise RuntimeError(f"{msg.request_id}: {msg.data!r}")
+                else:
+                    ends.append(now)
+                    open_ids.discard(msg.request_id)
+                    if not open_ids:
+                        break
+            wall = time.perf_counter() - t0
+    return {"wall_s": wall, "gpu_busy_mean": busy.mean, **stage_stats(stage, submitted, first, ends, tokens, t0)}
+
+
+async def run_pipeline(args: argparse.Namespace, paths: dict[str, Path], loop: str, prompts: list[list[int]]) -> dict:
+    """Both stages in one event loop on one device, the thinker's chunks streamed in."""
+    limits = {"thinker_limits": stage_limits(args, args.kv_thinker), "talker_limits": stage_limits(args, args.kv_talker)}
+    pipe = TwoStagePipeline.from_pretrained(str(paths["thinker"]), str(paths["talker"]), device=args.device, loop=loop,
+                                            shares=tuple(args.shares), dtype=args.dtype, capture_hidden=False,
+                                            talker_min_chunks=3, buffer=1024, **limits)
+    submitted: dict[str, float] = {}
+    first = {"thinker": {}, "talker": {}}  # type: dict[str, dict[str, float]]
+    ends: dict[str, list[float]] = {"thinker": [], "talker": []}
+    tokens = {"thinker": 0, "talker": 0}
+
+    async def one(i: int, ids: list[int]) -> None:
+        rid = f"conv-{i}"
+        submitted[rid] = time.perf_counter()
+        handle = await pipe.submit(rid, RequestPayload(rid, ids, thinker_sampling(args, i)),
+                                   RequestPayload(rid, [], talker_sampling(args, i)))
+        async for ev in handle:
+            now = time.perf_counter()
+            if ev.kind == "stream":
+                first[ev.stage].setdefault(rid, now)
+                tokens[ev.stage] += len(ev.data.token_ids)
+            else:
+                ends[ev.stage].append(now)
+
+    async with pipe:
+        with GpuBusy(args.device.startswith("cuda")) as busy:
+            t0 = time.perf_counter()
+            await asyncio.gather(*(one(i, ids) for i, ids in enumerate(prompts)))
+            wall = time.perf_counter() - t0
+    out: dict[str, Any] = {"wall_s": wall, "gpu_busy_mean": busy.mean}
+    for stage in ("thinker", "talker"):
+        out.update(stage_stats(stage, submitted, first[stage], ends[stage], tokens[stage], t0))
+    return out
+
+
+async def one_run(args: argparse.Namespace, mode: str, loop: str, paths: dict[str, Path], work: dict) -> dict:
+    before = memory_allocated(args.device)
+    started = time.perf_counter()
+    if mode == "pipeline":
+        run = await run_pipeline(args, paths, loop, work["thinker"])
+    else:
+        run = await run_alone(args, mode, paths[mode], loop, work[mode])
+    run["build_serve_close_s"] = time.perf_counter() - started
+    run["mem_before_bytes"] = before
+    run["mem_after_close_bytes"] = memory_allocated(args.device)  # no gc.collect() before this
+    gc.collect()
+    run["mem_after_gc_bytes"] = memory_allocated(args.device)
+    return {"mode": mode, "loop": loop, **run}
+
+
+# ------------------------------------------------------------------ summary and main
+
+
+def summarize(runs: list[dict], loops: list[str]) -> dict[str, Any]:
+    """Per loop: medians over the repeats, and sum-of-alone / pipeline per repeat (the
+    three runs of one repeat ran back to back)."""
+    out: dict[str, Any] = {}
+    for loop in loops:
+        by_repeat: dict[int, dict[str, dict]] = {}
+        for r in runs:
+            if r["loop"] == loop and not r.get("warmup"):
+                by_repeat.setdefault(r["repeat"], {})[r["mode"]] = r
+        full = [m for m in by_repeat.values() if len(m) == 3]
+        if not full:
+            continue
+
+        def med(mode: str, key: str) -> float | None:
+            xs = [m[mode][key] for m in full if m[mode].get(key) is not None]
+            return statistics.median(xs) if xs else None
+
+        ratios = [(m["thinker"]["wall_s"] + m["talker"]["wall_s"]) / m["pipeline"]["wall_s"] for m in full]
+        leaks = [r["mem_after_close_bytes"] - r["mem_before_bytes"] for m in full for r in m.values()
+                 if r.get("mem_after_close_bytes") is not None]
+        out[loop] = {
+            "repeats": len(full),
+            "thinker_alone_wall_s": med("thinker", "wall_s"),
+            "talker_alone_wall_s": med("talker", "wall_s"),
+            "pipeline_wall_s": med("pipeline", "wall_s"),
+            "pipeline_wall_s_all": [m["pipeline"]["wall_s"] for m in full],
+            "sum_over_pipeline": statistics.median(ratios),
+            "sum_over_pipeline_all": ratios,
+            "thinker_alone_tok_s": med("thinker", "thinker_tok_s"),
+            "talker_alone_tok_s": med("talker", "talker_tok_s"),
+            "pipeline_thinker_tok_s": med("pipeline", "thinker_tok_s"),
+            "pipeline_talker_tok_s": med("pipeline", "talker_tok_s"),
+            "thinker_alone_ttft_p50_ms": med("thinker", "thinker_ttft_p50_ms"),
+            "talker_alone_ttft_p50_ms": med("talker", "talker_ttft_p50_ms"),
+            "pipeline_talker_ttft_p50_ms": med("pipeline", "talker_ttft_p50_ms"),
+            "pipeline_talker_ttft_p90_ms": med("pipeline", "talker_ttft_p90_ms"),
+            "pipeline_talker_ttft_p50_ms_all": [m["pipeline"]["talker_ttft_p50_ms"] for m in full],
+            "gpu_busy_thinker_alone": med("thinker", "gpu_busy_mean"),
+            "gpu_busy_talker_alone": med("talker", "gpu_busy_mean"),
+            "gpu_busy_pipeline": med("pipeline", "gpu_busy_mean"),
+            "mem_left_after_close_max_bytes": max(leaks) if leaks else None,
+        }
+    return out
+
+
+def print_table(result: dict[str, Any]) -> None:
+    def f(x: Any, spec: str = ".2f") -> str:
+        return "-" if x is None else format(x, spec)
+
+    log("\n| loop | thinker alone | talker alone | pipeline | sum / pipeline (each repeat) | talker TTFT p50 / p90 ms "
+        "| thinker TTFT alone ms | GPU busy % (alone T, alone t, pipe) | left after close MB |")
+    log("|---|---|---|---|---|---|---|---|---|")
+    for loop, s in result["summary"].items():
+        ratios = ", ".join(f(r) for r in s["sum_over_pipeline_all"])
+        left = s["mem_left_after_close_max_bytes"]
+        log(f"| {loop} | {f(s['thinker_alone_wall_s'])} s | {f(s['talker_alone_wall_s'])} s | {f(s['pipeline_wall_s'])} s "
+            f"| **{f(s['sum_over_pipeline'])}** ({ratios}) | {f(s['pipeline_talker_ttft_p50_ms'], '.0f')} / "
+            f"{f(s['pipeline_talker_ttft_p90_ms'], '.0f')} | {f(s['thinker_alone_ttft_p50_ms'], '.0f')} "
+            f"| {f(s['gpu_busy_thinker_alone'], '.0f')}, {f(s['gpu_busy_talker_alone'], '.0f')}, {f(s['gpu_busy_pipeline'], '.0f')} "
+            f"| {f(None if left is None else left / 1e6, '.1f')} |")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--loops", type=parse_loops, default=list(LOOPS), help="comma-separated: normal,overlap,async_decode")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--conversations", type=int, default=128)
+    p.add_argument("--thinker-shape", default="qwen2-1.5b", choices=["qwen2-1.5b", "llama-8b"])
+    p.add_argument("--talker-shape", default="qwen2-0.5b", choices=["qwen2-0.5b"])
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--shares", default=None,
+                   help="thinker,talker memory_budget (fractions of the device, e.g. 0.5,0.3); the KV sizes below are then checked against them")
+    p.add_argument("--kv-thinker", type=int, default=131072, help="thinker kv_capacity_tokens (0: from --shares)")
+    p.add_argument("--kv-talker", type=int, default=131072, help="talker kv_capacity_tokens (0: from --shares)")
+    p.add_argument("--set", type=parse_settings, default={},
+                   help="SchedulerConfig fields for both stages, e.g. own_cuda_stream=false,event_wait=thread")
+    p.add_argument("--profile", default=None, help="cProfile the first pipeline run of each loop into PROFILE.<loop>.txt")
+    p.add_argument("--max-running", type=int, default=256)
+    p.add_argument("--max-prefill", type=int, default=16384)
+    p.add_argument("--chunked-prefill", type=int, default=8192)
+    p.add_argument("--prompt-min", type=int, default=100)
+    p.add_argument("--prompt-max", type=int, default=512)
+    p.add_argument("--thinker-new", type=int, default=256)
+    p.add_argument("--talker-new", type=int, default=512)
+    p.add_argument("--temperature", type=float, default=0.7)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--checkpoints", default=str(Path(tempfile.gettempdir()) / "omni-colocate"),
+                   help="where the random checkpoints are written (and reused)")
+    p.add_argument("--no-warmup", action="store_true", help="skip the unmeasured warm-up pipeline run per loop")
+    p.add_argument("--smoke", action="store_true", help="tiny shapes on CPU, few short conversations, one repeat")
+    p.add_argument("--out", default=None, help="results JSON (a bare name goes under bench/results/)")
+    args = p.parse_args(argv)
+    args.dtype = "bfloat16"
+    args.shapes = {"thinker": args.thinker_shape, "talker": args.talker_shape}
+    if args.smoke:
+        args.device, args.dtype = "cpu", "float32"
+        args.shapes = {"thinker": "smoke-thinker", "talker": "smoke-talker"}
+        args.repeats = min(args.repeats, 1)
+        args.conversations = min(args.conversations, 6)
+        args.prompt_min, args.prompt_max, args.thinker_new, args.talker_new = 8, 24, 12, 16
+        args.kv_thinker = args.kv_talker = 4096
+        args.max_running = 16
+    args.shares = [float(x) for x in args.shares.split(",")] if args.shares else [None, None]
+    return args
+
+
+async def main_async(args: argparse.Namespace) -> dict[str, Any]:
+    torch_dtype = getattr(torch, args.dtype)
+    root = Path(args.checkpoints)
+    paths = {stage: make_checkpoint(root / f"{shape}-{args.dtype}", shape, torch_dtype, args.device, seed=i)
+             for i, (stage, shape) in enumerate(args.shapes.items())}
+    work = workload(args, SHAPES[args.shapes["thinker"]]["vocab_size"], talker_bos=1)
+    config = {k: v for k, v in vars(args).items() if k not in ("out",)}
+    result: dict[str, Any] = {"benchmark": "colocate", "config": config, "machine": machine_facts(), "runs": [], "summary": {}}
+    if args.device.startswith("cuda"):
+        result["machine"]["gpu"] = torch.cuda.get_device_name()
+    result["mem_at_start_bytes"] = memory_allocated(args.device)
+
+    def save() -> None:
+        result["summary"] = summarize(result["runs"], args.loops)
+        if args.out:
+            save_json(args.out, result)
+
+    if not args.no_warmup:  # kernels compiled, graphs' code paths warm: not measured
+        warm = argparse.Namespace(**{**vars(args), "conversations": min(8, args.conversations)})
+        for loop in args.loops:
+            run = await one_run(warm, "pipeline", loop, paths, workload(warm, SHAPES[args.shapes["thinker"]]["vocab_size"], 1))
+            result["runs"].append({**run, "repeat": -1, "warmup": True})
+            log(f"warm-up {loop}: {run['wall_s']:.2f} s")
+    for repeat in range(args.repeats):
+        for loop in args.loops:
+            for mode in ("thinker", "talker", "pipeline"):
+                profile = args.profile and mode == "pipeline" and repeat == 0
+                with profiled(f"{args.profile}.{loop}.txt" if profile else None):
+                    run = {**await one_run(args, mode, loop, paths, work), "repeat": repeat}
+                result["runs"].append(run)
+                log(f"repeat {repeat} {loop:12s} {mode:8s} wall {run['wall_s']:.2f} s  "
+                    f"talker TTFT p50 {run.get('talker_ttft_p50_ms') or 0:.0f} ms  GPU {run['gpu_busy_mean'] or 0:.0f}%  "
+                    f"mem after close {run['mem_after_close_bytes']} (after gc {run['mem_after_gc_bytes']})")
+                save()
+    save()
+    return result
+
+
+@contextlib.contextmanager
+def profiled(path: str | None):
+    """cProfile of the event loop's thread (every stage's host work, the router, the
+    readers) over one run, the top functions by own time written to ``path``."""
+    if path is None:
+        yield
+        return
+    prof = cProfile.Profile()
+    prof.enable()
+    try:
+        yield
+    finally:
+        prof.disable()
+        with open(path, "w") as f:
+            pstats.Stats(prof, stream=f).sort_stats("tottime").print_stats(45)
+            pstats.Stats(prof, stream=f).sort_stats("cumulative").print_stats(45)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        import uvloop
+
+        result = uvloop.run(main_async(args))
+    except ImportError:  # pragma: no cover
+        result = asyncio.run(main_async(args))
+    print_table(result)
+    if args.out:
+        log(f"\nsaved {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,61 @@
+"""``omni-async pipeline-demo``: a thinker streaming tokens and hidden states into a
+talker in one event loop."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..scheduler import AsyncOmniScheduler
+from .colocate import TALKER_MIN_CHUNKS
+from .two_stage import TwoStagePipeline
+
+async def run_pipeline_demo(args: Any) -> int:
+    """A thinker streams tokens and per-step hidden states to a talker that starts once 3
+    chunks have arrived; both outputs stream. ``--thinker`` / ``--talker`` name
+    checkpoints (default: the built-in tiny, the talker with another seed)."""
+    import asyncio
+    import time
+
+    from ..config import SamplingParams
+    from ..messages import RequestPayload
+
+    pipe = TwoStagePipeline.from_pretrained(
+        getattr(args, "thinker", "tiny"), getattr(args, "talker", "tiny"), device=args.device, loop=args.loop,
+        shares=(getattr(args, "thinker_share", None), getattr(args, "talker_share", None)), dtype=getattr(args, "dtype", None),
+    )
+    thinker_stack, _ = pipe.stacks
+    tok = thinker_stack.loaded.tokenizer
+    bos = thinker_stack.loaded.config.bos_token_id
+    prompts = ["Tell me a story about a loop.", "What does the talker say?"]
+    async with pipe:
+        start = time.perf_counter()
+
+        async def one(i: int, prompt: str) -> None:
+            rid = f"conv-{i}"
+            ids = tok.encode(prompt) if tok is not None else [bos or 1, *range(10 + i, 30 + i)]
+            first = RequestPayload(rid, ids, SamplingParams(max_new_tokens=24, temperature=0.8, seed=i, ignore_eos=True))
+            second = RequestPayload(rid, [], SamplingParams(max_new_tokens=16, temperature=0.8, seed=100 + i, ignore_eos=True))
+            handle = await pipe.submit(rid, first, second)
+            async for ev in handle:
+                t = 1000 * (time.perf_counter() - start)
+                if ev.kind == "stream":
+                    extra = ev.data.extra
+                    note = f" hidden|{float(extra['hidden_state'].float().norm()):.2f}|" if "hidden_state" in extra else ""
+                    print(f"{t:7.1f} ms  {rid} {ev.stage:7s} +{ev.data.token_ids}{note}")
+                else:
+                    print(f"{t:7.1f} ms  {rid} {ev.stage:7s} {ev.kind}: {len(ev.data.output_ids)} tokens")
+
+        await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+    return 0
+
+
+
+
+def make_talker(loop: str, device: str = "cpu", min_chunks: int = TALKER_MIN_CHUNKS) -> AsyncOmniScheduler:
+    """A talker stage over the tiny model (seed 1): deferred until ``min_chunks`` thinker
+    chunks have arrived; its prompt is those thinker tokens; later chunks are collected
+    on its request data as it decodes."""
+    from .colocate import build_talker
+
+    sched, _stack = build_talker("tiny", min_chunks=min_chunks, device=device, loop=loop, seed=1)
+    return sched
