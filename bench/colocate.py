@@ -368,6 +368,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kv-talker", type=int, default=131072, help="talker kv_capacity_tokens (0: from --shares)")
     p.add_argument("--set", type=parse_settings, default={},
                    help="SchedulerConfig fields for both stages, e.g. own_cuda_stream=false,event_wait=thread")
+    p.add_argument("--variants", type=lambda t: [parse_settings(v) for v in t.split(";")], default=[{}],
+                   help="';'-separated --set variants run side by side, interleaved in each repeat, "
+                        "e.g. 'event_wait=poll;event_wait=auto'")
     p.add_argument("--profile", default=None, help="cProfile the first pipeline run of each loop into PROFILE.<loop>.txt")
     p.add_argument("--max-running", type=int, default=256)
     p.add_argument("--max-prefill", type=int, default=16384)
@@ -410,29 +413,38 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         result["machine"]["gpu"] = torch.cuda.get_device_name()
     result["mem_at_start_bytes"] = memory_allocated(args.device)
 
-    def save() -> None:
-        result["summary"] = summarize(result["runs"], args.loops)
-        if args.out:
-            save_json(args.out, result)
-
     if not args.no_warmup:  # kernels compiled, graphs' code paths warm: not measured
         warm = argparse.Namespace(**{**vars(args), "conversations": min(8, args.conversations)})
         for loop in args.loops:
             run = await one_run(warm, "pipeline", loop, paths, workload(warm, SHAPES[args.shapes["thinker"]]["vocab_size"], 1))
             result["runs"].append({**run, "repeat": -1, "warmup": True})
             log(f"warm-up {loop}: {run['wall_s']:.2f} s")
+    base_set = dict(args.set)
+    labels = []
     for repeat in range(args.repeats):
-        for loop in args.loops:
-            for mode in ("thinker", "talker", "pipeline"):
-                profile = args.profile and mode == "pipeline" and repeat == 0
-                with profiled(f"{args.profile}.{loop}.txt" if profile else None):
-                    run = {**await one_run(args, mode, loop, paths, work), "repeat": repeat}
-                result["runs"].append(run)
-                log(f"repeat {repeat} {loop:12s} {mode:8s} wall {run['wall_s']:.2f} s  "
-                    f"talker TTFT p50 {run.get('talker_ttft_p50_ms') or 0:.0f} ms  GPU {run['gpu_busy_mean'] or 0:.0f}%  "
-                    f"mem after close {run['mem_after_close_bytes']} (after gc {run['mem_after_gc_bytes']})")
-                save()
-    save()
+        for variant in args.variants:  # variants interleaved within each repeat
+            args.set = {**base_set, **variant}
+            tag = ",".join(f"{k}={v}" for k, v in variant.items())
+            for loop in args.loops:
+                label = f"{loop} [{tag}]" if tag else loop
+                if label not in labels:
+                    labels.append(label)
+                for mode in ("thinker", "talker", "pipeline"):
+                    profile = args.profile and mode == "pipeline" and repeat == 0
+                    with profiled(f"{args.profile}.{loop}.txt" if profile else None):
+                        run = {**await one_run(args, mode, loop, paths, work), "repeat": repeat}
+                    run.update(loop=label, variant=variant)
+                    result["runs"].append(run)
+                    log(f"repeat {repeat} {label:12s} {mode:8s} wall {run['wall_s']:.2f} s  "
+                        f"talker TTFT p50 {run.get('talker_ttft_p50_ms') or 0:.0f} ms  GPU {run['gpu_busy_mean'] or 0:.0f}%  "
+                        f"mem after close {run['mem_after_close_bytes']} (after gc {run['mem_after_gc_bytes']})")
+                    result["summary"] = summarize(result["runs"], labels)
+                    if args.out:
+                        save_json(args.out, result)
+    args.set = base_set
+    result["summary"] = summarize(result["runs"], labels)
+    if args.out:
+        save_json(args.out, result)
     return result
 
 

@@ -199,7 +199,7 @@ class SchedulerConfig:
     cuda_graphs: bool = True
     cuda_graph_max_len: int = 2048
     cuda_graph_max_batch: int = 512
-    event_wait: str = "poll"
+    event_wait: str = "auto"
     # CUDA only: the stage launches its steps on a CUDA stream of its own, so stages that
     # share a GPU queue their work independently (see ModelRunner.use_own_stream).
     own_cuda_stream: bool = True

@@ -180,14 +180,15 @@ class AsyncOmniScheduler:
         log.info("scheduler_started", loop=self.config.loop)
         task_status.started()
         try:
-            async with anyio.create_task_group() as tg:
-                self._background = tg
-                tg.start_soon(self._pump_inbox)
-                try:
-                    await LOOPS[self.config.loop](self.stepper)
-                    await self.stepper.drain()
-                finally:
-                    tg.cancel_scope.cancel()
+            with self.executor.serving():
+                async with anyio.create_task_group() as tg:
+                    self._background = tg
+                    tg.start_soon(self._pump_inbox)
+                    try:
+                        await LOOPS[self.config.loop](self.stepper)
+                        await self.stepper.drain()
+                    finally:
+                        tg.cancel_scope.cancel()
         finally:
             self._background = None
             with anyio.CancelScope(shield=True):

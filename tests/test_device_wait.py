@@ -97,3 +97,37 @@ async def test_poll_estimate_follows_steps_that_got_shorter():
 def test_unknown_mode_is_refused():
     with pytest.raises(ValueError):
         EventWaiter("spin-forever")
+
+
+async def test_auto_polls_for_a_stage_alone_and_blocks_in_a_thread_when_stages_share_the_loop():
+    """``auto``: a lone stage polls (the event completes after a few queries); once a
+    second stage serves in the same loop, a wait blocks in the waiter thread (an event that
+    completes only when set, not by queries)."""
+    alone, other = EventWaiter("auto"), EventWaiter("auto")
+    with alone.tenant():
+        polled = StandInEvent(20)
+        await alone.wait(polled)
+        assert polled.queries == 21
+        with other.tenant():
+            assert alone.blocks_in_thread() and other.blocks_in_thread()
+            ev = StandInEvent(None)
+            asyncio.get_running_loop().call_later(0.05, ev.set)
+            await alone.wait(ev)
+            assert ev.queries <= 2  # one look before waiting, no polling
+        assert not alone.blocks_in_thread()
+    alone.close()
+
+
+async def test_two_engines_serving_in_one_loop_count_as_sharing_it():
+    from omni_async import Engine, SamplingParams
+
+    first = Engine.from_pretrained("tiny", kv_capacity_tokens=2048)
+    second = Engine.from_pretrained("tiny", kv_capacity_tokens=2048)
+    sp = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    async with first:
+        await first.generate(input_ids=[1, 2, 3], sampling=sp)
+        assert first.scheduler.info()["device_wait"] == "poll"
+        async with second:
+            await second.generate(input_ids=[1, 2, 3], sampling=sp)
+            assert first.scheduler.info()["device_wait"] == second.scheduler.info()["device_wait"] == "thread"
+        assert first.scheduler.info()["device_wait"] == "poll"

@@ -138,6 +138,9 @@ class StageControl:
                 "failed_steps": st.failed_steps,
                 "tokens_out": st.tokens_out,
                 "steps_in_flight": self.stepper.in_flight,
+                # How a step's device completion is awaited now (event_wait="auto" polls
+                # alone and blocks in a waiter thread while other stages share the loop).
+                "device_wait": "thread" if self.stepper.executor.event_waiter.blocks_in_thread() else "poll",
             }
         )
         info.update(self.core.stats())

@@ -11,8 +11,10 @@ under asyncio (uvloop) and trio alike.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import threading
-from typing import Any, Callable, TypeVar
+import weakref
+from typing import Any, Callable, Iterator, TypeVar
 
 import anyio
 import anyio.lowlevel
@@ -73,6 +75,13 @@ class ThreadStepExecutor:
         # Called on the loop's thread after on_close: quick, non-blocking releases (the
         # stage's device memory, omni_async.release).
         self.after_close: list[Callable[[], None]] = []
+
+    @contextlib.contextmanager
+    def serving(self) -> Iterator[None]:
+        """While the stage serves: its event waiter counts as a tenant of the running
+        loop (``event_wait="auto"`` waits differently when the loop is shared)."""
+        with self.event_waiter.tenant():
+            yield
 
     launches_inline = False
 
@@ -157,6 +166,9 @@ class InlineStepExecutor(ThreadStepExecutor):
 StepExecutor = ThreadStepExecutor
 
 
+EVENT_WAIT_MODES = ("auto", "poll", "thread")
+
+
 def make_step_executor(launch: str, device_type: str, event_wait: str) -> ThreadStepExecutor:
     """``launch``: "thread" (a worker thread), "inline" (the loop thread; CUDA only,
     where a launch does not block on compute) or "auto" (inline on CUDA)."""
@@ -172,21 +184,31 @@ def make_step_executor(launch: str, device_type: str, event_wait: str) -> Thread
 
 class EventWaiter:
     """Awaits CUDA events without blocking the loop. Modes (measured in
-    ``bench/gpu_suite.py``):
+    ``bench/gpu_suite.py`` and ``bench/colocate.py``):
 
     - ``poll``: ``event.query()`` with a cooperative wait shaped by the recent step
       times: sleep until about 1 ms before the step is expected to end (the loop's
       timers are ~1 ms coarse), then yield with ``sleep(0)`` until the event is done,
       so other coroutines run throughout;
     - ``thread``: a waiter thread blocks in ``event.synchronize()`` (a blocking-sync
-      event, so it sleeps) and wakes the loop.
+      event, so it sleeps) and wakes the loop;
+    - ``auto`` (the default): ``poll`` while this stage is the only one serving in its
+      event loop, ``thread`` while others share the loop. Polling is the quicker wake-up
+      for one stage, but two polling stages keep the loop thread spinning through each
+      other's waits and hold the GIL against their worker threads' launches: on the
+      H200 a thinker and a talker took 2.2 s together with waiter threads and 3.1-3.4 s
+      polling (bench/RESULTS.md).
 
     A watchdog turns a completion that never signals into ``DeviceTimeoutError``.
     """
 
-    def __init__(self, mode: str = "poll", watchdog_s: float = 120.0, spins: int = 8) -> None:
-        if mode not in ("poll", "thread"):
-            raise ConfigError(f"unknown event wait mode {mode!r}; choose 'poll' or 'thread'")
+    # Tenants (serving stages' waiters) of each event loop's thread.
+    _tenants: dict[int, "weakref.WeakSet[EventWaiter]"] = {}
+    _tenants_lock = threading.Lock()
+
+    def __init__(self, mode: str = "auto", watchdog_s: float = 120.0, spins: int = 8) -> None:
+        if mode not in EVENT_WAIT_MODES:
+            raise ConfigError(f"unknown event wait mode {mode!r}; choose one of {', '.join(EVENT_WAIT_MODES)}")
         self.mode = mode
         self.watchdog_s = watchdog_s
         self.spins = spins
@@ -194,6 +216,29 @@ class EventWaiter:
         self.polls = 0
         self.waits = 0
         self._expected_s: float | None = None
+
+    @contextlib.contextmanager
+    def tenant(self) -> Iterator[None]:
+        """Count this waiter as serving in the calling thread's event loop."""
+        key = threading.get_ident()
+        with self._tenants_lock:
+            self._tenants.setdefault(key, weakref.WeakSet()).add(self)
+        try:
+            yield
+        finally:
+            with self._tenants_lock:
+                tenants = self._tenants.get(key)
+                if tenants is not None:
+                    tenants.discard(self)
+                    if not tenants:
+                        del self._tenants[key]
+
+    def blocks_in_thread(self) -> bool:
+        """Whether the next wait blocks in a waiter thread rather than polling."""
+        if self.mode != "auto":
+            return self.mode == "thread"
+        tenants = self._tenants.get(threading.get_ident())
+        return tenants is not None and len(tenants) > 1
 
     async def wait(self, event: Any) -> None:
         self.waits += 1
@@ -206,7 +251,7 @@ class EventWaiter:
             raise DeviceTimeoutError(f"device step did not complete within {self.watchdog_s:.0f} s") from None
 
     async def _wait(self, event: Any) -> None:
-        if self.mode == "thread":
+        if self.blocks_in_thread():
             if self._thread is None:
                 self._thread = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="omni-event-wait")
             await await_future(self._thread.submit(event.synchronize))
