@@ -105,12 +105,12 @@ async def test_a_slow_caller_backpressures_the_router():
         import asyncio
 
         # the caller reads nothing for a while: the router hands over ``buffer``
-        # events and then stops reading the thinker's outbox, so the thinker's output
-        # piles up there, not downstream
+        # events and then stops routing the thinker's output, so it piles up in the
+        # pipeline's backlog, not downstream
         deadline = asyncio.get_running_loop().time() + 30
-        while thinker.outbox.statistics().current_buffer_used < 10:
+        while pipe.backlog < 10:
             assert asyncio.get_running_loop().time() < deadline, "the thinker stopped producing"
             await asyncio.sleep(0.01)
-        assert handle._tx.statistics().current_buffer_used == 2
+        assert handle.buffered == 2
         got = [ev async for ev in handle]
         assert sum(1 for ev in got if ev.kind == "result") == 2

@@ -1,13 +1,20 @@
 """Two stages chained in one event loop: stage A's per-step stream output becomes stage
 B's ``stream_chunk`` input, A's finish becomes B's ``stream_done``.
 
-Backpressure: each request's events reach the caller through a bounded channel; a slow
-caller stalls the router, which then stops feeding stage B as well. Aborting a request
-(or a failure in either stage) aborts it in both; the caller sees the error.
+Each stage hands a step's messages to the pipeline in one call (its output sink), and a
+router task per stage routes them: to the conversation's handle, and from A on into B's
+inbox. Passing a step at a time, not a message at a time through the stages' outboxes,
+keeps the router off the loop thread's critical path when two stages share it.
+
+Backpressure: a handle holds at most ``buffer`` unread events; a slow caller stalls the
+router, which then stops feeding stage B as well (what it has not routed waits in the
+pipeline's ``backlog``). Aborting a request (or a failure in either stage) aborts it in
+both; the caller sees the error.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable
 
@@ -16,7 +23,6 @@ import anyio
 from .. import errors
 from ..messages import IncomingMessage, OutgoingMessage
 from ..scheduler import AsyncOmniScheduler
-from ..stage.channels import drain_stream
 
 
 @dataclass
@@ -34,25 +40,56 @@ def delta_to_chunk(msg: OutgoingMessage) -> Any:
 
 
 class PipelineHandle:
+    """One conversation's events from both stages, in arrival order.
+
+    The router puts a step's events here in one go and wakes the reader once; it holds
+    back (and so stops feeding the second stage) while ``buffer`` events wait unread."""
+
     def __init__(self, pipeline: "TwoStagePipeline", request_id: str, buffer: int) -> None:
         self.request_id = request_id
         self._pipeline = pipeline
-        self._tx, self._rx = anyio.create_memory_object_stream[StageEvent](buffer)
+        self._buffer = max(1, buffer)
+        self._events: deque[StageEvent] = deque()
+        self._readable = anyio.Event()
+        self._space = anyio.Event()
         self._open = {pipeline.names[0], pipeline.names[1]}
+
+    @property
+    def buffered(self) -> int:
+        """Events routed to this handle and not yet read."""
+        return len(self._events)
+
+    def _put(self, event: StageEvent) -> None:
+        self._events.append(event)
+        self._readable.set()
+
+    async def _until_space(self) -> None:
+        while len(self._events) >= self._buffer:
+            self._space = anyio.Event()
+            await self._space.wait()
+
+    async def _next_batch(self) -> list[StageEvent]:
+        while not self._events:
+            self._readable = anyio.Event()
+            await self._readable.wait()
+        batch = list(self._events)
+        self._events.clear()
+        self._space.set()
+        return batch
 
     async def __aiter__(self) -> AsyncIterator[StageEvent]:
         """Events of both stages in arrival order; raises the first error after aborting
         the request in both stages."""
         try:
             while self._open:
-                event = await self._rx.receive()
-                if event.kind in ("result", "error"):
-                    self._open.discard(event.stage)
-                if event.kind == "error":
-                    self._pipeline.abort(self.request_id)
-                    err = event.data
-                    raise err if isinstance(err, BaseException) else errors.RequestFailedError(str(err))
-                yield event
+                for event in await self._next_batch():
+                    if event.kind in ("result", "error"):
+                        self._open.discard(event.stage)
+                    if event.kind == "error":
+                        self._pipeline.abort(self.request_id)
+                        err = event.data
+                        raise err if isinstance(err, BaseException) else errors.RequestFailedError(str(err))
+                    yield event
         finally:
             if self._open:
                 self._pipeline.abort(self.request_id)
@@ -85,6 +122,9 @@ class TwoStagePipeline:
         self.buffer = buffer
         self._handles: dict[str, PipelineHandle] = {}
         self._task_group: Any = None
+        # Each stage's step outputs as its sink hands them over (one list per step),
+        # until the router task has routed them.
+        self._steps = (StepQueue(), StepQueue())
         self.stacks: tuple[Any, ...] = ()  # what from_pretrained built, for introspection
 
     @classmethod
@@ -127,6 +167,10 @@ class TwoStagePipeline:
         return pipe
 
     async def __aenter__(self) -> "TwoStagePipeline":
+        # Each stage hands its step's messages over in one call (no outbox, no task hop
+        # per message); a router task per stage routes them.
+        self.first.attach_output_sink(self._steps[0].put)
+        self.second.attach_output_sink(self._steps[1].put)
         self._task_group = anyio.create_task_group()
         await self._task_group.__aenter__()
         await self._task_group.start(self.first.run)
@@ -135,9 +179,17 @@ class TwoStagePipeline:
         self._task_group.start_soon(self._route_second)
         return self
 
+    @property
+    def backlog(self) -> int:
+        """Stage messages handed over by the stages and not yet routed (they wait while
+        a handle's reader is behind)."""
+        return sum(q.pending for q in self._steps)
+
     async def __aexit__(self, *exc_info: Any) -> None:
         await self.first.aclose()
         await self.second.aclose()
+        for steps in self._steps:
+            steps.close()
         tg, self._task_group = self._task_group, None
         if tg is not None:
             await tg.__aexit__(*exc_info)
@@ -159,31 +211,30 @@ class TwoStagePipeline:
         handle = self._handles.get(msg.request_id)
         if handle is None:
             return False
-        try:
-            await handle._tx.send(StageEvent(stage, msg.type, msg.data))
-        except (anyio.ClosedResourceError, anyio.BrokenResourceError):
-            return False
+        if handle.buffered >= handle._buffer:
+            await handle._until_space()
+        handle._put(StageEvent(stage, msg.type, msg.data))
         return True
 
     async def _route_first(self) -> None:
-        async for msg in drain_stream(self.first.outbox):
+        async for msg in self._steps[0]:
             await self._deliver(self.names[0], msg)
             rid = msg.request_id
             if msg.type == "stream":
-                await self._send_second(IncomingMessage(rid, "stream_chunk", self.to_chunk(msg)))
+                self._send_second(IncomingMessage(rid, "stream_chunk", self.to_chunk(msg)))
             elif msg.type == "result":
-                await self._send_second(IncomingMessage(rid, "stream_done"))
+                self._send_second(IncomingMessage(rid, "stream_done"))
             else:
                 self.second.abort(rid)
 
-    async def _send_second(self, msg: IncomingMessage) -> None:
+    def _send_second(self, msg: IncomingMessage) -> None:
         try:
-            await self.second.inbox.send(msg)
+            self.second.inbox.send_nowait(msg)  # the inbox is unbounded
         except (anyio.ClosedResourceError, anyio.BrokenResourceError):
             pass
 
     async def _route_second(self) -> None:
-        async for msg in drain_stream(self.second.outbox):
+        async for msg in self._steps[1]:
             await self._deliver(self.names[1], msg)
             if msg.type == "error":
                 self.first.abort(msg.request_id)
@@ -191,3 +242,36 @@ class TwoStagePipeline:
                 handle = self._handles.get(msg.request_id)
                 if handle is not None and self.names[0] not in handle._open:
                     self._handles.pop(msg.request_id, None)
+
+
+class StepQueue:
+    """A stage's output sink for the router: each step's messages appended in one call
+    (on the loop thread, inside the stage's step), read back one by one by the router
+    task, which is woken once per batch of steps rather than once per message."""
+
+    def __init__(self) -> None:
+        self._messages: deque[OutgoingMessage] = deque()
+        self._ready = anyio.Event()
+        self._closed = False
+
+    @property
+    def pending(self) -> int:
+        return len(self._messages)
+
+    def put(self, messages: list[OutgoingMessage]) -> None:
+        self._messages.extend(messages)
+        self._ready.set()
+
+    def close(self) -> None:
+        self._closed = True
+        self._ready.set()
+
+    async def __aiter__(self) -> AsyncIterator[OutgoingMessage]:
+        messages = self._messages
+        while True:
+            while messages:
+                yield messages.popleft()
+            if self._closed:
+                return
+            self._ready = anyio.Event()
+            await self._ready.wait()
