@@ -210,6 +210,7 @@ def build_scheduler(stack: NativeStack, config: SchedulerConfig, **callbacks: An
         "dtype": str(next(stack.loaded.model.parameters()).dtype).replace("torch.", ""),
         "weight_version": "initial",
         "quantization": quantization_of(stack.loaded.model),
+        "num_parameters": sum(p.numel() for p in stack.loaded.model.parameters()),
     }
     executor = make_step_executor(config.step_launch, stack.device.type, config.event_wait)
     tp = stack.tensor_parallel

@@ -9,7 +9,7 @@ import sys
 import time
 
 from . import errors
-from .cli_options import add_model_flags, engine_limits, env_default, parse_bool
+from .cli_options import add_model_flags, engine_limits, env_default, parse_bool, port_number
 from .config import SamplingParams
 from .engine import Engine
 from .logs import configure_cli_logging
@@ -205,10 +205,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (extra [serve])", formatter_class=fmt)
     _add_model_args(serve)
     serve.add_argument("--host", default=env_default("host", "127.0.0.1"), help="address to listen on [env OMNI_ASYNC_HOST]")
-    serve.add_argument("--port", type=int, default=env_default("port", 8000, int), help="port to listen on [env OMNI_ASYNC_PORT]")
+    serve.add_argument("--port", type=port_number, default=env_default("port", 8000, port_number), help="port to listen on, 1-65535 [env OMNI_ASYNC_PORT]")
     serve.add_argument(
         "--served-model-name", default=env_default("served_model_name", None),
-        help="the model id clients send; None: the folder's name, or tiny [env OMNI_ASYNC_SERVED_MODEL_NAME]",
+        help="the model id clients send; None: what --model names (tiny, smollm2, or a folder's or file's last path component) [env OMNI_ASYNC_SERVED_MODEL_NAME]",
     )
     # The server owns its process, so the collector is tuned for serving unless told
     # otherwise (a full GC pass over torch's heap stalls every stream; bench/RESULTS.md).
@@ -218,12 +218,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     pipe = sub.add_parser("pipeline-demo", help="a thinker streaming into a talker in one event loop (built-in tiny models)", formatter_class=fmt)
     _add_model_args(pipe)
+    for command in (demo, gen, serve, pipe):  # an unknown flag is reported with its command's usage
+        command.set_defaults(command_parser=command)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        args.command_parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     if args.command == "pipeline-demo" and args.model != "tiny":
         parser.error("pipeline-demo runs the built-in tiny thinker and talker; --model other than tiny is not supported")
     configure_cli_logging(args.log_level)

@@ -36,6 +36,7 @@ from .stage.emission import Emission, OutputSink, ResultAdapter, StreamOutputBui
 from .stage.intake import Intake, ModelLimits, RequestBuilder
 from .stage.stepper import Stepper, StepStats
 from .stage.wake import WakeSignal
+from .stage.watchdog import StepWatchdog
 
 __all__ = ["AsyncOmniScheduler", "ModelLimits"]
 
@@ -112,6 +113,11 @@ class AsyncOmniScheduler:
             is_paused=lambda: self.control.paused,
             config=self.config,
             stats=self.stats,
+            watchdog=StepWatchdog(
+                self.config.step_timeout_s,
+                device_type=str((model_info or {}).get("device", "cpu")).split(":")[0],
+                num_parameters=(model_info or {}).get("num_parameters"),
+            ),
         )
         self.control = StageControl(
             core,
@@ -217,7 +223,7 @@ class AsyncOmniScheduler:
         self._state = "closing"
         for msg in take_buffered(self._inbox_rx):
             self.intake.put(msg)
-        await self.executor.aclose(self.config.step_timeout_s)
+        await self.executor.aclose(self.stepper.watchdog.close_wait_s())
         closed = errors.SchedulerClosedError("aborted: scheduler closed")
         with self.emission.coalesced():
             for rid in self.intake.take_all_arrived_new():

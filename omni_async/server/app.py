@@ -38,7 +38,8 @@ __all__ = ["create_app", "default_model_name"]
 
 
 def default_model_name(model: str) -> str:
-    """``tiny`` stays ``tiny``; a folder is served under its last path component."""
+    """The model id for what ``--model`` named: ``tiny`` and ``smollm2`` stay as they
+    are; a folder or a .gguf file is served under its last path component."""
     return os.path.basename(os.path.normpath(model)) or model
 
 
@@ -173,7 +174,7 @@ def create_app(
     """The app for ``engine``. It starts the engine at startup and, with ``close_engine``,
     closes it at shutdown. ``metrics`` defaults to a fresh registry for this engine."""
     metrics = metrics if metrics is not None else EngineMetrics(engine)
-    name = model_name or default_model_name(str(engine.scheduler.info().get("model_path", "model")))
+    name = model_name or default_model_name(engine.model_name or str(engine.scheduler.info().get("model_path", "model")))
     server = OpenAIServer(engine, metrics, name)
 
     @contextlib.asynccontextmanager

@@ -113,6 +113,9 @@ class StageControl:
                 "failed_steps": st.failed_steps,
                 "tokens_out": st.tokens_out,
                 "steps_in_flight": self.stepper.in_flight,
+                "step_timeout_s": self.stepper.watchdog.setting,
+                "step_timeout_last_s": self.stepper.watchdog.last_s,
+                "step_timeouts": self.stepper.watchdog.timeouts,
             }
         )
         info.update(self.core.stats())
