@@ -120,7 +120,7 @@ BAD = {
     "bad-token-id": ("InvalidRequestError", ["input_ids[0] = 99999", "outside the vocabulary"]),
     "over-context": ("RequestRejectedError", ["prompt has 4097 tokens", "context length is 4096", "over by 2"]),
     "bad-max-new-tokens": ("InvalidRequestError", ["max_new_tokens"]),
-    "bad-model": ("ModelLoadError", ["no config.json"]),
+    "bad-model": ("ModelLoadError", ["no such folder or .gguf file", "'smollm2'", "a .gguf file"]),
     "non-int-input-ids": ("InvalidRequestError", ["input"]),
 }
 XFAIL: dict[str, str] = {}
