@@ -204,6 +204,7 @@ def assemble_stack(
 def build_scheduler(stack: NativeStack, config: SchedulerConfig, **callbacks: Any) -> AsyncOmniScheduler:
     info = {
         "model_path": stack.loaded.path,
+        "model_name": stack.loaded.name or stack.loaded.path,
         "load_format": stack.loaded.load_format,
         "model_family": stack.loaded.config.family,
         "device": str(stack.device),

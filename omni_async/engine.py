@@ -82,9 +82,6 @@ class Engine:
         self._ids = itertools.count()
         self._serving_cm: Any = None
         self._waker = SlicedWaker()  # a step's readers are woken a slice at a time
-        # The model as the caller named it ("tiny", "smollm2", a path): the server's
-        # default model id. None for an engine built from parts.
-        self.model_name: str | None = None
 
     @classmethod
     def from_pretrained(
@@ -106,7 +103,6 @@ class Engine:
         started = time.perf_counter()
         built = build_stage(backend, path_or_name, config=config, device=device, dtype=dtype, seed=seed)
         engine = cls(built.scheduler, tokenizer=built.tokenizer, stack=built.stack)
-        engine.model_name = str(path_or_name)
         configure_gc(config.gc_freeze, config.gc_gen0_threshold)
         log.info(
             "engine_model_loaded",

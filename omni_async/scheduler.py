@@ -36,7 +36,6 @@ from .stage.emission import Emission, OutputSink, ResultAdapter, StreamOutputBui
 from .stage.intake import Intake, ModelLimits, RequestBuilder
 from .stage.stepper import Stepper, StepStats
 from .stage.wake import WakeSignal
-from .stage.watchdog import StepWatchdog
 
 __all__ = ["AsyncOmniScheduler", "ModelLimits"]
 
@@ -113,11 +112,6 @@ class AsyncOmniScheduler:
             is_paused=lambda: self.control.paused,
             config=self.config,
             stats=self.stats,
-            watchdog=StepWatchdog(
-                self.config.step_timeout_s,
-                device_type=str((model_info or {}).get("device", "cpu")).split(":")[0],
-                num_parameters=(model_info or {}).get("num_parameters"),
-            ),
         )
         self.control = StageControl(
             core,

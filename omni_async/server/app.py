@@ -192,7 +192,8 @@ def create_app(
     """The app for ``engine``. It starts the engine at startup and, with ``close_engine``,
     closes it at shutdown. ``metrics`` defaults to a fresh registry for this engine."""
     metrics = metrics if metrics is not None else EngineMetrics(engine)
-    name = model_name or default_model_name(engine.model_name or str(engine.scheduler.info().get("model_path", "model")))
+    info = engine.scheduler.info()
+    name = model_name or default_model_name(str(info.get("model_name") or info.get("model_path", "model")))
     server = OpenAIServer(engine, metrics, name)
 
     @contextlib.asynccontextmanager

@@ -83,7 +83,7 @@ class Stepper:
         self.config = config
         self.stats = stats or StepStats()
         self.tracing = False
-        self.watchdog = watchdog or StepWatchdog(getattr(config, "step_timeout_s", AUTO))
+        self.watchdog = watchdog or StepWatchdog.for_runner(getattr(config, "step_timeout_s", AUTO), runner)
         self._begin_iteration = begin_iteration
         self._wait_for_work = wait_for_work
         self._is_serving = is_serving

@@ -75,6 +75,16 @@ class StepWatchdog:
         self.last_s: float | None = None
         self.timeouts = 0
 
+    @classmethod
+    def for_runner(cls, setting: Any, runner: Any) -> "StepWatchdog":
+        """Sized by the runner's device and its model's parameter count, where the
+        runner has them (the native runners do; others get ``UNKNOWN_MODEL_S``)."""
+        device = getattr(runner, "device", None)
+        model = getattr(runner, "model", None)
+        params = getattr(model, "parameters", None)
+        num_parameters = sum(p.numel() for p in params()) if callable(params) else None
+        return cls(setting, device_type=getattr(device, "type", "cpu"), num_parameters=num_parameters)
+
     def deadline_s(self, batch: Any) -> float | None:
         """Seconds the step may take; None: no deadline."""
         if self.setting is None:
