@@ -130,7 +130,7 @@ def load_model(
     folder = Path(path_or_name)
     config_path = folder / "config.json"
     if not config_path.is_file():
-        what = "no config.json in that folder" if folder.is_dir() else "no such folder or .gguf file"
+        what = "no config.json in that folder" if folder.is_dir() else "no config.json (no such folder or .gguf file)"
         raise ModelLoadError(
             f"{folder}: {what}; give {TINY_NAME!r}, {SMOLLM2_NAME!r}, a Hugging Face style folder "
             "(config.json + safetensors) or a .gguf file"
