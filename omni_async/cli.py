@@ -9,7 +9,7 @@ import sys
 import time
 
 from . import errors
-from .cli_options import add_model_flags, engine_limits, env_default, parse_bool
+from .cli_options import add_model_flags, engine_limits, env_default, parse_bool, port_number
 from .config import SamplingParams
 from .engine import Engine
 from .logs import configure_cli_logging
@@ -213,10 +213,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (extra [serve])", formatter_class=fmt)
     _add_model_args(serve)
     serve.add_argument("--host", default=env_default("host", "127.0.0.1"), help="address to listen on [env OMNI_ASYNC_HOST]")
-    serve.add_argument("--port", type=int, default=env_default("port", 8000, int), help="port to listen on [env OMNI_ASYNC_PORT]")
+    serve.add_argument("--port", type=port_number, default=env_default("port", 8000, port_number), help="port to listen on, 1-65535 [env OMNI_ASYNC_PORT]")
     serve.add_argument(
         "--served-model-name", default=env_default("served_model_name", None),
-        help="the model id clients send; None: the folder's name, or tiny [env OMNI_ASYNC_SERVED_MODEL_NAME]",
+        help="the model id clients send; None: what --model names (tiny, smollm2, or a folder's or file's last path component) [env OMNI_ASYNC_SERVED_MODEL_NAME]",
     )
     # The server owns its process, so the collector is tuned for serving unless told
     # otherwise (a full GC pass over torch's heap stalls every stream; bench/RESULTS.md).
@@ -233,12 +233,16 @@ def build_parser() -> argparse.ArgumentParser:
             f"--{stage}-share", type=_share, default=None,
             help=f"the {stage}'s memory budget: a fraction of the device's total memory (0.3) or bytes (an integer)",
         )
+    for command in (demo, gen, serve, pipe):  # an unknown flag is reported with its command's usage
+        command.set_defaults(command_parser=command)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        args.command_parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     if args.command == "pipeline-demo" and args.model != "tiny":
         parser.error("pipeline-demo takes its checkpoints from --thinker and --talker, not --model")
     configure_cli_logging(args.log_level)

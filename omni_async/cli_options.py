@@ -14,8 +14,10 @@ import os
 import typing
 from typing import Any, Callable
 
+from .cli_help import BACKEND_CHOICES, DTYPE_CHOICES, FIELD_CHOICES, FIELD_HELP, MODEL_HELP
 from .config import LOOP_KINDS, SchedulerConfig
 from .logs import LOG_LEVELS
+from .stage.watchdog import AUTO
 
 ENV_PREFIX = "OMNI_ASYNC_"
 _SKIP = {"loop"}  # a model flag of its own (--loop)
@@ -53,6 +55,27 @@ def parse_bool(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
+def parse_step_timeout(text: str) -> float | str | None:
+    """``auto``, ``none`` or seconds (``--step-timeout-s``)."""
+    low = text.strip().lower()
+    if low == AUTO:
+        return AUTO
+    if low in ("none", ""):
+        return None
+    return float(text)
+
+
+def port_number(text: str) -> int:
+    port = int(text)
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"port must be in 1..65535, got {port}")
+    return port
+
+
+# Fields whose flag does not follow from the field's type.
+_FIELD_PARSERS: dict[str, tuple[Callable[[str], Any], str]] = {"step_timeout_s": (parse_step_timeout, "SECONDS|auto|none")}
+
+
 def _parser_of(annotation: Any) -> tuple[Callable[[str], Any], str | None]:
     """(parse, metavar) for a dataclass field's type; metavar None for a bool."""
     args = [a for a in typing.get_args(annotation) if a is not type(None)]
@@ -72,14 +95,21 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     for f in dataclasses.fields(SchedulerConfig):
         if f.name in _SKIP:
             continue
-        parse, metavar = _parser_of(hints[f.name])
+        parse, metavar = _FIELD_PARSERS.get(f.name) or _parser_of(hints[f.name])
         default = env_default(f.name, f.default, parse)
         flag = "--" + f.name.replace("_", "-")
-        doc = f"[env {env_name(f.name)}]"
+        doc = f"{FIELD_HELP.get(f.name, '')} [env {env_name(f.name)}]".lstrip()
         if metavar is None:
             group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=default, help=doc)
-        else:
-            group.add_argument(flag, dest=f.name, type=parse, default=default, metavar=metavar, help=doc)
+            continue
+        choices: list[Any] | None = None
+        if f.name in FIELD_CHOICES:
+            choices = list(FIELD_CHOICES[f.name])
+            shown = choices + (["none"] if metavar.endswith("|none") else [])
+            if metavar.endswith("|none"):
+                choices.append(None)
+            metavar = "{" + ",".join(shown) + "}"
+        group.add_argument(flag, dest=f.name, type=parse, default=default, metavar=metavar, choices=choices, help=doc)
 
 
 def engine_limits(args: argparse.Namespace) -> dict[str, Any]:
@@ -102,11 +132,14 @@ def log_level(text: str) -> str:
 
 
 def add_model_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=env_default("model", "tiny"), help="a Hugging Face style folder, or 'tiny' (built in) [env OMNI_ASYNC_MODEL]")
+    p.add_argument("--model", default=env_default("model", "tiny"), help=f"{MODEL_HELP} [env OMNI_ASYNC_MODEL]")
     p.add_argument("--device", default=env_default("device", "cpu"), help="cpu, cuda or cuda:N [env OMNI_ASYNC_DEVICE]")
     p.add_argument("--loop", default=env_default("loop", "normal"), choices=LOOP_KINDS, help="the stage's loop [env OMNI_ASYNC_LOOP]")
-    p.add_argument("--dtype", default=env_default("dtype", None), help="float32, bfloat16 or float16; None keeps the checkpoint's [env OMNI_ASYNC_DTYPE]")
-    p.add_argument("--backend", default=env_default("backend", "native"), help="native or sglang [env OMNI_ASYNC_BACKEND]")
+    p.add_argument(
+        "--dtype", default=env_default("dtype", None), choices=DTYPE_CHOICES,
+        help="weights and activations; default: float32 on CPU, the checkpoint's on CUDA [env OMNI_ASYNC_DTYPE]",
+    )
+    p.add_argument("--backend", default=env_default("backend", "native"), choices=BACKEND_CHOICES, help="the model backend [env OMNI_ASYNC_BACKEND]")
     p.add_argument("--engine-seed", type=int, default=env_default("engine_seed", 0, int), help="the engine's seed (tiny's weights, unseeded sampling) [env OMNI_ASYNC_ENGINE_SEED]")
     p.add_argument(
         "--log-level", type=log_level, default=env_default("log_level", "WARNING", log_level), metavar="{" + ",".join(LOG_LEVELS) + "}",

@@ -13,6 +13,7 @@ from typing import Any, Literal, Mapping
 
 from .errors import ConfigError, InvalidRequestError
 from .memory_budget import check_budget
+from .stage.watchdog import check_step_timeout
 
 LoopKind = Literal["normal", "overlap", "async_decode"]
 LOOP_KINDS: tuple[str, ...] = ("normal", "overlap", "async_decode")
@@ -211,9 +212,11 @@ class SchedulerConfig:
     # CUDA only) or "auto" (inline on CUDA, the worker thread on CPU).
     step_launch: str = "auto"
     # A step that has not completed after this many seconds fails its requests with
-    # DeviceTimeoutError (CPU and CUDA); None waits for ever (the CUDA event watchdog
-    # still applies). Closing waits at most this long for a hung step.
-    step_timeout_s: float | None = None
+    # DeviceTimeoutError (CPU and CUDA). "auto": a deadline per step that a healthy step
+    # never reaches, scaled to the device and the step's size (the formula is in
+    # omni_async/stage/watchdog.py); None waits for ever (an explicit opt-out; the CUDA
+    # event watchdog still applies). Closing waits at most this long for a hung step.
+    step_timeout_s: float | str | None = "auto"
     # Native backend: requests reuse the KV pages of cached whole-page prompt prefixes
     # (pages of finished requests stay cached until their room is needed).
     enable_prefix_cache: bool = True
@@ -296,8 +299,7 @@ class SchedulerConfig:
                 f"kv_capacity_tokens must be an integer >= page_size ({self.page_size}), "
                 f"got {self.kv_capacity_tokens!r}"
             )
-        if self.step_timeout_s is not None and (not _is_finite(self.step_timeout_s) or self.step_timeout_s <= 0):
-            raise ConfigError(f"step_timeout_s must be a positive number of seconds or None, got {self.step_timeout_s!r}")
+        check_step_timeout(self.step_timeout_s)
         for name in ("enable_prefix_cache", "gc_freeze", "cpu_attention_kernel", "cpu_fused_ops", "fuse_decode_steps", "own_cuda_stream"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be a bool, got {getattr(self, name)!r}")

@@ -220,7 +220,7 @@ class AsyncOmniScheduler:
         self.state.lifecycle = "closing"
         for msg in take_buffered(self._inbox_rx):
             self.intake.put(msg)
-        await self.executor.aclose(self.config.step_timeout_s)
+        await self.executor.aclose(self.stepper.watchdog.close_wait_s())
         closed = errors.SchedulerClosedError("aborted: scheduler closed")
         with self.emission.coalesced():
             for rid in self.intake.take_all_arrived_new():

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
@@ -45,6 +45,7 @@ class LoadedModel:
     tokenizer: Tokenizer | None
     path: str
     load_format: str
+    name: str | None = None  # what the caller named when that was not a path ("smollm2")
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, config_dtype: str, device: torch.device) -> torch.dtype:
@@ -123,14 +124,16 @@ def load_model(
         return LoadedModel(model, cfg, ByteTokenizer(), TINY_NAME, "builtin")
 
     if str(path_or_name) == SMOLLM2_NAME:
-        path_or_name = smollm2_path()
+        return replace(load_gguf(smollm2_path(), dtype=dtype, device=device, shard=shard), name=SMOLLM2_NAME)
     if is_gguf_path(path_or_name):
         return load_gguf(Path(path_or_name), dtype=dtype, device=device, shard=shard)
     folder = Path(path_or_name)
     config_path = folder / "config.json"
     if not config_path.is_file():
+        what = "no config.json in that folder" if folder.is_dir() else "no config.json (no such folder or .gguf file)"
         raise ModelLoadError(
-            f"{folder}: no config.json (expected a Hugging Face style folder or {TINY_NAME!r})"
+            f"{folder}: {what}; give {TINY_NAME!r}, {SMOLLM2_NAME!r}, a Hugging Face style folder "
+            "(config.json + safetensors) or a .gguf file"
         )
     raw = json.loads(config_path.read_text())
     cfg = with_generation_eos(ModelConfig.from_hf(raw), folder)

@@ -1,7 +1,10 @@
 """The OpenAI-compatible ASGI app (FastAPI) over one Engine.
 
-Routes: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions``
-(whole or SSE-streamed), ``GET /health``, ``GET /metrics``.
+Routes: ``GET /v1/models``, ``GET /v1/models/{id}``, ``POST /v1/completions``,
+``POST /v1/chat/completions`` (whole or SSE-streamed), ``GET /health``, ``GET /metrics``.
+Every error, whatever raised it (a typed engine error, a body that does not parse, an
+unknown route, a bug), is answered with its status and an OpenAI-style body
+(:mod:`omni_async.server.errors`).
 
 Errors come before the stream starts: ``Engine.submit`` raises typed errors early, and a
 streamed response waits for the request's first delta (or its error, e.g. queue full)
@@ -22,6 +25,7 @@ import anyio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import errors
 from ..text.chat import render_chat_ids
@@ -30,15 +34,17 @@ from ..client.handle import RequestHandle
 from ..logs import log
 from .metrics import CONTENT_TYPE_LATEST, EngineMetrics
 from ..version import __version__
-from .errors import body_of, error_body
+from .errors import ClientNames, body_of, error_body, single_error
 from .protocol import DEFAULT_COMPLETION_MAX_TOKENS, ChatCompletionRequest, CompletionRequest
+from .request_errors import chat_names, completion_names, validation_error_body
 from .responses import ResponseContext, usage
 
 __all__ = ["create_app", "default_model_name"]
 
 
 def default_model_name(model: str) -> str:
-    """``tiny`` stays ``tiny``; a folder is served under its last path component."""
+    """The model id for what ``--model`` named: ``tiny`` and ``smollm2`` stay as they
+    are; a folder or a .gguf file is served under its last path component."""
     return os.path.basename(os.path.normpath(model)) or model
 
 
@@ -50,16 +56,19 @@ async def _until_disconnect(request: Request, work: Awaitable[Any]) -> tuple[boo
     """Await ``work`` unless the client disconnects first (then ``work`` is cancelled,
     which aborts its request). Returns (completed, value)."""
     outcome: list[Any] = []
-    async with anyio.create_task_group() as tg:
+    try:
+        async with anyio.create_task_group() as tg:
 
-        async def watch() -> None:
-            while (await request.receive())["type"] != "http.disconnect":
-                pass
+            async def watch() -> None:
+                while (await request.receive())["type"] != "http.disconnect":
+                    pass
+                tg.cancel_scope.cancel()
+
+            tg.start_soon(watch)
+            outcome.append(await work)
             tg.cancel_scope.cancel()
-
-        tg.start_soon(watch)
-        outcome.append(await work)
-        tg.cancel_scope.cancel()
+    except BaseExceptionGroup as group:  # the request's own error (queue full ...), unwrapped
+        raise single_error(group) from None
     return (True, outcome[0]) if outcome else (False, None)
 
 
@@ -77,17 +86,24 @@ class OpenAIServer:
             return JSONResponse(body, status_code=404)
         return None
 
-    def models(self) -> dict[str, Any]:
-        card = {
+    def card(self) -> dict[str, Any]:
+        return {
             "id": self.model_name,
             "object": "model",
             "created": 0,
             "owned_by": "omni-async",
             "max_model_len": self.engine.scheduler.limits.context_length,
         }
-        return {"object": "list", "data": [card]}
+
+    def models(self) -> dict[str, Any]:
+        return {"object": "list", "data": [self.card()]}
+
+    def model(self, model_id: str) -> Response:
+        """``GET /v1/models/{id}``: the card, or 404 model_not_found."""
+        return self.check_model(model_id) or JSONResponse(self.card())
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
+        request.state.client_names = completion_names()
         wrong = self.check_model(body.model)
         if wrong is not None:
             return wrong
@@ -98,6 +114,7 @@ class OpenAIServer:
         return await self.respond(request, handle, ctx, stream=body.stream, n=body.n, include_usage=body.include_usage())
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
+        request.state.client_names = chat_names(max_completion_tokens=body.max_completion_tokens is not None)
         wrong = self.check_model(body.model)
         if wrong is not None:
             return wrong
@@ -125,10 +142,12 @@ class OpenAIServer:
         except BaseException:
             await deltas.aclose()
             raise  # a typed error: answered with its status code by the handler
-        return StreamingResponse(self.events(handle, ctx, deltas, first, n, include_usage), media_type="text/event-stream")
+        names = getattr(request.state, "client_names", None)
+        return StreamingResponse(self.events(handle, ctx, deltas, first, n, include_usage, names), media_type="text/event-stream")
 
     async def events(
-        self, handle: RequestHandle, ctx: ResponseContext, deltas: AsyncIterator[Any], first: Any, n: int, include_usage: bool
+        self, handle: RequestHandle, ctx: ResponseContext, deltas: AsyncIterator[Any], first: Any, n: int, include_usage: bool,
+        names: ClientNames | None = None,
     ) -> AsyncIterator[str]:
         """The SSE stream: role chunks (chat), one chunk per delta, a closing chunk for a
         completion whose last delta carried no finish reason, usage, ``[DONE]``."""
@@ -157,7 +176,7 @@ class OpenAIServer:
             if include_usage:
                 yield _sse(ctx.chunk([], usage(result)))
         except errors.OmniAsyncError as exc:  # after the headers: reported in the stream
-            yield _sse(body_of(exc)[1])
+            yield _sse(body_of(exc, names)[1])
         finally:
             await deltas.aclose()
         yield "data: [DONE]\n\n"
@@ -173,7 +192,8 @@ def create_app(
     """The app for ``engine``. It starts the engine at startup and, with ``close_engine``,
     closes it at shutdown. ``metrics`` defaults to a fresh registry for this engine."""
     metrics = metrics if metrics is not None else EngineMetrics(engine)
-    name = model_name or default_model_name(str(engine.scheduler.info().get("model_path", "model")))
+    info = engine.scheduler.info()
+    name = model_name or default_model_name(str(info.get("model_name") or info.get("model_path", "model")))
     server = OpenAIServer(engine, metrics, name)
 
     @contextlib.asynccontextmanager
@@ -194,15 +214,37 @@ def create_app(
 
     @app.exception_handler(errors.OmniAsyncError)
     async def typed_error(request: Request, exc: errors.OmniAsyncError) -> JSONResponse:
-        status, body = body_of(exc)
+        status, body = body_of(exc, getattr(request.state, "client_names", None))
         return JSONResponse(body, status_code=status)
 
     @app.exception_handler(RequestValidationError)
     async def invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
-        problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'][1:]) or 'body'}: {e['msg']}" for e in exc.errors())
-        return JSONResponse(error_body(f"invalid request: {problems}", 400), status_code=400)
+        return JSONResponse(validation_error_body(exc.errors()), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        """Unknown routes (404) and methods (405), in OpenAI's shape."""
+        where = f"{request.method} {request.url.path}"
+        if exc.status_code == 404:
+            message = f"Invalid URL ({where})"
+        elif exc.status_code == 405:
+            message = f"Invalid method for URL ({where})"
+        else:
+            message = str(exc.detail)
+        return JSONResponse(error_body(message, exc.status_code), status_code=exc.status_code, headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
+        """Anything else: a typed error inside an exception group gets its own answer;
+        the rest is a 500 with an OpenAI-style body (logged)."""
+        inner = single_error(exc)
+        if isinstance(inner, errors.OmniAsyncError):
+            return await typed_error(request, inner)
+        log.error("server_request_failed", path=request.url.path, error=repr(exc))
+        return JSONResponse(error_body(f"internal server error: {type(inner).__name__}", 500), status_code=500)
 
     app.get("/v1/models")(server.models)
+    app.get("/v1/models/{model_id:path}", response_model=None)(server.model)
     app.post("/v1/completions", response_model=None)(server.completions)
     app.post("/v1/chat/completions", response_model=None)(server.chat)
 

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from .. import errors
 from ..config import SamplingParams
+from .errors import invalid
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # the OpenAI default for /v1/completions
 DEFAULT_TEMPERATURE = 1.0  # the OpenAI default
@@ -59,6 +60,8 @@ class _Common(BaseModel):
                 raise errors.InvalidRequestError(f"{name} is not supported (use repetition_penalty)")
         if self.logit_bias:
             raise errors.InvalidRequestError("logit_bias is not supported")
+        if self.stream_options is not None and not self.stream:
+            raise invalid("stream_options is only allowed when stream is true", "stream_options")
 
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)

@@ -49,9 +49,12 @@ class Admission:
         self.backlog: deque[Any] = deque()
         self.deferred: dict[str, Any] = {}
         self.dirty: set[str] = set()
-        # Stream input for ids not live yet, oldest first; capped at ``orphan_cap`` ids.
-        self.chunks: OrderedDict[str, list[Any]] = OrderedDict()
-        self.done: OrderedDict[str, None] = OrderedDict()
+        # Stream input for ids not live yet. Input for ids admission holds is kept until
+        # they are admitted or end; input for ids nothing knows (orphans, oldest first in
+        # ``orphans``) is capped at ``orphan_cap`` ids, bursts included.
+        self.chunks: dict[str, list[Any]] = {}
+        self.done: set[str] = set()
+        self.orphans: OrderedDict[str, None] = OrderedDict()
         self.orphan_cap = orphan_cap
         self._ids: set[str] = set()  # every id in pending, backlog, deferred or staged
         self.max_pending_observed = 0
@@ -82,6 +85,9 @@ class Admission:
             "request_build_backlog_limit": self.backlog_limit,
             "request_build_max_pending_observed": self.max_pending_observed,
             "deferred_requests": len(self.deferred),
+            "stream_input_buffered_ids": len(self.chunks.keys() | self.done),
+            "stream_input_buffered_chunks": sum(len(c) for c in self.chunks.values()),
+            "stream_input_orphan_ids": len(self.orphans),
         }
 
     # ------------------------------------------------------------ arrivals
@@ -91,6 +97,7 @@ class Admission:
         input into it, then defer it or stage it for building."""
         rid = payload.request_id
         self._ids.add(rid)
+        self.orphans.pop(rid, None)
         buffered = self.chunks.pop(rid, [])
         if hasattr(payload, "prefetched_chunks"):
             payload.prefetched_chunks = list(payload.prefetched_chunks or []) + buffered
@@ -106,7 +113,7 @@ class Admission:
         if not ready:
             self.deferred[rid] = payload
             return
-        self.done.pop(rid, None)
+        self.done.discard(rid)
         self._staged.append(payload)
 
     def on_chunk(self, rid: str, chunk: Any) -> None:
@@ -117,13 +124,13 @@ class Admission:
             payload.prefetched_chunks.append(chunk)
         else:
             self.chunks.setdefault(rid, []).append(chunk)
-            self._bound_orphans(self.chunks)
+            self._note_orphan(rid)
         if rid in self.deferred and (self._recheck_on_chunk is None or self._recheck_on_chunk(rid, chunk)):
             self.dirty.add(rid)
 
     def on_done(self, rid: str) -> None:
-        self.done[rid] = None
-        self._bound_orphans(self.done)
+        self.done.add(rid)
+        self._note_orphan(rid)
         if rid in self.deferred:
             self.dirty.add(rid)
 
@@ -132,18 +139,30 @@ class Admission:
         return self.chunks.pop(rid, [])
 
     def take_done(self, rid: str) -> bool:
-        return self.done.pop(rid, 0) is None
+        if rid in self.done:
+            self.done.discard(rid)
+            return True
+        return False
 
-    def _bound_orphans(self, table: "OrderedDict[str, Any]") -> None:
-        """Input for ids nobody admitted (unknown, rejected, never sent) is bounded:
-        past ``orphan_cap`` ids the oldest such id's input is dropped."""
-        if len(table) <= self.orphan_cap:
+    def release_input(self, rid: str) -> None:
+        """Drop whatever stream input is buffered for ``rid``: called on every path that
+        ends a request (rejected, aborted, failed, finished, closed), so input that
+        reached the stage before the request ended is not kept."""
+        self.chunks.pop(rid, None)
+        self.done.discard(rid)
+        self.orphans.pop(rid, None)
+
+    def _note_orphan(self, rid: str) -> None:
+        """Input for an id admission does not hold (unknown, ended, never sent) is
+        bounded: past ``orphan_cap`` such ids the oldest one's input is dropped. O(1)
+        per message, so the cap holds inside a burst too."""
+        if rid in self._ids:
             return
-        for rid in list(table):
-            if len(table) <= self.orphan_cap:
-                return
-            if rid not in self._ids:
-                del table[rid]
+        self.orphans[rid] = None
+        while len(self.orphans) > self.orphan_cap:
+            old, _ = self.orphans.popitem(last=False)
+            self.chunks.pop(old, None)
+            self.done.discard(old)
 
     def take_dirty(self) -> list[Any]:
         payloads = [self.deferred.pop(rid) for rid in sorted(self.dirty) if rid in self.deferred]
@@ -214,8 +233,7 @@ class Admission:
         if self.deferred.pop(rid, None) is not None:
             found = True
         self.dirty.discard(rid)
-        self.chunks.pop(rid, None)
-        self.done.pop(rid, None)
+        self.release_input(rid)
         self._ids.discard(rid)
         return found
 

@@ -141,6 +141,9 @@ class StageControl:
                 # How a step's device completion is awaited now (event_wait="auto" polls
                 # alone and blocks in a waiter thread while other stages share the loop).
                 "device_wait": "thread" if self.stepper.executor.event_waiter.blocks_in_thread() else "poll",
+                "step_timeout_s": self.stepper.watchdog.setting,
+                "step_timeout_last_s": self.stepper.watchdog.last_s,
+                "step_timeouts": self.stepper.watchdog.timeouts,
             }
         )
         info.update(self.core.stats())

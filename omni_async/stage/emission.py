@@ -53,6 +53,9 @@ class Emission:
         self._pending: list[OutgoingMessage] = []
         self._coalescing = 0
         self._first_emitted: set[str] = set()
+        # Called with the id of every request that ends (rejected, failed, finished):
+        # whatever is still kept for it elsewhere (buffered stream input) is released.
+        self.end_listeners: list[Callable[[str], None]] = []
 
     # ------------------------------------------------------------ delivery
 
@@ -94,6 +97,7 @@ class Emission:
     def reject(self, rid: str, err: Exception) -> None:
         """The one terminal message of a request that never became live."""
         self.ended.put(rid, None)
+        self._ended(rid)
         self.send(OutgoingMessage(rid, "error", err))
 
     def send_error(self, rid: str, err: Exception) -> None:
@@ -145,6 +149,11 @@ class Emission:
     def _forget(self, rid: str) -> None:
         self.ended.put(rid, None)
         self._first_emitted.discard(rid)
+        self._ended(rid)
+
+    def _ended(self, rid: str) -> None:
+        for listener in self.end_listeners:
+            listener(rid)
 
     # ------------------------------------------------------------ step outputs
 

@@ -84,6 +84,7 @@ class Intake:
             orphan_cap=_ORPHAN_INPUT_CAP,
             recheck_on_chunk=_guarded_recheck(recheck_on_chunk) if recheck_on_chunk else None,
         )
+        emission.end_listeners.append(self.admission.release_input)
 
     # ------------------------------------------------------------ arrivals
 

@@ -24,6 +24,7 @@ from ..logs import debug_enabled, log
 from ..core.runner_io import ModelRunnerOutput, SchedulerOutput, SchedulerRequest
 from .ids import IdWindow
 from .state import StageState
+from .watchdog import AUTO, StepWatchdog
 
 
 @dataclass
@@ -72,6 +73,7 @@ class Stepper:
         state: StageState,
         config: Any,
         stats: StepStats | None = None,
+        watchdog: StepWatchdog | None = None,
     ) -> None:
         self.core = core
         self.runner = runner
@@ -80,7 +82,7 @@ class Stepper:
         self.config = config
         self.stats = stats or StepStats()
         self.tracing = False
-        self.step_timeout_s: float | None = getattr(config, "step_timeout_s", None)
+        self.watchdog = watchdog or StepWatchdog.for_runner(getattr(config, "step_timeout_s", AUTO), runner)
         self._begin_iteration = begin_iteration
         self._wait_for_work = wait_for_work
         self.state = state
@@ -239,7 +241,7 @@ class Stepper:
     async def _await_output(self, step: InflightStep) -> ModelRunnerOutput:
         if step.future is None:
             raise step.error or RuntimeError("step was not launched")
-        timeout = self.step_timeout_s
+        timeout = self.watchdog.deadline_s(step.batch)
         try:
             with anyio.fail_after(timeout):  # None: no deadline
                 pending = await self.executor.wait(step.future)
@@ -247,7 +249,11 @@ class Stepper:
                     raise RuntimeError("runner produced no output for a non-empty batch")
                 await self.executor.completion(pending.event)
         except TimeoutError:
-            raise errors.DeviceTimeoutError(f"model step did not complete within step_timeout_s={timeout:g} s") from None
+            self.watchdog.timeouts += 1
+            raise errors.DeviceTimeoutError(
+                f"model step did not complete within step_timeout_s={timeout:g} s"
+                + (" (auto: see omni_async/stage/watchdog.py)" if self.watchdog.setting == AUTO else "")
+            ) from None
         return self.runner.collect(pending)
 
     def _count(self, batch: ScheduledBatchLike, lookahead: bool) -> None:

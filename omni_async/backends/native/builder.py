@@ -53,12 +53,14 @@ def build_native_stack(
 def build_scheduler(stack: NativeStack, config: SchedulerConfig, **callbacks: Any) -> AsyncOmniScheduler:
     info = {
         "model_path": stack.loaded.path,
+        "model_name": stack.loaded.name or stack.loaded.path,
         "load_format": stack.loaded.load_format,
         "model_family": stack.loaded.config.family,
         "device": str(stack.device),
         "dtype": str(next(stack.loaded.model.parameters()).dtype).replace("torch.", ""),
         "weight_version": "initial",
         "quantization": quantization_of(stack.loaded.model),
+        "num_parameters": sum(p.numel() for p in stack.loaded.model.parameters()),
     }
     executor = make_step_executor(config.step_launch, stack.device.type, config.event_wait)
     tp = stack.tensor_parallel

@@ -32,6 +32,7 @@ from ..kv_sizing import kv_cache
 from ..stack import assemble_stack
 from ....models.config import ModelConfig
 from ....models.loader import TINY_NAME, tiny_config
+from ....stage.watchdog import explicit_step_timeout
 from .comm import OP_SHUTDOWN
 from .runner import TensorParallelModelWorker, TensorParallelRunner
 from .sharding import check_divisible
@@ -208,7 +209,7 @@ def build_parallel_stack(path_or_name: str, config: SchedulerConfig, *, device: 
     cfg = peek_config(str(path_or_name))
     if cfg is not None:
         check_divisible(cfg, size)
-    timeout_s = max(config.step_timeout_s or 0.0, 300.0)
+    timeout_s = max(explicit_step_timeout(config.step_timeout_s) or 0.0, 300.0)
     group = TensorParallelGroup(size, device, timeout_s)
     try:
         spec = group.start(str(path_or_name), config, dtype, seed)
