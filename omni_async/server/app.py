@@ -209,9 +209,10 @@ def create_app(
     close_engine: bool = True,
 ) -> FastAPI:
     """The app for ``engine``. It starts the engine at startup and, with ``close_engine``,
-    closes it at shutdown. ``metrics`` defaults to a fresh registry for this engine."""
-    metrics = metrics if metrics is not None else EngineMetrics(engine)
+    closes it at shutdown. ``metrics`` defaults to a fresh registry for this engine, its
+    request figures labelled with the served model name."""
     name = model_name or default_model_name(str(engine.scheduler.info().get("model_path", "model")))
+    metrics = metrics if metrics is not None else EngineMetrics(engine, model_name=name)
     server = OpenAIServer(engine, metrics, name)
 
     @contextlib.asynccontextmanager

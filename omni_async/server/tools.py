@@ -4,7 +4,8 @@ The tools go to the chat template (which must read ``tools``); the model answers
 as ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`` (the format of the
 Hermes and Qwen templates). ``tool_choice="required"`` or a named function is enforced
 with a grammar over such blocks (the engine's constrained decoding), so even a model that
-would not call a tool produces a well-formed call; ``auto`` leaves the model free and
+would not call a tool produces a well-formed call whose arguments follow the function's
+``parameters`` schema; ``auto`` leaves the model free and
 parses what it wrote; ``none`` parses nothing.
 """
 
@@ -87,41 +88,33 @@ def plan_tools(tools: list[ToolDefinition] | None, choice: ToolChoice | None, pa
     if choice == "auto":
         return ToolPlan(tools=defs, parse=True, parallel=parallel, names=names)
     if choice == "required":
-        return ToolPlan(tools=defs, parse=True, parallel=parallel, ebnf=calls_grammar(names, several=parallel), names=names)
+        return ToolPlan(tools=defs, parse=True, parallel=parallel, ebnf=calls_grammar(defs, several=parallel), names=names)
     if choice.function.name not in names:
         raise errors.InvalidRequestError(f"tool_choice: no tool named {choice.function.name!r} in tools")
-    return ToolPlan(tools=defs, parse=True, parallel=False, ebnf=calls_grammar([choice.function.name], several=False), names=names)
+    named = [d for d in defs if d["function"]["name"] == choice.function.name]
+    return ToolPlan(tools=defs, parse=True, parallel=False, ebnf=calls_grammar(named, several=False), names=names)
 
 
 # ---------------------------------------------------------------- the grammar
 
-# JSON in the compact layout ``json.dumps`` writes (", " and ": "), with no free
-# whitespace: a model cannot wander in blanks, and the call reads like the template's own.
-JSON_RULES = r"""
-value ::= object | array | string | number | "true" | "false" | "null"
-object ::= "{" ( member ( ", " member )* )? "}"
-member ::= string ": " value
-array ::= "[" ( value ( ", " value )* )? "]"
-string ::= "\"" char* "\""
-char ::= [^"\\\x00-\x1f] | "\\" ( ["\\/bfnrt] | "u" hex hex hex hex )
-hex ::= [0-9a-fA-F]
-number ::= "-"? ( "0" | [1-9] [0-9]* ) ( "." [0-9]+ )? ( [eE] [-+]? [0-9]+ )?
-"""
+# Arguments come out as ``json.dumps`` writes them (", " and ": ", no other whitespace):
+# a model cannot wander in blanks, and the call reads like the template's own.
+_JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
-def calls_grammar(names: list[str], *, several: bool) -> str:
-    """EBNF for one (or, with ``several``, one or more) ``<tool_call>`` blocks naming one
-    of ``names`` with a JSON object of arguments."""
-    alternatives = " | ".join(_literal(json.dumps(n)) for n in names)
-    head, middle, tail = OPEN + '\n{"name": ', ', "arguments": ', "}\n" + CLOSE
-    block = f"{_literal(head)} fname {_literal(middle)} object {_literal(tail)}"
-    root = 'root ::= call ( "\\n" call )*' if several else "root ::= call"
-    return f"{root}\ncall ::= {block}\nfname ::= {alternatives}{JSON_RULES}"
-
-
-def _literal(text: str) -> str:
-    """``text`` as an EBNF string literal."""
-    return '"' + text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
+def calls_grammar(tools: list[dict[str, Any]], *, several: bool) -> str:
+    """The grammar (the engine's ``ebnf``: llguidance's Lark) of one ``<tool_call>`` block,
+    or with ``several`` of one or more, each naming one of ``tools`` with arguments that
+    follow that function's ``parameters`` schema (any JSON object when it has none)."""
+    lines = ['start: call ("\\n" call)*' if several else "start: call"]
+    lines.append("call: " + " | ".join(f"call_{i}" for i in range(len(tools))))
+    for i, tool in enumerate(tools):
+        fn = tool["function"]
+        head = OPEN + '\n{"name": ' + json.dumps(fn["name"]) + ', "arguments": '
+        lines.append(f"call_{i}: {json.dumps(head)} args_{i} {json.dumps('}' + chr(10) + CLOSE)}")
+        schema = {**(fn.get("parameters") or {"type": "object"}), "x-guidance": _JSON_LAYOUT}
+        lines.append(f"args_{i}: %json {json.dumps(schema)}")
+    return "\n".join(lines) + "\n"
 
 
 # ---------------------------------------------------------------- parsing
