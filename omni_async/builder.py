@@ -20,6 +20,7 @@ from .models.loader import LoadedModel, load_model, resolve_dtype
 from .models.quantized import check_quantization, quantization_of, quantize_linears
 from .runners.native import NativeModelRunner
 from .scheduler import AsyncOmniScheduler, ModelLimits
+from .structured.grammar import GrammarCompiler
 from .weights import NativeModelWorker
 
 T = TypeVar("T")
@@ -174,6 +175,7 @@ def assemble_stack(
         context_length=context,
         kv_capacity_tokens=allocator.capacity_tokens,
         eos_token_ids=cfg.eos_token_ids,
+        grammar_compiler=GrammarCompiler(loaded.tokenizer, cfg.vocab_size) if loaded.tokenizer is not None else None,
     )
     steps = resolve_decode_steps(config.decode_steps, device.type, config.tensor_parallel_size, config.page_size)
     runner.configure_decode_steps(steps, fused=config.fuse_decode_steps)

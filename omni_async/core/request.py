@@ -44,6 +44,9 @@ class Request:
     prefix_pages: int = 0
     prefix_epoch: int | None = None
     cached_tokens: int = 0
+    # Structured output: the request's grammar matcher (``structured.grammar``), advanced
+    # by every token the request keeps; None for a free request.
+    grammar: Any = None
     _stop_ids: frozenset[int] | None = field(default=None, repr=False)
 
     @property

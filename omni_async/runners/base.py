@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from ..sampling import RowSampling, SampleResult, SamplingBatch, SeedSource, batch_from_rows, sample
+from ..structured.batch_mask import grammar_bitmask
 from .types import BatchResult, ModelRunnerOutput, RequestOutput, SchedulerOutput
 
 NO_TOKEN_MESSAGE = (
@@ -91,7 +92,7 @@ class ModelRunner:
                 request_id=sr.request_id,
                 sample_index=schedule_batch.sample_indices[i],
                 output_ids=self.row_output_ids(forward_batch, schedule_batch, i)
-                if sr.data.req.sampling.repetition_penalty != 1.0
+                if sr.data.req.sampling.repetition_penalty != 1.0 or sr.data.req.sampling.has_logit_controls
                 else (),
                 stop_ids=sorted(sr.data.req.stop_ids()),
                 base_seed=self.base_seed(sr.data.req),
@@ -291,6 +292,9 @@ class ModelRunner:
 
     def _sample_into(self, result: BatchResult, forward_batch: Any, schedule_batch: Any, requests: list) -> None:
         sb = self.sampling_batch(forward_batch, schedule_batch, requests, result.logits.shape[-1])
+        allowed = grammar_bitmask(schedule_batch, result.logits.shape[-1], self.device)
+        if allowed is not None:
+            sb.allowed = allowed
         top_k = max((sr.data.req.sampling.top_logprobs for sr in requests), default=0) if sb.want_logprobs else 0
         res = self.sample_logits(result, sb, top_k)
         result.next_token_ids, result.next_token_logprobs, result.sample_ok = res.tokens, res.logprobs, res.ok
@@ -338,11 +342,13 @@ class ModelRunner:
 
     def overlap_eligible(self, batch: Any) -> bool:
         """Whether the overlap loop may launch this batch while the previous step is in
-        flight; False runs it synchronously after a drain."""
+        flight; False runs it synchronously after a drain. (A batch with a constrained row
+        never runs ahead, whatever this says: its mask needs the previous step's tokens.)"""
         return True
 
     def lookahead_eligible(self, batch: Any) -> bool:
-        """Whether a batch may take the one-step lookahead; False routes it synchronously."""
+        """Whether a batch may take the one-step lookahead; False routes it synchronously
+        (a batch with a constrained row never takes it)."""
         return True
 
     def post_process_outputs(self, result, scheduler_output, outputs: dict[str, RequestOutput]) -> None:

@@ -233,7 +233,7 @@ class NativeModelRunner(ModelRunner):
         sub, last = fb, None
         # Later forwards read the tokens before them directly; the slots' record is for the
         # next step, so one publish at the end does, unless penalties mark every token seen.
-        every_forward = "seen" in self.inputs.masks
+        every_forward = "seen" in self.inputs.masks or self.inputs.controls.counts is not None
         for j in range(k):
             if j:
                 sub = self._next_forward(fb, j, tokens[j - 1])
@@ -379,7 +379,7 @@ class NativeModelRunner(ModelRunner):
         their own generation indices, unless a penalty or a ban (which read the tokens
         sampled so far) has to be gathered again."""
         first = forward_batch.sampling
-        if first is not None and first.penalty is None and first.ban is None:
+        if first is not None and first.penalty is None and first.ban is None and first.controls is None:
             return dataclasses.replace(first, sample_indices=forward_batch.sample_indices_dev)
         sb = self.inputs.sampling_batch(forward_batch.rows, forward_batch.sample_indices, forward_batch.sample_indices_dev)
         if forward_batch.row_steps is not None:

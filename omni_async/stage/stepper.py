@@ -23,6 +23,7 @@ from ..device import StepExecutor
 from ..runners.base import ModelRunner
 from ..logs import debug_enabled, log
 from ..runners.types import ModelRunnerOutput, SchedulerOutput, SchedulerRequest
+from ..structured.batch_mask import has_constrained_rows
 from .ids import IdWindow
 
 
@@ -126,13 +127,15 @@ class Stepper:
         return (
             batch.is_decode
             and batch.size >= self.config.async_decode_min_batch_size
+            and not has_constrained_rows(batch)
             and self.runner.lookahead_eligible(batch)
         )
 
     def overlap_eligible(self, batch: ScheduledBatchLike) -> bool:
         """Whether the overlap loop may run this batch while the previous step is in
-        flight (a runner can turn overlap off per batch)."""
-        return self.runner.overlap_eligible(batch)
+        flight (a runner can turn overlap off per batch; a constrained row's mask needs
+        the previous step's tokens, so a batch with one runs in sync)."""
+        return not has_constrained_rows(batch) and self.runner.overlap_eligible(batch)
 
     # ------------------------------------------------------------ the two step shapes
 
