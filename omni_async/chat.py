@@ -77,7 +77,7 @@ def _checked(messages: Any) -> list[dict[str, Any]]:
     for i, msg in enumerate(messages):
         if not isinstance(msg, Mapping) or not isinstance(msg.get("role"), str):
             raise errors.InvalidRequestError(f"messages[{i}] must be a dict with a string 'role', got {msg!r}")
-        out.append(dict(msg))
+        out.append(msg if isinstance(msg, dict) else dict(msg))  # a dict subclass may track reads
     return out
 
 

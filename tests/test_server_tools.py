@@ -209,6 +209,13 @@ async def test_tool_requests_that_cannot_be_served_are_refused(tool_server, tiny
     with pytest.raises(openai.BadRequestError) as no_tools:
         await tiny_server.chat.completions.create(model="m", messages=ASK, tools=[WEATHER])
     assert "does not take tools" in no_tools.value.message
+    # the template reads a user's name but not an assistant's (though "name" is in its text)
+    call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}
+    with pytest.raises(openai.BadRequestError) as unread:
+        await client.chat.completions.create(
+            model="m", messages=[*ASK, {"role": "assistant", "name": "bot", "tool_calls": [call]}, {"role": "tool", "tool_call_id": "c1", "content": "x"}]
+        )
+    assert "messages[1].name" in unread.value.message
     with pytest.raises(openai.BadRequestError) as choice_alone:
         await client.chat.completions.create(model="m", messages=ASK, tool_choice="required")
     assert "tool_choice" in choice_alone.value.message

@@ -32,7 +32,7 @@ from ..handle import RequestHandle
 from ..logs import log
 from ..metrics import CONTENT_TYPE_LATEST, EngineMetrics
 from ..version import __version__
-from .chat_messages import template_messages
+from .chat_messages import check_fields_read, template_messages
 from .errors import body_of, error_body
 from .prompt_list import combined_result, merged_deltas
 from .protocol import DEFAULT_COMPLETION_MAX_TOKENS, ChatCompletionRequest, CompletionRequest
@@ -127,7 +127,9 @@ class OpenAIServer:
             if constraint:
                 raise errors.InvalidRequestError("response_format cannot be combined with a tool_choice that forces a call")
             constraint = {"ebnf": tools.ebnf}
-        ids = render_chat_ids(self.engine.tokenizer, template_messages(body.messages, reads), tools=tools.tools)
+        messages = template_messages(body.messages)
+        ids = render_chat_ids(self.engine.tokenizer, messages, tools=tools.tools)
+        check_fields_read(messages)
         max_tokens = body.requested_max_tokens()
         if max_tokens is None:  # as much as the context (and the KV cache) leaves
             limits = self.engine.scheduler.limits

@@ -1,9 +1,10 @@
 """Chat messages as the OpenAI API sends them, and as the chat template receives them.
 
 A message may carry ``name``, ``tool_calls`` (assistant) and ``tool_call_id`` (tool);
-they go to the template, as transformers' ``apply_chat_template`` passes them, but only
-when the template reads them: a field the template would ignore is refused with a 400
-naming it, so a client never gets an answer to a conversation the model did not see.
+they go to the template, as transformers' ``apply_chat_template`` passes them, and each
+message records the keys the template looked up while rendering: a field the template
+ignored is refused with a 400 naming it, so a client never gets an answer to a
+conversation the model did not see.
 Unknown keys are refused the same way (by the model's ``extra="forbid"``).
 ``content`` may be null only where OpenAI allows it: an assistant message with tool calls.
 """
@@ -17,7 +18,7 @@ from pydantic import BaseModel, ConfigDict
 
 from .. import errors
 
-# the message fields a template must read for the server to pass them on
+# the message fields the template must read for the request to be served
 TEMPLATE_FIELDS = ("name", "tool_calls", "tool_call_id")
 
 
@@ -43,14 +44,59 @@ class ChatMessage(BaseModel):
     tool_call_id: str | None = None
 
 
-def template_messages(messages: list[ChatMessage], template_reads: frozenset[str]) -> list[dict[str, Any]]:
+class TrackedMessage(dict):  # type: ignore[type-arg]
+    """A message for the template that records which of its keys the template read
+    (looked up, or all of them when it iterated or serialised the message)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.read: set[str] = set()
+
+    def __getitem__(self, key: str) -> Any:
+        self.read.add(key)
+        return super().__getitem__(key)
+
+    def get(self, key: str, default: Any = None) -> Any:
+        self.read.add(key)
+        return super().get(key, default)
+
+    def _read_all(self) -> None:
+        self.read.update(super().keys())
+
+    def items(self) -> Any:
+        self._read_all()
+        return super().items()
+
+    def keys(self) -> Any:
+        self._read_all()
+        return super().keys()
+
+    def values(self) -> Any:
+        self._read_all()
+        return super().values()
+
+    def __iter__(self) -> Any:
+        self._read_all()
+        return super().__iter__()
+
+
+def template_messages(messages: list[ChatMessage]) -> list[TrackedMessage]:
     """The messages as template input; InvalidRequestError names a field that cannot go."""
     if not messages:
         raise errors.InvalidRequestError("messages is empty")
-    return [_one(i, m, template_reads) for i, m in enumerate(messages)]
+    return [_one(i, m) for i, m in enumerate(messages)]
 
 
-def _one(i: int, m: ChatMessage, template_reads: frozenset[str]) -> dict[str, Any]:
+def check_fields_read(messages: list[TrackedMessage]) -> None:
+    """After rendering: refuse a ``name``/``tool_calls``/``tool_call_id`` the template never
+    read (the prompt would be the same without it)."""
+    for i, message in enumerate(messages):
+        for name in TEMPLATE_FIELDS:
+            if dict.__contains__(message, name) and name not in message.read:
+                raise errors.InvalidRequestError(f"messages[{i}].{name}: this model's chat template does not use it")
+
+
+def _one(i: int, m: ChatMessage) -> TrackedMessage:
     where = f"messages[{i}]"
     if m.tool_calls is not None and m.role != "assistant":
         raise errors.InvalidRequestError(f"{where}.tool_calls: only an assistant message carries tool calls")
@@ -60,14 +106,11 @@ def _one(i: int, m: ChatMessage, template_reads: frozenset[str]) -> dict[str, An
         raise errors.InvalidRequestError(f"{where}.tool_call_id: a tool message needs the id of the call it answers")
     if m.content is None and not (m.role == "assistant" and m.tool_calls):
         raise errors.InvalidRequestError(f"{where}.content: null only in an assistant message with tool_calls")
-    out: dict[str, Any] = {"role": m.role, "content": _text_content(where, m.content)}
+    out = TrackedMessage(role=m.role, content=_text_content(where, m.content))
     for name in TEMPLATE_FIELDS:
         value = getattr(m, name)
-        if value is None:
-            continue
-        if name not in template_reads:
-            raise errors.InvalidRequestError(f"{where}.{name}: this model's chat template does not use it")
-        out[name] = [_template_call(c) for c in value] if name == "tool_calls" else value
+        if value is not None:
+            out[name] = [_template_call(c) for c in value] if name == "tool_calls" else value
     return out
 
 

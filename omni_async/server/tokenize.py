@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict
 
 from .. import errors
 from ..chat import chat_template_of, render_chat_ids, template_names
-from .chat_messages import ChatMessage, template_messages
+from .chat_messages import ChatMessage, check_fields_read, template_messages
 from .tools import ToolDefinition, plan_tools
 
 if TYPE_CHECKING:
@@ -59,8 +59,10 @@ def tokenize_ids(server: "OpenAIServer", body: Union[TokenizeCompletion, Tokeniz
         return tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
     reads = template_names(chat_template_of(tokenizer))
     tools = plan_tools(body.tools, None, None, reads).tools
-    messages = template_messages(body.messages, reads)
-    return render_chat_ids(tokenizer, messages, add_generation_prompt=body.add_generation_prompt, tools=tools)
+    messages = template_messages(body.messages)
+    ids = render_chat_ids(tokenizer, messages, add_generation_prompt=body.add_generation_prompt, tools=tools)
+    check_fields_read(messages)
+    return ids
 
 
 def detokenize_text(server: "OpenAIServer", body: Detokenize) -> str:
