@@ -92,6 +92,22 @@ async def test_a_refused_prompt_in_a_list_refuses_the_request_and_leaks_nothing(
     assert info["kv_free_pages"] == info["kv_total_pages"]
 
 
+async def test_leaving_a_streamed_prompt_list_aborts_every_prompt(served):
+    engine, _, client = served
+    stream = await client.completions.create(model="tiny", prompt=["one", "two", "three"], max_tokens=3000, stream=True, extra_body=EXTRA)
+    seen = set()
+    async for chunk in stream:
+        seen.update(c.index for c in chunk.choices)
+        if len(seen) == 3:
+            break
+    assert len(engine.open_requests) == 3  # all three run
+    await stream.close()
+    with anyio.fail_after(20):
+        while engine.open_requests or engine.scheduler.info()["kv_free_pages"] != engine.scheduler.info()["kv_total_pages"]:
+            await anyio.sleep(0.02)
+    assert engine.scheduler.info()["tokens_out"] < 3 * 3000  # ended early, not by finishing
+
+
 async def test_tokenize_and_detokenize_round_trip(served):
     engine, http, _ = served
     text = "héllo, world"
