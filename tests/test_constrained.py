@@ -142,3 +142,20 @@ async def test_grammar_completes_even_with_ignore_eos():
     async with Engine.from_pretrained("tiny", device="cpu") as engine:
         r = await engine.generate(prompt="n:", sampling=SamplingParams(max_new_tokens=64, regex="[0-9]{3}", ignore_eos=True))
     assert r.finish_reason == "stop" and re.fullmatch("[0-9]{3}", r.text) and len(r.output_ids) == 3
+
+
+@pytest.mark.parametrize("loop", ["overlap", "async_decode"])
+async def test_constrained_batches_never_run_ahead(loop):
+    """A constrained row's next mask needs its last token on the host: batches holding one
+    run in sync; free batches keep running ahead."""
+    async with Engine.from_pretrained("tiny", device="cpu", loop=loop) as engine:
+        engine.scheduler.trace_enabled = True
+        constrained = [SamplingParams(max_new_tokens=32, regex=REGEX, temperature=1.0, seed=s) for s in range(3)]
+        await asyncio.gather(*[engine.generate(prompt="id:", sampling=sp) for sp in constrained])
+        trace = list(engine.scheduler.stats.trace)
+        assert trace and all(t.startswith("sync") for t in trace), trace
+        assert engine.scheduler.info()["lookahead_steps"] == 0
+        engine.scheduler.stats.trace.clear()
+        free = [SamplingParams(max_new_tokens=16, ignore_eos=True) for _ in range(3)]
+        await asyncio.gather(*[engine.generate(prompt="id:", sampling=sp) for sp in free])
+        assert any(t.startswith("launch") for t in engine.scheduler.stats.trace)
