@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from ..sampling import RowSampling, SampleResult, SamplingBatch, SeedSource, batch_from_rows, sample
-from ..structured.batch_mask import grammar_bitmask
+from ..structured.batch_mask import GrammarMasks
 from .types import BatchResult, ModelRunnerOutput, RequestOutput, SchedulerOutput
 
 NO_TOKEN_MESSAGE = (
@@ -67,6 +67,7 @@ class ModelRunner:
 
     def __init__(self, *, seed: int = 0) -> None:
         self._seed_source = SeedSource(seed)
+        self.grammar_masks = GrammarMasks()  # constrained rows' bitmasks, filled per step
         # Base seeds of unseeded requests, drawn once per request (kept across
         # retraction) and forgotten with the request.
         self._base_seeds: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
@@ -120,7 +121,7 @@ class ModelRunner:
         return seed
 
     def stats(self) -> dict[str, Any]:
-        return {}  # runner counters for the stage's info()
+        return self.grammar_masks.stats()  # runner counters for the stage's info()
 
     def record_completion(self) -> Any:
         """A marker that is done once the device finished the work enqueued so far:
@@ -292,9 +293,7 @@ class ModelRunner:
 
     def _sample_into(self, result: BatchResult, forward_batch: Any, schedule_batch: Any, requests: list) -> None:
         sb = self.sampling_batch(forward_batch, schedule_batch, requests, result.logits.shape[-1])
-        allowed = grammar_bitmask(schedule_batch, result.logits.shape[-1], self.device)
-        if allowed is not None:
-            sb.allowed = allowed
+        sb.allowed = self.grammar_masks.fill(schedule_batch, result.logits.shape[-1], self.device)
         top_k = max((sr.data.req.sampling.top_logprobs for sr in requests), default=0) if sb.want_logprobs else 0
         res = self.sample_logits(result, sb, top_k)
         result.next_token_ids, result.next_token_logprobs, result.sample_ok = res.tokens, res.logprobs, res.ok
@@ -342,13 +341,11 @@ class ModelRunner:
 
     def overlap_eligible(self, batch: Any) -> bool:
         """Whether the overlap loop may launch this batch while the previous step is in
-        flight; False runs it synchronously after a drain. (A batch with a constrained row
-        never runs ahead, whatever this says: its mask needs the previous step's tokens.)"""
+        flight; False runs it synchronously after a drain (as a constrained batch always does)."""
         return True
 
     def lookahead_eligible(self, batch: Any) -> bool:
-        """Whether a batch may take the one-step lookahead; False routes it synchronously
-        (a batch with a constrained row never takes it)."""
+        """Whether a batch may take the one-step lookahead; False routes it synchronously."""
         return True
 
     def post_process_outputs(self, result, scheduler_output, outputs: dict[str, RequestOutput]) -> None:

@@ -179,7 +179,7 @@ class NativeModelRunner(ModelRunner):
 
     def stats(self) -> dict[str, int]:  # fused multi-step launches, and how many replayed a graph
         f = self.fused_decode
-        return {"fused_decode_launches": f.launches if f else 0, "fused_decode_replays": f.replays if f else 0}
+        return {"fused_decode_launches": f.launches if f else 0, "fused_decode_replays": f.replays if f else 0, **super().stats()}
 
     def _later(self, k: int) -> torch.Tensor:
         """``[[0], [1], ..., [k-1]]`` on the device, made once per k."""

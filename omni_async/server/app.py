@@ -39,7 +39,7 @@ from .protocol import DEFAULT_COMPLETION_MAX_TOKENS, ChatCompletionRequest, Comp
 from .responses import ResponseContext, usage
 from .structured import format_constraint
 from .tokenize import add_tokenize_routes
-from .tools import plan_tools
+from .tools import ToolPlan, plan_tools
 
 __all__ = ["create_app", "default_model_name"]
 
@@ -120,6 +120,20 @@ class OpenAIServer:
         wrong = self.check_model(body.model)
         if wrong is not None:
             return wrong
+        ids, constraint, tools = self.chat_prompt(body)
+        max_tokens = body.requested_max_tokens()
+        if max_tokens is None:  # as much as the context (and the KV cache) leaves
+            limits = self.engine.scheduler.limits
+            max_tokens = max(1, min(limits.context_length, limits.kv_capacity_tokens) - len(ids))
+        top = body.chat_top_logprobs()
+        sampling = body.sampling(max_tokens, top_logprobs=top, constraint=constraint)
+        handle = await self.engine.submit(input_ids=ids, sampling=sampling)
+        ctx = ResponseContext("chat", self.model_name, self.engine.tokenizer, logprobs=top is not None, tools=tools if tools.parse else None)
+        return await self.respond(request, [handle], ctx, stream=body.stream, n=body.n, include_usage=body.include_usage())
+
+    def chat_prompt(self, body: ChatCompletionRequest) -> tuple[list[int], dict[str, Any], ToolPlan]:
+        """The prompt ids (messages and tools through the template), the grammar fields
+        (``response_format``, or the one that forces a tool call) and the tool plan."""
         reads = template_names(chat_template_of(self.engine.tokenizer))
         tools = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls, reads)
         constraint = format_constraint(body.response_format)
@@ -130,15 +144,7 @@ class OpenAIServer:
         messages = template_messages(body.messages)
         ids = render_chat_ids(self.engine.tokenizer, messages, tools=tools.tools)
         check_fields_read(messages)
-        max_tokens = body.requested_max_tokens()
-        if max_tokens is None:  # as much as the context (and the KV cache) leaves
-            limits = self.engine.scheduler.limits
-            max_tokens = max(1, min(limits.context_length, limits.kv_capacity_tokens) - len(ids))
-        top = body.chat_top_logprobs()
-        sampling = body.sampling(max_tokens, top_logprobs=top, constraint=constraint)
-        handle = await self.engine.submit(input_ids=ids, sampling=sampling)
-        ctx = ResponseContext("chat", self.model_name, self.engine.tokenizer, logprobs=top is not None, tools=tools if tools.parse else None)
-        return await self.respond(request, [handle], ctx, stream=body.stream, n=body.n, include_usage=body.include_usage())
+        return ids, constraint, tools
 
     async def results(self, handles: list[RequestHandle], n: int) -> Any:
         """The requests' results as one; the first error aborts the others."""
