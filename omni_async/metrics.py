@@ -127,7 +127,8 @@ class RequestTimer:
 def _model_name(engine: "Engine | None") -> str:
     if engine is None:
         return "model"
-    path = str(engine.scheduler.info().get("model_path", "model"))
+    info = engine.scheduler.info()
+    path = str(info.get("model_name") or info.get("model_path", "model"))
     return os.path.basename(os.path.normpath(path)) or path
 
 
