@@ -78,7 +78,7 @@ def row_steps(decoding: list[Request], k: int, context_length: int) -> list[int]
     (counting tokens still in flight). None (one forward) while a row asks for top
     logprobs, which are read per forward, or decodes under a grammar, whose next mask
     needs the host to have seen its last token."""
-    if any(r.sampling.top_logprobs or r.grammar is not None for r in decoding):
+    if any(r.sampling.top_logprobs or r.matcher is not None for r in decoding):
         return None
     out = []
     for r in decoding:

@@ -46,7 +46,7 @@ class Request:
     cached_tokens: int = 0
     # Structured output: the request's grammar matcher (``structured.grammar``), advanced
     # by every token the request keeps; None for a free request.
-    grammar: Any = None
+    matcher: Any = None
     _stop_ids: frozenset[int] | None = field(default=None, repr=False)
 
     @property

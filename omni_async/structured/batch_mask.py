@@ -37,7 +37,7 @@ class GrammarMasks:
         mask = grammar_bitmask(batch, vocab, device)
         if mask is not None:
             self.steps += 1
-            self.rows += sum(1 for r in batch.reqs if getattr(r, "grammar", None) is not None)
+            self.rows += sum(1 for r in batch.reqs if getattr(r, "matcher", None) is not None)
             self.seconds += time.perf_counter() - t0
         return mask
 
@@ -46,7 +46,7 @@ class GrammarMasks:
 
 
 def has_constrained_rows(batch: Any) -> bool:
-    return any(getattr(r, "grammar", None) is not None for r in batch.reqs)
+    return any(getattr(r, "matcher", None) is not None for r in batch.reqs)
 
 
 def grammar_bitmask(batch: Any, vocab: int, device: torch.device) -> torch.Tensor | None:
@@ -54,9 +54,9 @@ def grammar_bitmask(batch: Any, vocab: int, device: torch.device) -> torch.Tenso
     every bit set for the others; None when no row of the step samples under a grammar."""
     kept = getattr(batch, "samples_kept", None)
     rows = [
-        (r.grammar.handle, i)
+        (r.matcher.handle, i)
         for i, r in enumerate(batch.reqs)
-        if getattr(r, "grammar", None) is not None and (kept is None or kept[i])
+        if getattr(r, "matcher", None) is not None and (kept is None or kept[i])
     ]
     if not rows:
         return None

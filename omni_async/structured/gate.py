@@ -72,11 +72,11 @@ class GrammarGate:
         """Give a built request its matcher (compiled already when it was held back)."""
         key = req.sampling.grammar
         if key is None:
-            req.grammar = None
+            req.matcher = None
             return
         if self.compiler is None:
             raise InvalidRequestError(NO_TOKENIZER)
-        req.grammar = self.compiler.matcher(key)
+        req.matcher = self.compiler.matcher(key)
 
     def shutdown(self) -> None:
         if self._pool is not None:
