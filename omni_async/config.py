@@ -14,6 +14,7 @@ from typing import Any, Literal, Mapping
 from .errors import ConfigError, InvalidRequestError
 from .memory_budget import check_budget
 from .stage.watchdog import check_step_timeout
+from .sampling_controls import check_grammar_fields, check_penalties, normalize_json_schema, normalize_logit_bias
 
 LoopKind = Literal["normal", "overlap", "async_decode"]
 LOOP_KINDS: tuple[str, ...] = ("normal", "overlap", "async_decode")
@@ -66,6 +67,16 @@ class SamplingParams:
     n: int = 1
     top_logprobs: int = 0
     skip_special_tokens: bool = True
+    # Constrained decoding: at most one grammar per request. ``json_schema`` is a dict or
+    # a JSON string; the request ends ("stop") when its grammar is complete.
+    json_schema: dict[str, Any] | str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    # OpenAI's controls over the generated tokens, after repetition_penalty:
+    # logit -= presence_penalty * (count > 0) + frequency_penalty * count; then logit_bias.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -117,6 +128,9 @@ class SamplingParams:
         if self.logprobs_mode not in ("processed", "raw"):
             raise bad(f"logprobs_mode must be 'processed' or 'raw', got {self.logprobs_mode!r}")
         self._validate_text_options(bad)
+        check_grammar_fields(self, bad)
+        check_penalties(self, bad)
+        self.logit_bias = normalize_logit_bias(self.logit_bias, bad)
 
     def _validate_text_options(self, bad: Any) -> None:
         """The engine-side fields: stop strings, parallel samples, top logprobs."""
@@ -138,6 +152,23 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def grammar(self) -> tuple[str, str] | None:
+        """``(kind, text)`` of the request's grammar, the schema as canonical JSON (the
+        compile cache's key); None when the request is unconstrained."""
+        if self.json_schema is not None:
+            return ("json_schema", normalize_json_schema(self.json_schema, InvalidRequestError) or "")
+        if self.regex is not None:
+            return ("regex", self.regex)
+        if self.ebnf is not None:
+            return ("ebnf", self.ebnf)
+        return None
+
+    @property
+    def has_logit_controls(self) -> bool:
+        """Whether the OpenAI penalties or a logit bias change this request's logits."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias)
 
     @property
     def resolved_seed(self) -> int | None:

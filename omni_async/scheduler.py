@@ -228,7 +228,7 @@ class AsyncOmniScheduler:
                     self.emission.reject(rid, closed)
             for payload in self.intake.admission.drain_all():
                 self.emission.reject(payload.request_id, closed)
-            self.intake.admission.shutdown()
+            self.intake.shutdown()
             for req in self.core.abort_all():
                 self.emission.fail(req.rid, errors.SchedulerClosedError("aborted: scheduler closed", output_ids=req.output_ids))
             for rid in list(self.emission.live):

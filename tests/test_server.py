@@ -23,6 +23,7 @@ from omni_async.server import running_server  # noqa: E402
 
 CHAT = [{"role": "user", "content": "Hello there!"}]
 EXTRA = {"ignore_eos": True}  # tiny's random weights may emit EOS early: fixed lengths
+TINY = (("model", "tiny"),)  # the model label of the request metrics
 
 
 @pytest.fixture
@@ -197,7 +198,7 @@ async def test_client_disconnect_aborts_and_frees_kv(served):
     await _wait_kv_free(engine)
     assert engine.scheduler.info()["tokens_out"] < 3000  # ended early, not by finishing
     _, text = await _http_get(f"{url}/metrics")
-    assert _samples(text)[("omni_async_requests_total", (("finish_reason", "abort"),))] == 1
+    assert _samples(text)[("omni_async_requests_total", (("finish_reason", "abort"), ("model", "tiny")))] == 1
 
 
 async def test_disconnect_of_a_whole_response_aborts(served):
@@ -213,7 +214,7 @@ async def test_disconnect_of_a_whole_response_aborts(served):
         await task
     await _wait_kv_free(engine)
     _, text = await _http_get(f"{url}/metrics")
-    assert _samples(text)[("omni_async_requests_total", (("finish_reason", "abort"),))] == 1
+    assert _samples(text)[("omni_async_requests_total", (("finish_reason", "abort"), ("model", "tiny")))] == 1
     assert engine.scheduler.info()["tokens_out"] < 3000  # ended early, not by finishing
 
 
@@ -241,12 +242,12 @@ async def test_metrics_count_the_requests_sent(served):
     assert status == 200
     m = _samples(text)
     info = engine.scheduler.info()
-    assert m[("omni_async_requests_total", (("finish_reason", "length"),))] == 3
-    assert m[("omni_async_prompt_tokens_total", ())] == sum(u.prompt_tokens for u in usages)
-    assert m[("omni_async_generation_tokens_total", ())] == sum(u.completion_tokens for u in usages) == 16
-    assert m[("omni_async_time_to_first_token_seconds_count", ())] == 3
-    assert m[("omni_async_e2e_request_latency_seconds_count", ())] == 3
-    assert m[("omni_async_inter_token_latency_seconds_count", ())] == 16 - 3
+    assert m[("omni_async_requests_total", (("finish_reason", "length"), ("model", "tiny")))] == 3
+    assert m[("omni_async_prompt_tokens_total", TINY)] == sum(u.prompt_tokens for u in usages)
+    assert m[("omni_async_generation_tokens_total", TINY)] == sum(u.completion_tokens for u in usages) == 16
+    assert m[("omni_async_time_to_first_token_seconds_count", TINY)] == 3
+    assert m[("omni_async_e2e_request_latency_seconds_count", TINY)] == 3
+    assert m[("omni_async_inter_token_latency_seconds_count", TINY)] == 16 - 3
     assert m[("omni_async_kv_pages_used", ())] == 0
     assert m[("omni_async_kv_pages_total", ())] == info["kv_total_pages"]
     assert m[("omni_async_steps_total", ())] == info["steps"] > 0

@@ -82,9 +82,9 @@ async def test_in_process_metrics(tiny_engine):
         for fam in text_string_to_metric_families(metrics.render().decode())
         for s in fam.samples
     }
-    assert values[("omni_async_requests_total", (("finish_reason", "length"),))] == 2
-    assert values[("omni_async_generation_tokens_total", ())] == 5 * 2 + 4 == sum(len(o.output_ids) for o in result.outputs) + 4
-    assert values[("omni_async_prompt_tokens_total", ())] == 3 + 3  # "ab" is BOS + 2 bytes
+    assert values[("omni_async_requests_total", (("finish_reason", "length"), ("model", "tiny")))] == 2
+    assert values[("omni_async_generation_tokens_total", (("model", "tiny"),))] == 5 * 2 + 4 == sum(len(o.output_ids) for o in result.outputs) + 4
+    assert values[("omni_async_prompt_tokens_total", (("model", "tiny"),))] == 3 + 3  # "ab" is BOS + 2 bytes
     steps = values[("omni_async_step_duration_seconds_count", ())]
     assert steps >= 5, "every processed step is timed"
     assert 0 < values[("omni_async_step_duration_seconds_sum", ())] < steps * 5

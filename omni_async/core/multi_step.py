@@ -76,8 +76,9 @@ def steps_for(core: "NativeBatchCore", decoding: list[Request]) -> list[int] | N
 def row_steps(decoding: list[Request], k: int, context_length: int) -> list[int] | None:
     """Forwards per row: k, or fewer where the row's token or context limit comes first
     (counting tokens still in flight). None (one forward) while a row asks for top
-    logprobs, which are read per forward."""
-    if any(r.sampling.top_logprobs for r in decoding):
+    logprobs, which are read per forward, or decodes under a grammar, whose next mask
+    needs the host to have seen its last token."""
+    if any(r.sampling.top_logprobs or r.matcher is not None for r in decoding):
         return None
     out = []
     for r in decoding:

@@ -44,6 +44,9 @@ class Request:
     prefix_pages: int = 0
     prefix_epoch: int | None = None
     cached_tokens: int = 0
+    # Structured output: the request's grammar matcher (``structured.grammar``), advanced
+    # by every token the request keeps; None for a free request.
+    matcher: Any = None
     _stop_ids: frozenset[int] | None = field(default=None, repr=False)
 
     @property
@@ -103,3 +106,9 @@ class RequestData:
     @property
     def suppress_tokens(self) -> list[int]:
         return self.req.sampling.suppress_tokens
+
+
+def any_constrained(reqs: list[Request]) -> bool:
+    """Whether a row samples under a grammar: its next mask needs the host to have seen
+    its last token, so its step is neither run ahead nor overlapped."""
+    return any(r.matcher is not None for r in reqs)

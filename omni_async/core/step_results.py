@@ -45,8 +45,8 @@ def process_one_forward(
         n = len(out)
         sp = req.sampling
         reason = None
-        if token in req.stop_ids() and n > sp.min_new_tokens:
-            reason = "stop"
+        if (token in req.stop_ids() and n > sp.min_new_tokens) or (req.matcher is not None and req.matcher.accept(token)):
+            reason = "stop"  # a stop token, or the grammar is complete
         elif n >= sp.max_new_tokens or len(req.prompt_ids) + n + req.num_inflight >= ctx:
             reason = "length"
         if reason is not None:

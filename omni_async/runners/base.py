@@ -29,6 +29,7 @@ from .sampling import RowSampling, SampleResult, SamplingBatch, SeedSource, batc
 from ..core.runner_io import ModelRunnerOutput, RequestOutput, SchedulerOutput
 from .hooks import RunnerHooks
 from .types import BatchResult
+from ..structured.batch_mask import GrammarMasks
 
 NO_TOKEN_MESSAGE = (
     "no admissible token: the sampling settings ban every token at this step "
@@ -68,6 +69,7 @@ class ModelRunner(RunnerHooks):
 
     def __init__(self, *, seed: int = 0) -> None:
         self._seed_source = SeedSource(seed)
+        self.grammar_masks = GrammarMasks()  # constrained rows' bitmasks, filled per step
         # Base seeds of unseeded requests, drawn once per request (kept across
         # retraction) and forgotten with the request.
         self._base_seeds: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
@@ -96,7 +98,7 @@ class ModelRunner(RunnerHooks):
                 request_id=sr.request_id,
                 sample_index=schedule_batch.sample_indices[i],
                 output_ids=self.row_output_ids(forward_batch, schedule_batch, i)
-                if sr.data.req.sampling.repetition_penalty != 1.0
+                if sr.data.req.sampling.repetition_penalty != 1.0 or sr.data.req.sampling.has_logit_controls
                 else (),
                 stop_ids=sorted(sr.data.req.stop_ids()),
                 base_seed=self.base_seed(sr.data.req),
@@ -124,7 +126,7 @@ class ModelRunner(RunnerHooks):
         return seed
 
     def stats(self) -> dict[str, Any]:
-        return {}  # runner counters for the stage's info()
+        return self.grammar_masks.stats()  # runner counters for the stage's info()
 
     def record_completion(self) -> Any:
         """A marker that is done once the device finished the work enqueued so far:
@@ -321,6 +323,7 @@ class ModelRunner(RunnerHooks):
 
     def _sample_into(self, result: BatchResult, forward_batch: Any, schedule_batch: Any, requests: list) -> None:
         sb = self.sampling_batch(forward_batch, schedule_batch, requests, result.logits.shape[-1])
+        sb.allowed = self.grammar_masks.fill(schedule_batch, result.logits.shape[-1], self.device)
         top_k = max((sr.data.req.sampling.top_logprobs for sr in requests), default=0) if sb.want_logprobs else 0
         res = self.sample_logits(result, sb, top_k)
         result.next_token_ids, result.next_token_logprobs, result.sample_ok = res.tokens, res.logprobs, res.ok

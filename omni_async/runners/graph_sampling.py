@@ -53,6 +53,8 @@ class SamplingGraphs:
             and sb.size <= self.max_batch
             and sb.penalty is None
             and sb.ban is None
+            and sb.controls is None
+            and sb.allowed is None
             and not sb.want_logprobs
             and not top_k_logprobs
         )

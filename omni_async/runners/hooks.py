@@ -33,7 +33,7 @@ class RunnerHooks:
 
     def overlap_eligible(self, batch: Any) -> bool:
         """Whether the overlap loop may launch this batch while the previous step is in
-        flight; False runs it synchronously after a drain."""
+        flight; False runs it synchronously after a drain (as a constrained batch always does)."""
         return True
 
     def lookahead_eligible(self, batch: Any) -> bool:

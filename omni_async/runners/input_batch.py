@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from .sampling import SamplingBatch
+from .slot_controls import SlotControls
 
 # Columns of the float32 and int64 per-slot sampling tables.
 TEMP, TOP_P, MIN_P, PENALTY, RAW = range(5)
@@ -70,6 +71,7 @@ class InputBatch:
         self.ip_dev = torch.zeros((0, 3), dtype=torch.long, device=device)
         self.last_token = torch.zeros(0, dtype=torch.long, device=device)
         self.masks: dict[str, torch.Tensor] = {}  # "seen", "suppress", "stop": [S, V] bool
+        self.controls = SlotControls(vocab, device)  # OpenAI penalties and logit bias
         self._grow(slots, pages)
         self._reset_pending()
 
@@ -93,6 +95,7 @@ class InputBatch:
         self.ip_dev = _grown_dev(self.ip_dev, slots)
         self.last_token = _grown_dev(self.last_token, slots)
         self.masks = {k: _grown_dev(m, slots) for k, m in self.masks.items()}
+        self.controls.grow(slots)
         self._free.extend(range(slots - 1, old_s - 1, -1))
         self._cap, self._pages_cap = slots, pages
 
@@ -200,6 +203,7 @@ class InputBatch:
         stop = sorted(req.stop_ids()) if sp.min_new_tokens > 0 else []
         self.flags[slot] = (sp.return_logprob, bool(sp.suppress_tokens), bool(stop))
         self._dirty_params.append(slot)
+        self.controls.join(slot, sp, req.output_ids)
         wanted = {
             "seen": (sp.repetition_penalty != 1.0, list(req.output_ids)),
             "suppress": (bool(sp.suppress_tokens), sp.suppress_tokens),
@@ -230,6 +234,7 @@ class InputBatch:
             if mrows:
                 rc = torch.from_numpy(np.array([mrows, mcols], dtype=np.int64)).to(dev, non_blocking=True)
                 self.masks[name][rc[0], rc[1]] = True
+        self.controls.flush()
         if self._dirty_params:
             idx = np.array(self._dirty_params, dtype=np.int64)
             idx_dev = torch.from_numpy(idx).to(dev, non_blocking=True)
@@ -253,6 +258,7 @@ class InputBatch:
         seen = self.masks.get("seen")
         if seen is not None:
             seen[rows_dev, tokens] = True
+        self.controls.publish(rows_dev, tokens)
 
     def plain_greedy(self, rows: SlotRows, sample_indices: np.ndarray) -> bool:
         """Whether every row samples plain greedy (no temperature, penalty, ban or
@@ -260,6 +266,8 @@ class InputBatch:
         s = rows.slots
         fp, flags = self.fp[s], self.flags[s]
         if (fp[:, TEMP] != 0).any() or (fp[:, PENALTY] != 1).any() or flags[:, WANT_LP].any() or flags[:, HAS_SUPPRESS].any():
+            return False
+        if self.controls.any_active(s):
             return False
         return not (flags[:, HAS_STOP] & (sample_indices < self.ip[s, MIN_NEW])).any()
 
@@ -286,6 +294,7 @@ class InputBatch:
             sb.penalty = fp[:, PENALTY]
             sb.seen = self.masks["seen"].index_select(0, rows.slots_dev)
         sb.ban = self._ban(rows, flags, ip_h, sample_indices)
+        sb.controls = self.controls.gather(s, rows.slots_dev)
         if sb.want_logprobs and fp_h[:, RAW].any():
             sb.raw_logprobs = fp[:, RAW] > 0
         return sb

@@ -159,7 +159,7 @@ class NativeModelRunner(ModelRunner):
 
     def stats(self) -> dict[str, int]:  # fused multi-step launches, and how many replayed a graph
         f = self.fused_decode
-        return {"fused_decode_launches": f.launches if f else 0, "fused_decode_replays": f.replays if f else 0}
+        return {"fused_decode_launches": f.launches if f else 0, "fused_decode_replays": f.replays if f else 0, **super().stats()}
 
     def _later(self, k: int) -> torch.Tensor:
         """``[[0], [1], ..., [k-1]]`` on the device, made once per k."""
@@ -213,7 +213,7 @@ class NativeModelRunner(ModelRunner):
         sub, last = fb, None
         # Later forwards read the tokens before them directly; the slots' record is for the
         # next step, so one publish at the end does, unless penalties mark every token seen.
-        every_forward = "seen" in self.inputs.masks
+        every_forward = "seen" in self.inputs.masks or self.inputs.controls.counts is not None
         for j in range(k):
             if j:
                 sub = self._next_forward(fb, j, tokens[j - 1])
@@ -359,7 +359,7 @@ class NativeModelRunner(ModelRunner):
         their own generation indices, unless a penalty or a ban (which read the tokens
         sampled so far) has to be gathered again."""
         first = forward_batch.sampling
-        if first is not None and first.penalty is None and first.ban is None:
+        if first is not None and first.penalty is None and first.ban is None and first.controls is None:
             return dataclasses.replace(first, sample_indices=forward_batch.sample_indices_dev)
         sb = self.inputs.sampling_batch(forward_batch.rows, forward_batch.sample_indices, forward_batch.sample_indices_dev)
         if forward_batch.row_steps is not None:

@@ -30,6 +30,7 @@ from typing import Sequence
 import torch
 
 from ..config import SAMPLING_SEED_MASK, SamplingParams
+from .logit_controls import LogitControls, apply_logit_controls, apply_token_bitmask, controls_from_rows
 
 MASK32 = 0xFFFFFFFF
 # Multipliers below 2**31, so every product of a 32-bit value stays below 2**63.
@@ -95,6 +96,8 @@ class SamplingBatch:
     ban: torch.Tensor | None = None  # [B, V] bool: tokens the row may not sample now
     raw_logprobs: torch.Tensor | None = None  # [B] bool rows asking for raw logprobs
     sampled_rows: torch.Tensor | None = None  # device index of the non-greedy rows
+    controls: LogitControls | None = None  # OpenAI penalties and logit bias, when any row has them
+    allowed: torch.Tensor | None = None  # [B, ceil(V/32)] int32 grammar bitmask, when any row has a grammar
     num_sampled: int = 0
     use_top_k: bool = False
     use_top_p: bool = False
@@ -108,7 +111,10 @@ class SamplingBatch:
     @property
     def plain_greedy(self) -> bool:
         """Every row greedy, nothing banned or penalised, no logprobs: :func:`greedy` alone."""
-        return not self.num_sampled and self.penalty is None and self.ban is None and not self.want_logprobs
+        return (
+            not self.num_sampled and self.penalty is None and self.ban is None and not self.want_logprobs
+            and self.controls is None and self.allowed is None
+        )
 
 
 @dataclass
@@ -121,15 +127,20 @@ class SampleResult:
 
 
 def _penalised(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
-    """Repetition penalty over generated tokens, then bans; out of place, so that the
-    raw logits stay available for raw logprobs."""
+    """Repetition penalty over generated tokens, OpenAI's penalties and logit bias, bans,
+    then the grammar mask; out of place, so that the raw logits stay available for raw
+    logprobs."""
     x = logits
     if sb.penalty is not None and sb.seen is not None:
         p = sb.penalty[:, None]
         scaled = torch.where(x > 0, x / p, x * p).clamp(max=torch.finfo(x.dtype).max)
         x = torch.where(sb.seen, scaled, x)
+    if sb.controls is not None:
+        x = apply_logit_controls(x, sb.controls)
     if sb.ban is not None:
         x = x.masked_fill(sb.ban, float("-inf"))
+    if sb.allowed is not None:
+        x = apply_token_bitmask(x, sb.allowed)
     return x
 
 
@@ -290,6 +301,7 @@ def batch_from_rows(rows: Sequence[RowSampling], vocab: int, device: torch.devic
     ]
     if any(banned):
         sb.ban = _row_mask(banned, vocab, device)
+    sb.controls = controls_from_rows(ps, [r.output_ids for r in rows], vocab, device)
     if want_logprobs and any(p.logprobs_mode == "raw" for p in ps):
         sb.raw_logprobs = vec([p.logprobs_mode == "raw" for p in ps], torch.bool)
     return sb

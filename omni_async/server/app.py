@@ -16,6 +16,7 @@ races the result against the ``http.disconnect`` message.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -28,16 +29,22 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import errors
-from ..text.chat import render_chat_ids
+from ..text.chat import chat_template_of, render_chat_ids, template_names
+from ..config import SamplingParams
 from ..engine import Engine
 from ..client.handle import RequestHandle
 from ..logs import log
 from .metrics import CONTENT_TYPE_LATEST, EngineMetrics
 from ..version import __version__
+from .chat_messages import check_fields_read, template_messages
 from .errors import ClientNames, body_of, error_body, single_error
+from .prompt_list import combined_result, merged_deltas
 from .protocol import DEFAULT_COMPLETION_MAX_TOKENS, ChatCompletionRequest, CompletionRequest
 from .request_errors import chat_names, completion_names, validation_error_body
 from .responses import ResponseContext, usage
+from .structured import format_constraint
+from .tokenize import add_tokenize_routes
+from .tools import ToolPlan, plan_tools
 
 __all__ = ["create_app", "default_model_name"]
 
@@ -109,32 +116,69 @@ class OpenAIServer:
             return wrong
         max_tokens = body.max_tokens if body.max_tokens is not None else DEFAULT_COMPLETION_MAX_TOKENS
         sampling = body.sampling(max_tokens, top_logprobs=body.logprobs)
-        handle = await self.engine.submit(**body.engine_input(), sampling=sampling)
+        handles = await self.submit_all(body.engine_inputs(), sampling)
         ctx = ResponseContext("completion", self.model_name, self.engine.tokenizer, logprobs=body.logprobs is not None)
-        return await self.respond(request, handle, ctx, stream=body.stream, n=body.n, include_usage=body.include_usage())
+        return await self.respond(request, handles, ctx, stream=body.stream, n=body.n, include_usage=body.include_usage())
+
+    async def submit_all(self, inputs: list[dict[str, Any]], sampling: SamplingParams) -> list[RequestHandle]:
+        """One request per prompt; if one is refused, those already submitted are aborted."""
+        handles: list[RequestHandle] = []
+        try:
+            for one in inputs:
+                handles.append(await self.engine.submit(**one, sampling=sampling))
+        except BaseException:
+            for handle in handles:
+                await self.engine.abort(handle.request_id)
+            raise
+        return handles
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
         request.state.client_names = chat_names(max_completion_tokens=body.max_completion_tokens is not None)
         wrong = self.check_model(body.model)
         if wrong is not None:
             return wrong
-        ids = render_chat_ids(self.engine.tokenizer, body.engine_messages())
+        ids, constraint, tools = self.chat_prompt(body)
         max_tokens = body.requested_max_tokens()
         if max_tokens is None:  # as much as the context (and the KV cache) leaves
             limits = self.engine.scheduler.limits
             max_tokens = max(1, min(limits.context_length, limits.kv_capacity_tokens) - len(ids))
         top = body.chat_top_logprobs()
-        handle = await self.engine.submit(input_ids=ids, sampling=body.sampling(max_tokens, top_logprobs=top))
-        ctx = ResponseContext("chat", self.model_name, self.engine.tokenizer, logprobs=top is not None)
-        return await self.respond(request, handle, ctx, stream=body.stream, n=body.n, include_usage=body.include_usage())
+        sampling = body.sampling(max_tokens, top_logprobs=top, constraint=constraint)
+        handle = await self.engine.submit(input_ids=ids, sampling=sampling)
+        ctx = ResponseContext("chat", self.model_name, self.engine.tokenizer, logprobs=top is not None, tools=tools if tools.parse else None)
+        return await self.respond(request, [handle], ctx, stream=body.stream, n=body.n, include_usage=body.include_usage())
 
-    async def respond(self, request: Request, handle: RequestHandle, ctx: ResponseContext, *, stream: bool, n: int, include_usage: bool) -> Response:
+    def chat_prompt(self, body: ChatCompletionRequest) -> tuple[list[int], dict[str, Any], ToolPlan]:
+        """The prompt ids (messages and tools through the template), the grammar fields
+        (``response_format``, or the one that forces a tool call) and the tool plan."""
+        reads = template_names(chat_template_of(self.engine.tokenizer))
+        tools = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls, reads)
+        constraint = format_constraint(body.response_format)
+        if tools.ebnf is not None:
+            if constraint:
+                raise errors.InvalidRequestError("response_format cannot be combined with a tool_choice that forces a call")
+            constraint = {"ebnf": tools.ebnf}
+        messages = template_messages(body.messages)
+        ids = render_chat_ids(self.engine.tokenizer, messages, tools=tools.tools)
+        check_fields_read(messages)
+        return ids, constraint, tools
+
+    async def results(self, handles: list[RequestHandle], n: int) -> Any:
+        """The requests' results as one; the first error aborts the others."""
+        tasks = [asyncio.ensure_future(self.metrics.result(h)) for h in handles]
+        try:
+            return combined_result(list(await asyncio.gather(*tasks)), n)
+        finally:
+            for task in tasks:
+                task.cancel()
+
+    async def respond(self, request: Request, handles: list[RequestHandle], ctx: ResponseContext, *, stream: bool, n: int, include_usage: bool) -> Response:
         if not stream:
-            completed, result = await _until_disconnect(request, self.metrics.result(handle))
+            completed, result = await _until_disconnect(request, self.results(handles, n))
             if not completed:
                 return Response(status_code=499)  # nobody is listening any more
             return JSONResponse(ctx.response(result))
-        deltas = self.metrics.observe(handle)
+        deltas = merged_deltas([self.metrics.observe(h) for h in handles], n)
         try:
             first = await deltas.__anext__()
         except StopAsyncIteration:
@@ -143,16 +187,16 @@ class OpenAIServer:
             await deltas.aclose()
             raise  # a typed error: answered with its status code by the handler
         names = getattr(request.state, "client_names", None)
-        return StreamingResponse(self.events(handle, ctx, deltas, first, n, include_usage, names), media_type="text/event-stream")
+        return StreamingResponse(self.events(handles, ctx, deltas, first, n, include_usage, names), media_type="text/event-stream")
 
     async def events(
-        self, handle: RequestHandle, ctx: ResponseContext, deltas: AsyncIterator[Any], first: Any, n: int, include_usage: bool,
+        self, handles: list[RequestHandle], ctx: ResponseContext, deltas: AsyncIterator[Any], first: Any, n: int, include_usage: bool,
         names: ClientNames | None = None,
     ) -> AsyncIterator[str]:
         """The SSE stream: role chunks (chat), one chunk per delta, a closing chunk for a
         completion whose last delta carried no finish reason, usage, ``[DONE]``."""
         finished: set[int] = set()
-        offsets = [0] * n
+        offsets = [0] * (n * len(handles))
         try:
             if ctx.kind == "chat":
                 for i in range(n):
@@ -163,13 +207,15 @@ class OpenAIServer:
                     if delta.finished:
                         finished.add(delta.index)
                     if delta.text or delta.finished or (ctx.logprobs and delta.token_ids):
-                        yield _sse(ctx.chunk([ctx.delta_choice(delta, offsets[delta.index])]))
+                        choice = ctx.delta_choice(delta, offsets[delta.index])
+                        if choice is not None:
+                            yield _sse(ctx.chunk([choice]))
                     offsets[delta.index] += len(delta.text or "")
                 try:
                     pending = [await deltas.__anext__()]
                 except StopAsyncIteration:
                     break
-            result = await handle.result()
+            result = combined_result([await h.result() for h in handles], n)
             for out in result.outputs:
                 if out.index not in finished:
                     yield _sse(ctx.chunk([ctx.final_choice(out.index, out.finish_reason)]))
@@ -190,10 +236,11 @@ def create_app(
     close_engine: bool = True,
 ) -> FastAPI:
     """The app for ``engine``. It starts the engine at startup and, with ``close_engine``,
-    closes it at shutdown. ``metrics`` defaults to a fresh registry for this engine."""
-    metrics = metrics if metrics is not None else EngineMetrics(engine)
+    closes it at shutdown. ``metrics`` defaults to a fresh registry for this engine, its
+    request figures labelled with the served model name."""
     info = engine.scheduler.info()
     name = model_name or default_model_name(str(info.get("model_name") or info.get("model_path", "model")))
+    metrics = metrics if metrics is not None else EngineMetrics(engine, model_name=name)
     server = OpenAIServer(engine, metrics, name)
 
     @contextlib.asynccontextmanager
@@ -247,6 +294,7 @@ def create_app(
     app.get("/v1/models/{model_id:path}", response_model=None)(server.model)
     app.post("/v1/completions", response_model=None)(server.completions)
     app.post("/v1/chat/completions", response_model=None)(server.chat)
+    add_tokenize_routes(app, server)
 
     @app.get("/health")
     async def health() -> Response:

@@ -4,8 +4,9 @@ Two sources, so neither the stage nor the request path pays for the other:
 
 - stage figures (running and waiting requests, KV pages, steps, tokens out) are read from
   ``engine.scheduler.info()`` when the registry is scraped, not on every step;
-- per-request figures (requests by finish reason, prompt and generated tokens, time to
-  first token, inter-token latency, end-to-end latency) are recorded where a request's
+- per-request figures (requests by finish reason, prompt, prefix-cached and generated
+  tokens, time to first token, inter-token latency, end-to-end latency), each labelled
+  with the served ``model`` name, are recorded where a request's
   output passes: :meth:`EngineMetrics.observe` wraps the iteration of a handle. The HTTP
   server does this for every request; an application embedding the engine does the same.
 
@@ -17,6 +18,7 @@ Two sources, so neither the stage nor the request path pays for the other:
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from typing import TYPE_CHECKING, Any, AsyncIterator, Iterator
 
@@ -64,6 +66,8 @@ class StageCollector:
             "stage_tokens": ("Tokens produced by the stage (all requests)", info.get("tokens_out", 0)),
             "failed_steps": ("Model steps that raised", info.get("failed_steps", 0)),
             "retractions": ("Requests retracted under KV pressure", info.get("num_retractions", 0)),
+            "prefix_cache_queries": ("Prompt tokens looked up in the prefix cache", info.get("prefix_cache_lookup_tokens", 0)),
+            "prefix_cache_hits": ("Prompt tokens found in the prefix cache", info.get("prefix_cache_hit_tokens", 0)),
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(f"{PREFIX}_{name}", doc, value=float(value))
@@ -86,54 +90,72 @@ class RequestTimer:
         now = time.perf_counter()
         if self.first_token_at is None:
             self.first_token_at = now
-            self._m.time_to_first_token.observe(now - self.start)
+            self._m.time_to_first_token.labels(model=self._m.model_name).observe(now - self.start)
         prev = self._last.get(delta.index)
         if prev is not None:
             gap = (now - prev) / n  # a merged delta spreads its interval over its tokens
+            itl = self._m.inter_token_latency.labels(model=self._m.model_name)
             for _ in range(n):
-                self._m.inter_token_latency.observe(gap)
+                itl.observe(gap)
         self._last[delta.index] = now
 
     def finish(self, result: Any) -> None:
         if self.done:
             return
         self.done = True
-        self._m.e2e_latency.observe(time.perf_counter() - self.start)
+        m = self._m
+        m.e2e_latency.labels(model=m.model_name).observe(time.perf_counter() - self.start)
         if isinstance(result, GenerationResult):
             outputs = result.outputs or []
             reason = result.finish_reason or "unknown"
-            self._m.prompt_tokens.inc(len(result.prompt_ids))
-            self._m.generation_tokens.inc(sum(len(o.output_ids) for o in outputs) if outputs else len(result.output_ids))
+            m.prompt_tokens.labels(model=m.model_name).inc(len(result.prompt_ids))
+            m.cached_prompt_tokens.labels(model=m.model_name).inc(result.cached_tokens)
+            m.generation_tokens.labels(model=m.model_name).inc(sum(len(o.output_ids) for o in outputs) if outputs else len(result.output_ids))
         else:
             reason = "unknown"
-        self._m.requests.labels(finish_reason=reason).inc()
+        m.requests.labels(finish_reason=reason, model=m.model_name).inc()
 
     def fail(self, exc: BaseException | None) -> None:
         if self.done:
             return
         self.done = True
-        self._m.e2e_latency.observe(time.perf_counter() - self.start)
+        self._m.e2e_latency.labels(model=self._m.model_name).observe(time.perf_counter() - self.start)
         reason = "abort" if exc is None or isinstance(exc, errors.RequestAbortedError) else "error"
-        self._m.requests.labels(finish_reason=reason).inc()
+        self._m.requests.labels(finish_reason=reason, model=self._m.model_name).inc()
+
+
+def _model_name(engine: "Engine | None") -> str:
+    if engine is None:
+        return "model"
+    info = engine.scheduler.info()
+    path = str(info.get("model_name") or info.get("model_path", "model"))
+    return os.path.basename(os.path.normpath(path)) or path
 
 
 class EngineMetrics:
     """The metrics of one engine in a registry of their own (or one you pass)."""
 
-    def __init__(self, engine: "Engine | None" = None, *, registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, engine: "Engine | None" = None, *, registry: CollectorRegistry | None = None, model_name: str | None = None) -> None:
+        """``model_name`` labels the request figures (default: the last component of the
+        engine's model path, as the server names the model)."""
         self.registry = registry if registry is not None else CollectorRegistry()
+        self.model_name = model_name or _model_name(engine)
         r = self.registry
-        self.requests = Counter(f"{PREFIX}_requests", "Finished requests by finish reason (abort and error included)", ["finish_reason"], registry=r)
-        self.prompt_tokens = Counter(f"{PREFIX}_prompt_tokens", "Prompt tokens of finished requests", registry=r)
-        self.generation_tokens = Counter(f"{PREFIX}_generation_tokens", "Generated tokens of finished requests", registry=r)
+        m = ["model"]
+        self.requests = Counter(f"{PREFIX}_requests", "Finished requests by finish reason (abort and error included)", ["finish_reason", "model"], registry=r)
+        self.prompt_tokens = Counter(f"{PREFIX}_prompt_tokens", "Prompt tokens of finished requests", m, registry=r)
+        self.cached_prompt_tokens = Counter(
+            f"{PREFIX}_prompt_cached_tokens", "Prompt tokens of finished requests whose KV came from the prefix cache", m, registry=r
+        )
+        self.generation_tokens = Counter(f"{PREFIX}_generation_tokens", "Generated tokens of finished requests", m, registry=r)
         self.time_to_first_token = Histogram(
-            f"{PREFIX}_time_to_first_token_seconds", "Submit to first streamed token", buckets=_LATENCY_BUCKETS, registry=r
+            f"{PREFIX}_time_to_first_token_seconds", "Submit to first streamed token", m, buckets=_LATENCY_BUCKETS, registry=r
         )
         self.inter_token_latency = Histogram(
-            f"{PREFIX}_inter_token_latency_seconds", "Time between a completion's streamed tokens", buckets=_LATENCY_BUCKETS, registry=r
+            f"{PREFIX}_inter_token_latency_seconds", "Time between a completion's streamed tokens", m, buckets=_LATENCY_BUCKETS, registry=r
         )
         self.e2e_latency = Histogram(
-            f"{PREFIX}_e2e_request_latency_seconds", "Submit to the request's end", buckets=_LATENCY_BUCKETS, registry=r
+            f"{PREFIX}_e2e_request_latency_seconds", "Submit to the request's end", m, buckets=_LATENCY_BUCKETS, registry=r
         )
         self.step_time = Histogram(
             f"{PREFIX}_step_duration_seconds", "One model step, from launch to processed", buckets=_STEP_BUCKETS, registry=r

@@ -1,7 +1,7 @@
 """OpenAI request bodies, and their translation into an engine request.
 
-Fields the engine cannot honour (``echo``, ``suffix``, penalties other than zero,
-``logit_bias``) are refused with InvalidRequestError rather than ignored, and unknown
+Fields the engine cannot honour (``echo``, ``suffix``) are refused with
+InvalidRequestError rather than ignored, and unknown
 fields are refused too, so a client never gets an answer to a question it did not ask.
 Besides the OpenAI fields, the common extensions ``top_k``, ``min_p``,
 ``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``,
@@ -17,6 +17,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from .. import errors
 from ..config import SamplingParams
 from .errors import invalid
+from .chat_messages import ChatMessage
+from .structured import ResponseFormat
+from .tools import ToolChoice, ToolDefinition
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # the OpenAI default for /v1/completions
 DEFAULT_TEMPERATURE = 1.0  # the OpenAI default
@@ -54,20 +57,27 @@ class _Common(BaseModel):
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
 
-    def check_supported(self) -> None:
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) not in (None, 0, 0.0):
-                raise errors.InvalidRequestError(f"{name} is not supported (use repetition_penalty)")
+    def openai_penalties(self) -> dict[str, Any]:
+        """``presence_penalty``, ``frequency_penalty`` and ``logit_bias`` (token ids as
+        JSON keys) for SamplingParams; zeros and empties are left at their defaults."""
+        out: dict[str, Any] = {name: v for name in ("presence_penalty", "frequency_penalty") if (v := getattr(self, name))}
         if self.logit_bias:
-            raise errors.InvalidRequestError("logit_bias is not supported")
+            try:
+                out["logit_bias"] = {int(k): float(v) for k, v in self.logit_bias.items()}
+            except ValueError:
+                raise errors.InvalidRequestError("logit_bias: keys must be token ids") from None
+        return out
+
+    def check_supported(self) -> None:
         if self.stream_options is not None and not self.stream:
             raise invalid("stream_options is only allowed when stream is true", "stream_options")
 
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
-    def sampling(self, max_tokens: int, *, top_logprobs: int | None) -> SamplingParams:
-        """The engine's SamplingParams; its own validation names a bad value."""
+    def sampling(self, max_tokens: int, *, top_logprobs: int | None, constraint: dict[str, Any] | None = None) -> SamplingParams:
+        """The engine's SamplingParams; its own validation names a bad value.
+        ``constraint``: the grammar fields (``json_schema``/``ebnf``) for the request."""
         self.check_supported()
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         kw: dict[str, Any] = {
@@ -89,6 +99,8 @@ class _Common(BaseModel):
             "include_stop_str_in_output": self.include_stop_str_in_output,
         }
         kw.update({k: v for k, v in optional.items() if v is not None})
+        kw.update(self.openai_penalties())
+        kw.update(constraint or {})
         if top_logprobs is not None:
             kw.update(return_logprob=True, top_logprobs=top_logprobs)
         try:
@@ -98,7 +110,7 @@ class _Common(BaseModel):
 
 
 class CompletionRequest(_Common):
-    """``POST /v1/completions``: one prompt, as text or token ids."""
+    """``POST /v1/completions``: one or several prompts, as text or token ids."""
 
     prompt: Union[str, list[int], list[str], list[list[int]]]
     max_tokens: int | None = DEFAULT_COMPLETION_MAX_TOKENS
@@ -107,8 +119,9 @@ class CompletionRequest(_Common):
     suffix: str | None = None
     best_of: int | None = None
 
-    def engine_input(self) -> dict[str, Any]:
-        """``prompt=`` or ``input_ids=`` for Engine.submit."""
+    def engine_inputs(self) -> list[dict[str, Any]]:
+        """``prompt=`` or ``input_ids=`` for Engine.submit, one per prompt: a string or a
+        list of ids is one prompt, a list of strings or of id lists is several."""
         if self.echo:
             raise errors.InvalidRequestError("echo is not supported")
         if self.suffix:
@@ -116,19 +129,13 @@ class CompletionRequest(_Common):
         if self.best_of not in (None, self.n):
             raise errors.InvalidRequestError("best_of other than n is not supported")
         prompt = self.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
-                raise errors.InvalidRequestError("one prompt per request: send a list of several prompts as several requests")
-            prompt = prompt[0]
-        if isinstance(prompt, str):
-            return {"prompt": prompt}
-        return {"input_ids": list(prompt)}
-
-
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: Union[str, list[dict[str, Any]], None] = None
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+            prompts: list[Any] = [prompt]
+        else:
+            prompts = list(prompt)
+        if not prompts:
+            raise errors.InvalidRequestError("prompt is empty")
+        return [{"prompt": p} if isinstance(p, str) else {"input_ids": list(p)} for p in prompts]
 
 
 class ChatCompletionRequest(_Common):
@@ -139,12 +146,10 @@ class ChatCompletionRequest(_Common):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
-
-    def engine_messages(self) -> list[dict[str, Any]]:
-        """Messages as the chat template expects them: text content only."""
-        if not self.messages:
-            raise errors.InvalidRequestError("messages is empty")
-        return [{"role": m.role, "content": _text_content(m.content)} for m in self.messages]
+    response_format: ResponseFormat | None = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
     def chat_top_logprobs(self) -> int | None:
         if not self.logprobs:
@@ -156,15 +161,3 @@ class ChatCompletionRequest(_Common):
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
-
-def _text_content(content: Any) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    parts = []
-    for part in content:
-        if part.get("type") != "text" or not isinstance(part.get("text"), str):
-            raise errors.InvalidRequestError(f"unsupported message content part {part.get('type')!r}: only text is supported")
-        parts.append(part["text"])
-    return "".join(parts)

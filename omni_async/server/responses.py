@@ -9,6 +9,7 @@ from typing import Any
 
 from ..messages import CompletionOutput, GenerationResult, StreamDelta
 from ..text.tokenizer import Tokenizer
+from .tools import StreamParser, ToolPlan, parse_calls
 
 
 @dataclass
@@ -19,8 +20,11 @@ class ResponseContext:
     model: str
     tokenizer: Tokenizer | None
     logprobs: bool
+    tools: ToolPlan | None = None  # chat with tools: calls are parsed out of the text
     id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
+    _parsers: dict[int, StreamParser] = field(default_factory=dict)
+    _called: set[int] = field(default_factory=set)  # streamed choices that made a call
 
     def __post_init__(self) -> None:
         if not self.id:
@@ -85,7 +89,14 @@ class ResponseContext:
         text = out.text or ""
         lp = self.logprobs_of(out.output_ids, out.output_logprobs, out.top_logprobs)
         if self.kind == "chat":
-            return {"index": out.index, "message": {"role": "assistant", "content": text}, "finish_reason": out.finish_reason, "logprobs": lp}
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            reason = out.finish_reason
+            if self.tools is not None and self.tools.parse:
+                content, calls = parse_calls(text, self.tools)
+                if calls:
+                    message = {"role": "assistant", "content": content or None, "tool_calls": [c.openai() for c in calls]}
+                    reason = _call_reason(reason)
+            return {"index": out.index, "message": message, "finish_reason": reason, "logprobs": lp}
         return {"index": out.index, "text": text, "finish_reason": out.finish_reason, "logprobs": lp}
 
     # ------------------------------------------------------------ stream chunks
@@ -99,18 +110,49 @@ class ResponseContext:
     def role_choice(self, index: int) -> dict[str, Any]:
         return {"index": index, "delta": {"role": "assistant", "content": ""}, "finish_reason": None, "logprobs": None}
 
-    def delta_choice(self, delta: StreamDelta, text_offset: int = 0) -> dict[str, Any]:
+    def delta_choice(self, delta: StreamDelta, text_offset: int = 0) -> dict[str, Any] | None:
+        """The chunk's choice for ``delta``; None when a tool parser holds all of it."""
         text = delta.text or ""
         reason = delta.finish_reason if delta.finished else None
         lp = self.logprobs_of(delta.token_ids, delta.logprobs, delta.top_logprobs, text_offset)
         if self.kind == "chat":
-            return {"index": delta.index, "delta": {"content": text}, "finish_reason": reason, "logprobs": lp}
+            body = self._chat_delta(delta.index, text, finished=delta.finished)
+            if delta.finished and delta.index in self._called:
+                reason = _call_reason(reason)
+            if not body and reason is None and lp is None:
+                return None
+            return {"index": delta.index, "delta": body, "finish_reason": reason, "logprobs": lp}
         return {"index": delta.index, "text": text, "finish_reason": reason, "logprobs": lp}
+
+    def _chat_delta(self, index: int, text: str, *, finished: bool) -> dict[str, Any]:
+        if self.tools is None or not self.tools.parse:
+            return {"content": text}
+        parser = self._parsers.setdefault(index, StreamParser(self.tools))
+        content, calls = parser.feed(text)
+        if finished:
+            content += parser.flush()
+        body: dict[str, Any] = {"content": content} if content else {}
+        if calls:
+            first = parser.calls - len(calls)
+            body["tool_calls"] = [c.openai(first + i) for i, c in enumerate(calls)]
+            self._called.add(index)
+        return body
 
     def final_choice(self, index: int, reason: str | None) -> dict[str, Any]:
         if self.kind == "chat":
-            return {"index": index, "delta": {}, "finish_reason": reason, "logprobs": None}
+            delta: dict[str, Any] = {}
+            if index in self._parsers:
+                rest = self._parsers[index].flush()
+                delta = {"content": rest} if rest else {}
+            if index in self._called:
+                reason = _call_reason(reason)
+            return {"index": index, "delta": delta, "finish_reason": reason, "logprobs": None}
         return {"index": index, "text": "", "finish_reason": reason, "logprobs": None}
+
+
+def _call_reason(reason: str | None) -> str | None:
+    """A choice that called a tool finishes with ``tool_calls`` (unless cut by length)."""
+    return reason if reason == "length" else "tool_calls"
 
 
 def usage(result: GenerationResult) -> dict[str, Any]:

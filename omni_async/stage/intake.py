@@ -24,6 +24,7 @@ from ..logs import debug_enabled, log
 from ..messages import IncomingMessage, RequestPayload
 from .weak import weak_method
 from .request_checks import check_capacity, check_input_ids, check_sampling_vocab
+from ..structured.gate import GrammarGate
 from .emission import Emission
 from .guard import call_user
 from .ids import IdWindow
@@ -46,6 +47,8 @@ class ModelLimits:
     context_length: int
     kv_capacity_tokens: int
     eos_token_ids: tuple[int, ...] = ()
+    # Compiles the grammars of constrained requests (None: the model has no tokenizer).
+    grammar_compiler: Any = None
 
 
 class Intake:
@@ -76,10 +79,11 @@ class Intake:
         self._arrived_new: dict[str, int] = {}  # rid -> new_request messages in ``arrived``
         # Ids aborted before they arrived (False) or whose abort was already answered (True).
         self.tombstones: IdWindow[bool] = IdWindow(config.aborted_id_cap, config.aborted_id_keep)
+        self.grammars = GrammarGate(limits.grammar_compiler, on_build_done)
         self.admission = Admission(
             config,
             build=weak_method(self._build),
-            is_ready=_guarded_ready(request_build_ready) if request_build_ready else None,
+            is_ready=_with_grammar(self.grammars, _guarded_ready(request_build_ready) if request_build_ready else None),
             on_build_done=on_build_done,
             orphan_cap=_ORPHAN_INPUT_CAP,
             recheck_on_chunk=_guarded_recheck(recheck_on_chunk) if recheck_on_chunk else None,
@@ -131,6 +135,7 @@ class Intake:
             if handled % _ARRIVALS_PER_CHECKPOINT == 0:
                 self.emission.flush()
                 await anyio.lowlevel.checkpoint()
+        self.admission.dirty.update(self.grammars.take_ready())
         for payload in self.admission.take_dirty():
             self._to_admission(payload)
         inline, rejected = self.admission.stage()
@@ -246,6 +251,7 @@ class Intake:
                 if data.req.rid != rid:
                     raise errors.InvalidRequestError(f"built request id {data.req.rid!r} differs from message id {rid!r}")
                 self.check_limits(data.req, enforce=data.enforce_request_limits)
+                self.grammars.attach(data.req)
             except errors.OmniAsyncError as err:
                 self.emission.reject(rid, err)
                 continue
@@ -271,6 +277,11 @@ class Intake:
             self.core.add_request(data.req)
             if debug_enabled():
                 log.debug("scheduler_queue_enter", request_id=rid)
+
+    def shutdown(self) -> None:
+        """Stop the build pool and the grammar compiler's thread (close)."""
+        self.admission.shutdown()
+        self.grammars.shutdown()
 
     def check_limits(self, req: Request, *, enforce: bool) -> None:
         """See :func:`~omni_async.stage.request_checks.check_capacity`: the KV guard always,
@@ -387,6 +398,17 @@ def _guarded_recheck(fn: Callable[[str, Any], bool]) -> Callable[[str, Any], boo
             return True
 
     return recheck
+
+
+def _with_grammar(gate: GrammarGate, ready: Callable[[Any, bool], bool] | None) -> Callable[[Any, bool], bool]:
+    """Ready when the caller's check (if any) says so and the request's grammar compiled
+    (the compile starts at the first check, on the gate's thread)."""
+
+    def check(payload: Any, stream_done: bool) -> bool:
+        compiled = gate.ready(payload)
+        return (ready is None or ready(payload, stream_done)) and compiled
+
+    return check
 
 
 def _guarded_ready(fn: Callable[[Any, bool], bool]) -> Callable[[Any, bool], bool]:

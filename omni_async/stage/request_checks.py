@@ -39,6 +39,9 @@ def check_sampling_vocab(sampling: SamplingParams, vocab_size: int) -> None:
         bad = [t for t in getattr(sampling, name) if t >= vocab_size]
         if bad:
             raise errors.InvalidRequestError(f"{name} {bad} outside the vocabulary [0, {vocab_size})")
+    bad_bias = sorted(t for t in sampling.logit_bias if t >= vocab_size)
+    if bad_bias:
+        raise errors.InvalidRequestError(f"logit_bias token(s) {bad_bias} outside the vocabulary [0, {vocab_size})")
     if len(set(sampling.suppress_tokens)) >= vocab_size:
         raise errors.InvalidRequestError("suppress_tokens covers the whole vocabulary: nothing could be sampled")
 

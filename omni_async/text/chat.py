@@ -18,8 +18,25 @@ from .. import errors
 from .tokenizer import Tokenizer
 
 
-def render_chat_ids(tokenizer: Tokenizer | None, messages: Any, *, add_generation_prompt: bool = True) -> list[int]:
-    """The prompt ids of a conversation, or InvalidRequestError saying what is wrong."""
+def render_chat_ids(
+    tokenizer: Tokenizer | None, messages: Any, *, add_generation_prompt: bool = True, tools: list[dict[str, Any]] | None = None
+) -> list[int]:
+    """The prompt ids of a conversation, or InvalidRequestError saying what is wrong.
+    ``tools`` (OpenAI tool definitions) reach the template as ``tools``, as transformers'
+    ``apply_chat_template(tools=...)`` passes them."""
+    if tokenizer is None:
+        raise errors.InvalidRequestError(
+            "this model has no tokenizer (no tokenizer.json in its folder): chat messages need one"
+        )
+    template = chat_template_of(tokenizer)
+    text = render_chat_text(template, _checked(messages), add_generation_prompt, _special_tokens(tokenizer), tools=tools)
+    if not text:
+        raise errors.InvalidRequestError("the chat template rendered an empty prompt")
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def chat_template_of(tokenizer: Tokenizer | None) -> str:
+    """The tokenizer's chat template, or InvalidRequestError saying why there is none."""
     if tokenizer is None:
         raise errors.InvalidRequestError(
             "this model has no tokenizer (no tokenizer.json in its folder): chat messages need one"
@@ -30,19 +47,23 @@ def render_chat_ids(tokenizer: Tokenizer | None, messages: Any, *, add_generatio
             "this model has no chat template (no chat_template in tokenizer_config.json and no "
             "chat_template.jinja in its folder): pass prompt or input_ids instead of messages"
         )
-    text = render_chat_text(template, _checked(messages), add_generation_prompt, _special_tokens(tokenizer))
-    if not text:
-        raise errors.InvalidRequestError("the chat template rendered an empty prompt")
-    return tokenizer.encode(text, add_special_tokens=False)
+    return template
 
 
-def render_chat_text(template: str, messages: list[dict[str, Any]], add_generation_prompt: bool, special: Mapping[str, str]) -> str:
+def render_chat_text(
+    template: str,
+    messages: list[dict[str, Any]],
+    add_generation_prompt: bool,
+    special: Mapping[str, str],
+    *,
+    tools: list[dict[str, Any]] | None = None,
+) -> str:
     try:
         compiled = _compile(template)
     except Exception as exc:  # a template the environment cannot parse
         raise errors.InvalidRequestError(f"the model's chat template does not compile: {exc}") from exc
     try:
-        return compiled.render(messages=messages, add_generation_prompt=add_generation_prompt, tools=None, documents=None, **special)
+        return compiled.render(messages=messages, add_generation_prompt=add_generation_prompt, tools=tools or None, documents=None, **special)
     except errors.InvalidRequestError:
         raise
     except Exception as exc:
@@ -56,7 +77,7 @@ def _checked(messages: Any) -> list[dict[str, Any]]:
     for i, msg in enumerate(messages):
         if not isinstance(msg, Mapping) or not isinstance(msg.get("role"), str):
             raise errors.InvalidRequestError(f"messages[{i}] must be a dict with a string 'role', got {msg!r}")
-        out.append(dict(msg))
+        out.append(msg if isinstance(msg, dict) else dict(msg))  # a dict subclass may track reads
     return out
 
 
@@ -82,7 +103,28 @@ def _strftime_now(fmt: str) -> str:
 
 
 @lru_cache(maxsize=16)
-def _compile(template: str) -> Any:
+def template_names(template: str) -> frozenset[str]:
+    """The names a template reads: its free variables (``tools``, ``messages``...) and
+    every key or attribute it looks up (``message.tool_calls``, ``message['name']``).
+    What the server asks before it hands a template an input it might ignore."""
+    from jinja2 import nodes
+
+    try:
+        tree = _environment().parse(template)
+    except Exception as exc:
+        raise errors.InvalidRequestError(f"the model's chat template does not compile: {exc}") from exc
+    names: set[str] = set()
+    for node in tree.find_all((nodes.Name, nodes.Getattr, nodes.Getitem)):
+        if isinstance(node, nodes.Name):
+            names.add(node.name)
+        elif isinstance(node, nodes.Getattr):
+            names.add(node.attr)
+        elif isinstance(node.arg, nodes.Const) and isinstance(node.arg.value, str):
+            names.add(node.arg.value)
+    return frozenset(names)
+
+
+def _environment() -> Any:
     from jinja2.ext import loopcontrols
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -90,4 +132,9 @@ def _compile(template: str) -> Any:
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
-    return env.from_string(template)
+    return env
+
+
+@lru_cache(maxsize=16)
+def _compile(template: str) -> Any:
+    return _environment().from_string(template)

@@ -19,6 +19,7 @@ from ...kv.cache import PagedKVCache
 from ...models.loader import LoadedModel
 from ...runners.native import NativeModelRunner
 from ...scheduler import ModelLimits
+from ...structured.grammar import GrammarCompiler
 
 T = TypeVar("T")
 
@@ -80,6 +81,7 @@ def assemble_stack(
         context_length=context,
         kv_capacity_tokens=allocator.capacity_tokens,
         eos_token_ids=cfg.eos_token_ids,
+        grammar_compiler=GrammarCompiler(loaded.tokenizer, cfg.vocab_size) if loaded.tokenizer is not None else None,
     )
     steps = resolve_decode_steps(config.decode_steps, device.type, config.tensor_parallel_size, config.page_size)
     runner.configure_decode_steps(steps, fused=config.fuse_decode_steps)

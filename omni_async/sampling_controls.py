@@ -1,0 +1,99 @@
+"""Validation of the structured-output and OpenAI sampling fields of ``SamplingParams``.
+
+Kept apart from :mod:`omni_async.config` so that the grammar fields (``json_schema``,
+``regex``, ``ebnf``) and the OpenAI controls (``presence_penalty``, ``frequency_penalty``,
+``logit_bias``) are checked in one place, before anything reaches the loop: a bad value is an
+:class:`~omni_async.errors.InvalidRequestError` on that request alone. Whether a grammar
+*compiles* is only known to the grammar library; that check runs in the request-build pool.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any, Callable, Mapping
+
+GRAMMAR_FIELDS: tuple[str, ...] = ("json_schema", "regex", "ebnf")
+# OpenAI's ranges: penalties in [-2, 2], a logit bias in [-100, 100].
+PENALTY_LIMIT = 2.0
+LOGIT_BIAS_LIMIT = 100.0
+MAX_LOGIT_BIAS_ENTRIES = 1024
+
+Bad = Callable[[str], Exception]
+
+
+def normalize_json_schema(value: Any, bad: Bad) -> str | None:
+    """A schema given as a dict or a JSON string, as canonical JSON text (the cache key).
+
+    ``True`` (any JSON value) is accepted, as JSON Schema allows; anything that is not a
+    JSON object or boolean is refused."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        try:
+            parsed = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise bad(f"json_schema is not valid JSON: {exc.msg} at position {exc.pos}") from None
+    elif isinstance(value, Mapping) or isinstance(value, bool):
+        parsed = value
+    else:
+        raise bad(f"json_schema must be a dict or a JSON string, got {type(value).__name__}")
+    if not isinstance(parsed, (dict, bool)):
+        raise bad(f"json_schema must be a JSON object (or true), got {type(parsed).__name__}")
+    try:
+        return json.dumps(parsed, sort_keys=True, separators=(",", ":"))
+    except (TypeError, ValueError) as exc:
+        raise bad(f"json_schema cannot be serialised as JSON: {exc}") from None
+
+
+def check_grammar_fields(params: Any, bad: Bad) -> None:
+    """At most one of the three grammar fields, each of the right type and non-empty."""
+    given = [name for name in GRAMMAR_FIELDS if getattr(params, name) is not None]
+    if len(given) > 1:
+        raise bad(f"at most one of json_schema, regex, ebnf per request; got {', '.join(given)}")
+    normalize_json_schema(params.json_schema, bad)
+    for name in ("regex", "ebnf"):
+        value = getattr(params, name)
+        if value is not None and (not isinstance(value, str) or not value.strip()):
+            raise bad(f"{name} must be a non-empty string, got {value!r}")
+
+
+def check_penalties(params: Any, bad: Bad) -> None:
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(params, name)
+        if not _is_number(value) or not -PENALTY_LIMIT <= value <= PENALTY_LIMIT:
+            raise bad(f"{name} must be in [-{PENALTY_LIMIT:g}, {PENALTY_LIMIT:g}], got {value!r}")
+        setattr(params, name, float(value))
+
+
+def normalize_logit_bias(value: Any, bad: Bad) -> dict[int, float]:
+    """``{token id: bias}`` with int keys (JSON gives string keys) and biases in [-100, 100]."""
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise bad(f"logit_bias must be a mapping of token id to bias, got {type(value).__name__}")
+    if len(value) > MAX_LOGIT_BIAS_ENTRIES:
+        raise bad(f"logit_bias has {len(value)} entries, at most {MAX_LOGIT_BIAS_ENTRIES} are allowed")
+    out: dict[int, float] = {}
+    for key, bias in value.items():
+        token = _token_id(key)
+        if token is None:
+            raise bad(f"logit_bias key {key!r} is not a non-negative integer token id")
+        if not _is_number(bias) or not -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT:
+            raise bad(f"logit_bias[{token}] must be in [-100, 100], got {bias!r}")
+        out[token] = float(bias)
+    return out
+
+
+def _token_id(key: Any) -> int | None:
+    if isinstance(key, bool):
+        return None
+    if isinstance(key, int):
+        return key if key >= 0 else None
+    if isinstance(key, str) and key.strip().isdigit():
+        return int(key)
+    return None
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)

@@ -1,0 +1,95 @@
+"""``POST /tokenize`` and ``POST /detokenize`` (the bodies vLLM's server takes).
+
+``/tokenize`` takes ``{"model", "prompt"}`` (encoded as ``/v1/completions`` encodes it:
+with the tokenizer's special tokens unless ``add_special_tokens`` is false) or
+``{"model", "messages"}`` (rendered as ``/v1/chat/completions`` renders them, ``tools``
+included) and answers ``{"tokens", "count", "max_model_len"}``: the ids a request with
+that input is charged for. ``/detokenize`` takes ``{"model", "tokens"}`` and answers
+``{"prompt"}``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Union
+
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ConfigDict
+
+from .. import errors
+from ..text.chat import chat_template_of, render_chat_ids, template_names
+from .chat_messages import ChatMessage, check_fields_read, template_messages
+from .tools import ToolDefinition, plan_tools
+
+if TYPE_CHECKING:
+    from ..text.tokenizer import Tokenizer
+    from .app import OpenAIServer
+
+
+class TokenizeCompletion(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str
+    prompt: str
+    add_special_tokens: bool = True
+
+
+class TokenizeChat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str
+    messages: list[ChatMessage]
+    add_generation_prompt: bool = True
+    tools: list[ToolDefinition] | None = None
+
+
+class Detokenize(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str
+    tokens: list[int]
+
+
+def _tokenizer(server: "OpenAIServer") -> "Tokenizer":
+    if server.engine.tokenizer is None:
+        raise errors.InvalidRequestError("this model has no tokenizer (no tokenizer.json in its folder)")
+    return server.engine.tokenizer
+
+
+def tokenize_ids(server: "OpenAIServer", body: Union[TokenizeCompletion, TokenizeChat]) -> list[int]:
+    tokenizer = _tokenizer(server)
+    if isinstance(body, TokenizeCompletion):
+        return tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+    reads = template_names(chat_template_of(tokenizer))
+    tools = plan_tools(body.tools, None, None, reads).tools
+    messages = template_messages(body.messages)
+    ids = render_chat_ids(tokenizer, messages, add_generation_prompt=body.add_generation_prompt, tools=tools)
+    check_fields_read(messages)
+    return ids
+
+
+def detokenize_text(server: "OpenAIServer", body: Detokenize) -> str:
+    tokenizer = _tokenizer(server)
+    vocab = server.engine.scheduler.limits.vocab_size
+    bad = [t for t in body.tokens if not 0 <= t < vocab]
+    if bad:
+        raise errors.InvalidRequestError(f"tokens: {bad[0]} is outside the vocabulary (size {vocab})")
+    return tokenizer.decode(body.tokens, skip_special_tokens=False)
+
+
+def add_tokenize_routes(app: FastAPI, server: "OpenAIServer") -> None:
+    """``POST /tokenize`` and ``POST /detokenize`` on ``app``, for ``server``'s model."""
+
+    async def tokenize(body: Union[TokenizeCompletion, TokenizeChat]) -> Response:
+        wrong = server.check_model(body.model)
+        if wrong is not None:
+            return wrong
+        ids = tokenize_ids(server, body)
+        out: dict[str, Any] = {"tokens": ids, "count": len(ids), "max_model_len": server.engine.scheduler.limits.context_length}
+        return JSONResponse(out)
+
+    async def detokenize(body: Detokenize) -> Response:
+        wrong = server.check_model(body.model)
+        if wrong is not None:
+            return wrong
+        return JSONResponse({"prompt": detokenize_text(server, body)})
+
+    app.post("/tokenize", response_model=None)(tokenize)
+    app.post("/detokenize", response_model=None)(detokenize)

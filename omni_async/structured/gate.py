@@ -1,0 +1,83 @@
+"""Admission's side of constrained decoding: compile a request's grammar off the loop first.
+
+A request with a grammar is held back (deferred, like a request whose stream input is not
+ready) until its grammar has compiled on the gate's worker thread; the build then takes a
+cached template, so neither the default inline build nor a pool build compiles, and the
+loop never does. A grammar that does not compile fails its request alone, with an
+:class:`~omni_async.errors.InvalidRequestError`, at admission.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from collections import deque
+from typing import Any, Callable
+
+from ..errors import InvalidRequestError
+from .grammar import GrammarCompiler
+
+NO_TOKENIZER = (
+    "constrained decoding (json_schema, regex, ebnf) needs the model's tokenizer, and this "
+    "engine has none"
+)
+
+
+def grammar_key(payload: Any) -> tuple[str, str] | None:
+    sampling = getattr(payload, "sampling", None)
+    return getattr(sampling, "grammar", None)
+
+
+class GrammarGate:
+    """Readiness for admission, and the matcher a built request gets."""
+
+    def __init__(self, compiler: GrammarCompiler | None, wake: Callable[[], None] | None) -> None:
+        self.compiler = compiler
+        self._wake = wake
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._compiling: dict[tuple[str, str], list[str]] = {}  # key -> waiting request ids (loop thread)
+        self._done: deque[tuple[str, str]] = deque()  # keys compiled since the loop last looked
+
+    def ready(self, payload: Any) -> bool:
+        """True when ``payload`` needs no grammar, or its grammar is compiled (or cannot
+        be: the build then fails it); else starts the compile and answers False."""
+        key = grammar_key(payload)
+        if key is None or self.compiler is None or self.compiler.cached(key):
+            return True
+        waiting = self._compiling.get(key)
+        if waiting is None:
+            waiting = self._compiling[key] = []
+            if self._pool is None:
+                self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="omni-grammar")
+            self._pool.submit(self._compile, key)
+        waiting.append(payload.request_id)
+        return False
+
+    def _compile(self, key: tuple[str, str]) -> None:
+        try:
+            assert self.compiler is not None
+            self.compiler.compile(key)
+        finally:
+            self._done.append(key)
+            if self._wake is not None:
+                self._wake()
+
+    def take_ready(self) -> list[str]:
+        """Ids of held-back requests whose grammar finished compiling (loop thread)."""
+        rids: list[str] = []
+        while self._done:
+            rids.extend(self._compiling.pop(self._done.popleft(), ()))
+        return rids
+
+    def attach(self, req: Any) -> None:
+        """Give a built request its matcher (compiled already when it was held back)."""
+        key = req.sampling.grammar
+        if key is None:
+            req.matcher = None
+            return
+        if self.compiler is None:
+            raise InvalidRequestError(NO_TOKENIZER)
+        req.matcher = self.compiler.matcher(key)
+
+    def shutdown(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
