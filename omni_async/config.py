@@ -155,7 +155,7 @@ class SamplingParams:
 
     @property
     def grammar(self) -> tuple[str, str] | None:
-        """``(kind, text)`` of the request's grammar, the schema as canonical JSON (the
+        """``(kind, text)`` of the request's grammar, the schema as compact JSON (the
         compile cache's key); None when the request is unconstrained."""
         if self.json_schema is not None:
             return ("json_schema", normalize_json_schema(self.json_schema, InvalidRequestError) or "")

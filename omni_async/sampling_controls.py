@@ -23,7 +23,8 @@ Bad = Callable[[str], Exception]
 
 
 def normalize_json_schema(value: Any, bad: Bad) -> str | None:
-    """A schema given as a dict or a JSON string, as canonical JSON text (the cache key).
+    """A schema given as a dict or a JSON string, as compact JSON text (the cache key).
+    Key order is kept: the output writes properties in the schema's order.
 
     ``True`` (any JSON value) is accepted, as JSON Schema allows; anything that is not a
     JSON object or boolean is refused."""
@@ -41,7 +42,7 @@ def normalize_json_schema(value: Any, bad: Bad) -> str | None:
     if not isinstance(parsed, (dict, bool)):
         raise bad(f"json_schema must be a JSON object (or true), got {type(parsed).__name__}")
     try:
-        return json.dumps(parsed, sort_keys=True, separators=(",", ":"))
+        return json.dumps(parsed, separators=(",", ":"))
     except (TypeError, ValueError) as exc:
         raise bad(f"json_schema cannot be serialised as JSON: {exc}") from None
 

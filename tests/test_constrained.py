@@ -93,7 +93,9 @@ async def test_constrained_outputs_valid_and_identical_across_loops(model, omni_
         for (kind, _), r in zip(reqs, results):
             if kind == "json":
                 assert r.finish_reason == "stop", r.text
-                validate(json.loads(r.text), SCHEMA)
+                obj = json.loads(r.text)
+                validate(obj, SCHEMA)
+                assert list(obj) == [k for k in SCHEMA["properties"] if k in obj]  # the schema's order
             elif kind == "regex":
                 assert r.finish_reason == "stop" and re.fullmatch(REGEX, r.text), r.text
             elif kind == "ebnf":

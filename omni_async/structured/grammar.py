@@ -91,6 +91,8 @@ class GrammarCompiler:
             entry: Any = self._template(key)
         except InvalidRequestError as err:
             entry = err
+        except Exception as exc:  # the library refused it some other way: still this request's error
+            entry = InvalidRequestError(f"invalid {key[0]}: {exc}")
         with self._lock:
             self.compiles += 1
             self._cache[key] = entry
