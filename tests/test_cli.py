@@ -31,6 +31,7 @@ COMMANDS = {
     "version": ["--version"],
     "bad-log-level": ["generate", "--input-ids", "1", "--log-level", "chatty"],
     "pipeline-other-model": ["pipeline-demo", "--model", "/some/folder"],
+    "pipeline-shares-too-big": ["pipeline-demo", "--thinker-share", "0.7", "--talker-share", "0.5"],
     "limit-flag": ["generate", "--input-ids", ",".join(["1"] * 40), "--max-new-tokens", "4", "--context-length", "32"],
     "help": ["serve", "--help"],
 }
@@ -149,7 +150,11 @@ def test_version(cli_runs):
     assert run.returncode == 0 and run.stdout.strip() == f"omni-async {__version__}"
 
 
-@pytest.mark.parametrize("name,part", [("bad-log-level", "invalid log level 'chatty'"), ("pipeline-other-model", "takes its checkpoints from --thinker and --talker")])
+@pytest.mark.parametrize("name,part", [
+    ("bad-log-level", "invalid log level 'chatty'"),
+    ("pipeline-other-model", "from --thinker and --talker, not --model"),
+    ("pipeline-shares-too-big", "add up to 1.2 of the device"),
+])
 def test_refused_arguments(cli_runs, name, part):
     run = cli_runs[name]
     assert run.returncode == 2 and part in run.stderr, run.stderr
@@ -225,3 +230,14 @@ def test_serve_tunes_the_collector_by_default_and_the_library_does_not():
     assert engine_limits(parser.parse_args(["serve"])) == {"gc_freeze": True, "gc_gen0_threshold": 10_000}
     assert engine_limits(parser.parse_args(["serve", "--no-gc-freeze", "--gc-gen0-threshold", "none"])) == {}
     assert "gc_freeze" not in engine_limits(parser.parse_args(["demo"]))
+
+
+def test_pipeline_demo_runs_two_checkpoints(hf_checkpoints):
+    """--thinker and --talker name real checkpoint folders (two families, no tokenizer)."""
+    args = ["pipeline-demo", "--thinker", str(hf_checkpoints["qwen2"]), "--talker", str(hf_checkpoints["llama"]),
+            "--thinker-share", "0.01", "--talker-share", "0.01"]
+    run = subprocess.run([sys.executable, "-m", "omni_async.cli", *args], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    for conv in ("conv-0", "conv-1"):
+        assert re.search(rf"{conv} thinker result: 24 tokens", run.stdout), run.stdout
+        assert re.search(rf"{conv} talker +result: 16 tokens", run.stdout), run.stdout
