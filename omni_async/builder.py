@@ -13,11 +13,13 @@ from .config import SchedulerConfig
 from .core.batch_core import NativeBatchCore
 from .core.multi_step import resolve_decode_steps
 from .device import make_step_executor
+from .device_defaults import running_limit
 from .errors import ConfigError
 from .kv.allocator import PageAllocator
 from .kv.cache import PagedKVCache
 from .models.loader import LoadedModel, load_model, resolve_dtype
 from .models.quantized import check_quantization, quantization_of, quantize_linears
+from .runners.cuda_graphs import DEFAULT_BUCKETS
 from .runners.native import NativeModelRunner
 from .scheduler import AsyncOmniScheduler, ModelLimits
 from .weights import NativeModelWorker
@@ -175,6 +177,9 @@ def assemble_stack(
         kv_capacity_tokens=allocator.capacity_tokens,
         eos_token_ids=cfg.eos_token_ids,
     )
+    if config.max_running_requests is None:
+        buckets = [b for b in DEFAULT_BUCKETS if b <= config.cuda_graph_max_batch] or [config.cuda_graph_max_batch]
+        config.max_running_requests = running_limit(device.type, allocator.capacity_tokens, buckets)
     steps = resolve_decode_steps(config.decode_steps, device.type, config.tensor_parallel_size, config.page_size)
     runner.configure_decode_steps(steps, fused=config.fuse_decode_steps)
     if device.type == "cuda" and config.cuda_graphs:

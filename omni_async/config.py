@@ -173,7 +173,9 @@ class SchedulerConfig:
 
     loop: LoopKind = "normal"
     async_decode_min_batch_size: int = 2
-    max_running_requests: int = 64
+    # None: 64 on CPU; on CUDA derived from the KV capacity and the decode graphs'
+    # batch buckets (omni_async/device_defaults.py): 512 on an H200 for a 0.5B model.
+    max_running_requests: int | None = None
     max_queued_requests: int = 4096
     max_prefill_tokens: int = 4096
     chunked_prefill_size: int = 512
@@ -254,9 +256,10 @@ class SchedulerConfig:
             raise ConfigError(
                 f"unknown loop {self.loop!r}; choose one of {', '.join(LOOP_KINDS)}"
             )
+        if self.max_running_requests is not None and (not _is_int(self.max_running_requests) or self.max_running_requests < 1):
+            raise ConfigError(f"max_running_requests must be None or an integer >= 1, got {self.max_running_requests!r}")
         positive = (
             "async_decode_min_batch_size",
-            "max_running_requests",
             "max_queued_requests",
             "max_prefill_tokens",
             "page_size",
