@@ -235,10 +235,11 @@ class SchedulerConfig:
     # one Python thread cannot keep up with one forward per step) and 8 from 256 (capped
     # at page_size); 1 on CPU, with tensor parallelism and on the SGLang backend.
     decode_steps: int | None = None
-    # Native backend, decode_steps > 1: a multi-step decode whose rows are all plain
-    # greedy runs its forwards, their inputs and greedy sampling as one launch (one CUDA
-    # graph per batch bucket and k; eagerly on CPU) instead of forward by forward from
-    # the host. Same tokens; False keeps the forward-by-forward path (for comparison).
+    # Native backend, decode_steps > 1: a multi-step decode runs its forwards, their
+    # inputs and their sampling (filters, seeds, repetition penalty, bans) as one launch
+    # (one CUDA graph per batch bucket, k and sampling mode; eagerly on CPU) instead of
+    # forward by forward from the host; rows asking for logprobs run forward by forward
+    # beside it. Same tokens; False keeps the forward-by-forward path (for comparison).
     fuse_decode_steps: bool = True
     # Native backend on CPU: decode attention through a C++ kernel that reads the KV
     # pages in place instead of gathering them (omni_async/kernels/cpu_paged.py; built

@@ -104,3 +104,36 @@ def test_every_row_through_the_fixed_shape_sampler_equals_sample():
         tokens, ok = sample_all_rows(logits, sb)
         assert torch.equal(ok, ref.ok) and not ok[3]
         assert torch.equal(tokens, ref.tokens), trial
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("loop", LOOPS)
+async def test_cuda_fused_sampling_graphs_equal_forward_by_forward(loop):
+    """On CUDA (float32) the fused launch replays a graph per (bucket, k, sampling mode):
+    every mode of the mix, a logprob row split off beside them, tokens equal forward by
+    forward's; the modes other than greedy and temperature-only are captured on first use."""
+    reqs = sampled_mix(3, 14)
+    reqs[1] = (reqs[1][0], SamplingParams(**{**reqs[1][1].__dict__, "return_logprob": True}))
+    limits = dict(loop=loop, device="cuda", dtype="float32", max_running_requests=16, page_size=8,
+                  kv_capacity_tokens=8192, decode_steps=4)
+    unfused, _, _ = await run(reqs, fuse_decode_steps=False, **limits)
+    fused, _, info = await run(reqs, **limits)
+    assert same(fused, unfused)
+    assert info["fused_decode_replays"] > 0 and info["fused_decode_sampled"] > 0
+    assert info["fused_decode_late_captures"] > 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+async def test_cuda_temperature_steps_replay_the_graphs_captured_at_start():
+    """NV256's kind of step (temperature only, seeded, 96 rows, the automatic k): every
+    multi-step decode replays a fused graph captured at start-up; tokens equal forward by
+    forward's."""
+    rng = random.Random(5)
+    reqs = [([rng.randrange(3, 250) for _ in range(rng.randint(4, 40))],
+             SamplingParams(max_new_tokens=rng.randint(8, 40), temperature=0.6, seed=i, ignore_eos=True)) for i in range(96)]
+    limits = dict(device="cuda", dtype="float32", max_running_requests=128, kv_capacity_tokens=32768, loop="overlap")
+    unfused, _, _ = await run(reqs, fuse_decode_steps=False, **limits)
+    fused, _, info = await run(reqs, **limits)
+    assert same(fused, unfused)
+    assert info["fused_decode_sampled"] == info["fused_decode_launches"] == info["fused_decode_replays"] > 0
+    assert info["fused_decode_late_captures"] == 0

@@ -121,6 +121,8 @@ def sample_all_rows(logits: torch.Tensor, sb: SamplingBatch) -> tuple[torch.Tens
     best, tokens = x.max(dim=-1)
     ok = best > float("-inf")
     if sb.num_sampled:
-        drawn = _draw(_filtered(torch.where(ok[:, None], x, 0.0), sb, None), sb, None)
+        # ``sample`` zeroes the rows without an admissible token before filtering; their
+        # token is 0 whatever they draw, and rows do not mix, so a pass is saved here.
+        drawn = _draw(_filtered(x, sb, None), sb, None)
         tokens = torch.where(sb.temperature == 0, tokens, drawn)
     return torch.where(ok, tokens, torch.zeros_like(tokens)), ok
