@@ -311,7 +311,12 @@ def main() -> int:
     ap.add_argument("--hf-batch", type=int, default=64)
     ap.add_argument("--checkpoint", default=None)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--torch-threads", type=int, default=None,
+                    help="torch.set_num_threads (default: torch's; 1 with --smoke, which a shared CPU box needs)")
     args = ap.parse_args()
+    threads = args.torch_threads or (1 if args.smoke else None)
+    if threads:
+        torch.set_num_threads(threads)
     args.loops = [x for x in args.loops.split(",") if x]
     assert all(x in LOOPS for x in args.loops), args.loops
     args.variants = [x for x in args.variants.split(",") if x]
