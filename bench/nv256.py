@@ -286,7 +286,7 @@ async def main_async(args: argparse.Namespace) -> dict:
             log(f"{name}: {wl.describe()}")
             result["sections"][name] = await section_nv(args, path, wl)
             save_json(args.out, result)
-        if args.hf:
+        if args.hf or "hf" in args.sections:
             result["sections"][f"hf{wl.n}_seed{wl.seed}"] = section_hf(args, path, wl)
             save_json(args.out, result)
     if "latency" in args.sections:
@@ -297,7 +297,7 @@ async def main_async(args: argparse.Namespace) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny random Qwen2, scaled-down workload")
-    ap.add_argument("--sections", default="nv,latency")
+    ap.add_argument("--sections", default="nv,latency", help="nv, latency, hf (as --hf)")
     ap.add_argument("--loops", default="overlap,async_decode,normal")
     ap.add_argument("--variants", default="defaults,tuned")
     ap.add_argument("--modes", default="sampled,greedy")
