@@ -265,6 +265,16 @@ def print_table(result: dict) -> None:
             log(f"  {key:34s} " + "  ".join(parts))
 
 
+def facts() -> dict:
+    """Machine and source facts, less local paths and other processes' command lines (how
+    many were busy is kept)."""
+    machine, source = machine_facts(), package_source()
+    machine["busy_processes_at_start"] = len(machine.get("busy_processes_at_start") or [])
+    for d in (machine, source):
+        d.pop("omni_async_path", None)
+    return {"machine": machine, "source": source}
+
+
 async def main_async(args: argparse.Namespace) -> dict:
     shape, device = (SMOKE_SHAPE, "cpu") if args.smoke else (QWEN05, "cuda")
     folder = Path(args.checkpoint or Path(tempfile.gettempdir()) / ("nv-qwen2-smoke" if args.smoke else "nv-qwen2-05b-bf16"))
@@ -278,8 +288,7 @@ async def main_async(args: argparse.Namespace) -> dict:
     else:
         workloads = [Workload(args.requests, args.seed)] + ([Workload(1024, 1)] if args.scale else [])
         latency = (100, 512)
-    result: dict[str, Any] = {"bench": "nv256", "args": vars(args), "shape": shape, "machine": machine_facts(),
-                              "source": package_source(), "sections": {}}
+    result: dict[str, Any] = {"bench": "nv256", "args": vars(args), "shape": shape, **facts(), "sections": {}}
     for wl in workloads:
         if "nv" in args.sections:
             name = f"nv{wl.n}_seed{wl.seed}"
