@@ -208,7 +208,9 @@ class SchedulerConfig:
 
     loop: LoopKind = "normal"
     async_decode_min_batch_size: int = 2
-    max_running_requests: int = 64
+    # None: 64 on CPU; on CUDA derived from the KV capacity and the decode graphs'
+    # batch buckets (omni_async/core/device_defaults.py): 512 on an H200 for a 0.5B model.
+    max_running_requests: int | None = None
     max_queued_requests: int = 4096
     max_prefill_tokens: int = 4096
     chunked_prefill_size: int = 512
@@ -278,10 +280,11 @@ class SchedulerConfig:
     # one Python thread cannot keep up with one forward per step) and 8 from 256 (capped
     # at page_size); 1 on CPU, with tensor parallelism and on the SGLang backend.
     decode_steps: int | None = None
-    # Native backend, decode_steps > 1: a multi-step decode whose rows are all plain
-    # greedy runs its forwards, their inputs and greedy sampling as one launch (one CUDA
-    # graph per batch bucket and k; eagerly on CPU) instead of forward by forward from
-    # the host. Same tokens; False keeps the forward-by-forward path (for comparison).
+    # Native backend, decode_steps > 1: a multi-step decode runs its forwards, their
+    # inputs and their sampling (filters, seeds, repetition penalty, bans) as one launch
+    # (one CUDA graph per batch bucket, k and sampling mode; eagerly on CPU) instead of
+    # forward by forward from the host; rows asking for logprobs run forward by forward
+    # beside it. Same tokens; False keeps the forward-by-forward path (for comparison).
     fuse_decode_steps: bool = True
     # Native backend on CPU: decode attention through a C++ kernel that reads the KV
     # pages in place instead of gathering them (omni_async/kernels/cpu_paged.py; built
@@ -299,9 +302,10 @@ class SchedulerConfig:
             raise ConfigError(
                 f"unknown loop {self.loop!r}; choose one of {', '.join(LOOP_KINDS)}"
             )
+        if self.max_running_requests is not None and (not _is_int(self.max_running_requests) or self.max_running_requests < 1):
+            raise ConfigError(f"max_running_requests must be None or an integer >= 1, got {self.max_running_requests!r}")
         positive = (
             "async_decode_min_batch_size",
-            "max_running_requests",
             "max_queued_requests",
             "max_prefill_tokens",
             "page_size",

@@ -174,16 +174,18 @@ async def test_fused_greedy_decode_equals_one_step_decode(loop):
     assert info["num_retractions"] > 0
 
 
-async def test_a_sampled_row_keeps_the_step_off_the_fused_path():
-    """One row with a temperature, a penalty or logprobs among greedy rows: the step runs
-    forward by forward (the fused launch samples greedy only); tokens equal k = 1's."""
+async def test_a_sampled_row_keeps_the_step_on_the_fused_path():
+    """One row with a temperature or a penalty among greedy rows: the step still runs as
+    one fused launch, which samples (tokens equal k = 1's). A row with logprobs runs
+    forward by forward beside the fused rows, and alone once the others finished."""
     for odd in (dict(temperature=0.8, seed=5), dict(repetition_penalty=1.2), dict(return_logprob=True)):
         reqs = greedy_requests(6, 4)
         reqs[0] = (reqs[0][0], SamplingParams(max_new_tokens=60, ignore_eos=True, **odd))  # outlives the others
         one, _, _ = await run(reqs, max_running_requests=4)
         four, _, info = await run(reqs, max_running_requests=4, decode_steps=4)
         assert same(four, one)
-        assert info["fused_decode_launches"] == 0, odd
+        assert info["fused_decode_launches"] > 0, odd
+        assert (info["fused_decode_sampled"] > 0) == ("return_logprob" not in odd), odd
 
 
 async def test_top_logprobs_fall_back_to_one_forward():

@@ -1,19 +1,20 @@
-"""A multi-step greedy decode as one launch: k forwards, their inputs and their sampling.
+"""A multi-step decode as one launch: k forwards, their inputs and their sampling.
 
 Why: a multi-step decode run forward by forward costs the host about 25 torch calls per
 forward (input arithmetic, static-buffer copies, the replay, sampling, copying the
 tokens out), and each call costs the H200's host 10-100 us: at 256 rows the launch took
-longer than the device needed for the forwards. When every row is plain greedy (no
-sampling filters, penalties, bans or logprobs), everything between the step's inputs
-and its tokens is fixed-shape device work, so it can be one CUDA graph per batch bucket and k:
-the host copies one small ``[B, 4]`` array in, gathers the rows' page tables and newest
-tokens into the graph's input buffers, replays, and copies ``[2, k, B]`` out.
+longer than the device needed for the forwards. Everything between the step's inputs
+and its tokens is fixed-shape device work (sampling too, see :mod:`.fused_sampling`),
+so it can be one CUDA graph per batch bucket, k and sampling mode: the host copies one
+small ``[B, 5]`` array in, gathers the rows' page tables, newest tokens and sampling
+settings into the graph's input buffers, replays, and copies ``[2, k, B]`` out. Rows
+that need logprobs run forward by forward beside it (:mod:`.fused_split`).
 
 The graph body computes what the forward-by-forward path computes on the host's
 behalf: forward ``j`` of a row that runs ``s`` forwards sits at position ``p + min(j, s -
 1)``, writes its KV to the row's page there while ``j < s`` and to the scratch slot after
 (a row past its length limit, or a padding row with ``s = 0``), and reads as input the
-greedy token of forward ``j - 1``. Without graphs (CPU, or a batch no graph fits) the
+token forward ``j - 1`` sampled. Without graphs (CPU, or a batch no graph fits) the
 same body runs eagerly; the tokens are those of the forward-by-forward path.
 """
 
@@ -29,18 +30,21 @@ from ..core.batch import ScheduledBatch
 from ..kv.attention import AttentionContext
 from ..kv.cache import PagedKVCache
 from ..models.decoder import DecoderModel
-from .sampling import greedy
-from .input_batch import SlotRows
+from .fused_sampling import GREEDY, TEMPERATURE, RowSettings, SamplingMode, sample_forward
+from .input_batch import InputBatch, SlotRows
 
 # Columns of the step's host array: the row's position before this step, its input token
-# (-1: still in flight, read from its slot's newest token), the forwards it runs, its slot.
-POSITION, TOKEN, STEPS, SLOT = range(4)
+# (-1: still in flight, read from its slot's newest token), the forwards it runs, its
+# slot, and the generation index of its first token (the seeds' counter).
+POSITION, TOKEN, STEPS, SLOT, INDEX = range(5)
+COLUMNS = 5
 
 
 @dataclass
 class FusedBatch:
-    """A multi-step greedy decode run as one launch (:mod:`.fused_decode`): its rows,
-    their ``[B, 4]`` host inputs, and the graph bucket it replays (None: eagerly)."""
+    """A multi-step decode run as one launch (:mod:`.fused_decode`): its rows, their
+    ``[B, 5]`` host inputs, its sampling mode, and the graph bucket it replays (None:
+    eagerly). ``split``: the step's other rows, run forward by forward beside it."""
 
     batch: ScheduledBatch
     rows: SlotRows
@@ -48,7 +52,9 @@ class FusedBatch:
     steps: int  # forwards (the most any row runs)
     bucket: int | None
     span: int  # the widest context of the first forward (the eager path's attention span)
+    mode: SamplingMode = GREEDY
     capture_hidden: bool = False
+    split: object | None = None  # a fused_split.Split: the whole step and its other rows
 
 
 # Runner hooks a fused multi-step decode skips (it runs no per-forward Python): it is
@@ -81,10 +87,13 @@ def fused_forwards(
     scratch_slot: int,
     ctx_for: ContextFactory,
     out: torch.Tensor,
+    mode: SamplingMode = GREEDY,
+    settings: RowSettings | None = None,
 ) -> None:
-    """``steps`` greedy forwards of the rows in ``inputs`` (``[B, 4]``, columns above),
-    ``newest`` their slots' newest tokens and ``tables`` their page tables; writes each
-    forward's tokens and ``ok`` flags into ``out`` (``[2, steps, B]`` int64)."""
+    """``steps`` forwards of the rows in ``inputs`` (``[B, 5]``, columns above),
+    ``newest`` their slots' newest tokens and ``tables`` their page tables, each
+    sampled in ``mode`` from ``settings`` (greedy: none needed); writes each forward's
+    tokens and ``ok`` flags into ``out`` (``[2, steps, B]`` int64)."""
     ps = kv.page_size
     start, row_steps = inputs[:, POSITION], inputs[:, STEPS]
     ids = torch.where(inputs[:, TOKEN] >= 0, inputs[:, TOKEN], newest)
@@ -95,113 +104,154 @@ def fused_forwards(
         slots = torch.where(row_steps > j, pages * ps + positions % ps, scratch_slot)
         kv_lens = positions + 1
         logits = model(ids, positions, kv, ctx_for(tables, positions, slots, kv_lens, j), float_logits=False)
-        ids, ok = greedy(logits)
+        ids, ok = sample_forward(logits, mode, settings, j)  # type: ignore[arg-type]
         out[0, j].copy_(ids)
         out[1, j].copy_(ok)
 
 
 class FusedDecode:
-    """Runs :func:`fused_forwards` for a step: replaying the captured graph of its bucket
-    and forward count when CUDA graphs are on, else eagerly (any forward count)."""
+    """Runs :func:`fused_forwards` for a step: replaying the captured graph of its bucket,
+    forward count and sampling mode when CUDA graphs are on, else eagerly (any count)."""
 
     def __init__(self, model: DecoderModel, kv: PagedKVCache) -> None:
         self.model = model
         self.kv = kv
         self.scratch_slot = (kv.num_pages - 1) * kv.page_size
         self.max_pages = 0  # the graphs' page-table width (0: no graphs)
-        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # (bucket, k)
+        # (bucket, k, mode) -> the graph and its output buffer
+        self.graphs: dict[tuple[int, int, SamplingMode], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.wanted: dict[int, set[int]] = {}  # bucket -> the forward counts its steps use
         self.buckets: tuple[int, ...] = ()
+        self.masks: dict[str, torch.Tensor] = {}  # the graphs' static [n, V] slot-mask copies
         self.launches = 0
         self.replays = 0
+        self.sampled = 0  # launches that sampled (a mode other than plain greedy)
+        self.captures_later = 0  # graphs captured on a step's first need of their mode
 
     # ------------------------------------------------------------ graphs
 
     @torch.inference_mode()
     def capture(self, wanted: dict[int, set[int]], max_pages: int, scratch_page: int, use_kernel: bool, pool,
-                device: torch.device) -> None:
+                device: torch.device, modes: tuple[SamplingMode, ...] = (GREEDY, TEMPERATURE)) -> None:
         """A graph per bucket and forward count in ``wanted`` (bucket -> the counts its
-        batches use), over static input buffers sized for the largest bucket; the tables'
+        batches use) for each of ``modes`` now, other modes the first time a step needs
+        them; over static input buffers sized for the largest bucket, whose tables'
         unused columns hold the scratch page. ``pool``: the decode graphs' memory pool,
         shared (steps replay one at a time on one stream)."""
         wanted = {b: ks for b, ks in wanted.items() if ks}
         if not wanted:
             return
-        n, ps = max(wanted), self.kv.page_size
-        self.inputs = torch.zeros((n, 4), dtype=torch.long, device=device)
+        n = max(wanted)
+        self.inputs = torch.zeros((n, COLUMNS), dtype=torch.long, device=device)
         self.newest = torch.zeros(n, dtype=torch.long, device=device)
         self.tables = torch.full((n, max_pages), scratch_page, dtype=torch.long, device=device)
+        self.fp = torch.ones((n, 5), dtype=torch.float32, device=device)  # InputBatch's columns
+        self.ip = torch.zeros((n, 3), dtype=torch.long, device=device)
         self.rows = torch.arange(n, device=device)
-        self.max_pages = max_pages
-
-        def ctx_for(b: int) -> ContextFactory:
-            def make(tables, positions, slots, kv_lens, j):
-                return AttentionContext(is_decode=True, slot_mapping=slots, logits_rows=self.rows[:b], kv_lens=kv_lens,
-                                        block_tables=tables, page_size=ps, use_kernel=use_kernel)
-            return make
-
-        stream = torch.cuda.Stream(device=device)
-        stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):
-            for b in sorted(wanted, reverse=True):
-                args = (self.inputs[:b], self.newest[:b], self.tables[:b], self.scratch_slot, ctx_for(b))
-                for k in sorted(wanted[b], reverse=True):
-                    scratch_out = torch.empty((2, k, b), dtype=torch.long, device=device)
-                    for _ in range(2):  # warm up outside the graph
-                        fused_forwards(self.model, self.kv, k, *args, scratch_out)
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=pool, stream=stream):
-                        out = torch.empty((2, k, b), dtype=torch.long, device=device)
-                        fused_forwards(self.model, self.kv, k, *args, out)
-                    self.graphs[(b, k)] = (graph, out)
-        torch.cuda.current_stream(device).wait_stream(stream)
-        torch.cuda.synchronize(device)
+        self.max_pages, self.pool, self.use_kernel, self.device = max_pages, pool, use_kernel, device
+        self.wanted = wanted
         self.buckets = tuple(sorted(wanted))
+        for mode in modes:
+            for b in sorted(wanted, reverse=True):
+                for k in sorted(wanted[b], reverse=True):
+                    self._capture(b, k, mode)
+        torch.cuda.synchronize(device)
+
+    def _capture(self, b: int, k: int, mode: SamplingMode) -> None:
+        """Capture one graph. Its warm-up runs read the static inputs, which are zeroed
+        first: every row then runs no forward of its own and writes only the scratch slot."""
+        device, ps = self.device, self.kv.page_size
+        for name in mode.masks:
+            if name not in self.masks:
+                self.masks[name] = torch.zeros((self.inputs.shape[0], self.model.config.vocab_size), dtype=torch.bool,
+                                               device=device)
+        self.inputs.zero_()
+
+        def ctx_for(tables, positions, slots, kv_lens, j):
+            return AttentionContext(is_decode=True, slot_mapping=slots, logits_rows=self.rows[:b], kv_lens=kv_lens,
+                                    block_tables=tables, page_size=ps, use_kernel=self.use_kernel)
+
+        def body(out: torch.Tensor) -> None:
+            settings = RowSettings(self.fp[:b], self.ip[:b], self.inputs[:b, INDEX],
+                                   {name: self.masks[name][:b] for name in mode.masks})
+            fused_forwards(self.model, self.kv, k, self.inputs[:b], self.newest[:b], self.tables[:b],
+                           self.scratch_slot, ctx_for, out, mode, settings)
+
+        current = torch.cuda.current_stream(device)
+        stream = torch.cuda.Stream(device=device)
+        stream.wait_stream(current)
+        with torch.cuda.stream(stream):
+            scratch_out = torch.empty((2, k, b), dtype=torch.long, device=device)
+            for _ in range(2):  # warm up outside the graph
+                body(scratch_out)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool, stream=stream, capture_error_mode="thread_local"):
+                out = torch.empty((2, k, b), dtype=torch.long, device=device)
+                body(out)
+        current.wait_stream(stream)
+        self.graphs[(b, k, mode)] = (graph, out)
 
     def graph_for(self, rows: int, widest: int, steps: int) -> int | None:
-        """The bucket whose graph of ``steps`` forwards a step of ``rows`` rows replays,
-        or None (none captured)."""
+        """The bucket whose graphs of ``steps`` forwards a step of ``rows`` rows replays,
+        or None (none captured for that count)."""
         if widest > self.max_pages:
             return None
         bucket = next((b for b in self.buckets if b >= rows), None)
-        return bucket if (bucket, steps) in self.graphs else None
+        return bucket if bucket is not None and steps in self.wanted[bucket] else None
 
     # ------------------------------------------------------------ a step
 
-    def batch(self, batch: ScheduledBatch, rows: SlotRows, steps: int, bucket: int | None) -> FusedBatch:
-        """The step's ``[B, 4]`` host array, padded to its graph's bucket (padding rows
+    def batch(self, batch: ScheduledBatch, rows: SlotRows, sidx: np.ndarray, steps: int, bucket: int | None,
+              mode: SamplingMode) -> FusedBatch:
+        """The step's ``[B, 5]`` host array, padded to its graph's bucket (padding rows
         run no forward: 0 steps, position 0, token 0, slot 0)."""
         size = batch.size
-        arr = np.zeros((bucket or size, 4), dtype=np.int64)
+        arr = np.zeros((bucket or size, COLUMNS), dtype=np.int64)
         arr[:size, POSITION] = batch.prefix_lens
         arr[:size, TOKEN] = batch.input_ids
         arr[:size, STEPS] = batch.row_steps
         arr[:size, SLOT] = rows.slots
-        return FusedBatch(batch, rows, arr, steps, bucket, max(batch.prefix_lens) + 1)
+        arr[:size, INDEX] = sidx
+        return FusedBatch(batch, rows, arr, steps, bucket, max(batch.prefix_lens) + 1, mode)
 
     @torch.inference_mode()
-    def run(self, host: np.ndarray, steps: int, bucket: int | None, table_dev: torch.Tensor, last_token: torch.Tensor,
-            widest: int, eager_ctx: ContextFactory) -> torch.Tensor:
+    def run(self, fb: FusedBatch, slots: InputBatch, eager_ctx: ContextFactory) -> torch.Tensor:
         """``[2, steps, B]`` tokens and ``ok`` flags of the step (B: the bucket when a
-        graph ran, whose padding rows the reader skips). ``table_dev`` and ``last_token``:
-        the slots' page tables (at least as wide as the graphs') and newest tokens.
-        Enqueued, not waited for."""
+        graph ran, whose padding rows the reader skips), read from the slots' page
+        tables, newest tokens and sampling settings in ``slots``. Enqueued, not waited for."""
         self.launches += 1
-        src = torch.from_numpy(host)
+        self.sampled += not fb.mode.greedy
+        src = torch.from_numpy(fb.host)
+        bucket, steps, mode = fb.bucket, fb.steps, fb.mode
         if bucket is not None:
-            graph, out = self.graphs[(bucket, steps)]
+            if (bucket, steps, mode) not in self.graphs:
+                self._capture(bucket, steps, mode)
+                self.captures_later += 1
+            graph, out = self.graphs[(bucket, steps, mode)]
             self.inputs[:bucket].copy_(src, non_blocking=True)
-            slots = self.inputs[:bucket, SLOT]
+            idx = self.inputs[:bucket, SLOT]
+            table_dev = slots.table_dev
             if table_dev.shape[1] != self.max_pages:
                 table_dev = table_dev[:, : self.max_pages]
-            torch.index_select(table_dev, 0, slots, out=self.tables[:bucket])
-            torch.index_select(last_token, 0, slots, out=self.newest[:bucket])
+            torch.index_select(table_dev, 0, idx, out=self.tables[:bucket])
+            torch.index_select(slots.last_token, 0, idx, out=self.newest[:bucket])
+            if not mode.greedy:
+                torch.index_select(slots.fp_dev, 0, idx, out=self.fp[:bucket])
+                torch.index_select(slots.ip_dev, 0, idx, out=self.ip[:bucket])
+                for name in mode.masks:
+                    torch.index_select(slots.masks[name], 0, idx, out=self.masks[name][:bucket])
             graph.replay()
             self.replays += 1
             return out
-        inputs = src.to(table_dev.device, non_blocking=True)
-        slots = inputs[:, SLOT]
-        out = torch.empty((2, steps, host.shape[0]), dtype=torch.long, device=table_dev.device)
-        tables = table_dev.index_select(0, slots)[:, :widest]
-        fused_forwards(self.model, self.kv, steps, inputs, last_token.index_select(0, slots), tables,
-                       self.scratch_slot, eager_ctx, out)
+        device = slots.table_dev.device
+        inputs = src.to(device, non_blocking=True)
+        idx = inputs[:, SLOT]
+        out = torch.empty((2, steps, fb.host.shape[0]), dtype=torch.long, device=device)
+        tables = slots.table_dev.index_select(0, idx)[:, : fb.rows.widest]
+        settings = None
+        if not mode.greedy:
+            settings = RowSettings(slots.fp_dev.index_select(0, idx), slots.ip_dev.index_select(0, idx), inputs[:, INDEX],
+                                   {name: slots.masks[name].index_select(0, idx) for name in mode.masks})
+        fused_forwards(self.model, self.kv, steps, inputs, slots.last_token.index_select(0, idx), tables,
+                       self.scratch_slot, eager_ctx, out, mode, settings)
         return out

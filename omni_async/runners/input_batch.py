@@ -260,16 +260,13 @@ class InputBatch:
             seen[rows_dev, tokens] = True
         self.controls.publish(rows_dev, tokens)
 
-    def plain_greedy(self, rows: SlotRows, sample_indices: np.ndarray) -> bool:
-        """Whether every row samples plain greedy (no temperature, penalty, ban or
-        logprobs) from ``sample_indices`` on, read from the host mirror."""
-        s = rows.slots
-        fp, flags = self.fp[s], self.flags[s]
-        if (fp[:, TEMP] != 0).any() or (fp[:, PENALTY] != 1).any() or flags[:, WANT_LP].any() or flags[:, HAS_SUPPRESS].any():
-            return False
-        if self.controls.any_active(s):
-            return False
-        return not (flags[:, HAS_STOP] & (sample_indices < self.ip[s, MIN_NEW])).any()
+    def publish_steps(self, rows_dev: torch.Tensor, tokens: torch.Tensor) -> None:
+        """``publish`` for a multi-step decode's ``[k, B]`` tokens at once: the last
+        forward's are the newest, all of them are seen."""
+        self.last_token.index_copy_(0, rows_dev, tokens[-1])
+        seen = self.masks.get("seen")
+        if seen is not None:
+            seen[rows_dev.expand(tokens.shape[0], -1).reshape(-1), tokens.reshape(-1)] = True
 
     def sampling_batch(self, rows: SlotRows, sample_indices: np.ndarray, sample_indices_dev: torch.Tensor) -> SamplingBatch:
         """Sampling inputs of a step's rows, gathered on the device by slot. What runs is

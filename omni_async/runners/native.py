@@ -26,6 +26,7 @@ from .hooks import hidden_states_only
 from .cuda_graphs import DecodeGraphs
 from .forward_batch import ForwardBatch
 from .fused_decode import FusedBatch, FusedDecode, leaves_hooks
+from .fused_split import merge_fused, merge_rest, plan_fused
 from .graph_sampling import SamplingGraphs
 from .input_batch import InputBatch, SlotRows
 from ..core.runner_io import SchedulerOutput
@@ -53,7 +54,7 @@ class NativeModelRunner(ModelRunner):
         # (``RequestOutput.extra["hidden_state"]``), e.g. for a downstream talker stage.
         self.capture_hidden = capture_hidden
         self.graphs: DecodeGraphs | None = None
-        self.fused_decode: FusedDecode | None = None  # multi-step greedy decodes in one launch
+        self.fused_decode: FusedDecode | None = None  # multi-step decodes in one launch
         self.decode_plan = DecodeSteps()
         self._later_cols: dict[int, torch.Tensor] = {}  # a multi-step decode's forward offsets
         self.sampling_graphs: SamplingGraphs | None = None
@@ -93,8 +94,10 @@ class NativeModelRunner(ModelRunner):
         """One small host array, one copy; the rest is gathered on the device."""
         multi = batch.row_steps is not None
         fused = self._fused_batch(batch, rows, sidx) if multi and not capture else None
-        if fused is not None:
-            return fused
+        return fused if fused is not None else self._unfused_decode(batch, rows, sidx, capture)
+
+    def _unfused_decode(self, batch: ScheduledBatch, rows: SlotRows, sidx: np.ndarray, capture: bool = False) -> ForwardBatch:
+        multi = batch.row_steps is not None
         host = np.array([batch.prefix_lens, batch.input_ids, sidx] + ([batch.row_steps] if multi else []), dtype=np.int64)
         positions, host_ids, sidx_dev, *rest = torch.from_numpy(host).to(self.device, non_blocking=True).unbind(0)
         # A decode input still in flight (-1 on the host) is the slot's newest token.
@@ -121,45 +124,43 @@ class NativeModelRunner(ModelRunner):
 
     def configure_decode_steps(self, plan: DecodeSteps, *, fused: bool = True) -> None:
         """Forwards per decode step by batch size (``resolve_decode_steps``); ``fused``:
-        plain greedy multi-step decodes run as one launch (a graph per bucket and k when
-        CUDA graphs are captured after this, else eagerly)."""
+        multi-step decodes run as one launch (a graph per bucket, k and sampling mode
+        when CUDA graphs are captured after this, else eagerly)."""
         self.decode_plan = plan
         self.fused_decode = FusedDecode(self.model, self.kv) if plan.most > 1 and fused else None
 
     def _fused_batch(self, batch: ScheduledBatch, rows: SlotRows, sidx: np.ndarray) -> FusedBatch | None:
-        """A multi-step decode as one fused launch, or None: it runs fused when every row
-        is plain greedy, this runner overrides no hook the fused launch skips, and (with
-        CUDA graphs) a fused graph fits it; otherwise its forwards replay the one-forward
-        graphs."""
-        fused, steps = self.fused_decode, max(batch.row_steps)
-        if fused is None or not leaves_hooks(self, NativeModelRunner):
+        """A multi-step decode as one fused launch (sampling included), its logprob rows
+        split off to run forward by forward (:mod:`.fused_split`); None (every forward
+        replays the one-forward graphs) when this runner overrides a hook the fused
+        launch skips, no row can run fused, or (with CUDA graphs) no fused graph fits."""
+        if self.fused_decode is None or not leaves_hooks(self, NativeModelRunner):
             return None
-        bucket = None
-        if self.graphs is not None:
-            bucket = fused.graph_for(batch.size, rows.widest, steps)
-            if bucket is None:
-                return None
-        if not self.inputs.plain_greedy(rows, sidx):
-            return None
-        return fused.batch(batch, rows, steps, bucket)
+        return plan_fused(self.fused_decode, self.inputs, batch, rows, sidx, self.graphs is not None, self._unfused_decode)
 
-    def _fused_step(self, fb: FusedBatch, lookahead: bool) -> tuple[BatchResult, torch.Tensor | None]:
-        """Replay (or run) the fused forwards; publish the rows' newest tokens."""
+    def _fused_step(self, fb: FusedBatch, requests: list, lookahead: bool) -> tuple[BatchResult, torch.Tensor | None]:
+        """Replay (or run) the fused forwards and publish the rows' newest tokens; then
+        the split-off rows, forward by forward, and the two merged."""
         fused = self.fused_decode
         assert fused is not None
 
         def eager_ctx(tables, positions, slots, kv_lens, j):
             return self._decode_ctx(tables, positions, slots, None, fb.span + j, kv_lens=kv_lens)
 
-        out = fused.run(fb.host, fb.steps, fb.bucket, self.inputs.table_dev, self.inputs.last_token, fb.rows.widest, eager_ctx)
-        tokens = out[0]
-        self.inputs.publish(fb.rows.slots_dev, tokens[-1, : fb.batch.size])
-        result = BatchResult(logits=None, next_token_ids=tokens, sample_ok=out[1], can_run_cuda_graph=fb.bucket is not None, packed=out)
-        return result, (tokens if lookahead else None)
+        out = fused.run(fb, self.inputs, eager_ctx)
+        self.inputs.publish_steps(fb.rows.slots_dev, out[0, :, : fb.batch.size])
+        result = BatchResult(logits=None, next_token_ids=out[0], sample_ok=out[1], can_run_cuda_graph=fb.bucket is not None, packed=out)
+        if fb.split is not None:
+            split, merged = fb.split, merge_fused(fb.split, out)
+            rest, _ = self._forward_and_sample(split.rest, split.rest.batch, requests, False, lookahead)
+            result = merge_rest(split, merged, rest)
+        return result, (result.next_token_ids if lookahead else None)
 
-    def stats(self) -> dict[str, int]:  # fused multi-step launches, and how many replayed a graph
+    def stats(self) -> dict[str, int]:  # fused multi-step launches: all, graph replays, sampled, captured late
         f = self.fused_decode
-        return {"fused_decode_launches": f.launches if f else 0, "fused_decode_replays": f.replays if f else 0, **super().stats()}
+        return {"fused_decode_launches": f.launches if f else 0, "fused_decode_replays": f.replays if f else 0,
+                "fused_decode_sampled": f.sampled if f else 0, "fused_decode_late_captures": f.captures_later if f else 0,
+                **super().stats()}
 
     def _later(self, k: int) -> torch.Tensor:
         """``[[0], [1], ..., [k-1]]`` on the device, made once per k."""
@@ -201,7 +202,7 @@ class NativeModelRunner(ModelRunner):
         before sampled (published to the slots, so penalties see them); the step's
         result holds every forward's tokens, forward-major ``[k, B]``."""
         if isinstance(fb, FusedBatch):
-            return self._fused_step(fb, lookahead)
+            return self._fused_step(fb, requests, lookahead)
         if fb.row_steps is None:
             return super()._forward_and_sample(fb, batch, requests, is_prefill, lookahead)
         k, size = max(batch.row_steps), batch.size

@@ -45,14 +45,17 @@ def budget_plan(config: SchedulerConfig, loaded: LoadedModel, device: torch.devi
     cfg = loaded.model.config
     itemsize = torch.empty((), dtype=dtype).element_size()
     graphs = device.type == "cuda" and config.cuda_graphs
+    # Unset, the running limit is derived from the KV this plan sizes: reserve for the most
+    # it can become (the largest graph batch).
+    running = config.max_running_requests or config.cuda_graph_max_batch
     reserve = activation_reserve_bytes(
         hidden_size=cfg.hidden_size,
         intermediate_size=cfg.intermediate_size,
         vocab_size=cfg.vocab_size,
         prefill_tokens=config.chunk_size or config.max_prefill_tokens,
-        max_batch=config.max_running_requests,
+        max_batch=running,
         dtype_bytes=itemsize,
-        cuda_graph_batch=min(config.cuda_graph_max_batch, config.max_running_requests) if graphs else 0,
+        cuda_graph_batch=min(config.cuda_graph_max_batch, running) if graphs else 0,
         device_type=device.type,
     )
     plan = plan_memory(

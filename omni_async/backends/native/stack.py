@@ -12,11 +12,13 @@ import torch
 
 from ...config import SchedulerConfig
 from ...core.batch_core import NativeBatchCore
+from ...core.device_defaults import running_limit
 from ...core.multi_step import resolve_decode_steps
 from ...errors import ConfigError
 from ...kv.allocator import PageAllocator
 from ...kv.cache import PagedKVCache
 from ...models.loader import LoadedModel
+from ...runners.cuda_graphs import DEFAULT_BUCKETS
 from ...runners.native import NativeModelRunner
 from ...scheduler import ModelLimits
 from ...structured.grammar import GrammarCompiler
@@ -83,6 +85,9 @@ def assemble_stack(
         eos_token_ids=cfg.eos_token_ids,
         grammar_compiler=GrammarCompiler(loaded.tokenizer, cfg.vocab_size) if loaded.tokenizer is not None else None,
     )
+    if config.max_running_requests is None:
+        buckets = [b for b in DEFAULT_BUCKETS if b <= config.cuda_graph_max_batch] or [config.cuda_graph_max_batch]
+        config.max_running_requests = running_limit(device.type, allocator.capacity_tokens, buckets)
     steps = resolve_decode_steps(config.decode_steps, device.type, config.tensor_parallel_size, config.page_size)
     runner.configure_decode_steps(steps, fused=config.fuse_decode_steps)
     if device.type == "cuda" and config.own_cuda_stream and config.tensor_parallel_size == 1:

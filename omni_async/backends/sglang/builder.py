@@ -21,6 +21,7 @@ import torch
 from ... import errors
 from ...config import SchedulerConfig
 from ...stage.executor import ThreadStepExecutor
+from ...core.device_defaults import CPU_MAX_RUNNING
 from ...models.config import ModelConfig as OmniModelConfig
 from ...scheduler import AsyncOmniScheduler, ModelLimits
 from ..base import BuiltStage
@@ -136,7 +137,7 @@ def build_stack(
         page_size=config.page_size,
         chunked_prefill_size=chunked,
         max_prefill_tokens=config.max_prefill_tokens,
-        max_running_requests=config.max_running_requests,
+        max_running_requests=config.max_running_requests or CPU_MAX_RUNNING,
         skip_tokenizer_init=True,
         random_seed=int(seed),
         schedule_policy="fcfs",
@@ -230,7 +231,7 @@ def build_stack(
             tree_cache=tree_cache,
             model_config=model_config,
             page_size=config.page_size,
-            max_running_requests=min(int(config.max_running_requests), int(max_running)),
+            max_running_requests=min(int(config.max_running_requests or CPU_MAX_RUNNING), int(max_running)),
             max_total_num_tokens=int(max_total_num_tokens),
             max_req_len=int(max_req_len),
             context_length=context_length,
