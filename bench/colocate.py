@@ -204,6 +204,15 @@ def _ms(x: float | None) -> float | None:
     return None if x is None else 1000 * x
 
 
+COUNTERS = ("steps", "fused", "graph", "lookahead", "device_wait", "iterations", "timeout", "tokens_out", "max_running")
+
+
+def stage_counters(info: dict[str, Any]) -> dict[str, Any]:
+    """The stage's step counters (steps, lookahead, fused launches and captures, how the
+    device was awaited), to see how a run's steps went."""
+    return {k: v for k, v in info.items() if any(c in k for c in COUNTERS) and isinstance(v, (int, float, str))}
+
+
 async def run_alone(args: argparse.Namespace, stage: str, path: Path, loop: str, prompts: list[list[int]]) -> dict:
     """One stage by itself: every request sent at once, its outbox drained."""
     kv = args.kv_thinker if stage == "thinker" else args.kv_talker
@@ -236,7 +245,9 @@ async def run_alone(args: argparse.Namespace, stage: str, path: Path, loop: str,
                     if not open_ids:
                         break
             wall = time.perf_counter() - t0
-    return {"wall_s": wall, "gpu_busy_mean": busy.mean, **stage_stats(stage, submitted, first, ends, tokens, t0)}
+        counters = stage_counters(sched.info())
+    return {"wall_s": wall, "gpu_busy_mean": busy.mean, **stage_stats(stage, submitted, first, ends, tokens, t0),
+            f"{stage}_info": counters}
 
 
 async def run_pipeline(args: argparse.Namespace, paths: dict[str, Path], loop: str, prompts: list[list[int]]) -> dict:
@@ -268,7 +279,8 @@ async def run_pipeline(args: argparse.Namespace, paths: dict[str, Path], loop: s
             t0 = time.perf_counter()
             await asyncio.gather(*(one(i, ids) for i, ids in enumerate(prompts)))
             wall = time.perf_counter() - t0
-    out: dict[str, Any] = {"wall_s": wall, "gpu_busy_mean": busy.mean}
+        counters = {"thinker_info": stage_counters(pipe.first.info()), "talker_info": stage_counters(pipe.second.info())}
+    out: dict[str, Any] = {"wall_s": wall, "gpu_busy_mean": busy.mean, **counters}
     for stage in ("thinker", "talker"):
         out.update(stage_stats(stage, submitted, first[stage], ends[stage], tokens[stage], t0))
     return out
@@ -284,9 +296,30 @@ async def one_run(args: argparse.Namespace, mode: str, loop: str, paths: dict[st
     run["build_serve_close_s"] = time.perf_counter() - started
     run["mem_before_bytes"] = before
     run["mem_after_close_bytes"] = memory_allocated(args.device)  # no gc.collect() before this
+    if args.leak_report:
+        run["live_device_tensors"] = live_device_tensors()
     gc.collect()
     run["mem_after_gc_bytes"] = memory_allocated(args.device)
     return {"mode": mode, "loop": loop, **run}
+
+
+def live_device_tensors(top: int = 8) -> list[dict[str, Any]]:
+    """The largest CUDA tensors still alive, with what refers to them (one level): what a
+    closed engine may have left behind."""
+    found = []
+    for obj in gc.get_objects():
+        try:
+            if isinstance(obj, torch.Tensor) and obj.is_cuda:
+                found.append(obj)
+        except Exception:
+            continue
+    found.sort(key=lambda t: t.untyped_storage().nbytes(), reverse=True)
+    out = []
+    for t in found[:top]:
+        refs = [type(r).__name__ + (f":{sorted(r)[:6]}" if isinstance(r, dict) else "") for r in gc.get_referrers(t)
+                if r is not found][:4]
+        out.append({"shape": list(t.shape), "dtype": str(t.dtype), "bytes": t.untyped_storage().nbytes(), "referrers": refs})
+    return out
 
 
 # ------------------------------------------------------------------ summary and main
@@ -371,6 +404,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--variants", type=lambda t: [parse_settings(v) for v in t.split(";")], default=[{}],
                    help="';'-separated --set variants run side by side, interleaved in each repeat, "
                         "e.g. 'event_wait=poll;event_wait=auto'")
+    p.add_argument("--leak-report", action="store_true", help="after each run, the largest CUDA tensors still alive")
     p.add_argument("--profile", default=None, help="cProfile the first pipeline run of each loop into PROFILE.<loop>.txt")
     p.add_argument("--max-running", type=int, default=256)
     p.add_argument("--max-prefill", type=int, default=16384)

@@ -106,7 +106,7 @@ class DecodeGraphs:
                 for _ in range(2):  # warm up outside the graph
                     self.model(self.input_ids[:b], self.positions[:b], self.kv, self._ctx(b), float_logits=False)
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self.pool, stream=stream):
+                with torch.cuda.graph(graph, pool=self.pool, stream=stream, capture_error_mode="thread_local"):
                     out = self._captured(b)
                 if self.pool is None:
                     self.pool = graph.pool()

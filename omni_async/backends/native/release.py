@@ -32,6 +32,9 @@ def release_stage_memory(device: Any, held: Sequence[tuple[Any, tuple[str, ...]]
     referring to what those attributes held (set to None), and on CUDA the caching
     allocator hands the freed blocks back to the device."""
     for part, names in held:
+        release = getattr(part, "release_stream", None)
+        if release is not None:
+            release()
         for name in names:
             if hasattr(part, name):
                 setattr(part, name, None)
