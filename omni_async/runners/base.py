@@ -18,7 +18,6 @@ subclasses provide ``build_forward_batch``, ``forward`` and ``sampling_batch``.
 
 from __future__ import annotations
 
-import threading
 import weakref
 from dataclasses import dataclass
 from typing import Any
@@ -29,29 +28,10 @@ import torch
 from .sampling import RowSampling, SampleResult, SamplingBatch, SeedSource, batch_from_rows, sample
 from ..core.runner_io import ModelRunnerOutput, RequestOutput, SchedulerOutput
 from .hooks import RunnerHooks
+from .streams import STREAMS
 from .types import BatchResult
 from ..structured.batch_mask import GrammarMasks
 
-class StreamPool:
-    """CUDA streams of closed stages, per device, for the next stage to take."""
-
-    def __init__(self) -> None:
-        self._free: dict[torch.device, list[Any]] = {}
-        self._lock = threading.Lock()
-
-    def take(self, device: torch.device) -> Any:
-        with self._lock:
-            free = self._free.get(torch.device(device))
-            if free:
-                return free.pop()
-        return torch.cuda.Stream(device)
-
-    def give_back(self, stream: Any) -> None:
-        with self._lock:
-            self._free.setdefault(stream.device, []).append(stream)
-
-
-_STREAMS = StreamPool()
 
 NO_TOKEN_MESSAGE = (
     "no admissible token: the sampling settings ban every token at this step "
@@ -170,7 +150,7 @@ class ModelRunner(RunnerHooks):
         cannot run beside the other stage's. Own streams queue independently. Work on the
         default stream (weights loaded or updated, caches filled) is waited for at each
         launch, an event wait on the device."""
-        self.stream = _STREAMS.take(device)
+        self.stream = STREAMS.take(device)
 
     def release_stream(self) -> None:
         """Hand the stream back for a later stage (closing): the libraries key per-stream
@@ -178,7 +158,7 @@ class ModelRunner(RunnerHooks):
         stream made per engine grew the device's memory by that much with every engine."""
         stream, self.stream = self.stream, None
         if stream is not None:
-            _STREAMS.give_back(stream)
+            STREAMS.give_back(stream)
 
     def launch(self, scheduler_output: SchedulerOutput, *, lookahead: bool = False) -> PendingStep | None:
         """Build, hooks, forward, sample, one host copy, completion marker; no wait.

@@ -21,6 +21,7 @@ from ..kv.attention import AttentionContext
 from ..kv.cache import PagedKVCache
 from ..models.decoder import DecoderModel
 from .sampling import greedy
+from .streams import STREAMS
 
 class GraphOutputs(NamedTuple):
     """A replay's static outputs: logits, and with greedy in the graph each row's
@@ -99,9 +100,7 @@ class DecodeGraphs:
     def capture_all(self) -> None:
         self._reset_padding(0, self.max_batch)
         self._last_tables = None
-        stream = torch.cuda.Stream(device=self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
+        with STREAMS.borrowed(self.device) as stream, torch.cuda.stream(stream):
             for b in reversed(self.buckets):  # the largest first, so the pool fits all
                 for _ in range(2):  # warm up outside the graph
                     self.model(self.input_ids[:b], self.positions[:b], self.kv, self._ctx(b), float_logits=False)
@@ -111,7 +110,6 @@ class DecodeGraphs:
                 if self.pool is None:
                     self.pool = graph.pool()
                 self.graphs[b] = (graph, out)
-        torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
 
     def _captured(self, b: int) -> GraphOutputs:

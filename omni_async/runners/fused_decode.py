@@ -32,6 +32,7 @@ from ..kv.cache import PagedKVCache
 from ..models.decoder import DecoderModel
 from .fused_sampling import GREEDY, TEMPERATURE, RowSettings, SamplingMode, sample_forward
 from .input_batch import InputBatch, SlotRows
+from .streams import STREAMS
 
 # Columns of the step's host array: the row's position before this step, its input token
 # (-1: still in flight, read from its slot's newest token), the forwards it runs, its
@@ -177,10 +178,7 @@ class FusedDecode:
             fused_forwards(self.model, self.kv, k, self.inputs[:b], self.newest[:b], self.tables[:b],
                            self.scratch_slot, ctx_for, out, mode, settings)
 
-        current = torch.cuda.current_stream(device)
-        stream = torch.cuda.Stream(device=device)
-        stream.wait_stream(current)
-        with torch.cuda.stream(stream):
+        with STREAMS.borrowed(device) as stream, torch.cuda.stream(stream):
             scratch_out = torch.empty((2, k, b), dtype=torch.long, device=device)
             for _ in range(2):  # warm up outside the graph
                 body(scratch_out)
@@ -188,7 +186,6 @@ class FusedDecode:
             with torch.cuda.graph(graph, pool=self.pool, stream=stream, capture_error_mode="thread_local"):
                 out = torch.empty((2, k, b), dtype=torch.long, device=device)
                 body(out)
-        current.wait_stream(stream)
         self.graphs[(b, k, mode)] = (graph, out)
 
     def graph_for(self, rows: int, widest: int, steps: int) -> int | None:

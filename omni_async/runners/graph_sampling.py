@@ -20,6 +20,7 @@ from typing import Callable
 import torch
 
 from .sampling import SamplingBatch, greedy, sample
+from .streams import STREAMS
 
 
 class SamplingGraphs:
@@ -99,14 +100,10 @@ class SamplingGraphs:
 
     @torch.inference_mode()
     def _capture(self, b: int, use_top_k: bool, use_top_p: bool, use_min_p: bool):
-        current = torch.cuda.current_stream(self.device)
-        stream = torch.cuda.Stream(device=self.device)
-        stream.wait_stream(current)
-        with torch.cuda.stream(stream):
+        with STREAMS.borrowed(self.device) as stream, torch.cuda.stream(stream):
             for _ in range(2):  # warm up outside the graph (out of place: nothing changes)
                 self._run(b, use_top_k, use_top_p, use_min_p)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
                 tokens, ok = self._run(b, use_top_k, use_top_p, use_min_p)
-        current.wait_stream(stream)
         return graph, tokens, ok
