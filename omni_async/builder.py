@@ -12,6 +12,7 @@ import torch
 from .config import SchedulerConfig
 from .core.batch_core import NativeBatchCore
 from .core.multi_step import resolve_decode_steps
+from .cpu_defaults import choose_cpu_defaults
 from .device import make_step_executor
 from .errors import ConfigError
 from .kv.allocator import PageAllocator
@@ -96,6 +97,7 @@ def build_native_stack(
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
+    dtype, config = choose_cpu_defaults(path_or_name, config, device, dtype)
     requested = None if dtype is None else resolve_dtype(dtype, "float32", device)
     check_quantization(config.quantization, device, requested, config.tensor_parallel_size)
     if config.tensor_parallel_size > 1:
@@ -210,6 +212,8 @@ def build_scheduler(stack: NativeStack, config: SchedulerConfig, **callbacks: An
         "dtype": str(next(stack.loaded.model.parameters()).dtype).replace("torch.", ""),
         "weight_version": "initial",
         "quantization": quantization_of(stack.loaded.model),
+        "cpu_attention_kernel": stack.runner.cpu_attention_kernel,
+        "cpu_fused_ops": stack.runner.cpu_fused_ops,
     }
     executor = make_step_executor(config.step_launch, stack.device.type, config.event_wait)
     tp = stack.tensor_parallel
