@@ -18,6 +18,7 @@ from .engine import Engine
 from .logs import configure_cli_logging
 from .version import __version__
 
+GENERATE_KV_TOKENS = 8192  # generate's KV cache unless --kv-capacity-tokens says otherwise
 DEMO_PROMPTS = [
     "The thinker writes text; the talker speaks it.",
     "Continuous batching keeps the model busy.",
@@ -60,7 +61,7 @@ def _add_sampling_args(p: argparse.ArgumentParser, max_new: int) -> None:
     p.add_argument("--seed", type=int, default=None, help="the request's sampling seed")
 
 
-async def _load(args: argparse.Namespace) -> Engine | None:
+async def _load(args: argparse.Namespace, defaults: dict | None = None) -> Engine | None:
     """Load in a worker thread (Engine.load) while the loop shows that it is working:
     a live elapsed-time line on a terminal, one line when it is done."""
     tty = sys.stderr.isatty()
@@ -82,7 +83,7 @@ async def _load(args: argparse.Namespace) -> Engine | None:
     ticker = asyncio.create_task(progress()) if tty else None
     try:
         engine = await Engine.load(
-            args.model, device=args.device, loop=args.loop, backend=args.backend, dtype=args.dtype, seed=args.engine_seed, **engine_limits(args)
+            args.model, device=args.device, loop=args.loop, backend=args.backend, dtype=args.dtype, seed=args.engine_seed, **{**(defaults or {}), **engine_limits(args)}
         )
     except errors.OmniAsyncError as exc:
         if tty:
@@ -180,7 +181,9 @@ async def _generate(args: argparse.Namespace) -> int:
     except errors.OmniAsyncError as exc:
         print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
-    engine = await _load(args)
+    # One request: a KV cache of GENERATE_KV_TOKENS, not a share of the machine's memory
+    # (zeroing that much is a visible part of a short command's start).
+    engine = await _load(args, {"kv_capacity_tokens": GENERATE_KV_TOKENS})
     if engine is None:
         return 2
     async with engine:
@@ -222,7 +225,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(demo, 48)
     demo.add_argument("--requests", type=int, default=8, help="requests sent at once")
     demo.add_argument("--show", type=int, default=2, help="print the stream of this many requests")
-    gen = sub.add_parser("generate", help="generate from a prompt or token ids", formatter_class=fmt)
+    gen = sub.add_parser(
+        "generate", help=f"answer one prompt (a KV cache of {GENERATE_KV_TOKENS} tokens unless --kv-capacity-tokens)", formatter_class=fmt
+    )
     _add_model_args(gen)
     _add_sampling_args(gen, 64)
     group = gen.add_mutually_exclusive_group(required=True)
