@@ -110,15 +110,18 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     engine_tok = Engine.from_pretrained(str(smollm2_path()), loop="normal", dtype="float32", kv_capacity_tokens=1024).tokenizer
     ids = engine_tok.encode(TEXT.read_text(), add_special_tokens=False)
-    rows = [run_engine(name.strip(), ids, args.chunk) for name in args.configs.split(",") if name.strip()]
+    print(f"{TEXT.name}: {len(ids)} tokens\n{'config':<22} {'dtype':<9} {'kernels':<8} {'perplexity':>10} {'vs float32':>10}", flush=True)
+    rows: list[dict[str, Any]] = []
+    jobs = [lambda n=name.strip(): run_engine(n, ids, args.chunk) for name in args.configs.split(",") if name.strip()]
     if args.hf:
-        rows += [run_hf(dtype, ids) for dtype in ("float32", "bfloat16")]
-    base = next((r["perplexity"] for r in rows if r["config"] == "float32"), None)
-    print(f"{TEXT.name}: {len(ids)} tokens\n{'config':<22} {'dtype':<9} {'kernels':<8} {'perplexity':>10} {'vs float32':>10}")
-    for r in rows:
+        jobs += [lambda d=dtype: run_hf(d, ids) for dtype in ("float32", "bfloat16")]
+    for job in jobs:  # each row printed when it is done
+        r = job()
+        rows.append(r)
+        base = next((x["perplexity"] for x in rows if x["config"] == "float32"), None)
         kernels = "-" if "cpu_fused_ops" not in r else ("on" if r["cpu_fused_ops"] or r["cpu_attention_kernel"] else "off")
         rel = C.fmt(r["perplexity"] / base - 1 if base else None, "+.2%")
-        print(f"{r['config']:<22} {r['dtype']:<9} {kernels:<8} {r['perplexity']:>10.3f} {rel:>10}")
+        print(f"{r['config']:<22} {r['dtype']:<9} {kernels:<8} {r['perplexity']:>10.3f} {rel:>10}", flush=True)
     payload = {"benchmark": "perplexity", "machine": C.machine_facts(), "text": TEXT.name, "tokens": len(ids), "args": vars(args), "rows": rows}
     print(f"saved {C.save_json(args.out, payload)}")
     return 0

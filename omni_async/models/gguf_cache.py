@@ -124,9 +124,12 @@ def load_converted(gguf_path: Path, dtype: torch.dtype, build: Callable[[Any], t
         _converting.set()
         try:
             model, entry = build(progress)
+        except BaseException:
+            progress.close("failed")
+            raise
         finally:
             _converting.clear()
-            progress.close()
+        progress.close("converted")
         try:
             write_entry(path, entry, source=str(gguf_path.resolve()))
             _remove_stale(path)
@@ -314,6 +317,6 @@ class _Progress:
             self.shown = pct
             print(f"\romni-async: converting {pct:3d}% ({done}/{total} tensors)", end="", file=sys.stderr, flush=True)
 
-    def close(self) -> None:
+    def close(self, outcome: str) -> None:
         lead = "\r" if self.tty else ""
-        print(f"{lead}omni-async: converted in {time.perf_counter() - self.start:.1f} s" + " " * 16, file=sys.stderr, flush=True)
+        print(f"{lead}omni-async: {outcome} in {time.perf_counter() - self.start:.1f} s" + " " * 16, file=sys.stderr, flush=True)
