@@ -20,6 +20,9 @@ difference. A ``+kernel`` suffix (``omni:normal+int8+kernel``) adds
 ``cpu_attention_kernel=True``: decode attention reading the KV pages in place; a
 ``+fused`` suffix adds ``cpu_fused_ops=True``: the elementwise ops between the GEMMs
 through fused C++ kernels.
+``omni:normal@default`` passes no dtype and no kernel option: the configuration a user gets
+without flags (on a CPU with native bfloat16: bfloat16 and both kernels); its runs also
+record their agreement with ``hf:generate@bfloat16`` when that system ran.
 Repeats are interleaved (every system runs once per repeat and concurrency, the order
 rotated); the table shows the median tok/s with min-max, and each omni run records whether
 its tokens equal ``hf:generate``'s. Results: bench/results/cpu_smollm2.json.
@@ -27,6 +30,8 @@ its tokens equal ``hf:generate``'s. Results: bench/results/cpu_smollm2.json.
     python bench/cpu_smollm2.py                                # 1,4,16,64 x 2 repeats
     python bench/cpu_smollm2.py --concurrency 16 --repeats 3 --systems omni:normal,hf:generate
     python bench/cpu_smollm2.py --isolate --concurrency 1,16,64 --repeats 3   # a process per system
+    python bench/cpu_smollm2.py --isolate --concurrency 1,16,64 --repeats 3 \\
+        --systems omni:normal@default,hf:generate,hf:generate@bfloat16           # the default against transformers
 """
 
 from __future__ import annotations
@@ -125,6 +130,14 @@ def fused_of(system: str) -> bool:
     return "fused" in system.split("+")[1:]
 
 
+def omni_choices(system: str, dtype: str) -> dict[str, Any]:
+    """dtype and kernel options of an omni system; ``@default`` leaves all three to the
+    engine (omni_async/cpu_defaults.py: what a user who passes no flags gets)."""
+    if dtype == "default":
+        return {}
+    return {"dtype": dtype, "cpu_attention_kernel": kernel_of(system), "cpu_fused_ops": fused_of(system)}
+
+
 def prefix_agreement(tokens: list[list[int]], reference: list[list[int]]) -> float:
     """Mean over requests of the fraction of tokens before the first difference."""
     fractions = []
@@ -155,8 +168,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         name, dtype = split_system(s)
         if name.startswith("omni:"):
             engines[s] = Engine.from_pretrained(
-                str(path), loop=name.split(":", 1)[1], dtype=dtype, kv_capacity_tokens=args.kv_tokens,
-                quantization=quantization_of(s), cpu_attention_kernel=kernel_of(s), cpu_fused_ops=fused_of(s),
+                str(path), loop=name.split(":", 1)[1], kv_capacity_tokens=args.kv_tokens, quantization=quantization_of(s), **omni_choices(s, dtype)
             )
             await engines[s].__aenter__()
         elif dtype not in hf:
@@ -265,6 +277,9 @@ def print_table(result: dict[str, Any]) -> None:
     for s in dict.fromkeys(r["system"] for r in result["runs"] if "prefix_agreement_hf_generate" in r):
         vals = [r["prefix_agreement_hf_generate"] for r in result["runs"] if r["system"] == s and "prefix_agreement_hf_generate" in r]
         print(f"{s}: tokens before the first difference from hf:generate (float32): {min(vals):.2f}-{max(vals):.2f} of each request's")
+    for s in dict.fromkeys(r["system"] for r in result["runs"] if "prefix_agreement_hf_bfloat16" in r):
+        vals = [r["prefix_agreement_hf_bfloat16"] for r in result["runs"] if r["system"] == s and "prefix_agreement_hf_bfloat16" in r]
+        print(f"{s}: tokens before the first difference from hf:generate@bfloat16: {min(vals):.2f}-{max(vals):.2f} of each request's")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -325,6 +340,11 @@ def run_isolated(args: argparse.Namespace) -> dict[str, Any]:
         if toks is not None and ref is not None and r["system"] != "hf:generate":
             r["tokens_equal_hf_generate"] = toks == ref
             r["prefix_agreement_hf_generate"] = prefix_agreement(toks, ref)
+        ref16 = next((x.get("tokens") for x in runs if x["system"] == "hf:generate@bfloat16" and x["repeat"] == r["repeat"]
+                      and x["concurrency"] == r["concurrency"]), None)
+        if toks is not None and ref16 is not None and r["system"].startswith("omni:"):
+            r["tokens_equal_hf_bfloat16"] = toks == ref16
+            r["prefix_agreement_hf_bfloat16"] = prefix_agreement(toks, ref16)
     for r in runs:
         r.pop("tokens", None)
     return {"benchmark": "cpu_smollm2", "isolated": True, "machine": C.machine_facts(),

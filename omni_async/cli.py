@@ -1,20 +1,24 @@
 """Command line: ``omni-async demo`` (the embedded default job), ``generate``, ``serve``
-(the OpenAI-compatible server, extra ``[serve]``) and ``pipeline-demo``."""
+(the OpenAI-compatible server, extra ``[serve]``) and ``pipeline-demo``. Without
+``--model`` they run SmolLM2-135M-Instruct (``smollm2``); ``pipeline-demo`` runs the
+built-in ``tiny`` models."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import sys
 import time
 
 from . import errors
-from .cli_options import add_model_flags, engine_limits, env_default, parse_bool, port_number
+from .cli_options import DEFAULT_MODEL, add_model_flags, engine_limits, env_default, parse_bool, port_number
 from .config import SamplingParams
 from .engine import Engine
 from .logs import configure_cli_logging
 from .version import __version__
 
+GENERATE_KV_TOKENS = 8192  # generate's KV cache unless --kv-capacity-tokens says otherwise
 DEMO_PROMPTS = [
     "The thinker writes text; the talker speaks it.",
     "Continuous batching keeps the model busy.",
@@ -35,8 +39,8 @@ DEMO_QUESTIONS = [
 ]
 
 
-def _add_model_args(p: argparse.ArgumentParser) -> None:
-    add_model_flags(p)
+def _add_model_args(p: argparse.ArgumentParser, default_model: str = DEFAULT_MODEL) -> None:
+    add_model_flags(p, default_model)
 
 
 def _share(text: str) -> float | int:
@@ -65,16 +69,21 @@ def _add_sampling_args(p: argparse.ArgumentParser, max_new: int) -> None:
     p.add_argument("--seed", type=int, default=None, help="the request's sampling seed")
 
 
-async def _load(args: argparse.Namespace) -> Engine | None:
+async def _load(args: argparse.Namespace, defaults: dict | None = None) -> Engine | None:
     """Load in a worker thread (Engine.load) while the loop shows that it is working:
     a live elapsed-time line on a terminal, one line when it is done."""
     tty = sys.stderr.isatty()
     start = time.perf_counter()
 
     async def progress() -> None:
+        from .models.gguf_cache import converting
+
         frames = "|/-\\"
         i = 0
         while True:
+            if converting():  # the conversion reports its own progress on this line
+                await asyncio.sleep(0.1)
+                continue
             print(f"\rloading {args.model} {frames[i % 4]} {time.perf_counter() - start:5.1f} s", end="", file=sys.stderr, flush=True)
             i += 1
             await asyncio.sleep(0.1)
@@ -82,7 +91,7 @@ async def _load(args: argparse.Namespace) -> Engine | None:
     ticker = asyncio.create_task(progress()) if tty else None
     try:
         engine = await Engine.load(
-            args.model, device=args.device, loop=args.loop, backend=args.backend, dtype=args.dtype, seed=args.engine_seed, **engine_limits(args)
+            args.model, device=args.device, loop=args.loop, backend=args.backend, dtype=args.dtype, seed=args.engine_seed, **{**(defaults or {}), **engine_limits(args)}
         )
     except errors.OmniAsyncError as exc:
         if tty:
@@ -155,29 +164,49 @@ async def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _generate_request(args: argparse.Namespace, tokenizer: object) -> dict:
+    """What ``generate`` asks: token ids, chat turns (``--messages``, or ``--prompt`` as one
+    user turn when the model has a chat template), or ``--raw`` text as it is."""
+    if args.input_ids is not None:
+        try:
+            return {"input_ids": [int(t) for t in args.input_ids.split(",")]}
+        except ValueError:
+            raise errors.InvalidRequestError("--input-ids must be comma-separated integers") from None
+    if args.messages is not None:
+        try:
+            messages = json.loads(args.messages)
+        except ValueError as exc:
+            raise errors.InvalidRequestError(f"--messages is not JSON: {exc}") from None
+        return {"messages": messages}
+    if not args.raw and getattr(tokenizer, "chat_template", None) is not None and args.model != "tiny":
+        return {"messages": [{"role": "user", "content": args.prompt}]}
+    return {"prompt": args.prompt}
+
+
 async def _generate(args: argparse.Namespace) -> int:
     try:
-        input_ids = [int(t) for t in args.input_ids.split(",")] if args.input_ids else None
-    except ValueError:
-        print("error: InvalidRequestError: --input-ids must be comma-separated integers", file=sys.stderr)
+        _generate_request(args, None)  # bad ids or JSON fail before the model loads
+    except errors.OmniAsyncError as exc:
+        print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
-    engine = await _load(args)
+    # One request: a KV cache of GENERATE_KV_TOKENS, not a share of the machine's memory
+    # (zeroing that much is a visible part of a short command's start).
+    engine = await _load(args, {"kv_capacity_tokens": GENERATE_KV_TOKENS})
     if engine is None:
         return 2
     async with engine:
         try:
-            res = await engine.generate(
-                prompt=None if input_ids is not None else args.prompt,
-                input_ids=input_ids,
-                sampling=_sampling(args),
-            )
+            res = await engine.generate(**_generate_request(args, engine.tokenizer), sampling=_sampling(args))
         except errors.OmniAsyncError as exc:
             print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
             return 2
-    print(f"output_ids: {res.output_ids}")
-    print(f"finish_reason: {res.finish_reason}")
-    if res.text is not None:
-        print(f"text: {res.text!r}")
+    if args.details or args.input_ids is not None or res.text is None:
+        print(f"output_ids: {res.output_ids}")
+        print(f"finish_reason: {res.finish_reason}")
+        if res.text is not None:
+            print(f"text: {res.text!r}")
+    else:
+        print(res.text)
     return 0
 
 
@@ -204,12 +233,17 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(demo, 48)
     demo.add_argument("--requests", type=int, default=8, help="requests sent at once")
     demo.add_argument("--show", type=int, default=2, help="print the stream of this many requests")
-    gen = sub.add_parser("generate", help="generate from a prompt or token ids", formatter_class=fmt)
+    gen = sub.add_parser(
+        "generate", help=f"answer one prompt (a KV cache of {GENERATE_KV_TOKENS} tokens unless --kv-capacity-tokens)", formatter_class=fmt
+    )
     _add_model_args(gen)
-    _add_sampling_args(gen, 32)
+    _add_sampling_args(gen, 64)
     group = gen.add_mutually_exclusive_group(required=True)
-    group.add_argument("--prompt", help="text, encoded with the model's tokenizer")
+    group.add_argument("--prompt", help="a question or instruction: sent as one user turn through the model's chat template (see --raw)")
+    group.add_argument("--messages", help='chat turns as JSON, e.g. \'[{"role": "user", "content": "Hi"}]\'')
     group.add_argument("--input-ids", help="comma-separated token ids")
+    gen.add_argument("--raw", action="store_true", help="send --prompt as plain text, without the chat template")
+    gen.add_argument("--details", action="store_true", help="print output_ids, finish_reason and the text's repr instead of the text")
     serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (extra [serve])", formatter_class=fmt)
     _add_model_args(serve)
     serve.add_argument("--host", default=env_default("host", "127.0.0.1"), help="address to listen on [env OMNI_ASYNC_HOST]")
@@ -225,7 +259,7 @@ def build_parser() -> argparse.ArgumentParser:
         gc_gen0_threshold=env_default("gc_gen0_threshold", 10_000, int),
     )
     pipe = sub.add_parser("pipeline-demo", help="a thinker streaming into a talker in one event loop on one device", formatter_class=fmt)
-    _add_model_args(pipe)
+    _add_model_args(pipe, "tiny")
     pipe.add_argument("--thinker", default="tiny", help="the thinker's checkpoint folder, or 'tiny' (built in)")
     pipe.add_argument("--talker", default="tiny", help="the talker's checkpoint folder, or 'tiny' (built in, another seed)")
     for stage in ("thinker", "talker"):

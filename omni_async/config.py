@@ -289,13 +289,14 @@ class SchedulerConfig:
     # Native backend on CPU: decode attention through a C++ kernel that reads the KV
     # pages in place instead of gathering them (omni_async/kernels/cpu_paged.py; built
     # with the system compiler on first use). Close to the reference, not bit-equal.
-    cpu_attention_kernel: bool = False
+    # None (the default) decides per machine and dtype (omni_async/backends/native/cpu_defaults.py).
+    cpu_attention_kernel: bool | None = None
     # Native backend on CPU: the work between the GEMMs (residual add + RMSNorm, rotary +
     # KV write, SiLU-and-multiply, and an extend step's attention) through fused C++
     # kernels, one call each and no parallel region at decode sizes
     # (omni_async/kernels/cpu_fused.py; built with the system compiler on first use).
-    # Close to the reference, not bit-equal.
-    cpu_fused_ops: bool = False
+    # Close to the reference, not bit-equal. None: as cpu_attention_kernel.
+    cpu_fused_ops: bool | None = None
 
     def __post_init__(self) -> None:
         if self.loop not in LOOP_KINDS:
@@ -335,9 +336,12 @@ class SchedulerConfig:
                 f"got {self.kv_capacity_tokens!r}"
             )
         check_step_timeout(self.step_timeout_s)
-        for name in ("enable_prefix_cache", "gc_freeze", "cpu_attention_kernel", "cpu_fused_ops", "fuse_decode_steps", "own_cuda_stream"):
+        for name in ("enable_prefix_cache", "gc_freeze", "fuse_decode_steps", "own_cuda_stream"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        for name in ("cpu_attention_kernel", "cpu_fused_ops"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be a bool or None, got {getattr(self, name)!r}")
         if self.gc_gen0_threshold is not None and (not _is_int(self.gc_gen0_threshold) or self.gc_gen0_threshold < 1):
             raise ConfigError(f"gc_gen0_threshold must be an integer >= 1 or None, got {self.gc_gen0_threshold!r}")
         if self.quantization is not None and self.quantization not in QUANTIZATION_MODES:

@@ -3,7 +3,10 @@ engines over them, and the invariants every test ends with."""
 
 from __future__ import annotations
 
+import os
 import random
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -17,6 +20,15 @@ pytest_plugins = ["omni_async.testing"]
 LOOPS = ["normal", "overlap", "async_decode"]
 
 _SGLANG_TESTS = Path(__file__).parent / "sglang"
+
+# Converted GGUF weights go to a cache folder of the test run's own (inherited by the
+# command-line subprocesses), never to the user's cache; removed when the run ends.
+_CACHE_DIR = tempfile.mkdtemp(prefix="omni-async-test-cache-")
+os.environ["OMNI_ASYNC_CACHE_DIR"] = _CACHE_DIR
+
+
+def pytest_unconfigure(config):
+    shutil.rmtree(_CACHE_DIR, ignore_errors=True)
 
 
 def pytest_ignore_collect(collection_path, config):

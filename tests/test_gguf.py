@@ -71,7 +71,9 @@ def render_chat(tok, messages) -> str:
 
 
 async def engine_greedy(path: Path, loop: str, prompts: list[list[int]], n: int, **kw) -> list[list[int]]:
-    engine = Engine.from_pretrained(str(path), loop=loop, **kw)
+    """Float32 unless told otherwise: a GGUF's default dtype on a CPU with native bfloat16
+    is bfloat16, and the reference here is transformers in float32."""
+    engine = Engine.from_pretrained(str(path), loop=loop, **{"dtype": "float32", **kw})
     async with engine:
         results = await asyncio.gather(
             *[engine.generate(input_ids=p, sampling=SamplingParams(max_new_tokens=n, ignore_eos=True)) for p in prompts]

@@ -39,8 +39,10 @@ class RMSNorm(nn.Module):
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """On the CPU whatever the default device is: computed on the meta device (where the
+    loaders build the model), this arithmetic imports torch._dynamo, ~2 s of every start."""
     dim = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim))
     scaling = cfg.rope_scaling or {}
     if cfg.rope_type == "linear":
         inv_freq = inv_freq / float(scaling["factor"])
@@ -129,7 +131,9 @@ class DecoderLayer(nn.Module):
 class _Backbone(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # Given its (uninitialised) weight, Embedding skips its random init: every loader
+        # overwrites it, and on the meta device that init imports torch._dynamo (~2 s a start).
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 

@@ -107,6 +107,7 @@ class GGUFFile:
         self.meta = {name: field.contents() for name, field in self._reader.fields.items()}
         self.arch = str(self.meta.get("general.architecture", ""))
         self.tensor_names = {t.name for t in self._reader.tensors}
+        self.tensor_count = len(self._reader.tensors)
 
     def get(self, key: str, default: Any = None) -> Any:
         return self.meta.get(f"{self.arch}.{key}", default)

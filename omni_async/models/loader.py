@@ -145,21 +145,82 @@ def load_model(
 
 
 def load_gguf(path: Path, *, dtype: str | torch.dtype | None, device: torch.device, shard: Any = None) -> LoadedModel:
-    """A GGUF file: config and tokenizer from its metadata, weights dequantised to ``dtype``."""
+    """A GGUF file: config and tokenizer from its metadata, weights dequantised to ``dtype``.
+    After the first start the built parameters come from the on-disk cache (gguf_cache)."""
+    from .gguf_cache import load_converted
+
+    torch_dtype = resolve_dtype(dtype, "float32", device)  # a GGUF's config dtype is float32
+    if not path.is_file():
+        raise ModelLoadError(f"{path}: no such GGUF file")
+    if shard is not None:  # a rank's slices: built from the file
+        return convert_gguf(path, torch_dtype, device, shard)[0]
+
+    def build(progress: Any) -> tuple[LoadedModel, Any]:
+        loaded = convert_gguf(path, torch_dtype, torch.device("cpu"), None, progress)[0]
+        entry = gguf_entry(loaded)
+        return _to_device(loaded, device), entry
+
+    return load_converted(path, torch_dtype, build, lambda entry: _to_device(model_from_entry(entry, str(path)), device))
+
+
+def convert_gguf(path: Path, dtype: torch.dtype, device: torch.device, shard: Any = None, progress: Any = None) -> tuple[LoadedModel, Any]:
+    """Read and dequantise a GGUF file into a decoder; ``progress(done, total)`` is called
+    after each tensor."""
     from .gguf import GGUFFile, config_from_gguf, load_gguf_tokenizer, named_tensors
 
     f = GGUFFile(path)
     cfg = config_from_gguf(f)
-    torch_dtype = resolve_dtype(dtype, cfg.dtype, device)
-    model = empty_model(cfg, device, torch_dtype, shard)
-    weights = dict(named_tensors(f, cfg))
+    model = empty_model(cfg, device, dtype, shard)
+
+    def counted() -> Iterator[tuple[str, torch.Tensor]]:
+        for i, named in enumerate(named_tensors(f, cfg)):
+            yield named
+            if progress is not None:
+                progress(i + 1, f.tensor_count)
+
+    weights = dict(counted())
     rope_divisors = weights.pop("rope_freqs.weight", None)
     copy_named_tensors(model, sharded(shard, weights.items()), require_all=True)
     inv_freq = rope_inv_freq(cfg)
     if rope_divisors is not None:  # llama3-style per-frequency factors stored as a tensor
         inv_freq = inv_freq / rope_divisors.to(torch.float32)
     model.inv_freq = inv_freq.to(device)
-    return LoadedModel(model.eval(), cfg, load_gguf_tokenizer(f, cfg), str(path), "gguf")
+    return LoadedModel(model.eval(), cfg, load_gguf_tokenizer(f, cfg), str(path), "gguf"), None
+
+
+def gguf_entry(loaded: LoadedModel) -> Any:
+    """What the cache keeps of a built model: its own parameters (tied ones once) and
+    rotary frequencies, config and tokenizer."""
+    from .gguf_cache import ConvertedGGUF
+
+    tensors = [(name, p.detach()) for name, p in loaded.model.named_parameters()]
+    return ConvertedGGUF(loaded.config, loaded.tokenizer, [*tensors, ("inv_freq", loaded.model.inv_freq)])
+
+
+def model_from_entry(entry: Any, path: str) -> LoadedModel:
+    """A decoder whose parameters are the entry's tensors, as they are (no copy); an entry
+    that does not fit the decoder's parameters raises CorruptCacheEntry."""
+    from .gguf_cache import CorruptCacheEntry
+
+    tensors = dict(entry.tensors)
+    inv_freq = tensors.pop("inv_freq", None)
+    with torch.device("meta"):
+        model = DecoderModel(entry.config)
+    expected = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    got = {name: tuple(t.shape) for name, t in tensors.items()}
+    if inv_freq is None or expected != got:
+        raise CorruptCacheEntry("its tensors do not fit the decoder's parameters")
+    model.load_state_dict(tensors, strict=False, assign=True)
+    model.tie_weights()
+    model.inv_freq = inv_freq
+    return LoadedModel(model.eval(), entry.config, entry.tokenizer, path, "gguf")
+
+
+def _to_device(loaded: LoadedModel, device: torch.device) -> LoadedModel:
+    if device.type != "cpu":
+        loaded.model.to(device)
+        loaded.model.tie_weights()
+    return loaded
 
 
 def empty_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, shard: Any = None) -> DecoderModel:

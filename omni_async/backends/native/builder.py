@@ -16,6 +16,7 @@ from ...runners.native import NativeModelRunner
 from ...scheduler import AsyncOmniScheduler
 from ...stage.executor import make_step_executor
 from ..base import BuiltStage
+from .cpu_defaults import choose_cpu_defaults
 from .kv_sizing import kv_cache, kv_pages_for
 from .release import device_state_of, release_stage_memory
 from .stack import NativeStack, assemble_stack, build_off_this_thread
@@ -33,6 +34,7 @@ def build_native_stack(
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
+    dtype, config = choose_cpu_defaults(path_or_name, config, device, dtype)
     requested = None if dtype is None else resolve_dtype(dtype, "float32", device)
     check_quantization(config.quantization, device, requested, config.tensor_parallel_size)
     if config.tensor_parallel_size > 1:
@@ -60,6 +62,8 @@ def build_scheduler(stack: NativeStack, config: SchedulerConfig, **callbacks: An
         "dtype": str(next(stack.loaded.model.parameters()).dtype).replace("torch.", ""),
         "weight_version": "initial",
         "quantization": quantization_of(stack.loaded.model),
+        "cpu_attention_kernel": stack.runner.cpu_attention_kernel,
+        "cpu_fused_ops": stack.runner.cpu_fused_ops,
         "num_parameters": sum(p.numel() for p in stack.loaded.model.parameters()),
     }
     executor = make_step_executor(config.step_launch, stack.device.type, config.event_wait)

@@ -1,0 +1,322 @@
+"""Converted GGUF weights cached on disk, so that only the first start pays for the conversion.
+
+Reading a GGUF file's metadata with the ``gguf`` library and dequantising its tensors takes
+~10 s for SmolLM2-135M on a small CPU; reading the result back takes a fraction of a second.
+An entry holds the built decoder's own parameters (its merged projections, in the engine's
+dtype) and rotary frequencies, the model config and the tokenizer (as ``tokenizers`` JSON),
+in one file in the safetensors layout: an 8-byte header length, a JSON header, then the
+tensor bytes. A start after the first maps the file (copy-on-write) and hands the views to
+the model as its parameters: nothing is copied or converted.
+
+- **Where**: ``$OMNI_ASYNC_CACHE_DIR`` (``off`` or ``none`` turns caching off), else
+  ``$XDG_CACHE_HOME/omni-async``, else ``~/.cache/omni-async``; entries under ``gguf/``.
+- **Key**: the file's resolved path, size and modification time, the dtype, this module's
+  :data:`CONVERSION_VERSION` and the ``gguf`` library's version. A changed file gets a new
+  entry; the entries of its old versions are removed when the new one is written.
+- **Two processes at once**: the conversion runs under an exclusive lock file (``fcntl``;
+  where there is none, both convert); the second process waits, then reads the first one's
+  entry. An entry is written to a temporary file, flushed to disk and renamed into place,
+  so a reader never sees a partial one.
+- **Torn or damaged files**: the header records the data's length and CRC-32, checked on
+  every read; an entry that fails (or no longer fits the decoder's parameters) is
+  reported, removed and rebuilt.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import mmap
+import os
+import struct
+import sys
+import tempfile
+import threading
+import time
+import zlib
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+
+from ..logs import log
+from .config import ModelConfig
+
+# Bump when the conversion's output changes (names, unpermuting, tokenizer shape, layout).
+CONVERSION_VERSION = 1
+CACHE_ENV = "OMNI_ASYNC_CACHE_DIR"
+_DTYPE_CODES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+_CODE_DTYPES = {code: dtype for dtype, code in _DTYPE_CODES.items()}
+_MAX_HEADER = 256 << 20
+_converting = threading.Event()
+
+
+class CorruptCacheEntry(Exception):
+    """An entry whose header, length or checksum does not hold up."""
+
+
+@dataclasses.dataclass
+class ConvertedGGUF:
+    config: ModelConfig
+    tokenizer: Any  # HFTokenizer | None
+    tensors: list[tuple[str, torch.Tensor]]
+
+
+def cache_root() -> Path | None:
+    """The user's cache folder for omni-async, or None when caching is turned off."""
+    override = os.environ.get(CACHE_ENV)
+    if override is not None and override.strip().lower() in ("off", "none", "0", ""):
+        return None
+    if override:
+        return Path(override).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "omni-async"
+
+
+def converting() -> bool:
+    """Whether a conversion is running in this process (the CLI's ticker keeps quiet then)."""
+    return _converting.is_set()
+
+
+def entry_path(gguf_path: Path, dtype: torch.dtype, root: Path) -> Path:
+    """The entry of this file version in this dtype (see the module docstring for the key)."""
+    resolved = gguf_path.resolve()
+    st = resolved.stat()
+    try:
+        import importlib.metadata
+
+        gguf_version = importlib.metadata.version("gguf")
+    except Exception:
+        gguf_version = "?"
+    key = json.dumps([str(resolved), st.st_size, st.st_mtime_ns, CONVERSION_VERSION, gguf_version, str(dtype)])
+    return root / "gguf" / f"{_family_prefix(resolved, dtype)}.{hashlib.sha256(key.encode()).hexdigest()[:20]}.safetensors"
+
+
+def _family_prefix(resolved: Path, dtype: torch.dtype) -> str:
+    """Entries that share this prefix are versions of one file in one dtype."""
+    return f"{resolved.stem}-{hashlib.sha256(str(resolved).encode()).hexdigest()[:8]}.{_DTYPE_CODES[dtype].lower()}"
+
+
+def load_converted(gguf_path: Path, dtype: torch.dtype, build: Callable[[Any], tuple[Any, ConvertedGGUF]], assemble: Callable[[ConvertedGGUF], Any]) -> Any:
+    """``assemble(entry)`` of the cached entry of ``gguf_path`` in ``dtype``; on a miss
+    ``build(progress)``'s model (its entry is then written). ``assemble`` raising
+    :class:`CorruptCacheEntry` marks the entry as unusable. Caching that cannot happen
+    (turned off, a folder that cannot be written) only costs the conversion."""
+    root = cache_root()
+    if root is None or dtype not in _DTYPE_CODES:
+        return build(None)[0]
+    try:
+        path = entry_path(gguf_path, dtype, root)
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        log.warning("gguf_cache_unavailable", path=str(root), error=repr(exc))
+        return build(None)[0]
+    hit = _read_or_discard(path, assemble)
+    if hit is not None:
+        return hit
+    with _exclusive(path.with_suffix(".lock")):
+        hit = _read_or_discard(path, assemble)  # another process may have written it meanwhile
+        if hit is not None:
+            return hit
+        progress = _Progress(gguf_path, path)
+        _converting.set()
+        try:
+            model, entry = build(progress)
+        except BaseException:
+            progress.close("failed")
+            raise
+        finally:
+            _converting.clear()
+        progress.close("converted")
+        try:
+            write_entry(path, entry, source=str(gguf_path.resolve()))
+            _remove_stale(path)
+        except OSError as exc:
+            log.warning("gguf_cache_write_failed", path=str(path), error=repr(exc))
+        return model
+
+
+def _read_or_discard(path: Path, assemble: Callable[[ConvertedGGUF], Any]) -> Any:
+    if not path.exists():
+        return None
+    try:
+        return assemble(read_entry(path))
+    except (CorruptCacheEntry, OSError, ValueError, KeyError) as exc:
+        log.warning("gguf_cache_corrupt", path=str(path), error=str(exc))
+        print(f"omni-async: cached weights {path} are damaged ({exc}); converting again", file=sys.stderr)
+        try:
+            path.unlink()
+        except OSError:
+            pass
+        return None
+
+
+@contextmanager
+def _exclusive(lock_path: Path) -> Iterator[None]:
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - no POSIX locks: both convert, the rename keeps it safe
+        yield
+        return
+    with open(lock_path, "a+") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _remove_stale(path: Path) -> None:
+    """Entries of older versions of the same file in the same dtype."""
+    prefix = path.name.rsplit(".", 2)[0]
+    for other in path.parent.glob(f"{prefix}.*.safetensors"):
+        if other != path:
+            try:
+                other.unlink()
+            except OSError:
+                pass
+
+
+def _tensor_bytes(t: torch.Tensor) -> memoryview:
+    return memoryview(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
+
+
+def write_entry(path: Path, converted: ConvertedGGUF, *, source: str) -> None:
+    """Write to a temporary file next to ``path``, flush it to disk, rename it into place."""
+    # Wider elements first, so that every tensor starts aligned to its element size.
+    tensors = sorted(((name, t.detach().contiguous()) for name, t in converted.tensors), key=lambda nt: -nt[1].element_size())
+    header: dict[str, Any] = {}
+    offset, crc = 0, 0
+    for name, t in tensors:
+        size = t.numel() * t.element_size()
+        header[name] = {"dtype": _DTYPE_CODES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + size]}
+        crc = zlib.crc32(_tensor_bytes(t), crc)
+        offset += size
+    meta = {
+        "version": CONVERSION_VERSION,
+        "source": source,
+        "data_bytes": offset,
+        "crc32": crc,
+        "config": _config_to_json(converted.config),
+        "tokenizer": _tokenizer_to_json(converted.tokenizer),
+    }
+    header["__metadata__"] = {"omni_async": json.dumps(meta)}
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as out:
+            out.write(struct.pack("<Q", len(raw)))
+            out.write(raw)
+            for _name, t in tensors:
+                out.write(_tensor_bytes(t))
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def read_entry(path: Path) -> ConvertedGGUF:
+    """An entry's tensors (views of a private memory map of the file), config and
+    tokenizer; any mismatch of version, length or checksum raises :class:`CorruptCacheEntry`."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        head = f.read(8)
+        if len(head) != 8:
+            raise CorruptCacheEntry("shorter than a header")
+        (n,) = struct.unpack("<Q", head)
+        if n > min(_MAX_HEADER, size - 8):
+            raise CorruptCacheEntry(f"header length {n} does not fit the file ({size} bytes)")
+        try:
+            header = json.loads(f.read(n))
+            meta = json.loads(header.pop("__metadata__")["omni_async"])
+        except (ValueError, KeyError, TypeError) as exc:
+            raise CorruptCacheEntry(f"unreadable header ({exc})") from None
+        if meta.get("version") != CONVERSION_VERSION:
+            raise CorruptCacheEntry(f"conversion version {meta.get('version')}, expected {CONVERSION_VERSION}")
+        data_bytes = int(meta["data_bytes"])
+        if size - 8 - n != data_bytes:
+            raise CorruptCacheEntry(f"{size - 8 - n} data bytes, the header says {data_bytes}")
+        # Copy-on-write: the tensors are writable without touching the file, and nothing
+        # is copied until the loader copies them into the model.
+        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if size else b""
+    data = memoryview(mapped)[8 + n :]
+    if zlib.crc32(data) != int(meta["crc32"]):
+        raise CorruptCacheEntry("checksum mismatch")
+    tensors = []
+    for name, spec in header.items():
+        dtype = _CODE_DTYPES[spec["dtype"]]
+        start, end = spec["data_offsets"]
+        count = (end - start) // dtype.itemsize
+        flat = torch.frombuffer(mapped, dtype=dtype, count=count, offset=8 + n + start) if count else torch.empty(0, dtype=dtype)
+        tensors.append((name, flat.reshape(spec["shape"])))
+    data.release()
+    return ConvertedGGUF(_config_from_json(meta["config"]), _tokenizer_from_json(meta["tokenizer"]), tensors)
+
+
+def _config_to_json(cfg: ModelConfig) -> dict[str, Any]:
+    out = dataclasses.asdict(cfg)
+    out["rope_scaling"] = dict(cfg.rope_scaling) if cfg.rope_scaling else None
+    return out
+
+
+def _config_from_json(raw: dict[str, Any]) -> ModelConfig:
+    return ModelConfig(**{**raw, "eos_token_ids": tuple(raw["eos_token_ids"])})
+
+
+def _tokenizer_to_json(tok: Any) -> dict[str, Any] | None:
+    if tok is None:
+        return None
+    return {
+        "json": tok.backend.to_str(),
+        "eos_token_ids": list(tok.eos_token_ids),
+        "vocab_size": tok.vocab_size,
+        "chat_template": tok.chat_template,
+        "bos_token": tok.bos_token,
+        "eos_token": tok.eos_token,
+    }
+
+
+def _tokenizer_from_json(raw: dict[str, Any] | None) -> Any:
+    if raw is None:
+        return None
+    from tokenizers import Tokenizer
+
+    from ..text.tokenizer import HFTokenizer
+
+    return HFTokenizer.from_object(
+        Tokenizer.from_str(raw["json"]),
+        eos_token_ids=tuple(raw["eos_token_ids"]),
+        vocab_size=raw["vocab_size"],
+        chat_template=raw["chat_template"],
+        bos_token=raw["bos_token"],
+        eos_token=raw["eos_token"],
+    )
+
+
+class _Progress:
+    """Reports a conversion on stderr: a line when it starts and when it ends, and on a
+    terminal the share of tensors converted, updated in place."""
+
+    def __init__(self, source: Path, entry: Path) -> None:
+        self.start = time.perf_counter()
+        self.tty = sys.stderr.isatty()
+        self.shown = -1
+        print(f"omni-async: converting {source.name} (first start only; cached in {entry.parent})", file=sys.stderr, flush=True)
+
+    def __call__(self, done: int, total: int) -> None:
+        pct = 100 * done // max(1, total)
+        if self.tty and pct != self.shown:
+            self.shown = pct
+            print(f"\romni-async: converting {pct:3d}% ({done}/{total} tensors)", end="", file=sys.stderr, flush=True)
+
+    def close(self, outcome: str) -> None:
+        lead = "\r" if self.tty else ""
+        print(f"{lead}omni-async: {outcome} in {time.perf_counter() - self.start:.1f} s" + " " * 16, file=sys.stderr, flush=True)

@@ -1,0 +1,159 @@
+"""The on-disk cache of converted GGUF weights (omni_async/models/gguf_cache.py): a second
+load reads it and gives the same tokens, a damaged entry is detected and rebuilt, a changed
+file gets a new entry, two processes loading at once both succeed, and it can be turned
+off. Each test has a cache folder of its own (``OMNI_ASYNC_CACHE_DIR``)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from omni_async import Engine, SamplingParams
+
+from .conftest import assert_kv_free
+from .gguf_files import write_gguf
+
+pytest.importorskip("gguf")
+
+REPO = Path(__file__).resolve().parents[1]
+PROMPTS = [[1, 5, 9, 33, 7], list(range(40, 70))]
+TEXT = "the quick brown fox, what is the capital of france?"
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch) -> Path:
+    folder = tmp_path / "cache"
+    monkeypatch.setenv("OMNI_ASYNC_CACHE_DIR", str(folder))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def gguf_file(tmp_path_factory) -> Path:
+    return write_gguf(tmp_path_factory.mktemp("gguf") / "llama-Q8_0.gguf", "llama", "Q8_0", seed=3)
+
+
+def run_greedy(path: Path) -> tuple[list[list[int]], list[int], str | None]:
+    """Greedy tokens of PROMPTS, the encoding of TEXT and the chat template of one load."""
+
+    async def go():
+        engine = Engine.from_pretrained(str(path), loop="normal", dtype="float32", kv_capacity_tokens=1024)
+        async with engine:
+            outs = [await engine.generate(input_ids=p, sampling=SamplingParams(max_new_tokens=8, ignore_eos=True)) for p in PROMPTS]
+        assert_kv_free(engine)
+        return [o.output_ids for o in outs], engine.tokenizer.encode(TEXT), engine.tokenizer.chat_template
+
+    return asyncio.run(go())
+
+
+def entries(cache: Path) -> list[Path]:
+    return sorted((cache / "gguf").glob("*.safetensors"))
+
+
+def test_second_load_reads_the_cache_and_gives_the_same_tokens(cache, gguf_file, capfd):
+    first = run_greedy(gguf_file)
+    assert "converting llama-Q8_0.gguf" in capfd.readouterr().err
+    (entry,) = entries(cache)
+    stamp = entry.stat().st_mtime_ns
+    second = run_greedy(gguf_file)
+    assert "converting" not in capfd.readouterr().err  # read, not converted again
+    assert second == first
+    assert entries(cache) == [entry] and entry.stat().st_mtime_ns == stamp
+
+
+def _flip_byte(entry: Path) -> None:
+    with open(entry, "r+b") as f:
+        f.seek(entry.stat().st_size // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x40]))
+
+
+def _truncate(entry: Path) -> None:
+    os.truncate(entry, entry.stat().st_size - 1000)
+
+
+def _bad_header(entry: Path) -> None:
+    with open(entry, "r+b") as f:
+        f.seek(8)
+        f.write(b"}}}}")
+
+
+@pytest.mark.parametrize("damage", [_flip_byte, _truncate, _bad_header], ids=["flipped-byte", "torn", "header"])
+def test_damaged_entry_is_detected_and_rebuilt(cache, gguf_file, capfd, damage):
+    reference = run_greedy(gguf_file)
+    (entry,) = entries(cache)
+    damage(entry)
+    capfd.readouterr()
+    assert run_greedy(gguf_file) == reference
+    err = capfd.readouterr().err
+    assert "damaged" in err and "converting" in err
+    assert entries(cache) == [entry]
+    assert run_greedy(gguf_file) == reference  # the rebuilt entry is sound: read as is
+    assert "converting" not in capfd.readouterr().err
+
+
+def test_a_changed_file_gets_a_new_entry_and_the_old_one_goes(cache, tmp_path, capfd):
+    path = write_gguf(tmp_path / "m.gguf", "llama", "Q8_0", seed=1)
+    before = run_greedy(path)
+    (old,) = entries(cache)
+    write_gguf(path, "llama", "Q8_0", seed=2)  # same path, new weights
+    os.utime(path, ns=(old.stat().st_mtime_ns + 10**9, old.stat().st_mtime_ns + 10**9))
+    after = run_greedy(path)
+    assert after[0] != before[0]
+    (new,) = entries(cache)
+    assert new != old
+    capfd.readouterr()
+    assert run_greedy(path) == after and "converting" not in capfd.readouterr().err
+
+
+_LOAD_SCRIPT = """
+import asyncio, json, sys
+from omni_async import Engine, SamplingParams
+async def main():
+    async with Engine.from_pretrained(sys.argv[1], loop="normal", dtype="float32", kv_capacity_tokens=1024) as engine:
+        outs = [await engine.generate(input_ids=p, sampling=SamplingParams(max_new_tokens=8, ignore_eos=True)) for p in json.loads(sys.argv[2])]
+    print(json.dumps([o.output_ids for o in outs]))
+asyncio.run(main())
+"""
+
+
+def test_two_processes_loading_at_once_both_succeed(cache, gguf_file):
+    env = dict(os.environ, OMNI_ASYNC_CACHE_DIR=str(cache), PYTHONPATH=str(REPO))
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _LOAD_SCRIPT, str(gguf_file), json.dumps(PROMPTS)],
+            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        for _ in range(2)
+    ]
+    results = [p.communicate(timeout=300) for p in procs]
+    for proc, (out, err) in zip(procs, results):
+        assert proc.returncode == 0, err
+    tokens = [json.loads(out) for out, _err in results]
+    reference = run_greedy(gguf_file)[0]  # read from the entry they left
+    assert tokens == [reference, reference]
+    assert len(entries(cache)) == 1
+    assert not list((cache / "gguf").glob(".*.tmp"))  # no temporary file left behind
+    assert sum("converting" in err for _out, err in results) == 1  # the other waited on the lock, then read
+
+
+def test_cache_turned_off_writes_nothing(tmp_path, monkeypatch, gguf_file, capfd):
+    monkeypatch.setenv("OMNI_ASYNC_CACHE_DIR", "off")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    tokens = run_greedy(gguf_file)
+    assert not (tmp_path / "xdg").exists() and not (tmp_path / "home").exists()
+    assert tokens[0] and "converting" not in capfd.readouterr().err
+
+
+def test_default_folder_is_the_users_cache(tmp_path, monkeypatch, gguf_file):
+    monkeypatch.delenv("OMNI_ASYNC_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    run_greedy(gguf_file)
+    assert len(entries(tmp_path / "xdg" / "omni-async")) == 1
