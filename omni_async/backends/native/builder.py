@@ -19,7 +19,7 @@ from ..base import BuiltStage
 from .cpu_defaults import choose_cpu_defaults
 from .kv_sizing import kv_cache, kv_pages_for
 from .release import device_state_of, release_stage_memory
-from .stack import NativeStack, assemble_stack, build_off_this_thread
+from .stack import NativeStack, assemble_stack, build_off_this_thread, with_build_decisions
 from .weights import NativeModelWorker
 
 
@@ -53,6 +53,7 @@ def build_native_stack(
 
 
 def build_scheduler(stack: NativeStack, config: SchedulerConfig, **callbacks: Any) -> AsyncOmniScheduler:
+    config = with_build_decisions(config, stack)
     info = {
         "model_path": stack.loaded.path,
         "model_name": stack.loaded.name or stack.loaded.path,

@@ -4,6 +4,7 @@ group)."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from dataclasses import dataclass
 from typing import Any, Callable, TypeVar
@@ -37,6 +38,21 @@ class NativeStack:
     device: torch.device
     # The tensor-parallel group (rank 0's handle on the worker ranks), or None.
     tensor_parallel: Any = None
+    # The config the stack was built with, the fields left to the build (None) decided.
+    config: SchedulerConfig | None = None
+
+
+# Fields a config may leave to the build (None), decided per device and checkpoint.
+DECIDED_AT_BUILD = ("max_running_requests", "cpu_attention_kernel", "cpu_fused_ops")
+
+
+def with_build_decisions(config: SchedulerConfig, stack: NativeStack) -> SchedulerConfig:
+    """``config`` with what building ``stack`` decided for the fields it left open."""
+    built = stack.config
+    if built is None:
+        return config
+    decided = {f: getattr(built, f) for f in DECIDED_AT_BUILD if getattr(config, f) is None}
+    return dataclasses.replace(config, **decided) if decided else config
 
 
 def build_off_this_thread(build: Callable[[], T]) -> T:
@@ -87,7 +103,7 @@ def assemble_stack(
     )
     if config.max_running_requests is None:
         buckets = [b for b in DEFAULT_BUCKETS if b <= config.cuda_graph_max_batch] or [config.cuda_graph_max_batch]
-        config.max_running_requests = running_limit(device.type, allocator.capacity_tokens, buckets)
+        config = dataclasses.replace(config, max_running_requests=running_limit(device.type, allocator.capacity_tokens, buckets))
     steps = resolve_decode_steps(config.decode_steps, device.type, config.tensor_parallel_size, config.page_size)
     runner.configure_decode_steps(steps, fused=config.fuse_decode_steps)
     if device.type == "cuda" and config.own_cuda_stream and config.tensor_parallel_size == 1:
@@ -113,4 +129,4 @@ def assemble_stack(
         runner.cpu_fused_ops = True
     core = NativeBatchCore(config, allocator, context, decode_steps=steps)
     core.multi_step_allowed = runner.multi_step_allowed
-    return NativeStack(loaded, kv, allocator, runner, core, limits, device, tensor_parallel)
+    return NativeStack(loaded, kv, allocator, runner, core, limits, device, tensor_parallel, config)
