@@ -31,6 +31,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
+import shutil
 import random
 import statistics
 import sys
@@ -133,9 +135,13 @@ def qwen05_smol(folder: Path) -> Path:
     cfg_path = path / "config.json"
     cfg = json.loads(cfg_path.read_text())
     if not (path / "tokenizer.json").exists():
-        f = GGUFFile(smollm2_path())
-        tok = load_gguf_tokenizer(f, config_from_gguf(f))
-        tok.backend.save(str(path / "tokenizer.json"))
+        saved = os.environ.get("OMNI_BENCH_SMOLLM2_TOKENIZER")  # a tokenizer.json saved from the GGUF before
+        if saved:
+            shutil.copyfile(saved, path / "tokenizer.json")
+        else:
+            f = GGUFFile(smollm2_path())
+            tok = load_gguf_tokenizer(f, config_from_gguf(f))
+            tok.backend.save(str(path / "tokenizer.json"))
         (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>", "bos_token": "<|im_start|>"}))
         cfg["eos_token_id"] = 2
         cfg_path.write_text(json.dumps(cfg, indent=2))
