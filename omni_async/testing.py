@@ -42,26 +42,13 @@ def assert_kv_free(engine: "Engine") -> None:
 # ---------------------------------------------------------------- random checkpoint
 
 
-def _bytes_to_unicode() -> dict[int, str]:
-    """The byte-level BPE alphabet: printable bytes map to themselves, the rest to
-    code points from 256 up, so every byte is one visible character."""
-    keep = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
-    chars, extra = {}, 0
-    for b in range(256):
-        if b in keep:
-            chars[b] = chr(b)
-        else:
-            chars[b] = chr(256 + extra)
-            extra += 1
-    return chars
-
-
 def _write_tokenizer(folder: Path, bos: int, eos: int) -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 
+    from .text.byte_level import byte_alphabet
     from .text.tokenizer import BYTE_CHAT_TEMPLATE
 
-    vocab = {ch: b for b, ch in _bytes_to_unicode().items()}
+    vocab = {ch: b for b, ch in byte_alphabet().items()}
     vocab.update({"<s>": bos, "</s>": eos})
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any, Mapping, Sequence
 
 from ..errors import ConfigError
+from ..text.byte_level import byte_alphabet
 from ..text.tokenizer import HFTokenizer
 
 CONTROL, USER_DEFINED = 3, 4  # llama.cpp token types
@@ -36,20 +37,6 @@ SPLITS = {
     "qwen2": _QWEN2_SPLIT,
     "deepseek-r1-qwen": _QWEN2_SPLIT,
 }
-
-
-def _byte_alphabet() -> dict[int, str]:
-    """GPT-2's reversible map from bytes to printable characters."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
-    printable += list(range(ord("®"), ord("ÿ") + 1))
-    chars = list(printable)
-    extra = 0
-    for b in range(256):
-        if b not in printable:
-            printable.append(b)
-            chars.append(256 + extra)
-            extra += 1
-    return {b: chr(c) for b, c in zip(printable, chars)}
 
 
 def build_gguf_tokenizer(meta: Mapping[str, Any], *, vocab_size: int, eos_token_ids: tuple[int, ...]) -> HFTokenizer | None:
@@ -88,7 +75,7 @@ def build_gguf_tokenizer(meta: Mapping[str, Any], *, vocab_size: int, eos_token_
 def _byte_level(tokens: Sequence[str], merges: Sequence[str], pre: str | None) -> Any:
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
-    alphabet = _byte_alphabet()
+    alphabet = byte_alphabet()
     letters = set(alphabet.values())
     vocab = {}
     for idx, token in enumerate(tokens):
@@ -158,7 +145,7 @@ def _add_special(tok: Any, tokens: Sequence[str], types: Sequence[int], *, byte_
     so both are matched whole in text instead of being cut into pieces."""
     from tokenizers import AddedToken
 
-    letters = set(_byte_alphabet().values()) if byte_level else None
+    letters = set(byte_alphabet().values()) if byte_level else None
     control = [
         AddedToken(t, normalized=False, special=True)
         for t, ty in zip(tokens, types)

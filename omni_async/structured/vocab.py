@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from ..errors import InvalidRequestError
+from ..text.byte_level import byte_of_char
 from ..text.tokenizer import ByteTokenizer, HFTokenizer
 
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
@@ -82,20 +83,7 @@ def _uses_byte_level(decoder: Any) -> bool:
     return any(_uses_byte_level(d) for d in decoder.get("decoders", []) or [])
 
 
-def _byte_alphabet_inverse() -> dict[str, int]:
-    """GPT-2's printable stand-in for each byte, inverted."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    codes = list(printable)
-    extra = 0
-    for b in range(256):
-        if b not in printable:
-            printable.append(b)
-            codes.append(256 + extra)
-            extra += 1
-    return {chr(c): b for b, c in zip(printable, codes)}
-
-
-_BYTE_OF = _byte_alphabet_inverse()
+_BYTE_OF = byte_of_char()
 
 
 def _byte_level_piece(piece: str) -> bytes:
