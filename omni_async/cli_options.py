@@ -14,7 +14,7 @@ import os
 import typing
 from typing import Any, Callable
 
-from .cli_help import BACKEND_CHOICES, DTYPE_CHOICES, FIELD_CHOICES, FIELD_HELP, MODEL_HELP
+from .cli_help import BACKEND_CHOICES, DTYPE_CHOICES, DTYPE_HELP, FIELD_CHOICES, FIELD_HELP, MODEL_HELP
 from .config import LOOP_KINDS, SchedulerConfig
 from .logs import LOG_LEVELS
 from .stage.watchdog import AUTO
@@ -62,11 +62,17 @@ def parse_step_timeout(text: str) -> float | str | None:
         return AUTO
     if low in ("none", ""):
         return None
-    return float(text)
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, auto or none, got {text!r}") from None
 
 
 def port_number(text: str) -> int:
-    port = int(text)
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"port must be an integer in 1..65535, got {text!r}") from None
     if not 1 <= port <= 65535:
         raise argparse.ArgumentTypeError(f"port must be in 1..65535, got {port}")
     return port
@@ -137,17 +143,21 @@ DEFAULT_MODEL = "smollm2"
 
 
 def add_model_flags(p: argparse.ArgumentParser, default_model: str = DEFAULT_MODEL) -> None:
+    """What every one-engine command takes: the model, where and how it runs, and every
+    engine limit."""
     p.add_argument("--model", default=env_default("model", default_model), help=f"{MODEL_HELP} [env OMNI_ASYNC_MODEL]")
-    p.add_argument("--device", default=env_default("device", "cpu"), help="cpu, cuda or cuda:N [env OMNI_ASYNC_DEVICE]")
-    p.add_argument("--loop", default=env_default("loop", "normal"), choices=LOOP_KINDS, help="the stage's loop [env OMNI_ASYNC_LOOP]")
-    p.add_argument(
-        "--dtype", default=env_default("dtype", None), choices=DTYPE_CHOICES,
-        help="weights and activations; default: float32 on CPU, the checkpoint's on CUDA [env OMNI_ASYNC_DTYPE]",
-    )
+    add_device_flags(p)
     p.add_argument("--backend", default=env_default("backend", "native"), choices=BACKEND_CHOICES, help="the model backend [env OMNI_ASYNC_BACKEND]")
     p.add_argument("--engine-seed", type=int, default=env_default("engine_seed", 0, int), help="the engine's seed (tiny's weights, unseeded sampling) [env OMNI_ASYNC_ENGINE_SEED]")
+    add_engine_flags(p)
+
+
+def add_device_flags(p: argparse.ArgumentParser) -> None:
+    """Where and how a stage runs, and the log level: also what ``pipeline-demo`` takes."""
+    p.add_argument("--device", default=env_default("device", "cpu"), help="cpu, cuda or cuda:N [env OMNI_ASYNC_DEVICE]")
+    p.add_argument("--loop", default=env_default("loop", "normal"), choices=LOOP_KINDS, help="the stage's loop [env OMNI_ASYNC_LOOP]")
+    p.add_argument("--dtype", default=env_default("dtype", None), choices=DTYPE_CHOICES, help=f"{DTYPE_HELP} [env OMNI_ASYNC_DTYPE]")
     p.add_argument(
         "--log-level", type=log_level, default=env_default("log_level", "WARNING", log_level), metavar="{" + ",".join(LOG_LEVELS) + "}",
-        help="log level of omni_async events on stderr [env OMNI_ASYNC_LOG_LEVEL]",
+        help="log level of omni_async events on stderr; DEBUG also prints an error's traceback [env OMNI_ASYNC_LOG_LEVEL]",
     )
-    add_engine_flags(p)
