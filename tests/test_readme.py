@@ -137,3 +137,18 @@ def test_the_tour_prints_each_delta_on_a_line_of_its_own(python_runs):
     deltas = [ln for ln in run.stdout.splitlines() if re.match(r"^\[[\d, ]*\] ('.*'|\".*\"|None) (True|False)$", ln)]
     assert deltas and deltas[-1].endswith(" True"), run.stdout
     assert sum(ln.endswith(" True") for ln in deltas) == 1, run.stdout
+
+
+def test_the_plugin_recipes_of_docs_testing_run_in_strict_mode(tmp_path):
+    """docs/testing.md's examples, as an application's test folder would hold them, pass
+    under pytest-asyncio's strict mode (its default)."""
+    docs = [b for b in blocks((REPO / "docs" / "testing.md").read_text()) if b.lang == "python"]
+    recipe = next(b.code for b in docs if "# conftest.py" in b.code)
+    conftest, test_app = recipe.split("# test_app.py", 1)
+    (tmp_path / "conftest.py").write_text(conftest)
+    (tmp_path / "test_app.py").write_text(test_app)
+    (tmp_path / "test_marked.py").write_text(next(b.code for b in docs if "@pytest.mark.asyncio" in b.code))
+    (tmp_path / "pytest.ini").write_text("[pytest]\nasyncio_mode = strict\nasyncio_default_fixture_loop_scope = function\n")
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=600, env=_env())
+    assert run.returncode == 0 and "2 passed" in run.stdout, run.stdout + run.stderr
