@@ -1,7 +1,7 @@
 """The ``omni-async`` command line: ``demo``, ``generate``, ``serve`` and
 ``pipeline-demo`` (``DESCRIPTION`` is what ``--help`` says of them).
 
-Arguments are checked before anything loads (``cli_checks.preflight``), and every
+Arguments are checked before anything loads (``cli_options.preflight``), and every
 failure ends as one line on stderr with exit status 2 (usage) or 1 (runtime).
 """
 
@@ -15,8 +15,9 @@ import time
 from typing import Callable
 
 from . import errors
-from .cli_checks import preflight, report, sampling_of
-from .cli_options import DEFAULT_MODEL, add_device_flags, add_model_flags, engine_limits, env_default, parse_bool, port_number
+from .cli_options import (
+    DEFAULT_MODEL, add_device_flags, add_model_flags, engine_limits, env_default, parse_bool, port_number, preflight, report, sampling_of,
+)
 from .engine import Engine
 from .logs import configure_cli_logging
 from .version import __version__
