@@ -152,3 +152,35 @@ def test_the_plugin_recipes_of_docs_testing_run_in_strict_mode(tmp_path):
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)], cwd=tmp_path,
                          capture_output=True, text=True, timeout=600, env=_env())
     assert run.returncode == 0 and "2 passed" in run.stdout, run.stdout + run.stderr
+
+
+def _architecture_tree() -> dict[str, set[str]]:
+    """docs/ARCHITECTURE.md's tree: folder ("" for the package root) -> the module names it
+    lists (words before the first colon or parenthesis of each entry)."""
+    text = (REPO / "docs" / "ARCHITECTURE.md").read_text()
+    tree = text.split("```\nomni_async/\n", 1)[1].split("```", 1)[0]
+    listed: dict[str, set[str]] = {}
+    folder = ""
+    for line in tree.splitlines():
+        m = re.match(r"^  (\w+)/\s+(.*)$", line)
+        if m:
+            folder, rest = m.group(1), m.group(2)
+        elif re.match(r"^  \S", line):  # the root's lines
+            folder, rest = "", line
+        else:
+            rest = line
+        words = re.sub(r"\([^)]*\)", " ", rest.split(":", 1)[0] if folder else rest)
+        listed.setdefault(folder, set()).update(re.findall(r"\b[a-z_][a-z0-9_]*\b", words))
+    return listed
+
+
+def test_the_architecture_tree_names_every_module():
+    package = REPO / "omni_async"
+    listed = _architecture_tree()
+    for folder in [""] + sorted(p.name for p in package.iterdir() if p.is_dir() and p.name != "__pycache__"):
+        modules = {p.stem for p in (package / folder).glob("*.py")} - {"__init__"}
+        modules |= {p.name for p in (package / folder).iterdir() if p.is_dir() and p.name != "__pycache__"} if folder else set()
+        missing = modules - listed.get(folder, set())
+        if folder == "":
+            missing -= set(listed)  # sub-packages are listed by their own lines
+        assert not missing, f"docs/ARCHITECTURE.md's tree does not name omni_async/{folder + '/' if folder else ''}{sorted(missing)}"
