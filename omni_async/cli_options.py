@@ -51,7 +51,8 @@ def env_default(dest: str, default: Any, parse: Callable[[str], Any] = str) -> A
     try:
         return parse(raw)
     except (ValueError, argparse.ArgumentTypeError) as exc:
-        raise SystemExit(f"error: {env_name(dest)}={raw!r}: {exc}") from None
+        print(f"omni-async: error: {env_name(dest)}={raw!r}: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None  # a usage error, as a bad flag is
 
 
 def _optional(parse: Callable[[str], Any]) -> Callable[[str], Any]:

@@ -87,6 +87,13 @@ def test_step_timeout_garbage_names_the_values_it_takes(capsys):
     assert "expected seconds, auto or none, got 'soon'" in err and "parse_step_timeout" not in err
 
 
+def test_a_bad_environment_variable_is_a_usage_error(capsys, monkeypatch):
+    monkeypatch.setenv("OMNI_ASYNC_PORT", "abc")
+    code, _, err = _run(capsys, "serve")
+    assert code == 2
+    assert _one_error_line(err) == "omni-async: error: OMNI_ASYNC_PORT='abc': port must be an integer in 1..65535, got 'abc'"
+
+
 @pytest.mark.parametrize("flag", ["--backend", "--kv-capacity-tokens", "--engine-seed"])
 def test_pipeline_demo_refuses_flags_it_does_not_use(capsys, flag):
     code, _, err = _run(capsys, "pipeline-demo", flag, "1")
