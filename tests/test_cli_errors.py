@@ -197,6 +197,19 @@ def test_a_missing_optional_package_fails_before_loading(capsys, no_load):
     assert "scripts/install_sglang.sh" in line
 
 
+def test_serve_without_its_extra_fails_before_loading(capsys, no_load, monkeypatch):
+    """The serve extra, as a machine with the core install alone would lack it."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "fastapi" else real(name, *a))
+    code, _, err = _run(capsys, "serve", "--model", "tiny")
+    assert code == 2
+    assert _one_error_line(err) == (
+        "error: ConfigError: omni-async serve needs the serve extra (fastapi not installed): pip install 'omni-async[serve]'"
+    )
+
+
 def test_a_fault_while_running_is_one_line_with_status_1(capsys, monkeypatch):
     async def broken(*args, **kwargs):
         raise RuntimeError("disk on fire\nsecond line")
