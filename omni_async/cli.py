@@ -261,8 +261,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_device_flags(pipe)
     # Not offered: refused in main() with a pointer to --thinker and --talker.
     pipe.add_argument("--model", default=None, help=argparse.SUPPRESS)
-    pipe.add_argument("--thinker", default="tiny", help="the thinker's checkpoint folder, or 'tiny' (built in)")
-    pipe.add_argument("--talker", default="tiny", help="the talker's checkpoint folder, or 'tiny' (built in, another seed)")
+    pipe.add_argument("--thinker", default="tiny", help="the thinker: a checkpoint folder, a .gguf file, 'smollm2', or 'tiny' (built in)")
+    pipe.add_argument("--talker", default="tiny", help="the talker: a checkpoint folder, a .gguf file, 'smollm2', or 'tiny' (built in, another seed)")
     for stage in ("thinker", "talker"):
         pipe.add_argument(
             f"--{stage}-share", type=_share, default=None,
