@@ -290,8 +290,11 @@ def sampling_of(args: argparse.Namespace) -> SamplingParams:
 
 
 def preflight(args: argparse.Namespace) -> None:
-    """Everything the arguments alone decide, checked before anything loads."""
-    check_device(args.device)
+    """Everything the arguments alone decide, checked before anything loads. Each check
+    runs where the command has the flags it reads (a command built with
+    ``add_model_flags`` gets them all)."""
+    if hasattr(args, "device"):
+        check_device(args.device)
     if args.command == "pipeline-demo":
         check_model(args.thinker, "--thinker")
         check_model(args.talker, "--talker")
@@ -300,7 +303,9 @@ def preflight(args: argparse.Namespace) -> None:
         check_serve_extra()
     if hasattr(args, "max_new_tokens"):
         sampling_of(args)
-    SchedulerConfig(loop=args.loop, **engine_limits(args))
-    check_backend(args.backend, args.model)
-    check_model(args.model)
+    if hasattr(args, "loop"):
+        SchedulerConfig(loop=args.loop, **engine_limits(args))
+    if hasattr(args, "model"):
+        check_backend(getattr(args, "backend", "native"), args.model)
+        check_model(args.model)
 
