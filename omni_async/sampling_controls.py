@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from typing import Any, Callable, Mapping
 
 GRAMMAR_FIELDS: tuple[str, ...] = ("json_schema", "regex", "ebnf")
@@ -18,6 +19,11 @@ GRAMMAR_FIELDS: tuple[str, ...] = ("json_schema", "regex", "ebnf")
 PENALTY_LIMIT = 2.0
 LOGIT_BIAS_LIMIT = 100.0
 MAX_LOGIT_BIAS_ENTRIES = 1024
+# A token id as a JSON key: ASCII digits, no sign, space or leading zero, at most ten digits
+# (no vocabulary reaches 2**31); whether it is inside *this* model's vocabulary is checked
+# once the request reaches a stage (stage/request_checks.py).
+_CANONICAL_ID = re.compile(r"(?:0|[1-9][0-9]{0,9})")
+MAX_TOKEN_ID = 2**31 - 1
 
 Bad = Callable[[str], Exception]
 
@@ -79,21 +85,32 @@ def normalize_logit_bias(value: Any, bad: Bad) -> dict[int, float]:
     for key, bias in value.items():
         token = _token_id(key)
         if token is None:
-            raise bad(f"logit_bias key {key!r} is not a non-negative integer token id")
+            raise bad(f"logit_bias key {_show(key)} is not a token id (a non-negative integer in decimal digits)")
         if not _is_number(bias) or not -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT:
-            raise bad(f"logit_bias[{token}] must be in [-100, 100], got {bias!r}")
+            raise bad(f"logit_bias[{token}] must be in [-100, 100], got {_show(bias)}")
         out[token] = float(bias)
     return out
 
 
 def _token_id(key: Any) -> int | None:
+    """The token id a key names, or None. ``str.isdigit`` also holds for superscripts and
+    other scripts' digits, and ``int()`` takes spaces, signs and underscores: the key must
+    match the canonical form exactly instead."""
     if isinstance(key, bool):
         return None
     if isinstance(key, int):
-        return key if key >= 0 else None
-    if isinstance(key, str) and key.strip().isdigit():
-        return int(key)
+        return key if 0 <= key <= MAX_TOKEN_ID else None
+    if isinstance(key, str) and _CANONICAL_ID.fullmatch(key):
+        token = int(key)
+        return token if token <= MAX_TOKEN_ID else None
     return None
+
+
+def _show(value: Any, limit: int = 40) -> str:
+    """``repr`` cut to ``limit`` characters: an error names the value without echoing a
+    5,000-character key back."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + f"... ({len(text)} chars)"
 
 
 def _is_number(v: Any) -> bool:
