@@ -90,7 +90,7 @@ class GrammarCompiler:
         try:
             entry: Any = self._template(key)
         except InvalidRequestError as err:
-            entry = err
+            entry = err.with_traceback(None)  # its frames hold this compiler: no cycle through the cache
         except Exception as exc:  # the library refused it some other way: still this request's error
             entry = InvalidRequestError(f"invalid {key[0]}: {exc}")
         with self._lock:
