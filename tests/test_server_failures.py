@@ -46,3 +46,43 @@ async def test_bad_logit_bias_keys_are_400s_naming_the_key(served, key):
     assert "logit_bias" in str(info.value) and repr(key)[1:12].strip("'") in str(info.value)
     done = await client.completions.create(model="tiny", prompt="hi", max_tokens=2)
     assert done.choices[0].finish_reason in ("length", "stop")
+
+
+def _samples(text: str) -> dict:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+async def test_head_health_is_200(served):
+    _, url, _ = served
+    assert (await anyio.to_thread.run_sync(lambda: http(url, "/health", method="HEAD")))[0] == 200
+
+
+async def test_a_400_from_the_stage_is_not_counted_as_an_error_finish(served):
+    """A grammar that does not compile is refused (400) after submission: it is counted
+    as refused, not as a request that finished with an error."""
+    _, url, client = served
+    bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "properties": {"a": {"type": "string", "pattern": "(unclosed"}}}}}
+    with pytest.raises(openai.BadRequestError):
+        await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4, response_format=bad)
+    m = _samples((await anyio.to_thread.run_sync(lambda: http(url, "/metrics")))[1])
+    assert m.get(("omni_async_requests_total", (("finish_reason", "error"), ("model", "tiny"))), 0) == 0
+    assert m[("omni_async_requests_refused_total", (("model", "tiny"), ("status", "400")))] == 1
+
+
+async def test_cached_tokens_never_exceed_prompt_tokens_with_n():
+    engine = Engine.from_pretrained("tiny", loop="normal", page_size=16)
+    async with running_server(engine) as url:
+        client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        prompt = "a prompt long enough to fill a few KV pages of sixteen tokens each, twice over"
+        for stream in (False, True):
+            kw = {"stream_options": {"include_usage": True}} if stream else {}
+            res = await client.completions.create(model="tiny", prompt=[prompt, prompt + "!"], max_tokens=3, n=4, temperature=0.8, seed=1, stream=stream, extra_body={"ignore_eos": True}, **kw)
+            if stream:
+                chunks = [c async for c in res]
+                res = chunks[-1]
+            assert 0 < res.usage.prompt_tokens_details.cached_tokens <= res.usage.prompt_tokens
+        await client.close()
+        m = _samples((await anyio.to_thread.run_sync(lambda: http(url, "/metrics")))[1])
+    assert m[("omni_async_prompt_cached_tokens_total", (("model", "tiny"),))] <= m[("omni_async_prompt_tokens_total", (("model", "tiny"),))]

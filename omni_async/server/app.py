@@ -299,7 +299,7 @@ def create_app(
     app.post("/v1/chat/completions", response_model=None)(server.chat)
     add_tokenize_routes(app, server)
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # load balancers probe with HEAD
     async def health() -> Response:
         if engine.event_loop is None or engine.scheduler.closed:
             return JSONResponse({"status": "unavailable"}, status_code=503)
