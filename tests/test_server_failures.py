@@ -86,3 +86,15 @@ async def test_cached_tokens_never_exceed_prompt_tokens_with_n():
         await client.close()
         m = _samples((await anyio.to_thread.run_sync(lambda: http(url, "/metrics")))[1])
     assert m[("omni_async_prompt_cached_tokens_total", (("model", "tiny"),))] <= m[("omni_async_prompt_tokens_total", (("model", "tiny"),))]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_grammar_failing_at_its_first_token_is_a_400(served, stream):
+    _, _, client = served
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "string", "pattern": "^a{1000000}$"}}}
+    for _ in range(2):
+        with pytest.raises(openai.BadRequestError, match="too many"):
+            res = await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4, response_format=fmt, stream=stream)
+            if stream:
+                async for _ in res:
+                    pass
