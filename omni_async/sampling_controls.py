@@ -25,6 +25,14 @@ MAX_LOGIT_BIAS_ENTRIES = 1024
 _CANONICAL_ID = re.compile(r"(?:0|[1-9][0-9]{0,9})")
 MAX_TOKEN_ID = 2**31 - 1
 
+# A schema past these is refused before it is serialised or compiled: the grammar library
+# holds the GIL for tens of milliseconds at a stretch while it builds a large schema's
+# grammar (62 ms at 3,000 properties on a 2-core host, 0.9 s for 20,000 before it gives up
+# with "schema too large"), and every such stall is a stall of the event loop.
+# bench/loop_stalls.py --scenarios schema measures it.
+MAX_SCHEMA_NODES = 4096  # objects, arrays, keys and values, counted as the schema is walked
+MAX_SCHEMA_CHARS = 64 << 10  # of compact JSON text (a schema given as a string: its length)
+
 Bad = Callable[[str], Exception]
 
 
@@ -37,6 +45,8 @@ def normalize_json_schema(value: Any, bad: Bad) -> str | None:
     if value is None:
         return None
     if isinstance(value, str):
+        if len(value) > MAX_SCHEMA_CHARS:
+            raise bad(f"json_schema is too large: {len(value)} characters, at most {MAX_SCHEMA_CHARS} are allowed")
         try:
             parsed = json.loads(value)
         except json.JSONDecodeError as exc:
@@ -47,22 +57,45 @@ def normalize_json_schema(value: Any, bad: Bad) -> str | None:
         raise bad(f"json_schema must be a dict or a JSON string, got {type(value).__name__}")
     if not isinstance(parsed, (dict, bool)):
         raise bad(f"json_schema must be a JSON object (or true), got {type(parsed).__name__}")
+    _check_schema_size(parsed, bad)
     try:
-        return json.dumps(parsed, separators=(",", ":"))
-    except (TypeError, ValueError) as exc:
+        text = json.dumps(parsed, separators=(",", ":"))
+    except (TypeError, ValueError, RecursionError) as exc:
         raise bad(f"json_schema cannot be serialised as JSON: {exc}") from None
+    if len(text) > MAX_SCHEMA_CHARS:
+        raise bad(f"json_schema is too large: {len(text)} characters of JSON, at most {MAX_SCHEMA_CHARS} are allowed")
+    return text
 
 
-def check_grammar_fields(params: Any, bad: Bad) -> None:
-    """At most one of the three grammar fields, each of the right type and non-empty."""
+def _check_schema_size(schema: Any, bad: Bad) -> None:
+    """Refuse a schema of more than MAX_SCHEMA_NODES nodes. The walk stops as soon as the
+    limit is passed, so refusing a huge schema costs no more than walking a legal one
+    (and no recursion: a deeply nested schema is counted, not overflowed)."""
+    stack, nodes = [schema], 0
+    while stack:
+        node = stack.pop()
+        nodes += 1
+        if nodes > MAX_SCHEMA_NODES:
+            raise bad(f"json_schema is too large: more than {MAX_SCHEMA_NODES} nodes (objects, arrays, keys and values)")
+        if isinstance(node, Mapping):
+            nodes += len(node)
+            stack.extend(node.values())
+        elif isinstance(node, (list, tuple)):
+            stack.extend(node)
+
+
+def check_grammar_fields(params: Any, bad: Bad) -> str | None:
+    """At most one of the three grammar fields, each of the right type and non-empty;
+    returns the schema as compact JSON (serialised here, once per validation)."""
     given = [name for name in GRAMMAR_FIELDS if getattr(params, name) is not None]
     if len(given) > 1:
         raise bad(f"at most one of json_schema, regex, ebnf per request; got {', '.join(given)}")
-    normalize_json_schema(params.json_schema, bad)
+    schema_text = normalize_json_schema(params.json_schema, bad)
     for name in ("regex", "ebnf"):
         value = getattr(params, name)
         if value is not None and (not isinstance(value, str) or not value.strip()):
             raise bad(f"{name} must be a non-empty string, got {value!r}")
+    return schema_text
 
 
 def check_penalties(params: Any, bad: Bad) -> None:

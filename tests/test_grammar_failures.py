@@ -53,3 +53,42 @@ def test_a_failed_matcher_is_reported_not_taken_as_complete():
 
     m = GrammarMatcher(Broken())
     assert m.accept(5) and m.failed == "too many expressions"
+
+
+def test_an_oversize_schema_is_refused_before_any_serialisation(monkeypatch):
+    import json
+
+    from omni_async import sampling_controls
+
+    calls = []
+    real = json.dumps
+    monkeypatch.setattr(sampling_controls.json, "dumps", lambda *a, **k: calls.append(1) or real(*a, **k))
+    huge = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(100_000)}}
+    with pytest.raises(errors.InvalidRequestError, match="too large"):
+        SamplingParams(json_schema=huge)
+    with pytest.raises(errors.InvalidRequestError, match="too large"):
+        SamplingParams(json_schema="{" + " " * 200_000 + "}")
+    deep: dict = {}
+    node = deep
+    for _ in range(100_000):  # nested past the recursion limit: counted, not overflowed
+        node["items"] = {}
+        node = node["items"]
+    with pytest.raises(errors.InvalidRequestError, match="too large"):
+        SamplingParams(json_schema=deep)
+    assert calls == []
+
+
+def test_the_schema_is_serialised_once(monkeypatch):
+    import json
+
+    from omni_async import sampling_controls
+
+    calls = []
+    real = json.dumps
+    monkeypatch.setattr(sampling_controls.json, "dumps", lambda *a, **k: calls.append(1) or real(*a, **k))
+    sp = SamplingParams(json_schema={"type": "object", "properties": {"a": {"type": "integer"}}})
+    keys = {sp.grammar for _ in range(5)}
+    assert keys == {("json_schema", '{"type":"object","properties":{"a":{"type":"integer"}}}')} and len(calls) == 1
+    sp.json_schema = {"type": "object"}  # assigned after validation: serialised again, once
+    assert sp.grammar == ("json_schema", '{"type":"object"}') and sp.grammar == ("json_schema", '{"type":"object"}')
+    assert len(calls) == 2
