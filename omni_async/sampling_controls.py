@@ -74,11 +74,10 @@ def _check_schema_size(schema: Any, bad: Bad) -> None:
     stack, nodes = [schema], 0
     while stack:
         node = stack.pop()
-        nodes += 1
-        if nodes > MAX_SCHEMA_NODES:
+        nodes += 1 + (len(node) if isinstance(node, (Mapping, list, tuple)) else 0)
+        if nodes > MAX_SCHEMA_NODES:  # before the node's children are stacked
             raise bad(f"json_schema is too large: more than {MAX_SCHEMA_NODES} nodes (objects, arrays, keys and values)")
         if isinstance(node, Mapping):
-            nodes += len(node)
             stack.extend(node.values())
         elif isinstance(node, (list, tuple)):
             stack.extend(node)
