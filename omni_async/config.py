@@ -14,7 +14,7 @@ from typing import Any, Literal, Mapping
 from .errors import ConfigError, InvalidRequestError
 from .memory_budget import check_budget
 from .stage.watchdog import check_step_timeout
-from .sampling_controls import check_grammar_fields, check_penalties, normalize_json_schema, normalize_logit_bias
+from .sampling_controls import check_grammar_fields, check_penalties, normalize_json_schema, normalize_logit_bias  # noqa: F401
 
 LoopKind = Literal["normal", "overlap", "async_decode"]
 LOOP_KINDS: tuple[str, ...] = ("normal", "overlap", "async_decode")
@@ -77,6 +77,10 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[int, float] = field(default_factory=dict)
+    # json_schema as compact JSON, serialised once by validate() (a large schema takes
+    # a noticeable time to serialise, and ``grammar`` is read several times per request).
+    _schema_text: str | None = field(default=None, init=False, repr=False, compare=False)
+    _schema_of: Any = field(default=None, init=False, repr=False, compare=False)  # the object it was made from
 
     def __post_init__(self) -> None:
         self.validate()
@@ -128,7 +132,8 @@ class SamplingParams:
         if self.logprobs_mode not in ("processed", "raw"):
             raise bad(f"logprobs_mode must be 'processed' or 'raw', got {self.logprobs_mode!r}")
         self._validate_text_options(bad)
-        check_grammar_fields(self, bad)
+        self._schema_text = check_grammar_fields(self, bad)
+        self._schema_of = self.json_schema
         check_penalties(self, bad)
         self.logit_bias = normalize_logit_bias(self.logit_bias, bad)
 
@@ -158,7 +163,10 @@ class SamplingParams:
         """``(kind, text)`` of the request's grammar, the schema as compact JSON (the
         compile cache's key); None when the request is unconstrained."""
         if self.json_schema is not None:
-            return ("json_schema", normalize_json_schema(self.json_schema, InvalidRequestError) or "")
+            if self.json_schema is not self._schema_of:  # assigned after validation
+                self._schema_text = normalize_json_schema(self.json_schema, InvalidRequestError)
+                self._schema_of = self.json_schema
+            return ("json_schema", self._schema_text or "")
         if self.regex is not None:
             return ("regex", self.regex)
         if self.ebnf is not None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from typing import Any, Callable, Mapping
 
 GRAMMAR_FIELDS: tuple[str, ...] = ("json_schema", "regex", "ebnf")
@@ -18,6 +19,19 @@ GRAMMAR_FIELDS: tuple[str, ...] = ("json_schema", "regex", "ebnf")
 PENALTY_LIMIT = 2.0
 LOGIT_BIAS_LIMIT = 100.0
 MAX_LOGIT_BIAS_ENTRIES = 1024
+# A token id as a JSON key: ASCII digits, no sign, space or leading zero, at most ten digits
+# (no vocabulary reaches 2**31); whether it is inside *this* model's vocabulary is checked
+# once the request reaches a stage (stage/request_checks.py).
+_CANONICAL_ID = re.compile(r"(?:0|[1-9][0-9]{0,9})")
+MAX_TOKEN_ID = 2**31 - 1
+
+# A schema past these is refused before it is serialised or compiled: the grammar library
+# holds the GIL for tens of milliseconds at a stretch while it builds a large schema's
+# grammar (62 ms at 3,000 properties on a 2-core host, 0.9 s for 20,000 before it gives up
+# with "schema too large"), and every such stall is a stall of the event loop.
+# bench/loop_stalls.py --scenarios schema measures it.
+MAX_SCHEMA_NODES = 4096  # objects, arrays, keys and values, counted as the schema is walked
+MAX_SCHEMA_CHARS = 64 << 10  # of compact JSON text (a schema given as a string: its length)
 
 Bad = Callable[[str], Exception]
 
@@ -31,6 +45,8 @@ def normalize_json_schema(value: Any, bad: Bad) -> str | None:
     if value is None:
         return None
     if isinstance(value, str):
+        if len(value) > MAX_SCHEMA_CHARS:
+            raise bad(f"json_schema is too large: {len(value)} characters, at most {MAX_SCHEMA_CHARS} are allowed")
         try:
             parsed = json.loads(value)
         except json.JSONDecodeError as exc:
@@ -41,22 +57,44 @@ def normalize_json_schema(value: Any, bad: Bad) -> str | None:
         raise bad(f"json_schema must be a dict or a JSON string, got {type(value).__name__}")
     if not isinstance(parsed, (dict, bool)):
         raise bad(f"json_schema must be a JSON object (or true), got {type(parsed).__name__}")
+    _check_schema_size(parsed, bad)
     try:
-        return json.dumps(parsed, separators=(",", ":"))
-    except (TypeError, ValueError) as exc:
+        text = json.dumps(parsed, separators=(",", ":"))
+    except (TypeError, ValueError, RecursionError) as exc:
         raise bad(f"json_schema cannot be serialised as JSON: {exc}") from None
+    if len(text) > MAX_SCHEMA_CHARS:
+        raise bad(f"json_schema is too large: {len(text)} characters of JSON, at most {MAX_SCHEMA_CHARS} are allowed")
+    return text
 
 
-def check_grammar_fields(params: Any, bad: Bad) -> None:
-    """At most one of the three grammar fields, each of the right type and non-empty."""
+def _check_schema_size(schema: Any, bad: Bad) -> None:
+    """Refuse a schema of more than MAX_SCHEMA_NODES nodes. The walk stops as soon as the
+    limit is passed, so refusing a huge schema costs no more than walking a legal one
+    (and no recursion: a deeply nested schema is counted, not overflowed)."""
+    stack, nodes = [schema], 0
+    while stack:
+        node = stack.pop()
+        nodes += 1 + (len(node) if isinstance(node, (Mapping, list, tuple)) else 0)
+        if nodes > MAX_SCHEMA_NODES:  # before the node's children are stacked
+            raise bad(f"json_schema is too large: more than {MAX_SCHEMA_NODES} nodes (objects, arrays, keys and values)")
+        if isinstance(node, Mapping):
+            stack.extend(node.values())
+        elif isinstance(node, (list, tuple)):
+            stack.extend(node)
+
+
+def check_grammar_fields(params: Any, bad: Bad) -> str | None:
+    """At most one of the three grammar fields, each of the right type and non-empty;
+    returns the schema as compact JSON (serialised here, once per validation)."""
     given = [name for name in GRAMMAR_FIELDS if getattr(params, name) is not None]
     if len(given) > 1:
         raise bad(f"at most one of json_schema, regex, ebnf per request; got {', '.join(given)}")
-    normalize_json_schema(params.json_schema, bad)
+    schema_text = normalize_json_schema(params.json_schema, bad)
     for name in ("regex", "ebnf"):
         value = getattr(params, name)
         if value is not None and (not isinstance(value, str) or not value.strip()):
             raise bad(f"{name} must be a non-empty string, got {value!r}")
+    return schema_text
 
 
 def check_penalties(params: Any, bad: Bad) -> None:
@@ -79,21 +117,32 @@ def normalize_logit_bias(value: Any, bad: Bad) -> dict[int, float]:
     for key, bias in value.items():
         token = _token_id(key)
         if token is None:
-            raise bad(f"logit_bias key {key!r} is not a non-negative integer token id")
+            raise bad(f"logit_bias key {_show(key)} is not a token id (a non-negative integer in decimal digits)")
         if not _is_number(bias) or not -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT:
-            raise bad(f"logit_bias[{token}] must be in [-100, 100], got {bias!r}")
+            raise bad(f"logit_bias[{token}] must be in [-100, 100], got {_show(bias)}")
         out[token] = float(bias)
     return out
 
 
 def _token_id(key: Any) -> int | None:
+    """The token id a key names, or None. ``str.isdigit`` also holds for superscripts and
+    other scripts' digits, and ``int()`` takes spaces, signs and underscores: the key must
+    match the canonical form exactly instead."""
     if isinstance(key, bool):
         return None
     if isinstance(key, int):
-        return key if key >= 0 else None
-    if isinstance(key, str) and key.strip().isdigit():
-        return int(key)
+        return key if 0 <= key <= MAX_TOKEN_ID else None
+    if isinstance(key, str) and _CANONICAL_ID.fullmatch(key):
+        token = int(key)
+        return token if token <= MAX_TOKEN_ID else None
     return None
+
+
+def _show(value: Any, limit: int = 40) -> str:
+    """``repr`` cut to ``limit`` characters: an error names the value without echoing a
+    5,000-character key back."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + f"... ({len(text)} chars)"
 
 
 def _is_number(v: Any) -> bool:

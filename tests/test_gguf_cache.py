@@ -8,6 +8,8 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -84,7 +86,39 @@ def _bad_header(entry: Path) -> None:
         f.write(b"}}}}")
 
 
-@pytest.mark.parametrize("damage", [_flip_byte, _truncate, _bad_header], ids=["flipped-byte", "torn", "header"])
+def _edit_header(entry: Path, edit) -> None:
+    """Rewrite the header's JSON in place (same length): valid JSON that lies."""
+    with open(entry, "r+b") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        raw = f.read(n).decode()
+        new = edit(raw)
+        assert new != raw and len(new) == len(raw)
+        f.seek(8)
+        f.write(new.encode())
+
+
+def _wrong_shape(entry: Path) -> None:
+    """One tensor's first size changed (same digit count): the data's checksum still holds."""
+    def edit(raw: str) -> str:
+        m = re.search(r'"shape":\[(\d+)', raw)
+        assert m, "no tensor in the header"
+        first = m.group(1)
+        other = str(int(first) + 1) if len(str(int(first) + 1)) == len(first) else str(int(first) - 1)
+        return raw[: m.start(1)] + other + raw[m.end(1) :]
+    _edit_header(entry, edit)
+
+
+def _wrong_config(entry: Path) -> None:
+    """A model config value changed (still valid JSON): the head count off by one digit."""
+    def edit(raw: str) -> str:
+        m = re.search(r'(\\"num_heads\\": ?)(\d)', raw)
+        assert m, "no num_heads in the header"
+        return raw[: m.start(2)] + str((int(m.group(2)) + 1) % 10) + raw[m.end(2) :]
+    _edit_header(entry, edit)
+
+
+@pytest.mark.parametrize("damage", [_flip_byte, _truncate, _bad_header, _wrong_shape, _wrong_config],
+                         ids=["flipped-byte", "torn", "header", "wrong-shape", "wrong-config"])
 def test_damaged_entry_is_detected_and_rebuilt(cache, gguf_file, capfd, damage):
     reference = run_greedy(gguf_file)
     (entry,) = entries(cache)

@@ -9,7 +9,8 @@ early.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, AsyncIterator
+import copy
+from typing import TYPE_CHECKING, Any, AsyncIterator, NoReturn
 
 import anyio
 
@@ -65,7 +66,7 @@ class RequestHandle:
                     self._hooks.abort(self)
                 raise
         if self._error is not None:
-            raise self._error
+            self._raise_error()
         return self._result
 
     async def __aiter__(self) -> AsyncIterator[StreamDelta]:
@@ -90,7 +91,7 @@ class RequestHandle:
                 for delta in batch:
                     yield delta
             if self._error is not None:
-                raise self._error
+                self._raise_error()
         finally:
             self._streaming = False
             if not self.done:  # the reader stopped early, or was cancelled
@@ -134,8 +135,26 @@ class RequestHandle:
                 self._hooks.end_completion(comp.sub_id)
         if not isinstance(err, BaseException):
             err = errors.RequestFailedError(str(err))
-        self._error = err
+        self._error = err.with_traceback(None)
         self._finish(None)
+
+    def _raise_error(self) -> NoReturn:
+        """Raise a fresh copy of the stored error. Raising the stored object itself would
+        attach the raise's traceback to it: the handle would then hold its reader's frames
+        (and through them the engine), a cycle that keeps a closed engine alive until a
+        cyclic GC pass. The copy keeps the type, message, attributes and cause."""
+        stored = self._error
+        assert stored is not None
+        try:
+            fresh = copy.copy(stored)
+        except Exception:  # an exception type that cannot be rebuilt from its args
+            fresh = errors.RequestFailedError(str(stored))
+        fresh.__cause__ = stored.__cause__
+        fresh.__suppress_context__ = True
+        try:
+            raise fresh
+        finally:
+            del fresh, stored
 
     def _finish(self, result: Any) -> None:
         self._result = result

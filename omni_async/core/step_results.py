@@ -47,6 +47,10 @@ def process_one_forward(
         reason = None
         if (token in req.stop_ids() and n > sp.min_new_tokens) or (req.matcher is not None and req.matcher.accept(token)):
             reason = "stop"  # a stop token, or the grammar is complete
+            if req.matcher is not None and req.matcher.failed:  # the grammar failed, not complete:
+                finishes.append((req, "error"))  # no token; the stage ends it with an error
+                add(StepOutcome(req, None, finished=True))
+                continue
         elif n >= sp.max_new_tokens or len(req.prompt_ids) + n + req.num_inflight >= ctx:
             reason = "length"
         if reason is not None:

@@ -17,9 +17,11 @@ the model as its parameters: nothing is copied or converted.
   where there is none, both convert); the second process waits, then reads the first one's
   entry. An entry is written to a temporary file, flushed to disk and renamed into place,
   so a reader never sees a partial one.
-- **Torn or damaged files**: the header records the data's length and CRC-32, checked on
-  every read; an entry that fails (or no longer fits the decoder's parameters) is
-  reported, removed and rebuilt.
+- **Torn or damaged files**: the header records the data's length and a CRC-32 of the whole
+  entry (the header's tensor table and metadata, then the data), checked on every read. Any
+  failure to load an entry (damage, or an entry that no longer fits the decoder's parameters)
+  is reported; under the lock the entry is removed (if it is still the one that failed) and
+  converted again, so two processes never remove each other's good entry.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ from ..logs import log
 from .config import ModelConfig
 
 # Bump when the conversion's output changes (names, unpermuting, tokenizer shape, layout).
-CONVERSION_VERSION = 1
+CONVERSION_VERSION = 2
 CACHE_ENV = "OMNI_ASYNC_CACHE_DIR"
 _DTYPE_CODES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 _CODE_DTYPES = {code: dtype for dtype, code in _DTYPE_CODES.items()}
@@ -113,11 +115,11 @@ def load_converted(gguf_path: Path, dtype: torch.dtype, build: Callable[[Any], t
     except OSError as exc:
         log.warning("gguf_cache_unavailable", path=str(root), error=repr(exc))
         return build(None)[0]
-    hit = _read_or_discard(path, assemble)
+    hit = _try_read(path, assemble)
     if hit is not None:
         return hit
     with _exclusive(path.with_suffix(".lock")):
-        hit = _read_or_discard(path, assemble)  # another process may have written it meanwhile
+        hit = _try_read(path, assemble, discard=True)  # another process may have written it meanwhile
         if hit is not None:
             return hit
         progress = _Progress(gguf_path, path)
@@ -138,12 +140,18 @@ def load_converted(gguf_path: Path, dtype: torch.dtype, build: Callable[[Any], t
         return model
 
 
-def _read_or_discard(path: Path, assemble: Callable[[ConvertedGGUF], Any]) -> Any:
+def _try_read(path: Path, assemble: Callable[[ConvertedGGUF], Any], *, discard: bool = False) -> Any:
+    """The assembled entry, or None. Any exception while reading or assembling it counts
+    as a damaged entry (a wrong shape surfaces as torch's RuntimeError, a wrong config as
+    a TypeError ...). Only with ``discard`` (the caller holds the lock, so no other
+    process is writing it) is the damaged entry removed: it is then converted again."""
     if not path.exists():
         return None
     try:
         return assemble(read_entry(path))
-    except (CorruptCacheEntry, OSError, ValueError, KeyError) as exc:
+    except Exception as exc:
+        if not discard:
+            return None
         log.warning("gguf_cache_corrupt", path=str(path), error=str(exc))
         print(f"omni-async: cached weights {path} are damaged ({exc}); converting again", file=sys.stderr)
         try:
@@ -198,10 +206,10 @@ def write_entry(path: Path, converted: ConvertedGGUF, *, source: str) -> None:
         "version": CONVERSION_VERSION,
         "source": source,
         "data_bytes": offset,
-        "crc32": crc,
         "config": _config_to_json(converted.config),
         "tokenizer": _tokenizer_to_json(converted.tokenizer),
     }
+    meta["crc32"] = _entry_crc(header, meta, crc)
     header["__metadata__"] = {"omni_async": json.dumps(meta)}
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
@@ -221,6 +229,14 @@ def write_entry(path: Path, converted: ConvertedGGUF, *, source: str) -> None:
         except OSError:
             pass
         raise
+
+
+def _entry_crc(tensors: dict[str, Any], meta: dict[str, Any], data_crc: int) -> int:
+    """The entry's checksum: the tensor table and the metadata (without the checksum
+    itself), canonically serialised, combined with the data's CRC-32."""
+    fields = {k: v for k, v in meta.items() if k != "crc32"}
+    head = json.dumps([tensors, fields], sort_keys=True, separators=(",", ":")).encode()
+    return zlib.crc32(struct.pack("<I", data_crc), zlib.crc32(head))
 
 
 def read_entry(path: Path) -> ConvertedGGUF:
@@ -248,7 +264,7 @@ def read_entry(path: Path) -> ConvertedGGUF:
         # is copied until the loader copies them into the model.
         mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if size else b""
     data = memoryview(mapped)[8 + n :]
-    if zlib.crc32(data) != int(meta["crc32"]):
+    if _entry_crc(header, meta, zlib.crc32(data)) != meta.get("crc32"):
         raise CorruptCacheEntry("checksum mismatch")
     tensors = []
     for name, spec in header.items():

@@ -223,6 +223,9 @@ class OpenAIServer:
                 yield _sse(ctx.chunk([], usage(result)))
         except errors.OmniAsyncError as exc:  # after the headers: reported in the stream
             yield _sse(body_of(exc, names)[1])
+        except Exception as exc:  # a bug is still an error event, and the stream still ends with [DONE]
+            log.error("server_stream_failed", error=repr(exc))
+            yield _sse(error_body(f"internal server error: {type(exc).__name__}", 500))
         finally:
             await deltas.aclose()
         yield "data: [DONE]\n\n"
@@ -296,7 +299,7 @@ def create_app(
     app.post("/v1/chat/completions", response_model=None)(server.chat)
     add_tokenize_routes(app, server)
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # load balancers probe with HEAD
     async def health() -> Response:
         if engine.event_loop is None or engine.scheduler.closed:
             return JSONResponse({"status": "unavailable"}, status_code=503)

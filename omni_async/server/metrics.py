@@ -26,6 +26,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from .. import errors
+from .errors import status_of
+from .prompt_list import prompt_cached_tokens
 from ..messages import GenerationResult, StreamDelta
 
 if TYPE_CHECKING:
@@ -109,7 +111,7 @@ class RequestTimer:
             outputs = result.outputs or []
             reason = result.finish_reason or "unknown"
             m.prompt_tokens.labels(model=m.model_name).inc(len(result.prompt_ids))
-            m.cached_prompt_tokens.labels(model=m.model_name).inc(result.cached_tokens)
+            m.cached_prompt_tokens.labels(model=m.model_name).inc(prompt_cached_tokens(result))
             m.generation_tokens.labels(model=m.model_name).inc(sum(len(o.output_ids) for o in outputs) if outputs else len(result.output_ids))
         else:
             reason = "unknown"
@@ -120,8 +122,20 @@ class RequestTimer:
             return
         self.done = True
         self._m.e2e_latency.labels(model=self._m.model_name).observe(time.perf_counter() - self.start)
+        status = refused_status(exc)
+        if status is not None:  # refused, not a request that ran and failed
+            self._m.refused.labels(status=status, model=self._m.model_name).inc()
+            return
         reason = "abort" if exc is None or isinstance(exc, errors.RequestAbortedError) else "error"
         self._m.requests.labels(finish_reason=reason, model=self._m.model_name).inc()
+
+
+def refused_status(exc: BaseException | None) -> str | None:
+    """The HTTP status (as the server answers it) of a request the engine refused: invalid
+    (400) or over a limit (429); None for one that failed while being served."""
+    if isinstance(exc, (errors.InvalidRequestError, errors.RequestRejectedError)):
+        return str(status_of(exc))
+    return None
 
 
 def _model_name(engine: "Engine | None") -> str:
@@ -143,6 +157,10 @@ class EngineMetrics:
         r = self.registry
         m = ["model"]
         self.requests = Counter(f"{PREFIX}_requests", "Finished requests by finish reason (abort and error included)", ["finish_reason", "model"], registry=r)
+        self.refused = Counter(
+            f"{PREFIX}_requests_refused", "Requests refused after submission (400 invalid, 429 over a limit); not in requests_total",
+            ["status", "model"], registry=r,
+        )
         self.prompt_tokens = Counter(f"{PREFIX}_prompt_tokens", "Prompt tokens of finished requests", m, registry=r)
         self.cached_prompt_tokens = Counter(
             f"{PREFIX}_prompt_cached_tokens", "Prompt tokens of finished requests whose KV came from the prefix cache", m, registry=r

@@ -12,18 +12,26 @@ from typing import Any, AsyncIterator
 from ..messages import GenerationResult, StreamDelta
 
 
+def prompt_cached_tokens(result: GenerationResult) -> int:
+    """A request's prefix-cache hits counted against its prompt once, as the usage counts
+    the prompt once: the engine's figure sums the hits of all ``n`` completions (each
+    prefills the prompt), so it is averaged over them; never more than the prompt."""
+    n = max(1, len(result.outputs or []))
+    return min(len(result.prompt_ids), int(result.cached_tokens) // n)
+
+
 def combined_result(results: list[GenerationResult], n: int) -> GenerationResult:
     """One result for the response: every prompt's completions, renumbered; prompt ids
-    and cached tokens of all prompts (what the usage counts)."""
+    and cached tokens of all prompts (what the usage counts, each prompt once)."""
     if len(results) == 1:
-        return results[0]
+        return dataclasses.replace(results[0], cached_tokens=prompt_cached_tokens(results[0]))
     outputs = [dataclasses.replace(o, index=i * n + o.index) for i, r in enumerate(results) for o in r.outputs]
     first = results[0]
     return dataclasses.replace(
         first,
         outputs=outputs,
         prompt_ids=[t for r in results for t in r.prompt_ids],
-        cached_tokens=sum(r.cached_tokens for r in results),
+        cached_tokens=sum(prompt_cached_tokens(r) for r in results),
     )
 
 

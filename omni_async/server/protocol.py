@@ -61,11 +61,8 @@ class _Common(BaseModel):
         """``presence_penalty``, ``frequency_penalty`` and ``logit_bias`` (token ids as
         JSON keys) for SamplingParams; zeros and empties are left at their defaults."""
         out: dict[str, Any] = {name: v for name in ("presence_penalty", "frequency_penalty") if (v := getattr(self, name))}
-        if self.logit_bias:
-            try:
-                out["logit_bias"] = {int(k): float(v) for k, v in self.logit_bias.items()}
-            except ValueError:
-                raise errors.InvalidRequestError("logit_bias: keys must be token ids") from None
+        if self.logit_bias:  # keys checked (and converted) by SamplingParams, in one place
+            out["logit_bias"] = dict(self.logit_bias)
         return out
 
     def check_supported(self) -> None:

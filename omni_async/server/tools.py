@@ -12,6 +12,7 @@ parses what it wrote; ``none`` parses nothing.
 from __future__ import annotations
 
 import json
+import math
 import re
 import uuid
 from dataclasses import dataclass, field
@@ -132,22 +133,38 @@ class ParsedCall:
 
 
 def parse_block(body: str, names: list[str]) -> ParsedCall | None:
-    """One block's JSON, or None when it is not a call of a known tool."""
+    """One block's JSON, or None when it is not a call of a known tool. Any failure to
+    read the block (malformed, nested past the parser's recursion limit, a non-JSON number
+    such as NaN) leaves it as text: what comes out as arguments is always strict JSON."""
     try:
-        obj = json.loads(body)
-    except ValueError:
-        return None
-    if not isinstance(obj, dict) or obj.get("name") not in names:
-        return None
-    args = obj.get("arguments", obj.get("parameters", {}))
-    if isinstance(args, str):
-        try:
-            args = json.loads(args)
-        except ValueError:
+        obj = _strict_json(body)
+        if not isinstance(obj, dict) or obj.get("name") not in names:
             return None
-    if not isinstance(args, dict):
+        args = obj.get("arguments", obj.get("parameters", {}))
+        if isinstance(args, str):
+            args = _strict_json(args)
+        if not isinstance(args, dict):
+            return None
+        return ParsedCall(obj["name"], json.dumps(args, ensure_ascii=False, allow_nan=False))
+    except (ValueError, RecursionError, MemoryError):
         return None
-    return ParsedCall(obj["name"], json.dumps(args, ensure_ascii=False))
+
+
+def _strict_json(text: str) -> Any:
+    """``json.loads`` without Python's extensions: NaN, Infinity and numbers that
+    overflow a float are refused (ValueError), as JSON has none of them."""
+    return json.loads(text, parse_constant=_no_constant, parse_float=_finite_float)
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text} overflows a float")
+    return value
 
 
 def parse_calls(text: str, plan: ToolPlan) -> tuple[str, list[ParsedCall]]:
@@ -195,8 +212,7 @@ class StreamParser:
                 break
             call = parse_block(self.buffer[start + len(OPEN) : end], self.plan.names)
             if call is None or (self.calls and not self.plan.parallel):
-                if call is None:
-                    content.append(self.buffer[start : end + len(CLOSE)])
+                content.append(self.buffer[start : end + len(CLOSE)])  # text, as parse_calls leaves it
             else:
                 calls.append(call)
                 self.calls += 1

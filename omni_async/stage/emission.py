@@ -128,6 +128,10 @@ class Emission:
         if req.finish_reason == "abort":
             self.fail(rid, errors.RequestAbortedError("request aborted", output_ids=req.output_ids))
             return
+        if req.finish_reason == "error":  # its grammar failed during generation
+            why = req.matcher.failed if req.matcher is not None else None
+            self.fail(rid, errors.InvalidRequestError(f"the request's grammar failed during generation: {why}"))
+            return
         data.output_ids = list(req.output_ids)
         data.finish_reason = req.finish_reason
         data.weight_version = self.state.weight_version

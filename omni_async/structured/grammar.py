@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import threading
 from collections import OrderedDict
-from typing import Any
+from typing import Any, Callable
 
 from ..errors import InvalidRequestError
 from .vocab import TokenVocab, token_vocab
@@ -34,20 +34,33 @@ class GrammarMatcher:
     """One request's position in its grammar. ``accept`` advances it by a sampled token;
     ``complete`` says the grammar admits nothing more (the request then ends, "stop")."""
 
-    __slots__ = ("_m",)
+    __slots__ = ("_m", "_on_fail")
 
-    def __init__(self, matcher: Any) -> None:
+    def __init__(self, matcher: Any, on_fail: Callable[[str], None] | None = None) -> None:
         self._m = matcher
+        self._on_fail = on_fail  # told once, when the grammar fails
 
     def accept(self, token: int) -> bool:
-        """Advance by ``token``; True when the grammar is now complete. A token the grammar
-        refuses (it can only come from outside the mask) also ends the grammar."""
+        """Advance by ``token``; True when the grammar has ended: complete, or failed
+        (:attr:`failed` then says why, and the request ends with an error). A token the
+        grammar refuses (it can only come from outside the mask) also ends the grammar."""
         ok = self._m.consume_token(int(token))
+        if self._m.is_error():
+            if self._on_fail is not None:
+                self._on_fail(self.failed or "the grammar failed")
+                self._on_fail = None
+            return True
         return not ok or self._m.is_stopped()
 
     @property
     def complete(self) -> bool:
         return self._m.is_stopped()
+
+    @property
+    def failed(self) -> str | None:
+        """The library's error once the grammar failed (llguidance compiles lazily: a
+        grammar can fail at any token, e.g. too many states); None while it is sound."""
+        return _first_line(self._m.get_error()) if self._m.is_error() else None
 
     @property
     def handle(self) -> Any:
@@ -90,7 +103,7 @@ class GrammarCompiler:
         try:
             entry: Any = self._template(key)
         except InvalidRequestError as err:
-            entry = err
+            entry = err.with_traceback(None)  # its frames hold this compiler: no cycle through the cache
         except Exception as exc:  # the library refused it some other way: still this request's error
             entry = InvalidRequestError(f"invalid {key[0]}: {exc}")
         with self._lock:
@@ -111,7 +124,15 @@ class GrammarCompiler:
                 entry = self._template(key)
         if isinstance(entry, InvalidRequestError):
             raise InvalidRequestError(str(entry))
-        return GrammarMatcher(entry.deep_copy())
+        return GrammarMatcher(entry.deep_copy(), lambda why: self._failed_late(key, why))
+
+    def _failed_late(self, key: tuple[str, str], why: str) -> None:
+        """A grammar that compiled but failed while a request used it (the library's lazy
+        work): cached as the failure from now on, so the next request with it is refused at
+        admission instead of failing at its first tokens."""
+        with self._lock:
+            if key in self._cache:
+                self._cache[key] = InvalidRequestError(f"invalid {key[0]}: {why}")
 
     def _template(self, key: tuple[str, str]) -> Any:
         import llguidance
@@ -122,6 +143,11 @@ class GrammarCompiler:
         except (ValueError, TypeError) as exc:
             raise InvalidRequestError(f"invalid {kind}: {exc}") from None
         matcher = llguidance.LLMatcher(self._ll_tokenizer(), grammar, log_level=0)
+        if not matcher.is_error():
+            # The library compiles lazily: the first mask does the work that can still
+            # fail (``a{1000000}``), so it is computed here, off the loop, and a grammar
+            # that fails now is refused before the request's first token.
+            matcher.compute_bitmask()
         if matcher.is_error():
             raise InvalidRequestError(f"invalid {kind}: {_first_line(matcher.get_error())}")
         return matcher
