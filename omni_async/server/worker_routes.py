@@ -4,8 +4,10 @@ SGLang's router (``sglang-router``) and llm-d's scheduler discover and balance w
 through SGLang's native endpoints; serving them lets ``omni-async serve`` sit behind
 either one, unchanged:
 
-- ``GET /get_model_info``: what the worker serves (model path, served name, weight version);
-- ``GET /get_server_info``: its settings and its load (``dp_size`` is 1: one engine);
+- ``GET /get_model_info`` (or ``/model_info``): what the worker serves (model path, served
+  name, weight version);
+- ``GET /get_server_info`` (or ``/server_info``): its settings and its load (``dp_size`` is
+  1: one engine);
 - ``GET /get_load``: the load per data-parallel rank, as a list of one entry (the router's
   power-of-two policy reads ``num_tokens``);
 - ``GET|POST /flush_cache``: empty the prefix cache (400 while requests are active);
@@ -121,8 +123,10 @@ def add_worker_routes(app: FastAPI, server: "OpenAIServer") -> None:
     async def health_gen() -> Response:
         return await health_generate(server)
 
-    app.get("/get_model_info")(get_model_info)
-    app.get("/get_server_info")(get_server_info)
+    for path in ("/get_model_info", "/model_info"):  # SGLang's older and newer names
+        app.get(path)(get_model_info)
+    for path in ("/get_server_info", "/server_info"):
+        app.get(path)(get_server_info)
     app.get("/get_load")(get_load)
     app.api_route("/flush_cache", methods=["GET", "POST"], response_model=None)(flush_cache)
     app.get("/health_generate", response_model=None)(health_gen)
