@@ -9,6 +9,7 @@ test shuts it down and checks that no process is left.
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import socket
 import time
@@ -19,7 +20,6 @@ import pytest
 ray = pytest.importorskip("ray")
 pytest.importorskip("ray.serve")
 openai = pytest.importorskip("openai")
-httpx = pytest.importorskip("httpx")
 psutil = pytest.importorskip("psutil")
 
 from ray import serve  # noqa: E402
@@ -77,6 +77,11 @@ async def _complete(client: "openai.AsyncOpenAI", prompt: str, max_tokens: int =
     return raw.headers[REPLICA_HEADER], raw.parse()
 
 
+async def _stats(cluster: Cluster) -> list[dict]:
+    """Every replica's stats (a blocking handle call: off the event loop, as Serve asks)."""
+    return await asyncio.to_thread(replica_stats, cluster.handle)
+
+
 def _abort_count(metrics_text: str) -> float:
     found = re.search(r'^omni_async_requests_total\{finish_reason="abort",model="tiny"\} (\S+)$', metrics_text, re.M)
     return float(found.group(1)) if found else 0.0
@@ -88,7 +93,7 @@ async def test_64_concurrent_requests_spread_over_both_replicas(cluster):
     assert all(res.usage.completion_tokens == 8 and res.choices[0].finish_reason == "length" for _, res in answers)
     replicas = {replica for replica, _ in answers}
     assert len(replicas) == 2, replicas
-    stats = replica_stats(cluster.handle)
+    stats = await _stats(cluster)
     assert {s["replica"] for s in stats} == replicas
     # Per-replica metrics: each replica counted the requests it answered.
     counted = sum(float(m) for s in stats for m in re.findall(r'^omni_async_requests_total\{finish_reason="length",model="tiny"\} (\S+)$', s["metrics"], re.M))
@@ -111,17 +116,18 @@ async def test_streamed_request_and_typed_error(cluster):
 
 
 async def test_a_client_that_goes_away_aborts_its_request(cluster):
-    before = sum(_abort_count(s["metrics"]) for s in replica_stats(cluster.handle))
-    body = {"model": "tiny", "prompt": "a long one", "max_tokens": 3000, "stream": True, "ignore_eos": True}
-    async with httpx.AsyncClient(timeout=STARTUP_S) as http:
-        async with http.stream("POST", f"{cluster.url}/v1/completions", json=body) as resp:
-            assert resp.status_code == 200
-            async for line in resp.aiter_lines():
-                if line.startswith("data: "):
-                    break  # the request is running: leave
+    before = sum(_abort_count(s["metrics"]) for s in await _stats(cluster))
+    body = json.dumps({"model": "tiny", "prompt": "a long one", "max_tokens": 3000, "stream": True, "ignore_eos": True}).encode()
+    reader, writer = await asyncio.open_connection("127.0.0.1", cluster.port)
+    head = f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    writer.write(head.encode() + body)
+    assert (await reader.readline()).startswith(b"HTTP/1.1 200")
+    while not (await reader.readline()).startswith(b"data: "):
+        pass  # headers, then the first chunk: the request is running
+    writer.close()  # the client goes away
     deadline = time.monotonic() + STARTUP_S
     while True:
-        stats = replica_stats(cluster.handle)
+        stats = await _stats(cluster)
         aborted = sum(_abort_count(s["metrics"]) for s in stats)
         if aborted > before and all(s["info"]["active_requests"] == 0 for s in stats):
             break
