@@ -14,6 +14,7 @@ import re
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -83,6 +84,7 @@ class Fleet:
             _wait_until(lambda: _get(f"{worker}/health")[0] == 200, f"{worker} to start")
         port = _free_port()
         self.router = f"http://127.0.0.1:{port}"
+        self.router_log = tempfile.TemporaryFile()
         self.procs.append(
             subprocess.Popen(
                 [
@@ -90,10 +92,18 @@ class Fleet:
                     "--worker-urls", *self.workers, "--policy", "cache_aware",
                     "--health-check-interval-secs", "1", "--health-failure-threshold", "1", "--log-level", "warn",
                 ],
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                stdout=self.router_log, stderr=subprocess.STDOUT,
             )
         )
-        _wait_until(lambda: _healthy_workers(self.router) == set(self.workers), "the router to take both workers")
+        _wait_until(lambda: self.router_died() or _healthy_workers(self.router) == set(self.workers), "the router to take both workers")
+        assert not self.router_died(), f"the router exited: {self.router_output()}"
+
+    def router_died(self) -> bool:
+        return self.procs[-1].poll() is not None
+
+    def router_output(self) -> str:
+        self.router_log.seek(0)
+        return self.router_log.read().decode(errors="replace")[-3000:]
 
     def client(self) -> "openai.AsyncOpenAI":
         return openai.AsyncOpenAI(base_url=f"{self.router}/v1", api_key="unused", max_retries=0, timeout=STARTUP_S)
