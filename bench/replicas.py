@@ -92,7 +92,8 @@ def router_fleet(args: argparse.Namespace, n: int) -> Iterator[str]:
             _wait(f"{url}/health")
         port = _free_port()
         cmd = [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
-               "--worker-urls", *urls, "--policy", "cache_aware", "--log-level", "warn"]
+               "--worker-urls", *urls, "--policy", "cache_aware", "--log-level", "warn",
+               "--prometheus-host", "127.0.0.1", "--prometheus-port", str(_free_port())]
         procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         router = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + STARTUP_S

@@ -71,6 +71,13 @@ class Fleet:
     def __init__(self) -> None:
         self.procs: list[subprocess.Popen] = []
         self.workers: list[str] = []
+        try:
+            self.start()
+        except BaseException:
+            self.close()
+            raise
+
+    def start(self) -> None:
         for _ in range(2):
             port = _free_port()
             self.procs.append(
@@ -91,6 +98,7 @@ class Fleet:
                     sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
                     "--worker-urls", *self.workers, "--policy", "cache_aware",
                     "--health-check-interval-secs", "1", "--health-failure-threshold", "1", "--log-level", "warn",
+                    "--prometheus-host", "127.0.0.1", "--prometheus-port", str(_free_port()),
                 ],
                 stdout=self.router_log, stderr=subprocess.STDOUT,
             )
