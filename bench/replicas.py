@@ -9,7 +9,7 @@ Two ways to run the replicas (``--via``):
 - ``ray``: ``omni-async serve-ray``'s deployment on a local Ray instance, N replicas behind
   Serve's proxy.
 
-Each wave: C requests at once (token-id prompts, ``ignore_eos``, T tokens each), streamed
+Each wave: C requests at once (random text prompts, ``ignore_eos``, T tokens each), streamed
 with the openai client. Reported per arm: output tokens/s over the wave, time to first
 token p50 / p99, requests per replica. The arms alternate (1, 2, 1, 2 ...) so that load
 from elsewhere on the machine falls on both; the spread over repeats is printed.
@@ -131,13 +131,16 @@ async def wave(url: str, args: argparse.Namespace, seed: int) -> dict[str, Any]:
     import openai
 
     rng = random.Random(seed)
-    prompts = [[rng.randrange(1, 250) for _ in range(args.prompt_tokens)] for _ in range(args.concurrency)]
+    # Text prompts (the router takes strings only), distinct from the first character on,
+    # so that the cache-aware policy balances them rather than pinning a shared prefix.
+    letters = "abcdefghijklmnopqrstuvwxyz "
+    prompts = ["".join(rng.choice(letters) for _ in range(args.prompt_chars)) for _ in range(args.concurrency)]
     client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=STARTUP_S)
     model = (await client.models.list()).data[0].id
     ttft: list[float] = []
     tokens = [0]
 
-    async def one(prompt: list[int]) -> None:
+    async def one(prompt: str) -> None:
         start = time.perf_counter()
         stream = await client.completions.create(
             model=model, prompt=prompt, max_tokens=args.tokens, temperature=0, stream=True,
@@ -184,7 +187,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         "device": args.device,
         "concurrency": args.concurrency,
         "tokens": args.tokens,
-        "prompt_tokens": args.prompt_tokens,
+        "prompt_chars": args.prompt_chars,
         "repeats": args.repeats,
         "runs": runs,
         "summary": summary,
@@ -209,7 +212,7 @@ def main() -> int:
     p.add_argument("--device", default="cpu")
     p.add_argument("--concurrency", type=int, default=64)
     p.add_argument("--tokens", type=int, default=32)
-    p.add_argument("--prompt-tokens", type=int, default=32)
+    p.add_argument("--prompt-chars", type=int, default=64, help="random letters per prompt")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--malloc", default="default")
     p.add_argument("--out", default=None)
