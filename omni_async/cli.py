@@ -270,6 +270,9 @@ def build_parser() -> argparse.ArgumentParser:
         )
     for command in (demo, gen, serve, pipe):  # an unknown flag is reported with its command's usage
         command.set_defaults(command_parser=command)
+    from .serving.ray_command import add_parser as add_serve_ray  # no Ray import until it runs
+
+    add_serve_ray(sub, fmt)
     return parser
 
 
@@ -307,7 +310,14 @@ def _run(args: argparse.Namespace) -> int:
     if args.command == "generate":
         return runner(_generate(args))
     if args.command == "serve":
-        return runner(_serve(args))
+        try:
+            return runner(_serve(args))
+        except KeyboardInterrupt:  # uvicorn shut down cleanly, then passed Ctrl-C on
+            return 0
+    if args.command == "serve-ray":
+        from .serving.ray_command import run_command
+
+        return run_command(args)
     from .pipeline import run_pipeline_demo
 
     return runner(run_pipeline_demo(args))

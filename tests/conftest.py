@@ -20,6 +20,7 @@ pytest_plugins = ["omni_async.testing"]
 LOOPS = ["normal", "overlap", "async_decode"]
 
 _SGLANG_TESTS = Path(__file__).parent / "sglang"
+_SCALE_TESTS = Path(__file__).parent / "scale"
 
 # Converted GGUF weights go to a cache folder of the test run's own (inherited by the
 # command-line subprocesses), never to the user's cache; removed when the run ends.
@@ -32,13 +33,15 @@ def pytest_unconfigure(config):
 
 
 def pytest_ignore_collect(collection_path, config):
-    """tests/sglang needs the optional SGLang install (scripts/install_sglang.sh): the
-    main suite leaves it out unless it is asked for by path (CI's own step)."""
+    """tests/sglang and tests/scale need optional installs (scripts/install_sglang.sh,
+    scripts/install_scale.sh): the main suite leaves them out unless asked for by path
+    (CI's own steps)."""
     path = Path(collection_path)
-    if path == _SGLANG_TESTS or _SGLANG_TESTS in path.parents:
-        asked = [Path(a.split("::")[0]).resolve() for a in config.args]
-        if not any(a == _SGLANG_TESTS or _SGLANG_TESTS in a.parents for a in asked):
-            return True
+    for folder in (_SGLANG_TESTS, _SCALE_TESTS):
+        if path == folder or folder in path.parents:
+            asked = [Path(a.split("::")[0]).resolve() for a in config.args]
+            if not any(a == folder or folder in a.parents for a in asked):
+                return True
     return None
 
 

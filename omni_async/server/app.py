@@ -44,6 +44,7 @@ from .request_errors import chat_names, completion_names, validation_error_body
 from .responses import ResponseContext, usage
 from .structured import format_constraint
 from .tokenize import add_tokenize_routes
+from .worker_routes import add_worker_routes
 from .tools import ToolPlan, plan_tools
 
 __all__ = ["create_app", "default_model_name"]
@@ -298,6 +299,7 @@ def create_app(
     app.post("/v1/completions", response_model=None)(server.completions)
     app.post("/v1/chat/completions", response_model=None)(server.chat)
     add_tokenize_routes(app, server)
+    add_worker_routes(app, server)  # what a router reads: /get_model_info, /get_load ...
 
     @app.api_route("/health", methods=["GET", "HEAD"])  # load balancers probe with HEAD
     async def health() -> Response:

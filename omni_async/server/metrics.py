@@ -34,11 +34,27 @@ if TYPE_CHECKING:
     from ..engine import Engine
     from ..client.handle import RequestHandle
 
-__all__ = ["CONTENT_TYPE_LATEST", "EngineMetrics"]
+__all__ = ["CONTENT_TYPE_LATEST", "EngineMetrics", "stage_load"]
 
 PREFIX = "omni_async"
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
 _STEP_BUCKETS = (0.0005, 0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.064, 0.128, 0.256, 0.512, 1.0, 2.0)
+
+
+def stage_load(info: dict[str, Any]) -> dict[str, Any]:
+    """The stage's load from one ``info()`` snapshot: the one place the gauges and the
+    router endpoints (``/get_load``, ``/get_server_info``) take it from."""
+    total = int(info.get("kv_total_pages", 0))
+    free = int(info.get("kv_free_pages", total))
+    page = int(info.get("page_size", 1) or 1)
+    return {
+        "num_requests_running": int(info.get("running_batch_size", 0)),
+        "num_requests_waiting": int(info.get("waiting_queue_size", 0)),
+        "kv_pages_used": total - free,
+        "kv_pages_total": total,
+        "kv_tokens_used": (total - free) * page,
+        "kv_cache_usage_perc": (total - free) / total if total else 0.0,
+    }
 
 
 class StageCollector:
@@ -52,14 +68,20 @@ class StageCollector:
 
     def collect(self) -> Iterator[Any]:
         info = self._engine.scheduler.info()
-        total = int(info.get("kv_total_pages", 0))
-        free = int(info.get("kv_free_pages", total))
+        load = stage_load(info)
+        running, waiting, usage = load["num_requests_running"], load["num_requests_waiting"], load["kv_cache_usage_perc"]
         gauges = {
-            "requests_running": ("Requests in the running batch", info.get("running_batch_size", 0)),
-            "requests_waiting": ("Requests waiting for admission or a first step", info.get("waiting_queue_size", 0)),
-            "kv_pages_used": ("KV cache pages in use", total - free),
-            "kv_pages_total": ("KV cache pages in all", total),
-            "kv_cache_usage_ratio": ("Fraction of KV cache pages in use", (total - free) / total if total else 0.0),
+            # The names vLLM's and SGLang's schedulers (llm-d, the router's load
+            # monitors) read, under this project's prefix ...
+            "num_requests_running": ("Requests in the running batch", running),
+            "num_requests_waiting": ("Requests waiting for admission or a first step", waiting),
+            "kv_cache_usage_perc": ("Fraction of KV cache pages in use (0 to 1)", usage),
+            # ... and the names this project exported first.
+            "requests_running": ("Requests in the running batch", running),
+            "requests_waiting": ("Requests waiting for admission or a first step", waiting),
+            "kv_pages_used": ("KV cache pages in use", load["kv_pages_used"]),
+            "kv_pages_total": ("KV cache pages in all", load["kv_pages_total"]),
+            "kv_cache_usage_ratio": ("Fraction of KV cache pages in use", usage),
         }
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(f"{PREFIX}_{name}", doc, value=float(value))
