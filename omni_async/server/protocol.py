@@ -94,6 +94,8 @@ class _Common(Lenient):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
 
+    prompt_logprobs: int | None = None  # vLLM's; refused (the engine scores no prompts yet)
+
     def constraint(self) -> dict[str, Any]:
         """The grammar fields for SamplingParams, from whichever field the client used."""
         return request_constraint(self)
@@ -110,6 +112,8 @@ class _Common(Lenient):
         return out
 
     def check_supported(self) -> None:
+        if self.prompt_logprobs is not None:
+            raise invalid("prompt_logprobs is not supported: the engine returns log-probabilities of generated tokens only", "prompt_logprobs")
         if self.stream_options is not None and not self.stream:
             raise invalid("stream_options is only allowed when stream is true", "stream_options")
 
