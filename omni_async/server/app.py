@@ -36,7 +36,7 @@ from ..client.handle import RequestHandle
 from ..logs import log
 from .metrics import CONTENT_TYPE_LATEST, EngineMetrics
 from ..version import __version__
-from .chat_messages import TrackedMessage, check_fields_read, template_messages
+from .chat_messages import ChatMessage, TrackedMessage, check_fields_read, template_messages
 from .errors import ClientNames, body_of, error_body, single_error
 from .prompt_list import combined_result, merged_deltas
 from .protocol import DEFAULT_COMPLETION_MAX_TOKENS, ChatCompletionRequest, CompletionRequest
@@ -192,22 +192,33 @@ class OpenAIServer:
         """The prompt ids (messages and tools through the template), the grammar fields
         (``response_format``, or the one that forces a tool call) and the tool plan."""
         reads = template_names(chat_template_of(self.engine.tokenizer))
-        takes_tools = "tools" in reads
         tools = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls, reads | {"tools"})
         constraint = body.constraint()
         if tools.ebnf is not None:
             if constraint:
                 raise errors.InvalidRequestError("response_format cannot be combined with a tool_choice that forces a call")
             constraint = {"ebnf": tools.ebnf}
-        messages = template_messages(body.messages)
-        rendered = messages
-        if tools.tools and not takes_tools:  # taught in a system message instead (Hermes format)
-            rendered = with_tools_message(messages, tools.tools, TrackedMessage)
-        ids = render_chat_ids(
-            self.engine.tokenizer, rendered, tools=tools.tools if takes_tools else None, template_kwargs=body.chat_template_kwargs
-        )
-        check_fields_read(messages)
+        ids = self.render(body.messages, tools.tools, template_kwargs=body.chat_template_kwargs)
         return ids, constraint, tools
+
+    def render(
+        self, messages: list[ChatMessage], tools: list[dict[str, Any]] | None, *, add_generation_prompt: bool = True,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> list[int]:
+        """The prompt ids of a conversation: tools go to a template that reads ``tools``,
+        or else into the system message in the Hermes format (any model can be offered
+        tools); a message field the template ignored is refused."""
+        takes_tools = "tools" in template_names(chat_template_of(self.engine.tokenizer))
+        tracked = template_messages(messages)
+        rendered = tracked
+        if tools and not takes_tools:
+            rendered = with_tools_message(tracked, tools, TrackedMessage)
+        ids = render_chat_ids(
+            self.engine.tokenizer, rendered, add_generation_prompt=add_generation_prompt, tools=tools if takes_tools else None,
+            template_kwargs=template_kwargs,
+        )
+        check_fields_read(tracked)
+        return ids
 
     async def results(self, handles: list[RequestHandle], n: int) -> Any:
         """The requests' results as one; the first error aborts the others."""
