@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
 from typing import Any, AsyncIterator, Awaitable
 
@@ -40,6 +39,7 @@ from .chat_messages import ChatMessage, TrackedMessage, check_fields_read, templ
 from .errors import ClientNames, body_of, error_body, single_error
 from .prompt_list import combined_result, merged_deltas
 from .protocol import DEFAULT_COMPLETION_MAX_TOKENS, ChatCompletionRequest, CompletionRequest
+from .sse import DONE, ChunkFrames, event
 from .request_errors import chat_names, completion_names, validation_error_body
 from .responses import ResponseContext, usage
 from .options import api_key_guard, chat_template_text, generation_defaults
@@ -55,10 +55,6 @@ def default_model_name(model: str) -> str:
     """The model id for what ``--model`` named: ``tiny`` and ``smollm2`` stay as they
     are; a folder or a .gguf file is served under its last path component."""
     return os.path.basename(os.path.normpath(model)) or model
-
-
-def _sse(obj: Any) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
 async def _until_disconnect(request: Request, work: Awaitable[Any]) -> tuple[bool, Any]:
@@ -249,40 +245,43 @@ class OpenAIServer:
     async def events(
         self, handles: list[RequestHandle], ctx: ResponseContext, deltas: AsyncIterator[Any], first: Any, n: int, include_usage: bool,
         names: ClientNames | None = None,
-    ) -> AsyncIterator[str]:
+    ) -> AsyncIterator[bytes]:
         """The SSE stream: role chunks (chat), one chunk per delta, a closing chunk for a
-        completion whose last delta carried no finish reason, usage, ``[DONE]``."""
+        completion whose last delta carried no finish reason, usage, ``[DONE]``. A
+        completion's plain text delta (the common case) takes the framing's fast path."""
         finished: set[int] = set()
         offsets = [0] * (n * len(handles))
+        frames = ChunkFrames(ctx.id, ctx.chunk_object, ctx.created, ctx.model)
+        plain = ctx.kind == "completion" and not ctx.logprobs
         try:
             if ctx.kind == "chat":
                 for i in range(n):
-                    yield _sse(ctx.chunk([ctx.role_choice(i)]))
-            pending = [first] if first is not None else []
-            while True:
-                for delta in pending:
+                    yield frames.chunk([ctx.role_choice(i)])
+            delta = first
+            while delta is not None:
+                if plain and not delta.finished:
+                    if delta.text:
+                        yield frames.text(delta.index, delta.text)
+                else:
                     if delta.finished:
                         finished.add(delta.index)
                     if delta.text or delta.finished or (ctx.logprobs and delta.token_ids):
                         choice = ctx.delta_choice(delta, offsets[delta.index])
                         if choice is not None:
-                            yield _sse(ctx.chunk([choice]))
+                            yield frames.chunk([choice])
                     offsets[delta.index] += len(delta.text or "")
-                try:
-                    pending = [await deltas.__anext__()]
-                except StopAsyncIteration:
-                    break
+                delta = await anext(deltas, None)
             result = combined_result([await h.result() for h in handles], n)
             for out in result.outputs:
                 if out.index not in finished:
-                    yield _sse(ctx.chunk([ctx.final_choice(out.index, out.finish_reason)]))
+                    yield frames.chunk([ctx.final_choice(out.index, out.finish_reason)])
             if include_usage:
-                yield _sse(ctx.chunk([], usage(result)))
+                yield frames.chunk([], usage(result))
         except errors.OmniAsyncError as exc:  # after the headers: reported in the stream
-            yield _sse(body_of(exc, names)[1])
+            yield event(body_of(exc, names)[1])
         finally:
             await deltas.aclose()
-        yield "data: [DONE]\n\n"
+        yield DONE
 
 
 def create_app(
