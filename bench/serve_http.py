@@ -25,8 +25,8 @@ JSON under bench/results/, and an SVG plot of latency against load (no plotting 
 needed).
 
     python bench/serve_http.py --model smollm2 --num-prompts 32 --request-rates 1,2,inf
-    python bench/serve_http.py --model qwen2-0.5b --device cuda --num-prompts 512 \\
-        --request-rates 8,32,inf --input-median 256 --output-median 256 --repeats 3
+    python bench/serve_http.py --model qwen2-0.5b --device cuda --memory-budget 0.4 --num-prompts 256 \\
+        --request-rates 32,inf --input-median 256 --output-median 256 --repeats 3 --out serve_http_h200.json
 """
 
 from __future__ import annotations
@@ -246,6 +246,8 @@ def start_server(args: argparse.Namespace, path: str, port: int) -> subprocess.P
            "--device", args.device, "--loop", args.loop, "--port", str(port), "--log-level", "ERROR"]
     if args.dtype:
         cmd += ["--dtype", args.dtype]
+    if args.memory_budget:
+        cmd += ["--memory-budget", str(args.memory_budget)]
     proc = subprocess.Popen(cmd, cwd=REPO_DIR, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=dict(os.environ))
     deadline = time.monotonic() + 600
     while True:
@@ -279,6 +281,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     kw: dict[str, Any] = {"device": args.device, "loop": args.loop}
     if args.dtype:
         kw["dtype"] = args.dtype
+    if args.memory_budget:
+        kw["memory_budget"] = args.memory_budget
     engine = await Engine.load(path, **kw)
     vocab = min(engine.scheduler.limits.vocab_size, args.id_max)
     reqs = draw_workload(args.num_prompts, args.seed, vocab, args)
@@ -417,6 +421,8 @@ def main() -> int:
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default=None)
     p.add_argument("--loop", default="normal")
+    p.add_argument("--memory-budget", type=float, default=None,
+                   help="each engine's share of device memory (both arms hold the model at once: 0.4 on one GPU)")
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--request-rates", type=parse_rates, default=[2.0, 8.0, float("inf")])
     p.add_argument("--input-median", type=int, default=128)
