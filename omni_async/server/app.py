@@ -39,7 +39,7 @@ from .chat_messages import ChatMessage, TrackedMessage, check_fields_read, templ
 from .errors import ClientNames, body_of, error_body, single_error
 from .prompt_list import combined_result, merged_deltas
 from .protocol import DEFAULT_COMPLETION_MAX_TOKENS, ChatCompletionRequest, CompletionRequest
-from .sse import DONE, ChunkFrames, event
+from .wire import DONE, ChunkFrames, FastJsonRoute, event
 from .request_errors import chat_names, completion_names, validation_error_body
 from .responses import ResponseContext, usage
 from .options import api_key_guard, chat_template_text, generation_defaults
@@ -329,6 +329,7 @@ def create_app(
                 await engine.aclose()
 
     app = FastAPI(title="omni-async", version=__version__, lifespan=lifespan)
+    app.router.route_class = FastJsonRoute  # set before the routes are added
     app.state.engine = engine
     app.state.metrics = metrics
     app.state.model_name = name

@@ -1,4 +1,7 @@
-"""Server-sent events framing for streamed responses, built for the per-token path.
+"""JSON on the wire, on the hot paths: request bodies in, SSE chunks out.
+
+Request bodies (a prompt of a thousand token ids is a long JSON list) are parsed with
+``orjson`` when it is installed, through the route class :class:`FastJsonRoute`.
 
 Every chunk of one response shares its envelope (``id``, ``object``, ``created``,
 ``model``): it is serialised once per response and each chunk adds only its choices, so a
@@ -13,14 +16,39 @@ from __future__ import annotations
 import json
 from typing import Any, Callable
 
+from fastapi import Request
+from fastapi.routing import APIRoute
+
 try:
     import orjson
 
     dumps: Callable[[Any], bytes] = orjson.dumps
+    loads: Callable[[bytes], Any] = orjson.loads  # its error is a json.JSONDecodeError
 except ImportError:  # pragma: no cover - the serve extra installs it
 
     def dumps(obj: Any) -> bytes:
         return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
+
+    loads = json.loads
+
+
+class _FastJsonRequest(Request):
+    async def json(self) -> Any:
+        if not hasattr(self, "_json"):
+            self._json = loads(await self.body())
+        return self._json
+
+
+class FastJsonRoute(APIRoute):
+    """A route whose JSON body is parsed by :func:`loads` (FastAPI validates it as usual)."""
+
+    def get_route_handler(self) -> Callable[[Request], Any]:
+        handler = super().get_route_handler()
+
+        async def route(request: Request) -> Any:
+            return await handler(_FastJsonRequest(request.scope, request.receive))
+
+        return route
 
 
 DONE = b"data: [DONE]\n\n"
