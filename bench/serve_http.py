@@ -49,7 +49,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable
 
-from _common import REPO_DIR, RESULTS_DIR, event_loop_name, machine_facts, percentile, run_benchmark
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's omni_async
+
+from _common import REPO_DIR, RESULTS_DIR, event_loop_name, machine_facts, percentile, run_benchmark  # noqa: E402
 
 from omni_async import Engine, SamplingParams
 
