@@ -288,3 +288,39 @@ async def test_generation_config_gives_the_defaults_a_request_leaves_unset(tmp_p
             await client.close()
     assert defaulted == [greedy] * 3  # temperature 0 from the file
     assert len(sampled) > 1  # a request's own temperature wins
+
+
+# ---------------------------------------------------------------- the parsers, piece by piece
+
+
+def test_reasoning_split_holds_a_tag_cut_across_deltas():
+    from omni_async.server.reasoning import ReasoningSplitter, split_whole
+
+    text = "<think>plan it</think>\n\nthe answer"
+    assert split_whole(text, inside=False) == ("plan it", "the answer")
+    assert split_whole("no thinking here", inside=False) == (None, "no thinking here")
+    assert split_whole("still thinking", inside=True) == ("still thinking", "")
+    for cut in range(1, len(text)):
+        splitter = ReasoningSplitter(inside=False)
+        parts = [splitter.feed(text[:cut]), splitter.feed(text[cut:]), splitter.flush()]
+        assert "".join(p[0] for p in parts) == "plan it" and "".join(p[1] for p in parts).lstrip("\n") == "the answer"
+
+
+def test_llama3_and_mistral_outputs_parse_to_calls():
+    from omni_async.server.tool_parsers import ToolStream, parse_output
+    from omni_async.server.tools import ToolPlan
+
+    plan = ToolPlan(tools=[WEATHER], parse=True, names=["get_weather"])
+    two = '{"name": "get_weather", "parameters": {"city": "A"}}; {"name": "get_weather", "parameters": {"city": "B"}}'
+    content, calls = parse_output(two, plan, "llama3_json")
+    assert content == "" and [json.loads(c.arguments)["city"] for c in calls] == ["A", "B"]
+    assert parse_output('{"name": "unknown", "parameters": {}}', plan, "llama3_json") == ('{"name": "unknown", "parameters": {}}', [])
+    mistral = '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "C"}}]'
+    assert [c.name for c in parse_output(mistral, plan, "mistral")[1]] == ["get_weather"]
+    assert parse_output("plain words", plan, "mistral") == ("plain words", [])
+    stream = ToolStream(plan, "llama3_json")
+    assert stream.feed("Hello") == ("Hello", []) and stream.feed(" there") == (" there", [])
+    held = ToolStream(plan, "mistral")
+    assert held.feed("[TOOL_") == ("", []) and held.feed(mistral[6:]) == ("", [])
+    rest, calls = held.finish()
+    assert rest == "" and json.loads(calls[0].arguments) == {"city": "C"}
