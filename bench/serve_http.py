@@ -253,7 +253,10 @@ def start_server(args: argparse.Namespace, path: str, port: int) -> subprocess.P
         cmd += ["--dtype", args.dtype]
     if args.memory_budget:
         cmd += ["--memory-budget", str(args.memory_budget)]
-    proc = subprocess.Popen(cmd, cwd=REPO_DIR, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=dict(os.environ))
+    env = dict(os.environ)
+    if args.torch_threads:
+        env["OMP_NUM_THREADS"] = str(args.torch_threads)
+    proc = subprocess.Popen(cmd, cwd=REPO_DIR, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
     deadline = time.monotonic() + 600
     while True:
         try:
@@ -439,6 +442,8 @@ def main() -> int:
     p.add_argument("--slo-tpot-ms", type=float, default=100.0)
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--torch-threads", type=int, default=None,
+                   help="torch's CPU threads in both arms (1 on a shared CPU box: spinning threads there stall every op)")
     p.add_argument("--malloc", default="default", choices=["default", "steady"])
     p.add_argument("--out", default="serve_http.json")
     return run_benchmark(p.parse_args(), main_async, print_table)
