@@ -1,7 +1,9 @@
-"""Command line: ``omni-async demo`` (the embedded default job), ``generate``, ``serve``
-(the OpenAI-compatible server, extra ``[serve]``) and ``pipeline-demo``. Without
-``--model`` they run SmolLM2-135M-Instruct (``smollm2``); ``pipeline-demo`` runs the
-built-in ``tiny`` models."""
+"""The ``omni-async`` command line: ``demo``, ``generate``, ``serve`` and
+``pipeline-demo`` (``DESCRIPTION`` is what ``--help`` says of them).
+
+Arguments are checked before anything loads (``cli_options.preflight``), and every
+failure ends as one line on stderr with exit status 2 (usage) or 1 (runtime).
+"""
 
 from __future__ import annotations
 
@@ -10,14 +12,24 @@ import asyncio
 import json
 import sys
 import time
+from typing import Callable
 
 from . import errors
-from .cli_options import DEFAULT_MODEL, add_model_flags, engine_limits, env_default, parse_bool, port_number
-from .config import SamplingParams
+from .cli_options import (
+    DEFAULT_MODEL, add_device_flags, add_model_flags, engine_limits, env_default, parse_bool, port_number, preflight, report, sampling_of,
+)
 from .engine import Engine
 from .logs import configure_cli_logging
 from .version import __version__
 
+DESCRIPTION = (
+    "An asyncio-native scheduler for autoregressive model stages. Commands: demo (several "
+    "requests at once, streamed, with tokens/s), generate (one answer), serve (an "
+    "OpenAI-compatible HTTP server; needs the serve extra) and pipeline-demo (a thinker "
+    "streaming into a talker). demo, generate and serve run SmolLM2-135M-Instruct (smollm2) "
+    "unless --model names another; pipeline-demo runs the built-in tiny models. "
+    "Run 'omni-async COMMAND --help' for a command's flags."
+)
 GENERATE_KV_TOKENS = 8192  # generate's KV cache unless --kv-capacity-tokens says otherwise
 DEMO_PROMPTS = [
     "The thinker writes text; the talker speaks it.",
@@ -51,25 +63,30 @@ def _share(text: str) -> float | int:
         raise argparse.ArgumentTypeError(f"not a fraction or a byte count: {text!r}") from None
 
 
-def _sampling(args: argparse.Namespace) -> SamplingParams:
-    return SamplingParams(
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        seed=args.seed,
-    )
+def _count(least: int) -> Callable[[str], int]:
+    """An argparse type: an integer >= ``least``."""
+
+    def count(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < least:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {least}, got {text!r}")
+        return value
+
+    return count
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, max_new: int) -> None:
     p.add_argument("--max-new-tokens", type=int, default=max_new, help="tokens to generate at most")
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
     p.add_argument("--top-k", type=int, default=0, help="0 keeps every token")
-    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep the most likely tokens whose probabilities add up to this (1 keeps every token)")
     p.add_argument("--seed", type=int, default=None, help="the request's sampling seed")
 
 
-async def _load(args: argparse.Namespace, defaults: dict | None = None) -> Engine | None:
+async def _load(args: argparse.Namespace, defaults: dict | None = None) -> Engine:
     """Load in a worker thread (Engine.load) while the loop shows that it is working:
     a live elapsed-time line on a terminal, one line when it is done."""
     tty = sys.stderr.isatty()
@@ -93,11 +110,10 @@ async def _load(args: argparse.Namespace, defaults: dict | None = None) -> Engin
         engine = await Engine.load(
             args.model, device=args.device, loop=args.loop, backend=args.backend, dtype=args.dtype, seed=args.engine_seed, **{**(defaults or {}), **engine_limits(args)}
         )
-    except errors.OmniAsyncError as exc:
-        if tty:
+    except BaseException:
+        if tty:  # end the progress line before the error's
             print(file=sys.stderr)
-        print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return None
+        raise
     finally:
         if ticker is not None:
             ticker.cancel()
@@ -111,8 +127,8 @@ def _demo_header(args: argparse.Namespace, prompts: list[str]) -> None:
     if args.model == "tiny":
         print(
             "Model: tiny, built in, with RANDOM weights: its text is noise. The demo shows the "
-            "scheduler at work (concurrent streams, tokens/s); pass --model <checkpoint folder> "
-            "to see a real model's text."
+            "scheduler at work (concurrent streams, tokens/s). Leave --model out (smollm2) or "
+            "give a checkpoint folder or .gguf file to see a real model's text."
         )
     else:
         print(f"Model: {args.model}")
@@ -125,8 +141,6 @@ def _demo_header(args: argparse.Namespace, prompts: list[str]) -> None:
 
 async def _demo(args: argparse.Namespace) -> int:
     engine = await _load(args)
-    if engine is None:
-        return 2
     tok = engine.tokenizer
     chat = args.model != "tiny" and getattr(tok, "chat_template", None) is not None
     pool = DEMO_QUESTIONS if chat else DEMO_PROMPTS
@@ -140,7 +154,7 @@ async def _demo(args: argparse.Namespace) -> int:
 
         async def one(i: int, prompt: str) -> None:
             asked = {"messages": [{"role": "user", "content": prompt}]} if chat else {"prompt": prompt}
-            async for delta in engine.stream(**asked, sampling=_sampling(args)):
+            async for delta in engine.stream(**asked, sampling=sampling_of(args)):
                 if first_token_at[i] is None:
                     first_token_at[i] = time.perf_counter() - start
                 counts[i] += len(delta.token_ids)
@@ -152,14 +166,14 @@ async def _demo(args: argparse.Namespace) -> int:
         elapsed = time.perf_counter() - start
     if engine.tokenizer is not None:
         print("\nCompleted text:")
-        for i in range(min(len(prompts), max(args.show, len(DEMO_QUESTIONS)))):
+        for i in range(len(prompts)):
             print(f"  [req {i}] {prompts[i]!r} -> {texts[i]!r}")
     total = sum(counts)
     ttfts = sorted(t for t in first_token_at if t is not None)
+    ttft = f"median time to first token {1000 * ttfts[len(ttfts) // 2]:.1f} ms" if ttfts else "no tokens"
     print(
         f"\n{len(prompts)} concurrent requests on {args.model} ({args.device}, loop={args.loop}): "
-        f"{total} tokens in {elapsed:.2f} s = {total / elapsed:.1f} tokens/s; "
-        f"median time to first token {1000 * ttfts[len(ttfts) // 2]:.1f} ms"
+        f"{total} tokens in {elapsed:.2f} s = {total / elapsed:.1f} tokens/s; {ttft}"
     )
     return 0
 
@@ -184,22 +198,12 @@ def _generate_request(args: argparse.Namespace, tokenizer: object) -> dict:
 
 
 async def _generate(args: argparse.Namespace) -> int:
-    try:
-        _generate_request(args, None)  # bad ids or JSON fail before the model loads
-    except errors.OmniAsyncError as exc:
-        print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 2
+    _generate_request(args, None)  # bad ids or JSON fail before the model loads
     # One request: a KV cache of GENERATE_KV_TOKENS, not a share of the machine's memory
     # (zeroing that much is a visible part of a short command's start).
     engine = await _load(args, {"kv_capacity_tokens": GENERATE_KV_TOKENS})
-    if engine is None:
-        return 2
     async with engine:
-        try:
-            res = await engine.generate(**_generate_request(args, engine.tokenizer), sampling=_sampling(args))
-        except errors.OmniAsyncError as exc:
-            print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
-            return 2
+        res = await engine.generate(**_generate_request(args, engine.tokenizer), sampling=sampling_of(args))
     if args.details or args.input_ids is not None or res.text is None:
         print(f"output_ids: {res.output_ids}")
         print(f"finish_reason: {res.finish_reason}")
@@ -211,14 +215,9 @@ async def _generate(args: argparse.Namespace) -> int:
 
 
 async def _serve(args: argparse.Namespace) -> int:
-    try:
-        from .server import serve
-    except ImportError as exc:
-        print(f"error: ConfigError: omni-async serve needs the serve extra (pip install 'omni-async[serve]'): {exc}", file=sys.stderr)
-        return 2
+    from .server import serve  # preflight checked the serve extra
+
     engine = await _load(args)
-    if engine is None:
-        return 2
     await serve(
         engine, host=args.host, port=args.port, log_level=args.log_level, model_name=args.served_model_name, api_key=args.api_key,
         chat_template=args.chat_template, tool_call_parser=args.tool_call_parser, generation_config=args.generation_config,
@@ -228,14 +227,14 @@ async def _serve(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     fmt = argparse.ArgumentDefaultsHelpFormatter
-    parser = argparse.ArgumentParser(prog="omni-async", description=__doc__, formatter_class=fmt)
+    parser = argparse.ArgumentParser(prog="omni-async", description=DESCRIPTION, formatter_class=fmt)
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="stream several concurrent requests and print tokens/s", formatter_class=fmt)
     _add_model_args(demo)
     _add_sampling_args(demo, 48)
-    demo.add_argument("--requests", type=int, default=8, help="requests sent at once")
-    demo.add_argument("--show", type=int, default=2, help="print the stream of this many requests")
+    demo.add_argument("--requests", type=_count(1), default=8, help="requests sent at once")
+    demo.add_argument("--show", type=_count(0), default=2, help="print the stream of this many requests")
     gen = sub.add_parser(
         "generate", help=f"answer one prompt (a KV cache of {GENERATE_KV_TOKENS} tokens unless --kv-capacity-tokens)", formatter_class=fmt
     )
@@ -266,9 +265,11 @@ def build_parser() -> argparse.ArgumentParser:
         gc_gen0_threshold=env_default("gc_gen0_threshold", 10_000, int),
     )
     pipe = sub.add_parser("pipeline-demo", help="a thinker streaming into a talker in one event loop on one device", formatter_class=fmt)
-    _add_model_args(pipe, "tiny")
-    pipe.add_argument("--thinker", default="tiny", help="the thinker's checkpoint folder, or 'tiny' (built in)")
-    pipe.add_argument("--talker", default="tiny", help="the talker's checkpoint folder, or 'tiny' (built in, another seed)")
+    add_device_flags(pipe)
+    # Not offered: refused in main() with a pointer to --thinker and --talker.
+    pipe.add_argument("--model", default=None, help=argparse.SUPPRESS)
+    pipe.add_argument("--thinker", default="tiny", help="the thinker: a checkpoint folder, a .gguf file, 'smollm2', or 'tiny' (built in)")
+    pipe.add_argument("--talker", default="tiny", help="the talker: a checkpoint folder, a .gguf file, 'smollm2', or 'tiny' (built in, another seed)")
     for stage in ("thinker", "talker"):
         pipe.add_argument(
             f"--{stage}-share", type=_share, default=None,
@@ -284,9 +285,24 @@ def main(argv: list[str] | None = None) -> int:
     args, unknown = parser.parse_known_args(argv)
     if unknown:
         args.command_parser.error(f"unrecognized arguments: {' '.join(unknown)}")
-    if args.command == "pipeline-demo" and args.model != "tiny":
-        parser.error("pipeline-demo takes its checkpoints from --thinker and --talker, not --model")
+    if args.command == "pipeline-demo" and args.model is not None:
+        args.command_parser.error("pipeline-demo takes its checkpoints from --thinker and --talker, not --model")
     configure_cli_logging(args.log_level)
+    debug = args.log_level == "DEBUG"
+    try:
+        preflight(args)
+        return _run(args)
+    except KeyboardInterrupt:
+        # serve: uvicorn shut down cleanly, then passed Ctrl-C on
+        return 0 if args.command == "serve" else 130
+    except Exception as exc:  # typed errors, and faults of ours: one line (the traceback at DEBUG)
+        status = report(exc, traceback=debug)
+        if not isinstance(exc, errors.OmniAsyncError) and not debug:
+            print("(run with --log-level DEBUG for the traceback)", file=sys.stderr)
+        return status
+
+
+def _run(args: argparse.Namespace) -> int:
     try:
         import uvloop
 
@@ -298,20 +314,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "generate":
         return runner(_generate(args))
     if args.command == "serve":
-        try:
-            return runner(_serve(args))
-        except KeyboardInterrupt:  # uvicorn shut down cleanly, then passed Ctrl-C on
-            return 0
-    if args.command == "pipeline-demo":
-        from .errors import ConfigError
-        from .pipeline import run_pipeline_demo
+        return runner(_serve(args))
+    from .pipeline import run_pipeline_demo
 
-        try:
-            return runner(run_pipeline_demo(args))
-        except ConfigError as exc:
-            print(f"omni-async pipeline-demo: error: {exc}", file=sys.stderr)
-            return 2
-    return 1
+    return runner(run_pipeline_demo(args))
 
 
 if __name__ == "__main__":  # pragma: no cover

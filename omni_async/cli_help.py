@@ -14,6 +14,12 @@ MODEL_HELP = (
     "or a .gguf file"
 )
 
+DTYPE_HELP = (
+    "weights and activations; default (none): on CPU bfloat16 for a checkpoint stored in 16 bits "
+    "or fewer (smollm2, .gguf, a bfloat16/float16 folder) where the CPU has native bfloat16 "
+    "(avx512_bf16 or AMX), float32 otherwise (tiny, float32 checkpoints); on CUDA the checkpoint's"
+)
+
 # Values of the choice flags (the engine checks them too; here they show in --help).
 DTYPE_CHOICES = ("float32", "bfloat16", "float16")
 BACKEND_CHOICES = ("native", "sglang")

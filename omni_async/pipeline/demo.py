@@ -9,6 +9,36 @@ from ..scheduler import AsyncOmniScheduler
 from .colocate import TALKER_MIN_CHUNKS
 from .two_stage import TwoStagePipeline
 
+THINKER_TOKENS = 24
+TALKER_TOKENS = 16
+
+
+def _legend(args: Any, conversations: int) -> None:
+    """Say what the lines below are before they start."""
+    thinker, talker = getattr(args, "thinker", "tiny"), getattr(args, "talker", "tiny")
+    print(
+        f"{conversations} conversations, each a thinker ({thinker}) writing {THINKER_TOKENS} tokens and a talker "
+        f"({talker}) that starts once {TALKER_MIN_CHUNKS} thinker chunks have arrived and writes {TALKER_TOKENS}; "
+        f"both stages share one event loop on {args.device} (loop={args.loop}); sampled at temperature 0.8."
+        + (" The built-in tiny models have random weights: their token ids are noise." if "tiny" in (thinker, talker) else "")
+    )
+    print("Each line: milliseconds since start, conversation, stage, then either '+[ids]' (the tokens that step "
+          "streamed; a thinker chunk also shows |hidden|, the norm of the hidden state it hands on) or 'result: N tokens'.")
+    print()
+
+
+def _summary(events: dict[str, dict[str, list[float]]], elapsed: float) -> None:
+    """Per conversation and stage: tokens, first and last token's time."""
+    print("\nSummary (ms since start):")
+    total = 0
+    for rid, stages in events.items():
+        parts = []
+        for stage, (count, first, last) in stages.items():
+            total += int(count)
+            parts.append(f"{stage} {int(count)} tokens, first at {first:.1f}, done at {last:.1f}")
+        print(f"  {rid}: " + "; ".join(parts))
+    print(f"{total} tokens from {len(events)} conversations in {elapsed:.2f} s")
+
 async def run_pipeline_demo(args: Any) -> int:
     """A thinker streams tokens and per-step hidden states to a talker that starts once 3
     chunks have arrived; both outputs stream. ``--thinker`` / ``--talker`` name
@@ -27,25 +57,33 @@ async def run_pipeline_demo(args: Any) -> int:
     tok = thinker_stack.loaded.tokenizer
     bos = thinker_stack.loaded.config.bos_token_id
     prompts = ["Tell me a story about a loop.", "What does the talker say?"]
+    # conversation -> stage -> [tokens, first token's ms, last event's ms]
+    events: dict[str, dict[str, list[float]]] = {f"conv-{i}": {} for i in range(len(prompts))}
+    _legend(args, len(prompts))
     async with pipe:
         start = time.perf_counter()
 
         async def one(i: int, prompt: str) -> None:
             rid = f"conv-{i}"
             ids = tok.encode(prompt) if tok is not None else [bos or 1, *range(10 + i, 30 + i)]
-            first = RequestPayload(rid, ids, SamplingParams(max_new_tokens=24, temperature=0.8, seed=i, ignore_eos=True))
-            second = RequestPayload(rid, [], SamplingParams(max_new_tokens=16, temperature=0.8, seed=100 + i, ignore_eos=True))
+            first = RequestPayload(rid, ids, SamplingParams(max_new_tokens=THINKER_TOKENS, temperature=0.8, seed=i, ignore_eos=True))
+            second = RequestPayload(rid, [], SamplingParams(max_new_tokens=TALKER_TOKENS, temperature=0.8, seed=100 + i, ignore_eos=True))
             handle = await pipe.submit(rid, first, second)
             async for ev in handle:
                 t = 1000 * (time.perf_counter() - start)
+                seen = events[rid].setdefault(ev.stage, [0, t, t])
+                seen[2] = t
                 if ev.kind == "stream":
+                    seen[0] += len(ev.data.token_ids)
                     extra = ev.data.extra
-                    note = f" hidden|{float(extra['hidden_state'].float().norm()):.2f}|" if "hidden_state" in extra else ""
+                    note = f" |hidden|={float(extra['hidden_state'].float().norm()):.2f}" if "hidden_state" in extra else ""
                     print(f"{t:7.1f} ms  {rid} {ev.stage:7s} +{ev.data.token_ids}{note}")
                 else:
                     print(f"{t:7.1f} ms  {rid} {ev.stage:7s} {ev.kind}: {len(ev.data.output_ids)} tokens")
 
         await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+        elapsed = time.perf_counter() - start
+    _summary(events, elapsed)
     return 0
 
 
