@@ -218,7 +218,10 @@ async def _serve(args: argparse.Namespace) -> int:
     from .server import serve  # preflight checked the serve extra
 
     engine = await _load(args)
-    await serve(engine, host=args.host, port=args.port, log_level=args.log_level, model_name=args.served_model_name)
+    await serve(
+        engine, host=args.host, port=args.port, log_level=args.log_level, model_name=args.served_model_name, api_key=args.api_key,
+        chat_template=args.chat_template, tool_call_parser=args.tool_call_parser, generation_config=args.generation_config,
+    )
     return 0
 
 
@@ -251,6 +254,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--served-model-name", default=env_default("served_model_name", None),
         help="the model id clients send; None: what --model names (tiny, smollm2, or a folder's or file's last path component) [env OMNI_ASYNC_SERVED_MODEL_NAME]",
     )
+    serve.add_argument("--api-key", default=env_default("api_key", None), help="clients must send it as 'Authorization: Bearer KEY' (401 otherwise; /health, /metrics and /version stay open) [env OMNI_ASYNC_API_KEY]")
+    serve.add_argument("--chat-template", default=env_default("chat_template", None), help="a Jinja chat template (a file, or the template itself) in place of the checkpoint's [env OMNI_ASYNC_CHAT_TEMPLATE]")
+    serve.add_argument("--tool-call-parser", default=env_default("tool_call_parser", "auto"), choices=("auto", "hermes", "llama3_json", "mistral"), help="the format tool calls are parsed in; auto: from the chat template [env OMNI_ASYNC_TOOL_CALL_PARSER]")
+    serve.add_argument("--generation-config", default=env_default("generation_config", "auto"), choices=("auto", "none"), help="auto: sampling defaults from the checkpoint's generation_config.json where a request leaves them unset [env OMNI_ASYNC_GENERATION_CONFIG]")
     # The server owns its process, so the collector is tuned for serving unless told
     # otherwise (a full GC pass over torch's heap stalls every stream; bench/RESULTS.md).
     serve.set_defaults(

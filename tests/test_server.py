@@ -134,9 +134,9 @@ async def test_errors_answered_before_the_stream(served):
     with pytest.raises(openai.BadRequestError) as over:
         await client.completions.create(model="tiny", prompt=[1] * 5000, max_tokens=4, stream=True)
     assert "context length is 4096" in over.value.message
-    with pytest.raises(openai.BadRequestError) as unknown:
-        await client.completions.create(model="tiny", prompt="hi", extra_body={"no_such_field": 1})
-    assert "no_such_field" in unknown.value.message
+    with pytest.raises(openai.BadRequestError) as unsupported:
+        await client.completions.create(model="tiny", prompt="hi", extra_body={"prompt_logprobs": 1})
+    assert "prompt_logprobs" in unsupported.value.message
     with pytest.raises(openai.BadRequestError):
         await client.chat.completions.create(model="tiny", messages=CHAT, temperature=-1, stream=True)
     with pytest.raises(openai.NotFoundError):

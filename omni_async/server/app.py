@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
 from typing import Any, AsyncIterator, Awaitable
 
@@ -36,14 +35,17 @@ from ..client.handle import RequestHandle
 from ..logs import log
 from .metrics import CONTENT_TYPE_LATEST, EngineMetrics
 from ..version import __version__
-from .chat_messages import check_fields_read, template_messages
+from .chat_messages import ChatMessage, TrackedMessage, check_fields_read, template_messages
 from .errors import ClientNames, body_of, error_body, single_error
 from .prompt_list import combined_result, merged_deltas
 from .protocol import DEFAULT_COMPLETION_MAX_TOKENS, ChatCompletionRequest, CompletionRequest
+from .wire import DONE, ChunkFrames, FastJsonRoute, event
 from .request_errors import chat_names, completion_names, validation_error_body
 from .responses import ResponseContext, usage
-from .structured import format_constraint
+from .options import api_key_guard, chat_template_text, generation_defaults
+from .reasoning import starts_inside, thinks
 from .tokenize import add_tokenize_routes
+from .tool_parsers import parser_for_template, with_tools_message
 from .worker_routes import add_worker_routes
 from .tools import ToolPlan, plan_tools
 
@@ -54,10 +56,6 @@ def default_model_name(model: str) -> str:
     """The model id for what ``--model`` named: ``tiny`` and ``smollm2`` stay as they
     are; a folder or a .gguf file is served under its last path component."""
     return os.path.basename(os.path.normpath(model)) or model
-
-
-def _sse(obj: Any) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
 async def _until_disconnect(request: Request, work: Awaitable[Any]) -> tuple[bool, Any]:
@@ -83,10 +81,36 @@ async def _until_disconnect(request: Request, work: Awaitable[Any]) -> tuple[boo
 class OpenAIServer:
     """Route handlers bound to one engine, its metrics and its served model name."""
 
-    def __init__(self, engine: Engine, metrics: EngineMetrics, model_name: str) -> None:
+    def __init__(
+        self, engine: Engine, metrics: EngineMetrics, model_name: str, *, tool_call_parser: str = "auto",
+        sampling_defaults: dict[str, Any] | None = None,
+    ) -> None:
         self.engine = engine
         self.metrics = metrics
         self.model_name = model_name
+        self.tool_call_parser = tool_call_parser
+        self.sampling_defaults = dict(sampling_defaults or {})
+
+    def check_room(self, n_prompt: int, max_tokens: int, field: str) -> None:
+        """A ``max_tokens`` the context cannot hold after the prompt is the client's mistake
+        (400 context_length_exceeded), not something to shorten silently."""
+        context = self.engine.scheduler.limits.context_length
+        if n_prompt + max_tokens > context:
+            err = errors.RequestRejectedError(
+                f"this model's maximum context length is {context} tokens; the prompt has {n_prompt} and {field} "
+                f"asks for {max_tokens} more (over by {n_prompt + max_tokens - context}): lower {field} or shorten the prompt"
+            )
+            err.param = field  # type: ignore[attr-defined]
+            raise err
+
+    def completion_inputs(self, body: CompletionRequest) -> list[dict[str, Any]]:
+        """The prompts as token ids (text encoded here, as the engine would) so their
+        lengths can be checked against ``max_tokens``."""
+        tokenizer = self.engine.tokenizer
+        inputs = body.engine_inputs()
+        if tokenizer is None:
+            return inputs
+        return [{"input_ids": tokenizer.encode(one["prompt"])} if one.get("prompt") else one for one in inputs]
 
     def check_model(self, model: str) -> JSONResponse | None:
         if model != self.model_name:
@@ -116,8 +140,13 @@ class OpenAIServer:
         if wrong is not None:
             return wrong
         max_tokens = body.max_tokens if body.max_tokens is not None else DEFAULT_COMPLETION_MAX_TOKENS
-        sampling = body.sampling(max_tokens, top_logprobs=body.logprobs)
-        handles = await self.submit_all(body.engine_inputs(), sampling)
+        sampling = body.sampling(max_tokens, top_logprobs=body.logprobs, constraint=body.constraint(), defaults=self.sampling_defaults)
+        inputs = self.completion_inputs(body)
+        if "max_tokens" in body.model_fields_set:
+            for one in inputs:
+                if "input_ids" in one:
+                    self.check_room(len(one["input_ids"]), max_tokens, "max_tokens")
+        handles = await self.submit_all(inputs, sampling)
         ctx = ResponseContext("completion", self.model_name, self.engine.tokenizer, logprobs=body.logprobs is not None)
         return await self.respond(request, handles, ctx, stream=body.stream, n=body.n, include_usage=body.include_usage())
 
@@ -143,26 +172,50 @@ class OpenAIServer:
         if max_tokens is None:  # as much as the context (and the KV cache) leaves
             limits = self.engine.scheduler.limits
             max_tokens = max(1, min(limits.context_length, limits.kv_capacity_tokens) - len(ids))
+        else:
+            self.check_room(len(ids), max_tokens, "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens")
         top = body.chat_top_logprobs()
-        sampling = body.sampling(max_tokens, top_logprobs=top, constraint=constraint)
+        sampling = body.sampling(max_tokens, top_logprobs=top, constraint=constraint, defaults=self.sampling_defaults)
         handle = await self.engine.submit(input_ids=ids, sampling=sampling)
-        ctx = ResponseContext("chat", self.model_name, self.engine.tokenizer, logprobs=top is not None, tools=tools if tools.parse else None)
+        template = chat_template_of(self.engine.tokenizer)
+        ctx = ResponseContext(
+            "chat", self.model_name, self.engine.tokenizer, logprobs=top is not None, tools=tools if tools.parse else None,
+            tool_format=parser_for_template(self.tool_call_parser, template), reasoning=thinks(template),
+            reasoning_inside=thinks(template) and starts_inside(self.engine.tokenizer.decode(ids[-32:], skip_special_tokens=False)),
+        )
         return await self.respond(request, [handle], ctx, stream=body.stream, n=body.n, include_usage=body.include_usage())
 
     def chat_prompt(self, body: ChatCompletionRequest) -> tuple[list[int], dict[str, Any], ToolPlan]:
         """The prompt ids (messages and tools through the template), the grammar fields
         (``response_format``, or the one that forces a tool call) and the tool plan."""
         reads = template_names(chat_template_of(self.engine.tokenizer))
-        tools = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls, reads)
-        constraint = format_constraint(body.response_format)
+        tools = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls, reads | {"tools"})
+        constraint = body.constraint()
         if tools.ebnf is not None:
             if constraint:
                 raise errors.InvalidRequestError("response_format cannot be combined with a tool_choice that forces a call")
             constraint = {"ebnf": tools.ebnf}
-        messages = template_messages(body.messages)
-        ids = render_chat_ids(self.engine.tokenizer, messages, tools=tools.tools)
-        check_fields_read(messages)
+        ids = self.render(body.messages, tools.tools, template_kwargs=body.chat_template_kwargs)
         return ids, constraint, tools
+
+    def render(
+        self, messages: list[ChatMessage], tools: list[dict[str, Any]] | None, *, add_generation_prompt: bool = True,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> list[int]:
+        """The prompt ids of a conversation: tools go to a template that reads ``tools``,
+        or else into the system message in the Hermes format (any model can be offered
+        tools); a message field the template ignored is refused."""
+        takes_tools = "tools" in template_names(chat_template_of(self.engine.tokenizer))
+        tracked = template_messages(messages)
+        rendered = tracked
+        if tools and not takes_tools:
+            rendered = with_tools_message(tracked, tools, TrackedMessage)
+        ids = render_chat_ids(
+            self.engine.tokenizer, rendered, add_generation_prompt=add_generation_prompt, tools=tools if takes_tools else None,
+            template_kwargs=template_kwargs,
+        )
+        check_fields_read(tracked)
+        return ids
 
     async def results(self, handles: list[RequestHandle], n: int) -> Any:
         """The requests' results as one; the first error aborts the others."""
@@ -193,43 +246,46 @@ class OpenAIServer:
     async def events(
         self, handles: list[RequestHandle], ctx: ResponseContext, deltas: AsyncIterator[Any], first: Any, n: int, include_usage: bool,
         names: ClientNames | None = None,
-    ) -> AsyncIterator[str]:
+    ) -> AsyncIterator[bytes]:
         """The SSE stream: role chunks (chat), one chunk per delta, a closing chunk for a
-        completion whose last delta carried no finish reason, usage, ``[DONE]``."""
+        completion whose last delta carried no finish reason, usage, ``[DONE]``. A
+        completion's plain text delta (the common case) takes the framing's fast path."""
         finished: set[int] = set()
         offsets = [0] * (n * len(handles))
+        frames = ChunkFrames(ctx.id, ctx.chunk_object, ctx.created, ctx.model)
+        plain = ctx.kind == "completion" and not ctx.logprobs
         try:
             if ctx.kind == "chat":
                 for i in range(n):
-                    yield _sse(ctx.chunk([ctx.role_choice(i)]))
-            pending = [first] if first is not None else []
-            while True:
-                for delta in pending:
+                    yield frames.chunk([ctx.role_choice(i)])
+            delta = first
+            while delta is not None:
+                if plain and not delta.finished:
+                    if delta.text:
+                        yield frames.text(delta.index, delta.text)
+                else:
                     if delta.finished:
                         finished.add(delta.index)
                     if delta.text or delta.finished or (ctx.logprobs and delta.token_ids):
                         choice = ctx.delta_choice(delta, offsets[delta.index])
                         if choice is not None:
-                            yield _sse(ctx.chunk([choice]))
+                            yield frames.chunk([choice])
                     offsets[delta.index] += len(delta.text or "")
-                try:
-                    pending = [await deltas.__anext__()]
-                except StopAsyncIteration:
-                    break
+                delta = await anext(deltas, None)
             result = combined_result([await h.result() for h in handles], n)
             for out in result.outputs:
                 if out.index not in finished:
-                    yield _sse(ctx.chunk([ctx.final_choice(out.index, out.finish_reason)]))
+                    yield frames.chunk([ctx.final_choice(out.index, out.finish_reason)])
             if include_usage:
-                yield _sse(ctx.chunk([], usage(result)))
+                yield frames.chunk([], usage(result))
         except errors.OmniAsyncError as exc:  # after the headers: reported in the stream
-            yield _sse(body_of(exc, names)[1])
+            yield event(body_of(exc, names)[1])
         except Exception as exc:  # a bug is still an error event, and the stream still ends with [DONE]
             log.error("server_stream_failed", error=repr(exc))
-            yield _sse(error_body(f"internal server error: {type(exc).__name__}", 500))
+            yield event(error_body(f"internal server error: {type(exc).__name__}", 500))
         finally:
             await deltas.aclose()
-        yield "data: [DONE]\n\n"
+        yield DONE
 
 
 def create_app(
@@ -238,14 +294,32 @@ def create_app(
     model_name: str | None = None,
     metrics: EngineMetrics | None = None,
     close_engine: bool = True,
+    api_key: str | None = None,
+    chat_template: str | None = None,
+    tool_call_parser: str = "auto",
+    generation_config: str = "auto",
 ) -> FastAPI:
     """The app for ``engine``. It starts the engine at startup and, with ``close_engine``,
     closes it at shutdown. ``metrics`` defaults to a fresh registry for this engine, its
-    request figures labelled with the served model name."""
+    request figures labelled with the served model name. ``api_key``: every route but
+    /health, /metrics and /version needs it as a Bearer token; ``chat_template`` (a file or
+    an inline template) replaces the checkpoint's; ``tool_call_parser``: the format tool
+    calls are parsed in (``auto``: from the template); ``generation_config``: ``auto``
+    takes sampling defaults from the checkpoint's generation_config.json, ``none`` not."""
     info = engine.scheduler.info()
     name = model_name or default_model_name(str(info.get("model_name") or info.get("model_path", "model")))
     metrics = metrics if metrics is not None else EngineMetrics(engine, model_name=name)
-    server = OpenAIServer(engine, metrics, name)
+    if chat_template is not None:
+        if engine.tokenizer is None:
+            raise errors.ConfigError("--chat-template needs a model with a tokenizer")
+        engine.tokenizer.chat_template = chat_template_text(chat_template)
+    parser_for_template(tool_call_parser, "")  # a bad name fails at startup
+    if generation_config not in ("auto", "none"):
+        raise errors.ConfigError(f"generation_config must be 'auto' or 'none', got {generation_config!r}")
+    defaults = generation_defaults(info.get("model_path")) if generation_config == "auto" else {}
+    if defaults:
+        log.info("server_sampling_defaults", source="generation_config.json", **defaults)
+    server = OpenAIServer(engine, metrics, name, tool_call_parser=tool_call_parser, sampling_defaults=defaults)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -259,9 +333,12 @@ def create_app(
                 await engine.aclose()
 
     app = FastAPI(title="omni-async", version=__version__, lifespan=lifespan)
+    app.router.route_class = FastJsonRoute  # set before the routes are added
     app.state.engine = engine
     app.state.metrics = metrics
     app.state.model_name = name
+    if api_key:
+        app.middleware("http")(api_key_guard(api_key))
 
     @app.exception_handler(errors.OmniAsyncError)
     async def typed_error(request: Request, exc: errors.OmniAsyncError) -> JSONResponse:
@@ -310,5 +387,9 @@ def create_app(
     @app.get("/metrics")
     async def scrape() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/version")
+    async def version() -> Response:
+        return JSONResponse({"version": __version__})
 
     return app

@@ -1,39 +1,66 @@
 """OpenAI request bodies, and their translation into an engine request.
 
 Fields the engine cannot honour (``echo``, ``suffix``) are refused with
-InvalidRequestError rather than ignored, and unknown
-fields are refused too, so a client never gets an answer to a question it did not ask.
-Besides the OpenAI fields, the common extensions ``top_k``, ``min_p``,
+InvalidRequestError rather than ignored. A field this server does not know at all (one a
+newer client sends: ``store``, ``metadata``, ``service_tier``...) is ignored with one
+warning per field name, as vLLM does, and ``null`` stands for "not given" in every
+optional field. Besides the OpenAI fields, the common extensions ``top_k``, ``min_p``,
 ``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``,
-``skip_special_tokens`` and ``include_stop_str_in_output`` are accepted.
+``skip_special_tokens`` and ``include_stop_str_in_output`` are accepted, and the
+structured-output fields of vLLM and SGLang (:mod:`omni_async.server.structured`).
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from .. import errors
 from ..config import SamplingParams
+from ..logs import log
 from .errors import invalid
 from .chat_messages import ChatMessage
-from .structured import ResponseFormat
+from .structured import ResponseFormat, StructuredOutputs, request_constraint
 from .tools import ToolChoice, ToolDefinition
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # the OpenAI default for /v1/completions
 DEFAULT_TEMPERATURE = 1.0  # the OpenAI default
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+_WARNED: set[str] = set()  # unknown field names already logged (once per name per process)
+
+
+def warn_unknown(names: Any) -> None:
+    """Log each unknown field name the first time a request sends it."""
+    for name in names:
+        if name not in _WARNED:
+            _WARNED.add(name)
+            log.warning("server_unknown_field_ignored", field=name)
+
+
+class Lenient(BaseModel):
+    """A request body as vLLM reads one: ``null`` means the field's default, and a field
+    this server does not know is dropped (logged once per name)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls_and_unknowns(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        known = {f.alias or name for name, f in cls.model_fields.items()} | set(cls.model_fields)
+        warn_unknown(sorted(k for k in data if k not in known))
+        return {k: v for k, v in data.items() if v is not None and k in known}
+
+
+class StreamOptions(Lenient):
     include_usage: bool = False
 
 
-class _Common(BaseModel):
+class _Common(Lenient):
     """Fields shared by completions and chat completions."""
-
-    model_config = ConfigDict(extra="forbid")
 
     model: str
     n: int = 1
@@ -56,6 +83,22 @@ class _Common(BaseModel):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
+    # structured output, as OpenAI, SGLang and vLLM (new and old names) take it
+    response_format: ResponseFormat | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    json_schema: Union[str, dict[str, Any], None] = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: Union[str, dict[str, Any], None] = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    prompt_logprobs: int | None = None  # vLLM's; refused (the engine scores no prompts yet)
+
+    def constraint(self) -> dict[str, Any]:
+        """The grammar fields for SamplingParams, from whichever field the client used."""
+        return request_constraint(self)
 
     def openai_penalties(self) -> dict[str, Any]:
         """``presence_penalty``, ``frequency_penalty`` and ``logit_bias`` (token ids as
@@ -66,20 +109,29 @@ class _Common(BaseModel):
         return out
 
     def check_supported(self) -> None:
+        if self.prompt_logprobs is not None:
+            raise invalid("prompt_logprobs is not supported: the engine returns log-probabilities of generated tokens only", "prompt_logprobs")
         if self.stream_options is not None and not self.stream:
             raise invalid("stream_options is only allowed when stream is true", "stream_options")
 
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
-    def sampling(self, max_tokens: int, *, top_logprobs: int | None, constraint: dict[str, Any] | None = None) -> SamplingParams:
+    def sampling(
+        self, max_tokens: int, *, top_logprobs: int | None, constraint: dict[str, Any] | None = None,
+        defaults: dict[str, Any] | None = None,
+    ) -> SamplingParams:
         """The engine's SamplingParams; its own validation names a bad value.
-        ``constraint``: the grammar fields (``json_schema``/``ebnf``) for the request."""
+        ``constraint``: the grammar fields (``json_schema``/``ebnf``) for the request;
+        ``defaults``: request fields' values where the request leaves them unset (the
+        checkpoint's generation_config.json)."""
         self.check_supported()
+        defaults = defaults or {}
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        temperature = self.temperature if self.temperature is not None else defaults.get("temperature", DEFAULT_TEMPERATURE)
         kw: dict[str, Any] = {
             "max_new_tokens": max_tokens,
-            "temperature": DEFAULT_TEMPERATURE if self.temperature is None else self.temperature,
+            "temperature": temperature,
             "n": self.n,
             "seed": self.seed,
             "stop": stop,
@@ -95,6 +147,9 @@ class _Common(BaseModel):
             "skip_special_tokens": self.skip_special_tokens,
             "include_stop_str_in_output": self.include_stop_str_in_output,
         }
+        for name, ours in (("top_p", "top_p"), ("top_k", "top_k"), ("min_p", "min_p"), ("repetition_penalty", "repetition_penalty")):
+            if optional[ours] is None and name in defaults:
+                optional[ours] = defaults[name]
         kw.update({k: v for k, v in optional.items() if v is not None})
         kw.update(self.openai_penalties())
         kw.update(constraint or {})
@@ -143,7 +198,7 @@ class ChatCompletionRequest(_Common):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    response_format: ResponseFormat | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
     tools: list[ToolDefinition] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None

@@ -9,7 +9,9 @@ from typing import Any
 
 from ..messages import CompletionOutput, GenerationResult, StreamDelta
 from ..text.tokenizer import Tokenizer
-from .tools import StreamParser, ToolPlan, parse_calls
+from .reasoning import ReasoningSplitter, split_whole
+from .tool_parsers import ToolStream, parse_output
+from .tools import ToolPlan
 
 
 @dataclass
@@ -21,9 +23,13 @@ class ResponseContext:
     tokenizer: Tokenizer | None
     logprobs: bool
     tools: ToolPlan | None = None  # chat with tools: calls are parsed out of the text
+    tool_format: str = "hermes"  # how the model writes calls (server.tool_parsers)
+    reasoning: bool = False  # chat on a <think> template: reasoning_content is split off
+    reasoning_inside: bool = False  # the prompt opened the <think> block
     id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
-    _parsers: dict[int, StreamParser] = field(default_factory=dict)
+    _parsers: dict[int, ToolStream] = field(default_factory=dict)
+    _splitters: dict[int, ReasoningSplitter] = field(default_factory=dict)
     _called: set[int] = field(default_factory=set)  # streamed choices that made a call
 
     def __post_init__(self) -> None:
@@ -89,13 +95,18 @@ class ResponseContext:
         text = out.text or ""
         lp = self.logprobs_of(out.output_ids, out.output_logprobs, out.top_logprobs)
         if self.kind == "chat":
+            reasoning = None
+            if self.reasoning:
+                reasoning, text = split_whole(text, self.reasoning_inside)
             message: dict[str, Any] = {"role": "assistant", "content": text}
             reason = out.finish_reason
             if self.tools is not None and self.tools.parse:
-                content, calls = parse_calls(text, self.tools)
+                content, calls = parse_output(text, self.tools, self.tool_format)
                 if calls:
                     message = {"role": "assistant", "content": content or None, "tool_calls": [c.openai() for c in calls]}
                     reason = _call_reason(reason)
+            if self.reasoning:
+                message["reasoning_content"] = reasoning
             return {"index": out.index, "message": message, "finish_reason": reason, "logprobs": lp}
         return {"index": out.index, "text": text, "finish_reason": out.finish_reason, "logprobs": lp}
 
@@ -125,12 +136,28 @@ class ResponseContext:
         return {"index": delta.index, "text": text, "finish_reason": reason, "logprobs": lp}
 
     def _chat_delta(self, index: int, text: str, *, finished: bool) -> dict[str, Any]:
+        reasoning = ""
+        if self.reasoning:
+            splitter = self._splitters.setdefault(index, ReasoningSplitter(self.reasoning_inside))
+            reasoning, text = splitter.feed(text)
+            if finished:
+                more_r, more_c = splitter.flush()
+                reasoning, text = reasoning + more_r, text + more_c
+        body = self._tool_delta(index, text, finished=finished)
+        if reasoning:
+            body = {"reasoning_content": reasoning, **body}
+        return body
+
+    def _tool_delta(self, index: int, text: str, *, finished: bool) -> dict[str, Any]:
         if self.tools is None or not self.tools.parse:
-            return {"content": text}
-        parser = self._parsers.setdefault(index, StreamParser(self.tools))
+            if not self.reasoning:
+                return {"content": text}
+            return {"content": text} if text else {}
+        parser = self._parsers.setdefault(index, ToolStream(self.tools, self.tool_format))
         content, calls = parser.feed(text)
         if finished:
-            content += parser.flush()
+            rest, more = parser.finish()
+            content, calls = content + rest, calls + more
         body: dict[str, Any] = {"content": content} if content else {}
         if calls:
             first = parser.calls - len(calls)
@@ -141,9 +168,18 @@ class ResponseContext:
     def final_choice(self, index: int, reason: str | None) -> dict[str, Any]:
         if self.kind == "chat":
             delta: dict[str, Any] = {}
-            if index in self._parsers:
-                rest = self._parsers[index].flush()
+            if index in self._splitters:
+                reasoning, text = self._splitters[index].flush()
+                delta = self._tool_delta(index, text, finished=True)
+                if reasoning:
+                    delta["reasoning_content"] = reasoning
+            elif index in self._parsers:
+                rest, calls = self._parsers[index].finish()
                 delta = {"content": rest} if rest else {}
+                if calls:
+                    first = self._parsers[index].calls - len(calls)
+                    delta["tool_calls"] = [c.openai(first + i) for i, c in enumerate(calls)]
+                    self._called.add(index)
             if index in self._called:
                 reason = _call_reason(reason)
             return {"index": index, "delta": delta, "finish_reason": reason, "logprobs": None}

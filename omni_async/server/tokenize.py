@@ -17,8 +17,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict
 
 from .. import errors
-from ..text.chat import chat_template_of, render_chat_ids, template_names
-from .chat_messages import ChatMessage, check_fields_read, template_messages
+from .chat_messages import ChatMessage
 from .tools import ToolDefinition, plan_tools
 
 if TYPE_CHECKING:
@@ -39,6 +38,7 @@ class TokenizeChat(BaseModel):
     messages: list[ChatMessage]
     add_generation_prompt: bool = True
     tools: list[ToolDefinition] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class Detokenize(BaseModel):
@@ -57,12 +57,8 @@ def tokenize_ids(server: "OpenAIServer", body: Union[TokenizeCompletion, Tokeniz
     tokenizer = _tokenizer(server)
     if isinstance(body, TokenizeCompletion):
         return tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
-    reads = template_names(chat_template_of(tokenizer))
-    tools = plan_tools(body.tools, None, None, reads).tools
-    messages = template_messages(body.messages)
-    ids = render_chat_ids(tokenizer, messages, add_generation_prompt=body.add_generation_prompt, tools=tools)
-    check_fields_read(messages)
-    return ids
+    tools = plan_tools(body.tools, None, None, frozenset({"tools"})).tools
+    return server.render(body.messages, tools, add_generation_prompt=body.add_generation_prompt, template_kwargs=body.chat_template_kwargs)
 
 
 def detokenize_text(server: "OpenAIServer", body: Detokenize) -> str:

@@ -19,17 +19,21 @@ from .tokenizer import Tokenizer
 
 
 def render_chat_ids(
-    tokenizer: Tokenizer | None, messages: Any, *, add_generation_prompt: bool = True, tools: list[dict[str, Any]] | None = None
+    tokenizer: Tokenizer | None, messages: Any, *, add_generation_prompt: bool = True, tools: list[dict[str, Any]] | None = None,
+    template_kwargs: Mapping[str, Any] | None = None,
 ) -> list[int]:
     """The prompt ids of a conversation, or InvalidRequestError saying what is wrong.
     ``tools`` (OpenAI tool definitions) reach the template as ``tools``, as transformers'
-    ``apply_chat_template(tools=...)`` passes them."""
+    ``apply_chat_template(tools=...)`` passes them; ``template_kwargs`` (e.g.
+    ``enable_thinking``) are further template variables, as its ``**kwargs`` are."""
     if tokenizer is None:
         raise errors.InvalidRequestError(
             "this model has no tokenizer (no tokenizer.json in its folder): chat messages need one"
         )
     template = chat_template_of(tokenizer)
-    text = render_chat_text(template, _checked(messages), add_generation_prompt, _special_tokens(tokenizer), tools=tools)
+    text = render_chat_text(
+        template, _checked(messages), add_generation_prompt, _special_tokens(tokenizer), tools=tools, template_kwargs=template_kwargs
+    )
     if not text:
         raise errors.InvalidRequestError("the chat template rendered an empty prompt")
     return tokenizer.encode(text, add_special_tokens=False)
@@ -57,13 +61,18 @@ def render_chat_text(
     special: Mapping[str, str],
     *,
     tools: list[dict[str, Any]] | None = None,
+    template_kwargs: Mapping[str, Any] | None = None,
 ) -> str:
+    extra = dict(template_kwargs or {})
+    taken = sorted(set(extra) & {"messages", "add_generation_prompt", "tools", "documents"})
+    if taken:
+        raise errors.InvalidRequestError(f"chat_template_kwargs cannot set {', '.join(taken)}")
     try:
         compiled = _compile(template)
     except Exception as exc:  # a template the environment cannot parse
         raise errors.InvalidRequestError(f"the model's chat template does not compile: {exc}") from exc
     try:
-        return compiled.render(messages=messages, add_generation_prompt=add_generation_prompt, tools=tools or None, documents=None, **special)
+        return compiled.render(messages=messages, add_generation_prompt=add_generation_prompt, tools=tools or None, documents=None, **{**special, **extra})
     except errors.InvalidRequestError:
         raise
     except Exception as exc:
