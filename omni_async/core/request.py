@@ -47,6 +47,9 @@ class Request:
     # Structured output: the request's grammar matcher (``structured.grammar``), advanced
     # by every token the request keeps; None for a free request.
     matcher: Any = None
+    # Rows added to the inputs of its positions from outside (a talker fed by a
+    # thinker's hidden states, ``core.conditioning``); None for a plain request.
+    conditioning: Any = None
     _stop_ids: frozenset[int] | None = field(default=None, repr=False)
 
     @property
