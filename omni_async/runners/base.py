@@ -259,10 +259,13 @@ class ModelRunner(RunnerHooks):
         live = [i for i, (k, r, e) in enumerate(zip(kept, reqs, epochs)) if k and r.finish_reason is None and r.epoch == e]
         taken = live if all(ok) else [i for i in live if ok[i]]
         row_errors = {} if taken is live else {i: NO_TOKEN_MESSAGE for i in live if not ok[i]}
+        hidden = result.hidden_states
+        if hidden is not None and (hidden.dim() < 2 or hidden.shape[-2] != batch.size):
+            hidden = None  # not one row per sampled row (e.g. a hook's capture of every position)
         out = ModelRunnerOutput(
             requests=requests, token_ids=token_ids, logprobs=logprobs, row_errors=row_errors, taken=taken,
             can_run_cuda_graph=result.can_run_cuda_graph, row_steps=steps,
-            hidden_states=result.hidden_states, hidden_for_all=self.capture_hidden,
+            hidden_states=hidden, hidden_for_all=self.capture_hidden,
             prompt_hidden=result.prompt_hidden,
         )
         if result.top_ids is not None or self.wants_request_outputs(result):

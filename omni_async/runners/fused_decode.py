@@ -218,6 +218,8 @@ class FusedDecode:
         or None (none captured for that count)."""
         if widest > self.max_pages:
             return None
+        if self.model.thinker_to_talker_proj is not None and self.cond is None:
+            return None  # captured before the projection was attached: they ignore it
         bucket = next((b for b in self.buckets if b >= rows), None)
         return bucket if bucket is not None and steps in self.wanted[bucket] else None
 

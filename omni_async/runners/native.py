@@ -353,6 +353,8 @@ class NativeModelRunner(ModelRunner):
         graphs = self.graphs
         if graphs is None or not graphs.fits(batch.size, rows.widest):
             return None
+        if self.model.thinker_to_talker_proj is not None and graphs.cond_rows is None:
+            return None  # captured before the projection was attached: they ignore it
         return tables
 
     def enable_cuda_graphs(self, *, scratch_page: int, max_len: int, max_batch: int) -> None:
