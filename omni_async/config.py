@@ -61,6 +61,12 @@ class SamplingParams:
     # "processed": logprobs of the distribution sampled from (after penalties,
     # temperature and filters); "raw": log_softmax of the model's logits.
     logprobs_mode: Literal["processed", "raw"] = "processed"
+    # The decoder's final hidden state (after its final norm) at the position that
+    # produced each output token, one row per token (``result.hidden_states``,
+    # ``delta.hidden_states``), on the stage's device; and of every prompt position
+    # (``result.prompt_hidden_states``).
+    return_hidden_states: bool = False
+    return_prompt_hidden_states: bool = False
     # Text-level options, applied by the Engine (the scheduler ignores them).
     stop: list[str] = field(default_factory=list)
     include_stop_str_in_output: bool = False
@@ -127,8 +133,9 @@ class SamplingParams:
             setattr(self, name, [int(t) for t in values])
         if not isinstance(self.ignore_eos, bool):
             raise bad(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
-        if not isinstance(self.return_logprob, bool):
-            raise bad(f"return_logprob must be a bool, got {self.return_logprob!r}")
+        for name in ("return_logprob", "return_hidden_states", "return_prompt_hidden_states"):
+            if not isinstance(getattr(self, name), bool):
+                raise bad(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.logprobs_mode not in ("processed", "raw"):
             raise bad(f"logprobs_mode must be 'processed' or 'raw', got {self.logprobs_mode!r}")
         self._validate_text_options(bad)
