@@ -181,9 +181,14 @@ class DecoderModel(nn.Module):
         ctx: AttentionContext,
         return_hidden: bool = False,
         float_logits: bool = True,
+        input_embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """``input_embeds``: (flat row indices, their ``[n, hidden]`` rows) that replace
+        those rows' token embeddings (a prompt given as embeddings)."""
         _prefer_page_gather(ctx, kv.page_size)
         x = self.model.embed_tokens(input_ids)
+        if input_embeds is not None:
+            x.index_copy_(0, input_embeds[0], input_embeds[1].to(x.dtype))
         cos, sin = self.rope(positions, x.dtype)
         delta = None
         for layer in self.model.layers:

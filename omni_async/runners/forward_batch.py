@@ -25,6 +25,8 @@ class ForwardBatch:
     sample_indices_dev: torch.Tensor
     block_tables: torch.Tensor | None = None  # set when the step replays a CUDA graph
     capture_hidden: bool = False  # the step hands out each sampled row's hidden state
+    # Prefill rows of prompts given as embeddings: (flat row indices, their rows), on the device.
+    input_embeds: tuple[torch.Tensor, torch.Tensor] | None = None
     # A multi-step decode (decode_steps > 1): forwards per row on the device, the rows'
     # page tables, and the widest context of the first forward.
     row_steps: torch.Tensor | None = None

@@ -278,7 +278,29 @@ class NativeModelRunner(ModelRunner):
             ctx.seq_slices = list(zip(starts.tolist(), n.tolist(), prefix.tolist()))
             ctx.seq_kv_slots = [self._seq_slots(int(s), int(p + k)) for s, p, k in zip(rows.slots, prefix, n)]
             ctx.cpu_prefill = self.cpu_fused_ops
-        return ForwardBatch(input_ids, positions, ctx, batch, rows, sidx, sidx_dev)
+        fb = ForwardBatch(input_ids, positions, ctx, batch, rows, sidx, sidx_dev)
+        fb.input_embeds = self._prompt_embeds(batch, starts, prefix, n)
+        return fb
+
+    def _prompt_embeds(self, batch: ScheduledBatch, starts: np.ndarray, prefix: np.ndarray, n: np.ndarray):
+        """The flat rows of this extend that lie in a prompt given as embeddings, and
+        those embeddings (a row covers positions ``[prefix, prefix + n)``: a chunk takes
+        its slice, a re-prefill after retraction the prompt part again, and the tokens
+        generated after the prompt keep their ids); None when no row has any."""
+        flat, values = [], []
+        for i, req in enumerate(batch.reqs):
+            embeds = getattr(req.data, "input_embeds", None)
+            if embeds is None:
+                continue
+            lo, hi = int(prefix[i]), min(int(prefix[i] + n[i]), int(embeds.shape[0]))
+            if hi > lo:
+                flat.append(np.arange(starts[i], starts[i] + hi - lo))
+                values.append(embeds[lo:hi])
+        if not flat:
+            return None
+        dev = self.device  # the model casts them to its dtype
+        rows = torch.from_numpy(np.concatenate(flat)).to(dev, non_blocking=True)
+        return rows, torch.cat([v.to(dev) for v in values])
 
     def _seq_slots(self, slot: int, length: int) -> torch.Tensor:
         ps = self.page_size
@@ -333,12 +355,14 @@ class NativeModelRunner(ModelRunner):
             )
             greedy = None if out.greedy_tokens is None else (out.greedy_tokens, out.greedy_ok)
             return BatchResult(logits=out.logits, can_run_cuda_graph=True, graph_greedy=greedy)
+        embeds = forward_batch.input_embeds
         if forward_batch.capture_hidden:
             logits, hidden = self.model(
-                forward_batch.input_ids, forward_batch.positions, self.kv, forward_batch.ctx, return_hidden=True
+                forward_batch.input_ids, forward_batch.positions, self.kv, forward_batch.ctx, return_hidden=True,
+                input_embeds=embeds,
             )
             return BatchResult(logits=logits, hidden_states=hidden)
-        logits = self.model(forward_batch.input_ids, forward_batch.positions, self.kv, forward_batch.ctx)
+        logits = self.model(forward_batch.input_ids, forward_batch.positions, self.kv, forward_batch.ctx, input_embeds=embeds)
         return BatchResult(logits=logits)
 
     # ------------------------------------------------------------ sampling state

@@ -23,7 +23,7 @@ from ..core.request import Request, RequestData
 from ..logs import debug_enabled, log
 from ..messages import IncomingMessage, RequestPayload
 from .weak import weak_method
-from .request_checks import check_capacity, check_input_ids, check_sampling_vocab
+from .request_checks import EMBEDS_PLACEHOLDER_ID, check_capacity, check_embeds_request, check_input_ids, check_sampling_vocab
 from ..structured.gate import GrammarGate
 from .emission import Emission
 from .guard import call_user
@@ -49,6 +49,9 @@ class ModelLimits:
     eos_token_ids: tuple[int, ...] = ()
     # Compiles the grammars of constrained requests (None: the model has no tokenizer).
     grammar_compiler: Any = None
+    # The width of the rows of ``input_embeds`` (the model's hidden size); None: the
+    # stage takes no prompts as embeddings.
+    hidden_size: int | None = None
 
 
 class Intake:
@@ -199,7 +202,7 @@ class Intake:
             self.emission.reject(payload.request_id, err)
 
     def _payload_from_dict(self, rid: str, raw: dict[str, Any]) -> RequestPayload | None:
-        known = {"request_id", "input_ids", "sampling", "metadata"}
+        known = {"request_id", "input_ids", "input_embeds", "sampling", "metadata"}
         try:
             unknown = sorted(str(k) for k in set(raw) - known)
             if unknown:
@@ -213,6 +216,7 @@ class Intake:
             return RequestPayload(
                 request_id=raw.get("request_id", rid),
                 input_ids=raw.get("input_ids") or [],
+                input_embeds=raw.get("input_embeds"),
                 sampling=sampling if isinstance(sampling, SamplingParams) else SamplingParams.from_dict(sampling),
                 metadata=dict(metadata or {}),
             )
@@ -300,6 +304,8 @@ class Intake:
         if not isinstance(sampling, SamplingParams):
             raise errors.InvalidRequestError("sampling must be a SamplingParams")
         lim = self.limits
+        if getattr(payload, "input_embeds", None) is not None:
+            return self._embeds_request(payload, sampling)
         if hasattr(payload.input_ids, "__len__") and len(payload.input_ids) >= lim.context_length:
             # O(1), before the per-token checks of a huge prompt
             check_capacity(len(payload.input_ids), sampling.max_new_tokens, lim.context_length, lim.kv_capacity_tokens)
@@ -308,6 +314,18 @@ class Intake:
         check_sampling_vocab(sampling, lim.vocab_size)
         req = Request(rid=payload.request_id, prompt_ids=ids, sampling=sampling, eos_token_ids=self.limits.eos_token_ids)
         return RequestData(req=req, payload=payload)
+
+    def _embeds_request(self, payload: RequestPayload, sampling: SamplingParams) -> RequestData:
+        """A prompt given as embeddings: the core sees one placeholder id per row (so
+        lengths, chunks and retraction work unchanged), the runner reads the rows from
+        ``RequestData.input_embeds``, and the prefix cache leaves the request alone."""
+        if len(payload.input_ids or ()):
+            raise errors.InvalidRequestError("give either input_ids or input_embeds, not both")
+        sampling.validate()
+        embeds = check_embeds_request(payload.input_embeds, sampling, self.limits)
+        ids = [EMBEDS_PLACEHOLDER_ID] * int(embeds.shape[0])
+        req = Request(rid=payload.request_id, prompt_ids=ids, sampling=sampling, eos_token_ids=self.limits.eos_token_ids)
+        return RequestData(req=req, payload=payload, input_embeds=embeds)
 
     # ------------------------------------------------------------ stream input
 
@@ -373,8 +391,13 @@ class Intake:
 
 
 def _prompt_len(data: Any) -> int:
-    ids = data.get("input_ids") if isinstance(data, dict) else getattr(data, "input_ids", None)
-    return len(ids) if hasattr(ids, "__len__") else 0
+    get = data.get if isinstance(data, dict) else lambda name: getattr(data, name, None)
+    embeds = get("input_embeds")
+    ids = get("input_ids") if embeds is None else embeds  # an [L, H] prompt has L positions
+    try:
+        return len(ids)
+    except TypeError:  # malformed: refused when built
+        return 0
 
 
 def _malformed(msg: Any) -> str | None:
