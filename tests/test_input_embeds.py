@@ -179,3 +179,11 @@ async def test_greedy_matches_transformers_inputs_embeds(hf_checkpoints, family)
         got = await asyncio.gather(*[engine.generate(input_embeds=e, sampling=SamplingParams(max_new_tokens=12, min_new_tokens=12)) for e in embeds])
     assert [g.output_ids for g in got] == expected
     assert_kv_free(engine)
+
+
+async def test_tensor_parallel_refuses_embeddings_at_the_door(hf_checkpoints):
+    engine = Engine.from_pretrained(str(hf_checkpoints["llama"]), tensor_parallel_size=2, page_size=8)
+    async with engine:
+        with pytest.raises(errors.InvalidRequestError, match="input_embeds"):
+            await engine.submit(input_embeds=torch.zeros(3, 64))
+        assert len((await engine.generate(input_ids=[5, 6, 7], sampling=greedy(4))).output_ids) == 4
