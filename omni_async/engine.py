@@ -33,7 +33,8 @@ from .stage.heap import configure_gc
 from .logs import log
 from .client.loopbridge import call_soon_on, maybe_marshal, running_asyncio_loop
 from .messages import GenerationResult, IncomingMessage, RequestPayload, StreamDelta
-from .stage.request_checks import EMBEDS_PLACEHOLDER_ID, check_embeds_request, check_request
+from .stage.prompt_embeds import EMBEDS_PLACEHOLDER_ID, check_embeds_request
+from .stage.request_checks import check_request
 from .scheduler import AsyncOmniScheduler
 from .stage.weak import weak_method
 from .text.tokenizer import Tokenizer
@@ -342,7 +343,7 @@ class Engine:
                 raise errors.InvalidRequestError("empty prompt")
             return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
         if input_ids is None:
-            raise errors.InvalidRequestError("empty prompt: give prompt, input_ids or messages")
+            raise errors.InvalidRequestError("empty prompt: give prompt, input_ids, messages or input_embeds")
         return input_ids  # checked against the vocabulary by check_request
 
     # ------------------------------------------------------------ admin

@@ -37,3 +37,26 @@ class ForwardBatch:
     all_kv_lens: torch.Tensor | None = None  # [k, B]: each forward's attended length
     all_sample_indices: torch.Tensor | None = None  # [k, B]: each forward's generation indices
     sampling: SamplingBatch | None = None  # the first forward's, for the later ones to reuse
+
+
+def prompt_embeds(
+    batch: ScheduledBatch, starts: np.ndarray, prefix: np.ndarray, n: np.ndarray, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """An extend's flat rows that lie in a prompt given as embeddings, and those rows on
+    ``device`` (row ``i`` covers positions ``[prefix[i], prefix[i] + n[i])`` from flat
+    row ``starts[i]``: a chunk takes its slice, a re-prefill after retraction the prompt
+    part again, and tokens generated after the prompt keep their ids); None when no
+    row has any. The model casts them to its dtype."""
+    flat, values = [], []
+    for i, req in enumerate(batch.reqs):
+        embeds = getattr(req.data, "input_embeds", None)
+        if embeds is None:
+            continue
+        lo, hi = int(prefix[i]), min(int(prefix[i] + n[i]), int(embeds.shape[0]))
+        if hi > lo:
+            flat.append(np.arange(starts[i], starts[i] + hi - lo))
+            values.append(embeds[lo:hi])
+    if not flat:
+        return None
+    rows = torch.from_numpy(np.concatenate(flat)).to(device, non_blocking=True)
+    return rows, torch.cat([v.to(device) for v in values])

@@ -24,7 +24,7 @@ from .sampling import SampleResult, SamplingBatch, sample
 from .base import ModelRunner
 from .hooks import hidden_states_only
 from .cuda_graphs import DecodeGraphs
-from .forward_batch import ForwardBatch
+from .forward_batch import ForwardBatch, prompt_embeds
 from .fused_decode import FusedBatch, FusedDecode, leaves_hooks
 from .fused_split import merge_fused, merge_rest, plan_fused
 from .graph_sampling import SamplingGraphs
@@ -279,28 +279,8 @@ class NativeModelRunner(ModelRunner):
             ctx.seq_kv_slots = [self._seq_slots(int(s), int(p + k)) for s, p, k in zip(rows.slots, prefix, n)]
             ctx.cpu_prefill = self.cpu_fused_ops
         fb = ForwardBatch(input_ids, positions, ctx, batch, rows, sidx, sidx_dev)
-        fb.input_embeds = self._prompt_embeds(batch, starts, prefix, n)
+        fb.input_embeds = prompt_embeds(batch, starts, prefix, n, dev)
         return fb
-
-    def _prompt_embeds(self, batch: ScheduledBatch, starts: np.ndarray, prefix: np.ndarray, n: np.ndarray):
-        """The flat rows of this extend that lie in a prompt given as embeddings, and
-        those embeddings (a row covers positions ``[prefix, prefix + n)``: a chunk takes
-        its slice, a re-prefill after retraction the prompt part again, and the tokens
-        generated after the prompt keep their ids); None when no row has any."""
-        flat, values = [], []
-        for i, req in enumerate(batch.reqs):
-            embeds = getattr(req.data, "input_embeds", None)
-            if embeds is None:
-                continue
-            lo, hi = int(prefix[i]), min(int(prefix[i] + n[i]), int(embeds.shape[0]))
-            if hi > lo:
-                flat.append(np.arange(starts[i], starts[i] + hi - lo))
-                values.append(embeds[lo:hi])
-        if not flat:
-            return None
-        dev = self.device  # the model casts them to its dtype
-        rows = torch.from_numpy(np.concatenate(flat)).to(dev, non_blocking=True)
-        return rows, torch.cat([v.to(dev) for v in values])
 
     def _seq_slots(self, slot: int, length: int) -> torch.Tensor:
         ps = self.page_size

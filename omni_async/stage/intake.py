@@ -23,7 +23,8 @@ from ..core.request import Request, RequestData
 from ..logs import debug_enabled, log
 from ..messages import IncomingMessage, RequestPayload
 from .weak import weak_method
-from .request_checks import EMBEDS_PLACEHOLDER_ID, check_capacity, check_embeds_request, check_input_ids, check_sampling_vocab
+from .request_checks import check_capacity, check_input_ids, check_sampling_vocab
+from .prompt_embeds import embeds_request_data, payload_prompt_len
 from ..structured.gate import GrammarGate
 from .emission import Emission
 from .guard import call_user
@@ -49,9 +50,7 @@ class ModelLimits:
     eos_token_ids: tuple[int, ...] = ()
     # Compiles the grammars of constrained requests (None: the model has no tokenizer).
     grammar_compiler: Any = None
-    # The width of the rows of ``input_embeds`` (the model's hidden size); None: the
-    # stage takes no prompts as embeddings.
-    hidden_size: int | None = None
+    hidden_size: int | None = None  # the width of input_embeds rows; None: the stage takes none
 
 
 class Intake:
@@ -127,7 +126,7 @@ class Intake:
                 self._count_out(rid)
                 self._offer(rid, msg.data)
                 if cold_budget is not None:
-                    cold_budget -= _prompt_len(msg.data)
+                    cold_budget -= payload_prompt_len(msg.data)
                     if cold_budget <= 0:
                         break
             elif msg.type == "stream_chunk":
@@ -305,7 +304,7 @@ class Intake:
             raise errors.InvalidRequestError("sampling must be a SamplingParams")
         lim = self.limits
         if getattr(payload, "input_embeds", None) is not None:
-            return self._embeds_request(payload, sampling)
+            return embeds_request_data(payload, sampling, lim)
         if hasattr(payload.input_ids, "__len__") and len(payload.input_ids) >= lim.context_length:
             # O(1), before the per-token checks of a huge prompt
             check_capacity(len(payload.input_ids), sampling.max_new_tokens, lim.context_length, lim.kv_capacity_tokens)
@@ -314,18 +313,6 @@ class Intake:
         check_sampling_vocab(sampling, lim.vocab_size)
         req = Request(rid=payload.request_id, prompt_ids=ids, sampling=sampling, eos_token_ids=self.limits.eos_token_ids)
         return RequestData(req=req, payload=payload)
-
-    def _embeds_request(self, payload: RequestPayload, sampling: SamplingParams) -> RequestData:
-        """A prompt given as embeddings: the core sees one placeholder id per row (so
-        lengths, chunks and retraction work unchanged), the runner reads the rows from
-        ``RequestData.input_embeds``, and the prefix cache leaves the request alone."""
-        if len(payload.input_ids or ()):
-            raise errors.InvalidRequestError("give either input_ids or input_embeds, not both")
-        sampling.validate()
-        embeds = check_embeds_request(payload.input_embeds, sampling, self.limits)
-        ids = [EMBEDS_PLACEHOLDER_ID] * int(embeds.shape[0])
-        req = Request(rid=payload.request_id, prompt_ids=ids, sampling=sampling, eos_token_ids=self.limits.eos_token_ids)
-        return RequestData(req=req, payload=payload, input_embeds=embeds)
 
     # ------------------------------------------------------------ stream input
 
@@ -388,16 +375,6 @@ class Intake:
 
     def add_tombstone(self, rid: str, *, handled: bool) -> None:
         self.tombstones.put(rid, handled)
-
-
-def _prompt_len(data: Any) -> int:
-    get = data.get if isinstance(data, dict) else lambda name: getattr(data, name, None)
-    embeds = get("input_embeds")
-    ids = get("input_ids") if embeds is None else embeds  # an [L, H] prompt has L positions
-    try:
-        return len(ids)
-    except TypeError:  # malformed: refused when built
-        return 0
 
 
 def _malformed(msg: Any) -> str | None:
