@@ -253,13 +253,7 @@ class Engine:
         self, prompt: Any, input_ids: Any, messages: Any, sampling: Any, request_id: Any, metadata: Any, add_special_tokens: bool,
         input_embeds: Any = None,
     ) -> RequestHandle:
-        if input_embeds is not None:
-            given = [n for n, v in (("prompt", prompt), ("input_ids", input_ids), ("messages", messages)) if v is not None]
-            if given:
-                raise errors.InvalidRequestError(f"give either input_embeds or {' and '.join(given)}, not both")
-            ids: Any = []
-        else:
-            ids = self._input_ids(prompt, input_ids, messages, add_special_tokens)
+        ids = self._input_ids(prompt, input_ids, messages, add_special_tokens, input_embeds)
         sampling = _sampling_of(sampling)
         if metadata is not None and not isinstance(metadata, dict):
             raise errors.InvalidRequestError(f"metadata must be a dict, got {type(metadata).__name__}")
@@ -326,10 +320,15 @@ class Engine:
         if handle is not None:
             self._router.abort(handle)
 
-    def _input_ids(self, prompt: Any, input_ids: Any, messages: Any, add_special_tokens: bool) -> Any:
-        given = [n for n, v in (("prompt", prompt), ("input_ids", input_ids), ("messages", messages)) if v is not None]
+    def _input_ids(self, prompt: Any, input_ids: Any, messages: Any, add_special_tokens: bool, input_embeds: Any = None) -> Any:
+        given = [n for n, v in (("prompt", prompt), ("input_ids", input_ids), ("messages", messages),
+                                ("input_embeds", input_embeds)) if v is not None]
         if len(given) > 1:
-            raise errors.InvalidRequestError(f"give either prompt or input_ids or messages, not {' and '.join(given)}")
+            raise errors.InvalidRequestError(
+                f"give either prompt or input_ids or messages or input_embeds, not {' and '.join(given)}"
+            )
+        if input_embeds is not None:
+            return []  # the rows are checked by check_embeds_request
         if messages is not None:
             return render_chat_ids(self.tokenizer, messages)
         if prompt is not None:
