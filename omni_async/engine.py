@@ -33,6 +33,7 @@ from .stage.heap import configure_gc
 from .logs import log
 from .client.loopbridge import call_soon_on, maybe_marshal, running_asyncio_loop
 from .messages import GenerationResult, IncomingMessage, RequestPayload, StreamDelta
+from .stage.prompt_embeds import EMBEDS_PLACEHOLDER_ID, check_embeds_request
 from .stage.request_checks import check_request
 from .scheduler import AsyncOmniScheduler
 from .stage.weak import weak_method
@@ -229,10 +230,15 @@ class Engine:
         request_id: str | None = None,
         metadata: dict[str, Any] | None = None,
         add_special_tokens: bool = True,
+        input_embeds: Any = None,
         **unknown: Any,
     ) -> RequestHandle:
         """Validate the request against the model's limits (raising the typed error now),
-        then send it; the handle streams or awaits its output."""
+        then send it; the handle streams or awaits its output.
+
+        ``input_embeds``: the prompt as a ``[L, hidden_size]`` float tensor (or numpy
+        array, or nested list) used in place of the token embeddings, instead of
+        ``prompt`` / ``input_ids`` / ``messages`` (docs/omni-data-path.md)."""
         if unknown:
             raise errors.InvalidRequestError(f"unknown request field(s): {', '.join(sorted(unknown))}")
         if self._closed or self.scheduler.closed:
@@ -240,13 +246,14 @@ class Engine:
         await self.start()
         return await maybe_marshal(
             self._loop,
-            lambda: self._submit_here(prompt, input_ids, messages, sampling, request_id, metadata, add_special_tokens),
+            lambda: self._submit_here(prompt, input_ids, messages, sampling, request_id, metadata, add_special_tokens, input_embeds),
         )
 
     async def _submit_here(
-        self, prompt: Any, input_ids: Any, messages: Any, sampling: Any, request_id: Any, metadata: Any, add_special_tokens: bool
+        self, prompt: Any, input_ids: Any, messages: Any, sampling: Any, request_id: Any, metadata: Any, add_special_tokens: bool,
+        input_embeds: Any = None,
     ) -> RequestHandle:
-        ids = self._input_ids(prompt, input_ids, messages, add_special_tokens)
+        ids = self._input_ids(prompt, input_ids, messages, add_special_tokens, input_embeds)
         sampling = _sampling_of(sampling)
         if metadata is not None and not isinstance(metadata, dict):
             raise errors.InvalidRequestError(f"metadata must be a dict, got {type(metadata).__name__}")
@@ -258,7 +265,11 @@ class Engine:
             raise errors.RequestRejectedError(f"duplicate request id {rid!r}: a request with this id is active")
         if sampling.stop and self.tokenizer is None:
             raise errors.InvalidRequestError("stop strings need a tokenizer, and this model has none: use stop_token_ids")
-        ids = check_request(ids, sampling, self.scheduler.limits)
+        if input_embeds is not None:
+            input_embeds = check_embeds_request(input_embeds, sampling, self.scheduler.limits)
+            ids = [EMBEDS_PLACEHOLDER_ID] * int(input_embeds.shape[0])  # what the result reports as prompt_ids
+        else:
+            ids = check_request(ids, sampling, self.scheduler.limits)
         per_sub = [sampling] if sampling.n == 1 else [
             dataclasses.replace(sampling, n=1, seed=completion_seed(sampling.seed, i)) for i in range(sampling.n)
         ]
@@ -266,7 +277,8 @@ class Engine:
         handle = RequestHandle(rid, comps, ids, self._router.hooks)
         try:
             for sub, sp in zip(subs, per_sub):
-                payload = RequestPayload(request_id=sub, input_ids=list(ids), sampling=sp, metadata=dict(metadata or {}))
+                payload = RequestPayload(request_id=sub, input_ids=[] if input_embeds is not None else list(ids), sampling=sp,
+                                         metadata=dict(metadata or {}), input_embeds=input_embeds)
                 self.scheduler.inbox.send_nowait(IncomingMessage(sub, "new_request", payload))
                 self._router.route(sub, handle)
         except (anyio.ClosedResourceError, anyio.BrokenResourceError):
@@ -278,24 +290,24 @@ class Engine:
     async def generate(
         self, prompt: str | None = None, *, input_ids: list[int] | None = None, messages: list[dict[str, Any]] | None = None,
         sampling: SamplingParams | dict[str, Any] | None = None, request_id: str | None = None,
-        metadata: dict[str, Any] | None = None, add_special_tokens: bool = True, **unknown: Any,
+        metadata: dict[str, Any] | None = None, add_special_tokens: bool = True, input_embeds: Any = None, **unknown: Any,
     ) -> GenerationResult:
         """Submit one request and await its result (the arguments of :meth:`submit`)."""
         handle = await self.submit(
             prompt, input_ids=input_ids, messages=messages, sampling=sampling, request_id=request_id,
-            metadata=metadata, add_special_tokens=add_special_tokens, **unknown,
+            metadata=metadata, add_special_tokens=add_special_tokens, input_embeds=input_embeds, **unknown,
         )
         return await handle.result()
 
     async def stream(
         self, prompt: str | None = None, *, input_ids: list[int] | None = None, messages: list[dict[str, Any]] | None = None,
         sampling: SamplingParams | dict[str, Any] | None = None, request_id: str | None = None,
-        metadata: dict[str, Any] | None = None, add_special_tokens: bool = True, **unknown: Any,
+        metadata: dict[str, Any] | None = None, add_special_tokens: bool = True, input_embeds: Any = None, **unknown: Any,
     ) -> AsyncIterator[StreamDelta]:
         """Submit one request and yield its deltas (the arguments of :meth:`submit`)."""
         handle = await self.submit(
             prompt, input_ids=input_ids, messages=messages, sampling=sampling, request_id=request_id,
-            metadata=metadata, add_special_tokens=add_special_tokens, **unknown,
+            metadata=metadata, add_special_tokens=add_special_tokens, input_embeds=input_embeds, **unknown,
         )
         async for delta in handle:
             yield delta
@@ -308,10 +320,15 @@ class Engine:
         if handle is not None:
             self._router.abort(handle)
 
-    def _input_ids(self, prompt: Any, input_ids: Any, messages: Any, add_special_tokens: bool) -> Any:
-        given = [n for n, v in (("prompt", prompt), ("input_ids", input_ids), ("messages", messages)) if v is not None]
+    def _input_ids(self, prompt: Any, input_ids: Any, messages: Any, add_special_tokens: bool, input_embeds: Any = None) -> Any:
+        given = [n for n, v in (("prompt", prompt), ("input_ids", input_ids), ("messages", messages),
+                                ("input_embeds", input_embeds)) if v is not None]
         if len(given) > 1:
-            raise errors.InvalidRequestError(f"give either prompt or input_ids or messages, not {' and '.join(given)}")
+            raise errors.InvalidRequestError(
+                f"give either prompt or input_ids or messages or input_embeds, not {' and '.join(given)}"
+            )
+        if input_embeds is not None:
+            return []  # the rows are checked by check_embeds_request
         if messages is not None:
             return render_chat_ids(self.tokenizer, messages)
         if prompt is not None:
@@ -325,7 +342,7 @@ class Engine:
                 raise errors.InvalidRequestError("empty prompt")
             return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
         if input_ids is None:
-            raise errors.InvalidRequestError("empty prompt: give prompt, input_ids or messages")
+            raise errors.InvalidRequestError("empty prompt: give prompt, input_ids, messages or input_embeds")
         return input_ids  # checked against the vocabulary by check_request
 
     # ------------------------------------------------------------ admin

@@ -45,6 +45,9 @@ class RequestPayload:
     metadata: dict[str, Any] = field(default_factory=dict)
     prefetched_chunks: list[Any] = field(default_factory=list)
     prefetched_stream_done: bool = False
+    # The prompt as embeddings instead (a ``[L, hidden_size]`` float tensor, numpy array
+    # or nested list), with ``input_ids`` left empty; see docs/omni-data-path.md.
+    input_embeds: Any = None
 
 
 @dataclass

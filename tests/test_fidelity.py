@@ -74,7 +74,7 @@ async def test_input_embeddings_are_dropped_with_the_result():
 
     def builder(payload):
         data = holder["s"].sched.default_request_builder(payload)
-        data.input_embeds = torch.ones(3, 8)
+        data.input_embeds = torch.ones(3, 128)  # the tiny model's hidden size: the prefill reads them
         data.decode_input_embeds = torch.ones(1, 8)
         seen.append(data)
         return data

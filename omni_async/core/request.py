@@ -95,6 +95,10 @@ class RequestData:
     enforce_request_limits: bool = True
     # Per-request input embeddings a stage builder may attach (prefill and decode);
     # dropped as soon as the result is built, so they do not outlive the request.
+    # ``input_embeds``: ``[n, hidden]`` rows that the native prefill uses in place of the
+    # token embeddings of the first n prompt positions (``Engine.generate(input_embeds=)``
+    # puts the whole prompt here, its ids placeholders); the prefix cache then leaves
+    # the request alone (core.prefix_reuse.shares_kv).
     input_embeds: Any = None
     decode_input_embeds: Any = None
     # Hidden states asked for (``SamplingParams.return_hidden_states`` /

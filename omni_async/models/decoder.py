@@ -185,14 +185,19 @@ class DecoderModel(nn.Module):
         return_hidden: bool | str = False,
         float_logits: bool = True,
         cond: tuple[torch.Tensor, torch.Tensor] | None = None,
+        input_embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """``return_hidden``: also the final hidden states (after the final norm) of the
         rows the logits are for; ``"all"``: of every input row (a prefill's prompt
-        positions). ``cond``: ``(rows [T, Hc], mask [T])`` added to the token embeddings
-        through ``thinker_to_talker_proj`` where ``mask`` is 1 (a talker fed by a
-        thinker's hidden states, :mod:`omni_async.core.conditioning`)."""
+        positions). ``input_embeds``: (flat row indices, their ``[n, hidden]`` rows) that
+        replace those rows' token embeddings (a prompt given as embeddings). ``cond``:
+        ``(rows [T, Hc], mask [T])`` added to the input embeddings through
+        ``thinker_to_talker_proj`` where ``mask`` is 1 (a talker fed by a thinker's hidden
+        states, :mod:`omni_async.core.conditioning`)."""
         _prefer_page_gather(ctx, kv.page_size)
         x = self.model.embed_tokens(input_ids)
+        if input_embeds is not None:
+            x.index_copy_(0, input_embeds[0], input_embeds[1].to(x.dtype))
         if cond is not None and self.thinker_to_talker_proj is not None:
             rows, mask = cond
             x = x + self.thinker_to_talker_proj(rows.to(x.dtype)) * mask.to(x.dtype)[:, None]

@@ -290,9 +290,11 @@ class ModelRunner(RunnerHooks):
         return custom or self._step_hooked()
 
     def capture_hooked(self) -> bool:
-        """Whether a capture hook (``requested_capture_hidden_mode_*``) decides which
-        steps capture hidden states, for a ``post_process_outputs`` that reads them."""
-        return True
+        """Whether a subclass's capture hook (``requested_capture_hidden_mode_*``) decides
+        which steps capture hidden states (the reference's ``extra["hidden_state"]``)."""
+        cls = type(self)
+        return (cls.requested_capture_hidden_mode_decode is not RunnerHooks.requested_capture_hidden_mode_decode
+                or cls.requested_capture_hidden_mode_prefill is not RunnerHooks.requested_capture_hidden_mode_prefill)
 
     def _step_hooked(self) -> bool:
         cls, own = type(self), self.__dict__

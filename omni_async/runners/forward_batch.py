@@ -25,6 +25,8 @@ class ForwardBatch:
     sample_indices_dev: torch.Tensor
     block_tables: torch.Tensor | None = None  # set when the step replays a CUDA graph
     capture_hidden: bool = False  # the step hands out each sampled row's hidden state
+    # Prefill rows of prompts given as embeddings: (flat row indices, their rows), on the device.
+    input_embeds: tuple[torch.Tensor, torch.Tensor] | None = None
     # A multi-step decode (decode_steps > 1): forwards per row on the device, the rows'
     # page tables, and the widest context of the first forward.
     row_steps: torch.Tensor | None = None
@@ -42,3 +44,26 @@ class ForwardBatch:
     # A prefill whose rows asked for their prompt's hidden states: each row's
     # ``(first flat token, tokens, first position)``.
     prompt_rows: list[tuple[int, int, int]] | None = None
+
+
+def prompt_embeds(
+    batch: ScheduledBatch, starts: np.ndarray, prefix: np.ndarray, n: np.ndarray, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """An extend's flat rows that lie in a prompt given as embeddings, and those rows on
+    ``device`` (row ``i`` covers positions ``[prefix[i], prefix[i] + n[i])`` from flat
+    row ``starts[i]``: a chunk takes its slice, a re-prefill after retraction the prompt
+    part again, and tokens generated after the prompt keep their ids); None when no
+    row has any. The model casts them to its dtype."""
+    flat, values = [], []
+    for i, req in enumerate(batch.reqs):
+        embeds = getattr(req.data, "input_embeds", None)
+        if embeds is None:
+            continue
+        lo, hi = int(prefix[i]), min(int(prefix[i] + n[i]), int(embeds.shape[0]))
+        if hi > lo:
+            flat.append(np.arange(starts[i], starts[i] + hi - lo))
+            values.append(embeds[lo:hi])
+    if not flat:
+        return None
+    rows = torch.from_numpy(np.concatenate(flat)).to(device, non_blocking=True)
+    return rows, torch.cat([v.to(device) for v in values])

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+import torch
+
 from ..core.runner_io import RequestOutput
 from .types import BatchResult
 
@@ -86,3 +88,17 @@ def hidden_states_only(hook: Callable[..., None]) -> Callable[..., None]:
     without hidden states then build no per-request outputs for it."""
     hook.hidden_states_only = True  # type: ignore[attr-defined]
     return hook
+
+
+def attach_hidden_extras(hidden: Any, scheduler_output: Any, outputs: dict) -> None:
+    """The reference's hidden-state contract: each sampled row's last hidden state, on the
+    host in float32, in its output's ``extra["hidden_state"]`` (rows of a multi-step
+    decode: the last forward's). Nothing when the step's rows are not one per request."""
+    requests = scheduler_output.requests
+    if hidden is None or hidden.shape[-2] != len(requests):
+        return
+    hidden = (hidden[-1] if hidden.dim() == 3 else hidden).detach().to("cpu", torch.float32)
+    for i, sched_req in enumerate(requests):
+        out = outputs[sched_req.request_id]
+        if out.data is not None:
+            out.extra["hidden_state"] = hidden[i].clone()

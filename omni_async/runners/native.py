@@ -22,9 +22,10 @@ from ..kernels.reference import ReferenceOps
 from ..models.decoder import DecoderModel
 from .sampling import SampleResult, SamplingBatch, sample
 from .base import ModelRunner
-from .hooks import hidden_states_only
+from .hooks import attach_hidden_extras, hidden_states_only
 from .cuda_graphs import DecodeGraphs
-from .forward_batch import ForwardBatch
+from .conditioning import decode_rows, gather_rows
+from .forward_batch import ForwardBatch, prompt_embeds
 from .fused_decode import FusedBatch, FusedDecode, leaves_hooks
 from .fused_split import merge_fused, merge_rest, plan_fused
 from .graph_sampling import SamplingGraphs
@@ -39,16 +40,8 @@ SAMPLING_GRAPH_MAX_BATCH = 16
 
 
 class NativeModelRunner(ModelRunner):
-    def __init__(
-        self,
-        model: DecoderModel,
-        kv: PagedKVCache,
-        device: torch.device,
-        *,
-        capture_hidden: bool = False,
-        seed: int = 0,
-        fused_kernels: bool = True,
-    ) -> None:
+    def __init__(self, model: DecoderModel, kv: PagedKVCache, device: torch.device, *, capture_hidden: bool = False,
+                 seed: int = 0, fused_kernels: bool = True) -> None:
         super().__init__(seed=seed)
         # When set, every request's hidden states go out with its step outputs (a
         # thinker feeding a talker), not only those of requests that ask for them.
@@ -101,35 +94,9 @@ class NativeModelRunner(ModelRunner):
         return fused
 
     def _decode_cond(self, batch: ScheduledBatch, steps: int, size: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """A talker's conditioning of a decode step's ``steps`` forwards, ``([steps, size,
-        Hc], [steps, size])``: forward j of row i computes position ``prefix_lens[i] + j``."""
-        if self.model.thinker_to_talker_proj is None:
-            return None
-        return self._gather_cond(batch.reqs, [(p, steps, i, size) for i, p in enumerate(batch.prefix_lens)], steps * size)
-
-    def _gather_cond(self, reqs: list, spans: list[tuple[int, int, int, int]], total: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Conditioning rows and mask for ``total`` flat inputs: row ``i`` of ``reqs``
-        computes ``count`` positions from ``first``, the j-th at flat index ``base + j *
-        stride`` (``spans[i] = (first, count, base, stride)``). Positions without a row
-        (none arrived for them, or the request has none) get mask 0. None when no row is
-        conditioned."""
+        """A talker's conditioning of a decode step (:func:`.conditioning.decode_rows`)."""
         proj = self.model.thinker_to_talker_proj
-        pieces, dst = [], []
-        for req, (first, count, base, stride) in zip(reqs, spans):
-            cond = req.conditioning
-            if cond is None:
-                continue
-            for offset, part in cond.pieces(first, count):
-                pieces.append(part)
-                dst.extend(base + (offset + j) * stride for j in range(part.shape[0]))
-        dtype, dev = proj.weight.dtype, self.device
-        rows = torch.zeros((total, proj.in_features), dtype=dtype, device=dev)
-        mask = torch.zeros(total, dtype=dtype, device=dev)
-        if pieces:
-            idx = torch.tensor(dst, dtype=torch.long).to(dev, non_blocking=True)
-            rows.index_copy_(0, idx, torch.cat([p.to(device=dev, dtype=dtype) for p in pieces]))
-            mask.index_fill_(0, idx, 1.0)
-        return rows, mask
+        return None if proj is None else decode_rows(proj, batch.reqs, batch.prefix_lens, steps, size, self.device)
 
     def _unfused_decode(self, batch: ScheduledBatch, rows: SlotRows, sidx: np.ndarray, capture: bool = False) -> ForwardBatch:
         multi = batch.row_steps is not None
@@ -241,12 +208,6 @@ class NativeModelRunner(ModelRunner):
         whose capture hook decides per step (a subclass) gets one forward per step."""
         return type(self).requested_capture_hidden_mode_decode is ModelRunner.requested_capture_hidden_mode_decode
 
-    def capture_hooked(self) -> bool:
-        """Whether a subclass decides per step which steps capture hidden states."""
-        cls = type(self)
-        return (cls.requested_capture_hidden_mode_decode is not ModelRunner.requested_capture_hidden_mode_decode
-                or cls.requested_capture_hidden_mode_prefill is not ModelRunner.requested_capture_hidden_mode_prefill)
-
     def _forward_and_sample(self, fb: ForwardBatch, batch: ScheduledBatch, requests: list, is_prefill: bool, lookahead: bool):
         """A multi-step decode runs its forwards back to back, each on the tokens the one
         before sampled (published to the slots, so penalties see them); the step's
@@ -337,9 +298,10 @@ class NativeModelRunner(ModelRunner):
         fb = ForwardBatch(input_ids, positions, ctx, batch, rows, sidx, sidx_dev)
         if self.model.thinker_to_talker_proj is not None:
             spans = [(int(p), int(c), int(s), 1) for p, c, s in zip(prefix, n, starts)]
-            fb.cond = self._gather_cond(batch.reqs, spans, int(ends[-1]))
+            fb.cond = gather_rows(self.model.thinker_to_talker_proj, batch.reqs, spans, int(ends[-1]), dev)
         if prompt_hidden:
             fb.prompt_rows = [(int(s), int(c), int(p)) for s, c, p in zip(starts, n, prefix)]
+        fb.input_embeds = prompt_embeds(batch, starts, prefix, n, dev)
         return fb
 
     def _seq_slots(self, slot: int, length: int) -> torch.Tensor:
@@ -364,30 +326,18 @@ class NativeModelRunner(ModelRunner):
         max_pages = -(-max_len // self.page_size)
         if self.fused_decode is not None:
             self.inputs.reserve_pages(max_pages)  # the fused graphs gather whole table rows
-        self.graphs = DecodeGraphs(
-            self.model,
-            self.kv,
-            scratch_page=scratch_page,
-            max_pages_per_seq=max_pages,
-            max_batch=max_batch,
-            device=self.device,
-            use_kernel=self.use_kernel,
-            greedy_in_graph=self.fused,
-        )
+        self.graphs = DecodeGraphs(self.model, self.kv, scratch_page=scratch_page, max_pages_per_seq=max_pages,
+                                   max_batch=max_batch, device=self.device, use_kernel=self.use_kernel, greedy_in_graph=self.fused)
         self.graphs.capture_all()
+        graphs = self.graphs
         if self.fused_decode is not None:
-            graphs, plan = self.graphs, self.decode_plan
             lows = (0,) + graphs.buckets[:-1]
+            plan = self.decode_plan
             wanted = {b: {plan.for_batch(n) for n in range(low + 1, b + 1)} - {1} for low, b in zip(lows, graphs.buckets)}
             self.fused_decode.capture(wanted, graphs.max_pages, scratch_page, self.use_kernel, graphs.pool, self.device)
         if self.fused:
-            graphs = self.graphs
-            self.sampling_graphs = SamplingGraphs(
-                lambda b: graphs.graphs[b][1].logits,
-                graphs.bucket_for,
-                max_batch=min(SAMPLING_GRAPH_MAX_BATCH, graphs.max_batch),
-                device=self.device,
-            )
+            self.sampling_graphs = SamplingGraphs(lambda b: graphs.graphs[b][1].logits, graphs.bucket_for,
+                                                  max_batch=min(SAMPLING_GRAPH_MAX_BATCH, graphs.max_batch), device=self.device)
 
     def forward(self, forward_batch: ForwardBatch) -> BatchResult:
         if forward_batch.block_tables is not None and self.graphs is not None:
@@ -401,13 +351,14 @@ class NativeModelRunner(ModelRunner):
             hidden = out.hidden.clone() if forward_batch.capture_hidden else None
             return BatchResult(logits=out.logits, can_run_cuda_graph=True, graph_greedy=greedy, hidden_states=hidden)
         fb = forward_batch
+        inputs = dict(cond=fb.cond, input_embeds=fb.input_embeds)
         if fb.prompt_rows is not None:
-            logits, every = self.model(fb.input_ids, fb.positions, self.kv, fb.ctx, return_hidden="all", cond=fb.cond)
+            logits, every = self.model(fb.input_ids, fb.positions, self.kv, fb.ctx, return_hidden="all", **inputs)
             return BatchResult(logits=logits, hidden_states=every[fb.ctx.logits_rows], prompt_hidden=(every, fb.prompt_rows))
         if fb.capture_hidden:
-            logits, hidden = self.model(fb.input_ids, fb.positions, self.kv, fb.ctx, return_hidden=True, cond=fb.cond)
+            logits, hidden = self.model(fb.input_ids, fb.positions, self.kv, fb.ctx, return_hidden=True, **inputs)
             return BatchResult(logits=logits, hidden_states=hidden)
-        return BatchResult(logits=self.model(fb.input_ids, fb.positions, self.kv, fb.ctx, cond=fb.cond))
+        return BatchResult(logits=self.model(fb.input_ids, fb.positions, self.kv, fb.ctx, **inputs))
 
     # ------------------------------------------------------------ sampling state
 
@@ -453,16 +404,9 @@ class NativeModelRunner(ModelRunner):
     @hidden_states_only
     def post_process_outputs(self, result, scheduler_output, outputs) -> None:
         """The reference's contract for a runner whose capture hook asked for a step's
-        hidden states: each row's last one in ``extra["hidden_state"]`` (on the host).
-        Requests that ask through ``SamplingParams`` get theirs in their deltas instead."""
-        if result.hidden_states is None or not self.capture_hooked():
-            return
-        hidden = result.hidden_states.detach()
-        hidden = (hidden[-1] if hidden.dim() == 3 else hidden).to("cpu", torch.float32)
-        for i, sched_req in enumerate(scheduler_output.requests):
-            out = outputs[sched_req.request_id]
-            if out.data is not None:
-                out.extra["hidden_state"] = hidden[i].clone()
+        hidden states (requests asking through ``SamplingParams`` get theirs in deltas)."""
+        if self.capture_hooked():
+            attach_hidden_extras(result.hidden_states, scheduler_output, outputs)
 
     # The native decode collect has nothing model-specific: the launch publishes the
     # sampled ids (already on the device), the resolve has nothing left to read.

@@ -24,6 +24,7 @@ from ..logs import debug_enabled, log
 from ..messages import IncomingMessage, RequestPayload
 from .weak import weak_method
 from .request_checks import check_capacity, check_input_ids, check_sampling_vocab
+from .prompt_embeds import embeds_request_data, payload_prompt_len
 from ..structured.gate import GrammarGate
 from .emission import Emission
 from .guard import call_user
@@ -49,6 +50,7 @@ class ModelLimits:
     eos_token_ids: tuple[int, ...] = ()
     # Compiles the grammars of constrained requests (None: the model has no tokenizer).
     grammar_compiler: Any = None
+    hidden_size: int | None = None  # the width of input_embeds rows; None: the stage takes none
 
 
 class Intake:
@@ -124,7 +126,7 @@ class Intake:
                 self._count_out(rid)
                 self._offer(rid, msg.data)
                 if cold_budget is not None:
-                    cold_budget -= _prompt_len(msg.data)
+                    cold_budget -= payload_prompt_len(msg.data)
                     if cold_budget <= 0:
                         break
             elif msg.type == "stream_chunk":
@@ -199,7 +201,7 @@ class Intake:
             self.emission.reject(payload.request_id, err)
 
     def _payload_from_dict(self, rid: str, raw: dict[str, Any]) -> RequestPayload | None:
-        known = {"request_id", "input_ids", "sampling", "metadata"}
+        known = {"request_id", "input_ids", "input_embeds", "sampling", "metadata"}
         try:
             unknown = sorted(str(k) for k in set(raw) - known)
             if unknown:
@@ -213,6 +215,7 @@ class Intake:
             return RequestPayload(
                 request_id=raw.get("request_id", rid),
                 input_ids=raw.get("input_ids") or [],
+                input_embeds=raw.get("input_embeds"),
                 sampling=sampling if isinstance(sampling, SamplingParams) else SamplingParams.from_dict(sampling),
                 metadata=dict(metadata or {}),
             )
@@ -300,6 +303,8 @@ class Intake:
         if not isinstance(sampling, SamplingParams):
             raise errors.InvalidRequestError("sampling must be a SamplingParams")
         lim = self.limits
+        if getattr(payload, "input_embeds", None) is not None:
+            return embeds_request_data(payload, sampling, lim)
         if hasattr(payload.input_ids, "__len__") and len(payload.input_ids) >= lim.context_length:
             # O(1), before the per-token checks of a huge prompt
             check_capacity(len(payload.input_ids), sampling.max_new_tokens, lim.context_length, lim.kv_capacity_tokens)
@@ -370,11 +375,6 @@ class Intake:
 
     def add_tombstone(self, rid: str, *, handled: bool) -> None:
         self.tombstones.put(rid, handled)
-
-
-def _prompt_len(data: Any) -> int:
-    ids = data.get("input_ids") if isinstance(data, dict) else getattr(data, "input_ids", None)
-    return len(ids) if hasattr(ids, "__len__") else 0
 
 
 def _malformed(msg: Any) -> str | None:

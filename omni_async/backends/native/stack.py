@@ -100,6 +100,7 @@ def assemble_stack(
         kv_capacity_tokens=allocator.capacity_tokens,
         eos_token_ids=cfg.eos_token_ids,
         grammar_compiler=GrammarCompiler(loaded.tokenizer, cfg.vocab_size) if loaded.tokenizer is not None else None,
+        hidden_size=cfg.hidden_size if tensor_parallel is None else None,  # other ranks get no embeddings
     )
     if config.max_running_requests is None:
         buckets = [b for b in DEFAULT_BUCKETS if b <= config.cuda_graph_max_batch] or [config.cuda_graph_max_batch]

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from ...runners.base import ModelRunner
-from ...runners.hooks import hidden_states_only
+from ...runners.hooks import attach_hidden_extras, hidden_states_only
 from ...core.runner_io import SchedulerOutput
 from ...runners.types import BatchResult
 
@@ -109,18 +109,14 @@ class SGLangModelRunner(ModelRunner):
             ids.append(int(forward_batch.forward_batch.input_ids[row]))
         return ids
 
+    def capture_hooked(self) -> bool:  # every captured step's rows go into ``extra`` too
+        return True
+
     @hidden_states_only
     def post_process_outputs(self, result, scheduler_output, outputs) -> None:
         """Each sampled row's hidden state into its output's ``extra`` (LAST capture:
         one row per request; a FULL capture asked for by a hook is left to the hook)."""
-        hidden = result.hidden_states
-        if hidden is None or hidden.shape[0] != len(scheduler_output.requests):
-            return
-        hidden = hidden.detach().to("cpu", torch.float32)
-        for i, sched_req in enumerate(scheduler_output.requests):
-            out = outputs[sched_req.request_id]
-            if out.data is not None:
-                out.extra["hidden_state"] = hidden[i].clone()
+        attach_hidden_extras(result.hidden_states, scheduler_output, outputs)
 
     # ------------------------------------------------------------ completion
 

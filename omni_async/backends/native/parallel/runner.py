@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from ....errors import RankFailedError
+from ....errors import InvalidRequestError, RankFailedError
 from ....models.loader import LoadedModel
 from ....runners.forward_batch import ForwardBatch
 from ....runners.native import NativeModelRunner
@@ -35,6 +35,8 @@ class TensorParallelRunner(NativeModelRunner):
         self.group = group
 
     def forward(self, forward_batch: ForwardBatch) -> BatchResult:
+        if forward_batch.input_embeds is not None:  # the other ranks would see token ids only
+            raise InvalidRequestError("input_embeds are not supported with tensor parallelism")
         graphed = forward_batch.block_tables if self.graphs is not None else None
         header, payload = plan.pack(forward_batch.input_ids, forward_batch.positions, forward_batch.ctx, graphed)
         with self.group.step():
