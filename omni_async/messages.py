@@ -61,6 +61,11 @@ class StreamDelta:
     index: int = 0  # which completion of the request (SamplingParams.n)
     # Per token: up to ``top_logprobs`` (token_id, logprob) pairs, most likely first.
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    # ``[len(token_ids), H]`` final hidden states of these tokens on the stage's device
+    # (``SamplingParams.return_hidden_states``, or a stage capturing for every request);
+    # the delta with the first token also carries the prompt's when asked.
+    hidden_states: Any = None
+    prompt_hidden_states: Any = None
 
 
 @dataclass
@@ -73,6 +78,8 @@ class CompletionOutput:
     text: str | None = None
     output_logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    hidden_states: Any = None  # [len(output_ids), H] when asked
+    prompt_hidden_states: Any = None  # [len(prompt), H] when asked
 
 
 @dataclass
@@ -92,3 +99,8 @@ class GenerationResult:
     top_logprobs: list[list[tuple[int, float]]] | None = None
     # Prompt tokens whose KV came from the prefix cache (summed over the completions).
     cached_tokens: int = 0
+    # ``SamplingParams.return_hidden_states``: one row per output token, the decoder's
+    # final hidden state (after its final norm) at the position that produced it, on the
+    # stage's device; ``return_prompt_hidden_states``: one row per prompt position.
+    hidden_states: Any = None
+    prompt_hidden_states: Any = None

@@ -36,6 +36,16 @@ def merge_into(cur: StreamDelta, new: StreamDelta, texts: list[str]) -> None:
     cur.finish_reason = new.finish_reason or cur.finish_reason
     if new.extra:
         cur.extra.update(new.extra)
+    if new.hidden_states is not None:
+        cur.hidden_states = new.hidden_states if cur.hidden_states is None else _cat(cur.hidden_states, new.hidden_states)
+    if new.prompt_hidden_states is not None:
+        cur.prompt_hidden_states = new.prompt_hidden_states
+
+
+def _cat(a: Any, b: Any) -> Any:
+    import torch  # only readers of hidden states that fell behind get here
+
+    return torch.cat([a, b])
 
 
 class OutputCollector:

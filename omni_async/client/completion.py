@@ -35,6 +35,9 @@ class Completion:
         self._decoder = tokenizer.decode_stream(sampling.skip_special_tokens) if tokenizer is not None else None
         self._stops = StopMatcher(sampling.stop, sampling.include_stop_str_in_output)
         self._flushed = False
+        self._want_hidden = sampling.return_hidden_states
+        self._hidden: list[Any] = []  # each delta's rows, cut where a stop string cut its tokens
+        self._prompt_hidden: Any = None
 
     @property
     def text(self) -> str | None:
@@ -49,6 +52,7 @@ class Completion:
         parts: list[str] = []
         kept, stopped = self._take_tokens(delta.token_ids, parts)
         self._take_scores(delta, kept)
+        self._take_hidden(delta, kept)
         if kept < len(delta.token_ids):
             delta.token_ids = delta.token_ids[:kept]
         delta.index = self.index
@@ -70,6 +74,7 @@ class Completion:
         self.output_ids.extend(ids)
         if delta.logprobs is not None or delta.extra:
             self._take_scores(delta, len(ids))
+        self._take_hidden(delta, len(ids))
         delta.index = self.index
         if delta.finished:
             self.finish_reason = delta.finish_reason
@@ -125,6 +130,18 @@ class Completion:
             if self.top_logprobs is not None:
                 self.top_logprobs.extend(delta.top_logprobs)
 
+    def _take_hidden(self, delta: StreamDelta, kept: int) -> None:
+        """Keep the rows of the tokens kept (a stop string may cut a delta short)."""
+        if delta.prompt_hidden_states is not None:
+            self._prompt_hidden = delta.prompt_hidden_states
+        rows = delta.hidden_states
+        if rows is None:
+            return
+        if kept < rows.shape[0]:
+            rows = delta.hidden_states = rows[:kept]
+        if self._want_hidden and kept:
+            self._hidden.append(rows)
+
     def _flush(self) -> str:
         """End of the token stream: reconcile with the full decode, release held text."""
         if self._flushed or self._decoder is None or self._tokenizer is None:
@@ -146,4 +163,17 @@ class Completion:
             text=self.text,
             output_logprobs=list(self.logprobs) if self._want_logprobs else None,
             top_logprobs=self.top_logprobs,
+            hidden_states=_joined(self._hidden) if self._want_hidden else None,
+            prompt_hidden_states=self._prompt_hidden,
         )
+
+
+def _joined(rows: list[Any]) -> Any:
+    """The kept rows of every delta as one tensor."""
+    if not rows:
+        return None
+    if len(rows) == 1:
+        return rows[0]
+    import torch  # only completions that asked for hidden states get here
+
+    return torch.cat(rows)

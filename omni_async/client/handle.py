@@ -168,4 +168,6 @@ class RequestHandle:
             outputs=outputs,
             top_logprobs=first.top_logprobs,
             cached_tokens=self._cached_tokens,
+            hidden_states=first.hidden_states,
+            prompt_hidden_states=first.prompt_hidden_states,
         )

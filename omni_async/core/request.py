@@ -97,6 +97,13 @@ class RequestData:
     # dropped as soon as the result is built, so they do not outlive the request.
     input_embeds: Any = None
     decode_input_embeds: Any = None
+    # Hidden states asked for (``SamplingParams.return_hidden_states`` /
+    # ``return_prompt_hidden_states``): the rows of each step, device tensors, joined
+    # into the result; ``prompt_hidden_upto``: prompt positions collected so far (a
+    # prefill after a retraction computes them again and adds none).
+    hidden_rows: list[Any] = field(default_factory=list)
+    prompt_hidden_rows: list[Any] = field(default_factory=list)
+    prompt_hidden_upto: int = 0
 
     @property
     def request_id(self) -> str:

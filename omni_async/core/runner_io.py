@@ -59,7 +59,15 @@ class ModelRunnerOutput:
     can_run_cuda_graph: bool = False
     built_outputs: dict[str, RequestOutput] | None = None  # ``outputs`` once built
     row_steps: list[int] | None = None  # a multi-step decode: forwards per row
-
+    # Final hidden states on the stage's device, when some row asked (or the stage
+    # captures for every request): ``[B, H]`` for one forward, ``[k, B, H]`` for a
+    # multi-step decode (forward-major, like ``token_ids``). ``hidden_for_all``: every
+    # row's go out, not only those of requests that asked.
+    hidden_states: Any = None
+    hidden_for_all: bool = False
+    # A prefill's every-position hidden states when a row asked for its prompt's:
+    # ``(rows [T, H], [(first row, count, first position)] per batch row)``.
+    prompt_hidden: Any = None
 
     @property
     def outputs(self) -> dict[str, RequestOutput]:

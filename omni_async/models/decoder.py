@@ -160,6 +160,9 @@ class DecoderModel(nn.Module):
         self.tie_weights()
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
         self.ops: ReferenceOps = ReferenceOps()  # replaced by fused kernels on CUDA
+        # A talker's projection of another stage's hidden states into its input space
+        # (``cond`` in :meth:`forward`); None for a plain decoder.
+        self.thinker_to_talker_proj: nn.Module | None = None
 
     def tie_weights(self) -> None:
         """Share the embedding with the output head when the checkpoint ties them
@@ -179,19 +182,34 @@ class DecoderModel(nn.Module):
         positions: torch.Tensor,
         kv: PagedKVCache,
         ctx: AttentionContext,
-        return_hidden: bool = False,
+        return_hidden: bool | str = False,
         float_logits: bool = True,
+        cond: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """``return_hidden``: also the final hidden states (after the final norm) of the
+        rows the logits are for; ``"all"``: of every input row (a prefill's prompt
+        positions). ``cond``: ``(rows [T, Hc], mask [T])`` added to the token embeddings
+        through ``thinker_to_talker_proj`` where ``mask`` is 1 (a talker fed by a
+        thinker's hidden states, :mod:`omni_async.core.conditioning`)."""
         _prefer_page_gather(ctx, kv.page_size)
         x = self.model.embed_tokens(input_ids)
+        if cond is not None and self.thinker_to_talker_proj is not None:
+            rows, mask = cond
+            x = x + self.thinker_to_talker_proj(rows.to(x.dtype)) * mask.to(x.dtype)[:, None]
         cos, sin = self.rope(positions, x.dtype)
         delta = None
         for layer in self.model.layers:
             x, delta = layer(x, delta, cos, sin, kv, ctx, self.ops)
-        if not ctx.is_decode:  # decode wants every row: no gather
+        every = return_hidden == "all"
+        if not ctx.is_decode and not every:  # decode wants every row: no gather
             x, delta = x[ctx.logits_rows], None if delta is None else delta[ctx.logits_rows]
         hidden = self.ops.add_norm(x, delta, self.model.norm)[1]
+        all_hidden = hidden
+        if every and not ctx.is_decode:
+            hidden = hidden[ctx.logits_rows]
         logits = self.lm_head(hidden)
         if float_logits:  # the decode graphs keep the head's dtype (see DecodeGraphs._captured)
             logits = logits.to(torch.float32)
+        if every:
+            return logits, all_hidden
         return (logits, hidden) if return_hidden else logits

@@ -68,6 +68,9 @@ class ModelRunner(RunnerHooks):
     """Base AR model runner: phase hooks, device sampling, one host copy per step."""
 
     device: torch.device = torch.device("cpu")
+    # Every request's hidden states go out with its step outputs (a thinker feeding a
+    # talker), not only those of requests that ask (``SamplingParams.return_hidden_states``).
+    capture_hidden: bool = False
 
     def __init__(self, *, seed: int = 0) -> None:
         self._seed_source = SeedSource(seed)
@@ -256,9 +259,14 @@ class ModelRunner(RunnerHooks):
         live = [i for i, (k, r, e) in enumerate(zip(kept, reqs, epochs)) if k and r.finish_reason is None and r.epoch == e]
         taken = live if all(ok) else [i for i in live if ok[i]]
         row_errors = {} if taken is live else {i: NO_TOKEN_MESSAGE for i in live if not ok[i]}
+        hidden = result.hidden_states
+        if hidden is not None and (hidden.dim() < 2 or hidden.shape[-2] != batch.size):
+            hidden = None  # not one row per sampled row (e.g. a hook's capture of every position)
         out = ModelRunnerOutput(
             requests=requests, token_ids=token_ids, logprobs=logprobs, row_errors=row_errors, taken=taken,
             can_run_cuda_graph=result.can_run_cuda_graph, row_steps=steps,
+            hidden_states=hidden, hidden_for_all=self.capture_hidden,
+            prompt_hidden=result.prompt_hidden,
         )
         if result.top_ids is not None or self.wants_request_outputs(result):
             outputs = out.outputs
@@ -276,10 +284,15 @@ class ModelRunner(RunnerHooks):
         if hook is ModelRunner.post_process_outputs:
             custom = False
         elif getattr(hook, "hidden_states_only", False):
-            custom = result.hidden_states is not None
+            custom = result.hidden_states is not None and self.capture_hooked()
         else:
             custom = True
         return custom or self._step_hooked()
+
+    def capture_hooked(self) -> bool:
+        """Whether a capture hook (``requested_capture_hidden_mode_*``) decides which
+        steps capture hidden states, for a ``post_process_outputs`` that reads them."""
+        return True
 
     def _step_hooked(self) -> bool:
         cls, own = type(self), self.__dict__

@@ -24,17 +24,20 @@ from .sampling import greedy
 from .streams import STREAMS
 
 class GraphOutputs(NamedTuple):
-    """A replay's static outputs: logits, and with greedy in the graph each row's
-    greedy token and whether its logits had a finite maximum."""
+    """A replay's static outputs: logits, each row's final hidden state (computed
+    anyway before the head; kept as an output so capturing it costs nothing), and with
+    greedy in the graph each row's greedy token and whether its logits had a finite
+    maximum."""
 
     logits: torch.Tensor
+    hidden: torch.Tensor
     greedy_tokens: torch.Tensor | None = None
     greedy_ok: torch.Tensor | None = None
 
     def rows(self, n: int) -> "GraphOutputs":
         if self.greedy_tokens is None:
-            return GraphOutputs(self.logits[:n])
-        return GraphOutputs(self.logits[:n], self.greedy_tokens[:n], self.greedy_ok[:n])
+            return GraphOutputs(self.logits[:n], self.hidden[:n])
+        return GraphOutputs(self.logits[:n], self.hidden[:n], self.greedy_tokens[:n], self.greedy_ok[:n])
 
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
@@ -71,6 +74,11 @@ class DecodeGraphs:
         self.block_tables = torch.full((n, self.max_pages), scratch_page, dtype=torch.long, device=device)
         self.kv_lens = torch.ones(n, dtype=torch.long, device=device)
         self.rows = torch.arange(n, device=device)
+        # A talker's conditioning rows and their mask (:mod:`omni_async.core.conditioning`),
+        # inputs of the graph when the model has a projection for them.
+        proj = model.thinker_to_talker_proj
+        self.cond_rows = None if proj is None else torch.zeros((n, proj.in_features), dtype=proj.weight.dtype, device=device)
+        self.cond_mask = None if proj is None else torch.zeros(n, dtype=proj.weight.dtype, device=device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, GraphOutputs]] = {}
         self.pool = None
         self.replays = 0
@@ -103,7 +111,7 @@ class DecodeGraphs:
         with STREAMS.borrowed(self.device) as stream, torch.cuda.stream(stream):
             for b in reversed(self.buckets):  # the largest first, so the pool fits all
                 for _ in range(2):  # warm up outside the graph
-                    self.model(self.input_ids[:b], self.positions[:b], self.kv, self._ctx(b), float_logits=False)
+                    self._captured(b)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=self.pool, stream=stream, capture_error_mode="thread_local"):
                     out = self._captured(b)
@@ -116,11 +124,13 @@ class DecodeGraphs:
         # Logits stay in the head's dtype: their float32 copy cost ~110 us of a 1.6 ms
         # replay at batch 256 on the H200 and greedy needs none (the argmax of bf16 values
         # is the argmax of their exact float32 conversion); sampling converts them.
-        logits = self.model(self.input_ids[:b], self.positions[:b], self.kv, self._ctx(b), float_logits=False)
+        cond = None if self.cond_rows is None else (self.cond_rows[:b], self.cond_mask[:b])
+        logits, hidden = self.model(self.input_ids[:b], self.positions[:b], self.kv, self._ctx(b), return_hidden=True,
+                                    float_logits=False, cond=cond)
         if not self.greedy_in_graph:
-            return GraphOutputs(logits)
+            return GraphOutputs(logits, hidden)
         tokens, ok = greedy(logits)
-        return GraphOutputs(logits, tokens, ok)
+        return GraphOutputs(logits, hidden, tokens, ok)
 
     def _reset_padding(self, start: int, end: int) -> None:
         scratch_slot = self.scratch_page * self.page_size
@@ -129,6 +139,8 @@ class DecodeGraphs:
         self.slot_mapping[start:end] = scratch_slot
         self.block_tables[start:end] = self.scratch_page
         self.kv_lens[start:end] = 1
+        if self.cond_mask is not None:
+            self.cond_mask[start:end] = 0
 
     def replay(
         self,
@@ -137,6 +149,7 @@ class DecodeGraphs:
         slot_mapping: torch.Tensor,
         block_tables: torch.Tensor,
         kv_lens: torch.Tensor,
+        cond: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> GraphOutputs:
         bs = input_ids.shape[0]
         b = self.bucket_for(bs)
@@ -152,6 +165,12 @@ class DecodeGraphs:
             self.block_tables[:bs, : block_tables.shape[1]].copy_(block_tables, non_blocking=True)
             self.block_tables[:bs, block_tables.shape[1] :] = self.scratch_page
         self.kv_lens[:bs].copy_(kv_lens, non_blocking=True)
+        if self.cond_mask is not None:
+            if cond is None:
+                self.cond_mask[:bs] = 0
+            else:
+                self.cond_rows[:bs].copy_(cond[0], non_blocking=True)
+                self.cond_mask[:bs].copy_(cond[1], non_blocking=True)
         if b > bs and not again:
             self._reset_padding(bs, b)
         self._last_tables = block_tables

@@ -35,3 +35,10 @@ class ForwardBatch:
     all_kv_lens: torch.Tensor | None = None  # [k, B]: each forward's attended length
     all_sample_indices: torch.Tensor | None = None  # [k, B]: each forward's generation indices
     sampling: SamplingBatch | None = None  # the first forward's, for the later ones to reuse
+    # A talker's conditioning (:mod:`omni_async.core.conditioning`): this forward's
+    # ``(rows [B, Hc], mask [B])``; a multi-step decode's every forward's in ``all_cond``.
+    cond: tuple[torch.Tensor, torch.Tensor] | None = None
+    all_cond: tuple[torch.Tensor, torch.Tensor] | None = None
+    # A prefill whose rows asked for their prompt's hidden states: each row's
+    # ``(first flat token, tokens, first position)``.
+    prompt_rows: list[tuple[int, int, int]] | None = None

@@ -56,6 +56,8 @@ class FusedBatch:
     mode: SamplingMode = GREEDY
     capture_hidden: bool = False
     split: object | None = None  # a fused_split.Split: the whole step and its other rows
+    # A talker's conditioning of each forward: ``[k, B, Hc]`` rows and ``[k, B]`` mask.
+    cond: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 # Runner hooks a fused multi-step decode skips (it runs no per-forward Python): it is
@@ -90,11 +92,15 @@ def fused_forwards(
     out: torch.Tensor,
     mode: SamplingMode = GREEDY,
     settings: RowSettings | None = None,
+    hidden_out: torch.Tensor | None = None,
+    cond: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """``steps`` forwards of the rows in ``inputs`` (``[B, 5]``, columns above),
     ``newest`` their slots' newest tokens and ``tables`` their page tables, each
     sampled in ``mode`` from ``settings`` (greedy: none needed); writes each forward's
-    tokens and ``ok`` flags into ``out`` (``[2, steps, B]`` int64)."""
+    tokens and ``ok`` flags into ``out`` (``[2, steps, B]`` int64) and, when given, its
+    final hidden states into ``hidden_out`` (``[steps, B, H]``). ``cond``: each
+    forward's conditioning rows and mask (``[steps, B, Hc]``, ``[steps, B]``)."""
     ps = kv.page_size
     start, row_steps = inputs[:, POSITION], inputs[:, STEPS]
     ids = torch.where(inputs[:, TOKEN] >= 0, inputs[:, TOKEN], newest)
@@ -104,7 +110,11 @@ def fused_forwards(
         pages = tables.gather(1, (positions // ps)[:, None])[:, 0]
         slots = torch.where(row_steps > j, pages * ps + positions % ps, scratch_slot)
         kv_lens = positions + 1
-        logits = model(ids, positions, kv, ctx_for(tables, positions, slots, kv_lens, j), float_logits=False)
+        ctx = ctx_for(tables, positions, slots, kv_lens, j)
+        step_cond = None if cond is None else (cond[0][j], cond[1][j])
+        logits, hidden = model(ids, positions, kv, ctx, return_hidden=True, float_logits=False, cond=step_cond)
+        if hidden_out is not None:
+            hidden_out[j].copy_(hidden)
         ids, ok = sample_forward(logits, mode, settings, j)  # type: ignore[arg-type]
         out[0, j].copy_(ids)
         out[1, j].copy_(ok)
@@ -119,8 +129,9 @@ class FusedDecode:
         self.kv = kv
         self.scratch_slot = (kv.num_pages - 1) * kv.page_size
         self.max_pages = 0  # the graphs' page-table width (0: no graphs)
-        # (bucket, k, mode) -> the graph and its output buffer
-        self.graphs: dict[tuple[int, int, SamplingMode], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # (bucket, k, mode) -> the graph and its output buffers (tokens and ok; hidden states)
+        self.graphs: dict[tuple[int, int, SamplingMode], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
+        self.cond: tuple[torch.Tensor, torch.Tensor] | None = None  # the graphs' conditioning inputs
         self.wanted: dict[int, set[int]] = {}  # bucket -> the forward counts its steps use
         self.buckets: tuple[int, ...] = ()
         self.masks: dict[str, torch.Tensor] = {}  # the graphs' static [n, V] slot-mask copies
@@ -149,6 +160,12 @@ class FusedDecode:
         self.fp = torch.ones((n, 5), dtype=torch.float32, device=device)  # InputBatch's columns
         self.ip = torch.zeros((n, 3), dtype=torch.long, device=device)
         self.rows = torch.arange(n, device=device)
+        k_most = max(max(ks) for ks in wanted.values())
+        proj = self.model.thinker_to_talker_proj
+        self.cond = None if proj is None else (
+            torch.zeros((k_most, n, proj.in_features), dtype=proj.weight.dtype, device=device),
+            torch.zeros((k_most, n), dtype=proj.weight.dtype, device=device),
+        )
         self.max_pages, self.pool, self.use_kernel, self.device = max_pages, pool, use_kernel, device
         self.wanted = wanted
         self.buckets = tuple(sorted(wanted))
@@ -172,27 +189,37 @@ class FusedDecode:
             return AttentionContext(is_decode=True, slot_mapping=slots, logits_rows=self.rows[:b], kv_lens=kv_lens,
                                     block_tables=tables, page_size=ps, use_kernel=self.use_kernel)
 
-        def body(out: torch.Tensor) -> None:
+        def body(out: torch.Tensor, hidden_out: torch.Tensor) -> None:
             settings = RowSettings(self.fp[:b], self.ip[:b], self.inputs[:b, INDEX],
                                    {name: self.masks[name][:b] for name in mode.masks})
+            cond = None if self.cond is None else (self.cond[0][:k, :b], self.cond[1][:k, :b])
             fused_forwards(self.model, self.kv, k, self.inputs[:b], self.newest[:b], self.tables[:b],
-                           self.scratch_slot, ctx_for, out, mode, settings)
+                           self.scratch_slot, ctx_for, out, mode, settings, hidden_out, cond)
 
+        hidden_size = self.model.config.hidden_size
+        dtype = self.model.model.embed_tokens.weight.dtype
         with STREAMS.borrowed(device) as stream, torch.cuda.stream(stream):
             scratch_out = torch.empty((2, k, b), dtype=torch.long, device=device)
+            hidden_out = torch.empty((k, b, hidden_size), dtype=dtype, device=device)
             for _ in range(2):  # warm up outside the graph
-                body(scratch_out)
+                body(scratch_out, hidden_out)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool, stream=stream, capture_error_mode="thread_local"):
                 out = torch.empty((2, k, b), dtype=torch.long, device=device)
-                body(out)
-        self.graphs[(b, k, mode)] = (graph, out)
+                # Every forward's final hidden states are kept (a [k, b, H] copy, small
+                # beside the forwards' weight reads), so a step that hands them out
+                # replays the same graph as one that does not.
+                hidden_out = torch.empty((k, b, hidden_size), dtype=dtype, device=device)
+                body(out, hidden_out)
+        self.graphs[(b, k, mode)] = (graph, out, hidden_out)
 
     def graph_for(self, rows: int, widest: int, steps: int) -> int | None:
         """The bucket whose graphs of ``steps`` forwards a step of ``rows`` rows replays,
         or None (none captured for that count)."""
         if widest > self.max_pages:
             return None
+        if self.model.thinker_to_talker_proj is not None and self.cond is None:
+            return None  # captured before the projection was attached: they ignore it
         bucket = next((b for b in self.buckets if b >= rows), None)
         return bucket if bucket is not None and steps in self.wanted[bucket] else None
 
@@ -212,10 +239,12 @@ class FusedDecode:
         return FusedBatch(batch, rows, arr, steps, bucket, max(batch.prefix_lens) + 1, mode)
 
     @torch.inference_mode()
-    def run(self, fb: FusedBatch, slots: InputBatch, eager_ctx: ContextFactory) -> torch.Tensor:
+    def run(self, fb: FusedBatch, slots: InputBatch, eager_ctx: ContextFactory) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``[2, steps, B]`` tokens and ``ok`` flags of the step (B: the bucket when a
         graph ran, whose padding rows the reader skips), read from the slots' page
-        tables, newest tokens and sampling settings in ``slots``. Enqueued, not waited for."""
+        tables, newest tokens and sampling settings in ``slots``; and ``[steps, B, H]``
+        final hidden states (a graph's static buffer, overwritten by its next replay;
+        eagerly only when ``fb.capture_hidden``, else None). Enqueued, not waited for."""
         self.launches += 1
         self.sampled += not fb.mode.greedy
         src = torch.from_numpy(fb.host)
@@ -224,7 +253,7 @@ class FusedDecode:
             if (bucket, steps, mode) not in self.graphs:
                 self._capture(bucket, steps, mode)
                 self.captures_later += 1
-            graph, out = self.graphs[(bucket, steps, mode)]
+            graph, out, hidden = self.graphs[(bucket, steps, mode)]
             self.inputs[:bucket].copy_(src, non_blocking=True)
             idx = self.inputs[:bucket, SLOT]
             table_dev = slots.table_dev
@@ -237,18 +266,28 @@ class FusedDecode:
                 torch.index_select(slots.ip_dev, 0, idx, out=self.ip[:bucket])
                 for name in mode.masks:
                     torch.index_select(slots.masks[name], 0, idx, out=self.masks[name][:bucket])
+            if self.cond is not None:
+                if fb.cond is None:
+                    self.cond[1][:steps, :bucket].zero_()
+                else:
+                    self.cond[0][:steps, :bucket].copy_(fb.cond[0], non_blocking=True)
+                    self.cond[1][:steps, :bucket].copy_(fb.cond[1], non_blocking=True)
             graph.replay()
             self.replays += 1
-            return out
+            return out, hidden
         device = slots.table_dev.device
         inputs = src.to(device, non_blocking=True)
         idx = inputs[:, SLOT]
         out = torch.empty((2, steps, fb.host.shape[0]), dtype=torch.long, device=device)
+        hidden = None
+        if fb.capture_hidden:
+            dtype = self.model.model.embed_tokens.weight.dtype
+            hidden = torch.empty((steps, fb.host.shape[0], self.model.config.hidden_size), dtype=dtype, device=device)
         tables = slots.table_dev.index_select(0, idx)[:, : fb.rows.widest]
         settings = None
         if not mode.greedy:
             settings = RowSettings(slots.fp_dev.index_select(0, idx), slots.ip_dev.index_select(0, idx), inputs[:, INDEX],
                                    {name: slots.masks[name].index_select(0, idx) for name in mode.masks})
         fused_forwards(self.model, self.kv, steps, inputs, slots.last_token.index_select(0, idx), tables,
-                       self.scratch_slot, eager_ctx, out, mode, settings)
-        return out
+                       self.scratch_slot, eager_ctx, out, mode, settings, hidden, fb.cond)
+        return out, hidden

@@ -95,7 +95,7 @@ def sub_rows(rows: SlotRows, idx: np.ndarray, sub: ScheduledBatch, device: torch
                     widest=max(max(sub.page_counts), 1))
 
 
-def merge_fused(split: Split, fused_out: torch.Tensor) -> BatchResult:
+def merge_fused(split: Split, fused_out: torch.Tensor, hidden: torch.Tensor | None = None) -> BatchResult:
     """The step's ``[k, B]`` tokens and ``ok`` flags with the fused rows' taken from the
     launch's ``[2, k', B']`` now: its output buffer may be a graph's, in the memory pool
     the rest's forward graphs share, so it is read before they replay. Forwards past a
@@ -108,7 +108,11 @@ def merge_fused(split: Split, fused_out: torch.Tensor) -> BatchResult:
     kf, nf = fused_out.shape[1], len(split.fused_rows)
     tokens[:kf].index_copy_(1, fi, fused_out[0, :, :nf])
     ok[:kf].index_copy_(1, fi, fused_out[1, :, :nf].bool())
-    return BatchResult(logits=None, next_token_ids=tokens, sample_ok=ok)
+    merged_hidden = None
+    if hidden is not None:  # the fused rows' hidden states ([k', nf, H], already copied out)
+        merged_hidden = hidden.new_zeros((k, n, hidden.shape[-1]))
+        merged_hidden[:kf].index_copy_(1, fi, hidden)
+    return BatchResult(logits=None, next_token_ids=tokens, sample_ok=ok, hidden_states=merged_hidden)
 
 
 def merge_rest(split: Split, merged: BatchResult, rest: BatchResult) -> BatchResult:
@@ -123,5 +127,8 @@ def merge_rest(split: Split, merged: BatchResult, rest: BatchResult) -> BatchRes
     if rest.next_token_logprobs is not None:
         merged.next_token_logprobs = torch.zeros(tokens.shape, dtype=torch.float32, device=tokens.device)
         merged.next_token_logprobs[:kr].index_copy_(1, ri, rest.next_token_logprobs.to(torch.float32))
+    if merged.hidden_states is not None and rest.hidden_states is not None:
+        rest_hidden = rest.hidden_states if rest.hidden_states.dim() == 3 else rest.hidden_states[None]
+        merged.hidden_states[: rest_hidden.shape[0]].index_copy_(1, ri, rest_hidden)
     merged.can_run_cuda_graph = rest.can_run_cuda_graph
     return merged

@@ -66,6 +66,7 @@ class InputBatch:
         self.fp = np.zeros((0, 5), dtype=np.float32)
         self.ip = np.zeros((0, 3), dtype=np.int64)
         self.flags = np.zeros((0, 3), dtype=bool)
+        self.want_hidden = np.zeros(0, dtype=bool)  # the slot's request asked for its hidden states
         self.table_dev = torch.zeros((0, 0), dtype=torch.long, device=device)
         self.fp_dev = torch.zeros((0, 5), dtype=torch.float32, device=device)
         self.ip_dev = torch.zeros((0, 3), dtype=torch.long, device=device)
@@ -88,6 +89,7 @@ class InputBatch:
         self.table = table
         self.num_pages = _grown(self.num_pages, slots)
         self.fp, self.ip, self.flags = _grown(self.fp, slots), _grown(self.ip, slots), _grown(self.flags, slots)
+        self.want_hidden = _grown(self.want_hidden, slots)
         table_dev = torch.full((slots, pages), self.pad_page, dtype=torch.long, device=self.device)
         table_dev[:old_s, :old_p] = self.table_dev
         self.table_dev = table_dev
@@ -108,6 +110,10 @@ class InputBatch:
         self.pad_page = page
         self.table[:] = page
         self.table_dev.fill_(page)
+
+    def wants_hidden(self, rows: SlotRows) -> bool:
+        """Whether a request among ``rows`` asked for its hidden states."""
+        return bool(self.want_hidden[rows.slots].any())
 
     @property
     def slots_in_use(self) -> int:
@@ -202,6 +208,7 @@ class InputBatch:
         self.ip[slot] = (sp.top_k, seed or 0, sp.min_new_tokens)
         stop = sorted(req.stop_ids()) if sp.min_new_tokens > 0 else []
         self.flags[slot] = (sp.return_logprob, bool(sp.suppress_tokens), bool(stop))
+        self.want_hidden[slot] = sp.return_hidden_states
         self._dirty_params.append(slot)
         self.controls.join(slot, sp, req.output_ids)
         wanted = {

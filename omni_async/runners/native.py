@@ -50,8 +50,8 @@ class NativeModelRunner(ModelRunner):
         fused_kernels: bool = True,
     ) -> None:
         super().__init__(seed=seed)
-        # When set, each sampled row's final hidden state goes out with its step output
-        # (``RequestOutput.extra["hidden_state"]``), e.g. for a downstream talker stage.
+        # When set, every request's hidden states go out with its step outputs (a
+        # thinker feeding a talker), not only those of requests that ask for them.
         self.capture_hidden = capture_hidden
         self.graphs: DecodeGraphs | None = None
         self.fused_decode: FusedDecode | None = None  # multi-step decodes in one launch
@@ -83,18 +83,53 @@ class NativeModelRunner(ModelRunner):
         counts = batch.page_counts or [len(t) for t in batch.page_tables]
         rows = self.inputs.assign(batch.reqs, batch.epochs, batch.page_tables, counts, self.base_seed)
         sidx = np.asarray(batch.sample_indices, dtype=np.int64)
-        capture = self.capture_hidden or capture_hidden_mode is not None
+        capture = self.capture_hidden or capture_hidden_mode is not None or self.inputs.wants_hidden(rows)
         if batch.is_decode:
             return self._build_decode(batch, rows, sidx, capture)
-        fb = self._build_extend(batch, rows, sidx)
-        fb.capture_hidden = capture
+        prompt = any(r.sampling.return_prompt_hidden_states for r in batch.reqs)
+        fb = self._build_extend(batch, rows, sidx, prompt)
+        fb.capture_hidden = capture or prompt
         return fb
 
     def _build_decode(self, batch: ScheduledBatch, rows: SlotRows, sidx: np.ndarray, capture: bool) -> ForwardBatch | FusedBatch:
         """One small host array, one copy; the rest is gathered on the device."""
-        multi = batch.row_steps is not None
-        fused = self._fused_batch(batch, rows, sidx) if multi and not capture else None
-        return fused if fused is not None else self._unfused_decode(batch, rows, sidx, capture)
+        fused = self._fused_batch(batch, rows, sidx, capture) if batch.row_steps is not None else None
+        if fused is None:
+            return self._unfused_decode(batch, rows, sidx, capture)
+        fused.capture_hidden = capture
+        fused.cond = self._decode_cond(fused.batch, fused.steps, fused.host.shape[0])
+        return fused
+
+    def _decode_cond(self, batch: ScheduledBatch, steps: int, size: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A talker's conditioning of a decode step's ``steps`` forwards, ``([steps, size,
+        Hc], [steps, size])``: forward j of row i computes position ``prefix_lens[i] + j``."""
+        if self.model.thinker_to_talker_proj is None:
+            return None
+        return self._gather_cond(batch.reqs, [(p, steps, i, size) for i, p in enumerate(batch.prefix_lens)], steps * size)
+
+    def _gather_cond(self, reqs: list, spans: list[tuple[int, int, int, int]], total: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Conditioning rows and mask for ``total`` flat inputs: row ``i`` of ``reqs``
+        computes ``count`` positions from ``first``, the j-th at flat index ``base + j *
+        stride`` (``spans[i] = (first, count, base, stride)``). Positions without a row
+        (none arrived for them, or the request has none) get mask 0. None when no row is
+        conditioned."""
+        proj = self.model.thinker_to_talker_proj
+        pieces, dst = [], []
+        for req, (first, count, base, stride) in zip(reqs, spans):
+            cond = req.conditioning
+            if cond is None:
+                continue
+            for offset, part in cond.pieces(first, count):
+                pieces.append(part)
+                dst.extend(base + (offset + j) * stride for j in range(part.shape[0]))
+        dtype, dev = proj.weight.dtype, self.device
+        rows = torch.zeros((total, proj.in_features), dtype=dtype, device=dev)
+        mask = torch.zeros(total, dtype=dtype, device=dev)
+        if pieces:
+            idx = torch.tensor(dst, dtype=torch.long).to(dev, non_blocking=True)
+            rows.index_copy_(0, idx, torch.cat([p.to(device=dev, dtype=dtype) for p in pieces]))
+            mask.index_fill_(0, idx, 1.0)
+        return rows, mask
 
     def _unfused_decode(self, batch: ScheduledBatch, rows: SlotRows, sidx: np.ndarray, capture: bool = False) -> ForwardBatch:
         multi = batch.row_steps is not None
@@ -103,11 +138,14 @@ class NativeModelRunner(ModelRunner):
         # A decode input still in flight (-1 on the host) is the slot's newest token.
         input_ids = torch.where(host_ids >= 0, host_ids, self.inputs.last_token.index_select(0, rows.slots_dev))
         tables = self.inputs.block_tables(rows)
-        graphed = None if capture else self._graph_tables(batch, rows, tables)
+        graphed = self._graph_tables(batch, rows, tables)
         span = max(batch.prefix_lens) + 1
+        all_cond = self._decode_cond(batch, max(batch.row_steps) if multi else 1, batch.size)
+        cond = None if all_cond is None else (all_cond[0][0], all_cond[1][0])
         if not multi:
             ctx = self._decode_ctx(tables, positions, self._slots(tables, positions), graphed, span)
-            return ForwardBatch(input_ids, positions, ctx, batch, rows, sidx, sidx_dev, block_tables=graphed, capture_hidden=capture)
+            return ForwardBatch(input_ids, positions, ctx, batch, rows, sidx, sidx_dev, block_tables=graphed, capture_hidden=capture,
+                                cond=cond)
         # A multi-step decode: every forward's inputs in one go, [k, B] (each torch call
         # costs the H200's host 10-100 us: per-forward arithmetic would be paid k times).
         (steps,) = rest
@@ -117,7 +155,8 @@ class NativeModelRunner(ModelRunner):
         all_slots = torch.where(steps > later, all_slots, (self.kv.num_pages - 1) * self.page_size)  # ... writing to scratch
         all_kv_lens = all_positions + 1
         ctx = self._decode_ctx(tables, positions, all_slots[0], graphed, span, kv_lens=all_kv_lens[0])
-        fb = ForwardBatch(input_ids, positions, ctx, batch, rows, sidx, sidx_dev, block_tables=graphed, capture_hidden=capture)
+        fb = ForwardBatch(input_ids, positions, ctx, batch, rows, sidx, sidx_dev, block_tables=graphed, capture_hidden=capture,
+                          cond=cond, all_cond=all_cond)
         fb.row_steps, fb.tables, fb.span, fb.all_positions, fb.all_slots = steps, tables, span, all_positions, all_slots
         fb.all_kv_lens, fb.all_sample_indices = all_kv_lens, sidx_dev + later
         return fb
@@ -129,14 +168,17 @@ class NativeModelRunner(ModelRunner):
         self.decode_plan = plan
         self.fused_decode = FusedDecode(self.model, self.kv) if plan.most > 1 and fused else None
 
-    def _fused_batch(self, batch: ScheduledBatch, rows: SlotRows, sidx: np.ndarray) -> FusedBatch | None:
+    def _fused_batch(self, batch: ScheduledBatch, rows: SlotRows, sidx: np.ndarray, capture: bool = False) -> FusedBatch | None:
         """A multi-step decode as one fused launch (sampling included), its logprob rows
         split off to run forward by forward (:mod:`.fused_split`); None (every forward
         replays the one-forward graphs) when this runner overrides a hook the fused
         launch skips, no row can run fused, or (with CUDA graphs) no fused graph fits."""
         if self.fused_decode is None or not leaves_hooks(self, NativeModelRunner):
             return None
-        return plan_fused(self.fused_decode, self.inputs, batch, rows, sidx, self.graphs is not None, self._unfused_decode)
+        def rest(sub: ScheduledBatch, sub_rows: SlotRows, sub_sidx: np.ndarray) -> ForwardBatch:
+            return self._unfused_decode(sub, sub_rows, sub_sidx, capture)
+
+        return plan_fused(self.fused_decode, self.inputs, batch, rows, sidx, self.graphs is not None, rest)
 
     def _fused_step(self, fb: FusedBatch, requests: list, lookahead: bool) -> tuple[BatchResult, torch.Tensor | None]:
         """Replay (or run) the fused forwards and publish the rows' newest tokens; then
@@ -147,11 +189,15 @@ class NativeModelRunner(ModelRunner):
         def eager_ctx(tables, positions, slots, kv_lens, j):
             return self._decode_ctx(tables, positions, slots, None, fb.span + j, kv_lens=kv_lens)
 
-        out = fused.run(fb, self.inputs, eager_ctx)
-        self.inputs.publish_steps(fb.rows.slots_dev, out[0, :, : fb.batch.size])
-        result = BatchResult(logits=None, next_token_ids=out[0], sample_ok=out[1], can_run_cuda_graph=fb.bucket is not None, packed=out)
+        out, hidden = fused.run(fb, self.inputs, eager_ctx)
+        size = fb.batch.size
+        self.inputs.publish_steps(fb.rows.slots_dev, out[0, :, :size])
+        # A graph's hidden states are its static buffer: copied out before the next replay.
+        hidden = hidden[:, :size].clone() if fb.capture_hidden and hidden is not None else None
+        result = BatchResult(logits=None, next_token_ids=out[0], sample_ok=out[1], can_run_cuda_graph=fb.bucket is not None, packed=out,
+                             hidden_states=hidden)
         if fb.split is not None:
-            split, merged = fb.split, merge_fused(fb.split, out)
+            split, merged = fb.split, merge_fused(fb.split, out, hidden)
             rest, _ = self._forward_and_sample(split.rest, split.rest.batch, requests, False, lookahead)
             result = merge_rest(split, merged, rest)
         return result, (result.next_token_ids if lookahead else None)
@@ -191,11 +237,15 @@ class NativeModelRunner(ModelRunner):
         return ctx
 
     def multi_step_allowed(self) -> bool:
-        """Several forwards per decode step hand out one hidden state per step: not while
-        hidden states are captured (``capture_hidden`` or a capture hook)."""
-        return not self.capture_hidden and (
-            type(self).requested_capture_hidden_mode_decode is ModelRunner.requested_capture_hidden_mode_decode
-        )
+        """Several forwards per decode step hand out a hidden state per forward; a runner
+        whose capture hook decides per step (a subclass) gets one forward per step."""
+        return type(self).requested_capture_hidden_mode_decode is ModelRunner.requested_capture_hidden_mode_decode
+
+    def capture_hooked(self) -> bool:
+        """Whether a subclass decides per step which steps capture hidden states."""
+        cls = type(self)
+        return (cls.requested_capture_hidden_mode_decode is not ModelRunner.requested_capture_hidden_mode_decode
+                or cls.requested_capture_hidden_mode_prefill is not ModelRunner.requested_capture_hidden_mode_prefill)
 
     def _forward_and_sample(self, fb: ForwardBatch, batch: ScheduledBatch, requests: list, is_prefill: bool, lookahead: bool):
         """A multi-step decode runs its forwards back to back, each on the tokens the one
@@ -211,6 +261,7 @@ class NativeModelRunner(ModelRunner):
         tokens = torch.empty((k, size), dtype=torch.long, device=self.device)
         ok = torch.empty((k, size), dtype=torch.bool, device=self.device)
         logprobs: torch.Tensor | None = None
+        hidden: torch.Tensor | None = None
         sub, last = fb, None
         # Later forwards read the tokens before them directly; the slots' record is for the
         # next step, so one publish at the end does, unless penalties mark every token seen.
@@ -228,11 +279,15 @@ class NativeModelRunner(ModelRunner):
                 if logprobs is None:
                     logprobs = torch.zeros((k, size), dtype=torch.float32, device=self.device)
                 logprobs[j].copy_(last.next_token_logprobs)
+            if last.hidden_states is not None:
+                if hidden is None:
+                    hidden = last.hidden_states.new_empty((k,) + tuple(last.hidden_states.shape))
+                hidden[j].copy_(last.hidden_states)
             if every_forward or j == k - 1:
                 self.inputs.publish(fb.rows.slots_dev, tokens[j])
         assert last is not None
         merged = BatchResult(
-            logits=last.logits, next_token_ids=tokens, next_token_logprobs=logprobs, hidden_states=last.hidden_states,
+            logits=last.logits, next_token_ids=tokens, next_token_logprobs=logprobs, hidden_states=hidden,
             can_run_cuda_graph=last.can_run_cuda_graph, sample_ok=ok,
         )
         return merged, (tokens if lookahead else None)
@@ -248,9 +303,10 @@ class NativeModelRunner(ModelRunner):
         return ForwardBatch(
             tokens, positions, ctx, fb.batch, fb.rows, fb.sample_indices + j, fb.all_sample_indices[j],
             block_tables=fb.block_tables, capture_hidden=fb.capture_hidden, sampling=fb.sampling,
+            cond=None if fb.all_cond is None else (fb.all_cond[0][j], fb.all_cond[1][j]),
         )
 
-    def _build_extend(self, batch: ScheduledBatch, rows: SlotRows, sidx: np.ndarray) -> ForwardBatch:
+    def _build_extend(self, batch: ScheduledBatch, rows: SlotRows, sidx: np.ndarray, prompt_hidden: bool = False) -> ForwardBatch:
         """Flat token positions and KV slots computed with numpy from the host page
         tables, then copied once."""
         ps, dev = self.page_size, self.device
@@ -278,7 +334,13 @@ class NativeModelRunner(ModelRunner):
             ctx.seq_slices = list(zip(starts.tolist(), n.tolist(), prefix.tolist()))
             ctx.seq_kv_slots = [self._seq_slots(int(s), int(p + k)) for s, p, k in zip(rows.slots, prefix, n)]
             ctx.cpu_prefill = self.cpu_fused_ops
-        return ForwardBatch(input_ids, positions, ctx, batch, rows, sidx, sidx_dev)
+        fb = ForwardBatch(input_ids, positions, ctx, batch, rows, sidx, sidx_dev)
+        if self.model.thinker_to_talker_proj is not None:
+            spans = [(int(p), int(c), int(s), 1) for p, c, s in zip(prefix, n, starts)]
+            fb.cond = self._gather_cond(batch.reqs, spans, int(ends[-1]))
+        if prompt_hidden:
+            fb.prompt_rows = [(int(s), int(c), int(p)) for s, c, p in zip(starts, n, prefix)]
+        return fb
 
     def _seq_slots(self, slot: int, length: int) -> torch.Tensor:
         ps = self.page_size
@@ -291,6 +353,8 @@ class NativeModelRunner(ModelRunner):
         graphs = self.graphs
         if graphs is None or not graphs.fits(batch.size, rows.widest):
             return None
+        if self.model.thinker_to_talker_proj is not None and graphs.cond_rows is None:
+            return None  # captured before the projection was attached: they ignore it
         return tables
 
     def enable_cuda_graphs(self, *, scratch_page: int, max_len: int, max_batch: int) -> None:
@@ -329,17 +393,21 @@ class NativeModelRunner(ModelRunner):
         if forward_batch.block_tables is not None and self.graphs is not None:
             ctx = forward_batch.ctx
             out = self.graphs.replay(
-                forward_batch.input_ids, forward_batch.positions, ctx.slot_mapping, forward_batch.block_tables, ctx.kv_lens
+                forward_batch.input_ids, forward_batch.positions, ctx.slot_mapping, forward_batch.block_tables, ctx.kv_lens,
+                forward_batch.cond,
             )
             greedy = None if out.greedy_tokens is None else (out.greedy_tokens, out.greedy_ok)
-            return BatchResult(logits=out.logits, can_run_cuda_graph=True, graph_greedy=greedy)
-        if forward_batch.capture_hidden:
-            logits, hidden = self.model(
-                forward_batch.input_ids, forward_batch.positions, self.kv, forward_batch.ctx, return_hidden=True
-            )
+            # The graph's hidden states are its static buffer: copied out before the next replay.
+            hidden = out.hidden.clone() if forward_batch.capture_hidden else None
+            return BatchResult(logits=out.logits, can_run_cuda_graph=True, graph_greedy=greedy, hidden_states=hidden)
+        fb = forward_batch
+        if fb.prompt_rows is not None:
+            logits, every = self.model(fb.input_ids, fb.positions, self.kv, fb.ctx, return_hidden="all", cond=fb.cond)
+            return BatchResult(logits=logits, hidden_states=every[fb.ctx.logits_rows], prompt_hidden=(every, fb.prompt_rows))
+        if fb.capture_hidden:
+            logits, hidden = self.model(fb.input_ids, fb.positions, self.kv, fb.ctx, return_hidden=True, cond=fb.cond)
             return BatchResult(logits=logits, hidden_states=hidden)
-        logits = self.model(forward_batch.input_ids, forward_batch.positions, self.kv, forward_batch.ctx)
-        return BatchResult(logits=logits)
+        return BatchResult(logits=self.model(fb.input_ids, fb.positions, self.kv, fb.ctx, cond=fb.cond))
 
     # ------------------------------------------------------------ sampling state
 
@@ -384,9 +452,13 @@ class NativeModelRunner(ModelRunner):
 
     @hidden_states_only
     def post_process_outputs(self, result, scheduler_output, outputs) -> None:
-        if result.hidden_states is None:
+        """The reference's contract for a runner whose capture hook asked for a step's
+        hidden states: each row's last one in ``extra["hidden_state"]`` (on the host).
+        Requests that ask through ``SamplingParams`` get theirs in their deltas instead."""
+        if result.hidden_states is None or not self.capture_hooked():
             return
-        hidden = result.hidden_states.detach().to("cpu", torch.float32)
+        hidden = result.hidden_states.detach()
+        hidden = (hidden[-1] if hidden.dim() == 3 else hidden).to("cpu", torch.float32)
         for i, sched_req in enumerate(scheduler_output.requests):
             out = outputs[sched_req.request_id]
             if out.data is not None:

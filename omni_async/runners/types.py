@@ -18,7 +18,7 @@ class BatchResult:
     logits: torch.Tensor | None
     next_token_ids: torch.Tensor | None = None
     next_token_logprobs: torch.Tensor | None = None
-    hidden_states: torch.Tensor | None = None
+    hidden_states: torch.Tensor | None = None  # [B, H], or [k, B, H] for a multi-step decode
     can_run_cuda_graph: bool = False
     # [B] bool from the sampler: False where a row had no admissible token.
     sample_ok: torch.Tensor | None = None
@@ -30,3 +30,6 @@ class BatchResult:
     # A fused multi-step decode: ``[2, k, B]`` int64 tokens and ok flags (B padded to its
     # graph's bucket), copied to the host as it is (the reader drops the padding rows).
     packed: torch.Tensor | None = None
+    # A prefill's final hidden states at every input row, and where each batch row's
+    # tokens sit in them (``ModelRunnerOutput.prompt_hidden``), when a row asked.
+    prompt_hidden: tuple[torch.Tensor, list[tuple[int, int, int]]] | None = None

@@ -172,9 +172,15 @@ class Emission:
             inline = self.stream_output_builder is default_stream_output_builder and not debug_enabled()
             pending = self._pending
             emitted = 0
+            hidden = HiddenRows(batch, out) if out.hidden_states is not None or out.prompt_hidden is not None else None
             for oc in outcomes:
                 req = oc.req
                 token = oc.token
+                if hidden is not None and hidden.take(oc):
+                    self._emit_with_hidden(req, oc, hidden, outputs)
+                    if oc.finished:
+                        self.finish(req)
+                    continue
                 if token is not None:
                     tokens = oc.tokens  # a multi-step row: all its tokens; else None
                     logprob = oc.logprob
@@ -222,6 +228,37 @@ class Emission:
                 err.__cause__ = exc
                 self.fail(req.rid, err)
 
+    def _emit_with_hidden(self, req: Request, oc: Any, hidden: "HiddenRows", outputs: dict[str, RequestOutput] | None) -> None:
+        """A row whose tokens go out with their hidden states: one delta for the step's
+        tokens (a multi-step row's together), or none for a prefill chunk that sampled
+        nothing. Logprobs and top logprobs go as on the plain path."""
+        if oc.token is None:
+            return
+        tokens = [oc.token] if oc.tokens is None else oc.tokens
+        lps = ([oc.logprob] if oc.tokens is None else oc.logprobs) if req.sampling.return_logprob else None
+        if lps is not None and lps[0] is not None:
+            req.data.output_token_logprobs.extend([lp, t] for lp, t in zip(lps, tokens))
+        else:
+            lps = None
+        if self.stats is not None:
+            self.stats.tokens_out += len(tokens)
+        fin = oc.finished
+        delta = StreamDelta(req.rid, list(tokens), lps, fin, req.finish_reason if fin else None,
+                            hidden_states=hidden.rows, prompt_hidden_states=hidden.prompt)
+        req_output = outputs.get(req.rid) if outputs else None
+        if req_output is not None and req_output.extra:  # top logprobs (one forward: one token)
+            delta.extra = dict(req_output.extra)
+        if self.stream_output_builder is default_stream_output_builder:
+            self._pending.append(OutgoingMessage(req.rid, "stream", delta))
+            return
+        for j, token in enumerate(tokens):  # a custom builder sees one RequestOutput per token
+            last = j == len(tokens) - 1
+            out = RequestOutput(req.rid, token, logprob=None if lps is None else lps[j], finished=fin and last)
+            if hidden.rows is not None:
+                out.extra["hidden_states"] = hidden.rows[j : j + 1]
+            if not self._emit_stream(req, out):
+                return
+
     def _emit_outputs(self, req: Request, oc: Any, req_output: RequestOutput | None, inline: bool) -> bool:
         """A row's token(s) through ``RequestOutput``s: the runner's (extra outputs), or a
         custom stream builder's. A multi-step row's earlier tokens go first, one each;
@@ -257,6 +294,63 @@ class Emission:
         return True
 
 
+class HiddenRows:
+    """One step's hidden states sorted out by row: which rows' go out (requests that
+    asked, or all when the stage captures for every request), which are kept for the
+    result, and the prompt positions of a prefill whose request asked for them."""
+
+    def __init__(self, batch: Any, out: ModelRunnerOutput) -> None:
+        self.states, self.prompt_states = out.hidden_states, out.prompt_hidden
+        self.for_all = out.hidden_for_all
+        self.multi = self.states is not None and self.states.dim() == 3  # [k, B, H]
+        self.row_of = {id(r): i for i, r in enumerate(batch.reqs)}
+        self.rows: Any = None
+        self.prompt: Any = None
+
+    def take(self, oc: Any) -> bool:
+        """Sort out ``oc``'s row: True when its delta carries hidden states (``rows``,
+        ``prompt``); its request's result rows are collected on the way."""
+        req = oc.req
+        sp = req.sampling
+        self.rows = self.prompt = None
+        if not (self.for_all or sp.return_hidden_states or sp.return_prompt_hidden_states):
+            return False
+        i = self.row_of[id(req)]
+        data = req.data
+        if self.prompt_states is not None and sp.return_prompt_hidden_states:
+            self._collect_prompt(req, data, i)
+        if oc.token is None:
+            return True
+        if self.states is not None and (self.for_all or sp.return_hidden_states):
+            n = 1 if oc.tokens is None else len(oc.tokens)
+            self.rows = self.states[:n, i] if self.multi else self.states[i : i + 1]
+            if sp.return_hidden_states:
+                data.hidden_rows.append(self.rows)
+        if sp.return_prompt_hidden_states and data.prompt_hidden_rows and len(req.output_ids) == (
+                1 if oc.tokens is None else len(oc.tokens)):
+            self.prompt = _joined(data.prompt_hidden_rows)  # with the request's first token
+        return True
+
+    def _collect_prompt(self, req: Request, data: RequestData, i: int) -> None:
+        every, spans = self.prompt_states
+        first_flat, count, first_pos = spans[i]
+        lo, hi = max(first_pos, data.prompt_hidden_upto), min(first_pos + count, len(req.prompt_ids))
+        if hi > lo:
+            data.prompt_hidden_rows.append(every[first_flat + lo - first_pos : first_flat + hi - first_pos])
+            data.prompt_hidden_upto = hi
+
+
+def _joined(rows: list[Any]) -> Any:
+    """The rows of several steps as one tensor (None for none)."""
+    if not rows:
+        return None
+    if len(rows) == 1:
+        return rows[0]
+    import torch  # only requests that asked for hidden states get here
+
+    return torch.cat(rows)
+
+
 def default_result_adapter(data: RequestData) -> GenerationResult:
     req = data.req
     return GenerationResult(
@@ -268,6 +362,8 @@ def default_result_adapter(data: RequestData) -> GenerationResult:
         weight_version=data.weight_version,
         extra={k: v for k, v in data.extra_model_outputs.items() if k != "hidden_state"},
         cached_tokens=req.cached_tokens,
+        hidden_states=_joined(data.hidden_rows) if req.sampling.return_hidden_states else None,
+        prompt_hidden_states=_joined(data.prompt_hidden_rows) if req.sampling.return_prompt_hidden_states else None,
     )
 
 

@@ -58,18 +58,19 @@ class SGLangModelRunner(ModelRunner):
         fb = ForwardBatch.init_new(
             sb,
             self.tp_worker.model_runner,
-            capture_hidden_mode=self._capture_mode(capture_hidden_mode),
+            capture_hidden_mode=self._capture_mode(capture_hidden_mode, scheduler_output.requests),
             return_hidden_states_before_norm=False,
         )
         return SGLangForward(forward_batch=fb, schedule_batch=sb)
 
-    def _capture_mode(self, requested: Any) -> CaptureHiddenMode | None:
+    def _capture_mode(self, requested: Any, requests: list) -> CaptureHiddenMode | None:
         """SGLang's capture mode for this step: a CaptureHiddenMode from the hooks as
-        given, any other request from them (or ``capture_hidden``) as LAST, the hidden
-        state each sampled row's token comes from (after the final norm, as native)."""
+        given, any other request from them (or ``capture_hidden``, or a request's
+        ``return_hidden_states``) as LAST, the hidden state each sampled row's token
+        comes from (after the final norm, as native)."""
         if isinstance(requested, CaptureHiddenMode):
             return requested
-        if requested is not None or self.capture_hidden:
+        if requested is not None or self.capture_hidden or any(sr.data.req.sampling.return_hidden_states for sr in requests):
             return CaptureHiddenMode.LAST
         return None
 
