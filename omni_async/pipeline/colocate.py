@@ -118,7 +118,7 @@ def talker_request_builder(
         if cond is None:
             data.stream_chunks.append(chunk)
             return
-        rows = getattr(chunk, "hidden_states", None)
+        rows = chunk_rows(chunk)
         n = len(chunk.token_ids)
         if rows is None or tuple(rows.shape) != (n, bound["width"]):
             raise errors.InvalidRequestError(
@@ -157,6 +157,16 @@ def talker_request_builder(
     if inputs == "hidden":
         callbacks.update(stream_chunk_handler=on_chunk, stream_done_handler=on_done, result_adapter=result)
     return callbacks, bind
+
+
+def chunk_rows(chunk: Any) -> Any:
+    """A thinker delta's hidden-state rows: ``delta.hidden_states``, or where a custom
+    stream output builder made the delta from a step's outputs, their
+    ``extra["hidden_states"]``; None without either."""
+    rows = getattr(chunk, "hidden_states", None)
+    if rows is None:
+        rows = (getattr(chunk, "extra", None) or {}).get("hidden_states")
+    return rows
 
 
 def to_talker(rows: Any, device: torch.device, dtype: torch.dtype, stream: Any = None) -> Any:
