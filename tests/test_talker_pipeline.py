@@ -74,7 +74,7 @@ async def test_the_talker_gets_one_thinker_row_per_thinker_token_in_order(loop):
     first, _ = thinker(loop)
     second, talker_stack = talker(loop, record)
     async with TwoStagePipeline(first, second) as pipe:
-        events = (await converse(pipe, ["c1"]))["c1"]
+        events = (await converse(pipe, ["c1"], n_talk=16))["c1"]
     think = [ev.data for ev in events if ev.stage == "thinker" and ev.kind == "stream"]
     rows = torch.cat([d.hidden_states for d in think])
     res = results(events)
@@ -86,7 +86,7 @@ async def test_the_talker_gets_one_thinker_row_per_thinker_token_in_order(loop):
     assert torch.equal(torch.cat(cond.chunks), rows)  # every row once, in the thinker's order
     # the prompt: BOS and one placeholder per row of the first three chunks
     assert res["talker"].prompt_ids == [BOS] * 4
-    assert len(res["talker"].output_ids) == 10
+    assert len(res["talker"].output_ids) == 16
     assert talker_stack.allocator.is_fully_free()
 
 
@@ -189,3 +189,15 @@ async def test_from_pretrained_builds_the_hidden_talker_by_default_and_keeps_the
     assert HIDDEN_ROWS not in tokens["talker"].extra
     prompt = tokens["talker"].prompt_ids
     assert prompt[0] == BOS and prompt[1:] == tokens["thinker"].output_ids[: len(prompt) - 1]
+
+
+async def test_a_thinker_shorter_than_the_deferral_still_feeds_the_talker():
+    """The thinker ends after two tokens: the talker starts on its end with both rows in
+    its prompt, and runs on past them (positions without a row add nothing)."""
+    record: dict = {}
+    first, _ = thinker("async_decode")
+    second, _ = talker("async_decode", record)
+    async with TwoStagePipeline(first, second) as pipe:
+        res = results((await converse(pipe, ["s"], n_think=2, n_talk=12))["s"])
+    assert res["talker"].prompt_ids == [BOS] * 3 and len(res["talker"].output_ids) == 12
+    assert res["talker"].extra[HIDDEN_ROWS] == 2 and record["s"].closed

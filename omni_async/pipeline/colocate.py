@@ -27,7 +27,7 @@ from ..stage.weak import weak_method
 
 __all__ = ["check_shares", "build_stage_scheduler", "build_talker", "talker_request_builder", "to_talker", "TALKER_MIN_CHUNKS", "HIDDEN_ROWS"]
 
-# ``result.extra`` key of a hidden-fed talker: the thinker rows its request received.
+# ``result.extra`` key of a hidden-fed talker: the thinker rows its request read.
 HIDDEN_ROWS = "hidden_rows"
 # The talker starts once this many thinker chunks have arrived (its prompt: BOS and a
 # placeholder per thinker row of them).
@@ -150,13 +150,22 @@ def talker_request_builder(
 
     def result(data: Any) -> Any:
         out = default_result_adapter(data)
-        out.extra[HIDDEN_ROWS] = data.req.conditioning.available  # what the talker consumed
+        out.extra[HIDDEN_ROWS] = consumed_rows(data.req)
         return out
 
     callbacks = {"request_builder": build, "request_build_ready": ready}
     if inputs == "hidden":
         callbacks.update(stream_chunk_handler=on_chunk, stream_done_handler=on_done, result_adapter=result)
     return callbacks, bind
+
+
+def consumed_rows(req: Any) -> int:
+    """Thinker rows a finished talker request read: one per computed position from the
+    conditioning's start on (the last token is sampled, never an input), up to the rows
+    that arrived."""
+    cond = req.conditioning
+    computed = len(req.prompt_ids) + len(req.output_ids) - 1
+    return max(0, min(cond.available, computed - cond.start))
 
 
 def chunk_rows(chunk: Any) -> Any:
