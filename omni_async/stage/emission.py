@@ -304,6 +304,7 @@ class HiddenRows:
         self.for_all = out.hidden_for_all
         self.multi = self.states is not None and self.states.dim() == 3  # [k, B, H]
         self.row_of = {id(r): i for i, r in enumerate(batch.reqs)}
+        self._by_row: Any = None  # each row's [k or 1, H] view, split in one call when first needed
         self.rows: Any = None
         self.prompt: Any = None
 
@@ -322,8 +323,11 @@ class HiddenRows:
         if oc.token is None:
             return True
         if self.states is not None and (self.for_all or sp.return_hidden_states):
+            if self._by_row is None:
+                self._by_row = self.states.unbind(1) if self.multi else self.states.unsqueeze(1).unbind(0)
+            rows = self._by_row[i]
             n = 1 if oc.tokens is None else len(oc.tokens)
-            self.rows = self.states[:n, i] if self.multi else self.states[i : i + 1]
+            self.rows = rows if rows.shape[0] == n else rows[:n]
             if sp.return_hidden_states:
                 data.hidden_rows.append(self.rows)
         if sp.return_prompt_hidden_states and data.prompt_hidden_rows and len(req.output_ids) == (
