@@ -50,3 +50,16 @@ def test_a_checkpoint_projection_of_other_shapes_is_a_config_error(tmp_path):
 def test_a_bad_conditioning_size_is_a_config_error():
     with pytest.raises(ConfigError, match="conditioning_size"):
         attach_projection(load_model("tiny"), 0)
+
+
+def test_a_hidden_talker_needs_its_projection_and_a_pad_id_in_its_vocabulary():
+    from omni_async.pipeline.colocate import build_stage_scheduler, build_talker, talker_request_builder
+
+    with pytest.raises(ConfigError, match="conditioning_size"):
+        build_talker("tiny")
+    callbacks, bind = talker_request_builder(3, "hidden")
+    sched, stack = build_stage_scheduler("tiny", callbacks=callbacks)  # no projection
+    with pytest.raises(ConfigError, match="conditioning_size"):
+        bind(sched, stack)
+    with pytest.raises(ConfigError, match="pad_id 999"):
+        build_talker("tiny", conditioning_size=64, pad_id=999)

@@ -80,8 +80,9 @@ def talker_request_builder(
 
     ``inputs="hidden"`` (the default): the talker reads the thinker's hidden states. Its
     prompt is the talker's BOS, then one placeholder (``pad_id``, BOS by default) per
-    thinker row of the first ``min_chunks`` chunks; its request's ``conditioning`` (start 1) gets every
-    chunk's ``delta.hidden_states`` rows as they arrive (the deferred chunks first), so
+    thinker row of the first ``min_chunks`` chunks; its request's ``conditioning`` (start
+    1) gets every chunk's ``delta.hidden_states`` rows as they arrive (the deferred chunks
+    first; kept for the request's life: a prefill after a retraction reads them again), so
     position p >= 1 adds the projected thinker row p - 1, and a position waits for its
     row; the thinker's end closes it (later positions add nothing).
     ``inputs="tokens"``: the prompt is BOS and the thinker's tokens so far (modulo the
@@ -144,8 +145,12 @@ def talker_request_builder(
             device=stack.device,
             stream=getattr(stack.runner, "stream", None),
         )
-        proj = getattr(stack.loaded.model, "thinker_to_talker_proj", None)
-        if proj is not None:
+        if inputs == "hidden":
+            proj = getattr(stack.loaded.model, "thinker_to_talker_proj", None)
+            if proj is None:
+                raise ConfigError("a talker fed by hidden states needs a stage built with conditioning_size")
+            if not 0 <= bound["pad"] < cfg.vocab_size:
+                raise ConfigError(f"talker pad_id {bound['pad']} is outside the talker's vocabulary (0..{cfg.vocab_size - 1})")
             bound.update(width=proj.in_features, dtype=proj.weight.dtype)
 
     def result(data: Any) -> Any:
