@@ -1,24 +1,31 @@
 """Co-located stages on one device: a thinker streaming into a talker through
 ``TwoStagePipeline``, against each stage alone on the same requests.
 
-The workload (issue: co-located stages run faster together than apart): random-weight
-bf16 checkpoints of a thinker (Qwen2-1.5B shape, or Llama-8B with ``--thinker-shape
-llama-8b``) and a talker (Qwen2-0.5B shape), built on the fly; ``--conversations`` (128)
-conversations, thinker prompts of 100-512 tokens and 256 new tokens; the talker is
-deferred until 3 thinker chunks have arrived (its prompt: BOS and the thinker's tokens so
-far), then writes 512 tokens; temperature 0.7, ignore_eos; each stage
-``max_running_requests=256``, an explicit KV size (or ``--shares``, each stage's
-``memory_budget``), prefill budget 16384/8192.
+The workload: random-weight bf16 checkpoints of a thinker (Qwen2-1.5B shape, or Llama-8B
+with ``--thinker-shape llama-8b``) and a talker (Qwen2-0.5B shape), built on the fly;
+``--conversations`` (128) conversations, thinker prompts of 100-512 tokens and 256 new
+tokens; the talker is deferred until 3 thinker chunks have arrived, then writes 512
+tokens; temperature 0.7, ignore_eos; each stage ``max_running_requests=256``, an explicit
+KV size (or ``--shares``, each stage's ``memory_budget``), prefill budget 16384/8192.
 
-For each loop: the thinker alone, the talker alone (prompt: BOS and 3 tokens), the
-pipeline; repeats interleaved (repeat 1: every loop's three runs, then repeat 2, ...).
+The arms (``--modes``), per loop, repeats interleaved (repeat 1: every loop's arms, then
+repeat 2, ...):
+- ``pipeline_hidden`` (the default talker): the thinker captures its hidden states for
+  every request and the talker reads them, one per thinker token, through its
+  ``thinker_to_talker_proj`` (random); its prompt is BOS and one placeholder per row of
+  the first 3 chunks, and each later position waits for its row;
+- ``pipeline_tokens``: the token-only talker (prompt: BOS and the thinker's tokens so
+  far), the thinker without capture;
+- ``thinker`` / ``thinker_hidden``: the thinker alone without / with hidden capture;
+- ``talker``: the talker alone (prompt: BOS and 3 tokens).
 Each run builds its stages, serves, closes, and records: wall time, each stage's tokens
 and tok/s, time to first token (p50/p90) of each stage, GPU busy (NVML, sampled in a
 thread), and ``torch.cuda.memory_allocated()`` before building, after closing (no
 ``gc.collect()``) and after a ``gc.collect()``. The JSON is saved after every run.
 
-    python bench/colocate.py --out bench/results/colocate_h200.json [--loops normal,overlap,async_decode]
+    python bench/colocate.py --out bench/results/colocate_hidden_h200.json [--loops normal,overlap,async_decode]
         [--repeats 3] [--conversations 128] [--thinker-shape qwen2-1.5b|llama-8b] [--shares 0.5,0.3]
+        [--modes pipeline_hidden,pipeline_tokens,thinker,thinker_hidden,talker]
     python bench/colocate.py --smoke --out bench/results/colocate_smoke_cpu.json   # tiny shapes, CPU
 """
 
@@ -47,7 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from _common import LOOPS, machine_facts, parse_loops, percentile, save_json  # noqa: E402
 
 from omni_async import SamplingParams  # noqa: E402
-from omni_async.pipeline.colocate import build_stage_scheduler  # noqa: E402
+from omni_async.pipeline.colocate import HIDDEN_ROWS, build_stage_scheduler  # noqa: E402
 from omni_async.messages import IncomingMessage, RequestPayload  # noqa: E402
 from omni_async.pipeline import TwoStagePipeline  # noqa: E402
 
@@ -213,12 +220,16 @@ def stage_counters(info: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in info.items() if any(c in k for c in COUNTERS) and isinstance(v, (int, float, str))}
 
 
-async def run_alone(args: argparse.Namespace, stage: str, path: Path, loop: str, prompts: list[list[int]]) -> dict:
-    """One stage by itself: every request sent at once, its outbox drained."""
+async def run_alone(args: argparse.Namespace, stage: str, path: Path, loop: str, prompts: list[list[int]],
+                    capture_hidden: bool = False) -> dict:
+    """One stage by itself: every request sent at once, its outbox drained.
+    ``capture_hidden``: the stage captures hidden states for every request (as the
+    pipeline's thinker does for a hidden-fed talker)."""
     kv = args.kv_thinker if stage == "thinker" else args.kv_talker
     share = args.shares[0] if stage == "thinker" else args.shares[1]
     sched, _stack = build_stage_scheduler(str(path), device=args.device, loop=loop, dtype=args.dtype,
-                                          seed=0 if stage == "thinker" else 1, memory_budget=share, **stage_limits(args, kv))
+                                          seed=0 if stage == "thinker" else 1, memory_budget=share,
+                                          capture_hidden=capture_hidden, **stage_limits(args, kv))
     sampling = thinker_sampling if stage == "thinker" else talker_sampling
     submitted: dict[str, float] = {}
     first: dict[str, float] = {}
@@ -250,12 +261,16 @@ async def run_alone(args: argparse.Namespace, stage: str, path: Path, loop: str,
             f"{stage}_info": counters}
 
 
-async def run_pipeline(args: argparse.Namespace, paths: dict[str, Path], loop: str, prompts: list[list[int]]) -> dict:
-    """Both stages in one event loop on one device, the thinker's chunks streamed in."""
+async def run_pipeline(args: argparse.Namespace, paths: dict[str, Path], loop: str, prompts: list[list[int]],
+                       talker_inputs: str = "hidden") -> dict:
+    """Both stages in one event loop on one device, the thinker's chunks streamed in;
+    ``talker_inputs``: the talker reads the thinker's hidden states or its tokens."""
     limits = {"thinker_limits": stage_limits(args, args.kv_thinker), "talker_limits": stage_limits(args, args.kv_talker)}
     pipe = TwoStagePipeline.from_pretrained(str(paths["thinker"]), str(paths["talker"]), device=args.device, loop=loop,
-                                            shares=tuple(args.shares), dtype=args.dtype, capture_hidden=False,
+                                            shares=tuple(args.shares), dtype=args.dtype,
+                                            capture_hidden=talker_inputs == "hidden", talker_inputs=talker_inputs,
                                             talker_min_chunks=3, buffer=1024, **limits)
+    hidden_rows: list[int] = []
     submitted: dict[str, float] = {}
     first = {"thinker": {}, "talker": {}}  # type: dict[str, dict[str, float]]
     ends: dict[str, list[float]] = {"thinker": [], "talker": []}
@@ -273,6 +288,8 @@ async def run_pipeline(args: argparse.Namespace, paths: dict[str, Path], loop: s
                 tokens[ev.stage] += len(ev.data.token_ids)
             else:
                 ends[ev.stage].append(now)
+                if ev.stage == "talker" and HIDDEN_ROWS in ev.data.extra:
+                    hidden_rows.append(ev.data.extra[HIDDEN_ROWS])
 
     async with pipe:
         with GpuBusy(args.device.startswith("cuda")) as busy:
@@ -280,7 +297,8 @@ async def run_pipeline(args: argparse.Namespace, paths: dict[str, Path], loop: s
             await asyncio.gather(*(one(i, ids) for i, ids in enumerate(prompts)))
             wall = time.perf_counter() - t0
         counters = {"thinker_info": stage_counters(pipe.first.info()), "talker_info": stage_counters(pipe.second.info())}
-    out: dict[str, Any] = {"wall_s": wall, "gpu_busy_mean": busy.mean, **counters}
+    out: dict[str, Any] = {"wall_s": wall, "gpu_busy_mean": busy.mean, **counters,
+                           "talker_hidden_rows": sum(hidden_rows) if hidden_rows else None}
     for stage in ("thinker", "talker"):
         out.update(stage_stats(stage, submitted, first[stage], ends[stage], tokens[stage], t0))
     return out
@@ -289,10 +307,11 @@ async def run_pipeline(args: argparse.Namespace, paths: dict[str, Path], loop: s
 async def one_run(args: argparse.Namespace, mode: str, loop: str, paths: dict[str, Path], work: dict) -> dict:
     before = memory_allocated(args.device)
     started = time.perf_counter()
-    if mode == "pipeline":
-        run = await run_pipeline(args, paths, loop, work["thinker"])
+    if mode.startswith("pipeline"):
+        run = await run_pipeline(args, paths, loop, work["thinker"], talker_inputs=mode.split("_")[1])
     else:
-        run = await run_alone(args, mode, paths[mode], loop, work[mode])
+        stage = mode.split("_")[0]
+        run = await run_alone(args, stage, paths[stage], loop, work[stage], capture_hidden=mode == "thinker_hidden")
     run["build_serve_close_s"] = time.perf_counter() - started
     run["mem_before_bytes"] = before
     run["mem_after_close_bytes"] = memory_allocated(args.device)  # no gc.collect() before this
@@ -325,48 +344,64 @@ def live_device_tensors(top: int = 8) -> list[dict[str, Any]]:
 # ------------------------------------------------------------------ summary and main
 
 
+MODES = ("pipeline_hidden", "pipeline_tokens", "thinker", "thinker_hidden", "talker")
+# Each pipeline arm against the stages it runs, alone: (its thinker arm, the talker).
+ARMS = {"pipeline_hidden": "thinker_hidden", "pipeline_tokens": "thinker"}
+
+
 def summarize(runs: list[dict], loops: list[str]) -> dict[str, Any]:
-    """Per loop: medians over the repeats, and sum-of-alone / pipeline per repeat (the
-    three runs of one repeat ran back to back)."""
+    """Per loop: medians over the repeats, and per repeat (its runs ran back to back) the
+    ratios the goals are stated in: the thinker's tok/s with hidden capture over without,
+    and for each pipeline arm the sum of its stages alone over the pipeline."""
     out: dict[str, Any] = {}
     for loop in loops:
         by_repeat: dict[int, dict[str, dict]] = {}
         for r in runs:
             if r["loop"] == loop and not r.get("warmup"):
                 by_repeat.setdefault(r["repeat"], {})[r["mode"]] = r
-        full = [m for m in by_repeat.values() if len(m) == 3]
-        if not full:
+        reps = list(by_repeat.values())
+        if not reps:
             continue
 
         def med(mode: str, key: str) -> float | None:
-            xs = [m[mode][key] for m in full if m[mode].get(key) is not None]
+            xs = [m[mode][key] for m in reps if mode in m and m[mode].get(key) is not None]
             return statistics.median(xs) if xs else None
 
-        ratios = [(m["thinker"]["wall_s"] + m["talker"]["wall_s"]) / m["pipeline"]["wall_s"] for m in full]
-        leaks = [r["mem_after_close_bytes"] - r["mem_before_bytes"] for m in full for r in m.values()
+        leaks = [r["mem_after_close_bytes"] - r["mem_before_bytes"] for m in reps for r in m.values()
                  if r.get("mem_after_close_bytes") is not None]
-        out[loop] = {
-            "repeats": len(full),
-            "thinker_alone_wall_s": med("thinker", "wall_s"),
-            "talker_alone_wall_s": med("talker", "wall_s"),
-            "pipeline_wall_s": med("pipeline", "wall_s"),
-            "pipeline_wall_s_all": [m["pipeline"]["wall_s"] for m in full],
-            "sum_over_pipeline": statistics.median(ratios),
-            "sum_over_pipeline_all": ratios,
+        capture = [m["thinker_hidden"]["thinker_tok_s"] / m["thinker"]["thinker_tok_s"] for m in reps
+                   if "thinker" in m and "thinker_hidden" in m]
+        s: dict[str, Any] = {
+            "repeats": len(reps),
             "thinker_alone_tok_s": med("thinker", "thinker_tok_s"),
-            "talker_alone_tok_s": med("talker", "talker_tok_s"),
-            "pipeline_thinker_tok_s": med("pipeline", "thinker_tok_s"),
-            "pipeline_talker_tok_s": med("pipeline", "talker_tok_s"),
+            "thinker_hidden_alone_tok_s": med("thinker_hidden", "thinker_tok_s"),
+            "hidden_capture_ratio": statistics.median(capture) if capture else None,
+            "hidden_capture_ratio_all": capture,
             "thinker_alone_ttft_p50_ms": med("thinker", "thinker_ttft_p50_ms"),
-            "talker_alone_ttft_p50_ms": med("talker", "talker_ttft_p50_ms"),
-            "pipeline_talker_ttft_p50_ms": med("pipeline", "talker_ttft_p50_ms"),
-            "pipeline_talker_ttft_p90_ms": med("pipeline", "talker_ttft_p90_ms"),
-            "pipeline_talker_ttft_p50_ms_all": [m["pipeline"]["talker_ttft_p50_ms"] for m in full],
+            "talker_alone_wall_s": med("talker", "wall_s"),
+            "talker_alone_tok_s": med("talker", "talker_tok_s"),
             "gpu_busy_thinker_alone": med("thinker", "gpu_busy_mean"),
+            "gpu_busy_thinker_hidden_alone": med("thinker_hidden", "gpu_busy_mean"),
             "gpu_busy_talker_alone": med("talker", "gpu_busy_mean"),
-            "gpu_busy_pipeline": med("pipeline", "gpu_busy_mean"),
             "mem_left_after_close_max_bytes": max(leaks) if leaks else None,
         }
+        for arm, thinker_arm in ARMS.items():
+            full = [m for m in reps if arm in m and thinker_arm in m and "talker" in m]
+            ratios = [(m[thinker_arm]["wall_s"] + m["talker"]["wall_s"]) / m[arm]["wall_s"] for m in full]
+            s[arm] = {
+                "wall_s": med(arm, "wall_s"),
+                "wall_s_all": [m[arm]["wall_s"] for m in reps if arm in m],
+                "sum_over_pipeline": statistics.median(ratios) if ratios else None,
+                "sum_over_pipeline_all": ratios,
+                "thinker_tok_s": med(arm, "thinker_tok_s"),
+                "talker_tok_s": med(arm, "talker_tok_s"),
+                "talker_ttft_p50_ms": med(arm, "talker_ttft_p50_ms"),
+                "talker_ttft_p90_ms": med(arm, "talker_ttft_p90_ms"),
+                "talker_ttft_p50_ms_all": [m[arm]["talker_ttft_p50_ms"] for m in reps if arm in m],
+                "gpu_busy": med(arm, "gpu_busy_mean"),
+                "talker_hidden_rows": med(arm, "talker_hidden_rows"),
+            }
+        out[loop] = s
     return out
 
 
@@ -374,23 +409,37 @@ def print_table(result: dict[str, Any]) -> None:
     def f(x: Any, spec: str = ".2f") -> str:
         return "-" if x is None else format(x, spec)
 
-    log("\n| loop | thinker alone | talker alone | pipeline | sum / pipeline (each repeat) | talker TTFT p50 / p90 ms "
-        "| thinker TTFT alone ms | GPU busy % (alone T, alone t, pipe) | left after close MB |")
+    log("\n| loop | thinker alone tok/s | with hidden capture tok/s | ratio (each repeat) | thinker TTFT alone ms "
+        "| talker alone s | GPU busy % (thinker, +capture, talker) | left after close MB |")
+    log("|---|---|---|---|---|---|---|---|")
+    for loop, s in result["summary"].items():
+        left = s["mem_left_after_close_max_bytes"]
+        log(f"| {loop} | {f(s['thinker_alone_tok_s'], '.0f')} | {f(s['thinker_hidden_alone_tok_s'], '.0f')} "
+            f"| **{f(s['hidden_capture_ratio'])}** ({', '.join(f(r) for r in s['hidden_capture_ratio_all'])}) "
+            f"| {f(s['thinker_alone_ttft_p50_ms'], '.0f')} | {f(s['talker_alone_wall_s'])} "
+            f"| {f(s['gpu_busy_thinker_alone'], '.0f')}, {f(s['gpu_busy_thinker_hidden_alone'], '.0f')}, "
+            f"{f(s['gpu_busy_talker_alone'], '.0f')} | {f(None if left is None else left / 1e6, '.1f')} |")
+    log("\n| loop | talker reads | pipeline s | sum alone / pipeline (each repeat) | talker TTFT p50 / p90 ms "
+        "| goal: thinker TTFT + 100 ms | GPU busy % | thinker / talker tok/s in the pipeline | rows read |")
     log("|---|---|---|---|---|---|---|---|---|")
     for loop, s in result["summary"].items():
-        ratios = ", ".join(f(r) for r in s["sum_over_pipeline_all"])
-        left = s["mem_left_after_close_max_bytes"]
-        log(f"| {loop} | {f(s['thinker_alone_wall_s'])} s | {f(s['talker_alone_wall_s'])} s | {f(s['pipeline_wall_s'])} s "
-            f"| **{f(s['sum_over_pipeline'])}** ({ratios}) | {f(s['pipeline_talker_ttft_p50_ms'], '.0f')} / "
-            f"{f(s['pipeline_talker_ttft_p90_ms'], '.0f')} | {f(s['thinker_alone_ttft_p50_ms'], '.0f')} "
-            f"| {f(s['gpu_busy_thinker_alone'], '.0f')}, {f(s['gpu_busy_talker_alone'], '.0f')}, {f(s['gpu_busy_pipeline'], '.0f')} "
-            f"| {f(None if left is None else left / 1e6, '.1f')} |")
+        goal = None if s["thinker_alone_ttft_p50_ms"] is None else s["thinker_alone_ttft_p50_ms"] + 100
+        for arm in ARMS:
+            a = s[arm]
+            if a["wall_s"] is None:
+                continue
+            log(f"| {loop} | {arm.split('_')[1]} | {f(a['wall_s'])} | **{f(a['sum_over_pipeline'])}** "
+                f"({', '.join(f(r) for r in a['sum_over_pipeline_all'])}) | {f(a['talker_ttft_p50_ms'], '.0f')} / "
+                f"{f(a['talker_ttft_p90_ms'], '.0f')} | {f(goal, '.0f')} | {f(a['gpu_busy'], '.0f')} "
+                f"| {f(a['thinker_tok_s'], '.0f')} / {f(a['talker_tok_s'], '.0f')} | {f(a['talker_hidden_rows'], '.0f')} |")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--loops", type=parse_loops, default=list(LOOPS), help="comma-separated: normal,overlap,async_decode")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--modes", type=lambda t: [m for m in t.split(",") if m], default=list(MODES),
+                   help="comma-separated arms: " + ",".join(MODES))
     p.add_argument("--conversations", type=int, default=128)
     p.add_argument("--thinker-shape", default="qwen2-1.5b", choices=["qwen2-1.5b", "llama-8b"])
     p.add_argument("--talker-shape", default="qwen2-0.5b", choices=["qwen2-0.5b"])
@@ -405,7 +454,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="';'-separated --set variants run side by side, interleaved in each repeat, "
                         "e.g. 'event_wait=poll;event_wait=auto'")
     p.add_argument("--leak-report", action="store_true", help="after each run, the largest CUDA tensors still alive")
-    p.add_argument("--profile", default=None, help="cProfile the first pipeline run of each loop into PROFILE.<loop>.txt")
+    p.add_argument("--profile", default=None, help="cProfile the first pipeline runs of each loop into PROFILE.<loop>.<arm>.txt")
     p.add_argument("--max-running", type=int, default=256)
     p.add_argument("--max-prefill", type=int, default=16384)
     p.add_argument("--chunked-prefill", type=int, default=8192)
@@ -432,6 +481,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.kv_thinker = args.kv_talker = 4096
         args.max_running = 16
     args.shares = [float(x) for x in args.shares.split(",")] if args.shares else [None, None]
+    unknown = sorted(set(args.modes) - set(MODES))
+    if unknown:
+        p.error(f"unknown mode(s) {unknown}; choose from {', '.join(MODES)}")
     return args
 
 
@@ -450,7 +502,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     if not args.no_warmup:  # kernels compiled, graphs' code paths warm: not measured
         warm = argparse.Namespace(**{**vars(args), "conversations": min(8, args.conversations)})
         for loop in args.loops:
-            run = await one_run(warm, "pipeline", loop, paths, workload(warm, SHAPES[args.shapes["thinker"]]["vocab_size"], 1))
+            arm = next((m for m in args.modes if m.startswith("pipeline")), args.modes[0])
+            run = await one_run(warm, arm, loop, paths, workload(warm, SHAPES[args.shapes["thinker"]]["vocab_size"], 1))
             result["runs"].append({**run, "repeat": -1, "warmup": True})
             log(f"warm-up {loop}: {run['wall_s']:.2f} s")
     base_set = dict(args.set)
@@ -463,9 +516,9 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                 label = f"{loop} [{tag}]" if tag else loop
                 if label not in labels:
                     labels.append(label)
-                for mode in ("thinker", "talker", "pipeline"):
-                    profile = args.profile and mode == "pipeline" and repeat == 0
-                    with profiled(f"{args.profile}.{loop}.txt" if profile else None):
+                for mode in args.modes:
+                    profile = args.profile and mode.startswith("pipeline") and repeat == 0
+                    with profiled(f"{args.profile}.{loop}.{mode}.txt" if profile else None):
                         run = {**await one_run(args, mode, loop, paths, work), "repeat": repeat}
                     run.update(loop=label, variant=variant)
                     result["runs"].append(run)

@@ -289,17 +289,18 @@ def test_cuda_prefill_budget_defaults_and_overrides():
     assert Engine.from_pretrained("tiny").scheduler.config.chunked_prefill_size == 512
 
 
-async def test_hidden_state_capture_keeps_one_forward_per_step():
-    """A runner handing out each token's hidden state (a thinker feeding a talker) runs
-    one forward per step even with decode_steps=4: every token keeps its hidden state."""
+async def test_hidden_state_capture_keeps_multi_step_decode():
+    """A stage handing out every token's hidden state (a thinker feeding a talker) keeps
+    its multi-step decode: each delta carries one row per token, several tokens a step."""
     engine = Engine.from_pretrained("tiny", decode_steps=4)
     engine.stack.runner.capture_hidden = True
     async with engine:
         deltas = [d async for d in engine.stream(input_ids=[3, 4, 5], sampling=SamplingParams(max_new_tokens=9, ignore_eos=True))]
+        plain = await engine.generate(input_ids=[3, 4, 5], sampling=SamplingParams(max_new_tokens=9, ignore_eos=True))
     tokens = [t for d in deltas for t in d.token_ids]
-    assert len(tokens) == 9
-    assert all("hidden_state" in d.extra for d in deltas if d.token_ids)
-    assert sum(1 for d in deltas if d.token_ids) == 9  # one token, one hidden state per delta
+    assert tokens == plain.output_ids and len(tokens) == 9
+    assert all(d.hidden_states is not None and d.hidden_states.shape[0] == len(d.token_ids) for d in deltas if d.token_ids)
+    assert sum(1 for d in deltas if d.token_ids) < 9  # several tokens per step: multi-step stayed on
 
 
 _mix = st.lists(

@@ -35,7 +35,7 @@ async def test_talker_starts_after_three_chunks_and_sees_them_in_order(loop):
         events = [ev async for ev in handle]
     thinker_tokens = [t for ev in events if ev.stage == "thinker" and ev.kind == "stream" for t in ev.data.token_ids]
     assert len(thinker_tokens) == 12
-    assert all("hidden_state" in ev.data.extra for ev in events if ev.stage == "thinker" and ev.kind == "stream")
+    assert all(ev.data.hidden_states.shape[0] == len(ev.data.token_ids) for ev in events if ev.stage == "thinker" and ev.kind == "stream")
     first_talker = next(i for i, ev in enumerate(events) if ev.stage == "talker")
     thinker_before = sum(1 for ev in events[:first_talker] if ev.stage == "thinker" and ev.kind == "stream")
     assert thinker_before >= 3  # partial start: after three chunks, before the thinker finished

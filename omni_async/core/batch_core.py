@@ -21,6 +21,7 @@ from ..kv.prefix_cache import PrefixCache
 from .batch import ForwardMode, ScheduledBatch
 from .multi_step import DecodeSteps, process_multi_step, steps_for
 from .step_results import process_one_forward
+from .conditioning import ready_positions
 from .prefix_reuse import computing_key, drop_prefix, index_pages, reuse_prefix
 from .protocol import BatchCore, StepOutcome
 from .request import Request
@@ -122,6 +123,7 @@ class NativeBatchCore(BatchCore):
         candidates: list[Request] = ([self.chunked] if self.chunked is not None else []) + list(self.waiting)
         slots = cfg.max_running_requests - len(self.running)
         computing: set = set()  # index keys of the first page each row computes
+        waiting_chunked = False  # the chunked request waits for conditioning rows
         for req in candidates:
             if budget <= 0 or slots <= 0:
                 break
@@ -131,7 +133,14 @@ class NativeBatchCore(BatchCore):
             if fresh and not reuse_prefix(kv, req, computing):
                 break  # its prefix is being computed by this step: it reuses it next step
             remaining = req.seq_len - req.num_cached
-            n = min(remaining, budget)
+            n = ready_positions(req, min(remaining, budget))
+            if n == 0:  # a conditioned request whose next rows have not arrived
+                waiting_chunked = waiting_chunked or req is self.chunked
+                continue
+            if n < remaining and waiting_chunked:
+                if fresh:
+                    drop_prefix(kv, req)
+                break  # one request at a time may be partway through its prefill
             pages_needed = self.allocator.pages_for(req.num_cached + n) - len(req.pages)
             future = 0.0
             if n == remaining:
@@ -212,12 +221,14 @@ class NativeBatchCore(BatchCore):
 
     def _decoding(self) -> list[Request]:
         """Running requests that still need a decode step: not once the tokens sampled (in
-        flight too) reach the length limit, so a lookahead loop spends no step on them."""
+        flight too) reach the length limit, so a lookahead loop spends no step on them;
+        not while a conditioned request's next position has no row yet (it waits in
+        running; the stream chunk that brings the row wakes the loop)."""
         ctx = self.context_length
         out = []
         for r in self.running:
             generated = len(r.output_ids) + r.num_inflight
-            if generated < r.sampling.max_new_tokens and len(r.prompt_ids) + generated < ctx:
+            if generated < r.sampling.max_new_tokens and len(r.prompt_ids) + generated < ctx and ready_positions(r, 1):
                 out.append(r)
         return out
 

@@ -76,3 +76,11 @@ class StepConditioning:
             lo = end
             i += 1
         return out
+
+
+def ready_positions(req: Any, wanted: int) -> int:
+    """How many of the ``wanted`` positions from ``req.num_cached`` on the request may
+    compute now: all of them for a plain request, those whose rows arrived (or all,
+    once closed) for a conditioned one. The batch core's one rule for conditioning."""
+    cond = req.conditioning
+    return wanted if cond is None else cond.positions_ready(req.num_cached, wanted)

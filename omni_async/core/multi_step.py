@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
+from .conditioning import ready_positions
 from .protocol import StepOutcome
 from .request import Request
 
@@ -75,7 +76,7 @@ def steps_for(core: "NativeBatchCore", decoding: list[Request]) -> list[int] | N
 
 def row_steps(decoding: list[Request], k: int, context_length: int) -> list[int] | None:
     """Forwards per row: k, or fewer where the row's token or context limit comes first
-    (counting tokens still in flight). None (one forward) while a row asks for top
+    (counting tokens still in flight) or a conditioned row's rows run out. None (one forward) while a row asks for top
     logprobs, which are read per forward, or decodes under a grammar, whose next mask
     needs the host to have seen its last token."""
     if any(r.sampling.top_logprobs or r.matcher is not None for r in decoding):
@@ -83,7 +84,7 @@ def row_steps(decoding: list[Request], k: int, context_length: int) -> list[int]
     out = []
     for r in decoding:
         generated = len(r.output_ids) + r.num_inflight
-        out.append(min(k, r.sampling.max_new_tokens - generated, context_length - len(r.prompt_ids) - generated))
+        out.append(ready_positions(r, min(k, r.sampling.max_new_tokens - generated, context_length - len(r.prompt_ids) - generated)))
     return out
 
 

@@ -10,7 +10,10 @@ from .request import Request
 
 def shares_kv(req: Request) -> bool:
     """KV computed from token ids alone can be shared; a request whose stage builder
-    supplies input embeddings computes KV that its token ids do not determine."""
+    supplies input embeddings, or whose positions take conditioning rows, computes KV
+    that its token ids do not determine."""
+    if req.conditioning is not None:
+        return False  # its inputs add rows from outside; its ids are placeholders
     data = req.data
     return data is None or (
         getattr(data, "input_embeds", None) is None and getattr(data, "decode_input_embeds", None) is None

@@ -19,6 +19,7 @@ from safetensors import safe_open
 
 from ..errors import ModelLoadError
 from ..text.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
+from .conditioning import PROJECTION
 from .config import ModelConfig
 from .decoder import DecoderModel, rope_inv_freq
 from .generation_config import with_generation_eos
@@ -284,6 +285,8 @@ def copy_named_tensors(
             continue
         if tied and name == "lm_head.weight":
             continue  # the same tensor as model.embed_tokens.weight
+        if name not in params and name.startswith(PROJECTION):
+            continue  # a talker's projection, attached to the stage that asks (models.conditioning)
         if name not in params:
             raise ModelLoadError(f"unexpected tensor {name!r}: the model has no such parameter")
         target = params[name]
@@ -294,7 +297,7 @@ def copy_named_tensors(
         staged.append((target, tensor))
         seen.add(name)
     if require_all:
-        expected = set(params) - ({"lm_head.weight"} if tied else set())
+        expected = {n for n in params if not n.startswith(PROJECTION)} - ({"lm_head.weight"} if tied else set())
         missing = sorted(expected - seen)
         if missing:
             shown = ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else "")

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..scheduler import AsyncOmniScheduler
-from .colocate import TALKER_MIN_CHUNKS
+from .colocate import HIDDEN_ROWS, TALKER_MIN_CHUNKS
 from .two_stage import TwoStagePipeline
 
 THINKER_TOKENS = 24
@@ -23,7 +23,8 @@ def _legend(args: Any, conversations: int) -> None:
         + (" The built-in tiny models have random weights: their token ids are noise." if "tiny" in (thinker, talker) else "")
     )
     print("Each line: milliseconds since start, conversation, stage, then either '+[ids]' (the tokens that step "
-          "streamed; a thinker chunk also shows |hidden|, the norm of the hidden state it hands on) or 'result: N tokens'.")
+          "streamed; a thinker chunk also shows how many hidden rows it hands the talker: one per token) or 'result: N "
+          "tokens' (the talker's also says how many thinker hidden rows it consumed).")
     print()
 
 
@@ -75,11 +76,13 @@ async def run_pipeline_demo(args: Any) -> int:
                 seen[2] = t
                 if ev.kind == "stream":
                     seen[0] += len(ev.data.token_ids)
-                    extra = ev.data.extra
-                    note = f" |hidden|={float(extra['hidden_state'].float().norm()):.2f}" if "hidden_state" in extra else ""
+                    rows = getattr(ev.data, "hidden_states", None)
+                    note = f" +{int(rows.shape[0])} hidden rows" if rows is not None else ""
                     print(f"{t:7.1f} ms  {rid} {ev.stage:7s} +{ev.data.token_ids}{note}")
                 else:
-                    print(f"{t:7.1f} ms  {rid} {ev.stage:7s} {ev.kind}: {len(ev.data.output_ids)} tokens")
+                    consumed = ev.data.extra.get(HIDDEN_ROWS)
+                    note = f", consumed {consumed} thinker hidden rows" if consumed is not None else ""
+                    print(f"{t:7.1f} ms  {rid} {ev.stage:7s} {ev.kind}: {len(ev.data.output_ids)} tokens{note}")
 
         await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
         elapsed = time.perf_counter() - start
@@ -89,11 +92,17 @@ async def run_pipeline_demo(args: Any) -> int:
 
 
 
-def make_talker(loop: str, device: str = "cpu", min_chunks: int = TALKER_MIN_CHUNKS) -> AsyncOmniScheduler:
-    """A talker stage over the tiny model (seed 1): deferred until ``min_chunks`` thinker
-    chunks have arrived; its prompt is those thinker tokens; later chunks are collected
-    on its request data as it decodes."""
+def make_talker(
+    loop: str, device: str = "cpu", min_chunks: int = TALKER_MIN_CHUNKS, inputs: str = "tokens", conditioning_size: int = 128
+) -> AsyncOmniScheduler:
+    """A talker stage over the tiny model (seed 1), deferred until ``min_chunks`` thinker
+    chunks have arrived. ``inputs="tokens"``: its prompt is those thinker tokens, later
+    chunks are collected on its request data; ``"hidden"``: it reads the thinker's hidden
+    states (rows of ``conditioning_size``, the tiny thinker's by default), see
+    :func:`.colocate.talker_request_builder`."""
     from .colocate import build_talker
 
-    sched, _stack = build_talker("tiny", min_chunks=min_chunks, device=device, loop=loop, seed=1)
+    sched, _stack = build_talker(
+        "tiny", min_chunks=min_chunks, inputs=inputs, conditioning_size=conditioning_size, device=device, loop=loop, seed=1
+    )
     return sched

@@ -134,33 +134,53 @@ class TwoStagePipeline:
         talker: str = "tiny",
         *,
         device: str = "cpu",
+        devices: tuple[str, str] | None = None,
         loop: str = "normal",
         shares: tuple[float | int | None, float | int | None] = (None, None),
         dtype: Any = None,
         seeds: tuple[int, int] = (0, 1),
         talker_min_chunks: int = 3,
+        talker_inputs: str = "hidden",
+        talker_pad_id: int | None = None,
         capture_hidden: bool = True,
         thinker_limits: dict[str, Any] | None = None,
         talker_limits: dict[str, Any] | None = None,
         **pipeline: Any,
     ) -> "TwoStagePipeline":
-        """Both stages on one device, each within its share of the device's memory
-        (``memory_budget``: a fraction of its total memory or bytes; None sizes that
-        stage's KV as an engine would). ConfigError when the shares add up to more than
-        the device (before anything loads) or one cannot hold its model and a minimum
-        KV. The talker is deferred until ``talker_min_chunks`` thinker chunks arrived;
-        its prompt is BOS and the thinker's tokens so far. ``capture_hidden``: thinker
-        stream chunks carry their hidden states. ``pipeline``: this class's options."""
-        from .colocate import build_stage_scheduler, build_talker, check_shares
+        """Both stages on ``device``, or on ``devices=(thinker's, talker's)``, each within
+        its share of its device's memory (``memory_budget``: a fraction of its total
+        memory or bytes; None sizes that stage's KV as an engine would). ConfigError when
+        the shares of one device add up to more than it (before anything loads) or one
+        cannot hold its model and a minimum KV.
 
-        check_shares(shares)
+        The talker is deferred until ``talker_min_chunks`` thinker chunks arrived.
+        ``talker_inputs="hidden"`` (the default): it reads the thinker's hidden states,
+        one per thinker token, through its ``thinker_to_talker_proj`` (the talker
+        checkpoint's, else random from its seed); its prompt is BOS and one placeholder
+        (``talker_pad_id``, BOS by default) per thinker row so far, and each later
+        position waits for its row (:func:`.colocate.talker_request_builder`).
+        ``talker_inputs="tokens"``: its prompt is BOS and the thinker's tokens so far.
+        ``capture_hidden``: thinker stream chunks carry their hidden states (needed by
+        the hidden talker). ``pipeline``: this class's options."""
+        from .colocate import build_stage_scheduler, build_talker, check_shares
+        from ..errors import ConfigError
+
+        thinker_device, talker_device = devices if devices is not None else (device, device)
+        if talker_inputs == "hidden" and not capture_hidden:
+            raise ConfigError("a talker fed by the thinker's hidden states needs capture_hidden=True")
+        if thinker_device == talker_device:
+            check_shares(shares)
+        else:
+            check_shares(shares[:1])
+            check_shares(shares[1:])
         first, first_stack = build_stage_scheduler(
-            thinker, device=device, loop=loop, dtype=dtype, seed=seeds[0], memory_budget=shares[0],
+            thinker, device=thinker_device, loop=loop, dtype=dtype, seed=seeds[0], memory_budget=shares[0],
             capture_hidden=capture_hidden, **(thinker_limits or {}),
         )
         second, second_stack = build_talker(
-            talker, min_chunks=talker_min_chunks, device=device, loop=loop, dtype=dtype, seed=seeds[1],
-            memory_budget=shares[1], **(talker_limits or {}),
+            talker, min_chunks=talker_min_chunks, inputs=talker_inputs, pad_id=talker_pad_id,
+            conditioning_size=first_stack.loaded.config.hidden_size, device=talker_device, loop=loop, dtype=dtype,
+            seed=seeds[1], memory_budget=shares[1], **(talker_limits or {}),
         )
         pipe = cls(first, second, **pipeline)
         pipe.stacks = (first_stack, second_stack)

@@ -10,6 +10,8 @@ from typing import Any
 import torch
 
 from ...config import SchedulerConfig
+from ...errors import ConfigError
+from ...models.conditioning import attach_projection
 from ...models.loader import load_model, resolve_dtype
 from ...models.quantized import check_quantization, quantization_of, quantize_linears
 from ...runners.native import NativeModelRunner
@@ -30,7 +32,11 @@ def build_native_stack(
     device: str | torch.device = "cpu",
     dtype: Any = None,
     seed: int = 0,
+    conditioning_size: int | None = None,
 ) -> NativeStack:
+    """``conditioning_size``: the stage takes per-position conditioning rows of that size
+    (a talker fed by a thinker's hidden states) through ``thinker_to_talker_proj``
+    (:mod:`omni_async.models.conditioning`), attached before CUDA graphs are captured."""
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
@@ -38,6 +44,8 @@ def build_native_stack(
     requested = None if dtype is None else resolve_dtype(dtype, "float32", device)
     check_quantization(config.quantization, device, requested, config.tensor_parallel_size)
     if config.tensor_parallel_size > 1:
+        if conditioning_size is not None:
+            raise ConfigError("a conditioned stage (conditioning_size) runs on one device; set tensor_parallel_size=1")
         from .parallel.launch import build_parallel_stack
 
         return build_parallel_stack(path_or_name, config, device=device, dtype=dtype, seed=seed)
@@ -45,6 +53,8 @@ def build_native_stack(
     def build() -> NativeStack:
         loaded = load_model(path_or_name, dtype=dtype, device=device, seed=seed)
         quantize_linears(loaded.model, config.quantization)
+        if conditioning_size is not None:
+            attach_projection(loaded, conditioning_size, seed=seed)
         num_pages = kv_pages_for(config, loaded, device, next(loaded.model.parameters()).dtype)
         runner = NativeModelRunner(loaded.model, kv_cache(loaded, config, device, num_pages), device, seed=seed, fused_kernels=config.fused_kernels)
         return assemble_stack(loaded, config, device, num_pages, runner)
