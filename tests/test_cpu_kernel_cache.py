@@ -52,6 +52,7 @@ def test_a_missing_build_is_announced_and_not_waited_for(monkeypatch, tmp_path, 
     (recorded here instead of run) and answers False at once."""
     monkeypatch.setenv(cpu_build.CACHE_ENV, str(tmp_path))
     monkeypatch.setattr(cpu_build, "_background", None)
+    monkeypatch.setattr(cpu_build, "all_kernels", lambda: [KERNELS])  # not loaded in this process
     started = []
     monkeypatch.setattr(cpu_build.subprocess, "Popen", lambda cmd, **kw: started.append(cmd) or object())
     assert cpu_build.ensure_built_in_background() is False
