@@ -137,10 +137,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hf", action="store_true", help="also transformers in float32 and bfloat16")
     p.add_argument("--decode-tokens", type=int, default=0,
                    help="score only the text's last N tokens, each through a batch-1 decode step (the rest goes in as prefill)")
+    p.add_argument("--text-tokens", type=int, default=0, help="only the text's first N tokens (0: all)")
     p.add_argument("--out", default="perplexity.json")
     args = p.parse_args(argv)
     engine_tok = Engine.from_pretrained(str(smollm2_path()), loop="normal", dtype="float32", kv_capacity_tokens=1024).tokenizer
     ids = engine_tok.encode(TEXT.read_text(), add_special_tokens=False)
+    ids = ids[: args.text_tokens] if args.text_tokens else ids
     print(f"{TEXT.name}: {len(ids)} tokens\n{'config':<22} {'dtype':<9} {'kernels':<8} {'perplexity':>10} {'vs float32':>10}", flush=True)
     rows: list[dict[str, Any]] = []
     jobs = [lambda n=name.strip(): run_engine(n, ids, args.chunk, args.decode_tokens) for name in args.configs.split(",") if name.strip()]

@@ -32,7 +32,7 @@ from torch.nn import functional as F
 
 from ..config import QUANTIZATION_MODES
 from ..errors import ConfigError
-from ..kernels.cpu_quant import BlockWeights, quantize as quantize_blocks
+from ..kernels.cpu_quant import BLOCK, BlockWeights, quantize as quantize_blocks
 
 # Which block format each mode gives the projections and the output head.
 BLOCK_FORMATS = {"q4": ("q4", "q8"), "q8": ("q8", "q8")}
@@ -103,7 +103,7 @@ def _attach_blocks(model: nn.Module, mode: str) -> int:
     lm_head = getattr(model, "lm_head", None)
     count = 0
     for module in model.modules():
-        if isinstance(module, Linear):
+        if isinstance(module, Linear) and module.in_features % BLOCK == 0:  # others stay float32
             module.blocks = quantize_blocks(module.weight, head if module is lm_head else projection, module.bias)
             count += 1
     model.quantization_mode = mode
