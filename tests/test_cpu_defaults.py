@@ -28,10 +28,11 @@ def gguf_file(tmp_path_factory) -> Path:
     return write_gguf(tmp_path_factory.mktemp("gguf") / "qwen2-Q8_0.gguf", "qwen2", "Q8_0", seed=5)
 
 
-async def _chosen(path: str, **kw) -> tuple[str, bool, bool]:
+async def _chosen(path: str, with_quantization: bool = False, **kw) -> tuple:
     async with Engine.from_pretrained(path, loop="normal", kv_capacity_tokens=1024, **kw) as engine:
         info = (await engine.model_info())["data"]
-    return info["dtype"], info["cpu_attention_kernel"], info["cpu_fused_ops"]
+    chosen = (info["dtype"], info["cpu_attention_kernel"], info["cpu_fused_ops"])
+    return (*chosen, info["quantization"]) if with_quantization else chosen
 
 
 async def test_tiny_and_float32_folders_keep_the_exact_path(hf_checkpoints):
@@ -39,7 +40,20 @@ async def test_tiny_and_float32_folders_keep_the_exact_path(hf_checkpoints):
     assert await _chosen(str(hf_checkpoints["llama"])) == ("float32", False, False)
 
 
+async def test_a_gguf_file_runs_in_its_blocks_when_the_kernels_are_built(gguf_file):
+    from omni_async.backends.native.cpu_defaults import kernels_build
+
+    if not kernels_build():
+        pytest.skip("the C++ kernels are not built here")
+    assert await _chosen(str(gguf_file), with_quantization=True) == ("float32", True, True, "q4")
+
+
 async def test_a_quantised_checkpoint_follows_the_cpu(gguf_file):
+    """Without the kernels (no q4): bfloat16 on a CPU with native bfloat16, else float32."""
+    from omni_async.backends.native.cpu_defaults import kernels_build
+
+    if kernels_build():
+        pytest.skip("the kernels are built here, so a GGUF file runs in q4 (the test above)")
     fast = cpu_has_native_bf16()
     dtype, attention, fused = await _chosen(str(gguf_file))
     assert dtype == ("bfloat16" if fast else "float32")
@@ -78,8 +92,9 @@ asyncio.run(main())
 def test_without_a_compiler_the_default_falls_back_to_torch_ops(gguf_file, tmp_path):
     """A machine where the kernels cannot be built (here: no C++ compiler, an empty
     extension cache) still runs the default; asking for a kernel explicitly is an error."""
-    env = dict(os.environ, CXX=str(tmp_path / "no-such-compiler"), TORCH_EXTENSIONS_DIR=str(tmp_path / "ext"), PYTHONPATH=str(REPO))
+    env = dict(os.environ, CXX=str(tmp_path / "no-such-compiler"), OMNI_ASYNC_KERNEL_CACHE=str(tmp_path / "ext"), PYTHONPATH=str(REPO))
     run = subprocess.run([sys.executable, "-c", _SCRIPT, str(gguf_file)], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     assert json.loads(run.stdout.strip().splitlines()[-1]) == [False, False, 4, "ConfigError"]
-    assert "could not be built" in run.stderr
+    assert "building them in the background" in run.stderr  # the default said so and did not wait
+    assert "could not be built" in run.stderr  # the explicit request: a clear error

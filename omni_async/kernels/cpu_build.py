@@ -1,21 +1,79 @@
-"""Building the C++ CPU kernels on first use.
+"""Building the C++ CPU kernels once per torch build, at install time.
 
-``torch.utils.cpp_extension.load_inline`` compiles with the system compiler and ninja and
-caches the result (about 20 s once per kernel set, then a load). A kernel set is built
-once per process, under a lock; a build that cannot happen (no compiler, no ninja, a
-compile error) is a ``ConfigError`` that names the option that asked for it.
+The kernels are compiled with the system compiler (``torch.utils.cpp_extension``, about
+20-40 s per kernel set on 2 cores) into a folder of their own under
+``~/.cache/omni_async/kernels`` (``OMNI_ASYNC_KERNEL_CACHE`` overrides), named by a key
+of what the binary depends on: the torch version and commit, its C++ ABI, the Python
+ABI tag, the machine, the source and the flags. Not by the environment's path: two
+environments with the same torch share one build, and neither rebuilds the other's
+(torch's own cache is keyed by name alone while its build command names each
+environment's include path, so every switch rebuilt). A built set is imported straight
+from its shared library, without ninja.
+
+``scripts/setup.sh`` builds every set (``python -m omni_async.kernels.cpu_build``). When a
+start finds a set missing, :func:`ensure_built_in_background` says so on stderr with an
+estimate and builds it in a detached process while this one serves with the portable
+torch ops; an option that asks for a kernel explicitly (``cpu_fused_ops=True``) still
+builds in the foreground, since it cannot run without it.
 """
 
 from __future__ import annotations
 
+import hashlib
+import importlib.util
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
 import threading
+from pathlib import Path
 from typing import Any, Sequence
 
 from .. import errors
 from ..logs import log
 
-# The machine that builds a kernel is the one that runs it, so -march=native is safe.
+# The machine that builds a kernel is the one that runs it, so -march=native is safe
+# (the CPU model is part of the key).
 BASE_CFLAGS = ("-O3", "-march=native", "-fno-trapping-math", "-fopenmp")
+CACHE_ENV = "OMNI_ASYNC_KERNEL_CACHE"
+# Seconds one kernel set takes to compile on the 2-core machine this was measured on.
+BUILD_SECONDS_ESTIMATE = 40
+
+
+def torch_build() -> dict[str, Any]:
+    """What a compiled extension depends on: the torch build, not where it is installed."""
+    import torch
+
+    return {
+        "torch": torch.__version__,
+        "torch_git": getattr(torch.version, "git_version", None),
+        "cxx11_abi": bool(torch._C._GLIBCXX_USE_CXX11_ABI),
+        "python": sys.implementation.cache_tag,
+        "machine": platform.machine(),
+        "cpu": _cpu_model(),
+    }
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("model name", "flags")):
+                return hashlib.sha256(line.encode()).hexdigest()[:12]
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def cache_key(build: dict[str, Any], source: str, cflags: Sequence[str]) -> str:
+    """A short hash of the torch build, the source and the flags."""
+    text = repr(sorted(build.items())) + "\0" + source + "\0" + " ".join(cflags)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "omni_async" / "kernels")
 
 
 class CppKernels:
@@ -26,18 +84,112 @@ class CppKernels:
         self._lock = threading.Lock()
         self._module: Any = None
 
+    @property
+    def folder(self) -> Path:
+        return cache_root() / f"{self.name}-{cache_key(torch_build(), self.source, self.cflags)}"
+
+    @property
+    def library(self) -> Path:
+        return self.folder / f"{self.name}.so"
+
+    def is_built(self) -> bool:
+        return self._module is not None or self.library.is_file()
+
     def load(self) -> Any:
-        """The compiled extension (built on first call)."""
+        """The compiled extension: imported from the cache, or built there first."""
         with self._lock:
             if self._module is None:
-                from torch.utils.cpp_extension import load_inline
-
-                try:
-                    self._module = load_inline(
-                        self.name, cpp_sources=self.source, functions=self.functions,
-                        extra_cflags=self.cflags, extra_ldflags=["-fopenmp"],
-                    )
-                except Exception as exc:  # no compiler, no ninja, a failed build
-                    log.error(f"{self.option}_build_failed", error=repr(exc))
-                    raise errors.ConfigError(f"{self.option}=True, but its C++ kernels could not be built: {exc!r}") from exc
+                if not self.library.is_file():
+                    print(f"omni-async: building the C++ kernels {self.name} (about {BUILD_SECONDS_ESTIMATE} s, once per torch build)",
+                          file=sys.stderr, flush=True)
+                    self._module = self._build()
+                else:
+                    self._module = self._import()
             return self._module
+
+    def _build(self) -> Any:
+        """Compile into a fresh folder and move it into place (a reader never sees half a
+        build); the module as built."""
+        from torch.utils.cpp_extension import load_inline
+
+        target = self.folder
+        target.parent.mkdir(parents=True, exist_ok=True)
+        scratch = Path(tempfile.mkdtemp(prefix=f".{self.name}-", dir=target.parent))
+        try:
+            module = load_inline(
+                self.name, cpp_sources=self.source, functions=self.functions, extra_cflags=self.cflags,
+                extra_ldflags=["-fopenmp"], build_directory=str(scratch), is_python_module=True,
+            )
+            try:
+                os.replace(scratch, target)
+            except OSError:  # another process finished first: its build is the same
+                pass
+            return module
+        except Exception as exc:  # no compiler, no ninja, a failed build
+            message = f"{self.option}: the C++ kernels {self.name} could not be built: {exc!r}"
+            log.error(f"{self.option}_build_failed", error=repr(exc))
+            print(f"omni-async: {message}", file=sys.stderr, flush=True)
+            raise errors.ConfigError(message) from exc
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+
+    def _import(self) -> Any:
+        import torch  # noqa: F401  (the extension links against torch's libraries)
+
+        spec = importlib.util.spec_from_file_location(self.name, self.library)
+        if spec is None or spec.loader is None:
+            raise errors.ConfigError(f"{self.option}: cannot import {self.library}")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+
+
+def all_kernels() -> list[CppKernels]:
+    from . import cpu_fused, cpu_paged, cpu_quant
+
+    return [cpu_paged._KERNELS, cpu_fused._KERNELS, cpu_quant._KERNELS]
+
+
+def all_built() -> bool:
+    return all(k.is_built() for k in all_kernels())
+
+
+_background: subprocess.Popen | None = None
+
+
+def ensure_built_in_background() -> bool:
+    """True when every kernel set is built. Otherwise start one detached build of the
+    missing ones (once per process), say so on stderr, and return False: the caller
+    serves with the torch ops this time."""
+    global _background
+    missing = [k.name for k in all_kernels() if not k.is_built()]
+    if not missing:
+        return True
+    if _background is None:
+        estimate = BUILD_SECONDS_ESTIMATE * len(missing)
+        print(f"omni-async: the C++ CPU kernels are not built for this torch yet; building them in the background "
+              f"(about {estimate} s, once; scripts/setup.sh does it at install). Serving with the portable torch ops "
+              f"until the next start.", file=sys.stderr, flush=True)
+        _background = subprocess.Popen(
+            [sys.executable, "-m", "omni_async.kernels.cpu_build", "--quiet"],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+        )
+    return False
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Build every kernel set for this torch (scripts/setup.sh runs this)."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    for kernels in all_kernels():
+        if kernels.is_built():
+            continue
+        if "--quiet" in args:
+            sys.stderr = open(os.devnull, "w")
+        kernels.load()
+    if "--quiet" not in args:
+        print(f"omni-async: C++ CPU kernels ready in {cache_root()}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,4 +1,12 @@
-"""Opt-in int8 linear layers for CPU decoding (``SchedulerConfig.quantization="int8"``).
+"""Quantised linear layers for CPU decoding (``SchedulerConfig.quantization``).
+
+``"q4"`` and ``"q8"``: the weights in blocks of 32 read directly by C++ kernels
+(:mod:`omni_async.kernels.cpu_quant`): projections in 4-bit (q4) or 8-bit (q8) blocks, the
+output head in 8-bit blocks, activations quantised per row and block. A GGUF file stored
+in Q4_1/Q8_0 loads back into the same blocks, so ``q4`` is the file's own precision; it is
+the CPU default for GGUF files (see backends/native/cpu_defaults.py).
+
+``"int8"``, the older mode, described below:
 
 Why: on a small CPU a decode step of a ~100M-parameter model is bound by its GEMMs, and
 int8 x int8 GEMMs (VNNI) run about twice as fast as bfloat16 ones at 16-64 rows and
@@ -24,14 +32,21 @@ from torch.nn import functional as F
 
 from ..config import QUANTIZATION_MODES
 from ..errors import ConfigError
+from ..kernels.cpu_quant import BLOCK, BlockWeights, quantize as quantize_blocks
+
+# Which block format each mode gives the projections and the output head.
+BLOCK_FORMATS = {"q4": ("q4", "q8"), "q8": ("q8", "q8")}
 
 
 class Linear(nn.Linear):
     """``nn.Linear`` that runs through a packed int8 weight once one is attached."""
 
     packed_int8: object | None = None
+    blocks: BlockWeights | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.blocks is not None:
+            return self.blocks(x)
         if self.packed_int8 is None:
             return F.linear(x, self.weight, self.bias)
         shape = x.shape
@@ -46,12 +61,12 @@ def check_quantization(mode: str | None, device: torch.device, dtype: torch.dtyp
     if mode not in QUANTIZATION_MODES:
         raise ConfigError(f"unknown quantization {mode!r}; choose None or one of {', '.join(QUANTIZATION_MODES)}")
     if device.type != "cpu":
-        raise ConfigError(f"quantization={mode!r} runs on CPU only (torch's fbgemm kernels), not {device.type}")
+        raise ConfigError(f"quantization={mode!r} runs on CPU only (C++ CPU kernels), not {device.type}")
     if dtype is not None and dtype != torch.float32:
         raise ConfigError(f"quantization={mode!r} computes between its GEMMs in float32; leave dtype unset or float32")
     if tensor_parallel > 1:
         raise ConfigError(f"quantization={mode!r} is not supported with tensor_parallel_size > 1")
-    if "fbgemm" not in torch.backends.quantized.supported_engines:
+    if mode == "int8" and "fbgemm" not in torch.backends.quantized.supported_engines:
         raise ConfigError(f"quantization={mode!r} needs torch built with fbgemm (x86 CPUs)")
 
 
@@ -72,6 +87,8 @@ def quantize_linears(model: nn.Module, mode: str | None) -> int:
     included); returns how many. ``None`` leaves the model as it is."""
     if mode is None:
         return 0
+    if mode in BLOCK_FORMATS:
+        return _attach_blocks(model, mode)
     count = 0
     with _fbgemm_engine():
         for module in model.modules():
@@ -81,8 +98,23 @@ def quantize_linears(model: nn.Module, mode: str | None) -> int:
     return count
 
 
+def _attach_blocks(model: nn.Module, mode: str) -> int:
+    projection, head = BLOCK_FORMATS[mode]
+    lm_head = getattr(model, "lm_head", None)
+    count = 0
+    for module in model.modules():
+        if isinstance(module, Linear) and module.in_features % BLOCK == 0:  # others stay float32
+            module.blocks = quantize_blocks(module.weight, head if module is lm_head else projection, module.bias)
+            count += 1
+    model.quantization_mode = mode
+    return count
+
+
 def refresh_quantized(model: nn.Module) -> None:
-    """Re-pack the layers that run in int8 after their float weights changed (weight updates)."""
+    """Re-pack the layers that run quantised after their float weights changed (weight updates)."""
+    for module in model.modules():
+        if isinstance(module, Linear) and module.blocks is not None:
+            module.blocks = quantize_blocks(module.weight, module.blocks.format, module.bias)
     with _fbgemm_engine():
         for module in model.modules():
             if isinstance(module, Linear) and module.packed_int8 is not None:
@@ -90,7 +122,9 @@ def refresh_quantized(model: nn.Module) -> None:
 
 
 def quantization_of(model: nn.Module) -> str | None:
-    """``"int8"`` when the model's projections run through packed int8 weights."""
+    """The mode the model's projections run in (``"q4"``, ``"q8"``, ``"int8"``), or None."""
+    if any(isinstance(m, Linear) and m.blocks is not None for m in model.modules()):
+        return getattr(model, "quantization_mode", None)
     return "int8" if any(isinstance(m, Linear) and m.packed_int8 is not None for m in model.modules()) else None
 
 
@@ -104,3 +138,12 @@ class _fbgemm_engine:
 
     def __exit__(self, *exc: object) -> None:
         torch.backends.quantized.engine = self.previous
+
+
+def stored_bytes(layer: Linear) -> int:
+    """Bytes of ``layer``'s weight as its forward reads them (a batch-1 step streams them all)."""
+    if layer.blocks is not None:
+        return layer.blocks.nbytes
+    if layer.packed_int8 is not None:
+        return layer.weight.numel()
+    return layer.weight.numel() * layer.weight.element_size()

@@ -77,6 +77,8 @@ def build_scheduler(stack: NativeStack, config: SchedulerConfig, **callbacks: An
         "cpu_fused_ops": stack.runner.cpu_fused_ops,
         "num_parameters": sum(p.numel() for p in stack.loaded.model.parameters()),
     }
+    if stack.device.type == "cpu":
+        info["cpu_threads"] = torch.get_num_threads()  # the intra-op threads a step's kernels use
     executor = make_step_executor(config.step_launch, stack.device.type, config.event_wait)
     tp = stack.tensor_parallel
     if tp is not None:

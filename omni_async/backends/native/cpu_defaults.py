@@ -5,6 +5,10 @@ Measured on SmolLM2-135M (bench/RESULTS.md): a CPU with native bfloat16 instruct
 requests share a step, and the C++ kernels (``cpu_attention_kernel``, ``cpu_fused_ops``)
 add to it at every batch size. So, on CPU with ``tensor_parallel_size=1``:
 
+- ``quantization=None`` with ``dtype=None`` for a GGUF file (``smollm2`` included):
+  ``"q4"``, the file's blocks read directly by the C++ kernels (a batch-1 step streams a
+  sixth of float32's bytes; perplexity within 1% of float32, docs/notes/cpu-decode-2026-12-01.md),
+  with the other kernels on. Float32 stays the exact path: pass ``dtype="float32"``.
 - ``dtype=None``: ``bfloat16`` for a checkpoint stored in 16 bits or fewer (a GGUF file,
   or a folder whose ``config.json`` says bfloat16/float16) on a CPU with native bfloat16,
   unless int8 quantization is asked for; float32 otherwise (the exact reference path, and
@@ -69,11 +73,19 @@ def stored_in_reduced_precision(path_or_name: Any) -> bool:
     return str(raw.get("torch_dtype") or raw.get("dtype") or "float32") in _REDUCED
 
 
+def is_gguf_source(path_or_name: Any) -> bool:
+    from ...models.gguf import SMOLLM2_NAME, is_gguf_path
+
+    return str(path_or_name) == SMOLLM2_NAME or is_gguf_path(path_or_name)
+
+
 def choose_cpu_defaults(path_or_name: Any, config: SchedulerConfig, device: torch.device, dtype: Any) -> tuple[Any, SchedulerConfig]:
     """``(dtype, config)`` with the open choices made (see the module docstring); on other
     devices the kernel options are simply off."""
     if device.type != "cpu" or config.tensor_parallel_size > 1:
         return dtype, _kernels(config, False)
+    if dtype is None and config.quantization is None and is_gguf_source(path_or_name) and kernels_build():
+        config = dataclasses.replace(config, quantization="q4")
     if dtype is None and config.quantization is None and cpu_has_native_bf16() and stored_in_reduced_precision(path_or_name):
         dtype = "bfloat16"
     inexact = config.quantization is not None or (dtype is not None and str(dtype).replace("torch.", "") in ("bfloat16", "bf16"))
@@ -90,17 +102,19 @@ def _kernels(config: SchedulerConfig, on: bool) -> SchedulerConfig:
 
 @functools.lru_cache(maxsize=1)
 def kernels_build() -> bool:
-    """Whether both C++ kernel sets build here (the first time ~20 s each with the system
-    compiler, then loaded from torch's extension cache). ``OMNI_ASYNC_CPU_KERNELS=0``
-    answers no without trying."""
+    """Whether the C++ kernel sets are built for this torch (scripts/setup.sh builds them)
+    and load. When they are not, a background build starts (said on stderr, with an
+    estimate) and this start answers no: it serves with the torch ops rather than wait.
+    ``OMNI_ASYNC_CPU_KERNELS=0`` answers no without trying."""
     if os.environ.get("OMNI_ASYNC_CPU_KERNELS", "").strip().lower() in ("0", "false", "no", "off"):
         return False
-    from ...kernels.cpu_fused import load as load_fused
-    from ...kernels.cpu_paged import load as load_paged
+    from ...kernels.cpu_build import all_kernels, ensure_built_in_background
 
+    if not ensure_built_in_background():
+        return False
     try:
-        load_paged()
-        load_fused()
+        for kernels in all_kernels():
+            kernels.load()
     except ConfigError as exc:
         log.warning("cpu_kernels_unavailable", error=str(exc))
         print(f"omni-async: the C++ CPU kernels could not be built, running the torch ops instead ({exc})", file=sys.stderr)
