@@ -51,3 +51,30 @@ async def test_cuda_one_forward_graphs_hand_out_rows(hf_checkpoints, loop):
     for c, g in zip(cpu, gpu):
         assert g.output_ids == c.output_ids
         torch.testing.assert_close(g.hidden_states.cpu(), c.hidden_states, atol=2e-3, rtol=2e-3)
+
+
+async def _talker_tokens(device: str, loop: str) -> tuple[list[int], list[int]]:
+    """A hidden-fed talker pipeline (float32, tiny shapes) on ``device``: the thinker's and
+    the talker's tokens of three conversations."""
+    from omni_async import RequestPayload
+    from omni_async.pipeline import TwoStagePipeline
+
+    pipe = TwoStagePipeline.from_pretrained("tiny", "tiny", device=device, loop=loop, dtype=torch.float32,
+                                            thinker_limits={"decode_steps": 4}, talker_limits={"decode_steps": 4})
+    thinker, talker = [], []
+    async with pipe:
+        for i in range(3):
+            handle = await pipe.submit(
+                f"c{i}", RequestPayload(f"c{i}", [256, 72 + i, 105], SamplingParams(max_new_tokens=20, ignore_eos=True)),
+                RequestPayload(f"c{i}", [], SamplingParams(max_new_tokens=24, ignore_eos=True)))
+            res = await handle.results()
+            thinker.extend(res["thinker"].output_ids)
+            talker.extend(res["talker"].output_ids)
+    return thinker, talker
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+async def test_cuda_talker_reads_thinker_rows_inside_graphs(loop):
+    """The talker's conditioning rows reach its decode graphs and fused launches: its
+    tokens on CUDA are those of the CPU run (float32), in every loop."""
+    assert await _talker_tokens("cuda", loop) == await _talker_tokens("cpu", loop)
