@@ -6,6 +6,8 @@ fused rows' tokens."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import random
 
 import pytest
@@ -62,9 +64,9 @@ async def test_a_logprob_row_runs_beside_the_fused_rows():
     """The logprob row's tokens and logprobs equal forward by forward's, and the other
     rows' tokens equal those they get when no row asks for logprobs (all fused)."""
     reqs = sampled_mix(2, 6)
-    with_lp = [(p, SamplingParams(**{**sp.__dict__, "return_logprob": i == 0, "max_new_tokens": 30 if i == 0 else sp.max_new_tokens}))
+    with_lp = [(p, dataclasses.replace(sp, return_logprob=i == 0, max_new_tokens=30 if i == 0 else sp.max_new_tokens))
                for i, (p, sp) in enumerate(reqs)]
-    without_lp = [(p, SamplingParams(**{**sp.__dict__, "return_logprob": False})) for p, sp in with_lp]
+    without_lp = [(p, dataclasses.replace(sp, return_logprob=False)) for p, sp in with_lp]
     limits = dict(max_running_requests=6, decode_steps=4)
     unfused, _, _ = await run(with_lp, fuse_decode_steps=False, **limits)
     split, _, info = await run(with_lp, **limits)
@@ -113,7 +115,7 @@ async def test_cuda_fused_sampling_graphs_equal_forward_by_forward(loop):
     every mode of the mix, a logprob row split off beside them, tokens equal forward by
     forward's; the modes other than greedy and temperature-only are captured on first use."""
     reqs = sampled_mix(3, 14)
-    reqs[1] = (reqs[1][0], SamplingParams(**{**reqs[1][1].__dict__, "return_logprob": True}))
+    reqs[1] = (reqs[1][0], dataclasses.replace(reqs[1][1], return_logprob=True))
     limits = dict(loop=loop, device="cuda", dtype="float32", max_running_requests=16, page_size=8,
                   kv_capacity_tokens=8192, decode_steps=4)
     unfused, _, _ = await run(reqs, fuse_decode_steps=False, **limits)

@@ -4,6 +4,8 @@ suppression against a step-by-step transformers reference, logprobs against floa
 
 from __future__ import annotations
 
+import dataclasses
+
 import asyncio
 import math
 
@@ -204,7 +206,7 @@ async def test_logprobs_match_float64_recomputation(hf_checkpoints, loop):
         async for delta in handle:
             streamed.extend(delta.logprobs or [])
         res = await handle.result()
-        raw_sp = SamplingParams(**{**sp.__dict__, "logprobs_mode": "raw"})
+        raw_sp = dataclasses.replace(sp, logprobs_mode="raw")
         raw = await engine.generate(input_ids=prompt, sampling=raw_sp)
         plain = await engine.generate(input_ids=prompt, sampling=SamplingParams(max_new_tokens=3))
     assert plain.output_logprobs is None
