@@ -25,6 +25,7 @@ from .stage.admin import AdminRequest, failure
 from .stage.admin_channel import AdminChannel
 from .stage.channels import drain_stream, take_buffered
 from .config import SchedulerConfig
+from .core.plan import settle
 from .core.protocol import BatchCore, StepRunner
 from .core.request import RequestData
 from .stage.executor import StepExecutor, ThreadStepExecutor, await_future, threadsafe_caller
@@ -63,7 +64,8 @@ class AsyncOmniScheduler:
         model_worker: Any = None,
         output_sink: OutputSink | None = None,
     ) -> None:
-        self.config = config or SchedulerConfig()
+        # A stage assembled by hand (no builder's plan) gets the CPU prefill budget.
+        self.config = settle(config or SchedulerConfig())
         self.runner = runner
         self.core = core
         self.executor = executor or ThreadStepExecutor()

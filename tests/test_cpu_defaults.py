@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from omni_async import Engine
-from omni_async.backends.native.cpu_defaults import cpu_has_native_bf16
+from omni_async.backends.native.facts import cpu_has_native_bf16
 
 from .gguf_files import write_gguf
 
@@ -46,7 +46,7 @@ async def test_a_quantised_checkpoint_follows_the_cpu(gguf_file):
     if not fast:
         assert (attention, fused) == (False, False)
     else:
-        from omni_async.backends.native.cpu_defaults import kernels_build
+        from omni_async.backends.native.facts import kernels_build
 
         assert attention == fused == kernels_build()
 

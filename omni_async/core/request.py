@@ -57,6 +57,13 @@ class Request:
     def num_generated(self) -> int:
         return len(self.output_ids) + self.num_inflight
 
+    def tokens_left(self, context_length: int) -> int:
+        """Tokens this request may still sample, in flight ones counted: the length
+        limit, whichever of ``max_new_tokens`` and the context comes first. At 0 (or
+        less) it ends with ``"length"``; the one place that rule is written."""
+        generated = len(self.output_ids) + self.num_inflight
+        return min(self.sampling.max_new_tokens - generated, context_length - len(self.prompt_ids) - generated)
+
     def finished(self) -> bool:
         return self.finish_reason is not None
 

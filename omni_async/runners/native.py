@@ -48,7 +48,13 @@ class NativeModelRunner(ModelRunner):
         capture_hidden: bool = False,
         seed: int = 0,
         fused_kernels: bool = True,
+        cpu_attention_kernel: bool = False,
+        cpu_fused_ops: bool = False,
+        decode_steps: DecodeSteps = DecodeSteps(),
+        fuse_decode_steps: bool = True,
     ) -> None:
+        """``cpu_attention_kernel`` / ``cpu_fused_ops``: the C++ CPU kernels (loaded by
+        the builder); ``decode_steps``: forwards per decode step by batch size."""
         super().__init__(seed=seed)
         # When set, each sampled row's final hidden state goes out with its step output
         # (``RequestOutput.extra["hidden_state"]``), e.g. for a downstream talker stage.
@@ -67,6 +73,10 @@ class NativeModelRunner(ModelRunner):
             from ..kernels.fused import FusedOps
 
             model.ops = FusedOps()
+        elif cpu_fused_ops:
+            from ..kernels.cpu_fused import CpuFusedOps
+
+            model.ops = CpuFusedOps()
         else:
             model.ops = ReferenceOps()
         self.model = model
@@ -74,8 +84,9 @@ class NativeModelRunner(ModelRunner):
         self.device = device
         self.page_size = kv.page_size
         self.inputs = InputBatch(kv.page_size, model.config.vocab_size, device)
-        self.cpu_attention_kernel = False  # set from SchedulerConfig.cpu_attention_kernel (builder)
-        self.cpu_fused_ops = False  # set from SchedulerConfig.cpu_fused_ops (builder), with model.ops
+        self.cpu_attention_kernel = cpu_attention_kernel
+        self.cpu_fused_ops = cpu_fused_ops
+        self.configure_decode_steps(decode_steps, fused=fuse_decode_steps)
 
     def build_forward_batch(self, scheduler_output: SchedulerOutput, capture_hidden_mode=None) -> ForwardBatch:
         batch = scheduler_output.batch_data
@@ -123,7 +134,7 @@ class NativeModelRunner(ModelRunner):
         return fb
 
     def configure_decode_steps(self, plan: DecodeSteps, *, fused: bool = True) -> None:
-        """Forwards per decode step by batch size (``resolve_decode_steps``); ``fused``:
+        """Forwards per decode step by batch size (the stage plan's ``decode_steps``); ``fused``:
         multi-step decodes run as one launch (a graph per bucket, k and sampling mode
         when CUDA graphs are captured after this, else eagerly)."""
         self.decode_plan = plan

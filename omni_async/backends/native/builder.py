@@ -10,16 +10,19 @@ from typing import Any
 import torch
 
 from ...config import SchedulerConfig
+from ...errors import ConfigError
 from ...models.loader import load_model, resolve_dtype
 from ...models.quantized import check_quantization, quantization_of, quantize_linears
 from ...runners.native import NativeModelRunner
 from ...scheduler import AsyncOmniScheduler
 from ...stage.executor import make_step_executor
 from ..base import BuiltStage
-from .cpu_defaults import choose_cpu_defaults
-from .kv_sizing import kv_cache, kv_pages_for
+from ...core.plan import StagePlan, load_dtype, plan_stage, wants_cpu_kernels
+from ...logs import log
+from .facts import checkpoint_facts, device_facts
+from .kv_sizing import kv_cache
 from .release import device_state_of, release_stage_memory
-from .stack import NativeStack, assemble_stack, build_off_this_thread, with_build_decisions
+from .stack import NativeStack, assemble_stack, build_off_this_thread, load_cpu_kernels, runner_options
 from .weights import NativeModelWorker
 
 
@@ -30,30 +33,51 @@ def build_native_stack(
     device: str | torch.device = "cpu",
     dtype: Any = None,
     seed: int = 0,
+    capture_hidden: bool = False,
 ) -> NativeStack:
+    """The model loaded and everything around it, as :func:`plan_stage` decides from
+    ``config`` and the facts read here. ``capture_hidden``: each sampled row's hidden
+    state goes out with its step (a downstream stage reads it)."""
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    dtype, config = choose_cpu_defaults(path_or_name, config, device, dtype)
-    requested = None if dtype is None else resolve_dtype(dtype, "float32", device)
+    load_as = load_dtype(config, device_facts(device), checkpoint_facts(path_or_name), dtype)
+    requested = None if load_as is None else resolve_dtype(load_as, "float32", device)
     check_quantization(config.quantization, device, requested, config.tensor_parallel_size)
     if config.tensor_parallel_size > 1:
         from .parallel.launch import build_parallel_stack
 
-        return build_parallel_stack(path_or_name, config, device=device, dtype=dtype, seed=seed)
+        return build_parallel_stack(path_or_name, config, device=device, dtype=load_as, asked_dtype=dtype, seed=seed)
 
     def build() -> NativeStack:
-        loaded = load_model(path_or_name, dtype=dtype, device=device, seed=seed)
+        loaded = load_model(path_or_name, dtype=load_as, device=device, seed=seed)
         quantize_linears(loaded.model, config.quantization)
-        num_pages = kv_pages_for(config, loaded, device, next(loaded.model.parameters()).dtype)
-        runner = NativeModelRunner(loaded.model, kv_cache(loaded, config, device, num_pages), device, seed=seed, fused_kernels=config.fused_kernels)
-        return assemble_stack(loaded, config, device, num_pages, runner)
+        probe = wants_cpu_kernels(config, device.type, load_as)
+        plan = plan_stage(config, device_facts(device, probe_kernels=probe), checkpoint_facts(path_or_name, loaded), dtype=dtype)
+        log_plan(plan)
+        load_cpu_kernels(plan)
+        runner = NativeModelRunner(
+            loaded.model, kv_cache(loaded, plan.page_size, device, plan.kv_pages), device, seed=seed,
+            capture_hidden=capture_hidden, **runner_options(plan, config.fused_kernels),
+        )
+        return assemble_stack(loaded, plan, device, runner)
 
     return build_off_this_thread(build) if device.type == "cpu" else build()
 
 
-def build_scheduler(stack: NativeStack, config: SchedulerConfig, **callbacks: Any) -> AsyncOmniScheduler:
-    config = with_build_decisions(config, stack)
+def log_plan(plan: StagePlan) -> None:
+    if plan.memory is not None:
+        log.info("engine_memory_plan", device=plan.device, **plan.memory.as_dict())
+
+
+def build_scheduler(stack: NativeStack, config: SchedulerConfig | None = None, **callbacks: Any) -> AsyncOmniScheduler:
+    """The stage over ``stack``, configured as its plan says. ``config``, when passed,
+    must be the one the stack was built from."""
+    plan = stack.plan
+    assert plan is not None
+    if config is not None and not plan.made_from(config):
+        raise ConfigError("build_scheduler's config differs from the one its stack was built from")
+    config = plan.config
     info = {
         "model_path": stack.loaded.path,
         "model_name": stack.loaded.name or stack.loaded.path,
@@ -66,6 +90,7 @@ def build_scheduler(stack: NativeStack, config: SchedulerConfig, **callbacks: An
         "cpu_attention_kernel": stack.runner.cpu_attention_kernel,
         "cpu_fused_ops": stack.runner.cpu_fused_ops,
         "num_parameters": sum(p.numel() for p in stack.loaded.model.parameters()),
+        "plan": plan.as_dict(),
     }
     executor = make_step_executor(config.step_launch, stack.device.type, config.event_wait)
     tp = stack.tensor_parallel
@@ -93,4 +118,4 @@ def build_scheduler(stack: NativeStack, config: SchedulerConfig, **callbacks: An
 def build_native_stage(path_or_name: str, *, config: SchedulerConfig, device: Any, dtype: Any, seed: int) -> BuiltStage:
     """``backend="native"`` in the backend registry lands here."""
     stack = build_native_stack(path_or_name, config, device=device, dtype=dtype, seed=seed)
-    return BuiltStage(build_scheduler(stack, config), stack.loaded.tokenizer, stack)
+    return BuiltStage(build_scheduler(stack), stack.loaded.tokenizer, stack, stack.plan)
