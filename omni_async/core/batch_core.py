@@ -223,7 +223,7 @@ class NativeBatchCore(BatchCore):
         """Running requests that still need a decode step: not once the tokens sampled (in
         flight too) reach the length limit, so a lookahead loop spends no step on them."""
         ctx = self.context_length
-        return [r for r in self.running if r.tokens_left(ctx) > 0]
+        return [r for r in self.running if r.tokens_left(ctx, scheduling=True) > 0]
 
     def _decode_fits(self, decoding: list[Request]) -> bool:
         """A request holds the pages of its cached tokens, so one more token needs at most

@@ -61,7 +61,7 @@ def row_steps(decoding: list[Request], k: int, context_length: int) -> list[int]
     needs the host to have seen its last token."""
     if any(r.sampling.top_logprobs or r.matcher is not None for r in decoding):
         return None
-    return [min(k, r.tokens_left(context_length)) for r in decoding]
+    return [min(k, r.tokens_left(context_length, scheduling=True)) for r in decoding]
 
 
 def process_multi_step(
@@ -87,7 +87,7 @@ def process_multi_step(
         end = i + steps * size
         row = tokens[i:end:size]  # the row's tokens, forward by forward
         if stop_ids.isdisjoint(row):  # the common row: no stop id, so only limits can end it
-            limit = req.tokens_left(ctx)
+            limit = req.tokens_left(ctx, scheduling=False)
             kept, reason = (row, None) if limit > steps else (row[: max(1, limit)], "length")
             kept = [int(t) for t in kept]
             out.extend(kept)
@@ -121,6 +121,6 @@ def _walk_row(req: Request, row: Sequence[int], row_lps: Sequence[float] | None,
         n = len(out)
         if token in stop_ids and n > sp.min_new_tokens:
             return kept, lps, "stop"
-        if req.tokens_left(ctx) <= 0:
+        if req.tokens_left(ctx, scheduling=False) <= 0:
             return kept, lps, "length"
     return kept, lps, None

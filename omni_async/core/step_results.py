@@ -47,7 +47,7 @@ def process_one_forward(
         reason = None
         if (token in req.stop_ids() and n > sp.min_new_tokens) or (req.matcher is not None and req.matcher.accept(token)):
             reason = "stop"  # a stop token, or the grammar is complete
-        elif req.tokens_left(ctx) <= 0:
+        elif req.tokens_left(ctx, scheduling=False) <= 0:
             reason = "length"
         if reason is not None:
             finishes.append((req, reason))
