@@ -29,7 +29,7 @@ from .client.completion import Completion
 from .config import SAMPLING_SEED_MASK, SamplingParams, SchedulerConfig
 from .client.handle import RequestHandle
 from .client.router import Router
-from .stage.heap import configure_gc
+from .client.heap import configure_gc
 from .logs import log
 from .client.loopbridge import call_soon_on, maybe_marshal, running_asyncio_loop
 from .messages import GenerationResult, IncomingMessage, RequestPayload, StreamDelta

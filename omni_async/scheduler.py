@@ -23,7 +23,7 @@ import anyio.abc
 from . import errors
 from .stage.admin import AdminRequest, failure
 from .stage.admin_channel import AdminChannel
-from .stage.channels import drain_stream, take_buffered
+from .stage.channels import WakeSignal, drain_stream, take_buffered
 from .config import SchedulerConfig
 from .core.plan import settle
 from .core.protocol import BatchCore, StepRunner
@@ -35,10 +35,9 @@ from .messages import IncomingMessage, OutgoingMessage
 from .stage.control import StageControl
 from .stage.emission import Emission, OutputSink, ResultAdapter, StreamOutputBuilder
 from .stage.intake import Intake, ModelLimits, RequestBuilder
-from .stage.state import StageState
+from .stage.emission import StageState
 from .stage.stepper import Stepper, StepStats
 from .stage.weak import weak_method
-from .stage.wake import WakeSignal
 
 __all__ = ["AsyncOmniScheduler", "ModelLimits"]
 

@@ -10,9 +10,8 @@ from typing import Any, Awaitable, Callable, TypeVar
 
 from .. import errors
 from ..core.protocol import BatchCore
-from .emission import Emission
+from .emission import Emission, StageState
 from .intake import Intake
-from .state import StageState
 from .stepper import Stepper
 
 T = TypeVar("T")

@@ -25,9 +25,8 @@ from ..messages import IncomingMessage, RequestPayload
 from .weak import weak_method
 from .request_checks import check_capacity, check_input_ids, check_sampling_vocab
 from ..structured.gate import GrammarGate
-from .emission import Emission
-from .guard import call_user
-from .ids import IdWindow
+from .emission import Emission, IdWindow, call_user
+
 
 RequestBuilder = Callable[[Any], RequestData]
 _MESSAGE_TYPES = ("new_request", "stream_chunk", "stream_done")
