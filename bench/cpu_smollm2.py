@@ -132,7 +132,7 @@ def fused_of(system: str) -> bool:
 
 def omni_choices(system: str, dtype: str) -> dict[str, Any]:
     """dtype and kernel options of an omni system; ``@default`` leaves all three to the
-    engine (omni_async/cpu_defaults.py: what a user who passes no flags gets)."""
+    engine (omni_async/core/plan.py: what a user who passes no flags gets)."""
     if dtype == "default":
         return {}
     return {"dtype": dtype, "cpu_attention_kernel": kernel_of(system), "cpu_fused_ops": fused_of(system)}

@@ -38,7 +38,7 @@ from gpu_suite import QWEN05, _graph_fixture, make_checkpoint, pct, prompts, tic
 from omni_async import Engine, SamplingParams  # noqa: E402
 from omni_async.backends.native.builder import build_native_stack  # noqa: E402
 from omni_async.config import SchedulerConfig  # noqa: E402
-from omni_async.core.multi_step import resolve_decode_steps  # noqa: E402
+from omni_async.core.plan import resolve_decode_steps  # noqa: E402
 
 LOOPS = ("normal", "overlap", "async_decode")
 RESULTS: dict = {"sections": {}}

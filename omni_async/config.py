@@ -201,12 +201,6 @@ def _is_finite(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
-# Engine.from_pretrained's prefill budget per step on CUDA unless given (SchedulerConfig's
-# 4096 / 512 suit CPU): an eager prefill forward costs the host ~12-15 ms whatever its size,
-# so 512-token chunks left the GPU idle most of a prefill phase (W256 on the H200: 13-15k
-# output tok/s against 67-71k with 8192-token chunks, bench/RESULTS.md).
-CUDA_PREFILL_BUDGET = {"max_prefill_tokens": 16384, "chunked_prefill_size": 8192}
-
 # Weight formats the native CPU path can run its projections in (SchedulerConfig.quantization).
 QUANTIZATION_MODES = ("q4", "q8", "int8")
 
@@ -224,11 +218,13 @@ class SchedulerConfig:
     loop: LoopKind = "normal"
     async_decode_min_batch_size: int = 2
     # None: 64 on CPU; on CUDA derived from the KV capacity and the decode graphs'
-    # batch buckets (omni_async/core/device_defaults.py): 512 on an H200 for a 0.5B model.
+    # batch buckets (omni_async/core/plan.py): 512 on an H200 for a 0.5B model.
     max_running_requests: int | None = None
     max_queued_requests: int = 4096
-    max_prefill_tokens: int = 4096
-    chunked_prefill_size: int = 512
+    # Prompt tokens per prefill step and the chunk a long prompt is split into (<= 0:
+    # whole). None: 4096 / 512 on CPU, 16384 / 8192 on CUDA (omni_async/core/plan.py).
+    max_prefill_tokens: int | None = None
+    chunked_prefill_size: int | None = None
     page_size: int = 16
     kv_capacity_tokens: int | None = None
     kv_memory_fraction: float = 0.8
@@ -304,7 +300,7 @@ class SchedulerConfig:
     # Native backend on CPU: decode attention through a C++ kernel that reads the KV
     # pages in place instead of gathering them (omni_async/kernels/cpu_paged.py; built
     # with the system compiler on first use). Close to the reference, not bit-equal.
-    # None (the default) decides per machine and dtype (omni_async/backends/native/cpu_defaults.py).
+    # None (the default) decides per machine and dtype (omni_async/core/plan.py).
     cpu_attention_kernel: bool | None = None
     # Native backend on CPU: the work between the GEMMs (residual add + RMSNorm, rotary +
     # KV write, SiLU-and-multiply, and an extend step's attention) through fused C++
@@ -323,7 +319,6 @@ class SchedulerConfig:
         positive = (
             "async_decode_min_batch_size",
             "max_queued_requests",
-            "max_prefill_tokens",
             "page_size",
             "request_build_max_workers",
             "aborted_id_cap",
@@ -341,8 +336,10 @@ class SchedulerConfig:
         for name in ("cpu_attention_kernel", "cpu_fused_ops"):
             if getattr(self, name) and self.tensor_parallel_size > 1:
                 raise ConfigError(f"{name} is not supported with tensor_parallel_size > 1 yet")
-        if not _is_int(self.chunked_prefill_size):
-            raise ConfigError("chunked_prefill_size must be an integer (<= 0 disables)")
+        if self.max_prefill_tokens is not None and (not _is_int(self.max_prefill_tokens) or self.max_prefill_tokens < 1):
+            raise ConfigError(f"max_prefill_tokens must be None or an integer >= 1, got {self.max_prefill_tokens!r}")
+        if self.chunked_prefill_size is not None and not _is_int(self.chunked_prefill_size):
+            raise ConfigError("chunked_prefill_size must be None or an integer (<= 0 disables)")
         if self.kv_capacity_tokens is not None and (
             not _is_int(self.kv_capacity_tokens) or self.kv_capacity_tokens < self.page_size
         ):
@@ -375,4 +372,7 @@ class SchedulerConfig:
 
     @property
     def chunk_size(self) -> int | None:
-        return self.chunked_prefill_size if self.chunked_prefill_size > 0 else None
+        """The prefill chunk; None when prompts are not chunked (or the size is still
+        open: the stage's plan decides it)."""
+        size = self.chunked_prefill_size
+        return size if size is not None and size > 0 else None

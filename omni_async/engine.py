@@ -26,10 +26,10 @@ from . import errors
 from .backends.registry import build_stage
 from .text.chat import render_chat_ids
 from .client.completion import Completion
-from .config import CUDA_PREFILL_BUDGET, SAMPLING_SEED_MASK, SamplingParams, SchedulerConfig
+from .config import SAMPLING_SEED_MASK, SamplingParams, SchedulerConfig
 from .client.handle import RequestHandle
 from .client.router import Router
-from .stage.heap import configure_gc
+from .client.heap import configure_gc
 from .logs import log
 from .client.loopbridge import call_soon_on, maybe_marshal, running_asyncio_loop
 from .messages import GenerationResult, IncomingMessage, RequestPayload, StreamDelta
@@ -70,10 +70,13 @@ def check_device(device: Any) -> None:
 class Engine:
     """Load a model and serve it through an AsyncOmniScheduler. Use ``async with``."""
 
-    def __init__(self, scheduler: AsyncOmniScheduler, *, tokenizer: Tokenizer | None = None, stack: Any = None) -> None:
+    def __init__(self, scheduler: AsyncOmniScheduler, *, tokenizer: Tokenizer | None = None, stack: Any = None, plan: Any = None) -> None:
         self.scheduler = scheduler
         self.tokenizer = tokenizer
         self.stack = stack
+        # What the stage was built to (omni_async/core/plan.py's StagePlan; also
+        # info()["plan"]); None for a stage assembled by hand.
+        self.plan = plan
         # Weak: the stage holds the router (its output sink), so the router must not hold
         # the engine (no reference cycle; a closed engine is freed by reference counting).
         self._router = Router(abort_stage_request=weak_method(self._abort_stage_request), event_loop=weak_method(self._serving_loop))
@@ -98,12 +101,10 @@ class Engine:
     ) -> "Engine":
         """Load a Hugging Face style folder or ``"tiny"``. ``limits`` are SchedulerConfig fields."""
         check_device(device)
-        if torch.device(device).type == "cuda":
-            limits = {**CUDA_PREFILL_BUDGET, **limits}
         config = SchedulerConfig.from_kwargs(loop=loop, **limits)
         started = time.perf_counter()
         built = build_stage(backend, path_or_name, config=config, device=device, dtype=dtype, seed=seed)
-        engine = cls(built.scheduler, tokenizer=built.tokenizer, stack=built.stack)
+        engine = cls(built.scheduler, tokenizer=built.tokenizer, stack=built.stack, plan=built.plan)
         configure_gc(config.gc_freeze, config.gc_gen0_threshold)
         log.info(
             "engine_model_loaded",

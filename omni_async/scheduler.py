@@ -23,8 +23,9 @@ import anyio.abc
 from . import errors
 from .stage.admin import AdminRequest, failure
 from .stage.admin_channel import AdminChannel
-from .stage.channels import drain_stream, take_buffered
+from .stage.channels import WakeSignal, drain_stream, take_buffered
 from .config import SchedulerConfig
+from .core.plan import settle
 from .core.protocol import BatchCore, StepRunner
 from .core.request import RequestData
 from .stage.executor import StepExecutor, ThreadStepExecutor, await_future, threadsafe_caller
@@ -34,10 +35,9 @@ from .messages import IncomingMessage, OutgoingMessage
 from .stage.control import StageControl
 from .stage.emission import Emission, OutputSink, ResultAdapter, StreamOutputBuilder
 from .stage.intake import Intake, ModelLimits, RequestBuilder
-from .stage.state import StageState
+from .stage.emission import StageState
 from .stage.stepper import Stepper, StepStats
 from .stage.weak import weak_method
-from .stage.wake import WakeSignal
 
 __all__ = ["AsyncOmniScheduler", "ModelLimits"]
 
@@ -63,7 +63,8 @@ class AsyncOmniScheduler:
         model_worker: Any = None,
         output_sink: OutputSink | None = None,
     ) -> None:
-        self.config = config or SchedulerConfig()
+        # A stage assembled by hand (no builder's plan) gets the CPU prefill budget.
+        self.config = settle(config or SchedulerConfig())
         self.runner = runner
         self.core = core
         self.executor = executor or ThreadStepExecutor()

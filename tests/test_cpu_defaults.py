@@ -1,5 +1,5 @@
 """The CPU configuration chosen when the caller leaves dtype and the kernel options open
-(omni_async/cpu_defaults.py): bfloat16 and the C++ kernels for a 16-bit or quantised
+(omni_async/core/plan.py, backends/native/facts.py): bfloat16 and the C++ kernels for a 16-bit or quantised
 checkpoint on a CPU with native bfloat16, the float32 reference path otherwise, explicit
 choices kept, and a clean fallback where the kernels cannot be built."""
 
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from omni_async import Engine
-from omni_async.backends.native.cpu_defaults import cpu_has_native_bf16
+from omni_async.backends.native.facts import cpu_has_native_bf16
 
 from .gguf_files import write_gguf
 
@@ -41,7 +41,7 @@ async def test_tiny_and_float32_folders_keep_the_exact_path(hf_checkpoints):
 
 
 async def test_a_gguf_file_runs_in_its_blocks_when_the_kernels_are_built(gguf_file):
-    from omni_async.backends.native.cpu_defaults import kernels_build
+    from omni_async.backends.native.facts import kernels_build
 
     if not kernels_build():
         pytest.skip("the C++ kernels are not built here")
@@ -50,7 +50,7 @@ async def test_a_gguf_file_runs_in_its_blocks_when_the_kernels_are_built(gguf_fi
 
 async def test_a_quantised_checkpoint_follows_the_cpu(gguf_file):
     """Without the kernels (no q4): bfloat16 on a CPU with native bfloat16, else float32."""
-    from omni_async.backends.native.cpu_defaults import kernels_build
+    from omni_async.backends.native.facts import kernels_build
 
     if kernels_build():
         pytest.skip("the kernels are built here, so a GGUF file runs in q4 (the test above)")
@@ -60,7 +60,7 @@ async def test_a_quantised_checkpoint_follows_the_cpu(gguf_file):
     if not fast:
         assert (attention, fused) == (False, False)
     else:
-        from omni_async.backends.native.cpu_defaults import kernels_build
+        from omni_async.backends.native.facts import kernels_build
 
         assert attention == fused == kernels_build()
 

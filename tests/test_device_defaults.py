@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from omni_async import Engine, errors
-from omni_async.core.multi_step import resolve_decode_steps
-from omni_async.core.device_defaults import CPU_MAX_RUNNING, cuda_defaults, cuda_running_limit, running_limit
+from omni_async.core.plan import resolve_decode_steps
+from omni_async.core.plan import CPU_MAX_RUNNING, cuda_defaults, cuda_running_limit, running_limit
 from omni_async.runners.cuda_graphs import DEFAULT_BUCKETS
 
 QWEN2_05B_KV_BYTES_PER_TOKEN = 24 * 2 * 2 * 64 * 2  # layers * (K, V) * KV heads * head dim * bf16

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from omni_async import Engine, SamplingParams, errors
-from omni_async.core.multi_step import resolve_decode_steps
+from omni_async.core.plan import resolve_decode_steps
 
 from .conftest import LOOPS, assert_kv_free
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from ..core.plan import StagePlan
     from ..scheduler import AsyncOmniScheduler
 
 
@@ -14,8 +15,9 @@ if TYPE_CHECKING:
 class BuiltStage:
     """A backend's product: the scheduler (closing it releases everything the backend
     holds), the tokenizer if the checkpoint has one, and the backend's own stack for
-    introspection."""
+    introspection, and the plan it was built to."""
 
     scheduler: "AsyncOmniScheduler"
     tokenizer: Any
     stack: Any
+    plan: "StagePlan | None" = None

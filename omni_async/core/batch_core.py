@@ -37,14 +37,23 @@ NEW_TOKEN_RATIO_DECAY = (INIT_NEW_TOKEN_RATIO - MIN_NEW_TOKEN_RATIO) / 600
 
 
 class NativeBatchCore(BatchCore):
-    def __init__(self, config: SchedulerConfig, allocator: PageAllocator, context_length: int, decode_steps: DecodeSteps = DecodeSteps()) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        allocator: PageAllocator,
+        context_length: int,
+        decode_steps: DecodeSteps = DecodeSteps(),
+        multi_step_allowed: Callable[[], bool] = lambda: True,
+    ) -> None:
+        """``decode_steps``: forwards per decode step by batch size (the stage's plan);
+        ``multi_step_allowed``: the runner's say, asked before each multi-step decode."""
         self.config = config
         self.allocator = allocator
         self.kv = PrefixCache(allocator, enabled=config.enable_prefix_cache)
         self.page_size = allocator.page_size
         self.context_length = context_length
-        self.decode_plan = decode_steps  # forwards per decode step by batch size (multi_step.resolve_decode_steps)
-        self.multi_step_allowed: Callable[[], bool] = lambda: True  # the runner's say (builder)
+        self.decode_plan = decode_steps
+        self.multi_step_allowed = multi_step_allowed
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.chunked: Request | None = None
@@ -225,12 +234,7 @@ class NativeBatchCore(BatchCore):
         not while a conditioned request's next position has no row yet (it waits in
         running; the stream chunk that brings the row wakes the loop)."""
         ctx = self.context_length
-        out = []
-        for r in self.running:
-            generated = len(r.output_ids) + r.num_inflight
-            if generated < r.sampling.max_new_tokens and len(r.prompt_ids) + generated < ctx and ready_positions(r, 1):
-                out.append(r)
-        return out
+        return [r for r in self.running if r.tokens_left(ctx, scheduling=True) > 0 and ready_positions(r, 1)]
 
     def _decode_fits(self, decoding: list[Request]) -> bool:
         """A request holds the pages of its cached tokens, so one more token needs at most

@@ -27,13 +27,6 @@ if TYPE_CHECKING:
     from .batch_core import NativeBatchCore
 
 
-# decode_steps=None on CUDA: forwards per step by how many requests decode. One below 64
-# (one thread keeps up with one forward per step), 4 from 64, 8 from 256: at 256 rows
-# and more the host's per-step work (scheduling, the launch, processing, one wake-up per
-# reader) outgrew 4 forwards' device time on the H200 (bench/RESULTS.md).
-AUTO_TIERS = ((64, 4), (256, 8))
-
-
 @dataclass(frozen=True)
 class DecodeSteps:
     """Forwards per decode step by the number of decoding requests: ``tiers`` are
@@ -53,18 +46,6 @@ class DecodeSteps:
         return max((k for _, k in self.tiers), default=1)
 
 
-def resolve_decode_steps(configured: int | None, device_type: str, tensor_parallel_size: int = 1,
-                         page_size: int = 16) -> DecodeSteps:
-    """``SchedulerConfig.decode_steps`` on this device: a fixed k for every batch, or
-    (None) the automatic tiers on CUDA, at most ``page_size`` (a step then adds at most
-    one page per row), and one forward elsewhere."""
-    if configured is not None:
-        return DecodeSteps(((1, configured),) if configured > 1 else ())
-    if device_type == "cuda" and tensor_parallel_size == 1:
-        return DecodeSteps(tuple((least, min(k, page_size)) for least, k in AUTO_TIERS if min(k, page_size) > 1))
-    return DecodeSteps()
-
-
 def steps_for(core: "NativeBatchCore", decoding: list[Request]) -> list[int] | None:
     """Forwards per row of the next decode step; None for one forward (a small batch
     under the automatic choice, or a runner that hands out per-step hidden states)."""
@@ -81,11 +62,7 @@ def row_steps(decoding: list[Request], k: int, context_length: int) -> list[int]
     needs the host to have seen its last token."""
     if any(r.sampling.top_logprobs or r.matcher is not None for r in decoding):
         return None
-    out = []
-    for r in decoding:
-        generated = len(r.output_ids) + r.num_inflight
-        out.append(ready_positions(r, min(k, r.sampling.max_new_tokens - generated, context_length - len(r.prompt_ids) - generated)))
-    return out
+    return [ready_positions(r, min(k, r.tokens_left(context_length, scheduling=True))) for r in decoding]
 
 
 def process_multi_step(
@@ -107,11 +84,11 @@ def process_multi_step(
             finishes.append((req, req.to_finish))
             outcomes.append(StepOutcome(req, None, finished=True))
             continue
-        out, sp, stop_ids = req.output_ids, req.sampling, req.stop_ids()
+        out, stop_ids = req.output_ids, req.stop_ids()
         end = i + steps * size
         row = tokens[i:end:size]  # the row's tokens, forward by forward
         if stop_ids.isdisjoint(row):  # the common row: no stop id, so only limits can end it
-            limit = min(sp.max_new_tokens - len(out), ctx - len(req.prompt_ids) - req.num_inflight - len(out))
+            limit = req.tokens_left(ctx, scheduling=False)
             kept, reason = (row, None) if limit > steps else (row[: max(1, limit)], "length")
             kept = [int(t) for t in kept]
             out.extend(kept)
@@ -145,6 +122,6 @@ def _walk_row(req: Request, row: Sequence[int], row_lps: Sequence[float] | None,
         n = len(out)
         if token in stop_ids and n > sp.min_new_tokens:
             return kept, lps, "stop"
-        if n >= sp.max_new_tokens or len(req.prompt_ids) + n + req.num_inflight >= ctx:
+        if req.tokens_left(ctx, scheduling=False) <= 0:
             return kept, lps, "length"
     return kept, lps, None

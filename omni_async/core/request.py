@@ -60,6 +60,19 @@ class Request:
     def num_generated(self) -> int:
         return len(self.output_ids) + self.num_inflight
 
+    def tokens_left(self, context_length: int, *, scheduling: bool) -> int:
+        """The length limit, the one place it is written: tokens this request may still
+        produce, whichever of ``max_new_tokens`` and the context comes first; at 0 (or
+        less) it ends with ``"length"``. Tokens still in flight hold context positions
+        either way; ``scheduling`` counts them against ``max_new_tokens`` too (they will
+        arrive), while processing counts only the kept ones (a request that ends now
+        drops what is still in flight)."""
+        kept, pending = len(self.output_ids), self.num_inflight
+        return min(
+            self.sampling.max_new_tokens - kept - (pending if scheduling else 0),
+            context_length - len(self.prompt_ids) - kept - pending,
+        )
+
     def finished(self) -> bool:
         return self.finish_reason is not None
 

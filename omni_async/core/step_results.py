@@ -51,7 +51,7 @@ def process_one_forward(
                 finishes.append((req, "error"))  # no token; the stage ends it with an error
                 add(StepOutcome(req, None, finished=True))
                 continue
-        elif n >= sp.max_new_tokens or len(req.prompt_ids) + n + req.num_inflight >= ctx:
+        elif req.tokens_left(ctx, scheduling=False) <= 0:
             reason = "length"
         if reason is not None:
             finishes.append((req, reason))

@@ -1,4 +1,5 @@
-"""GPU kernels (Triton), used on CUDA when Triton is importable."""
+"""Kernels: Triton on CUDA when Triton is importable, C++ on CPU when built, the torch
+reference ops everywhere."""
 
 from __future__ import annotations
 
@@ -11,3 +12,19 @@ def triton_available(device: torch.device | str | None = None) -> bool:
     if device is not None and torch.device(device).type != "cuda":
         return False
     return torch.cuda.is_available() and importlib.util.find_spec("triton") is not None
+
+
+def model_ops(*, triton: bool, cpu: bool):
+    """The ops a decoder calls between its GEMMs: the fused Triton kernels, the C++ CPU
+    kernels (loaded by the builder), or the torch reference. Imported only where used."""
+    if triton:
+        from .fused import FusedOps
+
+        return FusedOps()
+    if cpu:
+        from .cpu_fused import CpuFusedOps
+
+        return CpuFusedOps()
+    from .reference import ReferenceOps
+
+    return ReferenceOps()

@@ -4,7 +4,7 @@
 (:mod:`omni_async.kernels.cpu_quant`): projections in 4-bit (q4) or 8-bit (q8) blocks, the
 output head in 8-bit blocks, activations quantised per row and block. A GGUF file stored
 in Q4_1/Q8_0 loads back into the same blocks, so ``q4`` is the file's own precision; it is
-the CPU default for GGUF files (see backends/native/cpu_defaults.py).
+the CPU default for GGUF files (see core/plan.py default_quantization).
 
 ``"int8"``, the older mode, described below:
 

@@ -11,11 +11,10 @@ from __future__ import annotations
 
 from typing import Any, Callable, Sequence
 
-import torch
 
 from ..backends.native.builder import build_native_stack, build_scheduler
 from ..backends.native.stack import NativeStack
-from ..config import CUDA_PREFILL_BUDGET, SchedulerConfig
+from ..config import SchedulerConfig
 from ..engine import check_device
 from .. import errors
 from ..core.conditioning import StepConditioning
@@ -59,17 +58,15 @@ def build_stage_scheduler(
     **limits: Any,
 ) -> tuple[AsyncOmniScheduler, NativeStack]:
     """One native stage with its memory budget, as ``Engine.from_pretrained`` would
-    build it (same CUDA prefill defaults), and the stack it was built from.
+    build it (the same plan), and the stack it was built from.
     ``capture_hidden``: each step's hidden states go out with its stream messages
     (``delta.hidden_states``). ``conditioning_size``: the stage takes conditioning rows
     of that size through ``thinker_to_talker_proj`` (:mod:`omni_async.models.conditioning`)."""
     check_device(device)
-    if torch.device(device).type == "cuda":
-        limits = {**CUDA_PREFILL_BUDGET, **limits}
     config = SchedulerConfig.from_kwargs(loop=loop, memory_budget=memory_budget, **limits)
-    stack = build_native_stack(path_or_name, config, device=device, dtype=dtype, seed=seed, conditioning_size=conditioning_size)
-    stack.runner.capture_hidden = capture_hidden
-    return build_scheduler(stack, config, **(callbacks or {})), stack
+    stack = build_native_stack(path_or_name, config, device=device, dtype=dtype, seed=seed, capture_hidden=capture_hidden,
+                               conditioning_size=conditioning_size)
+    return build_scheduler(stack, **(callbacks or {})), stack
 
 
 def talker_request_builder(

@@ -15,10 +15,9 @@ import torch
 
 from ..core.batch import ScheduledBatch
 from ..core.multi_step import DecodeSteps
-from ..kernels import triton_available
+from ..kernels import model_ops, triton_available
 from ..kv.attention import AttentionContext, slots_from_tables
 from ..kv.cache import PagedKVCache
-from ..kernels.reference import ReferenceOps
 from ..models.decoder import DecoderModel
 from .sampling import SampleResult, SamplingBatch, sample
 from .base import ModelRunner
@@ -41,7 +40,10 @@ SAMPLING_GRAPH_MAX_BATCH = 16
 
 class NativeModelRunner(ModelRunner):
     def __init__(self, model: DecoderModel, kv: PagedKVCache, device: torch.device, *, capture_hidden: bool = False,
-                 seed: int = 0, fused_kernels: bool = True) -> None:
+                 seed: int = 0, fused_kernels: bool = True, cpu_attention_kernel: bool = False, cpu_fused_ops: bool = False,
+                 decode_steps: DecodeSteps = DecodeSteps(), fuse_decode_steps: bool = True) -> None:
+        """``cpu_attention_kernel`` / ``cpu_fused_ops``: the C++ CPU kernels (loaded by
+        the builder); ``decode_steps``: forwards per decode step by batch size."""
         super().__init__(seed=seed)
         # When set, every request's hidden states go out with its step outputs (a
         # thinker feeding a talker), not only those of requests that ask for them.
@@ -56,19 +58,12 @@ class NativeModelRunner(ModelRunner):
         # Fused elementwise kernels need the Triton attention path (the rotated keys go
         # straight to the cache); elsewhere the model keeps its reference ops.
         self.fused = fused_kernels and self.use_kernel
-        if self.fused:
-            from ..kernels.fused import FusedOps
-
-            model.ops = FusedOps()
-        else:
-            model.ops = ReferenceOps()
-        self.model = model
-        self.kv = kv
-        self.device = device
-        self.page_size = kv.page_size
+        model.ops = model_ops(triton=self.fused, cpu=cpu_fused_ops)
+        self.model, self.kv, self.device, self.page_size = model, kv, device, kv.page_size
         self.inputs = InputBatch(kv.page_size, model.config.vocab_size, device)
-        self.cpu_attention_kernel = False  # set from SchedulerConfig.cpu_attention_kernel (builder)
-        self.cpu_fused_ops = False  # set from SchedulerConfig.cpu_fused_ops (builder), with model.ops
+        self.cpu_attention_kernel = cpu_attention_kernel
+        self.cpu_fused_ops = cpu_fused_ops
+        self.configure_decode_steps(decode_steps, fused=fuse_decode_steps)
 
     def build_forward_batch(self, scheduler_output: SchedulerOutput, capture_hidden_mode=None) -> ForwardBatch:
         batch = scheduler_output.batch_data
@@ -129,7 +124,7 @@ class NativeModelRunner(ModelRunner):
         return fb
 
     def configure_decode_steps(self, plan: DecodeSteps, *, fused: bool = True) -> None:
-        """Forwards per decode step by batch size (``resolve_decode_steps``); ``fused``:
+        """Forwards per decode step by batch size (the stage plan's ``decode_steps``); ``fused``:
         multi-step decodes run as one launch (a graph per bucket, k and sampling mode
         when CUDA graphs are captured after this, else eagerly)."""
         self.decode_plan = plan
@@ -415,3 +410,4 @@ class NativeModelRunner(ModelRunner):
 
     def post_decode_resolve(self, launch_buf, result, forward_batch, schedule_batch, requests) -> None:
         result.next_token_ids = launch_buf
+

@@ -85,7 +85,7 @@ async def model_info(c: StageControl, payload: dict[str, Any]) -> dict[str, Any]
     info = c.info()
     if c.model_worker is not None and hasattr(c.model_worker, "model_info"):
         info.update(c.model_worker.model_info())
-    info.update({"stage_tp_rank": 0, "stage_tp_size": info.get("tensor_parallel_size", 1), "weight_version": c.weight_version})
+    info.update({"stage_tp_rank": 0, "stage_tp_size": info.get("tensor_parallel_size", 1), "weight_version": c.state.weight_version})
     return reply(True, "ok", info)
 
 
@@ -118,9 +118,9 @@ async def run_weight_update(
     requests are active (unless aborting them or paused in retract mode), update on the
     forward thread, flush the cache, restore the pause state."""
     keep_pause = bool(payload.get("keep_pause", False))
-    previously_paused, previous_mode = c.paused, c.pause_mode
+    previously_paused, previous_mode = c.state.paused, c.state.pause_mode
     stay_paused = keep_pause
-    c.paused = True
+    c.state.paused = True
     num_paused = 0
     flush_success: bool | None = None
     try:
@@ -132,7 +132,7 @@ async def run_weight_update(
             retracted = previously_paused and previous_mode == "retract"
             if active and not retracted:
                 if not keep_pause:
-                    c.paused = previously_paused
+                    c.state.paused = previously_paused
                 return reply(
                     False,
                     "active requests are present; set abort_all_requests=true or pause_generation "
@@ -142,7 +142,7 @@ async def run_weight_update(
                         "active_request_ids": active[:16],
                         "abort_all_requests": False,
                         "pause_mode": previous_mode,
-                        "engine_paused": c.paused,
+                        "engine_paused": c.state.paused,
                     },
                 )
         try:
@@ -164,17 +164,17 @@ async def run_weight_update(
         if success:
             _bump_version(c, payload)
     finally:
-        c.paused = True if stay_paused else previously_paused
-        if not c.paused:
+        c.state.paused = True if stay_paused else previously_paused
+        if not c.state.paused:
             c.wake()
-    log.info("scheduler_weights_updated", success=bool(success), weight_version=c.weight_version)
+    log.info("scheduler_weights_updated", success=bool(success), weight_version=c.state.weight_version)
     data = {
         "num_paused_requests": num_paused,
         "flush_cache": payload.get("flush_cache", True),
         "flush_success": flush_success,
         "keep_pause": keep_pause,
-        "engine_paused": c.paused,
-        "weight_version": c.weight_version,
+        "engine_paused": c.state.paused,
+        "weight_version": c.state.weight_version,
     }
     data.update(result_data)
     return {"success": bool(success), "message": str(message), "data": data, "error": None if success else str(message)}
@@ -183,10 +183,10 @@ async def run_weight_update(
 def _bump_version(c: StageControl, payload: dict[str, Any]) -> None:
     version = payload.get("weight_version")
     if version is not None:
-        c.weight_version = str(version)
+        c.state.weight_version = str(version)
         return
-    base, _, n = (c.weight_version or "initial").rpartition("+")
-    c.weight_version = f"{base}+{int(n) + 1}" if base and n.isdigit() else f"{c.weight_version or 'initial'}+1"
+    base, _, n = (c.state.weight_version or "initial").rpartition("+")
+    c.state.weight_version = f"{base}+{int(n) + 1}" if base and n.isdigit() else f"{c.state.weight_version or 'initial'}+1"
 
 
 def _worker_method(c: StageControl, name: str) -> Callable[..., Any] | None:
@@ -213,7 +213,7 @@ async def update_weights_from_tensor(c: StageControl, payload: dict[str, Any]) -
         c.core.invalidate_cache()
         _bump_version(c, payload)
     metadata_only = payload.get("named_tensors") is None and payload.get("serialized_named_tensors") is None
-    return reply(success, message, {"metadata_only": metadata_only, "weight_version": c.weight_version})
+    return reply(success, message, {"metadata_only": metadata_only, "weight_version": c.state.weight_version})
 
 
 async def update_weights_from_distributed(c: StageControl, payload: dict[str, Any]) -> dict[str, Any]:
@@ -262,7 +262,7 @@ async def weights_checker(c: StageControl, payload: dict[str, Any]) -> dict[str,
         data = await c.run_on_worker(fn, action)
     except ValueError as exc:
         return reply(False, str(exc))
-    data["weight_version"] = c.weight_version
+    data["weight_version"] = c.state.weight_version
     return reply(True, "ok", data)
 
 

@@ -1,4 +1,5 @@
-"""Helpers for the anyio memory object streams the scheduler's channels are made of."""
+"""The anyio plumbing of the scheduler's channels: memory object streams drained, and
+the re-armable wake signal its loop waits on."""
 
 from __future__ import annotations
 
@@ -33,3 +34,23 @@ def take_buffered(stream: Any) -> list[Any]:
             items.append(stream.receive_nowait())
         except (anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError):
             return items
+
+
+class WakeSignal:
+    """A re-armable wake signal: anyio events fire once, a loop needs one it can clear."""
+
+    def __init__(self) -> None:
+        self._event = anyio.Event()
+
+    def set(self) -> None:
+        self._event.set()
+
+    def clear(self) -> None:
+        if self._event.is_set():
+            self._event = anyio.Event()
+
+    def is_set(self) -> bool:
+        return self._event.is_set()
+
+    async def wait(self) -> None:
+        await self._event.wait()

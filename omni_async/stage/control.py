@@ -10,9 +10,8 @@ from typing import Any, Awaitable, Callable, TypeVar
 
 from .. import errors
 from ..core.protocol import BatchCore
-from .emission import Emission
+from .emission import Emission, StageState
 from .intake import Intake
-from .state import StageState
 from .stepper import Stepper
 
 T = TypeVar("T")
@@ -43,31 +42,6 @@ class StageControl:
         self.model_worker = model_worker
         self.state = state
 
-    # The admin actions read and set these (a weight update pauses, then restores).
-    @property
-    def paused(self) -> bool:
-        return self.state.paused
-
-    @paused.setter
-    def paused(self, value: bool) -> None:
-        self.state.paused = value
-
-    @property
-    def pause_mode(self) -> str | None:
-        return self.state.pause_mode
-
-    @pause_mode.setter
-    def pause_mode(self, value: str | None) -> None:
-        self.state.pause_mode = value
-
-    @property
-    def weight_version(self) -> str | None:
-        return self.state.weight_version
-
-    @weight_version.setter
-    def weight_version(self, value: str | None) -> None:
-        self.state.weight_version = value
-
     # ------------------------------------------------------------ steering
 
     async def pause(self, mode: str = "abort") -> int:
@@ -76,8 +50,8 @@ class StageControl:
         are. The step in flight completes first. Returns how many requests it touched."""
         if mode not in PAUSE_MODES:
             raise errors.InvalidRequestError(f"invalid pause mode: {mode}; choose one of {', '.join(PAUSE_MODES)}")
-        self.paused = True
-        self.pause_mode = mode
+        self.state.paused = True
+        self.state.pause_mode = mode
         await self.drain()
         if mode == "abort":
             return self.abort_all("aborted: generation paused")
@@ -86,8 +60,8 @@ class StageControl:
         return 0
 
     def resume(self) -> None:
-        self.paused = False
-        self.pause_mode = None
+        self.state.paused = False
+        self.state.pause_mode = None
         self.wake()
 
     async def drain(self) -> None:
@@ -125,9 +99,9 @@ class StageControl:
         info: dict[str, Any] = dict(self.model_info)
         info.update(
             {
-                "weight_version": self.weight_version,
-                "engine_paused": self.paused,
-                "pause_mode": self.pause_mode,
+                "weight_version": self.state.weight_version,
+                "engine_paused": self.state.paused,
+                "pause_mode": self.state.pause_mode,
                 "loop": self.loop_name,
                 "active_requests": len(self.emission.live),
                 "iterations": st.iterations,

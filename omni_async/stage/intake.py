@@ -26,14 +26,13 @@ from .weak import weak_method
 from .request_checks import check_capacity, check_input_ids, check_sampling_vocab
 from .prompt_embeds import embeds_request_data, payload_prompt_len
 from ..structured.gate import GrammarGate
-from .emission import Emission
-from .guard import call_user
-from .ids import IdWindow
+from .emission import Emission, IdWindow, call_user
+
 
 RequestBuilder = Callable[[Any], RequestData]
 _MESSAGE_TYPES = ("new_request", "stream_chunk", "stream_done")
 # Arrivals handled between two checkpoints: a burst never holds the loop for long (228
-# arrivals in one go held it 13-14 ms on the H200 host, measured with bench/ticker_lag.py).
+# arrivals in one go held it 13-14 ms on the H200 host, measured with bench/probes/ticker_lag.py).
 _ARRIVALS_PER_CHECKPOINT = 32
 # Stream input kept for ids that are neither live nor being admitted (a request that
 # may still arrive): bounded, oldest dropped.

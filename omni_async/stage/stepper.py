@@ -23,8 +23,7 @@ from ..core.request import any_constrained
 from .executor import StepExecutor
 from ..logs import debug_enabled, log
 from ..core.runner_io import ModelRunnerOutput, SchedulerOutput, SchedulerRequest
-from .ids import IdWindow
-from .state import StageState
+from .emission import IdWindow, StageState
 from .watchdog import AUTO, StepWatchdog
 
 

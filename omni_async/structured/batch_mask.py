@@ -17,7 +17,7 @@ import torch
 
 _EXECUTOR: Any = None
 # llguidance's thread pool pays a wake-up per fill: on a 2-core host it was 2-20x slower than
-# one thread at 4-64 rows (~15 us a row there; bench/grammar_libraries.py measures both).
+# one thread at 4-64 rows (~15 us a row there; bench/probes/grammar_libraries.py measures both).
 # It is used only for many rows on a host with cores to spare.
 PARALLEL_MIN_ROWS = 16
 PARALLEL_MIN_CPUS = 8

@@ -4,6 +4,7 @@ core assembled (:mod:`.stack`), and the scheduler around them."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -18,10 +19,12 @@ from ...runners.native import NativeModelRunner
 from ...scheduler import AsyncOmniScheduler
 from ...stage.executor import make_step_executor
 from ..base import BuiltStage
-from .cpu_defaults import choose_cpu_defaults
-from .kv_sizing import kv_cache, kv_pages_for
+from ...core.plan import StagePlan, default_quantization, load_dtype, plan_stage, wants_cpu_kernels
+from ...logs import log
+from .facts import checkpoint_facts, device_facts
+from .kv_sizing import kv_cache
 from .release import device_state_of, release_stage_memory
-from .stack import NativeStack, assemble_stack, build_off_this_thread, with_build_decisions
+from .stack import NativeStack, assemble_stack, build_off_this_thread, load_cpu_kernels, runner_options
 from .weights import NativeModelWorker
 
 
@@ -32,38 +35,64 @@ def build_native_stack(
     device: str | torch.device = "cpu",
     dtype: Any = None,
     seed: int = 0,
+    capture_hidden: bool = False,
     conditioning_size: int | None = None,
 ) -> NativeStack:
-    """``conditioning_size``: the stage takes per-position conditioning rows of that size
-    (a talker fed by a thinker's hidden states) through ``thinker_to_talker_proj``
+    """The model loaded and everything around it, as :func:`plan_stage` decides from
+    ``config`` and the facts read here. ``capture_hidden``: each sampled row's hidden
+    state goes out with its step (a downstream stage reads it). ``conditioning_size``:
+    the stage takes per-position conditioning rows of that size (a talker fed by a
+    thinker's hidden states) through ``thinker_to_talker_proj``
     (:mod:`omni_async.models.conditioning`), attached before CUDA graphs are captured."""
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    dtype, config = choose_cpu_defaults(path_or_name, config, device, dtype)
-    requested = None if dtype is None else resolve_dtype(dtype, "float32", device)
+    before = checkpoint_facts(path_or_name)
+    probe = before.gguf and dtype is None and config.quantization is None and device.type == "cpu"
+    quantization = default_quantization(config, device_facts(device, probe_kernels=probe), before, dtype)
+    if quantization != config.quantization:
+        config = dataclasses.replace(config, quantization=quantization)
+    load_as = load_dtype(config, device_facts(device), before, dtype)
+    requested = None if load_as is None else resolve_dtype(load_as, "float32", device)
     check_quantization(config.quantization, device, requested, config.tensor_parallel_size)
     if config.tensor_parallel_size > 1:
         if conditioning_size is not None:
             raise ConfigError("a conditioned stage (conditioning_size) runs on one device; set tensor_parallel_size=1")
         from .parallel.launch import build_parallel_stack
 
-        return build_parallel_stack(path_or_name, config, device=device, dtype=dtype, seed=seed)
+        return build_parallel_stack(path_or_name, config, device=device, dtype=load_as, asked_dtype=dtype, seed=seed)
 
     def build() -> NativeStack:
-        loaded = load_model(path_or_name, dtype=dtype, device=device, seed=seed)
+        loaded = load_model(path_or_name, dtype=load_as, device=device, seed=seed)
         quantize_linears(loaded.model, config.quantization)
         if conditioning_size is not None:
             attach_projection(loaded, conditioning_size, seed=seed)
-        num_pages = kv_pages_for(config, loaded, device, next(loaded.model.parameters()).dtype)
-        runner = NativeModelRunner(loaded.model, kv_cache(loaded, config, device, num_pages), device, seed=seed, fused_kernels=config.fused_kernels)
-        return assemble_stack(loaded, config, device, num_pages, runner)
+        probe = wants_cpu_kernels(config, device.type, load_as)
+        plan = plan_stage(config, device_facts(device, probe_kernels=probe), checkpoint_facts(path_or_name, loaded), dtype=dtype)
+        log_plan(plan)
+        load_cpu_kernels(plan)
+        runner = NativeModelRunner(
+            loaded.model, kv_cache(loaded, plan.page_size, device, plan.kv_pages), device, seed=seed,
+            capture_hidden=capture_hidden, **runner_options(plan, config.fused_kernels),
+        )
+        return assemble_stack(loaded, plan, device, runner)
 
     return build_off_this_thread(build) if device.type == "cpu" else build()
 
 
-def build_scheduler(stack: NativeStack, config: SchedulerConfig, **callbacks: Any) -> AsyncOmniScheduler:
-    config = with_build_decisions(config, stack)
+def log_plan(plan: StagePlan) -> None:
+    if plan.memory is not None:
+        log.info("engine_memory_plan", device=plan.device, **plan.memory.as_dict())
+
+
+def build_scheduler(stack: NativeStack, config: SchedulerConfig | None = None, **callbacks: Any) -> AsyncOmniScheduler:
+    """The stage over ``stack``, configured as its plan says. ``config``, when passed,
+    must be the one the stack was built from."""
+    plan = stack.plan
+    assert plan is not None
+    if config is not None and not plan.made_from(config):
+        raise ConfigError("build_scheduler's config differs from the one its stack was built from")
+    config = plan.config
     info = {
         "model_path": stack.loaded.path,
         "model_name": stack.loaded.name or stack.loaded.path,
@@ -76,6 +105,7 @@ def build_scheduler(stack: NativeStack, config: SchedulerConfig, **callbacks: An
         "cpu_attention_kernel": stack.runner.cpu_attention_kernel,
         "cpu_fused_ops": stack.runner.cpu_fused_ops,
         "num_parameters": sum(p.numel() for p in stack.loaded.model.parameters()),
+        "plan": plan.as_dict(),
     }
     if stack.device.type == "cpu":
         info["cpu_threads"] = torch.get_num_threads()  # the intra-op threads a step's kernels use
@@ -105,4 +135,4 @@ def build_scheduler(stack: NativeStack, config: SchedulerConfig, **callbacks: An
 def build_native_stage(path_or_name: str, *, config: SchedulerConfig, device: Any, dtype: Any, seed: int) -> BuiltStage:
     """``backend="native"`` in the backend registry lands here."""
     stack = build_native_stack(path_or_name, config, device=device, dtype=dtype, seed=seed)
-    return BuiltStage(build_scheduler(stack, config), stack.loaded.tokenizer, stack)
+    return BuiltStage(build_scheduler(stack), stack.loaded.tokenizer, stack, stack.plan)

@@ -4,22 +4,17 @@ group)."""
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 from dataclasses import dataclass
 from typing import Any, Callable, TypeVar
 
 import torch
 
-from ...config import SchedulerConfig
 from ...core.batch_core import NativeBatchCore
-from ...core.device_defaults import running_limit
-from ...core.multi_step import resolve_decode_steps
-from ...errors import ConfigError
+from ...core.plan import StagePlan
 from ...kv.allocator import PageAllocator
 from ...kv.cache import PagedKVCache
 from ...models.loader import LoadedModel
-from ...runners.cuda_graphs import DEFAULT_BUCKETS
 from ...runners.native import NativeModelRunner
 from ...scheduler import ModelLimits
 from ...structured.grammar import GrammarCompiler
@@ -38,21 +33,8 @@ class NativeStack:
     device: torch.device
     # The tensor-parallel group (rank 0's handle on the worker ranks), or None.
     tensor_parallel: Any = None
-    # The config the stack was built with, the fields left to the build (None) decided.
-    config: SchedulerConfig | None = None
-
-
-# Fields a config may leave to the build (None), decided per device and checkpoint.
-DECIDED_AT_BUILD = ("max_running_requests", "cpu_attention_kernel", "cpu_fused_ops")
-
-
-def with_build_decisions(config: SchedulerConfig, stack: NativeStack) -> SchedulerConfig:
-    """``config`` with what building ``stack`` decided for the fields it left open."""
-    built = stack.config
-    if built is None:
-        return config
-    decided = {f: getattr(built, f) for f in DECIDED_AT_BUILD if getattr(config, f) is None}
-    return dataclasses.replace(config, **decided) if decided else config
+    # What the stage was built to (omni_async/core/plan.py).
+    plan: StagePlan | None = None
 
 
 def build_off_this_thread(build: Callable[[], T]) -> T:
@@ -79,55 +61,48 @@ def build_off_this_thread(build: Callable[[], T]) -> T:
     return box["value"]
 
 
+def load_cpu_kernels(plan: StagePlan) -> None:
+    """Build (or load from torch's cache) the C++ CPU kernels the plan turns on, now
+    rather than inside the first step (ConfigError if they cannot be)."""
+    if plan.cpu_attention_kernel:
+        from ...kernels.cpu_paged import load
+
+        load()
+    if plan.cpu_fused_ops:
+        from ...kernels.cpu_fused import load as load_fused
+
+        load_fused()
+
+
+def runner_options(plan: StagePlan, fused_kernels: bool) -> dict[str, Any]:
+    """The runner's constructor options the plan decides."""
+    return dict(
+        fused_kernels=fused_kernels,
+        cpu_attention_kernel=plan.cpu_attention_kernel,
+        cpu_fused_ops=plan.cpu_fused_ops,
+        decode_steps=plan.decode_steps,
+        fuse_decode_steps=plan.fuse_decode_steps,
+    )
+
+
 def assemble_stack(
-    loaded: LoadedModel, config: SchedulerConfig, device: torch.device, num_pages: int, runner: NativeModelRunner, tensor_parallel: Any = None
+    loaded: LoadedModel, plan: StagePlan, device: torch.device, runner: NativeModelRunner, tensor_parallel: Any = None
 ) -> NativeStack:
-    """Allocator, limits, CUDA graphs and batch core around a runner over ``num_pages``."""
+    """Allocator, limits, CUDA graphs and batch core around a runner over the plan's pages."""
     cfg = loaded.config
-    kv = runner.kv
-    allocator = PageAllocator(num_pages, config.page_size)
-    context = cfg.max_position_embeddings
-    if config.context_length is not None:
-        if config.context_length > cfg.max_position_embeddings:
-            raise ConfigError(
-                f"context_length {config.context_length} exceeds the model's "
-                f"max_position_embeddings {cfg.max_position_embeddings}"
-            )
-        context = config.context_length
+    assert plan.kv_pages is not None and plan.context_length is not None
+    allocator = PageAllocator(plan.kv_pages, plan.page_size)
     limits = ModelLimits(
         vocab_size=cfg.vocab_size,
-        context_length=context,
+        context_length=plan.context_length,
         kv_capacity_tokens=allocator.capacity_tokens,
         eos_token_ids=cfg.eos_token_ids,
         grammar_compiler=GrammarCompiler(loaded.tokenizer, cfg.vocab_size) if loaded.tokenizer is not None else None,
         hidden_size=cfg.hidden_size if tensor_parallel is None else None,  # other ranks get no embeddings
     )
-    if config.max_running_requests is None:
-        buckets = [b for b in DEFAULT_BUCKETS if b <= config.cuda_graph_max_batch] or [config.cuda_graph_max_batch]
-        config = dataclasses.replace(config, max_running_requests=running_limit(device.type, allocator.capacity_tokens, buckets))
-    steps = resolve_decode_steps(config.decode_steps, device.type, config.tensor_parallel_size, config.page_size)
-    runner.configure_decode_steps(steps, fused=config.fuse_decode_steps)
-    if device.type == "cuda" and config.own_cuda_stream and config.tensor_parallel_size == 1:
+    if plan.own_stream:
         runner.use_own_stream(device)
-    if device.type == "cuda" and config.cuda_graphs:
-        # With the paged kernel, attention costs what each sequence really holds, so
-        # graphs can span the whole context; without it they span cuda_graph_max_len.
-        runner.enable_cuda_graphs(
-            scratch_page=num_pages,
-            max_len=context if runner.use_kernel else min(config.cuda_graph_max_len, context),
-            max_batch=min(config.cuda_graph_max_batch, config.max_running_requests),
-        )
-    if config.cpu_attention_kernel and device.type == "cpu":
-        from ...kernels.cpu_paged import load
-
-        load()  # built now (ConfigError if it cannot be), not inside the first step
-        runner.cpu_attention_kernel = True
-    if config.cpu_fused_ops and device.type == "cpu":
-        from ...kernels.cpu_fused import CpuFusedOps, load as load_fused
-
-        load_fused()  # built now (ConfigError if it cannot be), not inside the first step
-        runner.model.ops = CpuFusedOps()
-        runner.cpu_fused_ops = True
-    core = NativeBatchCore(config, allocator, context, decode_steps=steps)
-    core.multi_step_allowed = runner.multi_step_allowed
-    return NativeStack(loaded, kv, allocator, runner, core, limits, device, tensor_parallel, config)
+    if plan.graph_max_len is not None:
+        runner.enable_cuda_graphs(scratch_page=plan.kv_pages, max_len=plan.graph_max_len, max_batch=plan.graph_max_batch)
+    core = NativeBatchCore(plan.config, allocator, plan.context_length, decode_steps=plan.decode_steps, multi_step_allowed=runner.multi_step_allowed)
+    return NativeStack(loaded, runner.kv, allocator, runner, core, limits, device, tensor_parallel, plan)

@@ -22,6 +22,7 @@ from ...models.decoder import DecoderModel
 from ...models.loader import copy_named_tensors, iter_checkpoint, sharded
 from ...models.checksum import weights_checksum
 from ...models.merged import hf_named_tensors, hf_parameter_slots
+from ..weight_groups import GroupPayloadError, group_name, parse_broadcast, parse_join
 
 _DTYPES = {str(d).replace("torch.", ""): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.float64)}
 
@@ -81,16 +82,12 @@ class NativeModelWorker:
         (or ``timeout_s`` passes): call it off the event loop."""
         import torch.distributed as dist
 
-        name = str(payload.get("group_name") or "weight_update_group")
         try:
-            addr = str(payload["master_address"])
-            port = int(payload["master_port"])
-            world = int(payload["world_size"])
-            rank = int(payload.get("rank_offset", 1))
-        except (KeyError, TypeError, ValueError) as exc:
-            return False, f"init_weights_update_group needs master_address, master_port, world_size: {exc!r}"
-        backend = str(payload.get("backend") or ("nccl" if self.device.type == "cuda" else "gloo"))
-        timeout = timedelta(seconds=float(payload.get("timeout_s", 300)))
+            join = parse_join(payload, device_type=self.device.type)
+        except GroupPayloadError as exc:
+            return False, str(exc)
+        name, addr, port, world, rank, backend = join.name, join.master_address, join.master_port, join.world_size, join.rank_offset, join.backend
+        timeout = timedelta(seconds=join.timeout_s)
         if name in self._groups:
             return False, f"weights update group {name!r} already exists"
         try:
@@ -111,15 +108,15 @@ class NativeModelWorker:
     def update_weights_from_distributed(self, payload: dict[str, Any]) -> tuple[bool, str]:
         import torch.distributed as dist
 
-        name = str(payload.get("group_name") or "weight_update_group")
+        name = group_name(payload)
         if name not in self._groups:
             return False, f"no weights update group {name!r}; call init_weights_update_group first"
         group = self._groups[name][0]
-        names = list(payload.get("names") or [])
-        dtypes = list(payload.get("dtypes") or [])
-        shapes = list(payload.get("shapes") or [])
-        if not names or not (len(names) == len(dtypes) == len(shapes)):
-            return False, "update_weights_from_distributed needs names, dtypes and shapes of equal length"
+        try:
+            sent = parse_broadcast(payload)
+        except GroupPayloadError as exc:
+            return False, str(exc)
+        names, dtypes, shapes = sent.names, sent.dtypes, sent.shapes
         params = {n: slot.view() for n, slot in hf_parameter_slots(self.model).items()}
         for n, shape in zip(names, shapes):
             if n not in params or self._full_shape(n, params[n]) != tuple(shape):
@@ -127,7 +124,7 @@ class NativeModelWorker:
         received: list[tuple[str, torch.Tensor]] = []
         try:
             for n, dt, shape in zip(names, dtypes, shapes):
-                dtype = _DTYPES[str(dt).replace("torch.", "")]
+                dtype = _DTYPES[dt]
                 buf = torch.empty(tuple(shape), dtype=dtype, device=self.device if self.device.type == "cuda" else "cpu")
                 opts = dist.BroadcastOptions()
                 opts.rootRank = 0
@@ -144,7 +141,7 @@ class NativeModelWorker:
         return self.shard.full_shape(name, local) if self.shard is not None else local
 
     def destroy_weights_update_group(self, payload: dict[str, Any]) -> tuple[bool, str]:
-        name = str(payload.get("group_name") or "weight_update_group")
+        name = group_name(payload)
         if self._groups.pop(name, None) is None:
             return False, f"no weights update group {name!r}"
         return True, f"destroyed weights update group {name!r}"

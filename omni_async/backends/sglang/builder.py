@@ -9,6 +9,7 @@ thread the native backend uses.
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import socket
 import threading
@@ -21,12 +22,11 @@ import torch
 from ... import errors
 from ...config import SchedulerConfig
 from ...stage.executor import ThreadStepExecutor
-from ...core.device_defaults import CPU_MAX_RUNNING
+from ...core.plan import CheckpointFacts, DeviceFacts, StagePlan, plan_stage
 from ...models.config import ModelConfig as OmniModelConfig
 from ...scheduler import AsyncOmniScheduler, ModelLimits
 from ..base import BuiltStage
 from ...text.tokenizer import load_tokenizer
-from . import SGLANG_VERSION
 
 from sglang.srt.configs.model_config import ModelConfig as SGLangModelConfig
 from sglang.srt.distributed import bootstrap
@@ -40,8 +40,6 @@ from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 from .core import SGLangBatchCore
 from .runner import SGLangModelRunner
 from .weights import SGLangModelWorker
-
-DEFAULT_CPU_KV_TOKENS = 32768
 
 # SGLang's process-wide parallel runtime (torch.distributed, world size 1 on gloo)
 # can be initialised once per process; later stacks reuse it. One stack serves at a
@@ -72,6 +70,7 @@ class SGLangStack:
     device: torch.device
     tokenizer: Any = None
     info: dict[str, Any] = field(default_factory=dict)
+    plan: StagePlan | None = None
 
     @property
     def allocator(self) -> Any:
@@ -96,15 +95,6 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _resolve_dtype(dtype: Any, device: torch.device) -> str:
-    if dtype is None:
-        return "float32" if device.type == "cpu" else "auto"
-    key = str(dtype).replace("torch.", "")
-    if key not in ("float32", "bfloat16", "float16", "auto"):
-        raise errors.ModelLoadError(f"unsupported dtype {dtype!r}; use float32, bfloat16 or float16")
-    return key
-
-
 def build_stack(
     path_or_name: str,
     config: SchedulerConfig,
@@ -125,19 +115,18 @@ def build_stack(
         raise errors.InvalidRequestError(f"backend='sglang' runs on cpu or cuda, not {device.type!r}")
     raw = json.loads((folder / "config.json").read_text())
     omni_cfg = OmniModelConfig.from_hf(raw)
-
-    kv_tokens = config.kv_capacity_tokens
-    if kv_tokens is None and device.type == "cpu":
-        kv_tokens = DEFAULT_CPU_KV_TOKENS
-    chunked = config.chunked_prefill_size if config.chunked_prefill_size > 0 else -1
+    plan = plan_stage(
+        config, DeviceFacts(type=device.type), CheckpointFacts(max_position_embeddings=omni_cfg.max_position_embeddings),
+        dtype=dtype, backend="sglang",
+    )
     kwargs: dict[str, Any] = dict(
         model_path=str(folder),
         device=device.type,
-        dtype=_resolve_dtype(dtype, device),
+        dtype=plan.dtype,
         page_size=config.page_size,
-        chunked_prefill_size=chunked,
-        max_prefill_tokens=config.max_prefill_tokens,
-        max_running_requests=config.max_running_requests or CPU_MAX_RUNNING,
+        chunked_prefill_size=plan.chunked_prefill_size if plan.chunked_prefill_size > 0 else -1,
+        max_prefill_tokens=plan.max_prefill_tokens,
+        max_running_requests=plan.max_running_requests,
         skip_tokenizer_init=True,
         random_seed=int(seed),
         schedule_policy="fcfs",
@@ -151,15 +140,10 @@ def build_stack(
         kwargs.update(attention_backend="torch_native", disable_cuda_graph=True)
     else:
         kwargs.update(mem_fraction_static=config.kv_memory_fraction)
-    if kv_tokens is not None:
-        kwargs["max_total_tokens"] = int(kv_tokens)
-    if config.context_length is not None:
-        if config.context_length > omni_cfg.max_position_embeddings:
-            raise errors.InvalidRequestError(
-                f"context_length {config.context_length} exceeds the model's "
-                f"max_position_embeddings {omni_cfg.max_position_embeddings}"
-            )
-        kwargs["context_length"] = int(config.context_length)
+    if plan.kv_tokens is not None:
+        kwargs["max_total_tokens"] = int(plan.kv_tokens)
+    if plan.context_length is not None:
+        kwargs["context_length"] = int(plan.context_length)
 
     with _PROCESS_LOCK:
         if _ACTIVE is not None and not getattr(_ACTIVE, "_closed", False):
@@ -222,7 +206,7 @@ def build_stack(
         )
         runner = SGLangModelRunner(tp_worker, future_map, seed=seed)
         core = SGLangBatchCore(
-            config,
+            plan.config,
             server_args=server_args,
             tp_worker=tp_worker,
             future_map=future_map,
@@ -231,7 +215,7 @@ def build_stack(
             tree_cache=tree_cache,
             model_config=model_config,
             page_size=config.page_size,
-            max_running_requests=min(int(config.max_running_requests or CPU_MAX_RUNNING), int(max_running)),
+            max_running_requests=min(plan.max_running_requests, int(max_running)),
             max_total_num_tokens=int(max_total_num_tokens),
             max_req_len=int(max_req_len),
             context_length=context_length,
@@ -253,11 +237,12 @@ def build_stack(
             path=str(folder),
             device=device,
             tokenizer=load_tokenizer(folder, omni_cfg),
+            plan=plan,
         )
         core.stack = stack
         stack.info = {
             "backend": "sglang",
-            "sglang_version": SGLANG_VERSION,
+            "sglang_version": importlib.metadata.version("sglang"),  # the pinned one (require_sglang)
             "model_path": str(folder),
             "load_format": "safetensors",
             "model_family": omni_cfg.family,
@@ -266,6 +251,7 @@ def build_stack(
             "attention_backend": kwargs.get("attention_backend", "default"),
             "max_total_num_tokens": int(max_total_num_tokens),
             "weight_version": "initial",
+            "plan": plan.as_dict(),
         }
         stack._closed = False  # type: ignore[attr-defined]
         _ACTIVE = stack
@@ -309,14 +295,16 @@ class StepTrackingExecutor(ThreadStepExecutor):
                 release_stack(stack)
 
 
-def build_scheduler(stack: SGLangStack, config: SchedulerConfig, **callbacks: Any) -> AsyncOmniScheduler:
+def build_scheduler(stack: SGLangStack, **callbacks: Any) -> AsyncOmniScheduler:
+    """The stage over ``stack``, configured as its plan says."""
+    assert stack.plan is not None
     executor = StepTrackingExecutor()
     executor.stack = stack  # type: ignore[attr-defined]
     scheduler = AsyncOmniScheduler(
         stack.runner,
         stack.core,
         stack.limits,
-        config=config,
+        config=stack.plan.config,
         executor=executor,
         model_info=dict(stack.info),
         model_worker=stack.model_worker,
@@ -338,8 +326,8 @@ def build_stage(
     executor's close) frees this process's SGLang slot."""
     stack = build_stack(path_or_name, config, device=device, dtype=dtype, seed=seed)
     try:
-        scheduler = build_scheduler(stack, config)
+        scheduler = build_scheduler(stack)
     except BaseException:
         release_stack(stack)
         raise
-    return BuiltStage(scheduler, stack.tokenizer, stack)
+    return BuiltStage(scheduler, stack.tokenizer, stack, stack.plan)

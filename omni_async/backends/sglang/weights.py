@@ -30,6 +30,8 @@ from typing import Any
 
 import torch
 
+from ..weight_groups import GroupPayloadError, group_name, parse_broadcast, parse_join
+
 
 def checkpoint_shapes(folder: str | Path) -> dict[str, tuple[int, ...]]:
     """Name -> shape of every tensor in a safetensors checkpoint, from the headers."""
@@ -157,19 +159,16 @@ class SGLangModelWorker:
 
     def init_weights_update_group(self, payload: dict[str, Any]) -> tuple[bool, str]:
         """Join the trainer's group (the trainer is rank 0). Blocks until it joins."""
-        name = str(payload.get("group_name") or "weight_update_group")
         try:
-            addr = str(payload["master_address"])
-            port = int(payload["master_port"])
-            world = int(payload["world_size"])
-            rank_offset = int(payload.get("rank_offset", 1))
-        except (KeyError, TypeError, ValueError) as exc:
-            return False, f"init_weights_update_group needs master_address, master_port, world_size: {exc!r}"
+            join = parse_join(payload, device_type=torch.device(self.tp_worker.device).type)
+        except GroupPayloadError as exc:
+            return False, str(exc)
+        name = join.name
         if name in self._groups:
             return False, f"weights update group {name!r} already exists"
-        device = torch.device(self.tp_worker.device)
-        backend = str(payload.get("backend") or ("nccl" if device.type == "cuda" else "gloo"))
-        success, message = self._updater.init_weights_update_group(addr, port, rank_offset, world, name, backend=backend)
+        success, message = self._updater.init_weights_update_group(
+            join.master_address, join.master_port, join.rank_offset, join.world_size, name, backend=join.backend
+        )
         if success:
             self._groups.add(name)
         return bool(success), str(message)
@@ -177,14 +176,14 @@ class SGLangModelWorker:
     def update_weights_from_distributed(self, payload: dict[str, Any]) -> tuple[bool, str]:
         """Receive the named tensors the trainer broadcasts (in ``names`` order), then
         load them through SGLang's updater."""
-        name = str(payload.get("group_name") or "weight_update_group")
+        name = group_name(payload)
         if name not in self._groups:
             return False, f"no weights update group {name!r}; call init_weights_update_group first"
-        names = list(payload.get("names") or [])
-        dtypes = [str(d).replace("torch.", "") for d in payload.get("dtypes") or []]
-        shapes = [tuple(int(x) for x in s) for s in payload.get("shapes") or []]
-        if not names or not (len(names) == len(dtypes) == len(shapes)):
-            return False, "update_weights_from_distributed needs names, dtypes and shapes of equal length"
+        try:
+            sent = parse_broadcast(payload)
+        except GroupPayloadError as exc:
+            return False, str(exc)
+        names, dtypes, shapes = sent.names, sent.dtypes, sent.shapes
         if any(not isinstance(getattr(torch, d, None), torch.dtype) for d in dtypes):
             return False, f"unknown dtype in {dtypes}"
         error = self._check(list(zip(names, shapes)))
@@ -204,7 +203,7 @@ class SGLangModelWorker:
         return success, message if not success else f"received {len(received)} tensor(s) from the trainer"
 
     def destroy_weights_update_group(self, payload: dict[str, Any]) -> tuple[bool, str]:
-        name = str(payload.get("group_name") or "weight_update_group")
+        name = group_name(payload)
         if name not in self._groups:
             return False, f"no weights update group {name!r}"
         self._groups.discard(name)

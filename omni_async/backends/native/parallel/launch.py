@@ -28,8 +28,10 @@ import torch.distributed as dist
 from ....config import SchedulerConfig
 from ....errors import ConfigError, RankFailedError
 from ....logs import log
+from ....core.plan import plan_stage
+from ..facts import checkpoint_facts, device_facts
 from ..kv_sizing import kv_cache
-from ..stack import assemble_stack
+from ..stack import assemble_stack, runner_options
 from ....models.config import ModelConfig
 from ....models.loader import TINY_NAME, tiny_config
 from ....stage.watchdog import explicit_step_timeout
@@ -201,9 +203,11 @@ def check_devices(device: torch.device, size: int) -> None:
         raise ConfigError(f"tensor parallelism runs on cuda or cpu, not {device}")
 
 
-def build_parallel_stack(path_or_name: str, config: SchedulerConfig, *, device: torch.device, dtype: Any, seed: int) -> Any:
+def build_parallel_stack(path_or_name: str, config: SchedulerConfig, *, device: torch.device, dtype: Any, seed: int,
+                         asked_dtype: Any = None) -> Any:
     """The native stack on rank 0 with the workers started; every rank has loaded its
-    shard and allocated the same number of KV pages when this returns."""
+    shard and allocated the same number of KV pages when this returns. ``dtype``: the
+    planned load dtype; ``asked_dtype``: the caller's (what the plan reports)."""
     size = config.tensor_parallel_size
     check_devices(device, size)
     cfg = peek_config(str(path_or_name))
@@ -214,11 +218,12 @@ def build_parallel_stack(path_or_name: str, config: SchedulerConfig, *, device: 
     try:
         spec = group.start(str(path_or_name), config, dtype, seed)
         loaded, group.shard, num_pages = load_rank(spec, group.comm)
+        plan = plan_stage(config, device_facts(device), checkpoint_facts(path_or_name, loaded), dtype=asked_dtype, agreed_kv_pages=num_pages)
         runner = TensorParallelRunner(
-            loaded.model, kv_cache(loaded, config, device, num_pages), device, group=group, seed=seed,
-            fused_kernels=config.fused_kernels,
+            loaded.model, kv_cache(loaded, plan.page_size, device, num_pages), device, group=group, seed=seed,
+            **runner_options(plan, config.fused_kernels),
         )
-        return assemble_stack(loaded, config, device, num_pages, runner, tensor_parallel=group)
+        return assemble_stack(loaded, plan, device, runner, tensor_parallel=group)
     except BaseException:
         group.close()
         raise

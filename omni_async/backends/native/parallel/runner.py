@@ -30,8 +30,8 @@ from .comm import OP_CALL, OP_CAPTURE
 
 
 class TensorParallelRunner(NativeModelRunner):
-    def __init__(self, model: Any, kv: Any, device: torch.device, *, group: Any, seed: int = 0, fused_kernels: bool = True) -> None:
-        super().__init__(model, kv, device, seed=seed, fused_kernels=fused_kernels)
+    def __init__(self, model: Any, kv: Any, device: torch.device, *, group: Any, seed: int = 0, **options: Any) -> None:
+        super().__init__(model, kv, device, seed=seed, **options)
         self.group = group
 
     def forward(self, forward_batch: ForwardBatch) -> BatchResult:

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..kv_sizing import kv_cache, kv_pages_for
+from ..kv_sizing import kv_cache, rank_kv_pages
 from ....config import SchedulerConfig
 from ....errors import ModelLoadError
 from ....kernels import triton_available
@@ -75,8 +75,7 @@ def load_rank(spec: WorkerSpec, comm: GroupComm) -> tuple[LoadedModel, TensorPar
     failed = [message for ok, message in statuses if not ok]
     if failed or loaded is None:
         raise ModelLoadError("tensor-parallel load failed: " + "; ".join(failed))
-    dtype = next(loaded.model.parameters()).dtype
-    num_pages = comm.min_int(kv_pages_for(spec.config, loaded, torch.device(spec.device), dtype))
+    num_pages = comm.min_int(rank_kv_pages(spec.config, loaded, torch.device(spec.device)))
     return loaded, shard, num_pages
 
 
@@ -86,7 +85,7 @@ class WorkerLoop:
         self.rank = spec.rank
         self.device = torch.device(spec.device)
         self.model = loaded.model
-        self.kv = kv_cache(loaded, spec.config, self.device, num_pages)
+        self.kv = kv_cache(loaded, spec.config.page_size, self.device, num_pages)
         if spec.config.fused_kernels and triton_available(self.device):
             from ....kernels.fused import FusedOps  # the same elementwise kernels as rank 0
 

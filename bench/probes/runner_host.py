@@ -7,8 +7,8 @@ package (for a before/after comparison: both write JSON under bench/results/).
 The script speaks both runner contracts (``launch``/``collect`` and the older
 ``launch_step``/``finish_step``).
 
-    python bench/runner_host.py --batches 64,256 --steps 30
-    python bench/runner_host.py --code /path/to/older/checkout --label before
+    python bench/probes/runner_host.py --batches 64,256 --steps 30
+    python bench/probes/runner_host.py --code /path/to/older/checkout --label before
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: _common and the benchmarks
 
 
 def _timed(fn, *args, **kw):
@@ -123,7 +123,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--code", default=str(Path(__file__).resolve().parent.parent), help="import omni_async from this checkout")
+    ap.add_argument("--code", default=str(Path(__file__).resolve().parents[2]), help="import omni_async from this checkout")
     ap.add_argument("--label", default="current")
     args = ap.parse_args()
     sys.path.insert(0, str(Path(args.code).resolve()))

@@ -17,8 +17,8 @@
 
 Runs under uvloop. Results: bench/results/idle_cpu.json (or --out).
 
-    python bench/idle_cpu.py
-    python bench/idle_cpu.py --idle 30 --requests 200 --gap-ms 5
+    python bench/probes/idle_cpu.py
+    python bench/probes/idle_cpu.py --idle 30 --requests 200 --gap-ms 5
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: _common and the benchmarks
 import _common as C
 
 from omni_async import Engine, SamplingParams

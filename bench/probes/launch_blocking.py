@@ -6,7 +6,7 @@ is enqueued and the next decode step launched behind it with ``sys.setprofile`` 
 every C call the launch makes. A launch that only enqueues returns in well under the
 sleep; one that blocks names the call that waited.
 
-    python bench/launch_blocking.py --out $OUT/launch_blocking.json
+    python bench/probes/launch_blocking.py --out $OUT/launch_blocking.json
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: _common and the benchmarks
 from gpu_saturation import engine  # noqa: E402
 from gpu_suite import QWEN05, make_checkpoint, workload  # noqa: E402
 

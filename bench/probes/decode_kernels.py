@@ -4,7 +4,7 @@ The Qwen2-0.5B shape (bf16, random weights, fused kernels) at batch 256 / 64 / 1
 384-token context: the replay's wall time (100 back to back, one sync) and, from
 torch.profiler's CUDA activity over 20 replays, each kernel's time and count per replay.
 
-    python bench/decode_kernels.py --out $OUT/decode_kernels.json
+    python bench/probes/decode_kernels.py --out $OUT/decode_kernels.json
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: _common and the benchmarks
 import fused_latency as fl  # noqa: E402
 
 

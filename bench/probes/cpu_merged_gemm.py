@@ -5,7 +5,7 @@ two ``F.linear`` calls, or one plus one on the concatenated weights followed by 
 Both run in the same process, 7 repeats interleaved (order alternating), 200 calls each;
 prints and saves median / min / max microseconds per layer.
 
-    python bench/cpu_merged_gemm.py [--out bench/results/cpu_merged_gemm.json]
+    python bench/probes/cpu_merged_gemm.py [--out bench/results/cpu_merged_gemm.json]
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Plot W1024 throughput and GPU busy against ``max_running_requests`` (H200), from the
 ``scale`` sections of saved ``bench/gpu_saturation.py`` results.
 
-    python bench/plot_scale.py [--out bench/results/scale_h200.png] [RESULT.json ...]
+    python bench/probes/plot_scale.py [--out bench/results/scale_h200.png] [RESULT.json ...]
 
 GPU busy is NVML's mean utilisation over the run (its counter updates about every 1/6 s,
 so it is a coarse witness; the CUDA-event figure in bench/RESULTS.md is the one to read).
@@ -20,7 +20,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import NullFormatter  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path(__file__).resolve().parents[1] / "results"
 DEFAULT = ("gpu_fastlaunch_h200.json", "gpu_tiers_h200.json")
 
 

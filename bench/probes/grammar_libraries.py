@@ -10,7 +10,7 @@ mask fill is measured twice: through its thread pool and on one thread. A librar
 not installed is left out (the engine needs only llguidance; ``pip install xgrammar`` for
 the comparison).
 
-    python bench/grammar_libraries.py            # --smoke: fewer steps and repeats
+    python bench/probes/grammar_libraries.py            # --smoke: fewer steps and repeats
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: _common and the benchmarks
 from _common import machine_facts, save_json
 
 SCHEMA = {
@@ -110,6 +111,8 @@ class LLGuidance:
         import llguidance as llg
 
         self.llg = llg
+        from omni_async.structured.grammar import _Wrapper  # the engine's own tokenizer view
+
         wrapper = _Wrapper(vocab)
         self.tok = llg.LLTokenizer(llg.TokenizerWrapper(wrapper), n_vocab=vocab.size)
         self.executor = llg.LLExecutor()
@@ -155,20 +158,6 @@ class LLGuidanceOneThread(LLGuidance):
         base = bitmask.data_ptr()
         for i, m in enumerate(matchers):
             m.unsafe_compute_mask_ptr(base + i * stride, stride)
-
-
-class _Wrapper:
-    """What ``llguidance.TokenizerWrapper`` reads off a tokenizer."""
-
-    def __init__(self, vocab) -> None:
-        self.eos_token_id = vocab.eos_ids[0]
-        self.bos_token_id = None
-        self.tokens = list(vocab.token_bytes)
-        self.special_token_ids = sorted(vocab.special_ids)
-        self._encode = vocab.encode
-
-    def __call__(self, text: str) -> list[int]:
-        return self._encode(text)
 
 
 def _installed(dist: str) -> bool:

@@ -10,7 +10,7 @@ schema alone (what ``response_format`` with that schema compiles). Each repeat u
 function names, so every compile is cold; kinds alternate within a repeat. Medians and
 spread printed and saved to bench/results/.
 
-    python bench/tool_grammar.py            # --repeats N
+    python bench/probes/tool_grammar.py            # --repeats N
 """
 
 from __future__ import annotations
@@ -21,6 +21,9 @@ import statistics
 import time
 from typing import Any
 
+import sys
+from pathlib import Path
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: _common and the benchmarks
 from _common import machine_facts, save_json
 
 PARAMETERS = {

@@ -8,7 +8,7 @@ S steps, next to a bare per-token ``asyncio.Queue`` hop (a floor: no processing)
 that keep up (a task per handle, woken every step) and readers that lag (nobody reads
 until the end: deltas merge). No model runs: the messages are synthetic.
 
-    python bench/delivery.py --batch 32,256 --steps 64
+    python bench/probes/delivery.py --batch 32,256 --steps 64
 """
 
 from __future__ import annotations
@@ -19,6 +19,9 @@ import random
 import time
 from typing import Any
 
+import sys
+from pathlib import Path
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: _common and the benchmarks
 from _common import event_loop_name, machine_facts, parse_int_list, run_benchmark
 
 from omni_async import Engine, SamplingParams

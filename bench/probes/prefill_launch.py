@@ -7,7 +7,7 @@ the CUDA events around it then time the device's own work, and the host's launch
 read on its own. A step whose launch takes longer than its device time is host-bound
 (the GPU waits for kernels). One launch is profiled with cProfile (top functions).
 
-    python bench/prefill_launch.py --out $OUT/prefill_launch.json
+    python bench/probes/prefill_launch.py --out $OUT/prefill_launch.json
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: _common and the benchmarks
 from gpu_saturation import engine  # noqa: E402
 from gpu_suite import QWEN05, make_checkpoint, workload  # noqa: E402
 

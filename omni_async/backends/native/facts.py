@@ -1,0 +1,140 @@
+"""The facts a native stage's plan is made from (:mod:`omni_async.core.plan`), read from
+the machine, the device and the loaded checkpoint. Reading is all this module does; the
+decisions are the plan's."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ...core.plan import CheckpointFacts, DeviceFacts
+from ...errors import ConfigError
+from ...kernels import triton_available
+from ...logs import log
+from ...memory_budget import device_total_bytes, model_bytes
+from ...models.loader import LoadedModel
+from ...runners.cuda_graphs import DEFAULT_BUCKETS
+
+CPU_FLAGS_FILE = "/proc/cpuinfo"
+BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+_REDUCED = ("bfloat16", "float16", "bf16", "fp16", "half")
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_has_native_bf16() -> bool:
+    """Whether the CPU has bfloat16 dot-product instructions (read from /proc/cpuinfo;
+    False where that cannot be read)."""
+    try:
+        text = Path(CPU_FLAGS_FILE).read_text()
+    except OSError:
+        return False
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return any(flag in line.split() for flag in BF16_FLAGS)
+    return False
+
+
+def stored_in_reduced_precision(path_or_name: Any) -> bool:
+    """A GGUF file (16-bit or quantised tensors), ``smollm2``, or a folder whose config
+    names a 16-bit dtype; False for float32 folders and the built-in ``tiny``."""
+    from ...models.gguf import SMOLLM2_NAME, is_gguf_path
+
+    name = str(path_or_name)
+    if name == SMOLLM2_NAME or is_gguf_path(name):
+        return True
+    try:
+        raw = json.loads((Path(name) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return str(raw.get("torch_dtype") or raw.get("dtype") or "float32") in _REDUCED
+
+
+@functools.lru_cache(maxsize=1)
+def kernels_build() -> bool:
+    """Whether the C++ kernel sets are built for this torch (scripts/setup.sh builds them)
+    and load. When they are not, a background build starts (said on stderr, with an
+    estimate) and this start answers no: it serves with the torch ops rather than wait.
+    ``OMNI_ASYNC_CPU_KERNELS=0`` answers no without trying."""
+    if os.environ.get("OMNI_ASYNC_CPU_KERNELS", "").strip().lower() in ("0", "false", "no", "off"):
+        return False
+    from ...kernels.cpu_build import all_kernels, ensure_built_in_background
+
+    if not ensure_built_in_background():
+        return False
+    try:
+        for kernels in all_kernels():
+            kernels.load()
+    except ConfigError as exc:
+        log.warning("cpu_kernels_unavailable", error=str(exc))
+        print(f"omni-async: the C++ CPU kernels could not be built, running the torch ops instead ({exc})", file=sys.stderr)
+        return False
+    return True
+
+
+def is_gguf_source(path_or_name: Any) -> bool:
+    from ...models.gguf import SMOLLM2_NAME, is_gguf_path
+
+    return str(path_or_name) == SMOLLM2_NAME or is_gguf_path(path_or_name)
+
+
+def available_memory_bytes() -> int | None:
+    """Memory available to new allocations now (psutil when installed, else sysconf)."""
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().available)
+    except Exception:
+        pass
+    try:
+        return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def device_facts(device: torch.device, *, probe_kernels: bool = False) -> DeviceFacts:
+    """The device as it is now (read after the weights are loaded: the KV gets what they
+    leave). ``probe_kernels``: build the C++ CPU kernels to learn whether they build
+    (seconds the first time; only when the plan would use them)."""
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        return DeviceFacts(
+            type="cuda", total_bytes=int(total), free_bytes=int(free),
+            paged_kernel=triton_available(device), graph_buckets=DEFAULT_BUCKETS,
+        )
+    return DeviceFacts(
+        type=device.type,
+        total_bytes=device_total_bytes(device),
+        free_bytes=available_memory_bytes(),
+        native_bf16=cpu_has_native_bf16(),
+        cpu_kernels_build=kernels_build() if probe_kernels else False,
+        graph_buckets=DEFAULT_BUCKETS,
+    )
+
+
+def checkpoint_facts(path_or_name: Any, loaded: LoadedModel | None = None) -> CheckpointFacts:
+    """The checkpoint's facts: before loading its storage precision only; with the loaded
+    model its shape (the local shard's under tensor parallelism) and weights too."""
+    reduced = stored_in_reduced_precision(path_or_name)
+    gguf = is_gguf_source(path_or_name)
+    if loaded is None:
+        return CheckpointFacts(reduced_precision=reduced, gguf=gguf)
+    cfg = loaded.model.config
+    return CheckpointFacts(
+        reduced_precision=reduced,
+        gguf=gguf,
+        num_layers=cfg.num_layers,
+        num_kv_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        vocab_size=cfg.vocab_size,
+        max_position_embeddings=loaded.config.max_position_embeddings,
+        dtype=str(next(loaded.model.parameters()).dtype).replace("torch.", ""),
+        weights_bytes=model_bytes(loaded.model),
+    )
