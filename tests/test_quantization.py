@@ -48,11 +48,13 @@ def test_unknown_mode_and_half_precision_are_config_errors():
 
 async def test_int8_tiny_greedy_follows_float32():
     """Nearly every first token is float32's (measured 29 of 32; a wrong packing or
-    scale would match about 1 in 256), and most of each answer follows it (0.71)."""
+    scale would match about 1 in 256), and a good part of each answer follows it: 0.71
+    on a CPU with AVX-512, 0.45 on one with AVX2 only (fbgemm's AVX2 int8 kernels add
+    pairs of products in 16 bits), against ~0.004 for a wrong packing."""
     reference = await tiny_greedy()
     quantized = await tiny_greedy(quantization="int8")
     assert sum(a[0] == b[0] for a, b in zip(quantized, reference)) >= 26
-    assert prefix_agreement(quantized, reference) >= 0.5
+    assert prefix_agreement(quantized, reference) >= 0.3
 
 
 async def test_int8_model_info_and_weight_update_repacks():
