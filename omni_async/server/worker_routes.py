@@ -71,6 +71,7 @@ def server_info(server: "OpenAIServer") -> dict[str, Any]:
         "loop": info.get("loop"),
         "load": load,
         "internal_states": [load],
+        "plan": info.get("plan"),  # every configuration decision of the stage (core/plan.py)
     }
 
 
