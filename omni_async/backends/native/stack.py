@@ -129,4 +129,5 @@ def assemble_stack(
         runner.cpu_fused_ops = True
     core = NativeBatchCore(config, allocator, context, decode_steps=steps)
     core.multi_step_allowed = runner.multi_step_allowed
+    core.mixed_allowed = runner.mixed_prefill_allowed
     return NativeStack(loaded, kv, allocator, runner, core, limits, device, tensor_parallel, config)
