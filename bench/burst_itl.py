@@ -4,7 +4,7 @@
 each has produced ``--warm-tokens``, ``--burst`` prompts of ``--prompt-len`` ids arrive
 at once (``--burst-tokens`` new tokens each). The gaps between the running streams'
 deltas are recorded: before the burst, and during it (from its arrival until every burst
-request has its first token). With ``mixed_prefill`` off the streams wait behind every
+request has its first token; a gap counts when it overlaps that window). With ``mixed_prefill`` off the streams wait behind every
 prefill step of the burst; on, each prefill step carries their next tokens.
 
 One engine per loop; the two settings alternate on it, repeat by repeat (the batch core
@@ -91,8 +91,11 @@ async def one_run(eng: Engine, args: argparse.Namespace, rep: int) -> dict[str, 
     wall = time.perf_counter() - t0
     assert all(c == args.stream_tokens for c in counts), counts
     before = [g for t, g, _ in gaps if t < burst_t0]
-    during = [g for t, g, _ in gaps if burst_t0 <= t <= burst_end]
-    per_token = [g / n for t, g, n in gaps if burst_t0 <= t <= burst_end]
+    # A gap counts as during the burst when it overlaps it: a stream stalled behind the
+    # burst's prefill ends its gap after the burst's last first token.
+    overlapping = [(g, n) for t, g, n in gaps if t >= burst_t0 and t - g <= burst_end]
+    during = [g for g, _ in overlapping]
+    per_token = [g / n for g, n in overlapping]
     after_burst = sum(1 for t, _, _ in gaps if t > burst_end)
     ms = lambda xs, q: None if not xs else 1000 * percentile(xs, q)  # noqa: E731
     return {

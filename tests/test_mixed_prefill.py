@@ -18,8 +18,8 @@ from .conftest import LOOPS, assert_kv_free, hf_greedy, random_prompts
 
 def _prompts(seed: int = 3) -> tuple[list[list[int]], list[list[int]]]:
     rng = random.Random(seed)
-    running = [[rng.randrange(1, 250) for _ in range(rng.randint(3, 12))] for _ in range(8)]
-    arriving = [[rng.randrange(1, 250) for _ in range(rng.randint(80, 300))] for _ in range(6)]
+    running = [[rng.randrange(1, 250) for _ in range(rng.randint(3, 12))] for _ in range(4)]
+    arriving = [[rng.randrange(1, 250) for _ in range(rng.randint(50, 120))] for _ in range(3)]
     return running, arriving
 
 
@@ -35,7 +35,7 @@ async def _burst_while_decoding(engine: Engine, running, arriving, sampling) -> 
 
 
 def _sampling(temperature: float):
-    return lambda i: SamplingParams(max_new_tokens=40, temperature=temperature, seed=7 + i, ignore_eos=True)
+    return lambda i: SamplingParams(max_new_tokens=24, temperature=temperature, seed=7 + i, ignore_eos=True)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
@@ -44,14 +44,14 @@ async def test_mixed_tokens_equal_unmixed(loop, temperature):
     running, arriving = _prompts()
     outs = {}
     for mixed in (False, True):
-        engine = Engine.from_pretrained("tiny", loop=loop, mixed_prefill=mixed, chunked_prefill_size=64, page_size=8)
+        engine = Engine.from_pretrained("tiny", loop=loop, mixed_prefill=mixed, chunked_prefill_size=32, page_size=8)
         async with engine:
             results = await _burst_while_decoding(engine, running, arriving, _sampling(temperature))
             rows = engine.stack.core.stats()["mixed_decode_rows"]
         assert_kv_free(engine)
         assert (rows > 0) == mixed, "the burst was meant to arrive while the first requests decode"
         outs[mixed] = [r.output_ids for r in results]
-        assert all(len(o) == 40 for o in outs[mixed])
+        assert all(len(o) == 24 for o in outs[mixed])
     assert outs[True] == outs[False]
 
 
@@ -72,11 +72,11 @@ async def test_mixed_loops_agree():
 async def test_mixed_greedy_matches_transformers_under_pressure(hf_checkpoints, loop):
     """Mixed steps under KV pressure (retraction) still give transformers' tokens."""
     folder = hf_checkpoints["qwen2"]
-    running = random_prompts(6, 512, 3, 20, seed=1)
-    arriving = random_prompts(8, 512, 60, 150, seed=2)
-    lengths = [30] * len(running) + [12] * len(arriving)
+    running = random_prompts(4, 512, 3, 20, seed=1)
+    arriving = random_prompts(5, 512, 60, 120, seed=2)
+    lengths = [24] * len(running) + [8] * len(arriving)
     expected = [hf_greedy(folder, p, n) for p, n in zip(running + arriving, lengths)]
-    engine = Engine.from_pretrained(str(folder), loop=loop, page_size=8, kv_capacity_tokens=8 * 60,
+    engine = Engine.from_pretrained(str(folder), loop=loop, page_size=8, kv_capacity_tokens=8 * 40,
                                     chunked_prefill_size=48, max_prefill_tokens=64)
     async with engine:
         results = await _burst_while_decoding(
