@@ -78,6 +78,7 @@ def install_null_device(engine, device_s: float = 0.0) -> None:
             self.kv_lens = torch.zeros(cap, dtype=torch.long)
             self.logits = torch.zeros((cap, vocab))
             self.ok = torch.ones(cap, dtype=torch.bool)
+            self.hidden = torch.zeros((cap, 1))
             self.replays = 0
 
         def bucket_for(self, bs: int) -> int | None:
@@ -86,7 +87,7 @@ def install_null_device(engine, device_s: float = 0.0) -> None:
         def fits(self, bs: int, pages: int) -> bool:
             return bs <= cap and pages <= self.block_tables.shape[1]
 
-        def replay(self, input_ids, positions, slot_mapping, block_tables, kv_lens):
+        def replay(self, input_ids, positions, slot_mapping, block_tables, kv_lens, cond=None):
             bs = input_ids.shape[0]
             self.input_ids[:bs].copy_(input_ids)
             self.positions[:bs].copy_(positions)
@@ -94,7 +95,7 @@ def install_null_device(engine, device_s: float = 0.0) -> None:
             self.block_tables[:bs, : block_tables.shape[1]].copy_(block_tables)
             self.kv_lens[:bs].copy_(kv_lens)
             self.replays += 1
-            return GraphOutputs(self.logits[:bs], fake_tokens(self.input_ids[:bs], self.positions[:bs]), self.ok[:bs])
+            return GraphOutputs(self.logits[:bs], self.hidden[:bs], fake_tokens(self.input_ids[:bs], self.positions[:bs]), self.ok[:bs])
 
     class NullEvent:
         """A CUDA event stand-in: done ``device_s`` after the launch, and never at the

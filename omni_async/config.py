@@ -308,6 +308,15 @@ class SchedulerConfig:
     # (omni_async/kernels/cpu_fused.py; built with the system compiler on first use).
     # Close to the reference, not bit-equal. None: as cpu_attention_kernel.
     cpu_fused_ops: bool | None = None
+    # Native backend: a prefill step also carries every running request's next decode
+    # token (one-token rows), so running streams keep their pace while prompts arrive
+    # instead of pausing for each prefill step (vLLM's and SGLang's mixed batches).
+    # Same tokens either way; False runs prefill and decode steps apart.
+    mixed_prefill: bool = True
+    # Stream deltas every this many tokens per request (and at its finish): fewer,
+    # larger deltas for callers that do not need every token at once (SGLang's
+    # stream_interval). 1 (the default) sends each step's tokens as they come.
+    stream_interval: int = 1
 
     def __post_init__(self) -> None:
         if self.loop not in LOOP_KINDS:
@@ -323,6 +332,7 @@ class SchedulerConfig:
             "request_build_max_workers",
             "aborted_id_cap",
             "tensor_parallel_size",
+            "stream_interval",
         )
         for name in positive:
             value = getattr(self, name)
@@ -348,7 +358,7 @@ class SchedulerConfig:
                 f"got {self.kv_capacity_tokens!r}"
             )
         check_step_timeout(self.step_timeout_s)
-        for name in ("enable_prefix_cache", "gc_freeze", "fuse_decode_steps", "own_cuda_stream"):
+        for name in ("enable_prefix_cache", "gc_freeze", "fuse_decode_steps", "own_cuda_stream", "mixed_prefill"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be a bool, got {getattr(self, name)!r}")
         for name in ("cpu_attention_kernel", "cpu_fused_ops"):

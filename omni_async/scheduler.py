@@ -90,6 +90,7 @@ class AsyncOmniScheduler:
             ended_cap=self.config.aborted_id_cap,
             ended_keep=self.config.aborted_id_keep,
             stats=self.stats,
+            stream_interval=self.config.stream_interval,
         )
         self.intake = Intake(
             self.config,

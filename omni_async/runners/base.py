@@ -64,6 +64,14 @@ class PendingStep:
         return self.scheduler_output.batch_data
 
 
+# Hooks whose override turns mixed prefill steps off (ModelRunner.mixed_prefill_allowed).
+_MIXED_SENSITIVE_HOOKS = (
+    "before_prefill", "before_decode", "custom_prefill_forward", "custom_decode_forward", "post_prefill", "post_decode",
+    "sample_before_post_prefill", "sample_before_post_decode", "requested_capture_hidden_mode_prefill",
+    "requested_capture_hidden_mode_decode",
+)
+
+
 class ModelRunner(RunnerHooks):
     """Base AR model runner: phase hooks, device sampling, one host copy per step."""
 
@@ -71,6 +79,14 @@ class ModelRunner(RunnerHooks):
     # Every request's hidden states go out with its step outputs (a thinker feeding a
     # talker), not only those of requests that ask (``SamplingParams.return_hidden_states``).
     capture_hidden: bool = False
+
+    def mixed_prefill_allowed(self) -> bool:
+        """Whether running requests' decode rows may ride in a prefill step (the batch
+        core's ``mixed_prefill``): not for a runner that overrides a prefill or decode
+        hook, which expects a prefill step to hold prompts only and each decode row to
+        go through its decode hooks."""
+        cls = type(self)
+        return all(getattr(cls, name) is getattr(RunnerHooks, name) for name in _MIXED_SENSITIVE_HOOKS)
 
     def __init__(self, *, seed: int = 0) -> None:
         self._seed_source = SeedSource(seed)

@@ -41,6 +41,7 @@ class Emission:
         ended_cap: int = 10_000,
         ended_keep: int = 5_000,
         stats: Any = None,
+        stream_interval: int = 1,
     ) -> None:
         self.core = core
         self.sink = sink
@@ -55,6 +56,10 @@ class Emission:
         self._pending: list[OutgoingMessage] = []
         self._coalescing = 0
         self._first_emitted: set[str] = set()
+        # SchedulerConfig.stream_interval: above 1, a request's plain deltas are held
+        # here (tokens, logprobs) until it has that many unsent tokens or finishes.
+        self.stream_interval = stream_interval
+        self._held: dict[str, tuple[list[int], list[float] | None]] = {}
         # Called with the id of every request that ends (rejected, failed, finished):
         # whatever is still kept for it elsewhere (buffered stream input) is released.
         self.end_listeners: list[Callable[[str], None]] = []
@@ -134,6 +139,9 @@ class Emission:
             why = req.matcher.failed if req.matcher is not None else None
             self.fail(rid, errors.InvalidRequestError(f"the request's grammar failed during generation: {why}"))
             return
+        held = self._held.pop(rid, None)
+        if held is not None:  # stream_interval: tokens held when it ended without a new one
+            self._pending.append(OutgoingMessage(rid, "stream", StreamDelta(rid, held[0], held[1], False, None)))
         data.output_ids = list(req.output_ids)
         data.finish_reason = req.finish_reason
         data.weight_version = self.state.weight_version
@@ -155,6 +163,7 @@ class Emission:
     def _forget(self, rid: str) -> None:
         self.ended.put(rid, None)
         self._first_emitted.discard(rid)
+        self._held.pop(rid, None)
         self._ended(rid)
 
     def _ended(self, rid: str) -> None:
@@ -203,14 +212,35 @@ class Emission:
                     if req_output is None and inline:  # the common step: the message, directly
                         rid, fin = req.rid, oc.finished
                         lps = ([logprob] if tokens is None else oc.logprobs) if want_lp else None
+                        toks = [token] if tokens is None else tokens
+                        if self.stream_interval > 1:
+                            toks, lps = self._interval(req, toks, lps, fin)
+                            if toks is None:
+                                continue  # held: the request neither finished nor sends yet
                         pending.append(OutgoingMessage(rid, "stream", StreamDelta(
-                            rid, [token] if tokens is None else tokens, lps, fin, req.finish_reason if fin else None)))
+                            rid, toks, lps, fin, req.finish_reason if fin else None)))
                     elif not self._emit_outputs(req, oc, req_output, inline):
                         continue
                 if oc.finished:
                     self.finish(req)
             if self.stats is not None:
                 self.stats.tokens_out += emitted
+
+    def _interval(self, req: Request, toks: list[int], lps: list[float] | None,
+                  fin: bool) -> tuple[list[int] | None, list[float] | None]:
+        """``stream_interval``: the tokens to send now (held ones first), or None while
+        they are held. A request's first token goes at once (time to first token is
+        not delayed); after it, a delta when ``stream_interval`` tokens are unsent, and
+        at the finish."""
+        rid = req.rid
+        held = self._held.pop(rid, None)
+        if held is not None:
+            toks = held[0] + toks
+            lps = None if lps is None or held[1] is None else held[1] + lps
+        if fin or len(toks) >= self.stream_interval or len(req.output_ids) == len(toks):
+            return toks, lps
+        self._held[rid] = (toks, lps)
+        return None, None
 
     def on_step_failed(self, batch: Any, exc: BaseException) -> None:
         """A step raised. Which row caused it is not known: with several live requests

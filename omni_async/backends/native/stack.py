@@ -104,5 +104,6 @@ def assemble_stack(
         runner.use_own_stream(device)
     if plan.graph_max_len is not None:
         runner.enable_cuda_graphs(scratch_page=plan.kv_pages, max_len=plan.graph_max_len, max_batch=plan.graph_max_batch)
-    core = NativeBatchCore(plan.config, allocator, plan.context_length, decode_steps=plan.decode_steps, multi_step_allowed=runner.multi_step_allowed)
+    core = NativeBatchCore(plan.config, allocator, plan.context_length, decode_steps=plan.decode_steps, multi_step_allowed=runner.multi_step_allowed,
+                           mixed_allowed=runner.mixed_prefill_allowed)
     return NativeStack(loaded, runner.kv, allocator, runner, core, limits, device, tensor_parallel, plan)
