@@ -17,5 +17,5 @@ fi
 # The C++ CPU kernels, compiled once here for this torch build (cached under
 # ~/.cache/omni_async/kernels by torch version and ABI; ~2 min on 2 cores) so that no start
 # compiles. A machine without a C++ compiler still works: the engine runs the torch ops.
-.venv/bin/python -m omni_async.kernels.cpu_build || echo "omni-async: C++ CPU kernels not built (no compiler?); the torch ops will be used"
+.venv/bin/python -m omni_async.kernels.cpu_kernels || echo "omni-async: C++ CPU kernels not built (no compiler?); the torch ops will be used"
 echo "omni-async installed in $(pwd)/.venv"

@@ -9,7 +9,7 @@ import sys
 
 import torch
 
-from omni_async.kernels import cpu_build
+from omni_async.kernels import cpu_build, cpu_kernels
 from omni_async.kernels.cpu_build import CppKernels
 
 KERNELS = CppKernels("omni_async_test_key", "int f() { return 1; }", ["f"], "test")
@@ -51,12 +51,12 @@ def test_a_missing_build_is_announced_and_not_waited_for(monkeypatch, tmp_path, 
     """An empty cache: the start says so with an estimate, starts one detached build
     (recorded here instead of run) and answers False at once."""
     monkeypatch.setenv(cpu_build.CACHE_ENV, str(tmp_path))
-    monkeypatch.setattr(cpu_build, "_background", None)
-    monkeypatch.setattr(cpu_build, "all_kernels", lambda: [KERNELS])  # not loaded in this process
+    monkeypatch.setattr(cpu_kernels, "_background", None)
+    monkeypatch.setattr(cpu_kernels, "all_kernels", lambda: [KERNELS])  # not loaded in this process
     started = []
-    monkeypatch.setattr(cpu_build.subprocess, "Popen", lambda cmd, **kw: started.append(cmd) or object())
-    assert cpu_build.ensure_built_in_background() is False
-    assert cpu_build.ensure_built_in_background() is False
+    monkeypatch.setattr(cpu_kernels.subprocess, "Popen", lambda cmd, **kw: started.append(cmd) or object())
+    assert cpu_kernels.ensure_built_in_background() is False
+    assert cpu_kernels.ensure_built_in_background() is False
     err = capsys.readouterr().err
     assert "building them in the background" in err and " s, once" in err
-    assert len(started) == 1 and started[0][1:3] == ["-m", "omni_async.kernels.cpu_build"]
+    assert len(started) == 1 and started[0][1:3] == ["-m", "omni_async.kernels.cpu_kernels"]

@@ -20,6 +20,7 @@ from ..kv.allocator import PageAllocator
 from ..kv.prefix_cache import PrefixCache
 from .batch import ForwardMode, ScheduledBatch
 from .multi_step import DecodeSteps, process_multi_step, steps_for
+from .mixed_prefill import add_decode_rows, mixed_decodes
 from .step_results import process_one_forward
 from .conditioning import ready_positions
 from .prefix_reuse import computing_key, drop_prefix, index_pages, reuse_prefix
@@ -179,50 +180,13 @@ class NativeBatchCore(BatchCore):
             slots -= 1
         if not rows:
             return None
-        return self._build_extend(rows, self._mixed_decodes(rows))
-
-    def _mixed_decodes(self, rows: list[tuple[Request, int]]) -> list[Request]:
-        """Running requests that ride in this prefill step as one-token rows
-        (``SchedulerConfig.mixed_prefill``), so that their streams keep going while
-        prompts arrive instead of waiting behind every prefill step. None when mixing is
-        off, the runner declines it, a row retries after a failed step (it runs alone),
-        or their next pages do not fit now: they then decode in the next decode step,
-        where retraction can make room."""
-        if not self.config.mixed_prefill or not self.running or any(r.step_failures for r, _ in rows):
-            return []
-        if not self.mixed_allowed():
-            return []
-        self.running = [r for r in self.running if r.finish_reason is None]
-        decoding = self._decoding()
-        ps = self.page_size
-        need = sum(max(0, -(-(r.num_cached + 1) // ps) - len(r.pages)) for r in decoding)
-        return decoding if need <= self.kv.available_pages else []
-
-    def _add_decode_rows(self, batch: ScheduledBatch, decoding: list[Request]) -> None:
-        """One-token extend rows of running requests, as a decode step schedules them:
-        their next page, their in-flight input (-1, read on the device from the step
-        before), one more token in flight."""
-        ps, allocate = self.page_size, self.kv.allocate
-        self.mixed_decode_rows += len(decoding)
-        for req in decoding:
-            cached = req.num_cached
-            need = -(-(cached + 1) // ps) - len(req.pages)
-            if need > 0:
-                req.pages.extend(allocate(need))
-            if req.num_inflight:
-                batch.inflight_inputs.append((len(batch.input_ids), req))
-                batch.input_ids.append(-1)
-            else:
-                batch.input_ids.append((req.output_ids or req.prompt_ids)[-1])
-            self._add_row(batch, req, 1, True)
-            req.num_cached = cached + 1
-            req.num_inflight += 1
-        self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
+        return self._build_extend(rows, mixed_decodes(self, rows))
 
     def _build_extend(self, rows: list[tuple[Request, int]], decoding: Sequence[Request] = ()) -> ScheduledBatch:
         batch = self._new_batch(ForwardMode.EXTEND)
         if decoding:
-            self._add_decode_rows(batch, list(decoding))
+            add_decode_rows(self, batch, list(decoding))
+            self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
         for req, n in rows:
             if req is self.chunked:
                 self.chunked = None

@@ -36,6 +36,7 @@ from typing import Any, Sequence
 from ..config import SchedulerConfig
 from ..errors import ConfigError, InvalidRequestError, ModelLoadError
 from ..memory_budget import MemoryPlan, activation_reserve_bytes, plan_memory
+from .cpu_choices import _dtype_name, _kernel_options, default_quantization, load_dtype, wants_cpu_kernels  # noqa: F401
 from .multi_step import DecodeSteps
 
 
@@ -61,7 +62,6 @@ CPU_KV_MAX_TOKENS = 65536
 SGLANG_CPU_KV_TOKENS = 32768
 
 _ITEMSIZE = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2, "float64": 8, "int8": 1}
-_BF16 = ("bfloat16", "bf16")
 
 
 @dataclass(frozen=True)
@@ -154,50 +154,7 @@ class StagePlan:
         return out
 
 
-def _dtype_name(dtype: Any) -> str:
-    return str(dtype).replace("torch.", "")
-
-
 # ---------------------------------------------------------------- single decisions
-
-
-def default_quantization(config: SchedulerConfig, device: DeviceFacts, checkpoint: CheckpointFacts, dtype: Any = None) -> str | None:
-    """The weights' layout: ``config.quantization`` when given; for a GGUF file on one CPU
-    rank with the dtype left open, ``"q4"`` where the C++ kernels are built (the file's
-    blocks read by the GEMMs directly: a batch-1 step streams a fifth of float32's bytes,
-    perplexity within 2% of float32's, docs/notes/cpu-decode-2026-12-01.md); float32 stays
-    the exact path (``dtype="float32"``)."""
-    if config.quantization is not None or dtype is not None or device.type != "cpu" or config.tensor_parallel_size > 1:
-        return config.quantization
-    return "q4" if checkpoint.gguf and device.cpu_kernels_build else None
-
-
-def load_dtype(config: SchedulerConfig, device: DeviceFacts, checkpoint: CheckpointFacts, dtype: Any = None) -> Any:
-    """The dtype to load the weights in: ``dtype`` when given; on CPU (one rank, no
-    quantization) bfloat16 for a checkpoint stored in reduced precision on a CPU with
-    native bfloat16; else None (the loader's default: float32 on CPU, the checkpoint's
-    on CUDA)."""
-    if dtype is not None or device.type != "cpu" or config.tensor_parallel_size > 1:
-        return dtype
-    if config.quantization is None and device.native_bf16 and checkpoint.reduced_precision:
-        return "bfloat16"
-    return None
-
-
-def wants_cpu_kernels(config: SchedulerConfig, device_type: str, dtype: Any) -> bool:
-    """Whether the plan would turn the C++ CPU kernels on where they build (so whether
-    they must be probed): on one CPU rank running inexactly (bfloat16 or int8), with a
-    kernel option left open."""
-    if device_type != "cpu" or config.tensor_parallel_size > 1:
-        return False
-    inexact = config.quantization is not None or (dtype is not None and _dtype_name(dtype) in _BF16)
-    return inexact and (config.cpu_attention_kernel is None or config.cpu_fused_ops is None)
-
-
-def _kernel_options(config: SchedulerConfig, device: DeviceFacts, dtype: Any) -> dict[str, bool]:
-    """Each CPU kernel option, as given or decided (open: on where wanted and built)."""
-    on = wants_cpu_kernels(config, device.type, dtype) and device.cpu_kernels_build
-    return {name: (on if getattr(config, name) is None else bool(getattr(config, name))) for name in ("cpu_attention_kernel", "cpu_fused_ops")}
 
 
 def resolve_decode_steps(configured: int | None, device_type: str, tensor_parallel_size: int = 1,

@@ -11,7 +11,7 @@ environment's include path, so every switch rebuilt). A built set is imported st
 from its shared library, without ninja.
 
 ``scripts/setup.sh`` builds every set (``python -m omni_async.kernels.cpu_build``). When a
-start finds a set missing, :func:`ensure_built_in_background` says so on stderr with an
+start finds a set missing, :func:`.cpu_kernels.ensure_built_in_background` says so on stderr with an
 estimate and builds it in a detached process while this one serves with the portable
 torch ops; an option that asks for a kernel explicitly (``cpu_fused_ops=True``) still
 builds in the foreground, since it cannot run without it.
@@ -142,54 +142,3 @@ class CppKernels:
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
         return module
-
-
-def all_kernels() -> list[CppKernels]:
-    from . import cpu_fused, cpu_paged, cpu_quant
-
-    return [cpu_paged._KERNELS, cpu_fused._KERNELS, cpu_quant._KERNELS]
-
-
-def all_built() -> bool:
-    return all(k.is_built() for k in all_kernels())
-
-
-_background: subprocess.Popen | None = None
-
-
-def ensure_built_in_background() -> bool:
-    """True when every kernel set is built. Otherwise start one detached build of the
-    missing ones (once per process), say so on stderr, and return False: the caller
-    serves with the torch ops this time."""
-    global _background
-    missing = [k.name for k in all_kernels() if not k.is_built()]
-    if not missing:
-        return True
-    if _background is None:
-        estimate = BUILD_SECONDS_ESTIMATE * len(missing)
-        print(f"omni-async: the C++ CPU kernels are not built for this torch yet; building them in the background "
-              f"(about {estimate} s, once; scripts/setup.sh does it at install). Serving with the portable torch ops "
-              f"until the next start.", file=sys.stderr, flush=True)
-        _background = subprocess.Popen(
-            [sys.executable, "-m", "omni_async.kernels.cpu_build", "--quiet"],
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-        )
-    return False
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Build every kernel set for this torch (scripts/setup.sh runs this)."""
-    args = list(sys.argv[1:] if argv is None else argv)
-    for kernels in all_kernels():
-        if kernels.is_built():
-            continue
-        if "--quiet" in args:
-            sys.stderr = open(os.devnull, "w")
-        kernels.load()
-    if "--quiet" not in args:
-        print(f"omni-async: C++ CPU kernels ready in {cache_root()}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

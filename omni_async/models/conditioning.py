@@ -23,7 +23,7 @@ from .quantized import Linear
 __all__ = ["PROJECTION", "attach_projection", "projection_names"]
 
 # The module's name on the decoder and the prefix of its tensors in a checkpoint.
-PROJECTION = "thinker_to_talker_proj"
+from .decoder import PROJECTION  # noqa: E402  (re-exported)
 
 
 def projection_names() -> tuple[str, str]:

@@ -146,6 +146,11 @@ def _prefer_page_gather(ctx: AttentionContext, page_size: int) -> None:
         ctx.page_size = page_size
 
 
+# The module a talker's projection of another stage's hidden states is attached as
+# (:mod:`.conditioning`); its checkpoint tensors go by this name.
+PROJECTION = "thinker_to_talker_proj"
+
+
 class DecoderModel(nn.Module):
     """``forward(input_ids, positions, kv, ctx)`` returns float32 logits (the head's
     dtype with ``float_logits=False``) for the rows

@@ -19,9 +19,8 @@ from safetensors import safe_open
 
 from ..errors import ModelLoadError
 from ..text.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
-from .conditioning import PROJECTION
 from .config import ModelConfig
-from .decoder import DecoderModel, rope_inv_freq
+from .decoder import PROJECTION, DecoderModel, rope_inv_freq
 from .generation_config import with_generation_eos
 from .merged import hf_named_tensors, hf_parameter_slots
 from .quantized import refresh_quantized

@@ -20,6 +20,7 @@ from ..core.request import Request, RequestData
 from ..logs import debug_enabled, log
 from ..messages import GenerationResult, OutgoingMessage, StreamDelta
 from ..core.runner_io import ModelRunnerOutput, RequestOutput
+from .outputs import HiddenRows, default_result_adapter, default_stream_output_builder, stream_message
 
 T = TypeVar("T")
 V = TypeVar("V")
@@ -328,111 +329,6 @@ class Emission:
         for msg in msgs:
             self.send(msg)
         return True
-
-
-class HiddenRows:
-    """One step's hidden states sorted out by row: which rows' go out (requests that
-    asked, or all when the stage captures for every request), which are kept for the
-    result, and the prompt positions of a prefill whose request asked for them."""
-
-    def __init__(self, batch: Any, out: ModelRunnerOutput) -> None:
-        self.states, self.prompt_states = out.hidden_states, out.prompt_hidden
-        self.for_all = out.hidden_for_all
-        self.multi = self.states is not None and self.states.dim() == 3  # [k, B, H]
-        self.row_of = {id(r): i for i, r in enumerate(batch.reqs)}
-        self._by_row: Any = None  # each row's [k or 1, H] view, split in one call when first needed
-        self.rows: Any = None
-        self.prompt: Any = None
-
-    def take(self, oc: Any) -> bool:
-        """Sort out ``oc``'s row: True when its delta carries hidden states (``rows``,
-        ``prompt``); its request's result rows are collected on the way."""
-        req = oc.req
-        sp = req.sampling
-        self.rows = self.prompt = None
-        if not (self.for_all or sp.return_hidden_states or sp.return_prompt_hidden_states):
-            return False
-        i = self.row_of[id(req)]
-        data = req.data
-        if self.prompt_states is not None and sp.return_prompt_hidden_states:
-            self._collect_prompt(req, data, i)
-        if oc.token is None:
-            return True
-        if self.states is not None and (self.for_all or sp.return_hidden_states):
-            if self._by_row is None:
-                self._by_row = self.states.unbind(1) if self.multi else self.states.unsqueeze(1).unbind(0)
-            rows = self._by_row[i]
-            n = 1 if oc.tokens is None else len(oc.tokens)
-            self.rows = rows if rows.shape[0] == n else rows[:n]
-            if sp.return_hidden_states:
-                data.hidden_rows.append(self.rows)
-        if sp.return_prompt_hidden_states and data.prompt_hidden_rows and len(req.output_ids) == (
-                1 if oc.tokens is None else len(oc.tokens)):
-            self.prompt = _joined(data.prompt_hidden_rows)  # with the request's first token
-        return True
-
-    def _collect_prompt(self, req: Request, data: RequestData, i: int) -> None:
-        every, spans = self.prompt_states
-        first_flat, count, first_pos = spans[i]
-        lo, hi = max(first_pos, data.prompt_hidden_upto), min(first_pos + count, len(req.prompt_ids))
-        if hi > lo:
-            data.prompt_hidden_rows.append(every[first_flat + lo - first_pos : first_flat + hi - first_pos])
-            data.prompt_hidden_upto = hi
-
-
-def _joined(rows: list[Any]) -> Any:
-    """The rows of several steps as one tensor (None for none)."""
-    if not rows:
-        return None
-    if len(rows) == 1:
-        return rows[0]
-    import torch  # only requests that asked for hidden states get here
-
-    return torch.cat(rows)
-
-
-def default_result_adapter(data: RequestData) -> GenerationResult:
-    req = data.req
-    return GenerationResult(
-        request_id=req.rid,
-        output_ids=list(data.output_ids),
-        finish_reason=data.finish_reason,
-        prompt_ids=list(req.prompt_ids),
-        output_logprobs=[lp for lp, _ in data.output_token_logprobs] if req.sampling.return_logprob else None,
-        weight_version=data.weight_version,
-        extra={k: v for k, v in data.extra_model_outputs.items() if k != "hidden_state"},
-        cached_tokens=req.cached_tokens,
-        hidden_states=_joined(data.hidden_rows) if req.sampling.return_hidden_states else None,
-        prompt_hidden_states=_joined(data.prompt_hidden_rows) if req.sampling.return_prompt_hidden_states else None,
-    )
-
-
-def default_stream_output_builder(rid: str, data: RequestData, out: RequestOutput) -> list[OutgoingMessage]:
-    if out.data is None:
-        return []
-    return [stream_message(data.req, out)]
-
-
-def stream_message(req: Request, out: RequestOutput) -> OutgoingMessage:
-    """The default stream message of one row's token (``out.data`` is not None)."""
-    rid = req.rid
-    finished = out.finished
-    logprob = out.logprob
-    delta = StreamDelta(
-        request_id=rid,
-        token_ids=[int(out.data)],
-        logprobs=[logprob] if (logprob is not None and req.sampling.return_logprob) else None,
-        finished=finished,
-        finish_reason=req.finish_reason if finished else None,
-        extra=dict(out.extra) if out.extra else {},
-    )
-    return OutgoingMessage(rid, "stream", delta)
-
-
-# ---------------------------------------------------------------- The stage's shared state
-# (read by the stepper, intake and control too)
-
-LIFECYCLE = ("new", "running", "closing", "closed")
 
 
 @dataclass

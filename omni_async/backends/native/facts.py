@@ -63,7 +63,7 @@ def kernels_build() -> bool:
     ``OMNI_ASYNC_CPU_KERNELS=0`` answers no without trying."""
     if os.environ.get("OMNI_ASYNC_CPU_KERNELS", "").strip().lower() in ("0", "false", "no", "off"):
         return False
-    from ...kernels.cpu_build import all_kernels, ensure_built_in_background
+    from ...kernels.cpu_kernels import all_kernels, ensure_built_in_background
 
     if not ensure_built_in_background():
         return False

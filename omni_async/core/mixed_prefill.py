@@ -1,0 +1,52 @@
+"""Mixed prefill and decode: running requests ride in a prefill step as one-token rows
+(``SchedulerConfig.mixed_prefill``), so their streams keep going while prompts arrive
+instead of stalling behind every prefill step (vLLM schedules decodes first and fills the
+token budget with prefill; SGLang's mixed chunk)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from .request import Request
+
+if TYPE_CHECKING:
+    from .batch import ScheduledBatch
+    from .batch_core import NativeBatchCore
+
+
+def mixed_decodes(core: "NativeBatchCore", rows: list[tuple[Request, int]]) -> list[Request]:
+    """Running requests that ride in this prefill step as one-token rows
+    (``SchedulerConfig.mixed_prefill``), so that their streams keep going while
+    prompts arrive instead of waiting behind every prefill step. None when mixing is
+    off, the runner declines it, a row retries after a failed step (it runs alone),
+    or their next pages do not fit now: they then decode in the next decode step,
+    where retraction can make room."""
+    if not core.config.mixed_prefill or not core.running or any(r.step_failures for r, _ in rows):
+        return []
+    if not core.mixed_allowed():
+        return []
+    core.running = [r for r in core.running if r.finish_reason is None]
+    decoding = core._decoding()
+    ps = core.page_size
+    need = sum(max(0, -(-(r.num_cached + 1) // ps) - len(r.pages)) for r in decoding)
+    return decoding if need <= core.kv.available_pages else []
+
+def add_decode_rows(core: "NativeBatchCore", batch: "ScheduledBatch", decoding: list[Request]) -> None:
+    """One-token extend rows of running requests, as a decode step schedules them:
+    their next page, their in-flight input (-1, read on the device from the step
+    before), one more token in flight."""
+    ps, allocate = core.page_size, core.kv.allocate
+    core.mixed_decode_rows += len(decoding)
+    for req in decoding:
+        cached = req.num_cached
+        need = -(-(cached + 1) // ps) - len(req.pages)
+        if need > 0:
+            req.pages.extend(allocate(need))
+        if req.num_inflight:
+            batch.inflight_inputs.append((len(batch.input_ids), req))
+            batch.input_ids.append(-1)
+        else:
+            batch.input_ids.append((req.output_ids or req.prompt_ids)[-1])
+        core._add_row(batch, req, 1, True)
+        req.num_cached = cached + 1
+        req.num_inflight += 1
