@@ -9,7 +9,17 @@ import pytest
 
 import omni_async
 from omni_async import Engine, SamplingParams
-from omni_async.backends.native.kv_sizing import CPU_KV_MAX_TOKENS, CPU_KV_MEMORY_FRACTION, CPU_KV_MIN_TOKENS, available_memory_bytes, cpu_kv_tokens
+from omni_async.backends.native.facts import available_memory_bytes
+from omni_async.config import SchedulerConfig
+from omni_async.core.plan import CPU_KV_MAX_TOKENS, CPU_KV_MEMORY_FRACTION, CPU_KV_MIN_TOKENS, CheckpointFacts, DeviceFacts, kv_pages
+
+
+def cpu_kv_tokens(bytes_per_token: int) -> int:
+    """The plan's KV size on this CPU for a checkpoint of ``bytes_per_token`` (even)
+    bytes of KV per token (one layer, one head, int8-sized elements: 2 * head_dim)."""
+    checkpoint = CheckpointFacts(num_layers=1, num_kv_heads=1, head_dim=max(1, bytes_per_token // 2), dtype="int8")
+    device = DeviceFacts(type="cpu", free_bytes=available_memory_bytes())
+    return kv_pages(SchedulerConfig(page_size=1), device, checkpoint)
 from omni_async.testing import write_random_checkpoint
 
 
@@ -92,11 +102,11 @@ async def test_in_process_metrics(tiny_engine):
 
 def test_cpu_kv_is_sized_from_memory():
     small = cpu_kv_tokens(bytes_per_token=1 << 40)  # a model whose KV dwarfs any machine
-    large = cpu_kv_tokens(bytes_per_token=1)
+    large = cpu_kv_tokens(bytes_per_token=2)
     assert small == CPU_KV_MIN_TOKENS and large == CPU_KV_MAX_TOKENS
     avail = available_memory_bytes()
     assert avail and avail > 0
-    per_token = int(avail * CPU_KV_MEMORY_FRACTION) // 10_000  # a model that fits ~10k tokens
+    per_token = int(avail * CPU_KV_MEMORY_FRACTION) // 10_000 // 2 * 2  # a model that fits ~10k tokens
     assert abs(cpu_kv_tokens(per_token) - 10_000) < 1_000  # memory moves a little between reads
 
 
