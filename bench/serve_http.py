@@ -330,7 +330,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         ratios.append({
             "request_rate": rate,
             "http_over_in_process_tok_s": statistics.median(per_rep), "range": [min(per_rep), max(per_rep)],
-            "ttft_p50_delta_ms": (b["ttft_p50_ms"] or 0) - (a["ttft_p50_ms"] or 0),
+            "ttft_p50_delta_ms": (b.get("ttft_p50_ms") or 0) - (a.get("ttft_p50_ms") or 0),
         })
     result = {
         "benchmark": "serve_http", "machine": machine_facts(), "event_loop": event_loop_name(),
