@@ -98,9 +98,12 @@ async def test_an_unread_handle_is_aborted_past_its_size_bound():
 
 async def test_closing_finishes_with_an_unread_handle():
     with anyio.fail_after(HANG):
-        async with tiny_pipeline(buffer=2, stall_timeout=3600) as pipe:
+        async with tiny_pipeline(buffer=2) as pipe:
             unread = await pipe.submit("unread", *payloads("unread", n_think=200, n_talk=100))
             await until(lambda: pipe.backlog >= 5, "the thinker produced past the buffer")
+            # another conversation is served meanwhile
+            res = await (await pipe.submit("other", *payloads("other"))).results()
+            assert len(res["talker"].output_ids) == 6
         with pytest.raises(errors.RequestAbortedError):
             async for _ in unread:
                 pass
