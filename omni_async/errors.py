@@ -35,6 +35,11 @@ class SchedulerClosedError(RequestAbortedError):
     after close."""
 
 
+class ConsumerStalledError(RequestAbortedError):
+    """A pipeline conversation's reader fell behind past its deadline or its bound on
+    held events; the conversation was aborted in both stages."""
+
+
 class RequestFailedError(OmniAsyncError):
     """Serving the request raised (a request builder, a result adapter, the model
     runner). The original exception is ``__cause__``."""

@@ -6,10 +6,15 @@ router task per stage routes them: to the conversation's handle, and from A on i
 inbox. Passing a step at a time, not a message at a time through the stages' outboxes,
 keeps the router off the loop thread's critical path when two stages share it.
 
-Backpressure: a handle holds at most ``buffer`` unread events; a slow caller stalls the
-router, which then stops feeding stage B as well (what it has not routed waits in the
-pipeline's ``backlog``). Aborting a request (or a failure in either stage) aborts it in
-both; the caller sees the error.
+Back-pressure is per conversation: a handle holds at most ``buffer`` unread events; what
+arrives behind them is held in the pipeline for that conversation alone (and the second
+stage is not fed that conversation's chunks meanwhile), so a slow or absent reader stalls
+only its own conversation, never the routing of the others. A conversation held back
+with no read for ``stall_timeout`` seconds, or holding more than ``max_held`` events, is
+aborted in both stages and its reader gets :class:`~omni_async.errors.ConsumerStalledError`.
+A conversation leaves the pipeline (its id free again) once both stages' terminal
+messages reached the router, read or not. Aborting a request (or a failure in either
+stage) aborts it in both; the caller sees the error.
 """
 
 from __future__ import annotations
@@ -42,8 +47,10 @@ def delta_to_chunk(msg: OutgoingMessage) -> Any:
 class PipelineHandle:
     """One conversation's events from both stages, in arrival order.
 
-    The router puts a step's events here in one go and wakes the reader once; it holds
-    back (and so stops feeding the second stage) while ``buffer`` events wait unread."""
+    The router puts events here while fewer than ``buffer`` wait unread and holds the
+    rest back (``_held``); each read moves held events in (see
+    :meth:`TwoStagePipeline._release`). The handle outlives its place in the pipeline: a
+    reader that starts after both stages ended still gets every event."""
 
     def __init__(self, pipeline: "TwoStagePipeline", request_id: str, buffer: int) -> None:
         self.request_id = request_id
@@ -51,22 +58,32 @@ class PipelineHandle:
         self._buffer = max(1, buffer)
         self._events: deque[StageEvent] = deque()
         self._readable = anyio.Event()
-        self._space = anyio.Event()
-        self._open = {pipeline.names[0], pipeline.names[1]}
+        self._open = {pipeline.names[0], pipeline.names[1]}  # the reader's view
+        # The router's view: messages routed but not yet handed to the reader (index of
+        # the stage, message), the stages whose terminal message has not reached the
+        # router, whether the conversation left the pipeline, and whether nothing more
+        # is kept for it (the reader left, or it was given up).
+        self._held: deque[tuple[int, OutgoingMessage]] = deque()
+        self._unended = {0, 1}
+        self._left = False
+        self._dropped = False
 
     @property
     def buffered(self) -> int:
         """Events routed to this handle and not yet read."""
         return len(self._events)
 
+    @property
+    def held(self) -> int:
+        """Events routed for this conversation and held back behind ``buffered``."""
+        return len(self._held)
+
+    def _has_room(self) -> bool:
+        return not self._held and len(self._events) < self._buffer
+
     def _put(self, event: StageEvent) -> None:
         self._events.append(event)
         self._readable.set()
-
-    async def _until_space(self) -> None:
-        while len(self._events) >= self._buffer:
-            self._space = anyio.Event()
-            await self._space.wait()
 
     async def _next_batch(self) -> list[StageEvent]:
         while not self._events:
@@ -74,7 +91,7 @@ class PipelineHandle:
             await self._readable.wait()
         batch = list(self._events)
         self._events.clear()
-        self._space.set()
+        self._pipeline._release(self)
         return batch
 
     async def __aiter__(self) -> AsyncIterator[StageEvent]:
@@ -91,9 +108,9 @@ class PipelineHandle:
                         raise err if isinstance(err, BaseException) else errors.RequestFailedError(str(err))
                     yield event
         finally:
-            if self._open:
+            if self._open:  # the reader left early: nothing more is kept for it
+                self._pipeline._drop(self)
                 self._pipeline.abort(self.request_id)
-                self._pipeline._handles.pop(self.request_id, None)
 
     async def results(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
@@ -114,17 +131,30 @@ class TwoStagePipeline:
         names: tuple[str, str] = ("thinker", "talker"),
         to_chunk: Callable[[OutgoingMessage], Any] = delta_to_chunk,
         buffer: int = 64,
+        stall_timeout: float = 30.0,
+        max_held: int = 4096,
     ) -> None:
+        """``buffer``: events a handle holds unread before its conversation is held back;
+        ``stall_timeout``: seconds a held-back conversation may go without a read, and
+        ``max_held``: events it may hold back, before it is aborted in both stages."""
+        if stall_timeout <= 0 or max_held < 1:
+            raise errors.ConfigError(f"stall_timeout must be > 0 and max_held >= 1, got {stall_timeout}, {max_held}")
         self.first = first
         self.second = second
         self.names = names
         self.to_chunk = to_chunk
         self.buffer = buffer
+        self.stall_timeout = stall_timeout
+        self.max_held = max_held
         self._handles: dict[str, PipelineHandle] = {}
         self._task_group: Any = None
         # Each stage's step outputs as its sink hands them over (one list per step),
         # until the router task has routed them.
         self._steps = (StepQueue(), StepQueue())
+        # Held-back conversations, oldest stall first: id -> when it last had a read.
+        self._stalled: dict[str, float] = {}
+        self._stall_wake = anyio.Event()
+        self._watch_scope: anyio.CancelScope | None = None
         self.stacks: tuple[Any, ...] = ()  # what from_pretrained built, for introspection
 
     @classmethod
@@ -195,57 +225,95 @@ class TwoStagePipeline:
         await self._task_group.__aenter__()
         await self._task_group.start(self.first.run)
         await self._task_group.start(self.second.run)
-        self._task_group.start_soon(self._route_first)
-        self._task_group.start_soon(self._route_second)
+        self._task_group.start_soon(self._route, 0)
+        self._task_group.start_soon(self._route, 1)
+        await self._task_group.start(self._watch_stalls)
         return self
 
     @property
     def backlog(self) -> int:
-        """Stage messages handed over by the stages and not yet routed (they wait while
-        a handle's reader is behind)."""
-        return sum(q.pending for q in self._steps)
+        """Stage messages not yet handed to a reader: handed over by the stages and not
+        yet routed, or routed and held back behind a reader that is behind."""
+        return sum(q.pending for q in self._steps) + sum(len(h._held) for h in self._handles.values())
 
     async def __aexit__(self, *exc_info: Any) -> None:
-        await self.first.aclose()
-        await self.second.aclose()
-        for steps in self._steps:
-            steps.close()
-        tg, self._task_group = self._task_group, None
-        if tg is not None:
-            await tg.__aexit__(*exc_info)
+        """Close both stages (each open request ends with an error), route what they
+        sent, and stop. Never waits for a reader."""
+        try:
+            await self.first.aclose()
+            await self.second.aclose()
+        finally:
+            for steps in self._steps:
+                steps.close()
+            if self._watch_scope is not None:
+                self._watch_scope.cancel()
+            tg, self._task_group = self._task_group, None
+            if tg is not None:
+                await tg.__aexit__(*exc_info)
 
     async def submit(self, request_id: str, first_payload: Any, second_payload: Any) -> PipelineHandle:
         if request_id in self._handles:
-            raise errors.RequestRejectedError(f"duplicate request id {request_id!r}")
+            raise errors.RequestRejectedError(f"duplicate request id {request_id!r}: a conversation with this id is open")
         handle = PipelineHandle(self, request_id, self.buffer)
         self._handles[request_id] = handle
-        await self.second.inbox.send(IncomingMessage(request_id, "new_request", second_payload))
-        await self.first.inbox.send(IncomingMessage(request_id, "new_request", first_payload))
+        try:
+            await self.second.inbox.send(IncomingMessage(request_id, "new_request", second_payload))
+        except BaseException:
+            self._handles.pop(request_id, None)
+            raise
+        try:
+            await self.first.inbox.send(IncomingMessage(request_id, "new_request", first_payload))
+        except BaseException:
+            self.second.abort(request_id)  # its terminal takes the conversation out
+            handle._unended.discard(0)
+            raise
         return handle
 
     def abort(self, request_id: str) -> None:
         self.first.abort(request_id)
         self.second.abort(request_id)
 
-    async def _deliver(self, stage: str, msg: OutgoingMessage) -> bool:
-        handle = self._handles.get(msg.request_id)
-        if handle is None:
-            return False
-        if handle.buffered >= handle._buffer:
-            await handle._until_space()
-        handle._put(StageEvent(stage, msg.type, msg.data))
-        return True
+    # ------------------------------------------------------------ routing
 
-    async def _route_first(self) -> None:
-        async for msg in self._steps[0]:
-            await self._deliver(self.names[0], msg)
-            rid = msg.request_id
-            if msg.type == "stream":
-                self._send_second(IncomingMessage(rid, "stream_chunk", self.to_chunk(msg)))
-            elif msg.type == "result":
-                self._send_second(IncomingMessage(rid, "stream_done"))
-            else:
-                self.second.abort(rid)
+    async def _route(self, stage: int) -> None:
+        """The router of one stage's output: never waits on a reader."""
+        async for msg in self._steps[stage]:
+            self._route_one(stage, msg)
+
+    def _route_one(self, stage: int, msg: OutgoingMessage) -> None:
+        rid = msg.request_id
+        if msg.type == "error":  # a failure in one stage ends the conversation in both
+            (self.second if stage == 0 else self.first).abort(rid)
+        handle = self._handles.get(rid)
+        if handle is None:  # not the pipeline's conversation: the stages' own traffic
+            if stage == 0:
+                self._feed_second(msg)
+            return
+        if msg.type in ("result", "error"):
+            handle._unended.discard(stage)
+        if handle._dropped:
+            pass
+        elif handle._has_room():
+            self._hand_over(handle, stage, msg)
+        else:
+            handle._held.append((stage, msg))
+            self._on_held(handle)
+        if not handle._unended:
+            self._leave(handle)
+
+    def _hand_over(self, handle: PipelineHandle, stage: int, msg: OutgoingMessage) -> None:
+        """To the reader; the first stage's output also on into the second stage (the
+        same conversation only while it is in the pipeline: its id may be reused after)."""
+        handle._put(StageEvent(self.names[stage], msg.type, msg.data))
+        if stage == 0 and not handle._left:
+            self._feed_second(msg)
+
+    def _feed_second(self, msg: OutgoingMessage) -> None:
+        rid = msg.request_id
+        if msg.type == "stream":
+            self._send_second(IncomingMessage(rid, "stream_chunk", self.to_chunk(msg)))
+        elif msg.type == "result":
+            self._send_second(IncomingMessage(rid, "stream_done"))
 
     def _send_second(self, msg: IncomingMessage) -> None:
         try:
@@ -253,15 +321,69 @@ class TwoStagePipeline:
         except (anyio.ClosedResourceError, anyio.BrokenResourceError):
             pass
 
-    async def _route_second(self) -> None:
-        async for msg in self._steps[1]:
-            await self._deliver(self.names[1], msg)
-            if msg.type == "error":
-                self.first.abort(msg.request_id)
-            if msg.type in ("result", "error"):
-                handle = self._handles.get(msg.request_id)
-                if handle is not None and self.names[0] not in handle._open:
-                    self._handles.pop(msg.request_id, None)
+    def _leave(self, handle: PipelineHandle) -> None:
+        """Both stages ended the conversation: it leaves the pipeline (the handle keeps
+        its events for the reader) and its id is free."""
+        handle._left = True
+        if self._handles.get(handle.request_id) is handle:
+            del self._handles[handle.request_id]
+        self._stalled.pop(handle.request_id, None)
+
+    # ------------------------------------------------------------ back-pressure
+
+    def _release(self, handle: PipelineHandle) -> None:
+        """The reader took its events: held ones move in, up to ``buffer``."""
+        held = handle._held
+        while held and len(handle._events) < handle._buffer:
+            stage, msg = held.popleft()
+            self._hand_over(handle, stage, msg)
+        rid = handle.request_id
+        self._stalled.pop(rid, None)
+        if held and not handle._left:
+            self._stalled[rid] = anyio.current_time()  # a read: its deadline starts again
+
+    def _on_held(self, handle: PipelineHandle) -> None:
+        rid = handle.request_id
+        if len(handle._held) > self.max_held:
+            self._give_up(handle, f"its reader left {len(handle._held)} events unread (max_held={self.max_held})")
+        elif rid not in self._stalled:
+            self._stalled[rid] = anyio.current_time()
+            self._stall_wake.set()
+
+    def _drop(self, handle: PipelineHandle) -> None:
+        """Keep nothing more for this conversation (its terminals still take it out)."""
+        handle._dropped = True
+        handle._held.clear()
+        self._stalled.pop(handle.request_id, None)
+
+    def _give_up(self, handle: PipelineHandle, why: str) -> None:
+        rid = handle.request_id
+        self._drop(handle)
+        handle._put(StageEvent("pipeline", "error", errors.ConsumerStalledError(
+            f"conversation {rid!r} aborted: {why}; read its handle, or raise the pipeline's buffer, "
+            "stall_timeout or max_held")))
+        self.abort(rid)
+
+    async def _watch_stalls(self, *, task_status: Any = anyio.TASK_STATUS_IGNORED) -> None:
+        """Abort each conversation held back with no read for ``stall_timeout``."""
+        with anyio.CancelScope() as scope:
+            self._watch_scope = scope
+            task_status.started()
+            while True:
+                if not self._stalled:
+                    self._stall_wake = anyio.Event()
+                    await self._stall_wake.wait()
+                    continue
+                rid, since = next(iter(self._stalled.items()))
+                wait = since + self.stall_timeout - anyio.current_time()
+                if wait > 0:
+                    await anyio.sleep(wait)
+                    continue
+                del self._stalled[rid]
+                handle = self._handles.get(rid)
+                if handle is not None:
+                    self._give_up(handle, f"its reader read nothing for {self.stall_timeout:g} s "
+                                  f"with {len(handle._held)} events held back (stall_timeout={self.stall_timeout:g})")
 
 
 class StepQueue:

@@ -115,8 +115,10 @@ class Emission:
 
     def fail(self, rid: str, err: Exception) -> None:
         """End a live request with an error (no-op when it already ended)."""
-        if self.live.pop(rid, None) is None:
+        data = self.live.pop(rid, None)
+        if data is None:
             return
+        _unlink(data)
         self._forget(rid)
         self.send(OutgoingMessage(rid, "error", err))
 
@@ -154,6 +156,7 @@ class Emission:
         finally:
             data.input_embeds = data.decode_input_embeds = None
         self.live.pop(rid, None)
+        _unlink(data)
         self._forget(rid)
         self.send(OutgoingMessage(rid, "result", result))
 
@@ -329,6 +332,15 @@ class Emission:
         for msg in msgs:
             self.send(msg)
         return True
+
+
+def _unlink(data: RequestData) -> None:
+    """Cut the request's link back to its data when it ends, so that the two are freed
+    by reference counting, not left as a cycle for the cyclic GC (whose full passes
+    stalled the loop for hundreds of ms under a burst). Safe: the core holds no ended
+    request, and a step still in flight reaches the data through its own rows
+    (``SchedulerRequest.data``); ``data.req`` stays for the result and the caller."""
+    data.req.data = None
 
 
 @dataclass

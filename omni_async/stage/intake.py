@@ -191,6 +191,9 @@ class Intake:
                 f"queue full: {queued} requests queued, max_queued_requests={self.config.max_queued_requests}; "
                 "retry later or raise max_queued_requests"))
             return
+        # A new request with an ended id leaves the ended window now, not at admission:
+        # stream input sent for it while it waits (a deferred build) must be kept.
+        self.emission.ended.pop(rid)
         self._to_admission(payload)
 
     def _to_admission(self, payload: Any) -> None:
