@@ -12,7 +12,7 @@ from omni_async import SchedulerConfig
 from omni_async.cli import main
 
 CHOICES = {
-    "--quantization": "{int8,none}",
+    "--quantization": "{q4,q8,int8,none}",
     "--event-wait": "{auto,poll,thread}",
     "--step-launch": "{auto,thread,inline}",
     "--dtype": "{float32,bfloat16,float16}",

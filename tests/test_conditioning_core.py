@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from omni_async.config import SamplingParams, SchedulerConfig
 from omni_async.core.batch import ForwardMode
+from omni_async.core.plan import settle
 from omni_async.core.batch_core import NativeBatchCore
 from omni_async.core.conditioning import StepConditioning
 from omni_async.core.multi_step import DecodeSteps
@@ -23,7 +24,7 @@ class Rows:
 def core(*, steps: int = 1, pages: int = 64, **cfg) -> NativeBatchCore:
     config = SchedulerConfig(max_running_requests=8, **cfg)
     tiers = DecodeSteps(((1, steps),)) if steps > 1 else DecodeSteps()
-    return NativeBatchCore(config, PageAllocator(pages, 4), 1024, decode_steps=tiers)
+    return NativeBatchCore(settle(config), PageAllocator(pages, 4), 1024, decode_steps=tiers)  # the CPU prefill budget
 
 
 def talker(rid: str, prompt_len: int, rows: int, *, max_new: int = 20) -> Request:
@@ -94,8 +95,9 @@ def test_multi_step_rows_take_only_the_positions_whose_rows_arrived():
 
 def test_prefill_takes_the_ready_positions_then_waits_without_blocking_others():
     """A prompt longer than its rows (a builder may make one): the ready part is
-    prefilled, the rest waits as the chunked request; a plain request still runs."""
-    c = core()
+    prefilled, the rest waits as the chunked request; a plain request still runs (in
+    steps of its own: no running decode rides along here)."""
+    c = core(mixed_prefill=False)
     req = talker("t", 6, 2)  # positions 0..2 ready
     c.add_request(req)
     first = c.get_next_batch()
