@@ -219,7 +219,9 @@ def over_http(port: int, model: str) -> Callable[[Request, Timeline], Any]:
                 raise RuntimeError(obj["error"].get("message"))
             if obj.get("usage"):
                 line.tokens = obj["usage"]["completion_tokens"]
-            elif obj["choices"] and obj["choices"][0].get("text"):
+            elif obj["choices"] and (obj["choices"][0].get("text") or obj["choices"][0].get("finish_reason") is None):
+                # a chunk of new tokens (its text may be empty: a partial character, or a
+                # checkpoint without a tokenizer), not the closing one
                 line.events.append(time.perf_counter())
 
     return one
