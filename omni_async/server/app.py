@@ -261,8 +261,8 @@ class OpenAIServer:
             delta = first
             while delta is not None:
                 if plain and not delta.finished:
-                    if delta.text:
-                        yield frames.text(delta.index, delta.text)
+                    if delta.text or (delta.text is None and delta.token_ids):  # no tokenizer: a chunk per step still
+                        yield frames.text(delta.index, delta.text or "")
                 else:
                     if delta.finished:
                         finished.add(delta.index)
