@@ -34,6 +34,16 @@ def idle(pipe: TwoStagePipeline) -> bool:
     return not pipe.first.active_request_ids() and not pipe.second.active_request_ids() and pipe.backlog == 0
 
 
+async def resubmit(pipe, rid: str):
+    """Submit ``rid`` again once it is free: after both stages' terminal messages have been
+    routed (a stage may be idle, or the reader see its error, a moment before that)."""
+    while True:
+        try:
+            return await pipe.submit(rid, *payloads(rid))
+        except errors.RequestRejectedError:
+            await anyio.sleep(0.01)
+
+
 async def test_a_reader_that_starts_after_both_stages_finished_is_answered_and_the_id_freed():
     async with tiny_pipeline() as pipe:
         with anyio.fail_after(HANG):
@@ -62,7 +72,7 @@ async def test_an_id_is_reusable_after_its_reader_left_early():
                 if ev.kind == "stream":
                     break  # the reader leaves: the conversation is aborted in both stages
             await until(lambda: idle(pipe), "the abort reached both stages")
-            res = await (await pipe.submit("gone", *payloads("gone"))).results()
+            res = await (await resubmit(pipe, "gone")).results()
             assert len(res["talker"].output_ids) == 6
 
 
@@ -80,15 +90,7 @@ async def test_an_unread_handle_stalls_only_its_own_conversation_and_is_aborted_
                 async for _ in unread:
                     pass
             assert isinstance(errors.ConsumerStalledError("x"), errors.RequestAbortedError)
-            # The id is free once both stages' terminal messages have been routed (the
-            # reader may see its error a moment before): then it serves a new conversation.
-            while True:
-                try:
-                    again = await pipe.submit("unread", *payloads("unread"))
-                    break
-                except errors.RequestRejectedError:
-                    await anyio.sleep(0.01)
-            res = await again.results()
+            res = await (await resubmit(pipe, "unread")).results()
             assert len(res["talker"].output_ids) == 6
 
 
