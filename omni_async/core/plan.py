@@ -36,7 +36,7 @@ from typing import Any, Sequence
 from ..config import SchedulerConfig
 from ..errors import ConfigError, InvalidRequestError, ModelLoadError
 from ..memory_budget import MemoryPlan, activation_reserve_bytes, plan_memory
-from .cpu_choices import _dtype_name, _kernel_options, default_quantization, load_dtype, wants_cpu_kernels  # noqa: F401
+from .cpu_choices import _dtype_name, _kernel_options, load_dtype
 from .multi_step import DecodeSteps
 
 

@@ -24,7 +24,6 @@ import importlib.util
 import os
 import platform
 import shutil
-import subprocess
 import sys
 import tempfile
 import threading

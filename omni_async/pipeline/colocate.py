@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any, Callable, Sequence
 
+import torch
+
 
 from ..backends.native.builder import build_native_stack, build_scheduler
 from ..backends.native.stack import NativeStack

@@ -18,7 +18,7 @@ from .. import errors
 from ..core.protocol import BatchCore
 from ..core.request import Request, RequestData
 from ..logs import debug_enabled, log
-from ..messages import GenerationResult, OutgoingMessage, StreamDelta
+from ..messages import OutgoingMessage, StreamDelta
 from ..core.runner_io import ModelRunnerOutput, RequestOutput
 from .outputs import HiddenRows, default_result_adapter, default_stream_output_builder, stream_message
 

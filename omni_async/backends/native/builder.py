@@ -19,7 +19,8 @@ from ...runners.native import NativeModelRunner
 from ...scheduler import AsyncOmniScheduler
 from ...stage.executor import make_step_executor
 from ..base import BuiltStage
-from ...core.plan import StagePlan, default_quantization, load_dtype, plan_stage, wants_cpu_kernels
+from ...core.cpu_choices import default_quantization, load_dtype, wants_cpu_kernels
+from ...core.plan import StagePlan, plan_stage
 from ...logs import log
 from .facts import checkpoint_facts, device_facts
 from .kv_sizing import kv_cache
