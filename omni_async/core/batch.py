@@ -66,6 +66,9 @@ class ScheduledBatch(StepShape):
     # Decode only, with decode_steps > 1: the forwards each row runs in this launch
     # (fewer than decode_steps where its length limit comes first). None: one.
     row_steps: list[int] | None = None
+    # With row_steps: the rows under a grammar (they run one forward, apart from the
+    # fused launch of the others, and sample under their masks).
+    grammar_rows: list[int] = field(default_factory=list)
     step_id: int = 0
 
     @property

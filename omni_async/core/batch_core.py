@@ -25,7 +25,7 @@ from .step_results import process_one_forward
 from .conditioning import ready_positions
 from .prefix_reuse import computing_key, drop_prefix, index_pages, reuse_prefix
 from .protocol import BatchCore, StepOutcome
-from .request import Request
+from .request import Request, mask_ready
 
 __all__ = ["BatchCore", "NativeBatchCore", "StepOutcome"]
 
@@ -223,7 +223,7 @@ class NativeBatchCore(BatchCore):
         batch.input_ids = [-1 if r.num_inflight else (r.output_ids or r.prompt_ids)[-1] for r in decoding]
         batch.inflight_inputs = [(i, r) for i, r in enumerate(decoding) if r.num_inflight]
         ps, allocate = self.page_size, self.kv.allocate
-        steps = steps_for(self, decoding)
+        steps, batch.grammar_rows = steps_for(self, decoding)
         for req, k in zip(decoding, steps or repeat(1)):
             cached = req.num_cached
             need = -(-(cached + k) // ps) - len(req.pages)
@@ -241,9 +241,11 @@ class NativeBatchCore(BatchCore):
         """Running requests that still need a decode step: not once the tokens sampled (in
         flight too) reach the length limit, so a lookahead loop spends no step on them;
         not while a conditioned request's next position has no row yet (it waits in
-        running; the stream chunk that brings the row wakes the loop)."""
+        running; the stream chunk that brings the row wakes the loop); not while a
+        constrained request's last token is in flight (its mask needs it:
+        :func:`.request.mask_ready`)."""
         ctx = self.context_length
-        return [r for r in self.running if r.tokens_left(ctx, scheduling=True) > 0 and ready_positions(r, 1)]
+        return [r for r in self.running if r.tokens_left(ctx, scheduling=True) > 0 and ready_positions(r, 1) and mask_ready(r)]
 
     def _decode_fits(self, decoding: list[Request]) -> bool:
         """A request holds the pages of its cached tokens, so one more token needs at most

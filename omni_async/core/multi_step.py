@@ -46,23 +46,36 @@ class DecodeSteps:
         return max((k for _, k in self.tiers), default=1)
 
 
-def steps_for(core: "NativeBatchCore", decoding: list[Request]) -> list[int] | None:
-    """Forwards per row of the next decode step; None for one forward (a small batch
-    under the automatic choice, or a runner that hands out per-step hidden states)."""
+def steps_for(core: "NativeBatchCore", decoding: list[Request]) -> tuple[list[int] | None, list[int]]:
+    """Forwards per row of the next decode step (None for one forward: a small batch
+    under the automatic choice, or a runner that hands out per-step hidden states), and
+    the rows under a grammar (they run one forward, beside the others)."""
     k = core.decode_plan.for_batch(len(decoding))
     if k <= 1 or not core.multi_step_allowed():
-        return None
+        return None, []
     return row_steps(decoding, k, core.context_length)
 
 
-def row_steps(decoding: list[Request], k: int, context_length: int) -> list[int] | None:
+def row_steps(decoding: list[Request], k: int, context_length: int) -> tuple[list[int] | None, list[int]]:
     """Forwards per row: k, or fewer where the row's token or context limit comes first
-    (counting tokens still in flight) or a conditioned row's rows run out. None (one forward) while a row asks for top
-    logprobs, which are read per forward, or decodes under a grammar, whose next mask
-    needs the host to have seen its last token."""
-    if any(r.sampling.top_logprobs or r.matcher is not None for r in decoding):
-        return None
-    return [ready_positions(r, min(k, r.tokens_left(context_length, scheduling=True))) for r in decoding]
+    (counting tokens still in flight) or a conditioned row's rows run out; and the rows
+    under a grammar, which run one (their next mask needs the host to have seen their
+    last token), so the free rows beside them keep their k forwards. None (one forward
+    for every row) while a row asks for top logprobs, which are read per forward, or
+    when no row runs more than one."""
+    if any(r.sampling.top_logprobs for r in decoding):
+        return None, []
+    steps: list[int] = []
+    constrained: list[int] = []
+    for i, r in enumerate(decoding):
+        if r.matcher is not None:
+            constrained.append(i)
+            steps.append(1)
+        else:
+            steps.append(ready_positions(r, min(k, r.tokens_left(context_length, scheduling=True))))
+    if constrained and max(steps) <= 1:
+        return None, []
+    return steps, constrained
 
 
 def process_multi_step(
@@ -87,7 +100,7 @@ def process_multi_step(
         out, stop_ids = req.output_ids, req.stop_ids()
         end = i + steps * size
         row = tokens[i:end:size]  # the row's tokens, forward by forward
-        if stop_ids.isdisjoint(row):  # the common row: no stop id, so only limits can end it
+        if req.matcher is None and stop_ids.isdisjoint(row):  # the common row: only limits can end it
             limit = req.tokens_left(ctx, scheduling=False)
             kept, reason = (row, None) if limit > steps else (row[: max(1, limit)], "length")
             kept = [int(t) for t in kept]
@@ -98,6 +111,10 @@ def process_multi_step(
                 req.output_logprobs.extend(lps)
         else:
             kept, lps, reason = _walk_row(req, row, None if logprobs is None else logprobs[i:end:size], ctx)
+        if reason == "error":  # its grammar failed: no token; the stage ends it with an error
+            finishes.append((req, reason))
+            outcomes.append(StepOutcome(req, None, finished=True))
+            continue
         if reason is not None:
             finishes.append((req, reason))
         last_lp = lps[-1] if lps else None
@@ -106,9 +123,10 @@ def process_multi_step(
 
 
 def _walk_row(req: Request, row: Sequence[int], row_lps: Sequence[float] | None, ctx: int):
-    """A row holding a stop id, token by token: what it keeps, their logprobs, and why it
-    ended (None: it runs on)."""
-    out, sp, stop_ids = req.output_ids, req.sampling, req.stop_ids()
+    """A row holding a stop id or under a grammar, token by token: what it keeps, their
+    logprobs, and why it ended (None: it runs on; "error": its grammar failed). The
+    checks are those of a one-forward step (``core.step_results``), in the same order."""
+    out, sp, stop_ids, matcher = req.output_ids, req.sampling, req.stop_ids(), req.matcher
     kept: list[int] = []
     lps: list[float] | None = [] if row_lps is not None else None
     for j, t in enumerate(row):
@@ -120,8 +138,8 @@ def _walk_row(req: Request, row: Sequence[int], row_lps: Sequence[float] | None,
             req.output_logprobs.append(lp)
             lps.append(lp)
         n = len(out)
-        if token in stop_ids and n > sp.min_new_tokens:
-            return kept, lps, "stop"
+        if (token in stop_ids and n > sp.min_new_tokens) or (matcher is not None and matcher.accept(token)):
+            return kept, lps, "error" if matcher is not None and matcher.failed else "stop"
         if req.tokens_left(ctx, scheduling=False) <= 0:
             return kept, lps, "length"
     return kept, lps, None

@@ -135,7 +135,21 @@ class RequestData:
         return self.req.sampling.suppress_tokens
 
 
-def any_constrained(reqs: list[Request]) -> bool:
-    """Whether a row samples under a grammar: its next mask needs the host to have seen
-    its last token, so its step is neither run ahead nor overlapped."""
-    return any(r.matcher is not None for r in reqs)
+def mask_ready(req: Request) -> bool:
+    """Whether a row may be scheduled now as far as its grammar goes: a free row always; a
+    constrained row once the host has seen every token it sampled (nothing in flight),
+    because its next mask is computed from its matcher, which those tokens advance.
+
+    This is the one rule that lets constrained rows share a step with free rows under
+    the lookahead loops: a step scheduled while another is in flight carries only the
+    constrained rows that are not in it (they join every other step there), and the
+    free rows keep running ahead and fused."""
+    return req.matcher is None or not req.num_inflight
+
+
+def waits_for_host(reqs: list[Request]) -> bool:
+    """Whether a scheduled step holds a constrained row whose mask needs a token still in
+    flight besides the one this step samples (a core that schedules such rows: the step
+    then runs in sync, after a drain). Never true of the native core's steps
+    (:func:`mask_ready`); the check stays for any core that does not keep that rule."""
+    return any(r.matcher is not None and r.num_inflight > 1 for r in reqs)

@@ -139,6 +139,7 @@ class FusedDecode:
         self.replays = 0
         self.sampled = 0  # launches that sampled (a mode other than plain greedy)
         self.captures_later = 0  # graphs captured on a step's first need of their mode
+        self.beside_grammar = 0  # launches beside rows under a grammar (run one forward in the split)
 
     # ------------------------------------------------------------ graphs
 

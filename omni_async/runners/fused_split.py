@@ -1,7 +1,9 @@
 """Which rows of a multi-step decode run as one fused launch, and the rest beside it.
 
 Why split: a row that needs what the fused launch cannot give (its logprobs, read from
-each forward's logits; presence/frequency penalties or a logit bias) would otherwise take the whole step forward by forward, so one
+each forward's logits; presence/frequency penalties or a logit bias; a grammar's mask,
+computed on the host from the row's last token, so such a row runs one forward) would
+otherwise take the whole step forward by forward, so one
 such request among hundreds cost every row the fused launch. Here the step's other
 rows still run fused, and the few that cannot run forward by forward as a step of their
 own; the two write disjoint KV pages and slots, so either's tokens are those it would
@@ -47,6 +49,8 @@ def plan_fused(fused: FusedDecode, inputs: InputBatch, batch: ScheduledBatch, ro
     # Rows under OpenAI penalties or a logit bias sample through the per-forward path,
     # which applies them from the running token counts.
     fall = fallback_rows(inputs.flags[rows.slots]) | inputs.controls.active[rows.slots]
+    if batch.grammar_rows:  # rows under a grammar: one forward under their masks, beside the fused rows
+        fall[batch.grammar_rows] = True
     if not fall.any():
         return _fused(fused, inputs, batch, rows, sidx, graphs_on)
     if fall.all():
@@ -58,6 +62,7 @@ def plan_fused(fused: FusedDecode, inputs: InputBatch, batch: ScheduledBatch, ro
         return None
     rest = sub_batch(batch, other)
     fb.split = Split(batch, keep, other, build_rest(rest, sub_rows(rows, other, rest, inputs.device), sidx[other]))
+    fused.beside_grammar += bool(batch.grammar_rows)
     return fb
 
 
@@ -86,7 +91,16 @@ def sub_batch(batch: ScheduledBatch, idx: np.ndarray) -> ScheduledBatch:
         extend_lens=take(batch.extend_lens), samples_kept=take(batch.samples_kept), input_ids=take(batch.input_ids),
         inflight_inputs=[], sample_indices=take(batch.sample_indices), page_tables=take(batch.page_tables),
         page_counts=[batch.row_page_count(i) for i in pick], row_steps=take(batch.row_steps) if batch.row_steps else None,
+        grammar_rows=_picked(pick, batch.grammar_rows),
     )
+
+
+def _picked(pick: list[int], rows: list[int]) -> list[int]:
+    """Where ``rows`` (indices of the whole step) sit among the picked rows."""
+    if not rows:
+        return []
+    wanted = set(rows)
+    return [j for j, i in enumerate(pick) if i in wanted]
 
 
 def sub_rows(rows: SlotRows, idx: np.ndarray, sub: ScheduledBatch, device: torch.device) -> SlotRows:

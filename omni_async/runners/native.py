@@ -168,6 +168,7 @@ class NativeModelRunner(ModelRunner):
         f = self.fused_decode
         return {"fused_decode_launches": f.launches if f else 0, "fused_decode_replays": f.replays if f else 0,
                 "fused_decode_sampled": f.sampled if f else 0, "fused_decode_late_captures": f.captures_later if f else 0,
+                "fused_decode_beside_grammar": f.beside_grammar if f else 0,
                 **super().stats()}
 
     def _later(self, k: int) -> torch.Tensor:

@@ -19,7 +19,7 @@ import anyio
 
 from .. import errors
 from ..core.protocol import BatchCore, ScheduledBatchLike, StepRunner
-from ..core.request import any_constrained
+from ..core.request import waits_for_host
 from .executor import StepExecutor
 from ..logs import debug_enabled, log
 from ..core.runner_io import ModelRunnerOutput, SchedulerOutput, SchedulerRequest
@@ -126,15 +126,15 @@ class Stepper:
         return (
             batch.is_decode
             and batch.size >= self.config.async_decode_min_batch_size
-            and not any_constrained(batch.reqs)
+            and not waits_for_host(batch.reqs)
             and self.runner.lookahead_eligible(batch)
         )
 
     def overlap_eligible(self, batch: ScheduledBatchLike) -> bool:
         """Whether the overlap loop may run this batch while the previous step is in
-        flight (a runner can turn overlap off per batch; a constrained row's mask needs
-        the previous step's tokens, so a batch with one runs in sync)."""
-        return not any_constrained(batch.reqs) and self.runner.overlap_eligible(batch)
+        flight (a runner can turn overlap off per batch; a constrained row whose mask needs
+        a token still in flight runs in sync, see ``core.request.waits_for_host``)."""
+        return not waits_for_host(batch.reqs) and self.runner.overlap_eligible(batch)
 
     # ------------------------------------------------------------ the two step shapes
 
