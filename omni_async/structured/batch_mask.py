@@ -1,10 +1,10 @@
-"""The grammar bitmask of one step: filled on the host from each constrained row's
-matcher, then copied to the device in one tensor for the sampler.
+"""The grammar bitmask of one step: each constrained row's mask (computed ahead on the
+mask worker, :mod:`.prefetch`, or here when it was not) copied into one tensor for the
+sampler, on the device in one copy.
 
 A step's mask needs every earlier token of its constrained rows accepted by their
-matchers, so such a step is never launched ahead of the previous step's results (see
-:func:`omni_async.core.request.any_constrained`, checked by the stepper, and the multi-step scheduler, which
-runs these batches one forward per step).
+matchers: the batch core schedules a constrained row only when none of its tokens is in
+flight (:func:`omni_async.core.request.mask_ready`), and runs it one forward per step.
 """
 
 from __future__ import annotations
@@ -25,46 +25,80 @@ PARALLEL_MIN_CPUS = 8
 
 class GrammarMasks:
     """A runner's mask fills, counted for ``info()``: steps with a constrained row, rows
-    masked and host seconds spent filling (the device application is in the sampler)."""
+    masked, host seconds the launching thread spent on them (waiting for the worker,
+    copying, computing the rows it had not) and the rows it computed itself; with the
+    mask worker's own counters (:class:`.prefetch.MaskWorker`)."""
 
     def __init__(self) -> None:
         self.steps = 0
         self.rows = 0
         self.seconds = 0.0
+        self.inline_rows = 0
+        self._worker: Any = None  # the mask worker the filled rows' matchers use
 
     def fill(self, batch: Any, vocab: int, device: torch.device) -> torch.Tensor | None:
         t0 = time.perf_counter()
-        mask = grammar_bitmask(batch, vocab, device)
-        if mask is not None:
-            self.steps += 1
-            self.rows += sum(1 for r in batch.reqs if getattr(r, "matcher", None) is not None)
-            self.seconds += time.perf_counter() - t0
+        rows = grammar_rows(batch)
+        if not rows:
+            return None
+        words = (vocab + 31) // 32
+        # Pinned for a device: the copy below then does not wait (the caching host
+        # allocator keeps the buffer until the copy is done).
+        bitmask = torch.full((len(batch.reqs), words), -1, dtype=torch.int32, pin_memory=device.type == "cuda")
+        self.inline_rows += fill_rows(rows, bitmask)
+        if self._worker is None:
+            self._worker = getattr(rows[0][0], "_worker", None)
+        mask = bitmask.to(device, non_blocking=True) if device.type != "cpu" else bitmask
+        self.steps += 1
+        self.rows += len(rows)
+        self.seconds += time.perf_counter() - t0
         return mask
 
     def stats(self) -> dict[str, float]:
-        return {"grammar_mask_steps": self.steps, "grammar_mask_rows": self.rows, "grammar_mask_s": self.seconds}
+        out = {"grammar_mask_steps": self.steps, "grammar_mask_rows": self.rows, "grammar_mask_s": self.seconds,
+               "grammar_mask_inline_rows": self.inline_rows}
+        worker = self._worker
+        out.update(worker.stats() if worker is not None else
+                   {"grammar_mask_prefetched_rows": 0, "grammar_mask_worker_s": 0.0, "grammar_forced_masks": 0})
+        return out
+
+
+def grammar_rows(batch: Any) -> list[tuple[Any, int]]:
+    """``(matcher, row)`` of each row of the step that samples under a grammar."""
+    kept = getattr(batch, "samples_kept", None)
+    return [
+        (r.matcher, i)
+        for i, r in enumerate(batch.reqs)
+        if getattr(r, "matcher", None) is not None and (kept is None or kept[i])
+    ]
 
 
 def grammar_bitmask(batch: Any, vocab: int, device: torch.device) -> torch.Tensor | None:
     """``[B, ceil(vocab/32)]`` int32 on ``device``: each constrained row's allowed tokens,
     every bit set for the others; None when no row of the step samples under a grammar."""
-    kept = getattr(batch, "samples_kept", None)
-    rows = [
-        (r.matcher.handle, i)
-        for i, r in enumerate(batch.reqs)
-        if getattr(r, "matcher", None) is not None and (kept is None or kept[i])
-    ]
-    if not rows:
-        return None
-    words = (vocab + 31) // 32
-    bitmask = torch.full((len(batch.reqs), words), -1, dtype=torch.int32)
-    fill_rows(rows, bitmask)
-    return bitmask.to(device, non_blocking=True) if device.type != "cpu" else bitmask
+    return GrammarMasks().fill(batch, vocab, device)
 
 
-def fill_rows(rows: list[tuple[Any, int]], bitmask: torch.Tensor) -> None:
-    """Each ``(matcher, row)``'s allowed tokens written straight into ``bitmask`` (int32,
-    contiguous, on the CPU): one thread, or llguidance's pool for many rows."""
+def fill_rows(rows: list[tuple[Any, int]], bitmask: torch.Tensor) -> int:
+    """Each ``(matcher, row)``'s allowed tokens written into ``bitmask`` (int32,
+    contiguous, on the CPU): the worker's mask where it computed one, else computed here
+    (one thread, or llguidance's pool for many rows). Returns the rows computed here."""
+    words = bitmask.shape[1]
+    target = bitmask.numpy()
+    rest: list[tuple[Any, int]] = []
+    for matcher, row in rows:
+        ahead = matcher.next_mask()
+        if ahead is not None and ahead.shape[0] == words:
+            target[row] = ahead
+        else:
+            rest.append((matcher.handle, row))
+    if rest:
+        compute_rows(rest, bitmask)
+    return len(rest)
+
+
+def compute_rows(rows: list[tuple[Any, int]], bitmask: torch.Tensor) -> None:
+    """Each ``(library matcher, row)``'s mask computed straight into ``bitmask``."""
     stride = bitmask.shape[1] * 4
     if len(rows) >= PARALLEL_MIN_ROWS and (os.cpu_count() or 1) >= PARALLEL_MIN_CPUS:
         global _EXECUTOR

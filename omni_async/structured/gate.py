@@ -79,5 +79,7 @@ class GrammarGate:
         req.matcher = self.compiler.matcher(key)
 
     def shutdown(self) -> None:
+        if self.compiler is not None:
+            self.compiler.close()
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)

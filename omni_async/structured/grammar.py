@@ -21,6 +21,7 @@ from collections import OrderedDict
 from typing import Any, Callable
 
 from ..errors import InvalidRequestError
+from .prefetch import MaskWorker
 from .vocab import TokenVocab, token_vocab
 
 # JSON comes out as ``json.dumps`` writes it (", " and ": ", no other whitespace) unless the
@@ -32,39 +33,91 @@ CACHE_SIZE = 256
 
 class GrammarMatcher:
     """One request's position in its grammar. ``accept`` advances it by a sampled token;
-    ``complete`` says the grammar admits nothing more (the request then ends, "stop")."""
+    ``complete`` says the grammar admits nothing more (the request then ends, "stop").
 
-    __slots__ = ("_m", "_on_fail")
+    With a :class:`~omni_async.structured.prefetch.MaskWorker`, each position's mask is
+    computed ahead on the worker (queued by ``accept`` and ``prefetch``) and the step's
+    fill takes it from :meth:`next_mask`. The library's matcher is never touched by two
+    threads at once: every method here first waits for a computation in flight."""
 
-    def __init__(self, matcher: Any, on_fail: Callable[[str], None] | None = None) -> None:
+    __slots__ = ("_m", "_on_fail", "_worker", "_buf", "_valid", "_done")
+
+    def __init__(self, matcher: Any, on_fail: Callable[[str], None] | None = None, worker: Any = None) -> None:
         self._m = matcher
         self._on_fail = on_fail  # told once, when the grammar fails
+        self._worker = worker
+        self._buf: Any = None  # the next mask ([words] int32) once the worker computed it
+        self._valid = False
+        self._done: threading.Event | None = None  # clear while the worker computes
 
     def accept(self, token: int) -> bool:
         """Advance by ``token``; True when the grammar has ended: complete, or failed
         (:attr:`failed` then says why, and the request ends with an error). A token the
-        grammar refuses (it can only come from outside the mask) also ends the grammar."""
+        grammar refuses (it can only come from outside the mask) also ends the grammar.
+        Otherwise the next mask is queued on the worker."""
+        self._settle()
+        self._valid = False
         ok = self._m.consume_token(int(token))
         if self._m.is_error():
             if self._on_fail is not None:
                 self._on_fail(self.failed or "the grammar failed")
                 self._on_fail = None
             return True
-        return not ok or self._m.is_stopped()
+        if not ok or self._m.is_stopped():
+            return True
+        self.prefetch()
+        return False
+
+    def prefetch(self) -> None:
+        """Queue the mask of the current position on the worker (nothing without one)."""
+        worker = self._worker
+        if worker is None or self._valid:
+            return
+        if self._buf is None:
+            import numpy as np
+
+            self._buf = np.empty(worker.words, dtype=np.int32)
+            self._done = threading.Event()
+        else:
+            self._settle()
+        assert self._done is not None
+        self._done.clear()
+        if not worker.submit(self._m, self._buf, self):
+            self._done.set()
+
+    def _prefetched(self, buf: Any) -> None:
+        """The worker's answer (on its thread): the mask is in ``buf``, or None (failed)."""
+        self._valid = buf is not None
+        assert self._done is not None
+        self._done.set()
+
+    def _settle(self) -> None:
+        done = self._done
+        if done is not None and not done.is_set():
+            done.wait()
+
+    def next_mask(self) -> Any:
+        """The current position's mask from the worker (waiting for it while in flight),
+        or None: not computed ahead (the caller computes it through :attr:`handle`)."""
+        self._settle()
+        return self._buf if self._valid else None
 
     @property
     def complete(self) -> bool:
+        self._settle()
         return self._m.is_stopped()
 
     @property
     def failed(self) -> str | None:
         """The library's error once the grammar failed (llguidance compiles lazily: a
         grammar can fail at any token, e.g. too many states); None while it is sound."""
+        self._settle()
         return _first_line(self._m.get_error()) if self._m.is_error() else None
 
     @property
     def handle(self) -> Any:
-        """The library's matcher (for the batch mask fill)."""
+        """The library's matcher (for the batch mask fill), once no computation is in flight."""
+        self._settle()
         return self._m
 
 
@@ -80,6 +133,8 @@ class GrammarCompiler:
         self._lock = threading.Lock()
         self._lltok: Any = None
         self.compiles = 0
+        # Computes the matchers' next masks ahead, off the loop (started on first use).
+        self.masks = MaskWorker((vocab_size + 31) // 32)
 
     def _ll_tokenizer(self) -> Any:
         if self._lltok is None:
@@ -124,7 +179,13 @@ class GrammarCompiler:
                 entry = self._template(key)
         if isinstance(entry, InvalidRequestError):
             raise InvalidRequestError(str(entry))
-        return GrammarMatcher(entry.deep_copy(), lambda why: self._failed_late(key, why))
+        matcher = GrammarMatcher(entry.deep_copy(), lambda why: self._failed_late(key, why), self.masks)
+        matcher.prefetch()  # its first mask, while the request waits for its prefill
+        return matcher
+
+    def close(self) -> None:
+        """Stop the mask worker (what it has queued still completes)."""
+        self.masks.close()
 
     def _failed_late(self, key: tuple[str, str], why: str) -> None:
         """A grammar that compiled but failed while a request used it (the library's lazy
