@@ -19,6 +19,7 @@ from typing import Sequence
 import torch
 
 from ..config import SamplingParams
+from ..kernels import triton_available
 
 
 @dataclass
@@ -47,7 +48,12 @@ _SHIFTS: dict[torch.device, torch.Tensor] = {}
 
 def apply_token_bitmask(x: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     """``x`` with every token whose bit is clear in its row of ``bitmask`` (``[B, W]``
-    int32) set to -inf."""
+    int32) set to -inf (out of place). On CUDA one Triton kernel
+    (:mod:`omni_async.kernels.token_bitmask`); elsewhere the same in torch ops."""
+    if x.is_cuda and x.dim() == 2 and triton_available(x.device):
+        from ..kernels.token_bitmask import token_bitmask
+
+        return token_bitmask(x, bitmask)
     shifts = _SHIFTS.get(x.device)
     if shifts is None:
         shifts = _SHIFTS[x.device] = torch.arange(32, dtype=torch.int32, device=x.device)
