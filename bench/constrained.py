@@ -1,29 +1,36 @@
 #!/usr/bin/env python
-"""The cost of constrained decoding: NV256-style throughput with a quarter of the requests
-under a JSON schema, against none.
+"""The cost of constrained decoding at equal work: NV256-style throughput with none, a
+quarter and all of the requests under a JSON schema.
 
 Workload (nano-vllm's bench.py, as in bench/RESULTS.md's NV256): Python ``random`` seeded 0;
 ``--requests`` prompts of ``randint(100, 1024)`` ids, each ``randint(0, 10000)``; per request
-``max_new_tokens = randint(100, 1024)``; temperature 0.6 with a per-request seed; free
-requests ``ignore_eos``; all submitted at once. Arm "none": every request free. Arm
-"quarter": every fourth request (same prompt) is under SCHEMA instead, with room to finish
-(``max_new_tokens`` at least 256); the other requests are the same in both arms, and so make
-the same tokens (a constrained row never changes a free row's tokens; "same" in the table
-checks it). The prefix cache is flushed before every run.
+``max_new_tokens = randint(100, 1024)``; temperature 0.6 with a per-request seed;
+``ignore_eos``; all submitted at once. Arms: "free" (no grammar), "quarter" (every fourth
+request under SCHEMA, same prompt, same ``max_new_tokens``) and "all" (every request under
+it). SCHEMA is a JSON array of at least 100,000 small objects: it cannot complete within any
+request's length, so a constrained request runs exactly as many tokens as its free twin
+(every arm does the same work; the old version of this bench let constrained requests stop
+after ~34 tokens where their free twins ran ~500).
 
-Measured per run: the output tok/s of the requests free in both arms (their tokens over
-the time the last of them finished), the constrained outputs' validity (parse + schema, and finish "stop"), and
-the host time to fill the grammar bitmask per step with a constrained row (from the
-runner's ``grammar_mask_*`` counters). Each loop keeps one engine; the two arms alternate
-within every repeat (order rotated), and the table gives the median and range over repeats
-and the median paired ratio quarter / none.
+Every arm runs once to warm up (compiles, graph captures, the grammar's first masks), then
+``--repeats`` interleaved repeats with the arms' order rotated; the prefix cache is flushed
+before every run. Per run: output tok/s of the requests free in the free and quarter arms
+(their tokens over the time the last of them finished), of all requests, the constrained
+outputs' validity (every complete array item parses and matches the item schema, and the
+request ran to its length), and from the engine's counters: the host time the launching
+thread spent filling masks per masked step and as % of a step (on CUDA a decode step is
+launched on the loop thread, so this is the loop's time; on CPU the launch runs on the
+worker thread), the mask worker's time, the rows whose mask was not computed ahead, the
+positions the grammar forced (exactly one admissible token), fused launches beside
+constrained rows and lookahead steps. The table: medians with [min-max] over repeats, and
+the median paired ratios quarter/free (free rows) and all/free (all rows).
 
 Model: ``--model qwen05-smol`` (default on CUDA) is the NV256 shape (Qwen2-0.5B, bf16,
 random weights) with SmolLM2's vocabulary and tokenizer, a grammar needing a tokenizer;
-``smollm2`` is the real SmolLM2-135M-Instruct; ``tiny`` the built-in model (``--smoke``).
+``smollm2`` is the real SmolLM2-135M-Instruct; ``tiny`` the built-in model (CPU default).
 
-    python bench/constrained.py --smoke                      # CPU, a minute or two
-    python bench/constrained.py --device cuda --repeats 3    # the H200 run
+    python bench/constrained.py --smoke                     # CPU, tiny, a few minutes (all loops)
+    python bench/constrained.py --device cuda               # the H200 run (overlap loop)
 """
 
 from __future__ import annotations
@@ -32,8 +39,8 @@ import argparse
 import asyncio
 import json
 import os
-import shutil
 import random
+import shutil
 import statistics
 import sys
 import time
@@ -44,50 +51,72 @@ import _common as C
 
 from omni_async import Engine, SamplingParams
 
-SCHEMA = {
+ITEM = {
     "type": "object",
     "properties": {
-        "name": {"type": "string", "maxLength": 24},
+        "name": {"type": "string", "maxLength": 12},
         "age": {"type": "integer", "minimum": 0, "maximum": 150},
         "role": {"enum": ["admin", "user", "guest"]},
         "active": {"type": "boolean"},
-        "tags": {"type": "array", "items": {"type": "string", "maxLength": 10}, "maxItems": 3},
     },
     "required": ["name", "age", "role", "active"],
     "additionalProperties": False,
 }
+# More items than any request can write: the grammar never completes, so a constrained
+# request ends at its length like its free twin.
+SCHEMA = {"type": "array", "items": ITEM, "minItems": 100_000}
+ARMS = ("free", "quarter", "all")
+COUNTERS = ("grammar_mask_steps", "grammar_mask_rows", "grammar_mask_s", "grammar_mask_inline_rows",
+            "grammar_mask_prefetched_rows", "grammar_mask_worker_s", "grammar_forced_masks", "steps",
+            "decode_steps", "lookahead_steps", "fused_decode_launches", "fused_decode_beside_grammar")
 
 
-def valid(text: str) -> bool:
-    try:
-        obj = json.loads(text)
-    except ValueError:
-        return False
-    props = SCHEMA["properties"]
+def valid_item(obj: Any) -> bool:
+    props = ITEM["properties"]
     return (
-        isinstance(obj, dict) and set(SCHEMA["required"]) <= set(obj) <= set(props)
-        and isinstance(obj["name"], str) and len(obj["name"]) <= 24
+        isinstance(obj, dict) and set(obj) == set(props)
+        and isinstance(obj["name"], str) and len(obj["name"]) <= 12
         and isinstance(obj["age"], int) and not isinstance(obj["age"], bool) and 0 <= obj["age"] <= 150
         and obj["role"] in props["role"]["enum"] and isinstance(obj["active"], bool)
-        and all(isinstance(t, str) and len(t) <= 10 for t in obj.get("tags", [])) and len(obj.get("tags", [])) <= 3
     )
+
+
+def valid_prefix(text: str) -> tuple[bool, int]:
+    """Whether ``text`` is the start of an array of valid items (every complete item
+    valid; what follows the last one is where the length cut it), and the complete items."""
+    if not text.startswith("["):
+        return False, 0
+    decoder, pos, items = json.JSONDecoder(), 1, 0
+    while True:
+        try:
+            obj, end = decoder.raw_decode(text, pos)
+        except ValueError:
+            return True, items  # the item the length cut
+        if not valid_item(obj):
+            return False, items
+        items += 1
+        if text[end:end + 2] != ", ":
+            return end == len(text), items
+        pos = end + 2
 
 
 def workload(n: int, vocab: int, smoke: bool, seed: int = 0) -> list[tuple[list[int], int]]:
     rng = random.Random(seed)
-    lo, hi = (16, 64) if smoke else (100, 1024)
+    lo, hi = (16, 48) if smoke else (100, 1024)
     prompts = [[rng.randint(0, 10000) % vocab for _ in range(rng.randint(lo, hi))] for _ in range(n)]
     return [(p, rng.randint(lo, hi)) for p in prompts]
 
 
-def requests(work, arm: str) -> list[tuple[bool, SamplingParams]]:
-    out = []
-    for i, (_, new) in enumerate(work):
-        if arm == "quarter" and i % 4 == 3:
-            out.append((True, SamplingParams(max_new_tokens=max(new, 256), temperature=0.6, seed=i, json_schema=SCHEMA)))
-        else:
-            out.append((False, SamplingParams(max_new_tokens=new, temperature=0.6, seed=i, ignore_eos=True)))
-    return out
+def constrained(arm: str, i: int) -> bool:
+    return arm == "all" or (arm == "quarter" and i % 4 == 3)
+
+
+def requests(work, arm: str) -> list[SamplingParams]:
+    return [
+        SamplingParams(max_new_tokens=new, temperature=0.6, seed=i, ignore_eos=True,
+                       json_schema=SCHEMA if constrained(arm, i) else None)
+        for i, (_, new) in enumerate(work)
+    ]
 
 
 async def run_arm(engine: Engine, work, arm: str) -> dict[str, Any]:
@@ -98,29 +127,39 @@ async def run_arm(engine: Engine, work, arm: str) -> dict[str, Any]:
     done: list[float] = [0.0] * len(reqs)
 
     async def one(i: int) -> Any:
-        r = await engine.generate(input_ids=work[i][0], sampling=reqs[i][1])
+        r = await engine.generate(input_ids=work[i][0], sampling=reqs[i])
         done[i] = time.perf_counter() - t0
         return r
 
     results = await asyncio.gather(*[one(i) for i in range(len(reqs))])
     info1 = engine.scheduler.info()
-    free = [i for i in range(len(reqs)) if i % 4 != 3]  # free in both arms
-    cons = [i for i, (c, _) in enumerate(reqs) if c]
-    free_tokens = sum(len(results[i].output_ids) for i in free)
-    mask_steps = info1["grammar_mask_steps"] - info0["grammar_mask_steps"]
+    d = {k: info1.get(k, 0) - info0.get(k, 0) for k in COUNTERS}
+    free = [i for i in range(len(reqs)) if i % 4 != 3]  # free in the free and quarter arms
+    cons = [i for i in range(len(reqs)) if constrained(arm, i)]
+    checks = [valid_prefix(results[i].text) for i in cons]
+    wall = max(done)
+    masked = d["grammar_mask_steps"]
+    step_ms = 1e3 * wall / d["steps"] if d["steps"] else None
+    mask_ms = 1e3 * d["grammar_mask_s"] / masked if masked else None
     return {
         "arm": arm,
-        "free_tok_s": free_tokens / max(done[i] for i in free),
-        "total_tok_s": sum(len(r.output_ids) for r in results) / max(done),
-        "wall_s": max(done),
-        "free_tokens": free_tokens,
+        "free_tok_s": sum(len(results[i].output_ids) for i in free) / max(done[i] for i in free) if arm != "all" else None,
+        "total_tok_s": sum(len(r.output_ids) for r in results) / wall,
+        "wall_s": wall,
+        "tokens": sum(len(r.output_ids) for r in results),
+        "equal_lengths": all(len(r.output_ids) == work[i][1] for i, r in enumerate(results)),
         "constrained": len(cons),
-        "valid": sum(valid(results[i].text) and results[i].finish_reason == "stop" for i in cons),
-        "constrained_tokens_mean": statistics.mean(len(results[i].output_ids) for i in cons) if cons else None,
-        "mask_steps": mask_steps,
-        "mask_ms_per_step": 1e3 * (info1["grammar_mask_s"] - info0["grammar_mask_s"]) / mask_steps if mask_steps else None,
-        "mask_rows_per_step": (info1["grammar_mask_rows"] - info0["grammar_mask_rows"]) / mask_steps if mask_steps else None,
-        "free_outputs_digest": hash(tuple(tuple(results[i].output_ids) for i in free)),
+        "valid": sum(ok and results[i].finish_reason == "length" for (ok, _), i in zip(checks, cons)),
+        "items_mean": statistics.mean(n for _, n in checks) if checks else None,
+        "step_ms": step_ms,
+        "mask_ms_per_step": mask_ms,
+        "mask_pct_of_step": 100 * mask_ms / step_ms if mask_ms is not None and step_ms else None,
+        "worker_ms_per_step": 1e3 * d["grammar_mask_worker_s"] / masked if masked else None,
+        "mask_rows_per_step": d["grammar_mask_rows"] / masked if masked else None,
+        "inline_rows": d["grammar_mask_inline_rows"],
+        "forced_pct": 100 * d["grammar_forced_masks"] / d["grammar_mask_prefetched_rows"] if d["grammar_mask_prefetched_rows"] else None,
+        "counters": d,
+        "free_outputs": [results[i].output_ids for i in free] if arm != "all" else None,
     }
 
 
@@ -149,74 +188,108 @@ def qwen05_smol(folder: Path) -> Path:
 
 
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
-    model = args.model or ("tiny" if args.smoke else "qwen05-smol")
+    model = args.model or ("qwen05-smol" if args.device == "cuda" else "tiny")
     path = str(qwen05_smol(Path(args.checkpoint_dir) / "qwen05-smol")) if model == "qwen05-smol" else model
     kwargs: dict[str, Any] = {"device": args.device}
     if args.device == "cuda":
         kwargs.update(dtype="bfloat16", max_running_requests=args.max_running)
+    if args.decode_steps is not None:
+        kwargs["decode_steps"] = args.decode_steps
     result: dict[str, Any] = {"machine": C.machine_facts(), "args": vars(args), "model": model, "runs": {}}
-    loops = C.parse_loops(args.loops)
-    for loop in loops:
+    for loop in C.parse_loops(args.loops):
         engine = await Engine.load(path, loop=loop, **kwargs)
+        runs = []
         async with engine:
-            vocab = engine.tokenizer.vocab_size
-            work = workload(args.requests, vocab, args.smoke, args.seed)
-            warm = SamplingParams(max_new_tokens=64, json_schema=SCHEMA)  # tokenizer set-up, schema compile
-            await engine.generate(input_ids=work[0][0][:32], sampling=warm)
-            runs = []
+            work = workload(args.requests, engine.tokenizer.vocab_size, args.smoke, args.seed)
+            for arm in ARMS:  # warm-up: each arm once, not recorded
+                await run_arm(engine, work, arm)
             for rep in range(args.repeats):
-                for arm in (("none", "quarter") if rep % 2 == 0 else ("quarter", "none")):
-                    runs.append(dict(await run_arm(engine, work, arm), repeat=rep))
-                    print(f"{loop} rep {rep} {arm}: free {runs[-1]['free_tok_s']:.0f} tok/s, valid "
-                          f"{runs[-1]['valid']}/{runs[-1]['constrained']}", flush=True)
+                order = ARMS[rep % 3:] + ARMS[:rep % 3]
+                for arm in order:
+                    run = dict(await run_arm(engine, work, arm), repeat=rep)
+                    runs.append(run)
+                    print(f"{loop} rep {rep} {arm:8s} total {run['total_tok_s']:8.0f} tok/s"
+                          + (f", free rows {run['free_tok_s']:8.0f} tok/s" if run["free_tok_s"] else "")
+                          + (f", valid {run['valid']}/{run['constrained']}, mask {run['mask_pct_of_step']:.1f}% of a step"
+                             if run["constrained"] else ""), flush=True)
+        for run in runs:  # the free rows' tokens: the same in every free and quarter run?
+            run["free_same_as_free_arm"] = None if run["free_outputs"] is None else run["free_outputs"] == next(
+                r["free_outputs"] for r in runs if r["arm"] == "free")
+        for run in runs:
+            run.pop("free_outputs")
         result["runs"][loop] = runs
     return result
 
 
+def span(xs: list[float], fmt: str = "{:.0f}") -> str:
+    if not xs:
+        return "-"
+    return f"{fmt.format(statistics.median(xs))} [{fmt.format(min(xs))}-{fmt.format(max(xs))}]"
+
+
 def print_table(result: dict[str, Any]) -> None:
-    print(f"\nmodel {result['model']}; free requests' tok/s, median [min-max] over repeats")
-    print(f"{'loop':14s} {'none':>22s} {'quarter':>22s} {'ratio':>7s} {'valid':>9s} {'mask ms/step':>13s} {'same':>5s}")
+    print(f"\nmodel {result['model']}; medians [min-max] over repeats; ratios are medians of paired runs")
+    head = (f"{'loop':13s} {'free arm tok/s':>22s} {'quarter: free rows':>22s} {'ratio':>6s} {'all-constrained':>22s} "
+            f"{'ratio':>6s} {'valid':>9s} {'mask % step':>16s} {'forced %':>8s} {'same':>5s}")
+    print(head)
     for loop, runs in result["runs"].items():
-        arms = {a: [r for r in runs if r["arm"] == a] for a in ("none", "quarter")}
-
-        def span(rs):
-            xs = [r["free_tok_s"] for r in rs]
-            return f"{statistics.median(xs):.0f} [{min(xs):.0f}-{max(xs):.0f}]"
-
-        ratios = [q["free_tok_s"] / n["free_tok_s"] for q, n in zip(arms["quarter"], arms["none"])]
-        valid = sum(r["valid"] for r in arms["quarter"])
-        total = sum(r["constrained"] for r in arms["quarter"])
-        masks = [r["mask_ms_per_step"] for r in arms["quarter"] if r["mask_ms_per_step"] is not None]
-        same = len({r["free_outputs_digest"] for r in runs}) == 1
-        print(f"{loop:14s} {span(arms['none']):>22s} {span(arms['quarter']):>22s} {statistics.median(ratios):7.3f} "
-              f"{valid:>4d}/{total:<4d} {statistics.median(masks) if masks else 0:13.3f} {str(same):>5s}")
+        by = {a: [r for r in runs if r["arm"] == a] for a in ARMS}
+        q_ratio = [q["free_tok_s"] / f["free_tok_s"] for q, f in zip(by["quarter"], by["free"])]
+        a_ratio = [a["total_tok_s"] / f["total_tok_s"] for a, f in zip(by["all"], by["free"])]
+        cons = by["quarter"] + by["all"]
+        valid = f"{sum(r['valid'] for r in cons)}/{sum(r['constrained'] for r in cons)}"
+        masks = [r["mask_pct_of_step"] for r in cons if r["mask_pct_of_step"] is not None]
+        forced = [r["forced_pct"] for r in cons if r["forced_pct"] is not None]
+        same = all(r["free_same_as_free_arm"] for r in by["quarter"])
+        print(f"{loop:13s} {span([r['free_tok_s'] for r in by['free']]):>22s} {span([r['free_tok_s'] for r in by['quarter']]):>22s} "
+              f"{statistics.median(q_ratio) if q_ratio else 0:6.3f} {span([r['total_tok_s'] for r in by['all']]):>22s} "
+              f"{statistics.median(a_ratio) if a_ratio else 0:6.3f} {valid:>9s} {span(masks, '{:.1f}'):>16s} "
+              f"{statistics.median(forced) if forced else 0:8.1f} {str(same):>5s}")
+        for arm in ("quarter", "all"):
+            rs = by[arm]
+            if rs:
+                print(f"  {arm:8s} per masked step: fill {span([r['mask_ms_per_step'] for r in rs], '{:.3f}')} ms on the launching "
+                      f"thread, worker {span([r['worker_ms_per_step'] for r in rs], '{:.3f}')} ms, "
+                      f"{statistics.median(r['mask_rows_per_step'] for r in rs):.1f} rows; step "
+                      f"{span([r['step_ms'] for r in rs], '{:.2f}')} ms; rows not computed ahead "
+                      f"{sum(r['inline_rows'] for r in rs)}; fused launches beside grammar rows "
+                      f"{sum(r['counters']['fused_decode_beside_grammar'] for r in rs)}; equal lengths "
+                      f"{all(r['equal_lengths'] for r in rs)}")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=None, help="'qwen05-smol' (CUDA default), 'smollm2', 'tiny' (--smoke default) or a folder")
+    p.add_argument("--model", default=None, help="'qwen05-smol' (CUDA default), 'smollm2', 'tiny' (CPU default) or a folder")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--loops", default=",".join(C.LOOPS))
+    p.add_argument("--loops", default=None, help="default: overlap on CUDA, all three on CPU")
     p.add_argument("--requests", type=int, default=256)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=None, help="interleaved repeats (default 3; 1 with --smoke)")
+    p.add_argument("--decode-steps", type=int, default=None, help="forwards per decode step (default: the engine's)")
     p.add_argument("--max-running", type=int, default=256, help="max_running_requests on CUDA")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--checkpoint-dir", default="/tmp/omni-bench-checkpoints")
-    p.add_argument("--smoke", action="store_true", help="16 short requests, one repeat each way (CPU)")
+    p.add_argument("--smoke", action="store_true", help="8 short requests (16-48 tokens), one repeat unless --repeats, "
+                   "4 forwards per decode step unless --decode-steps (CPU)")
     p.add_argument("--malloc", default="default", help="see _common.apply_malloc_mode")
     p.add_argument("--torch-threads", type=int, default=None)
-    p.add_argument("--out", default="constrained.json")
+    p.add_argument("--out", default=None, help="default constrained_<device>.json (constrained_smoke.json with --smoke)")
     args = p.parse_args(argv)
+    if args.loops is None:
+        args.loops = "overlap" if args.device == "cuda" else ",".join(C.LOOPS)
     if args.smoke:
-        args.requests, args.repeats = min(args.requests, 16), min(args.repeats, 2)
+        args.requests = min(args.requests, 8)
+        args.repeats = 1 if args.repeats is None else args.repeats
+        if args.decode_steps is None:
+            args.decode_steps = 4  # the fused launch and its split, as on CUDA at large batches
+    if args.repeats is None:
+        args.repeats = 3
+    if args.out is None:
+        args.out = "constrained_smoke.json" if args.smoke else f"constrained_{args.device}.json"
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    if args.smoke and args.out == "constrained.json":
-        args.out = "constrained_smoke.json"
-    return C.run_benchmark(args, main_async, print_table)
+    return C.run_benchmark(parse_args(argv), main_async, print_table)
 
 
 if __name__ == "__main__":
