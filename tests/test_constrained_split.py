@@ -66,3 +66,19 @@ async def test_loops_agree_on_constrained_and_free_tokens():
         async with Engine.from_pretrained("tiny", device="cpu", loop=loop, decode_steps=4) as engine:
             outputs[loop] = [r.output_ids for r in await run(engine, mixed())]
     assert outputs["overlap"] == outputs["normal"] and outputs["async_decode"] == outputs["normal"]
+
+
+def test_a_batch_rebuilt_after_a_drain_keeps_its_forwards_and_grammar_rows():
+    """A multi-step decode scheduled while a step was in flight, some of whose rows ended
+    meanwhile, is rebuilt without them: the rest keep their forward counts (their
+    in-flight counts hold them) and the grammar rows their place."""
+    from omni_async.core.batch import ForwardMode, ScheduledBatch
+    from omni_async.core.request import Request
+
+    reqs = [Request(rid=str(i), prompt_ids=[1, 2], sampling=FREE) for i in range(3)]
+    batch = ScheduledBatch(mode=ForwardMode.DECODE, reqs=reqs, epochs=[0, 0, 0], prefix_lens=[2, 2, 2], extend_lens=[1, 1, 1],
+                           samples_kept=[True] * 3, input_ids=[-1, -1, -1], sample_indices=[0, 0, 0],
+                           page_tables=[[0], [1], [2]], page_counts=[1, 1, 1], row_steps=[4, 4, 1], grammar_rows=[2])
+    reqs[0].finish_reason = "stop"
+    out = batch.runnable_after_drain()
+    assert out.reqs == reqs[1:] and out.row_steps == [4, 1] and out.grammar_rows == [1]

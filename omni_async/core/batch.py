@@ -114,4 +114,8 @@ class ScheduledBatch(StepShape):
             out.sample_indices.append(self.sample_indices[i])
             out.page_tables.append(self.page_tables[i])
             out.page_counts.append(self.row_page_count(i))
+        if self.row_steps is not None:  # a multi-step decode stays one: its rows' in-flight counts hold k
+            out.row_steps = [self.row_steps[i] for i in keep]
+            grammar = set(self.grammar_rows)
+            out.grammar_rows = [j for j, i in enumerate(keep) if i in grammar]
         return out
