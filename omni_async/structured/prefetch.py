@@ -80,7 +80,11 @@ class MaskWorker:
                     return
                 todo, self._queue = self._queue, []
             t0 = time.perf_counter()
-            self._compute(todo)
+            try:
+                self._compute(todo)
+            except BaseException:  # never leave an owner waiting: the fill computes those rows itself
+                for _, _, owner in todo:
+                    owner._prefetched(None)
             self.seconds += time.perf_counter() - t0
             self.rows += len(todo)
 
