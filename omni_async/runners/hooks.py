@@ -35,7 +35,7 @@ class RunnerHooks:
 
     def overlap_eligible(self, batch: Any) -> bool:
         """Whether the overlap loop may launch this batch while the previous step is in
-        flight; False runs it synchronously after a drain (as a constrained batch always does)."""
+        flight; False runs it synchronously after a drain."""
         return True
 
     def lookahead_eligible(self, batch: Any) -> bool:
