@@ -67,6 +67,10 @@ class ScheduledBatch(StepShape):
     # (fewer than decode_steps where its length limit comes first). None: one.
     row_steps: list[int] | None = None
     step_id: int = 0
+    # Rows that complete the prefill of a request scoring its prompt with
+    # max_new_tokens=0 (their ``samples_kept`` is False): (request, epoch). They end
+    # when this step is processed, with no token.
+    ends_unsampled: list[tuple[Request, int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -111,4 +115,5 @@ class ScheduledBatch(StepShape):
             out.sample_indices.append(self.sample_indices[i])
             out.page_tables.append(self.page_tables[i])
             out.page_counts.append(self.row_page_count(i))
+        out.ends_unsampled = [(r, e) for r, e in self.ends_unsampled if not r.finished() and r.epoch == e]
         return out
