@@ -117,6 +117,35 @@ async def test_streams_carry_the_scores_once(hf_checkpoints, loop):
     assert_kv_free(engine)
 
 
+@pytest.mark.parametrize("loop", LOOPS)
+async def test_scores_survive_retraction_aborts_and_n(hf_checkpoints, loop):
+    """Under KV pressure requests are retracted and prefilled again (their scores are
+    not collected twice); an aborted scoring request ends once; n > 1 scores the prompt
+    once per result."""
+    folder = hf_checkpoints["qwen2"]
+    prompts = random_prompts(12, 512, 3, 100, seed=21)
+    engine = Engine.from_pretrained(  # ~1,000 tokens of demand on 192 tokens of KV: retraction
+        str(folder), loop=loop, page_size=8, kv_capacity_tokens=8 * 24, chunked_prefill_size=16, max_prefill_tokens=32,
+    )
+    async with engine:
+        aborted = await engine.submit(input_ids=prompts[0][:40] * 2, sampling=SamplingParams(max_new_tokens=0, prompt_logprobs=1))
+        results = await asyncio.gather(*[
+            engine.generate(input_ids=p, sampling=SamplingParams(max_new_tokens=40, prompt_logprobs=2, ignore_eos=True))
+            for p in prompts
+        ], engine.generate(input_ids=prompts[1], sampling=SamplingParams(max_new_tokens=3, n=2, prompt_logprobs=0)),
+            engine.abort(aborted.request_id))
+        assert engine.stack.core.num_retractions > 0, "the KV capacity was meant to force retraction"
+        try:  # aborted while its prefill ran, or finished just before the abort arrived
+            assert (await aborted.result()).output_ids == []
+        except errors.RequestAbortedError:
+            pass
+    for prompt, res in zip(prompts, results[: len(prompts)]):
+        assert res.output_ids == hf_greedy(folder, prompt, 40)
+        check_scores(folder, prompt, res, k=2)
+    check_scores(folder, prompts[1], results[len(prompts)], k=0)
+    assert_kv_free(engine)
+
+
 @pytest.mark.parametrize("bad", [
     dict(prompt_logprobs=-1), dict(prompt_logprobs=21), dict(prompt_logprobs=1.5), dict(prompt_logprobs=True),
     dict(max_new_tokens=0), dict(max_new_tokens=-1, prompt_logprobs=0),
