@@ -24,7 +24,7 @@ def score_prompts(
     head: Callable[[torch.Tensor], torch.Tensor], every: torch.Tensor, reqs: Sequence[Any],
     spans: Sequence[tuple[int, int, int]],
 ) -> list[tuple[int, torch.Tensor] | None] | None:
-    """Per batch row: None, or ``(first token index, rows [m, 2 + 2k] float64)`` where each
+    """Per batch row: None, or ``(first token index, host rows [m, 2 + 2k] float64)`` where each
     row is ``[logprob, rank, top ids (k), top logprobs (k)]`` of one scored prompt token
     (rank 1 is the most likely token). ``spans``: each row's (first flat row, count, first
     position) in ``every``. None when no row asked."""
@@ -42,8 +42,19 @@ def score_prompts(
         targets = torch.tensor(prompt[first_pos + 1 : hi + 1], dtype=torch.int64, device=every.device)
         parts = [_score_rows(head, rows[i : i + SCORE_CHUNK_ROWS], targets[i : i + SCORE_CHUNK_ROWS], k)
                  for i in range(0, rows.shape[0], SCORE_CHUNK_ROWS)]
-        out.append((first_pos + 1, parts[0] if len(parts) == 1 else torch.cat(parts)))
+        out.append((first_pos + 1, _to_host(parts[0] if len(parts) == 1 else torch.cat(parts))))
     return out if asked else None
+
+
+def _to_host(rows: torch.Tensor) -> torch.Tensor:
+    """On CUDA, copied into pinned host memory behind the step's kernels: the stage reads
+    the rows once the step has completed, so reading them needs no synchronisation (a
+    plain ``.tolist()`` there would wait for the steps launched since)."""
+    if rows.device.type != "cuda":
+        return rows
+    host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
+    host.copy_(rows, non_blocking=True)
+    return host
 
 
 def _score_rows(head: Callable[[torch.Tensor], torch.Tensor], rows: torch.Tensor, targets: torch.Tensor, k: int) -> torch.Tensor:
