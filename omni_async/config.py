@@ -23,6 +23,7 @@ LOOP_KINDS: tuple[str, ...] = ("normal", "overlap", "async_decode")
 SAMPLING_SEED_MASK = (1 << 63) - 1
 MAX_N = 128  # parallel samples per request
 MAX_TOP_LOGPROBS = 64
+MAX_PROMPT_LOGPROBS = 20  # as vLLM's default max_logprobs
 
 
 def _fields_of(cls: type) -> set[str]:
@@ -83,6 +84,12 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[int, float] = field(default_factory=dict)
+    # Score the prompt: at every prompt position but the first, the log-probability of
+    # the prompt's own token and of the ``prompt_logprobs`` most likely ones
+    # (``result.prompt_logprobs``). Such a request computes every prompt position (the
+    # prefix cache is not reused for it) and may set ``max_new_tokens=0``: it then ends
+    # after its prefill, with no generated token.
+    prompt_logprobs: int | None = None
     # json_schema as compact JSON, serialised once by validate() (a large schema takes
     # a noticeable time to serialise, and ``grammar`` is read several times per request).
     _schema_text: str | None = field(default=None, init=False, repr=False, compare=False)
@@ -101,8 +108,11 @@ class SamplingParams:
         def bad(msg: str) -> InvalidRequestError:
             return InvalidRequestError(f"invalid sampling: {msg}")
 
-        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
-            raise bad(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
+        self._validate_prompt_logprobs(bad)
+        least = 0 if self.prompt_logprobs is not None else 1  # 0: score the prompt only
+        if not _is_int(self.max_new_tokens) or self.max_new_tokens < least:
+            raise bad(f"max_new_tokens must be an integer >= {least}, got {self.max_new_tokens!r}"
+                      + ("" if least == 0 else " (0 only with prompt_logprobs)"))
         if not _is_int(self.min_new_tokens) or self.min_new_tokens < 0:
             raise bad(f"min_new_tokens must be an integer >= 0, got {self.min_new_tokens!r}")
         if self.min_new_tokens > self.max_new_tokens:
@@ -143,6 +153,11 @@ class SamplingParams:
         self._schema_of = self.json_schema
         check_penalties(self, bad)
         self.logit_bias = normalize_logit_bias(self.logit_bias, bad)
+
+    def _validate_prompt_logprobs(self, bad: Any) -> None:
+        k = self.prompt_logprobs
+        if k is not None and (not _is_int(k) or not (0 <= k <= MAX_PROMPT_LOGPROBS)):
+            raise bad(f"prompt_logprobs must be None or an integer in [0, {MAX_PROMPT_LOGPROBS}], got {k!r}")
 
     def _validate_text_options(self, bad: Any) -> None:
         """The engine-side fields: stop strings, parallel samples, top logprobs."""

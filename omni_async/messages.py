@@ -69,6 +69,10 @@ class StreamDelta:
     # the delta with the first token also carries the prompt's when asked.
     hidden_states: Any = None
     prompt_hidden_states: Any = None
+    # ``SamplingParams.prompt_logprobs``: on the delta with the first token (or the last
+    # delta when no token is generated), as ``GenerationResult.prompt_logprobs``.
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_logprob_ranks: list[int | None] | None = None
 
 
 @dataclass
@@ -107,3 +111,9 @@ class GenerationResult:
     # stage's device; ``return_prompt_hidden_states``: one row per prompt position.
     hidden_states: Any = None
     prompt_hidden_states: Any = None
+    # ``SamplingParams.prompt_logprobs=k``: one entry per prompt token, None for the first;
+    # then {the prompt's token: its logprob, and the k most likely tokens: theirs} (the
+    # prompt's token first, then most likely first), as vLLM's ``prompt_logprobs``.
+    # ``prompt_logprob_ranks``: the rank of each prompt token (1 = most likely).
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_logprob_ranks: list[int | None] | None = None

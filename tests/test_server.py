@@ -135,7 +135,7 @@ async def test_errors_answered_before_the_stream(served):
         await client.completions.create(model="tiny", prompt=[1] * 5000, max_tokens=4, stream=True)
     assert "context length is 4096" in over.value.message
     with pytest.raises(openai.BadRequestError) as unsupported:
-        await client.completions.create(model="tiny", prompt="hi", extra_body={"prompt_logprobs": 1})
+        await client.completions.create(model="tiny", prompt="hi", extra_body={"prompt_logprobs": 99})
     assert "prompt_logprobs" in unsupported.value.message
     with pytest.raises(openai.BadRequestError):
         await client.chat.completions.create(model="tiny", messages=CHAT, temperature=-1, stream=True)

@@ -142,10 +142,10 @@ async def test_two_structured_output_fields_are_refused(served):
     assert "regex" in both.value.message and "guided_choice" in both.value.message
 
 
-async def test_prompt_logprobs_is_refused_by_name(served):
+async def test_a_bad_prompt_logprobs_is_refused_by_name(served):
     client, _ = served
     with pytest.raises(openai.BadRequestError) as refused:
-        await client.completions.create(model="tiny", prompt="hi", max_tokens=1, extra_body={"prompt_logprobs": 1})
+        await client.completions.create(model="tiny", prompt="hi", max_tokens=1, extra_body={"prompt_logprobs": -1})
     assert refused.value.body["param"] == "prompt_logprobs"
 
 

@@ -119,7 +119,8 @@ async def test_a_hung_step_on_a_whole_response_is_a_json_server_error():
         ("/v1/completions", {"prompt": [99999], "max_tokens": 2}, "prompt"),
         ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options"),
         ("/v1/chat/completions", {"messages": CHAT, "stream_options": {"include_usage": True}}, "stream_options"),
-        ("/v1/completions", {"prompt": "hi", "prompt_logprobs": 1}, "prompt_logprobs"),
+        ("/v1/completions", {"prompt": "hi", "prompt_logprobs": 99}, "prompt_logprobs"),
+        ("/v1/completions", {"prompt": "hi", "prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
     ],
 )
 async def test_a_bad_field_is_named_as_the_client_sent_it(served, path, body, param):
@@ -136,7 +137,7 @@ async def test_error_codes_are_openais(served):
     _, _, http = served
     over = await http.post("/v1/completions", json={"model": "tiny", "prompt": [1] * 5000, "max_tokens": 2})
     assert over.status_code == 400 and _error(over)["code"] == "context_length_exceeded"
-    unsupported = await http.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "echo": True})
+    unsupported = await http.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "suffix": "!"})
     assert unsupported.status_code == 400 and _error(unsupported)["code"] == "unsupported_parameter"
     other = await http.post("/v1/completions", json={"model": "gpt-x", "prompt": "hi"})
     assert other.status_code == 404 and _error(other)["code"] == "model_not_found"

@@ -40,6 +40,8 @@ def merge_into(cur: StreamDelta, new: StreamDelta, texts: list[str]) -> None:
         cur.hidden_states = new.hidden_states if cur.hidden_states is None else _cat(cur.hidden_states, new.hidden_states)
     if new.prompt_hidden_states is not None:
         cur.prompt_hidden_states = new.prompt_hidden_states
+    if new.prompt_logprobs is not None:
+        cur.prompt_logprobs, cur.prompt_logprob_ranks = new.prompt_logprobs, new.prompt_logprob_ranks
 
 
 def _cat(a: Any, b: Any) -> Any:

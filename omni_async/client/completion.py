@@ -99,11 +99,14 @@ class Completion:
                 self.logprobs = list(result.output_logprobs)
         self.finish_reason = "stop" if self._stops.stopped else getattr(result, "finish_reason", None)
         text = "".join(parts)
-        if already_final and not text:
+        # A request that scored its prompt and generated nothing: its scores go out here.
+        scored = getattr(result, "prompt_logprobs", None) if not self.output_ids else None
+        if already_final and not text and scored is None:
             return None
         return StreamDelta(
             request_id=self.sub_id, token_ids=[], finished=True, finish_reason=self.finish_reason,
             text=text if self._decoder is not None else None, index=self.index,
+            prompt_logprobs=scored, prompt_logprob_ranks=getattr(result, "prompt_logprob_ranks", None) if scored else None,
         )
 
     def _take_tokens(self, tokens: list[int], parts: list[str]) -> tuple[int, bool]:

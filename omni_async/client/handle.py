@@ -189,4 +189,6 @@ class RequestHandle:
             cached_tokens=self._cached_tokens,
             hidden_states=first.hidden_states,
             prompt_hidden_states=first.prompt_hidden_states,
+            prompt_logprobs=base.prompt_logprobs if isinstance(base, GenerationResult) else None,
+            prompt_logprob_ranks=base.prompt_logprob_ranks if isinstance(base, GenerationResult) else None,
         )

@@ -70,6 +70,10 @@ class ScheduledBatch(StepShape):
     # fused launch of the others, and sample under their masks).
     grammar_rows: list[int] = field(default_factory=list)
     step_id: int = 0
+    # Rows that complete the prefill of a request scoring its prompt with
+    # max_new_tokens=0 (their ``samples_kept`` is False): (request, epoch). They end
+    # when this step is processed, with no token.
+    ends_unsampled: list[tuple[Request, int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -118,4 +122,5 @@ class ScheduledBatch(StepShape):
             out.row_steps = [self.row_steps[i] for i in keep]
             grammar = set(self.grammar_rows)
             out.grammar_rows = [j for j, i in enumerate(keep) if i in grammar]
+        out.ends_unsampled = [(r, e) for r, e in self.ends_unsampled if not r.finished() and r.epoch == e]
         return out

@@ -196,11 +196,15 @@ class NativeBatchCore(BatchCore):
             start = req.num_cached
             batch.input_ids.extend(fill[start : start + n])
             kept = start + n == req.seq_len
-            self._add_row(batch, req, n, kept)
+            unsampled = kept and req.sampling.max_new_tokens == 0  # scores its prompt only
+            self._add_row(batch, req, n, kept and not unsampled)
             req.num_cached += n
             index_pages(self.kv, req)
             if kept:
-                req.num_inflight += 1
+                if unsampled:
+                    batch.ends_unsampled.append((req, req.epoch))
+                else:
+                    req.num_inflight += 1
                 self.running.append(req)
             else:
                 self.chunked = req
@@ -341,6 +345,8 @@ class NativeBatchCore(BatchCore):
         where their KV is freed."""
         process = process_one_forward if batch.row_steps is None else process_multi_step
         outcomes, finishes = process(batch, tokens, logprobs, self.context_length)
+        if batch.ends_unsampled:
+            _end_unsampled(batch, outcomes, finishes)
         for req, reason in finishes:
             self.finish_request(req, reason)
         if finishes:
@@ -412,3 +418,14 @@ class NativeBatchCore(BatchCore):
             failed.append(req)
         self.running = [r for r in self.running if not r.finished()]
         return failed
+
+
+def _end_unsampled(batch: ScheduledBatch, outcomes: list[StepOutcome], finishes: list[tuple[Request, str]]) -> None:
+    """A request scoring its prompt with ``max_new_tokens=0`` ends when its last prefill
+    chunk is processed ("length", or its abort), with no token: its row sampled nothing
+    and it never decodes (no token is left to it)."""
+    ending = {id(req) for req, epoch in batch.ends_unsampled if req.finish_reason is None and req.epoch == epoch}
+    for oc in outcomes:
+        if id(oc.req) in ending:
+            oc.finished = True
+            finishes.append((oc.req, oc.req.to_finish or "length"))

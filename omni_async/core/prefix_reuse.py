@@ -27,9 +27,9 @@ def reuse_prefix(kv: PrefixCache, req: Request, computing: set[Key]) -> bool:
     row (``computing``): next step it is cached and this request reuses it."""
     if not kv.enabled or not shares_kv(req):
         return True
-    if req.sampling.return_prompt_hidden_states:
-        # Every prompt position is computed (its hidden states were asked for); the
-        # pages it computes are still shared with later requests.
+    if req.sampling.return_prompt_hidden_states or req.sampling.prompt_logprobs is not None:
+        # Every prompt position is computed (its hidden states or log-probabilities were
+        # asked for); the pages it computes are still shared with later requests.
         req.prefix_epoch = kv.epoch
         return True
     fill = req.fill_ids()

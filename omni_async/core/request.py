@@ -121,6 +121,13 @@ class RequestData:
     hidden_rows: list[Any] = field(default_factory=list)
     prompt_hidden_rows: list[Any] = field(default_factory=list)
     prompt_hidden_upto: int = 0
+    # Prompt logprobs asked for (``SamplingParams.prompt_logprobs``): one host row per
+    # scored prompt token, from index 1 (``[logprob, rank, top ids, top logprobs]``),
+    # and the next token index to score (a prefill after a retraction adds none);
+    # ``prompt_logprobs``: the public shape, built once when complete.
+    prompt_score_rows: list[list[float]] = field(default_factory=list)
+    prompt_scored_upto: int = 1
+    prompt_logprobs: Any = None
 
     @property
     def request_id(self) -> str:

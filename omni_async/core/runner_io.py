@@ -68,6 +68,10 @@ class ModelRunnerOutput:
     # A prefill's every-position hidden states when a row asked for its prompt's:
     # ``(rows [T, H], [(first row, count, first position)] per batch row)``.
     prompt_hidden: Any = None
+    # Per batch row, None or ``(first prompt token index, rows [m, 2 + 2k])`` of the
+    # prompt tokens a row scored (``SamplingParams.prompt_logprobs``,
+    # :func:`omni_async.runners.prompt_scores.score_prompts`).
+    prompt_logprobs: Any = None
 
     @property
     def outputs(self) -> dict[str, RequestOutput]:

@@ -282,7 +282,7 @@ class ModelRunner(RunnerHooks):
             requests=requests, token_ids=token_ids, logprobs=logprobs, row_errors=row_errors, taken=taken,
             can_run_cuda_graph=result.can_run_cuda_graph, row_steps=steps,
             hidden_states=hidden, hidden_for_all=self.capture_hidden,
-            prompt_hidden=result.prompt_hidden,
+            prompt_hidden=result.prompt_hidden, prompt_logprobs=result.prompt_logprobs,
         )
         if result.top_ids is not None or self.wants_request_outputs(result):
             outputs = out.outputs

@@ -29,6 +29,7 @@ from .fused_decode import FusedBatch, FusedDecode, leaves_hooks
 from .fused_split import merge_fused, merge_rest, plan_fused
 from .graph_sampling import SamplingGraphs
 from .input_batch import InputBatch, SlotRows
+from .prompt_scores import score_prompts
 from ..core.runner_io import SchedulerOutput
 from .types import BatchResult
 
@@ -74,7 +75,7 @@ class NativeModelRunner(ModelRunner):
         capture = self.capture_hidden or capture_hidden_mode is not None or self.inputs.wants_hidden(rows)
         if batch.is_decode:
             return self._build_decode(batch, rows, sidx, capture)
-        prompt = any(r.sampling.return_prompt_hidden_states for r in batch.reqs)
+        prompt = any(r.sampling.return_prompt_hidden_states or r.sampling.prompt_logprobs is not None for r in batch.reqs)
         fb = self._build_extend(batch, rows, sidx, prompt)
         fb.capture_hidden = capture or prompt
         return fb
@@ -350,7 +351,8 @@ class NativeModelRunner(ModelRunner):
         inputs = dict(cond=fb.cond, input_embeds=fb.input_embeds)
         if fb.prompt_rows is not None:
             logits, every = self.model(fb.input_ids, fb.positions, self.kv, fb.ctx, return_hidden="all", **inputs)
-            return BatchResult(logits=logits, hidden_states=every[fb.ctx.logits_rows], prompt_hidden=(every, fb.prompt_rows))
+            return BatchResult(logits=logits, hidden_states=every[fb.ctx.logits_rows], prompt_hidden=(every, fb.prompt_rows),
+                               prompt_logprobs=score_prompts(self.model.lm_head, every, fb.batch.reqs, fb.prompt_rows))
         if fb.capture_hidden:
             logits, hidden = self.model(fb.input_ids, fb.positions, self.kv, fb.ctx, return_hidden=True, **inputs)
             return BatchResult(logits=logits, hidden_states=hidden)

@@ -33,3 +33,6 @@ class BatchResult:
     # A prefill's final hidden states at every input row, and where each batch row's
     # tokens sit in them (``ModelRunnerOutput.prompt_hidden``), when a row asked.
     prompt_hidden: tuple[torch.Tensor, list[tuple[int, int, int]]] | None = None
+    # Per batch row, the scored prompt tokens of a row that asked for prompt logprobs
+    # (:func:`.prompt_scores.score_prompts`); None when no row asked.
+    prompt_logprobs: list[tuple[int, torch.Tensor] | None] | None = None

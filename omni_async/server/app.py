@@ -42,6 +42,7 @@ from .protocol import DEFAULT_COMPLETION_MAX_TOKENS, ChatCompletionRequest, Comp
 from .wire import DONE, ChunkFrames, FastJsonRoute, event
 from .request_errors import chat_names, completion_names, validation_error_body
 from .responses import ResponseContext, usage
+from .scoring import PromptScores, check_max_tokens, engine_prompt_logprobs
 from .options import api_key_guard, chat_template_text, generation_defaults
 from .reasoning import starts_inside, thinks
 from .tokenize import add_tokenize_routes
@@ -140,15 +141,35 @@ class OpenAIServer:
         if wrong is not None:
             return wrong
         max_tokens = body.max_tokens if body.max_tokens is not None else DEFAULT_COMPLETION_MAX_TOKENS
-        sampling = body.sampling(max_tokens, top_logprobs=body.logprobs, constraint=body.constraint(), defaults=self.sampling_defaults)
+        scored = engine_prompt_logprobs(echo=body.echo, logprobs=body.logprobs, prompt_logprobs=body.prompt_logprobs, max_tokens=max_tokens)
+        check_max_tokens(max_tokens, scored)
+        sampling = body.sampling(max_tokens, top_logprobs=body.logprobs, constraint=body.constraint(), defaults=self.sampling_defaults,
+                                 prompt_logprobs=scored)
         inputs = self.completion_inputs(body)
         if "max_tokens" in body.model_fields_set:
             for one in inputs:
                 if "input_ids" in one:
                     self.check_room(len(one["input_ids"]), max_tokens, "max_tokens")
         handles = await self.submit_all(inputs, sampling)
-        ctx = ResponseContext("completion", self.model_name, self.engine.tokenizer, logprobs=body.logprobs is not None)
+        ctx = ResponseContext(
+            "completion", self.model_name, self.engine.tokenizer, logprobs=body.logprobs is not None, n=body.n, echo=body.echo,
+            top_logprobs=body.logprobs or 0, prompt_logprobs=body.prompt_logprobs,
+            prompts=self.echoed_prompts(body, inputs) if body.echo or body.prompt_logprobs is not None else None,
+        )
         return await self.respond(request, handles, ctx, stream=body.stream, n=body.n, include_usage=body.include_usage())
+
+    def echoed_prompts(self, body: CompletionRequest, inputs: list[dict[str, Any]]) -> list[PromptScores]:
+        """Each prompt as echoed: a text prompt as the client wrote it, token ids decoded."""
+        tokenizer = self.engine.tokenizer
+        prompts = []
+        for raw, one in zip(body.engine_inputs(), inputs):
+            ids = list(one.get("input_ids") or [])
+            if "prompt" in raw:
+                text = raw["prompt"]
+            else:
+                text = tokenizer.decode(ids, skip_special_tokens=False) if tokenizer is not None else ""
+            prompts.append(PromptScores(text, ids))
+        return prompts
 
     async def submit_all(self, inputs: list[dict[str, Any]], sampling: SamplingParams) -> list[RequestHandle]:
         """One request per prompt; if one is refused, those already submitted are aborted."""
@@ -173,15 +194,19 @@ class OpenAIServer:
             limits = self.engine.scheduler.limits
             max_tokens = max(1, min(limits.context_length, limits.kv_capacity_tokens) - len(ids))
         else:
-            self.check_room(len(ids), max_tokens, "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens")
+            field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+            self.check_room(len(ids), max_tokens, field)
+            check_max_tokens(max_tokens, body.prompt_logprobs, field)
         top = body.chat_top_logprobs()
-        sampling = body.sampling(max_tokens, top_logprobs=top, constraint=constraint, defaults=self.sampling_defaults)
+        sampling = body.sampling(max_tokens, top_logprobs=top, constraint=constraint, defaults=self.sampling_defaults,
+                                 prompt_logprobs=body.prompt_logprobs)
         handle = await self.engine.submit(input_ids=ids, sampling=sampling)
         template = chat_template_of(self.engine.tokenizer)
         ctx = ResponseContext(
             "chat", self.model_name, self.engine.tokenizer, logprobs=top is not None, tools=tools if tools.parse else None,
             tool_format=parser_for_template(self.tool_call_parser, template), reasoning=thinks(template),
             reasoning_inside=thinks(template) and starts_inside(self.engine.tokenizer.decode(ids[-32:], skip_special_tokens=False)),
+            prompt_logprobs=body.prompt_logprobs, prompts=[PromptScores("", ids)] if body.prompt_logprobs is not None else None,
         )
         return await self.respond(request, [handle], ctx, stream=body.stream, n=body.n, include_usage=body.include_usage())
 
@@ -217,21 +242,22 @@ class OpenAIServer:
         check_fields_read(tracked)
         return ids
 
-    async def results(self, handles: list[RequestHandle], n: int) -> Any:
-        """The requests' results as one; the first error aborts the others."""
+    async def results(self, handles: list[RequestHandle]) -> list[Any]:
+        """The requests' results; the first error aborts the others."""
         tasks = [asyncio.ensure_future(self.metrics.result(h)) for h in handles]
         try:
-            return combined_result(list(await asyncio.gather(*tasks)), n)
+            return list(await asyncio.gather(*tasks))
         finally:
             for task in tasks:
                 task.cancel()
 
     async def respond(self, request: Request, handles: list[RequestHandle], ctx: ResponseContext, *, stream: bool, n: int, include_usage: bool) -> Response:
         if not stream:
-            completed, result = await _until_disconnect(request, self.results(handles, n))
+            completed, results = await _until_disconnect(request, self.results(handles))
             if not completed:
                 return Response(status_code=499)  # nobody is listening any more
-            return JSONResponse(ctx.response(result))
+            ctx.take_scores(results)
+            return JSONResponse(ctx.response(combined_result(results, n)))
         deltas = merged_deltas([self.metrics.observe(h) for h in handles], n)
         try:
             first = await deltas.__anext__()
@@ -253,7 +279,7 @@ class OpenAIServer:
         finished: set[int] = set()
         offsets = [0] * (n * len(handles))
         frames = ChunkFrames(ctx.id, ctx.chunk_object, ctx.created, ctx.model)
-        plain = ctx.kind == "completion" and not ctx.logprobs
+        plain = ctx.kind == "completion" and not ctx.logprobs and not ctx.echo
         try:
             if ctx.kind == "chat":
                 for i in range(n):
@@ -266,11 +292,13 @@ class OpenAIServer:
                 else:
                     if delta.finished:
                         finished.add(delta.index)
-                    if delta.text or delta.finished or (ctx.logprobs and delta.token_ids):
+                    sent = delta.text or ""
+                    if delta.text or delta.finished or (ctx.logprobs and delta.token_ids) or ctx.echo_pending(delta.index):
                         choice = ctx.delta_choice(delta, offsets[delta.index])
                         if choice is not None:
                             yield frames.chunk([choice])
-                    offsets[delta.index] += len(delta.text or "")
+                            sent = choice.get("text", sent)  # with the echoed prompt
+                    offsets[delta.index] += len(sent)
                 delta = await anext(deltas, None)
             result = combined_result([await h.result() for h in handles], n)
             for out in result.outputs:

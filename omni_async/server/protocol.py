@@ -1,7 +1,7 @@
 """OpenAI request bodies, and their translation into an engine request.
 
-Fields the engine cannot honour (``echo``, ``suffix``) are refused with
-InvalidRequestError rather than ignored. A field this server does not know at all (one a
+Fields the engine cannot honour (``suffix``) are refused with InvalidRequestError
+rather than ignored. A field this server does not know at all (one a
 newer client sends: ``store``, ``metadata``, ``service_tier``...) is ignored with one
 warning per field name, as vLLM does, and ``null`` stands for "not given" in every
 optional field. Besides the OpenAI fields, the common extensions ``top_k``, ``min_p``,
@@ -17,7 +17,7 @@ from typing import Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from .. import errors
-from ..config import SamplingParams
+from ..config import MAX_PROMPT_LOGPROBS, SamplingParams
 from ..logs import log
 from .errors import invalid
 from .chat_messages import ChatMessage
@@ -94,7 +94,8 @@ class _Common(Lenient):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
 
-    prompt_logprobs: int | None = None  # vLLM's; refused (the engine scores no prompts yet)
+    # vLLM's: the prompt's tokens scored, in the response's ``prompt_logprobs`` (server.scoring)
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_PROMPT_LOGPROBS)
 
     def constraint(self) -> dict[str, Any]:
         """The grammar fields for SamplingParams, from whichever field the client used."""
@@ -109,8 +110,8 @@ class _Common(Lenient):
         return out
 
     def check_supported(self) -> None:
-        if self.prompt_logprobs is not None:
-            raise invalid("prompt_logprobs is not supported: the engine returns log-probabilities of generated tokens only", "prompt_logprobs")
+        if self.prompt_logprobs is not None and self.stream:
+            raise invalid("prompt_logprobs is not available with stream=true (as in vLLM); use echo with logprobs on /v1/completions", "prompt_logprobs")
         if self.stream_options is not None and not self.stream:
             raise invalid("stream_options is only allowed when stream is true", "stream_options")
 
@@ -119,12 +120,13 @@ class _Common(Lenient):
 
     def sampling(
         self, max_tokens: int, *, top_logprobs: int | None, constraint: dict[str, Any] | None = None,
-        defaults: dict[str, Any] | None = None,
+        defaults: dict[str, Any] | None = None, prompt_logprobs: int | None = None,
     ) -> SamplingParams:
         """The engine's SamplingParams; its own validation names a bad value.
         ``constraint``: the grammar fields (``json_schema``/``ebnf``) for the request;
         ``defaults``: request fields' values where the request leaves them unset (the
-        checkpoint's generation_config.json)."""
+        checkpoint's generation_config.json); ``prompt_logprobs``: the engine's
+        (:func:`omni_async.server.scoring.engine_prompt_logprobs`)."""
         self.check_supported()
         defaults = defaults or {}
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -155,6 +157,8 @@ class _Common(Lenient):
         kw.update(constraint or {})
         if top_logprobs is not None:
             kw.update(return_logprob=True, top_logprobs=top_logprobs)
+        if prompt_logprobs is not None:
+            kw["prompt_logprobs"] = prompt_logprobs
         try:
             return SamplingParams(**kw)
         except TypeError as exc:  # a value of the wrong type that pydantic let through
@@ -174,8 +178,6 @@ class CompletionRequest(_Common):
     def engine_inputs(self) -> list[dict[str, Any]]:
         """``prompt=`` or ``input_ids=`` for Engine.submit, one per prompt: a string or a
         list of ids is one prompt, a list of strings or of id lists is several."""
-        if self.echo:
-            raise errors.InvalidRequestError("echo is not supported")
         if self.suffix:
             raise errors.InvalidRequestError("suffix is not supported")
         if self.best_of not in (None, self.n):

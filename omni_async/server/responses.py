@@ -10,6 +10,7 @@ from typing import Any
 from ..messages import CompletionOutput, GenerationResult, StreamDelta
 from ..text.tokenizer import Tokenizer
 from .reasoning import ReasoningSplitter, split_whole
+from .scoring import PromptScores, legacy_prompt_part, vllm_prompt_logprobs
 from .tool_parsers import ToolStream, parse_output
 from .tools import ToolPlan
 
@@ -26,11 +27,19 @@ class ResponseContext:
     tool_format: str = "hermes"  # how the model writes calls (server.tool_parsers)
     reasoning: bool = False  # chat on a <think> template: reasoning_content is split off
     reasoning_inside: bool = False  # the prompt opened the <think> block
+    # Scoring prompts (server.scoring): each prompt of the request (choice i is prompt
+    # i // n's), when ``echo`` (completions) or vLLM's ``prompt_logprobs`` (its top k) asks.
+    prompts: list[PromptScores] | None = None
+    n: int = 1
+    echo: bool = False
+    top_logprobs: int = 0  # completions' ``logprobs``: the top of each echoed prompt token
+    prompt_logprobs: int | None = None
     id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
     _parsers: dict[int, ToolStream] = field(default_factory=dict)
     _splitters: dict[int, ReasoningSplitter] = field(default_factory=dict)
     _called: set[int] = field(default_factory=set)  # streamed choices that made a call
+    _echoed: set[int] = field(default_factory=set)  # streamed choices whose prompt went out
 
     def __post_init__(self) -> None:
         if not self.id:
@@ -65,9 +74,29 @@ class ResponseContext:
         return {
             "tokens": tokens,
             "token_logprobs": list(lps),
-            "top_logprobs": [{self.token_str(t): lp for t, lp in top} for top in tops],
+            "top_logprobs": [None if top is None else {self.token_str(t): lp for t, lp in top} for top in tops],
             "text_offset": offsets,
         }
+
+    def _echoed_logprobs(self, prompt: PromptScores, ids: list[int], lps: list[float] | None, tops: list[Any] | None) -> Any:
+        """The legacy logprobs object of an echoed choice: the prompt's tokens (the first
+        null), then the generated ones."""
+        if not self.logprobs or prompt.logprobs is None:
+            return self.logprobs_of(ids, lps, tops)
+        p_ids, p_lps, p_tops = legacy_prompt_part(prompt, self.top_logprobs)
+        tops = tops or [[] for _ in ids]
+        return self.logprobs_of(p_ids + list(ids), p_lps + list(lps or []), p_tops + list(tops))
+
+    def prompt_of(self, index: int) -> PromptScores | None:
+        return None if self.prompts is None else self.prompts[index // self.n]
+
+    def take_scores(self, results: list[GenerationResult]) -> None:
+        """Each prompt's scores, from its request's result."""
+        for prompt, result in zip(self.prompts or [], results):
+            prompt.take(result)
+
+    def vllm_scores(self, prompt: PromptScores | None) -> Any:
+        return None if prompt is None else vllm_prompt_logprobs(prompt, self.prompt_logprobs or 0, self.token_str)
 
     def _chat_token(self, token_id: int, lp: float, top: list[tuple[int, float]]) -> dict[str, Any]:
         def entry(t: int, v: float) -> dict[str, Any]:
@@ -82,7 +111,7 @@ class ResponseContext:
         outputs = result.outputs or [
             CompletionOutput(0, result.output_ids, result.finish_reason, result.text, result.output_logprobs, result.top_logprobs)
         ]
-        return {
+        body = {
             "id": self.id,
             "object": self.object,
             "created": self.created,
@@ -90,6 +119,9 @@ class ResponseContext:
             "choices": [self._choice(o) for o in outputs],
             "usage": usage(result),
         }
+        if self.kind == "chat" and self.prompt_logprobs is not None:  # vLLM's place for chat
+            body["prompt_logprobs"] = self.vllm_scores(self.prompt_of(0))
+        return body
 
     def _choice(self, out: CompletionOutput) -> dict[str, Any]:
         text = out.text or ""
@@ -108,7 +140,14 @@ class ResponseContext:
             if self.reasoning:
                 message["reasoning_content"] = reasoning
             return {"index": out.index, "message": message, "finish_reason": reason, "logprobs": lp}
-        return {"index": out.index, "text": text, "finish_reason": out.finish_reason, "logprobs": lp}
+        choice = {"index": out.index, "text": text, "finish_reason": out.finish_reason, "logprobs": lp}
+        prompt = self.prompt_of(out.index)
+        if prompt is not None and self.echo:
+            choice["text"] = prompt.text + text
+            choice["logprobs"] = self._echoed_logprobs(prompt, out.output_ids, out.output_logprobs, out.top_logprobs)
+        if self.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = self.vllm_scores(prompt)
+        return choice
 
     # ------------------------------------------------------------ stream chunks
 
@@ -133,7 +172,17 @@ class ResponseContext:
             if not body and reason is None and lp is None:
                 return None
             return {"index": delta.index, "delta": body, "finish_reason": reason, "logprobs": lp}
+        prompt = self.prompt_of(delta.index)
+        if prompt is not None and self.echo and delta.index not in self._echoed:  # the first chunk
+            self._echoed.add(delta.index)
+            prompt.take(delta)
+            text = prompt.text + text
+            lp = self._echoed_logprobs(prompt, delta.token_ids, delta.logprobs, delta.top_logprobs)
         return {"index": delta.index, "text": text, "finish_reason": reason, "logprobs": lp}
+
+    def echo_pending(self, index: int) -> bool:
+        """Whether a streamed choice still owes its echoed prompt (its first chunk)."""
+        return self.echo and index not in self._echoed
 
     def _chat_delta(self, index: int, text: str, *, finished: bool) -> dict[str, Any]:
         reasoning = ""

@@ -285,6 +285,8 @@ class Emission:
         fin = oc.finished
         delta = StreamDelta(req.rid, list(tokens), lps, fin, req.finish_reason if fin else None,
                             hidden_states=hidden.rows, prompt_hidden_states=hidden.prompt)
+        if hidden.prompt_logprobs is not None:
+            delta.prompt_logprobs, delta.prompt_logprob_ranks = hidden.prompt_logprobs
         req_output = outputs.get(req.rid) if outputs else None
         if req_output is not None and req_output.extra:  # top logprobs (one forward: one token)
             delta.extra = dict(req_output.extra)

@@ -17,27 +17,35 @@ class HiddenRows:
 
     def __init__(self, batch: Any, out: ModelRunnerOutput) -> None:
         self.states, self.prompt_states = out.hidden_states, out.prompt_hidden
+        self.prompt_scores = out.prompt_logprobs
         self.for_all = out.hidden_for_all
         self.multi = self.states is not None and self.states.dim() == 3  # [k, B, H]
         self.row_of = {id(r): i for i, r in enumerate(batch.reqs)}
         self._by_row: Any = None  # each row's [k or 1, H] view, split in one call when first needed
         self.rows: Any = None
         self.prompt: Any = None
+        self.prompt_logprobs: Any = None  # (logprobs, ranks) on the request's first delta
 
     def take(self, oc: Any) -> bool:
         """Sort out ``oc``'s row: True when its delta carries hidden states (``rows``,
         ``prompt``); its request's result rows are collected on the way."""
         req = oc.req
         sp = req.sampling
-        self.rows = self.prompt = None
-        if not (self.for_all or sp.return_hidden_states or sp.return_prompt_hidden_states):
+        self.rows = self.prompt = self.prompt_logprobs = None
+        scoring = sp.prompt_logprobs is not None
+        if not (self.for_all or sp.return_hidden_states or sp.return_prompt_hidden_states or scoring):
             return False
         i = self.row_of[id(req)]
         data = req.data
         if self.prompt_states is not None and sp.return_prompt_hidden_states:
             self._collect_prompt(req, data, i)
+        if self.prompt_scores is not None and scoring:
+            self._collect_scores(data, i)
         if oc.token is None:
             return True
+        first = len(req.output_ids) == (1 if oc.tokens is None else len(oc.tokens))
+        if scoring and first:
+            self.prompt_logprobs = prompt_logprobs_of(data)
         if self.states is not None and (self.for_all or sp.return_hidden_states):
             if self._by_row is None:
                 self._by_row = self.states.unbind(1) if self.multi else self.states.unsqueeze(1).unbind(0)
@@ -50,6 +58,17 @@ class HiddenRows:
                 1 if oc.tokens is None else len(oc.tokens)):
             self.prompt = _joined(data.prompt_hidden_rows)  # with the request's first token
         return True
+
+    def _collect_scores(self, data: RequestData, i: int) -> None:
+        """The row's scored prompt tokens not collected yet, as host rows."""
+        entry = self.prompt_scores[i]
+        if entry is None:
+            return
+        first, rows = entry
+        lo, hi = max(first, data.prompt_scored_upto), first + rows.shape[0]
+        if hi > lo:
+            data.prompt_score_rows.extend(rows[lo - first : hi - first].tolist())
+            data.prompt_scored_upto = hi
 
     def _collect_prompt(self, req: Request, data: RequestData, i: int) -> None:
         every, spans = self.prompt_states
@@ -71,8 +90,29 @@ def _joined(rows: list[Any]) -> Any:
     return torch.cat(rows)
 
 
+def prompt_logprobs_of(data: RequestData) -> tuple[list[dict[int, float] | None], list[int | None]]:
+    """A request's scored prompt in the public shape (``GenerationResult.prompt_logprobs``
+    and ``prompt_logprob_ranks``): None for the first token, then {its token: logprob,
+    then the top k}; built once, for the first delta and the result."""
+    if data.prompt_logprobs is not None:
+        return data.prompt_logprobs
+    logprobs: list[dict[int, float] | None] = [None]
+    ranks: list[int | None] = [None]
+    for token, row in zip(data.req.prompt_ids[1:], data.prompt_score_rows):
+        k = (len(row) - 2) // 2
+        entry = {token: row[0]}
+        for t, lp in zip(row[2 : 2 + k], row[2 + k :]):
+            entry.setdefault(int(t), lp)
+        logprobs.append(entry)
+        ranks.append(int(row[1]))
+    if len(data.prompt_score_rows) + 1 >= len(data.req.prompt_ids):  # complete: keep it
+        data.prompt_logprobs = (logprobs, ranks)
+    return logprobs, ranks
+
+
 def default_result_adapter(data: RequestData) -> GenerationResult:
     req = data.req
+    scored = prompt_logprobs_of(data) if req.sampling.prompt_logprobs is not None else (None, None)
     return GenerationResult(
         request_id=req.rid,
         output_ids=list(data.output_ids),
@@ -84,6 +124,8 @@ def default_result_adapter(data: RequestData) -> GenerationResult:
         cached_tokens=req.cached_tokens,
         hidden_states=_joined(data.hidden_rows) if req.sampling.return_hidden_states else None,
         prompt_hidden_states=_joined(data.prompt_hidden_rows) if req.sampling.return_prompt_hidden_states else None,
+        prompt_logprobs=scored[0],
+        prompt_logprob_ranks=scored[1],
     )
 
 

@@ -79,6 +79,8 @@ def embeds_request_data(payload: Any, sampling: SamplingParams, limits: Any) -> 
     if ids is not None and len(ids):
         raise errors.InvalidRequestError("give either input_ids or input_embeds, not both")
     sampling.validate()
+    if sampling.prompt_logprobs is not None:  # the prompt has no token ids to score
+        raise errors.InvalidRequestError("prompt_logprobs needs a prompt of token ids, not input_embeds")
     embeds = check_embeds_request(payload.input_embeds, sampling, limits)
     ids = [EMBEDS_PLACEHOLDER_ID] * int(embeds.shape[0])
     req = Request(rid=payload.request_id, prompt_ids=ids, sampling=sampling, eos_token_ids=limits.eos_token_ids)

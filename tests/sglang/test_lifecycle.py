@@ -173,3 +173,16 @@ async def test_every_request_ends_with_one_terminal_message(sg_checkpoints, loop
     assert kinds["m9"] == kinds["m8"] == kinds["m0"] == kinds["m11"] == "error"
     assert kinds["m1"] == kinds["m10"] == "result"
     assert_sglang_pools_free(engine)
+
+
+async def test_prompt_logprobs_is_a_typed_error_on_that_request(sg_checkpoints):
+    """Scoring prompts is the native runner's: SGLang refuses it by name, and the other
+    requests carry on."""
+    engine = sglang_engine(sg_checkpoints["llama"])
+    async with engine:
+        scored = engine.generate(input_ids=[3, 4, 5], sampling=SamplingParams(max_new_tokens=0, prompt_logprobs=1))
+        plain = engine.generate(input_ids=[3, 4, 5], sampling=SamplingParams(max_new_tokens=3))
+        err, ok = await asyncio.gather(scored, plain, return_exceptions=True)
+        assert isinstance(err, errors.InvalidRequestError) and "prompt_logprobs" in str(err)
+        assert len(ok.output_ids) == 3
+    assert_sglang_pools_free(engine)

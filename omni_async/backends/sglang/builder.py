@@ -296,14 +296,24 @@ class StepTrackingExecutor(ThreadStepExecutor):
 
 
 def build_scheduler(stack: SGLangStack, **callbacks: Any) -> AsyncOmniScheduler:
-    """The stage over ``stack``, configured as its plan says."""
+    """The stage over ``stack``, configured as its plan says. Its requests are built by
+    the given builder (or the stage's default) and then checked for what this backend
+    does not serve (:func:`refuse_unserved`)."""
     assert stack.plan is not None
     executor = StepTrackingExecutor()
     executor.stack = stack  # type: ignore[attr-defined]
+    given = callbacks.pop("request_builder", None)
+
+    def request_builder(payload: Any) -> Any:
+        data = (given or scheduler.default_request_builder)(payload)
+        refuse_unserved(data.req.sampling)
+        return data
+
     scheduler = AsyncOmniScheduler(
         stack.runner,
         stack.core,
         stack.limits,
+        request_builder=request_builder,
         config=stack.plan.config,
         executor=executor,
         model_info=dict(stack.info),
@@ -312,6 +322,13 @@ def build_scheduler(stack: SGLangStack, **callbacks: Any) -> AsyncOmniScheduler:
     )
     stack.core.wake = scheduler.wake
     return scheduler
+
+
+def refuse_unserved(sampling: Any) -> None:
+    """Scoring a prompt (``prompt_logprobs``, and ``max_new_tokens=0`` with it) is the
+    native runner's: SGLang's runner computes logits at each row's last position only."""
+    if getattr(sampling, "prompt_logprobs", None) is not None:
+        raise errors.InvalidRequestError("prompt_logprobs is not supported by backend='sglang'; use backend='native'")
 
 
 def build_stage(
