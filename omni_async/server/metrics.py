@@ -102,6 +102,8 @@ class RequestTimer:
 
     def __init__(self, metrics: "EngineMetrics") -> None:
         self._m = metrics
+        self._ttft = metrics.ttft_child
+        self._itl = metrics.itl_child
         self.start = time.perf_counter()
         self.first_token_at: float | None = None
         self._last: dict[int, float] = {}
@@ -114,11 +116,11 @@ class RequestTimer:
         now = time.perf_counter()
         if self.first_token_at is None:
             self.first_token_at = now
-            self._m.time_to_first_token.labels(model=self._m.model_name).observe(now - self.start)
+            self._ttft.observe(now - self.start)
         prev = self._last.get(delta.index)
         if prev is not None:
             gap = (now - prev) / n  # a merged delta spreads its interval over its tokens
-            itl = self._m.inter_token_latency.labels(model=self._m.model_name)
+            itl = self._itl
             for _ in range(n):
                 itl.observe(gap)
         self._last[delta.index] = now
@@ -200,6 +202,10 @@ class EngineMetrics:
         self.step_time = Histogram(
             f"{PREFIX}_step_duration_seconds", "One model step, from launch to processed", buckets=_STEP_BUCKETS, registry=r
         )
+        # The per-token figures' children, looked up once: ``labels()`` per streamed
+        # token cost more than the observation itself.
+        self.ttft_child = self.time_to_first_token.labels(model=self.model_name)
+        self.itl_child = self.inter_token_latency.labels(model=self.model_name)
         if engine is not None:
             self.attach(engine)
 
