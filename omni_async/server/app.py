@@ -43,7 +43,7 @@ from .wire import DONE, ChunkFrames, FastJsonRoute, event
 from .request_errors import chat_names, completion_names, validation_error_body
 from .responses import ResponseContext, usage
 from .scoring import PromptScores, check_max_tokens, engine_prompt_logprobs
-from .options import api_key_guard, chat_template_text, generation_defaults
+from .options import ApiKeyGuard, chat_template_text, generation_defaults
 from .reasoning import starts_inside, thinks
 from .tokenize import add_tokenize_routes
 from .tool_parsers import parser_for_template, with_tools_message
@@ -366,7 +366,7 @@ def create_app(
     app.state.metrics = metrics
     app.state.model_name = name
     if api_key:
-        app.middleware("http")(api_key_guard(api_key))
+        app.add_middleware(ApiKeyGuard, api_key=api_key)
 
     @app.exception_handler(errors.OmniAsyncError)
     async def typed_error(request: Request, exc: errors.OmniAsyncError) -> JSONResponse:

@@ -11,10 +11,10 @@ import hmac
 import json
 import os
 from pathlib import Path
-from typing import Any, Awaitable, Callable
+from typing import Any
 
-from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from .. import errors
 from .errors import error_body
@@ -32,20 +32,26 @@ GENERATION_FIELDS = {
 }
 
 
-def api_key_guard(api_key: str) -> Callable[[Request, Callable[[Request], Awaitable[Response]]], Awaitable[Response]]:
-    """HTTP middleware: 401 unless ``Authorization: Bearer <api_key>`` (open paths excepted)."""
-    expected = f"Bearer {api_key}".encode()
+class ApiKeyGuard:
+    """ASGI middleware: 401 unless ``Authorization: Bearer <api_key>`` (open paths and
+    CORS preflights excepted). A plain ASGI wrapper, not an ``@app.middleware("http")``
+    function: those pass every streamed chunk through a memory stream and a task of their
+    own, a cost per token on the loop the engine shares."""
 
-    async def guard(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
-        if request.url.path in OPEN_PATHS or request.method == "OPTIONS":
-            return await call_next(request)
-        given = request.headers.get("authorization", "").encode()
-        if not hmac.compare_digest(given, expected):
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS or scope["method"] == "OPTIONS":
+            await self.app(scope, receive, send)
+            return
+        given = next((v for k, v in scope["headers"] if k.lower() == b"authorization"), b"")
+        if not hmac.compare_digest(given, self.expected):
             body = error_body("invalid or missing API key (send Authorization: Bearer <key>)", 401, code="invalid_api_key")
-            return JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})
-        return await call_next(request)
-
-    return guard
+            await JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
 
 
 def chat_template_text(value: str) -> str:

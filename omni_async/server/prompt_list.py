@@ -5,10 +5,10 @@ answered as one response whose choices are numbered as OpenAI numbers them (prom
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 from typing import Any, AsyncIterator
 
+from ..client.collector import OutputCollector
 from ..messages import GenerationResult, StreamDelta
 
 
@@ -35,39 +35,46 @@ def combined_result(results: list[GenerationResult], n: int) -> GenerationResult
     )
 
 
-async def merged_deltas(streams: list[AsyncIterator[StreamDelta]], n: int) -> AsyncIterator[StreamDelta]:
+def merged_deltas(streams: list[AsyncIterator[StreamDelta]], n: int) -> AsyncIterator[StreamDelta]:
     """The deltas of all prompts' streams as they come, renumbered. Closing this closes
-    every stream (which aborts the requests still running); an error in one is raised."""
+    every stream (which aborts the requests still running); an error in one is raised.
+    One prompt's stream is returned as it is (no generator hop per token)."""
     if len(streams) == 1:
-        async with contextlib.aclosing(streams[0]) as only:  # type: ignore[type-var]
-            async for delta in only:
-                yield delta
-        return
-    queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
-    done = object()
+        return streams[0]
+    return _merged(streams, n)
+
+
+async def _merged(streams: list[AsyncIterator[StreamDelta]], n: int) -> AsyncIterator[StreamDelta]:
+    """Several streams through one collector: a reader that falls behind (its client
+    reads slowly) takes one merged delta per completion, not every step's, as the
+    engine's own collector gives one stream."""
+    pending = OutputCollector()
+    failed: list[BaseException] = []
 
     async def pump(i: int, stream: AsyncIterator[StreamDelta]) -> None:
         try:
             async for delta in stream:
-                await queue.put((i, delta))
-            await queue.put((i, done))
+                pending.put(dataclasses.replace(delta, index=i * n + delta.index))
+                pending.wake()
         except Exception as exc:
-            await queue.put((i, exc))
+            failed.append(exc)
+            pending.wake()
         finally:
             await stream.aclose()  # type: ignore[attr-defined]
 
     tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    ended = asyncio.gather(*tasks, return_exceptions=True)
+    ended.add_done_callback(lambda _: (pending.close(), pending.wake()))
     try:
-        open_streams = len(streams)
-        while open_streams:
-            i, item = await queue.get()
-            if item is done:
-                open_streams -= 1
-            elif isinstance(item, Exception):
-                raise item
-            else:
-                yield dataclasses.replace(item, index=i * n + item.index)
+        while True:
+            batch = await pending.next_batch()
+            for delta in batch:
+                yield delta
+            if failed:
+                raise failed[0]
+            if not batch:
+                return
     finally:
         for task in tasks:
             task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await ended

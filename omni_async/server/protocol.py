@@ -50,9 +50,15 @@ class Lenient(BaseModel):
     def _nulls_and_unknowns(cls, data: Any) -> Any:
         if not isinstance(data, dict):
             return data
-        known = {f.alias or name for name, f in cls.model_fields.items()} | set(cls.model_fields)
-        warn_unknown(sorted(k for k in data if k not in known))
+        known = _KNOWN.get(cls)
+        if known is None:  # once per class: every request body passes here
+            known = _KNOWN[cls] = frozenset({f.alias or name for name, f in cls.model_fields.items()} | set(cls.model_fields))
+        if not known.issuperset(data):
+            warn_unknown(sorted(k for k in data if k not in known))
         return {k: v for k, v in data.items() if v is not None and k in known}
+
+
+_KNOWN: dict[type, frozenset[str]] = {}  # each request model's field names and aliases
 
 
 class StreamOptions(Lenient):

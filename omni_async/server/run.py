@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.util
 import socket
 from typing import Any, AsyncIterator
 
@@ -14,10 +15,18 @@ from ..engine import Engine
 from .app import create_app
 
 
+def http_protocol() -> str:
+    """uvicorn's HTTP implementation: httptools (C; the serve extra installs it) when it
+    imports, h11 (pure Python) otherwise. Every streamed chunk and every request body
+    passes through it on the loop the engine shares, so the choice is made here, in one
+    place, rather than left to whatever happens to be installed."""
+    return "httptools" if importlib.util.find_spec("httptools") is not None else "h11"
+
+
 def _config(engine: Engine, *, host: str, port: int, log_level: str, quiet: bool, **app_kw: Any) -> uvicorn.Config:
     app = create_app(engine, **app_kw)
     kw: dict[str, Any] = {"log_config": None} if quiet else {}
-    return uvicorn.Config(app, host=host, port=port, log_level=log_level.lower(), lifespan="on", **kw)
+    return uvicorn.Config(app, host=host, port=port, log_level=log_level.lower(), lifespan="on", http=http_protocol(), **kw)
 
 
 async def serve(engine: Engine, *, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info", **app_kw: Any) -> None:
