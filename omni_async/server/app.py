@@ -42,7 +42,7 @@ from .protocol import DEFAULT_COMPLETION_MAX_TOKENS, ChatCompletionRequest, Comp
 from .wire import DONE, ChunkFrames, FastJsonRoute, event
 from .request_errors import chat_names, completion_names, validation_error_body
 from .responses import ResponseContext, usage
-from .scoring import PromptScores, check_max_tokens, engine_prompt_logprobs
+from .scoring import PromptScores, check_max_tokens, echoed_prompts, engine_prompt_logprobs
 from .options import ApiKeyGuard, chat_template_text, generation_defaults
 from .reasoning import starts_inside, thinks
 from .tokenize import add_tokenize_routes
@@ -154,22 +154,9 @@ class OpenAIServer:
         ctx = ResponseContext(
             "completion", self.model_name, self.engine.tokenizer, logprobs=body.logprobs is not None, n=body.n, echo=body.echo,
             top_logprobs=body.logprobs or 0, prompt_logprobs=body.prompt_logprobs,
-            prompts=self.echoed_prompts(body, inputs) if body.echo or body.prompt_logprobs is not None else None,
+            prompts=echoed_prompts(body.engine_inputs(), inputs, self.engine.tokenizer) if body.echo or body.prompt_logprobs is not None else None,
         )
         return await self.respond(request, handles, ctx, stream=body.stream, n=body.n, include_usage=body.include_usage())
-
-    def echoed_prompts(self, body: CompletionRequest, inputs: list[dict[str, Any]]) -> list[PromptScores]:
-        """Each prompt as echoed: a text prompt as the client wrote it, token ids decoded."""
-        tokenizer = self.engine.tokenizer
-        prompts = []
-        for raw, one in zip(body.engine_inputs(), inputs):
-            ids = list(one.get("input_ids") or [])
-            if "prompt" in raw:
-                text = raw["prompt"]
-            else:
-                text = tokenizer.decode(ids, skip_special_tokens=False) if tokenizer is not None else ""
-            prompts.append(PromptScores(text, ids))
-        return prompts
 
     async def submit_all(self, inputs: list[dict[str, Any]], sampling: SamplingParams) -> list[RequestHandle]:
         """One request per prompt; if one is refused, those already submitted are aborted."""

@@ -87,3 +87,16 @@ def vllm_prompt_logprobs(scores: PromptScores, k: int, token_str: Callable[[int]
                 row[str(t)] = {"logprob": lp, "rank": r, "decoded_token": token_str(t)}
         out.append(row)
     return out
+
+
+def echoed_prompts(raw_inputs: list[dict[str, Any]], inputs: list[dict[str, Any]], tokenizer: Any) -> list[PromptScores]:
+    """Each prompt as echoed: a text prompt as the client wrote it, token ids decoded."""
+    prompts = []
+    for raw, one in zip(raw_inputs, inputs):
+        ids = list(one.get("input_ids") or [])
+        if "prompt" in raw:
+            text = raw["prompt"]
+        else:
+            text = tokenizer.decode(ids, skip_special_tokens=False) if tokenizer is not None else ""
+        prompts.append(PromptScores(text, ids))
+    return prompts
