@@ -300,7 +300,7 @@ def build_scheduler(stack: SGLangStack, **callbacks: Any) -> AsyncOmniScheduler:
     assert stack.plan is not None
     executor = StepTrackingExecutor()
     executor.stack = stack  # type: ignore[attr-defined]
-    scheduler = AsyncOmniScheduler(
+    return AsyncOmniScheduler(
         stack.runner,
         stack.core,
         stack.limits,
@@ -310,8 +310,6 @@ def build_scheduler(stack: SGLangStack, **callbacks: Any) -> AsyncOmniScheduler:
         model_worker=stack.model_worker,
         **callbacks,
     )
-    stack.core.wake = scheduler.wake
-    return scheduler
 
 
 def build_stage(
