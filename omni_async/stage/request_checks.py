@@ -121,6 +121,7 @@ class RequestDoor:
             n_new = check_capacity(len(req.prompt_ids), s.max_new_tokens, lim.context_length, lim.kv_capacity_tokens, enforce=data.enforce_request_limits)
         if n_new < s.max_new_tokens:
             req.sampling = dataclasses.replace(s, max_new_tokens=n_new, min_new_tokens=min(s.min_new_tokens, n_new))
+        data.checked = None  # used: its prompt copy and rows need not live as long as the request
 
 
 # ---------------------------------------------------------------- the rules
