@@ -39,9 +39,9 @@ from .loops import LOOPS
 from .messages import IncomingMessage, OutgoingMessage
 from .stage.control import StageControl
 from .stage.emission import Emission, OutputSink, ResultAdapter, StreamOutputBuilder
-from .stage.intake import Intake, ModelLimits, RequestBuilder
+from .stage.intake import Intake, RequestBuilder
 from .stage.emission import StageState
-from .stage.request_checks import RequestDoor
+from .stage.request_checks import ModelLimits, RequestDoor
 from .stage.stepper import Stepper, StepStats
 
 __all__ = ["AsyncOmniScheduler", "ModelLimits"]

@@ -1,5 +1,5 @@
-"""Intake: arrivals, payload parsing and validation, admission, stream input routing and
-tombstones.
+"""Intake: arrivals, payload parsing, admission (each request built and checked through
+the door, :mod:`omni_async.stage.request_checks`), stream input routing and tombstones.
 
 Every inbox message is checked at the door: a malformed one gets an error message for
 its sender where there is one and is dropped otherwise; a bad payload gets a typed error
@@ -9,7 +9,6 @@ on that request alone. Work per arrival is O(1) in the number of requests in the
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 import anyio.lowlevel
@@ -36,19 +35,6 @@ _ARRIVALS_PER_CHECKPOINT = 32
 # Stream input kept for ids that are neither live nor being admitted (a request that
 # may still arrive): bounded, oldest dropped.
 _ORPHAN_INPUT_CAP = 1_000
-
-
-@dataclass(frozen=True)
-class ModelLimits:
-    """What admission checks requests against."""
-
-    vocab_size: int
-    context_length: int
-    kv_capacity_tokens: int
-    eos_token_ids: tuple[int, ...] = ()
-    # Compiles the grammars of constrained requests (None: the model has no tokenizer).
-    grammar_compiler: Any = None
-    hidden_size: int | None = None  # the width of input_embeds rows; None: the stage takes none
 
 
 class Intake:

@@ -31,6 +31,19 @@ from .prompt_embeds import EMBEDS_PLACEHOLDER_ID, check_input_embeds
 
 
 @dataclass(frozen=True)
+class ModelLimits:
+    """What a request is checked against at the door (vocabulary, context, KV capacity, EOS)."""
+
+    vocab_size: int
+    context_length: int
+    kv_capacity_tokens: int
+    eos_token_ids: tuple[int, ...] = ()
+    # Compiles the grammars of constrained requests (None: the model has no tokenizer).
+    grammar_compiler: Any = None
+    hidden_size: int | None = None  # the width of input_embeds rows; None: the stage takes none
+
+
+@dataclass(frozen=True)
 class Verdict:
     """What :func:`check_request` found: the prompt as the stage takes it, and the
     ``max_new_tokens`` that will be served for the one asked."""
@@ -56,7 +69,7 @@ class CheckedPayload(RequestPayload):
     verdict: Verdict | None = None
 
 
-def check_request(input_ids: Any, sampling: SamplingParams, limits: Any, *, input_embeds: Any = None, room: bool = True) -> Verdict:
+def check_request(input_ids: Any, sampling: SamplingParams, limits: ModelLimits, *, input_embeds: Any = None, room: bool = True) -> Verdict:
     """Everything a request is refused by, each rule once, raising its typed error
     (``room`` False: all but the context and KV room, which admission then measures)."""
     if input_embeds is not None:
@@ -80,7 +93,7 @@ class RequestDoor:
     """Where a request enters the stage: the limits it is checked against, the request
     builder (the caller's, or :meth:`build_default`), and the fit at admission."""
 
-    def __init__(self, limits: Any, request_builder: Callable[[Any], RequestData] | None = None) -> None:
+    def __init__(self, limits: ModelLimits, request_builder: Callable[[Any], RequestData] | None = None) -> None:
         self.limits = limits
         self.request_builder = request_builder
 
