@@ -33,7 +33,7 @@ from .client.heap import configure_gc
 from .logs import log
 from .client.loopbridge import call_soon_on, maybe_marshal, running_asyncio_loop
 from .messages import GenerationResult, IncomingMessage, StreamDelta
-from .stage.request_checks import CheckedPayload, check_request
+from .stage.request_checks import CheckedPayload, check_request, metadata_of, refuse_unknown_fields, sampling_of
 from .scheduler import AsyncOmniScheduler
 from .stage.weak import weak_method
 from .text.tokenizer import Tokenizer
@@ -239,8 +239,7 @@ class Engine:
         ``input_embeds``: the prompt as a ``[L, hidden_size]`` float tensor (or numpy
         array, or nested list) used in place of the token embeddings, instead of
         ``prompt`` / ``input_ids`` / ``messages`` (docs/omni-data-path.md)."""
-        if unknown:
-            raise errors.InvalidRequestError(f"unknown request field(s): {', '.join(sorted(unknown))}")
+        refuse_unknown_fields(unknown)
         if self._closed or self.scheduler.closed:
             raise errors.SchedulerClosedError("engine is closed")
         await self.start()
@@ -254,9 +253,8 @@ class Engine:
         input_embeds: Any = None,
     ) -> RequestHandle:
         ids = self._input_ids(prompt, input_ids, messages, add_special_tokens, input_embeds)
-        sampling = _sampling_of(sampling)
-        if metadata is not None and not isinstance(metadata, dict):
-            raise errors.InvalidRequestError(f"metadata must be a dict, got {type(metadata).__name__}")
+        sampling = sampling_of(sampling)
+        metadata = metadata_of(metadata)
         rid = request_id if request_id is not None else f"req-{uuid.uuid4().hex[:12]}-{next(self._ids)}"
         if not isinstance(rid, str) or not rid:
             raise errors.InvalidRequestError("request_id must be a non-empty string")
@@ -276,7 +274,7 @@ class Engine:
         try:
             for sub, sp in zip(subs, per_sub):
                 payload = CheckedPayload(request_id=sub, input_ids=[] if input_embeds is not None else list(ids), sampling=sp,
-                                         metadata=dict(metadata or {}), input_embeds=input_embeds, verdict=verdict)
+                                         metadata=dict(metadata), input_embeds=input_embeds, verdict=verdict)
                 self.scheduler.inbox.send_nowait(IncomingMessage(sub, "new_request", payload))
                 self._router.route(sub, handle)
         except (anyio.ClosedResourceError, anyio.BrokenResourceError):
@@ -395,13 +393,3 @@ class Engine:
 
 async def _nothing() -> None:
     return None
-
-
-def _sampling_of(sampling: Any) -> SamplingParams:
-    if sampling is None:
-        return SamplingParams()
-    if isinstance(sampling, dict):
-        return SamplingParams.from_dict(sampling)
-    if not isinstance(sampling, SamplingParams):
-        raise errors.InvalidRequestError("sampling must be SamplingParams or a dict")
-    return sampling

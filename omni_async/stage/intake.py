@@ -15,13 +15,13 @@ import anyio.lowlevel
 
 from .. import errors
 from .admission import Admission
-from ..config import SamplingParams, SchedulerConfig
+from ..config import SchedulerConfig
 from ..core.protocol import BatchCore
 from ..core.request import RequestData
 from ..logs import debug_enabled, log
 from ..messages import IncomingMessage, RequestPayload
 from .channels import WakeSignal
-from .request_checks import RequestDoor
+from .request_checks import RequestDoor, metadata_of, refuse_unknown_fields, sampling_of
 from .prompt_embeds import payload_prompt_len
 from ..structured.gate import GrammarGate
 from .emission import Emission, IdWindow, call_user
@@ -189,21 +189,13 @@ class Intake:
     def _payload_from_dict(self, rid: str, raw: dict[str, Any]) -> RequestPayload | None:
         known = {"request_id", "input_ids", "input_embeds", "sampling", "metadata"}
         try:
-            unknown = sorted(str(k) for k in set(raw) - known)
-            if unknown:
-                raise errors.InvalidRequestError(f"unknown request field(s): {', '.join(unknown)}")
-            sampling = raw.get("sampling")
-            if sampling is not None and not isinstance(sampling, (SamplingParams, dict)):
-                raise errors.InvalidRequestError(f"sampling must be SamplingParams or a dict, got {type(sampling).__name__}")
-            metadata = raw.get("metadata")
-            if metadata is not None and not isinstance(metadata, dict):
-                raise errors.InvalidRequestError(f"metadata must be a dict, got {type(metadata).__name__}")
+            refuse_unknown_fields(set(raw) - known)
             return RequestPayload(
                 request_id=raw.get("request_id", rid),
                 input_ids=raw.get("input_ids") or [],
                 input_embeds=raw.get("input_embeds"),
-                sampling=sampling if isinstance(sampling, SamplingParams) else SamplingParams.from_dict(sampling),
-                metadata=dict(metadata or {}),
+                sampling=sampling_of(raw.get("sampling")),
+                metadata=metadata_of(raw.get("metadata")),
             )
         except errors.OmniAsyncError as exc:
             self.emission.reject(rid, exc)

@@ -140,6 +140,29 @@ class RequestDoor:
 # ---------------------------------------------------------------- the rules
 
 
+def refuse_unknown_fields(names: Any) -> None:
+    """A request field this version does not know is refused, never ignored."""
+    unknown = sorted(str(k) for k in names)
+    if unknown:
+        raise errors.InvalidRequestError(f"unknown request field(s): {', '.join(unknown)}")
+
+
+def sampling_of(sampling: Any) -> SamplingParams:
+    """``SamplingParams``, a dict of its fields, or None (the defaults)."""
+    if sampling is None or isinstance(sampling, dict):
+        return SamplingParams.from_dict(sampling)
+    if not isinstance(sampling, SamplingParams):
+        raise errors.InvalidRequestError(f"sampling must be SamplingParams or a dict, got {type(sampling).__name__}")
+    return sampling
+
+
+def metadata_of(metadata: Any) -> dict[str, Any]:
+    """A copy of the request's metadata dict (None: empty)."""
+    if metadata is not None and not isinstance(metadata, dict):
+        raise errors.InvalidRequestError(f"metadata must be a dict, got {type(metadata).__name__}")
+    return dict(metadata or {})
+
+
 def check_input_ids(input_ids: Any, vocab_size: int) -> list[int]:
     """A list of in-vocabulary ints; the first bad position is named."""
     if hasattr(input_ids, "tolist") and not isinstance(input_ids, (list, tuple)):
