@@ -84,7 +84,7 @@ class AsyncOmniScheduler:
         self._background: anyio.abc.TaskGroup | None = None
 
         self.stats = StepStats()
-        self.door = RequestDoor(limits, request_builder)
+        self.door = RequestDoor(limits)
         self.emission = Emission(
             core,
             output_sink or OutboxSink(self._outbox_tx),
@@ -102,6 +102,7 @@ class AsyncOmniScheduler:
             self.door,
             self.emission,
             self._wake,
+            request_builder=request_builder,
             request_build_ready=request_build_ready,
             recheck_on_chunk=recheck_on_chunk,
             stream_chunk_handler=stream_chunk_handler,

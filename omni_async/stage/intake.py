@@ -46,6 +46,7 @@ class Intake:
         emission: Emission,
         wake: WakeSignal,
         *,
+        request_builder: RequestBuilder | None = None,
         request_build_ready: Callable[[Any, bool], bool] | None = None,
         recheck_on_chunk: Callable[[str, Any], bool] | None = None,
         stream_chunk_handler: Callable[[RequestData, Any], None] | None = None,
@@ -58,6 +59,7 @@ class Intake:
         self.core = core
         self.door = door
         self.emission = emission
+        self.request_builder = request_builder  # None: the door's default builder
         self._stream_chunk_handler = stream_chunk_handler
         self._stream_done_handler = stream_done_handler
         self.arrived: deque[IncomingMessage] = deque()
@@ -67,7 +69,6 @@ class Intake:
         self.grammars = GrammarGate(door.limits.grammar_compiler, wake.set_threadsafe)
         self.admission = Admission(
             config,
-            build=door.build,
             is_ready=_with_grammar(self.grammars, _guarded_ready(request_build_ready) if request_build_ready else None),
             on_build_done=wake.set_threadsafe,
             orphan_cap=_ORPHAN_INPUT_CAP,
@@ -123,14 +124,14 @@ class Intake:
         self.admission.dirty.update(self.grammars.take_ready())
         for payload in self.admission.take_dirty():
             self._to_admission(payload)
-        inline, rejected = self.admission.stage()
+        inline, rejected = self.admission.stage(self._build)
         for payload in rejected:
             self.emission.reject(payload.request_id, errors.RequestRejectedError(
                 f"request-build backlog is full (backlog_limit={self.admission.backlog_limit}); "
                 "raise max_queued_requests or request_build_max_pending, or retry later"))
         for i, payload in enumerate(inline):
             try:
-                built = [(payload, self.door.build(payload), None)]
+                built = [(payload, self._build(payload), None)]
             except Exception as exc:
                 built = [(payload, None, exc)]
             self._admit_built(built)
@@ -203,7 +204,11 @@ class Intake:
             self.emission.reject(rid, errors.InvalidRequestError(f"malformed request payload: {exc!r}"))
         return None
 
-    # ------------------------------------------------------------ admitting
+    # ------------------------------------------------------------ building and admitting
+
+    def _build(self, payload: Any) -> RequestData:
+        """Build one request (on the loop, or on the build pool)."""
+        return self.door.build(payload, self.request_builder)
 
     def _admit_built(self, built: Iterable[tuple[Any, Any, BaseException | None]]) -> None:
         """Validate built requests and enqueue them, in the order given."""

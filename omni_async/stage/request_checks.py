@@ -90,19 +90,18 @@ def check_request(input_ids: Any, sampling: SamplingParams, limits: ModelLimits,
 
 
 class RequestDoor:
-    """Where a request enters the stage: the limits it is checked against, the request
-    builder (the caller's, or :meth:`build_default`), and the fit at admission."""
+    """Where a request enters the stage: the limits it is checked against, the default
+    builder (:meth:`build_default`), and the fit at admission."""
 
-    def __init__(self, limits: ModelLimits, request_builder: Callable[[Any], RequestData] | None = None) -> None:
+    def __init__(self, limits: ModelLimits) -> None:
         self.limits = limits
-        self.request_builder = request_builder
 
-    def build(self, payload: Any) -> RequestData:
-        """Build one request (on the loop, or in the build pool)."""
+    def build(self, payload: Any, request_builder: Callable[[Any], RequestData] | None) -> RequestData:
+        """Build one request with the caller's builder, or the default one."""
         rid = payload.request_id
         if debug_enabled():
             log.debug("scheduler_request_build_start", request_id=rid)
-        data = call_user("request builder", self.request_builder or self.build_default, payload)
+        data = call_user("request builder", request_builder or self.build_default, payload)
         if debug_enabled():
             log.debug("scheduler_request_build_end", request_id=rid)
         return data
