@@ -115,6 +115,12 @@ class SGLangBatchCore(BatchCore):
         self._step_id = 0
         self._arrivals = 0
 
+    @property
+    def waiting_queue(self) -> list[Req]:
+        """SGLang's waiting queue, which lives on the planner (read-only, for callers
+        inspecting the core; the core itself uses ``self.planner``'s state)."""
+        return self.planner.waiting_queue
+
     # ------------------------------------------------------------------ requests
 
     def _omni_of(self, sreq: Req) -> Request:
