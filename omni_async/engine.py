@@ -32,9 +32,8 @@ from .client.router import Router
 from .client.heap import configure_gc
 from .logs import log
 from .client.loopbridge import call_soon_on, maybe_marshal, running_asyncio_loop
-from .messages import GenerationResult, IncomingMessage, RequestPayload, StreamDelta
-from .stage.prompt_embeds import EMBEDS_PLACEHOLDER_ID, check_embeds_request
-from .stage.request_checks import check_request
+from .messages import GenerationResult, IncomingMessage, StreamDelta
+from .stage.request_checks import CheckedPayload, check_request, metadata_of, refuse_unknown_fields, sampling_of
 from .scheduler import AsyncOmniScheduler
 from .stage.weak import weak_method
 from .text.tokenizer import Tokenizer
@@ -240,8 +239,7 @@ class Engine:
         ``input_embeds``: the prompt as a ``[L, hidden_size]`` float tensor (or numpy
         array, or nested list) used in place of the token embeddings, instead of
         ``prompt`` / ``input_ids`` / ``messages`` (docs/omni-data-path.md)."""
-        if unknown:
-            raise errors.InvalidRequestError(f"unknown request field(s): {', '.join(sorted(unknown))}")
+        refuse_unknown_fields(unknown)
         if self._closed or self.scheduler.closed:
             raise errors.SchedulerClosedError("engine is closed")
         await self.start()
@@ -255,9 +253,8 @@ class Engine:
         input_embeds: Any = None,
     ) -> RequestHandle:
         ids = self._input_ids(prompt, input_ids, messages, add_special_tokens, input_embeds)
-        sampling = _sampling_of(sampling)
-        if metadata is not None and not isinstance(metadata, dict):
-            raise errors.InvalidRequestError(f"metadata must be a dict, got {type(metadata).__name__}")
+        sampling = sampling_of(sampling)
+        metadata = metadata_of(metadata)
         rid = request_id if request_id is not None else f"req-{uuid.uuid4().hex[:12]}-{next(self._ids)}"
         if not isinstance(rid, str) or not rid:
             raise errors.InvalidRequestError("request_id must be a non-empty string")
@@ -266,11 +263,9 @@ class Engine:
             raise errors.RequestRejectedError(f"duplicate request id {rid!r}: a request with this id is active")
         if sampling.stop and self.tokenizer is None:
             raise errors.InvalidRequestError("stop strings need a tokenizer, and this model has none: use stop_token_ids")
-        if input_embeds is not None:
-            input_embeds = check_embeds_request(input_embeds, sampling, self.scheduler.limits)
-            ids = [EMBEDS_PLACEHOLDER_ID] * int(input_embeds.shape[0])  # what the result reports as prompt_ids
-        else:
-            ids = check_request(ids, sampling, self.scheduler.limits)
+        # The stage's door, here: the stage takes the verdict and does not check again.
+        verdict = check_request(ids if input_embeds is None else None, sampling, self.scheduler.limits, input_embeds=input_embeds)
+        ids, input_embeds = verdict.prompt_ids, verdict.input_embeds  # placeholder ids for embeddings
         per_sub = [sampling] if sampling.n == 1 else [
             dataclasses.replace(sampling, n=1, seed=completion_seed(sampling.seed, i)) for i in range(sampling.n)
         ]
@@ -278,8 +273,8 @@ class Engine:
         handle = RequestHandle(rid, comps, ids, self._router.hooks)
         try:
             for sub, sp in zip(subs, per_sub):
-                payload = RequestPayload(request_id=sub, input_ids=[] if input_embeds is not None else list(ids), sampling=sp,
-                                         metadata=dict(metadata or {}), input_embeds=input_embeds)
+                payload = CheckedPayload(request_id=sub, input_ids=[] if input_embeds is not None else list(ids), sampling=sp,
+                                         metadata=dict(metadata), input_embeds=input_embeds, verdict=verdict)
                 self.scheduler.inbox.send_nowait(IncomingMessage(sub, "new_request", payload))
                 self._router.route(sub, handle)
         except (anyio.ClosedResourceError, anyio.BrokenResourceError):
@@ -329,7 +324,7 @@ class Engine:
                 f"give either prompt or input_ids or messages or input_embeds, not {' and '.join(given)}"
             )
         if input_embeds is not None:
-            return []  # the rows are checked by check_embeds_request
+            return []  # the rows are checked by check_request
         if messages is not None:
             return render_chat_ids(self.tokenizer, messages)
         if prompt is not None:
@@ -398,13 +393,3 @@ class Engine:
 
 async def _nothing() -> None:
     return None
-
-
-def _sampling_of(sampling: Any) -> SamplingParams:
-    if sampling is None:
-        return SamplingParams()
-    if isinstance(sampling, dict):
-        return SamplingParams.from_dict(sampling)
-    if not isinstance(sampling, SamplingParams):
-        raise errors.InvalidRequestError("sampling must be SamplingParams or a dict")
-    return sampling

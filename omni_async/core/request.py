@@ -106,6 +106,9 @@ class RequestData:
     finish_reason: str | None = None
     weight_version: str | None = None
     enforce_request_limits: bool = True
+    # What the stage's door found (stage/request_checks.py's Verdict), so admission does
+    # not check again; None for a request a custom builder made.
+    checked: Any = None
     # Per-request input embeddings a stage builder may attach (prefill and decode);
     # dropped as soon as the result is built, so they do not outlive the request.
     # ``input_embeds``: ``[n, hidden]`` rows that the native prefill uses in place of the

@@ -9,12 +9,13 @@ synchronously (the small-batch fast path).
 
 from __future__ import annotations
 
-from ..stage.stepper import Stepper
+from ..stage.stepper import SteppedStage
 
 
-async def async_decode_loop(st: Stepper) -> None:
-    while st.serving:
-        await st.begin_iteration()
+async def async_decode_loop(stage: SteppedStage) -> None:
+    st = stage.stepper
+    while stage.serving:
+        await stage.begin_iteration()
         batch = st.next_batch()
         if batch is not None and st.lookahead_eligible(batch):
             await st.step_ahead(batch, lookahead=True)

@@ -3,10 +3,11 @@ iterations. Idle, it awaits its channels; busy, it awaits the model."""
 
 from __future__ import annotations
 
-from ..stage.stepper import Stepper
+from ..stage.stepper import SteppedStage
 
 
-async def normal_loop(st: Stepper) -> None:
-    while st.serving:
-        await st.begin_iteration()
+async def normal_loop(stage: SteppedStage) -> None:
+    st = stage.stepper
+    while stage.serving:
+        await stage.begin_iteration()
         await st.step_in_sync(st.next_batch())

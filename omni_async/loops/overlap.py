@@ -9,12 +9,13 @@ synchronously after a drain.
 
 from __future__ import annotations
 
-from ..stage.stepper import Stepper
+from ..stage.stepper import SteppedStage
 
 
-async def overlap_loop(st: Stepper) -> None:
-    while st.serving:
-        await st.begin_iteration()
+async def overlap_loop(stage: SteppedStage) -> None:
+    st = stage.stepper
+    while stage.serving:
+        await stage.begin_iteration()
         batch = st.next_batch()
         if batch is not None and st.overlap_eligible(batch):
             await st.step_ahead(batch)

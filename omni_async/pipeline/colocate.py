@@ -137,7 +137,7 @@ def talker_request_builder(
         cfg = stack.loaded.config
         bos = cfg.bos_token_id if cfg.bos_token_id is not None else 0
         bound.update(
-            default=weak_method(scheduler.intake.default_request_builder),
+            default=weak_method(scheduler.door.build_default),
             bos=bos,
             pad=bos if pad_id is None else pad_id,
             vocab=cfg.vocab_size,

@@ -166,7 +166,7 @@ async def run_weight_update(
     finally:
         c.state.paused = True if stay_paused else previously_paused
         if not c.state.paused:
-            c.wake()
+            c.wake.set()
     log.info("scheduler_weights_updated", success=bool(success), weight_version=c.state.weight_version)
     data = {
         "num_paused_requests": num_paused,

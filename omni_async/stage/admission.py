@@ -24,14 +24,12 @@ class Admission:
     def __init__(
         self,
         config: SchedulerConfig,
-        build: Callable[[Any], Any],
         is_ready: Callable[[Any, bool], bool] | None = None,
         on_build_done: Callable[[], None] | None = None,
         orphan_cap: int = 1_000,
         recheck_on_chunk: Callable[[str, Any], bool] | None = None,
     ) -> None:
         self._recheck_on_chunk = recheck_on_chunk
-        self._build = build
         self._is_ready = is_ready or (lambda payload, stream_done: True)
         self._on_build_done = on_build_done
         self.workers = max(1, config.request_build_max_workers)
@@ -171,11 +169,12 @@ class Admission:
 
     # ------------------------------------------------------------ building
 
-    def stage(self) -> tuple[list[Any], list[Any]]:
+    def stage(self, build: Callable[[Any], Any]) -> tuple[list[Any], list[Any]]:
         """Move staged payloads towards building. Returns ``(build_inline, rejected)``:
         with no pool, everything staged is built inline by the caller, in order; with a
-        pool, builds are submitted up to ``max_pending`` (backlog first), the rest wait
-        in the backlog, and what overflows the backlog is rejected."""
+        pool, ``build`` is submitted up to ``max_pending`` times (backlog first), the rest
+        wait in the backlog, and what overflows the backlog is rejected. (``build`` is
+        the caller's, passed per call: stored here it would tie the caller to its part.)"""
         staged, self._staged = self._staged, []
         if self.pool is None:
             for payload in staged:
@@ -190,7 +189,7 @@ class Admission:
                 self.backlog.append(payload)
         while self.backlog and len(self.pending) < self.max_pending:
             payload = self.backlog.popleft()
-            fut = self.pool.submit(self._build, payload)
+            fut = self.pool.submit(build, payload)
             if self._on_build_done is not None:
                 fut.add_done_callback(lambda _f: self._on_build_done())
             self.pending[payload.request_id] = (payload, fut)

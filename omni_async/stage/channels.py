@@ -1,11 +1,15 @@
-"""The anyio plumbing of the scheduler's channels: memory object streams drained, and
-the re-armable wake signal its loop waits on."""
+"""The anyio plumbing of the scheduler's channels: memory object streams drained, the
+outbox as the emission's sink, and the re-armable wake signal its loop waits on (with
+the way in from other threads)."""
 
 from __future__ import annotations
 
-from typing import Any, AsyncIterator
+import threading
+from typing import Any, AsyncIterator, Callable
 
 import anyio
+
+from .executor import threadsafe_caller
 
 
 async def drain_stream(stream: Any) -> AsyncIterator[Any]:
@@ -36,11 +40,50 @@ def take_buffered(stream: Any) -> list[Any]:
             return items
 
 
+class OutboxSink:
+    """The emission's sink for a stage used on its own: each message into the outbox."""
+
+    def __init__(self, send_stream: Any) -> None:
+        self._tx = send_stream
+
+    def __call__(self, messages: list[Any]) -> None:
+        for msg in messages:
+            try:
+                self._tx.send_nowait(msg)
+            except (anyio.ClosedResourceError, anyio.BrokenResourceError):
+                return  # nobody listens any more
+
+
 class WakeSignal:
-    """A re-armable wake signal: anyio events fire once, a loop needs one it can clear."""
+    """A re-armable wake signal: anyio events fire once, a loop needs one it can clear.
+
+    It is also the stage's way in from other threads (builds, grammar compiles, the
+    thread-safe door): once :meth:`bind` ran on the loop, :meth:`call_in_loop` runs a
+    function there. Collaborators hold this object, not the scheduler."""
 
     def __init__(self) -> None:
         self._event = anyio.Event()
+        self._call_soon: Callable[..., None] | None = None
+        self._loop_thread: int | None = None
+
+    def bind(self) -> None:
+        """Called on the loop that serves the stage, when it starts."""
+        self._call_soon = threadsafe_caller()
+        self._loop_thread = threading.get_ident()
+
+    def on_loop_thread(self) -> bool:
+        return threading.get_ident() == self._loop_thread
+
+    def call_in_loop(self, fn: Callable[..., Any], *args: Any) -> None:
+        """``fn(*args)`` now on the loop's thread (or before the loop runs), else soon on it."""
+        call = self._call_soon
+        if call is None or self.on_loop_thread():
+            fn(*args)
+        else:
+            call(fn, *args)
+
+    def set_threadsafe(self) -> None:
+        self.call_in_loop(self.set)
 
     def set(self) -> None:
         self._event.set()

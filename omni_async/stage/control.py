@@ -9,8 +9,10 @@ from __future__ import annotations
 from typing import Any, Awaitable, Callable, TypeVar
 
 from .. import errors
-from ..core.protocol import BatchCore
+from ..core.protocol import BatchCore, StepRunner
+from .channels import WakeSignal
 from .emission import Emission, StageState
+from .executor import StepExecutor
 from .intake import Intake
 from .stepper import Stepper
 
@@ -25,8 +27,10 @@ class StageControl:
         intake: Intake,
         emission: Emission,
         stepper: Stepper,
+        runner: StepRunner,
+        executor: StepExecutor,
         *,
-        wake: Callable[[], None],
+        wake: WakeSignal,
         state: StageState,
         loop_name: str,
         model_info: dict[str, Any] | None = None,
@@ -36,6 +40,8 @@ class StageControl:
         self.intake = intake
         self.emission = emission
         self.stepper = stepper
+        self.runner = runner
+        self.executor = executor
         self.wake = wake
         self.loop_name = loop_name
         self.model_info = dict(model_info or {})
@@ -62,7 +68,7 @@ class StageControl:
     def resume(self) -> None:
         self.state.paused = False
         self.state.pause_mode = None
-        self.wake()
+        self.wake.set()
 
     async def drain(self) -> None:
         """Process every step in flight."""
@@ -84,7 +90,7 @@ class StageControl:
 
     async def run_on_worker(self, fn: Callable[..., T], *args: Any) -> T:
         """Run ``fn`` on the forward thread, ordered with model steps (weight updates)."""
-        return await self.stepper.executor.run(fn, *args)
+        return await self.executor.run(fn, *args)
 
     # ------------------------------------------------------------ introspection
 
@@ -114,14 +120,14 @@ class StageControl:
                 "steps_in_flight": self.stepper.in_flight,
                 # How a step's device completion is awaited now (event_wait="auto" polls
                 # alone and blocks in a waiter thread while other stages share the loop).
-                "device_wait": "thread" if self.stepper.executor.event_waiter.blocks_in_thread() else "poll",
+                "device_wait": "thread" if self.executor.event_waiter.blocks_in_thread() else "poll",
                 "step_timeout_s": self.stepper.watchdog.setting,
                 "step_timeout_last_s": self.stepper.watchdog.last_s,
                 "step_timeouts": self.stepper.watchdog.timeouts,
             }
         )
         info.update(self.core.stats())
-        info.update(self.stepper.runner.stats())
+        info.update(self.runner.stats())
         info.update(self.intake.admission.stats())
         return info
 

@@ -1,5 +1,5 @@
-"""Intake: arrivals, payload parsing and validation, admission, stream input routing and
-tombstones.
+"""Intake: arrivals, payload parsing, admission (each request built and checked through
+the door, :mod:`omni_async.stage.request_checks`), stream input routing and tombstones.
 
 Every inbox message is checked at the door: a malformed one gets an error message for
 its sender where there is one and is dropped otherwise; a bad payload gets a typed error
@@ -8,23 +8,21 @@ on that request alone. Work per arrival is O(1) in the number of requests in the
 
 from __future__ import annotations
 
-import dataclasses
 from collections import deque
-from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 import anyio.lowlevel
 
 from .. import errors
 from .admission import Admission
-from ..config import SamplingParams, SchedulerConfig
+from ..config import SchedulerConfig
 from ..core.protocol import BatchCore
-from ..core.request import Request, RequestData
+from ..core.request import RequestData
 from ..logs import debug_enabled, log
 from ..messages import IncomingMessage, RequestPayload
-from .weak import weak_method
-from .request_checks import check_capacity, check_input_ids, check_sampling_vocab
-from .prompt_embeds import embeds_request_data, payload_prompt_len
+from .channels import WakeSignal
+from .request_checks import RequestDoor, metadata_of, refuse_unknown_fields, sampling_of
+from .prompt_embeds import payload_prompt_len
 from ..structured.gate import GrammarGate
 from .emission import Emission, IdWindow, call_user
 
@@ -39,53 +37,40 @@ _ARRIVALS_PER_CHECKPOINT = 32
 _ORPHAN_INPUT_CAP = 1_000
 
 
-@dataclass(frozen=True)
-class ModelLimits:
-    """What admission checks requests against."""
-
-    vocab_size: int
-    context_length: int
-    kv_capacity_tokens: int
-    eos_token_ids: tuple[int, ...] = ()
-    # Compiles the grammars of constrained requests (None: the model has no tokenizer).
-    grammar_compiler: Any = None
-    hidden_size: int | None = None  # the width of input_embeds rows; None: the stage takes none
-
-
 class Intake:
     def __init__(
         self,
         config: SchedulerConfig,
         core: BatchCore,
-        limits: ModelLimits,
+        door: RequestDoor,
         emission: Emission,
+        wake: WakeSignal,
         *,
         request_builder: RequestBuilder | None = None,
         request_build_ready: Callable[[Any, bool], bool] | None = None,
         recheck_on_chunk: Callable[[str, Any], bool] | None = None,
         stream_chunk_handler: Callable[[RequestData, Any], None] | None = None,
         stream_done_handler: Callable[[RequestData], None] | None = None,
-        on_build_done: Callable[[], None] | None = None,
     ) -> None:
+        """``door`` builds and checks requests; ``emission`` is where every refusal and
+        admission goes; ``wake`` is set (from any thread) when a build or a grammar is
+        done, so an idle loop takes it."""
         self.config = config
         self.core = core
-        self.limits = limits
+        self.door = door
         self.emission = emission
-        # None: the default builder, looked up per call (a bound method stored here would
-        # make a reference cycle; see omni_async.stage.weak).
-        self.request_builder = request_builder
+        self.request_builder = request_builder  # None: the door's default builder
         self._stream_chunk_handler = stream_chunk_handler
         self._stream_done_handler = stream_done_handler
         self.arrived: deque[IncomingMessage] = deque()
         self._arrived_new: dict[str, int] = {}  # rid -> new_request messages in ``arrived``
         # Ids aborted before they arrived (False) or whose abort was already answered (True).
         self.tombstones: IdWindow[bool] = IdWindow(config.aborted_id_cap, config.aborted_id_keep)
-        self.grammars = GrammarGate(limits.grammar_compiler, on_build_done)
+        self.grammars = GrammarGate(door.limits.grammar_compiler, wake.set_threadsafe)
         self.admission = Admission(
             config,
-            build=weak_method(self._build),
             is_ready=_with_grammar(self.grammars, _guarded_ready(request_build_ready) if request_build_ready else None),
-            on_build_done=on_build_done,
+            on_build_done=wake.set_threadsafe,
             orphan_cap=_ORPHAN_INPUT_CAP,
             recheck_on_chunk=_guarded_recheck(recheck_on_chunk) if recheck_on_chunk else None,
         )
@@ -139,7 +124,7 @@ class Intake:
         self.admission.dirty.update(self.grammars.take_ready())
         for payload in self.admission.take_dirty():
             self._to_admission(payload)
-        inline, rejected = self.admission.stage()
+        inline, rejected = self.admission.stage(self._build)
         for payload in rejected:
             self.emission.reject(payload.request_id, errors.RequestRejectedError(
                 f"request-build backlog is full (backlog_limit={self.admission.backlog_limit}); "
@@ -205,21 +190,13 @@ class Intake:
     def _payload_from_dict(self, rid: str, raw: dict[str, Any]) -> RequestPayload | None:
         known = {"request_id", "input_ids", "input_embeds", "sampling", "metadata"}
         try:
-            unknown = sorted(str(k) for k in set(raw) - known)
-            if unknown:
-                raise errors.InvalidRequestError(f"unknown request field(s): {', '.join(unknown)}")
-            sampling = raw.get("sampling")
-            if sampling is not None and not isinstance(sampling, (SamplingParams, dict)):
-                raise errors.InvalidRequestError(f"sampling must be SamplingParams or a dict, got {type(sampling).__name__}")
-            metadata = raw.get("metadata")
-            if metadata is not None and not isinstance(metadata, dict):
-                raise errors.InvalidRequestError(f"metadata must be a dict, got {type(metadata).__name__}")
+            refuse_unknown_fields(set(raw) - known)
             return RequestPayload(
                 request_id=raw.get("request_id", rid),
                 input_ids=raw.get("input_ids") or [],
                 input_embeds=raw.get("input_embeds"),
-                sampling=sampling if isinstance(sampling, SamplingParams) else SamplingParams.from_dict(sampling),
-                metadata=dict(metadata or {}),
+                sampling=sampling_of(raw.get("sampling")),
+                metadata=metadata_of(raw.get("metadata")),
             )
         except errors.OmniAsyncError as exc:
             self.emission.reject(rid, exc)
@@ -227,16 +204,11 @@ class Intake:
             self.emission.reject(rid, errors.InvalidRequestError(f"malformed request payload: {exc!r}"))
         return None
 
-    # ------------------------------------------------------------ building
+    # ------------------------------------------------------------ building and admitting
 
     def _build(self, payload: Any) -> RequestData:
-        rid = payload.request_id
-        if debug_enabled():
-            log.debug("scheduler_request_build_start", request_id=rid)
-        data = call_user("request builder", self.request_builder or self.default_request_builder, payload)
-        if debug_enabled():
-            log.debug("scheduler_request_build_end", request_id=rid)
-        return data
+        """Build one request (on the loop, or on the build pool)."""
+        return self.door.build(payload, self.request_builder)
 
     def _admit_built(self, built: Iterable[tuple[Any, Any, BaseException | None]]) -> None:
         """Validate built requests and enqueue them, in the order given."""
@@ -255,7 +227,7 @@ class Intake:
                     raise errors.RequestFailedError(f"request builder returned {type(data).__name__}, expected RequestData")
                 if data.req.rid != rid:
                     raise errors.InvalidRequestError(f"built request id {data.req.rid!r} differs from message id {rid!r}")
-                self.check_limits(data.req, enforce=data.enforce_request_limits)
+                self.door.fit(data)
                 self.grammars.attach(data.req)
             except errors.OmniAsyncError as err:
                 self.emission.reject(rid, err)
@@ -287,34 +259,6 @@ class Intake:
         """Stop the build pool and the grammar compiler's thread (close)."""
         self.admission.shutdown()
         self.grammars.shutdown()
-
-    def check_limits(self, req: Request, *, enforce: bool) -> None:
-        """See :func:`~omni_async.stage.request_checks.check_capacity`: the KV guard always,
-        the context (refuse, or clamp ``max_new_tokens``) when limits are enforced."""
-        s = req.sampling
-        lim = self.limits
-        n_new = check_capacity(len(req.prompt_ids), s.max_new_tokens, lim.context_length, lim.kv_capacity_tokens, enforce=enforce)
-        if n_new < s.max_new_tokens:
-            req.sampling = dataclasses.replace(s, max_new_tokens=n_new, min_new_tokens=min(s.min_new_tokens, n_new))
-
-    def default_request_builder(self, payload: Any) -> RequestData:
-        """Build from a :class:`RequestPayload` (dicts are converted on arrival)."""
-        if not isinstance(payload, RequestPayload):
-            raise errors.InvalidRequestError(f"unsupported payload type {type(payload).__name__}")
-        sampling = payload.sampling
-        if not isinstance(sampling, SamplingParams):
-            raise errors.InvalidRequestError("sampling must be a SamplingParams")
-        lim = self.limits
-        if getattr(payload, "input_embeds", None) is not None:
-            return embeds_request_data(payload, sampling, lim)
-        if hasattr(payload.input_ids, "__len__") and len(payload.input_ids) >= lim.context_length:
-            # O(1), before the per-token checks of a huge prompt
-            check_capacity(len(payload.input_ids), sampling.max_new_tokens, lim.context_length, lim.kv_capacity_tokens)
-        ids = check_input_ids(payload.input_ids, lim.vocab_size)
-        sampling.validate()
-        check_sampling_vocab(sampling, lim.vocab_size)
-        req = Request(rid=payload.request_id, prompt_ids=ids, sampling=sampling, eos_token_ids=self.limits.eos_token_ids)
-        return RequestData(req=req, payload=payload)
 
     # ------------------------------------------------------------ stream input
 

@@ -12,9 +12,6 @@ from __future__ import annotations
 from typing import Any
 
 from .. import errors
-from ..config import SamplingParams
-from ..core.request import Request, RequestData
-from .request_checks import check_capacity, check_sampling_vocab
 
 
 # The token id the batch core sees at each prompt position of a request given as embeddings.
@@ -63,28 +60,6 @@ def _as_tensor(embeds: Any, torch: Any) -> Any:
     raise errors.InvalidRequestError(
         f"input_embeds must be a torch tensor, a numpy array or a nested list, got {type(embeds).__name__}"
     )
-
-
-def check_embeds_request(embeds: Any, sampling: SamplingParams, limits: Any) -> Any:
-    """:func:`check_request` for a prompt given as embeddings; returns the tensor."""
-    t = check_input_embeds(embeds, getattr(limits, "hidden_size", None))
-    check_sampling_vocab(sampling, limits.vocab_size)
-    check_capacity(int(t.shape[0]), sampling.max_new_tokens, limits.context_length, limits.kv_capacity_tokens)
-    return t
-
-
-def embeds_request_data(payload: Any, sampling: SamplingParams, limits: Any) -> RequestData:
-    """The default request builder's request for a payload with ``input_embeds``."""
-    ids = payload.input_ids
-    if ids is not None and len(ids):
-        raise errors.InvalidRequestError("give either input_ids or input_embeds, not both")
-    sampling.validate()
-    if sampling.prompt_logprobs is not None:  # the prompt has no token ids to score
-        raise errors.InvalidRequestError("prompt_logprobs needs a prompt of token ids, not input_embeds")
-    embeds = check_embeds_request(payload.input_embeds, sampling, limits)
-    ids = [EMBEDS_PLACEHOLDER_ID] * int(embeds.shape[0])
-    req = Request(rid=payload.request_id, prompt_ids=ids, sampling=sampling, eos_token_ids=limits.eos_token_ids)
-    return RequestData(req=req, payload=payload, input_embeds=embeds)
 
 
 def payload_prompt_len(data: Any) -> int:

@@ -2,9 +2,10 @@
 
 It owns the steps in flight (a queue of depth 0 or 1), launches a step on the worker
 thread, awaits its device completion cooperatively, has the runner collect its output,
-and hands the output to the stage for processing. A failed step is handled here too.
-The loops in :mod:`omni_async.loops` are policies over it: how many steps may be in
-flight, and for which batches.
+and hands the output to its sink (the emission) for processing. A failed step is
+handled here too. The loops in :mod:`omni_async.loops` are policies over it: how many
+steps may be in flight, and for which batches. The stage that owns it runs the head of
+each iteration (:class:`SteppedStage`); the stepper never calls back up.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import concurrent.futures
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, Protocol
+from typing import Any, Callable, Protocol
 
 import anyio
 
@@ -23,6 +24,7 @@ from ..core.request import waits_for_host
 from .executor import StepExecutor
 from ..logs import debug_enabled, log
 from ..core.runner_io import ModelRunnerOutput, SchedulerOutput, SchedulerRequest
+from .channels import WakeSignal
 from .emission import IdWindow, StageState
 from .watchdog import AUTO, StepWatchdog
 
@@ -60,6 +62,18 @@ class StepSink(Protocol):
     def on_step_failed(self, batch: Any, exc: BaseException) -> None: ...
 
 
+class SteppedStage(Protocol):
+    """What a loop drives: the stage that owns the stepper and runs the head of each
+    iteration (admin, arrivals, admission, reaping) before the loop's step."""
+
+    stepper: "Stepper"
+
+    @property
+    def serving(self) -> bool: ...
+
+    async def begin_iteration(self) -> None: ...
+
+
 class Stepper:
     def __init__(
         self,
@@ -68,8 +82,7 @@ class Stepper:
         executor: StepExecutor,
         sink: StepSink,
         *,
-        begin_iteration: Callable[[], Awaitable[None]],
-        wait_for_work: Callable[[], Awaitable[None]],
+        wake: WakeSignal,
         state: StageState,
         config: Any,
         stats: StepStats | None = None,
@@ -83,8 +96,7 @@ class Stepper:
         self.stats = stats or StepStats()
         self.tracing = False
         self.watchdog = watchdog or StepWatchdog.for_runner(getattr(config, "step_timeout_s", AUTO), runner)
-        self._begin_iteration = begin_iteration
-        self._wait_for_work = wait_for_work
+        self.wake = wake  # what an idle step awaits: arrivals, aborts, admin, builds, close
         self.state = state
         self._inflight: deque[InflightStep] = deque()
         # Called with each processed step's seconds from launch to processed (metrics).
@@ -94,25 +106,8 @@ class Stepper:
     # ------------------------------------------------------------ what loops read
 
     @property
-    def serving(self) -> bool:
-        return self.state.serving
-
-    @property
     def in_flight(self) -> int:
         return len(self._inflight)
-
-    async def begin_iteration(self) -> None:
-        """The head of every loop iteration: one scheduling point, then admin, arrivals,
-        admission, reaping.
-
-        The scheduling point is explicit because nothing else guarantees one: when the
-        device keeps up, a step launched inline finds its completion already recorded,
-        and every await of the iteration returns at once. Measured on the H200 without it,
-        the caller's other tasks (stream readers, an HTTP server, a 1 ms ticker) then did
-        not run for 0.4-0.6 s, a whole decode phase of 256 requests."""
-        self.stats.iterations += 1
-        await anyio.lowlevel.checkpoint()
-        await self._begin_iteration()
 
     def next_batch(self) -> ScheduledBatchLike | None:
         """The batch core's next step; None while generation is paused."""
@@ -162,7 +157,8 @@ class Stepper:
                 return
         if batch is None:
             self.core.on_idle()
-            await self._wait_for_work()
+            if self.state.serving:  # idle: await the channels
+                await self.wake.wait()
             return
         await self._launch(batch, lookahead=False, trace="sync")
         await self._complete(self._inflight.popleft(), trace=None)

@@ -320,7 +320,6 @@ def build_scheduler(stack: SGLangStack, **callbacks: Any) -> AsyncOmniScheduler:
         model_worker=stack.model_worker,
         **callbacks,
     )
-    stack.core.wake = scheduler.wake
     return scheduler
 
 

@@ -41,7 +41,7 @@ from __future__ import annotations
 import copy
 import math
 from array import array
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 from ...config import SchedulerConfig
 from ...core.batch import ForwardMode
@@ -107,7 +107,6 @@ class SGLangBatchCore(BatchCore):
         )
         self.num_retractions = 0
         self.stack: Any = None
-        self.wake: Callable[[], None] | None = None  # the scheduler's wake (set by the builder)
         self._omni: dict[int, Request] = {}  # id(SGLang Req) -> omni request
         self._sreq: dict[str, Req] = {}  # rid -> SGLang Req, while the request is active
         self._last_step: dict[int, SGLangScheduledBatch] = {}  # id(Req) -> newest step it rides
@@ -116,38 +115,11 @@ class SGLangBatchCore(BatchCore):
         self._step_id = 0
         self._arrivals = 0
 
-    # SGLang's scheduling state lives on the planner (its Scheduler).
     @property
     def waiting_queue(self) -> list[Req]:
+        """SGLang's waiting queue, which lives on the planner (read-only, for callers
+        inspecting the core; the core itself uses ``self.planner``'s state)."""
         return self.planner.waiting_queue
-
-    @waiting_queue.setter
-    def waiting_queue(self, queue: list[Req]) -> None:
-        self.planner.waiting_queue = queue
-
-    @property
-    def running_batch(self) -> ScheduleBatch:
-        return self.planner.running_batch
-
-    @running_batch.setter
-    def running_batch(self, batch: ScheduleBatch) -> None:
-        self.planner.running_batch = batch
-
-    @property
-    def last_batch(self) -> ScheduleBatch | None:
-        return self.planner.last_batch
-
-    @last_batch.setter
-    def last_batch(self, batch: ScheduleBatch | None) -> None:
-        self.planner.last_batch = batch
-
-    @property
-    def chunked_req(self) -> Req | None:
-        return self.planner.chunked_req
-
-    @chunked_req.setter
-    def chunked_req(self, req: Req | None) -> None:
-        self.planner.chunked_req = req
 
     # ------------------------------------------------------------------ requests
 
@@ -188,17 +160,17 @@ class SGLangBatchCore(BatchCore):
         sreq.logprob_start_len = -1
         self._omni[id(sreq)] = req
         self._sreq[req.rid] = sreq
-        self.waiting_queue.append(sreq)
+        self.planner.waiting_queue.append(sreq)
 
     def has_work(self) -> bool:
-        return bool(self.waiting_queue or self.running_batch.reqs or self.chunked_req is not None)
+        return bool(self.planner.waiting_queue or self.planner.running_batch.reqs or self.planner.chunked_req is not None)
 
     def on_idle(self) -> None:
         """SGLang's idle self-check: the new-token ratio back to its initial value."""
         self.planner.new_token_ratio_tracker = NewTokenRatioTracker.from_config()
 
     def num_waiting(self) -> int:
-        return len(self.waiting_queue)
+        return len(self.planner.waiting_queue)
 
     def active_requests(self) -> list[Request]:
         return [self._omni[id(s)] for s in self._sreq.values() if not s.finished()]
@@ -233,17 +205,7 @@ class SGLangBatchCore(BatchCore):
                 self._release_now(sreq, checkpoint)
             else:
                 keep.append((sreq, checkpoint))
-        released = len(keep) < len(self._deferred)
         self._deferred = keep
-        if released:
-            self._wake_if_waiting()
-
-    def _wake_if_waiting(self) -> None:
-        """KV came back after this iteration's scheduling (a lookahead loop processes a
-        step after scheduling the next one): let the loop schedule again rather than
-        idle until the next arrival."""
-        if self.wake is not None and (self.waiting_queue or self.chunked_req is not None):
-            self.wake()
 
     @property
     def num_deferred_releases(self) -> int:
@@ -280,7 +242,7 @@ class SGLangBatchCore(BatchCore):
         req.num_retractions += 1
         req.num_inflight = 0
         self.num_retractions += 1
-        self.waiting_queue.append(sreq)
+        self.planner.waiting_queue.append(sreq)
 
     def _on_oom_abort(self, sreq: Req) -> None:
         """``retract_decode`` aborted this request (alone it no longer fits; its KV is
@@ -312,7 +274,7 @@ class SGLangBatchCore(BatchCore):
             req = self._omni_of(sreq)
             reqs.append(req)
             snapshots.append(list(req.output_ids) if req.sampling.repetition_penalty != 1.0 else None)
-            keep = not (is_extend and sreq is self.chunked_req)
+            keep = not (is_extend and sreq is self.planner.chunked_req)
             kept.append(keep)
             generated = sreq.kv.kv_committed_len - len(sreq.origin_input_ids)
             indices.append(max(0, generated))
@@ -372,8 +334,6 @@ class SGLangBatchCore(BatchCore):
         finally:
             self.token_to_kv_pool_allocator.free_group_end()
         self._flush_deferred()
-        if any(oc.finished for oc in outcomes):
-            self._wake_if_waiting()
         return outcomes
 
     # ------------------------------------------------------------------ aborts
@@ -384,9 +344,9 @@ class SGLangBatchCore(BatchCore):
         sreq = self._sreq.get(rid)
         if sreq is None or sreq.finished():
             return None
-        for i, waiting in enumerate(self.waiting_queue):
+        for i, waiting in enumerate(self.planner.waiting_queue):
             if waiting is sreq:
-                self.waiting_queue.pop(i)
+                self.planner.waiting_queue.pop(i)
                 return self._finish(sreq, FINISH_ABORT("aborted"), checkpoint=False)
         sreq.to_finish = FINISH_ABORT("aborted")
         self._omni_of(sreq).to_finish = "abort"
@@ -397,13 +357,13 @@ class SGLangBatchCore(BatchCore):
         reaped, self._aborted_now = self._aborted_now, []
         marked = [s for s in self._sreq.values() if s.to_finish is not None and not s.finished()]
         for sreq in marked:
-            if sreq is self.chunked_req:  # Scheduler.process_pending_chunked_abort
-                self.chunked_req = None
+            if sreq is self.planner.chunked_req:  # Scheduler.process_pending_chunked_abort
+                self.planner.chunked_req = None
             reaped.append(self._finish(sreq, sreq.to_finish, checkpoint=False))
         if marked:
-            self.running_batch.filter_batch()
+            self.planner.running_batch.filter_batch()
             # Marked while running, then retracted before the step boundary.
-            self.waiting_queue = [r for r in self.waiting_queue if not r.finished()]
+            self.planner.waiting_queue = [r for r in self.planner.waiting_queue if not r.finished()]
         return reaped
 
     def abort_all(self) -> list[Request]:
@@ -414,10 +374,10 @@ class SGLangBatchCore(BatchCore):
             if sreq.finished():
                 continue
             victims.append(self._finish(sreq, FINISH_ABORT("aborted"), checkpoint=False))
-        self.waiting_queue = []
-        self.running_batch = ScheduleBatch(reqs=[], batch_is_full=False)
-        self.chunked_req = None
-        self.last_batch = None
+        self.planner.waiting_queue = []
+        self.planner.running_batch = ScheduleBatch(reqs=[], batch_is_full=False)
+        self.planner.chunked_req = None
+        self.planner.last_batch = None
         self._flush_deferred(force=True)
         victims = self._aborted_now + victims
         self._aborted_now = []
@@ -430,14 +390,14 @@ class SGLangBatchCore(BatchCore):
             sreq = self._sreq.get(req.rid)
             if sreq is None or sreq.finished():
                 continue
-            self.waiting_queue = [r for r in self.waiting_queue if r is not sreq]
-            if self.chunked_req is sreq:
-                self.chunked_req = None
+            self.planner.waiting_queue = [r for r in self.planner.waiting_queue if r is not sreq]
+            if self.planner.chunked_req is sreq:
+                self.planner.chunked_req = None
             self._finish(sreq, FINISH_ABORT("model step failed"), checkpoint=False)
             req.finish_reason = "error"
             failed.append(req)
         if failed:
-            self.running_batch.filter_batch()
+            self.planner.running_batch.filter_batch()
         return failed
 
     def retract_requests(self, reqs: Sequence[Request]) -> list[Request]:
@@ -452,18 +412,18 @@ class SGLangBatchCore(BatchCore):
             sreq = self._sreq.get(req.rid)
             if sreq is None or sreq.finished() or not sreq.kv.holds_kv:
                 continue
-            if any(w is sreq for w in self.waiting_queue):
+            if any(w is sreq for w in self.planner.waiting_queue):
                 continue
             victims.append(sreq)
         if not victims:
             return []
-        self.running_batch.filter_batch(reqs_to_exclude=victims)
-        self.running_batch.batch_is_full = False
-        last = self.last_batch
-        if last is not None and last.forward_mode.is_extend() and last is not self.running_batch:
+        self.planner.running_batch.filter_batch(reqs_to_exclude=victims)
+        self.planner.running_batch.batch_is_full = False
+        last = self.planner.last_batch
+        if last is not None and last.forward_mode.is_extend() and last is not self.planner.running_batch:
             last.filter_batch(reqs_to_exclude=victims)
-        if self.chunked_req is not None and any(v is self.chunked_req for v in victims):
-            self.chunked_req = None
+        if self.planner.chunked_req is not None and any(v is self.planner.chunked_req for v in victims):
+            self.planner.chunked_req = None
         return self._requeue_retracted(victims)
 
     def _requeue_retracted(self, victims: list[Req]) -> list[Request]:
@@ -488,25 +448,25 @@ class SGLangBatchCore(BatchCore):
             req.num_inflight = 0
             self.num_retractions += 1
             out.append(req)
-        merged = sorted(ordered + self.waiting_queue, key=lambda s: self._omni_of(s).arrival)
-        self.waiting_queue = merged
+        merged = sorted(ordered + self.planner.waiting_queue, key=lambda s: self._omni_of(s).arrival)
+        self.planner.waiting_queue = merged
         return out
 
     def retract_all(self) -> list[Request]:
         """Scheduler.pause_generation(mode="retract"): every running, just-prefilled and
         chunked request back to the waiting queue, its KV released."""
         self._flush_deferred(force=True)  # called after the loop drained its step
-        victims = [r for r in self.running_batch.reqs if not r.finished()]
-        last = self.last_batch
-        if last is not None and last.forward_mode.is_extend() and last is not self.running_batch:
+        victims = [r for r in self.planner.running_batch.reqs if not r.finished()]
+        last = self.planner.last_batch
+        if last is not None and last.forward_mode.is_extend() and last is not self.planner.running_batch:
             victims += [r for r in last.reqs if not r.finished() and r not in victims]
-        if self.chunked_req is not None and not self.chunked_req.finished() and self.chunked_req not in victims:
-            victims.append(self.chunked_req)
+        if self.planner.chunked_req is not None and not self.planner.chunked_req.finished() and self.planner.chunked_req not in victims:
+            victims.append(self.planner.chunked_req)
         victims = [r for r in victims if r.kv.holds_kv]
-        self.last_batch = None
-        self.running_batch.reqs = []
-        self.running_batch.batch_is_full = False
-        self.chunked_req = None
+        self.planner.last_batch = None
+        self.planner.running_batch.reqs = []
+        self.planner.running_batch.batch_is_full = False
+        self.planner.chunked_req = None
         return self._requeue_retracted(victims) if victims else []
 
     # ------------------------------------------------------------------ pools
@@ -527,7 +487,7 @@ class SGLangBatchCore(BatchCore):
     def flush_cache(self) -> bool:
         """Drop the radix cache (e.g. after a weight update) when no request holds KV,
         as Scheduler.flush_cache does; the cached KV goes back to the allocator."""
-        if self.active_requests() or self.waiting_queue or self.chunked_req is not None:
+        if self.active_requests() or self.planner.waiting_queue or self.planner.chunked_req is not None:
             return False
         self._flush_deferred()
         if self._deferred or self.tree_cache.protected_size() != 0:
@@ -536,16 +496,16 @@ class SGLangBatchCore(BatchCore):
         if evictable:
             self.tree_cache.evict(EvictParams(num_tokens=evictable))
         self.tree_cache.reset()
-        self.last_batch = None
-        self.running_batch = ScheduleBatch(reqs=[], batch_is_full=False)
+        self.planner.last_batch = None
+        self.planner.running_batch = ScheduleBatch(reqs=[], batch_is_full=False)
         return True
 
     def stats(self) -> dict[str, int]:
         allocator = self.token_to_kv_pool_allocator
         return {
-            "waiting_queue_size": len(self.waiting_queue),
-            "running_batch_size": len([r for r in self.running_batch.reqs if not r.finished()]),
-            "chunked_requests": int(self.chunked_req is not None),
+            "waiting_queue_size": len(self.planner.waiting_queue),
+            "running_batch_size": len([r for r in self.planner.running_batch.reqs if not r.finished()]),
+            "chunked_requests": int(self.planner.chunked_req is not None),
             "kv_free_tokens": int(allocator.available_size()),
             "kv_cached_tokens": int(self.tree_cache.evictable_size()),
             "kv_locked_tokens": int(self.tree_cache.protected_size()),
