@@ -47,9 +47,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-import _common as C
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from omni_async import Engine, SamplingParams
+import _common as C  # noqa: E402
+
+from omni_async import Engine, SamplingParams  # noqa: E402
 
 ITEM = {
     "type": "object",
