@@ -154,6 +154,7 @@ async def run_arm(engine: Engine, work, arm: str) -> dict[str, Any]:
         "constrained": len(cons),
         "valid": sum(ok and results[i].finish_reason == "length" for (ok, _), i in zip(checks, cons)),
         "items_mean": statistics.mean(n for _, n in checks) if checks else None,
+        "invalid_examples": [results[i].text[:400] for (ok, _), i in zip(checks, cons) if not ok][:3],
         "step_ms": step_ms,
         "mask_ms_per_step": mask_ms,
         "mask_pct_of_step": 100 * mask_ms / step_ms if mask_ms is not None and step_ms else None,
