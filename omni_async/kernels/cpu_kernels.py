@@ -4,11 +4,9 @@ caches it; this module puts it together).
 
 One extension rather than one per kernel family: the decode stack (:mod:`.cpu_stack`)
 calls the attention (:mod:`.cpu_paged`), elementwise (:mod:`.cpu_fused`) and block GEMM
-(:mod:`.cpu_quant`) functions that the per-op path calls, compiled once with one set of
-flags, so the two paths compute the same bits; and one compile is shorter than four.
-Floating-point contraction is off throughout (``-ffp-contract=off``): the elementwise
-kernels round where the torch reference rounds, and an FMA the compiler chose would not
-(the GEMMs' FMAs are explicit intrinsics, unaffected)."""
+(:mod:`.cpu_quant`) functions that the per-op path calls, compiled once, so the two paths compute the same bits; and one compile is shorter than
+four. Each family keeps the floating-point contraction it was first built with (see
+SOURCE), so the per-op path's bits are those of the separate extensions before."""
 
 from __future__ import annotations
 
@@ -35,8 +33,15 @@ def _module_def() -> str:
 
 
 _PRELUDE = "#include <torch/extension.h>\n#include <algorithm>\n#include <cmath>\n#include <cstdint>\n"
-SOURCE = "\n".join([_PRELUDE, cpu_fused.EXP_POLY, cpu_fused.SOURCE, cpu_paged.SOURCE, cpu_quant.SOURCE, cpu_stack.SOURCE, _module_def()])
-KERNELS = CppKernels("omni_async_cpu", SOURCE, None, "cpu_kernels", extra_cflags=["-ffp-contract=off"])
+# The elementwise kernels round where the torch reference rounds: floating-point contraction
+# off for them alone (an FMA the compiler chose would skip a rounding). The attention and
+# block GEMM kernels keep the compiler's contraction they were first built with, their exp
+# included (a copy of the polynomial compiled with it), so their bits do not change.
+_NO_CONTRACTION = '#pragma GCC push_options\n#pragma GCC optimize("fp-contract=off")\n'
+_CONTRACTED_EXP = cpu_fused.EXP_POLY.replace("exp_poly(", "exp_poly_contracted(")
+SOURCE = "\n".join([_PRELUDE, _NO_CONTRACTION, cpu_fused.EXP_POLY, cpu_fused.SOURCE, "#pragma GCC pop_options", _CONTRACTED_EXP,
+                     cpu_paged.SOURCE, cpu_quant.SOURCE, cpu_stack.SOURCE, _module_def()])
+KERNELS = CppKernels("omni_async_cpu", SOURCE, None, "cpu_kernels")
 
 
 def load() -> Any:

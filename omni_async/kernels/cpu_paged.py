@@ -56,7 +56,7 @@ static void decode_rows(const T* q, const T* kc, const T* vc, const int64_t* pag
       for (int64_t r = 0; r < rep; ++r) {
         float* sr = scores.data() + r * span;
         const float m = mx[r];
-        for (int64_t t = 0; t < len; ++t) sr[t] = exp_poly(sr[t] - m);
+        for (int64_t t = 0; t < len; ++t) sr[t] = exp_poly_contracted(sr[t] - m);
         float total = 0.f;
 #pragma omp simd reduction(+ : total)
         for (int64_t t = 0; t < len; ++t) total += sr[t];
