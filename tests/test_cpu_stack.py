@@ -45,10 +45,10 @@ async def _run(engine: Engine, stack: bool, tokens: int = 10):
     return [r.output_ids for r in out + [one]], [r.hidden_states for r in out + [one]], counted
 
 
-@pytest.mark.parametrize("mode", ["q4", "q8"])
-async def test_the_stack_computes_the_per_op_paths_bits_in_every_loop(mode):
+@pytest.mark.parametrize("mode,loops", [("q4", LOOPS), ("q8", ["normal"])])
+async def test_the_stack_computes_the_per_op_paths_bits_in_every_loop(mode, loops):
     results = {}
-    for loop in LOOPS:
+    for loop in loops:
         for stack in (False, True):
             engine = Engine.from_pretrained("tiny", loop=loop, quantization=mode, kv_capacity_tokens=4096, **KERNELS)
             async with engine:
