@@ -182,6 +182,13 @@ def print_table(summary: dict[str, Any]) -> None:
                 print(f"{system} first token / llama.cpp's: {s['median'] / ttft['median']:.2f}x (lower is better)")
 
 
+def save(args: argparse.Namespace, runs: list[dict[str, Any]], complete: bool) -> dict[str, Any]:
+    summary = summarize(runs)
+    C.save_json(args.out, {"benchmark": "cpu_llamacpp", "complete": complete, "machine": C.machine_facts(), "args": vars(args),
+                           "runs": runs, "summary": summary})
+    return summary
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--systems", default="llamacpp,omni")
@@ -206,9 +213,8 @@ def main(argv: list[str] | None = None) -> int:
                 r = {"system": system, "workload": workload, "repeat": rep, "loadavg": C.loadavg(), **measure_isolated(system, workload, args.new_tokens)}
                 runs.append(r)
                 print(json.dumps(r), flush=True)
-    summary = summarize(runs)
-    print_table(summary)
-    C.save_json(args.out, {"benchmark": "cpu_llamacpp", "machine": C.machine_facts(), "args": vars(args), "runs": runs, "summary": summary})
+                save(args, runs, complete=False)  # a run cut short keeps what it measured
+    print_table(save(args, runs, complete=True))
     return 0
 
 

@@ -28,3 +28,11 @@ def model_ops(*, triton: bool, cpu: bool):
     from .reference import ReferenceOps
 
     return ReferenceOps()
+
+
+def cpu_decode_stack(model):
+    """A CPU decode step's layers in one C++ call (:mod:`.cpu_stack`) for ``model``, or
+    None where it would not compute what the per-op path computes."""
+    from .cpu_stack import CpuDecodeStack
+
+    return CpuDecodeStack.for_model(model)

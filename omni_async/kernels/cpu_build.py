@@ -76,8 +76,11 @@ def cache_root() -> Path:
 
 
 class CppKernels:
-    def __init__(self, name: str, source: str, functions: Sequence[str], option: str, extra_cflags: Sequence[str] = ()) -> None:
-        self.name, self.source, self.functions = name, source, list(functions)
+    def __init__(self, name: str, source: str, functions: Sequence[str] | None, option: str, extra_cflags: Sequence[str] = ()) -> None:
+        """``functions``: the names to bind; None when ``source`` has its own
+        ``PYBIND11_MODULE`` (a class, or bindings with options)."""
+        self.name, self.source = name, source
+        self.functions = None if functions is None else list(functions)
         self.option = option  # the engine option these kernels serve, for the error
         self.cflags = [*BASE_CFLAGS, *extra_cflags]
         self._lock = threading.Lock()

@@ -29,7 +29,6 @@ from typing import Any
 
 import torch
 
-from .cpu_build import CppKernels
 from .reference import ReferenceOps
 
 EXP_POLY = r"""
@@ -54,7 +53,7 @@ static inline float exp_poly(float x) {
 }
 """
 
-_SOURCE = r"""
+SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
@@ -76,7 +75,6 @@ static void over_rows(int64_t rows, int64_t per_row, const F& body) {
 }
 
 template <typename T> static inline T round_to(float v) { return static_cast<T>(v); }
-""" + EXP_POLY + r"""
 
 // Sum of squares with 16 independent partial sums (vectorisable without reassociation flags).
 static inline float sum_squares(const float* v, int64_t n) {
@@ -265,12 +263,15 @@ torch::Tensor extend_attention(torch::Tensor q, torch::Tensor k_cache, torch::Te
 }
 """
 
-_KERNELS = CppKernels("omni_async_cpu_fused", _SOURCE, ["add_rms_norm", "silu_mul", "rope_store", "extend_attention"], "cpu_fused_ops", extra_cflags=["-ffp-contract=off"])
+FUNCTIONS = ["add_rms_norm", "silu_mul", "rope_store", "extend_attention"]
 
 
 def load() -> Any:
-    """The compiled extension (built on first call); ConfigError when it cannot be built."""
-    return _KERNELS.load()
+    """The compiled CPU kernels (:mod:`.cpu_kernels`; built on first call); ConfigError
+    when they cannot be built."""
+    from .cpu_kernels import load as load_all
+
+    return load_all()
 
 
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,6 +1,12 @@
-"""Every C++ CPU kernel set together: built at install (``scripts/setup.sh`` runs this
-module), or in the background when a start finds them missing (:mod:`.cpu_build` builds
-and caches one set; this module knows the sets)."""
+"""Every C++ CPU kernel in one extension: built at install (``scripts/setup.sh`` runs this
+module), or in the background when a start finds it missing (:mod:`.cpu_build` builds and
+caches it; this module puts it together).
+
+One extension rather than one per kernel family: the decode stack (:mod:`.cpu_stack`)
+calls the attention (:mod:`.cpu_paged`), elementwise (:mod:`.cpu_fused`) and block GEMM
+(:mod:`.cpu_quant`) functions that the per-op path calls, compiled once, so the two paths compute the same bits; and one compile is shorter than
+four. Each family keeps the floating-point contraction it was first built with (see
+SOURCE), so the per-op path's bits are those of the separate extensions before."""
 
 from __future__ import annotations
 
@@ -9,12 +15,42 @@ import subprocess
 import sys
 from typing import Sequence
 
-from . import cpu_fused, cpu_paged, cpu_quant
+from typing import Any
+
+from . import cpu_fused, cpu_paged, cpu_quant, cpu_stack
 from .cpu_build import BUILD_SECONDS_ESTIMATE, CppKernels, cache_root
 
 
+def _module_def() -> str:
+    """The extension's Python bindings: every family's functions (the GIL released while
+    they run, as torch's own ops release it) and the decode stack's class."""
+    lines = ["PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {"]
+    for name in cpu_paged.FUNCTIONS + cpu_fused.FUNCTIONS + cpu_quant.FUNCTIONS:
+        lines.append(f'  m.def("{name}", &{name}, "{name}", py::call_guard<py::gil_scoped_release>());')
+    lines.append(cpu_stack.BINDINGS)
+    lines.append("}")
+    return "\n".join(lines)
+
+
+_PRELUDE = "#include <torch/extension.h>\n#include <algorithm>\n#include <cmath>\n#include <cstdint>\n"
+# The elementwise kernels round where the torch reference rounds: floating-point contraction
+# off for them alone (an FMA the compiler chose would skip a rounding). The attention and
+# block GEMM kernels keep the compiler's contraction they were first built with, their exp
+# included (a copy of the polynomial compiled with it), so their bits do not change.
+_NO_CONTRACTION = '#pragma GCC push_options\n#pragma GCC optimize("fp-contract=off")\n'
+_CONTRACTED_EXP = cpu_fused.EXP_POLY.replace("exp_poly(", "exp_poly_contracted(")
+SOURCE = "\n".join([_PRELUDE, _NO_CONTRACTION, cpu_fused.EXP_POLY, cpu_fused.SOURCE, "#pragma GCC pop_options", _CONTRACTED_EXP,
+                     cpu_paged.SOURCE, cpu_quant.SOURCE, cpu_stack.SOURCE, _module_def()])
+KERNELS = CppKernels("omni_async_cpu", SOURCE, None, "cpu_kernels")
+
+
+def load() -> Any:
+    """The compiled extension (built on first call); ConfigError when it cannot be built."""
+    return KERNELS.load()
+
+
 def all_kernels() -> list[CppKernels]:
-    return [cpu_paged._KERNELS, cpu_fused._KERNELS, cpu_quant._KERNELS]
+    return [KERNELS]
 
 
 def all_built() -> bool:

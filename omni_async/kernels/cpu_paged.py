@@ -17,17 +17,15 @@ from typing import Any
 
 import torch
 
-from .cpu_build import CppKernels
-from .cpu_fused import EXP_POLY
 
-_SOURCE = r"""
+SOURCE = r"""
 #include <torch/extension.h>
 #include <cstdint>
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cmath>
 #include <vector>
-""" + EXP_POLY + r"""
+
 // Scores, then exp over the whole row (a vectorised loop), then the weighted V sum; the
 // query heads of one KV head share each K and V row load. DC is the head dim when it is
 // one of the common ones (the dot products then compile to straight-line vector code), 0
@@ -58,7 +56,7 @@ static void decode_rows(const T* q, const T* kc, const T* vc, const int64_t* pag
       for (int64_t r = 0; r < rep; ++r) {
         float* sr = scores.data() + r * span;
         const float m = mx[r];
-        for (int64_t t = 0; t < len; ++t) sr[t] = exp_poly(sr[t] - m);
+        for (int64_t t = 0; t < len; ++t) sr[t] = exp_poly_contracted(sr[t] - m);
         float total = 0.f;
 #pragma omp simd reduction(+ : total)
         for (int64_t t = 0; t < len; ++t) total += sr[t];
@@ -93,12 +91,15 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor kc, torch::Tensor vc, 
 }
 """
 
-_KERNELS = CppKernels("omni_async_cpu_paged", _SOURCE, ["paged_decode"], "cpu_attention_kernel")
+FUNCTIONS = ["paged_decode"]
 
 
 def load() -> Any:
-    """The compiled extension (built on first call); ConfigError when it cannot be built."""
-    return _KERNELS.load()
+    """The compiled CPU kernels (:mod:`.cpu_kernels`; built on first call); ConfigError
+    when they cannot be built."""
+    from .cpu_kernels import load as load_all
+
+    return load_all()
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pages: torch.Tensor, page_size: int,

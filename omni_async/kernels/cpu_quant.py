@@ -25,12 +25,11 @@ from typing import Any
 
 import torch
 
-from .cpu_build import CppKernels
 
 BLOCK = 32
 FORMATS = ("q4", "q8")
 
-_SOURCE = r"""
+SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
@@ -142,35 +141,43 @@ static void gemm_rows(const uint8_t* qs, const float* d, const float* m, const f
   });
 }
 
+// out[B, N] = x[B, K] times the blocks (m: the q4 minimums, null for q8; bias may be null).
+static void linear_blocks_rows(const float* x, int64_t B, int64_t K, const uint8_t* qs, const float* d, const float* m,
+                               const float* bias, int64_t N, float* out) {
+  if (B == 0) return;
+  const int64_t nb = K / kBlock;
+  std::vector<int8_t> xq(B * K);
+  std::vector<float> dx(B * nb), sx(B * nb);
+  quantize_rows(x, B, K, xq.data(), dx.data(), sx.data());
+  if (m != nullptr) {
+    gemm_rows<true>(qs, d, m, bias, xq.data(), dx.data(), sx.data(), out, B, N, K);
+  } else {
+    gemm_rows<false>(qs, d, nullptr, bias, xq.data(), dx.data(), sx.data(), out, B, N, K);
+  }
+}
+
 torch::Tensor linear_blocks(torch::Tensor x, torch::Tensor qs, torch::Tensor d, c10::optional<torch::Tensor> m,
                             c10::optional<torch::Tensor> bias) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(), "x: contiguous float32 [B, K]");
   const int64_t B = x.size(0), K = x.size(1), N = qs.size(0);
   TORCH_CHECK(K % kBlock == 0, "K must be a multiple of 32");
   auto out = torch::empty({B, N}, x.options());
-  if (B == 0) return out;
-  const int64_t nb = K / kBlock;
-  std::vector<int8_t> xq(B * K);
-  std::vector<float> dx(B * nb), sx(B * nb);
-  quantize_rows(x.data_ptr<float>(), B, K, xq.data(), dx.data(), sx.data());
-  const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
-  if (m.has_value()) {
-    gemm_rows<true>(qs.data_ptr<uint8_t>(), d.data_ptr<float>(), m->data_ptr<float>(), bp, xq.data(), dx.data(), sx.data(),
-                    out.data_ptr<float>(), B, N, K);
-  } else {
-    gemm_rows<false>(qs.data_ptr<uint8_t>(), d.data_ptr<float>(), nullptr, bp, xq.data(), dx.data(), sx.data(),
-                     out.data_ptr<float>(), B, N, K);
-  }
+  linear_blocks_rows(x.data_ptr<float>(), B, K, qs.data_ptr<uint8_t>(), d.data_ptr<float>(),
+                     m.has_value() ? m->data_ptr<float>() : nullptr, bias.has_value() ? bias->data_ptr<float>() : nullptr,
+                     N, out.data_ptr<float>());
   return out;
 }
 """
 
-_KERNELS = CppKernels("omni_async_cpu_quant", _SOURCE, ["linear_blocks"], "quantization")
+FUNCTIONS = ["linear_blocks"]
 
 
 def load() -> Any:
-    """The compiled extension (built on first call); ConfigError when it cannot be built."""
-    return _KERNELS.load()
+    """The compiled CPU kernels (:mod:`.cpu_kernels`; built on first call); ConfigError
+    when they cannot be built."""
+    from .cpu_kernels import load as load_all
+
+    return load_all()
 
 
 @dataclass

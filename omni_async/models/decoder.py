@@ -165,6 +165,9 @@ class DecoderModel(nn.Module):
         self.tie_weights()
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
         self.ops: ReferenceOps = ReferenceOps()  # replaced by fused kernels on CUDA
+        # A CPU decode step's layers in one C++ call (kernels/cpu_stack.py), set by the
+        # runner where the C++ kernels are on and the weights are blocks; else None.
+        self.cpu_stack = None
         # A talker's projection of another stage's hidden states into its input space
         # (``cond`` in :meth:`forward`); None for a plain decoder.
         self.thinker_to_talker_proj: nn.Module | None = None
@@ -207,13 +210,16 @@ class DecoderModel(nn.Module):
             rows, mask = cond
             x = x + self.thinker_to_talker_proj(rows.to(x.dtype)) * mask.to(x.dtype)[:, None]
         cos, sin = self.rope(positions, x.dtype)
-        delta = None
-        for layer in self.model.layers:
-            x, delta = layer(x, delta, cos, sin, kv, ctx, self.ops)
         every = return_hidden == "all"
-        if not ctx.is_decode and not every:  # decode wants every row: no gather
-            x, delta = x[ctx.logits_rows], None if delta is None else delta[ctx.logits_rows]
-        hidden = self.ops.add_norm(x, delta, self.model.norm)[1]
+        if self.cpu_stack is not None and ctx.is_decode and ctx.cpu_kernel and ctx.block_tables is not None:
+            hidden = self.cpu_stack(x, cos, sin, kv, ctx.block_tables, ctx.kv_lens, ctx.slot_mapping)
+        else:
+            delta = None
+            for layer in self.model.layers:
+                x, delta = layer(x, delta, cos, sin, kv, ctx, self.ops)
+            if not ctx.is_decode and not every:  # decode wants every row: no gather
+                x, delta = x[ctx.logits_rows], None if delta is None else delta[ctx.logits_rows]
+            hidden = self.ops.add_norm(x, delta, self.model.norm)[1]
         all_hidden = hidden
         if every and not ctx.is_decode:
             hidden = hidden[ctx.logits_rows]

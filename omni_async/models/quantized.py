@@ -134,6 +134,10 @@ def refresh_quantized(model: nn.Module) -> None:
         for module in model.modules():
             if isinstance(module, Linear) and module.packed_int8 is not None:
                 module.packed_int8 = _pack(module)
+    if getattr(model, "cpu_stack", None) is not None:  # it holds the blocks replaced above
+        from ..kernels import cpu_decode_stack
+
+        model.cpu_stack = cpu_decode_stack(model)
 
 
 def quantization_of(model: nn.Module) -> str | None:

@@ -15,7 +15,7 @@ import torch
 
 from ..core.batch import ScheduledBatch
 from ..core.multi_step import DecodeSteps
-from ..kernels import model_ops, triton_available
+from ..kernels import cpu_decode_stack, model_ops, triton_available
 from ..kv.attention import AttentionContext, slots_from_tables
 from ..kv.cache import PagedKVCache
 from ..models.decoder import DecoderModel
@@ -60,6 +60,7 @@ class NativeModelRunner(ModelRunner):
         # straight to the cache); elsewhere the model keeps its reference ops.
         self.fused = fused_kernels and self.use_kernel
         model.ops = model_ops(triton=self.fused, cpu=cpu_fused_ops)
+        model.cpu_stack = cpu_decode_stack(model) if cpu_fused_ops and cpu_attention_kernel else None
         self.model, self.kv, self.device, self.page_size = model, kv, device, kv.page_size
         self.inputs = InputBatch(kv.page_size, model.config.vocab_size, device)
         self.cpu_attention_kernel = cpu_attention_kernel
