@@ -76,10 +76,11 @@ class OutputCollector:
         self._closed = True
 
     def wake(self) -> None:
+        """Wake a waiting reader (called once per step for every handle touched)."""
         waiter = self._waiter
         if waiter is None:
             return
-        if isinstance(waiter, anyio.Event):
+        if self._loop is None:  # off asyncio: an anyio event
             waiter.set()
         elif not waiter.done():
             waiter.set_result(None)

@@ -35,6 +35,9 @@ class RequestHandle:
         self._by_sub = {c.sub_id: c for c in completions}
         self._prompt_ids = prompt_ids
         self._collector = OutputCollector()
+        # Let the stream reader take what the collector holds (the router calls it once
+        # per step for every handle it touched): the collector's own method, no hop.
+        self.wake = self._collector.wake
         self._finished = anyio.Event()
         self._result: Any = None
         self._error: BaseException | None = None
@@ -101,18 +104,21 @@ class RequestHandle:
 
     def on_message(self, msg: OutgoingMessage) -> None:
         """One stage message for one of this handle's completions (the router calls it, on
-        the loop thread)."""
+        the loop thread, for every row of every step)."""
         comp = self._by_sub.get(msg.request_id)
         if comp is None or comp.done or self._ended:
             return  # e.g. the abort that follows a stop string
-        if msg.type == "stream":
-            was_final = bool(getattr(msg.data, "finished", False))
+        kind = msg.type
+        if kind == "stream":
+            was_final = getattr(msg.data, "finished", False)  # before on_delta marks a stop
             delta, stopped = comp.on_delta(msg.data)
             if delta is not None:
                 self._collector.put(delta)
             if stopped and not was_final:
                 self._hooks.end_completion(comp.sub_id)  # its later terminal is ignored
-        elif msg.type == "result":
+            if not comp.done:
+                return  # the common step: nothing ends
+        elif kind == "result":
             if comp.index == 0:
                 self._stage_result = msg.data
             self._cached_tokens += int(getattr(msg.data, "cached_tokens", 0) or 0)
@@ -162,10 +168,6 @@ class RequestHandle:
         self._collector.close()
         self._finished.set()
         self._hooks.done(self)
-
-    def wake(self) -> None:
-        """Let the stream reader take what the collector holds (once per step)."""
-        self._collector.wake()
 
     def _build_result(self) -> Any:
         outputs = [c.to_output() for c in self._completions]
