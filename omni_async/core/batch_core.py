@@ -208,7 +208,7 @@ class NativeBatchCore(BatchCore):
 
     def _schedule_decode(self) -> ScheduledBatch | None:
         """A decode step of every running request that still needs one: it runs every step
-        for every running request, so each column is one comprehension over the rows."""
+        for every running request, so the columns are built in one pass over the rows."""
         self.running = [r for r in self.running if r.finish_reason is None]
         decoding = self._retract_until_decode_fits(self._decoding())
         if not decoding:
@@ -216,24 +216,31 @@ class NativeBatchCore(BatchCore):
         batch = self._new_batch(ForwardMode.DECODE)
         n = len(decoding)
         batch.reqs, batch.extend_lens, batch.samples_kept = decoding, [1] * n, [True] * n
-        batch.epochs = [r.epoch for r in decoding]
-        batch.prefix_lens = [r.num_cached for r in decoding]
-        batch.sample_indices = [len(r.output_ids) + r.num_inflight for r in decoding]
-        # A decode input still in flight (-1) is read on the device from the step before.
-        batch.input_ids = [-1 if r.num_inflight else (r.output_ids or r.prompt_ids)[-1] for r in decoding]
-        batch.inflight_inputs = [(i, r) for i, r in enumerate(decoding) if r.num_inflight]
+        epochs, prefix_lens, sample_indices, input_ids = batch.epochs, batch.prefix_lens, batch.sample_indices, batch.input_ids
+        tables, counts, inflight = batch.page_tables, batch.page_counts, batch.inflight_inputs
         ps, allocate = self.page_size, self.kv.allocate
         steps = steps_for(self, decoding)
-        for req, k in zip(decoding, steps or repeat(1)):
-            cached = req.num_cached
-            need = -(-(cached + k) // ps) - len(req.pages)
+        # One pass over the rows: each column as scheduled, then the row's KV grown and
+        # its tokens counted in flight. A decode input still in flight (-1) is read on
+        # the device from the step before.
+        for i, (req, k) in enumerate(zip(decoding, steps or repeat(1))):
+            cached, pending, out, pages = req.num_cached, req.num_inflight, req.output_ids, req.pages
+            epochs.append(req.epoch)
+            prefix_lens.append(cached)
+            sample_indices.append(len(out) + pending)
+            if pending:
+                input_ids.append(-1)
+                inflight.append((i, req))
+            else:
+                input_ids.append((out or req.prompt_ids)[-1])
+            need = -(-(cached + k) // ps) - len(pages)
             if need > 0:
-                req.pages.extend(allocate(need))
+                pages.extend(allocate(need))
             req.num_cached = cached + k
-            req.num_inflight += k
+            req.num_inflight = pending + k
+            tables.append(pages)  # shared: see ScheduledBatch.page_tables
+            counts.append(len(pages))
         batch.row_steps = steps
-        batch.page_tables = [r.pages for r in decoding]  # shared: see ScheduledBatch.page_tables
-        batch.page_counts = [len(p) for p in batch.page_tables]
         self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
         return batch
 
@@ -243,7 +250,8 @@ class NativeBatchCore(BatchCore):
         not while a conditioned request's next position has no row yet (it waits in
         running; the stream chunk that brings the row wakes the loop)."""
         ctx = self.context_length
-        return [r for r in self.running if r.tokens_left(ctx, scheduling=True) > 0 and ready_positions(r, 1)]
+        return [r for r in self.running
+                if r.tokens_left(ctx, scheduling=True) > 0 and (r.conditioning is None or ready_positions(r, 1))]
 
     def _decode_fits(self, decoding: list[Request]) -> bool:
         """A request holds the pages of its cached tokens, so one more token needs at most

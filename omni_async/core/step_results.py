@@ -44,8 +44,11 @@ def process_one_forward(
             req.output_logprobs.append(logprob)
         n = len(out)
         sp = req.sampling
+        stops = req._stop_ids  # computed once per request (``Request.stop_ids``)
+        if stops is None:
+            stops = req.stop_ids()
         reason = None
-        if (token in req.stop_ids() and n > sp.min_new_tokens) or (req.matcher is not None and req.matcher.accept(token)):
+        if (token in stops and n > sp.min_new_tokens) or (req.matcher is not None and req.matcher.accept(token)):
             reason = "stop"  # a stop token, or the grammar is complete
             if req.matcher is not None and req.matcher.failed:  # the grammar failed, not complete:
                 finishes.append((req, "error"))  # no token; the stage ends it with an error
