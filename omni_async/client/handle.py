@@ -10,7 +10,7 @@ early.
 from __future__ import annotations
 
 import copy
-from typing import TYPE_CHECKING, Any, AsyncIterator, NoReturn
+from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, NoReturn
 
 import anyio
 
@@ -81,18 +81,25 @@ class RequestHandle:
         self._streaming = True
         own = self._hooks.event_loop()
         collector = self._collector
-        if foreign_loop(own):
-            async def next_batch() -> list[StreamDelta]:
-                return await maybe_marshal(own, collector.next_batch)
-        else:
-            next_batch = collector.next_batch
         try:
-            while True:
-                batch = await next_batch()
-                if not batch:
-                    break
-                for delta in batch:
-                    yield delta
+            if foreign_loop(own):
+                while True:
+                    batch = await maybe_marshal(own, collector.next_batch)
+                    if not batch:
+                        break
+                    for delta in batch:
+                        yield delta
+            else:  # the reader's step, once per decode step: take, or wait for the next wake
+                take, arm = collector.take, collector.arm
+                while True:
+                    batch = take()
+                    if batch:
+                        for delta in batch:
+                            yield delta
+                    elif collector.closed:
+                        break
+                    else:
+                        await arm()
             if self._error is not None:
                 self._raise_error()
         finally:
@@ -192,3 +199,39 @@ class RequestHandle:
             hidden_states=first.hidden_states,
             prompt_hidden_states=first.prompt_hidden_states,
         )
+
+
+class SubmittedStream:
+    """``Engine.stream``'s iterator: submits on the first ``__anext__``, then hands out
+    the handle's own iteration step by step. Every running stream is resumed once per
+    decode step, so a wrapping async generator would cost each of them a generator
+    layer per step; here ``__anext__`` returns the handle's awaitable itself."""
+
+    __slots__ = ("_submit", "_deltas")
+
+    def __init__(self, submit: Callable[[], Awaitable[RequestHandle]]) -> None:
+        self._submit: Callable[[], Awaitable[RequestHandle]] | None = submit
+        self._deltas: Any = None  # the handle's async generator, once submitted
+
+    def __aiter__(self) -> "SubmittedStream":
+        return self
+
+    def __anext__(self) -> Awaitable[StreamDelta]:
+        deltas = self._deltas
+        if deltas is not None:
+            return deltas.__anext__()
+        return self._first()
+
+    async def _first(self) -> StreamDelta:
+        submit, self._submit = self._submit, None
+        if submit is None:  # closed, or the submit failed
+            raise StopAsyncIteration
+        handle = await submit()
+        self._deltas = handle.__aiter__()
+        return await self._deltas.__anext__()
+
+    async def aclose(self) -> None:
+        """Stop reading (the request is aborted when it has not ended)."""
+        self._submit = None
+        if self._deltas is not None:
+            await self._deltas.aclose()

@@ -391,7 +391,7 @@ class NativeBatchCore(BatchCore):
             self.chunked = None
         for req in reaped:
             self.finish_request(req, req.to_finish or "abort")
-        self.running = [r for r in self.running if not r.finished()]
+        self.running = [r for r in self.running if r.finish_reason is None]  # runs every step: no call per row
         return reaped
 
     def abort_all(self) -> list[Request]:
