@@ -27,7 +27,7 @@ from .backends.registry import build_stage
 from .text.chat import render_chat_ids
 from .client.completion import Completion
 from .config import SAMPLING_SEED_MASK, SamplingParams, SchedulerConfig
-from .client.handle import RequestHandle
+from .client.handle import RequestHandle, SubmittedStream
 from .client.router import Router
 from .client.heap import configure_gc
 from .logs import log
@@ -295,18 +295,18 @@ class Engine:
         )
         return await handle.result()
 
-    async def stream(
+    def stream(
         self, prompt: str | None = None, *, input_ids: list[int] | None = None, messages: list[dict[str, Any]] | None = None,
         sampling: SamplingParams | dict[str, Any] | None = None, request_id: str | None = None,
         metadata: dict[str, Any] | None = None, add_special_tokens: bool = True, input_embeds: Any = None, **unknown: Any,
     ) -> AsyncIterator[StreamDelta]:
-        """Submit one request and yield its deltas (the arguments of :meth:`submit`)."""
-        handle = await self.submit(
+        """Submit one request and yield its deltas (the arguments of :meth:`submit`). The
+        request is submitted when iteration starts; after that each step is the handle's
+        own iteration, with no generator of this method's in between."""
+        return SubmittedStream(lambda: self.submit(
             prompt, input_ids=input_ids, messages=messages, sampling=sampling, request_id=request_id,
             metadata=metadata, add_special_tokens=add_special_tokens, input_embeds=input_embeds, **unknown,
-        )
-        async for delta in handle:
-            yield delta
+        ))
 
     async def abort(self, request_id: str) -> None:
         call_soon_on(self._loop, lambda: self._abort_now(request_id))

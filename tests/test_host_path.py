@@ -3,6 +3,7 @@ the guarded builder path, streams end once, and the ``gc_freeze`` option."""
 
 from __future__ import annotations
 
+import asyncio
 import gc
 
 import pytest
@@ -10,7 +11,7 @@ import pytest
 from omni_async import Engine, SamplingParams
 from omni_async.backends.native.builder import build_native_stack, build_scheduler
 from omni_async.config import SchedulerConfig
-from omni_async.errors import ConfigError
+from omni_async.errors import ConfigError, InvalidRequestError
 from omni_async.stage.emission import default_stream_output_builder
 
 from .conftest import LOOPS
@@ -96,3 +97,31 @@ def test_gc_gen0_threshold_is_applied():
 def test_gc_options_are_checked(kw):
     with pytest.raises(ConfigError, match=next(iter(kw))):
         SchedulerConfig(**kw)
+
+
+async def test_stream_submits_when_first_read_and_closes_like_a_generator(tiny_engine):
+    """``Engine.stream`` returns the handle's own iteration (no wrapping generator): it
+    still submits only when first read, raises a bad request's error there, and its
+    ``aclose`` ends the request."""
+    engine = tiny_engine(loop="overlap")
+    async with engine:
+        bad = engine.stream(input_ids=[1, 2], bogus=1)  # nothing is submitted until it is read
+        with pytest.raises(InvalidRequestError):
+            await bad.__anext__()
+        with pytest.raises(StopAsyncIteration):
+            await bad.__anext__()
+        sp = SamplingParams(max_new_tokens=1000, ignore_eos=True)
+        stream = engine.stream(input_ids=[4, 4], sampling=sp, request_id="c")
+        assert "c" not in engine.scheduler.active_request_ids()
+        first = await stream.__anext__()
+        assert first.token_ids and not first.finished
+        await stream.aclose()
+        for _ in range(2000):  # the abort lands at the next step boundary
+            if "c" not in engine.scheduler.active_request_ids():
+                break
+            await asyncio.sleep(0.005)
+        assert "c" not in engine.scheduler.active_request_ids()
+        with pytest.raises(StopAsyncIteration):
+            await stream.__anext__()
+        again = await engine.generate(input_ids=[4, 4], sampling=SamplingParams(max_new_tokens=3), request_id="c")
+        assert len(again.output_ids) == 3

@@ -9,7 +9,7 @@ queue hop is paid either way.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Awaitable
 
 import anyio
 
@@ -78,13 +78,29 @@ class OutputCollector:
         self._closed = True
 
     def wake(self) -> None:
+        """Wake a waiting reader (called once per step for every handle touched)."""
         waiter = self._waiter
         if waiter is None:
             return
-        if isinstance(waiter, anyio.Event):
+        self._waiter = None
+        if self._loop is None:  # off asyncio: an anyio event
             waiter.set()
-        elif not waiter.done():
+        elif not waiter.done():  # done: its reader was cancelled
             waiter.set_result(None)
+
+    def arm(self) -> Awaitable[Any]:
+        """What a reader that found nothing to take (and the handle not ended) awaits
+        until the next wake: on asyncio a bare loop future, awaited by the reader's own
+        generator with no coroutine in between (each stream reader does this once per
+        step); an anyio event elsewhere (trio)."""
+        loop = self._loop
+        if loop is None:
+            loop = self._loop = running_asyncio_loop()
+        if loop is not None:
+            waiter = self._waiter = loop.create_future()
+            return waiter
+        event = self._waiter = anyio.Event()
+        return event.wait()
 
     def take(self) -> list[StreamDelta]:
         if not self._pending:

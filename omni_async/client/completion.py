@@ -74,7 +74,8 @@ class Completion:
         self.output_ids.extend(ids)
         if delta.logprobs is not None or delta.extra:
             self._take_scores(delta, len(ids))
-        self._take_hidden(delta, len(ids))
+        if delta.hidden_states is not None or delta.prompt_hidden_states is not None:
+            self._take_hidden(delta, len(ids))
         delta.index = self.index
         if delta.finished:
             self.finish_reason = delta.finish_reason

@@ -10,7 +10,7 @@ early.
 from __future__ import annotations
 
 import copy
-from typing import TYPE_CHECKING, Any, AsyncIterator, NoReturn
+from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, NoReturn
 
 import anyio
 
@@ -35,6 +35,9 @@ class RequestHandle:
         self._by_sub = {c.sub_id: c for c in completions}
         self._prompt_ids = prompt_ids
         self._collector = OutputCollector()
+        # Let the stream reader take what the collector holds (the router calls it once
+        # per step for every handle it touched): the collector's own method, no hop.
+        self.wake = self._collector.wake
         self._finished = anyio.Event()
         self._result: Any = None
         self._error: BaseException | None = None
@@ -78,18 +81,25 @@ class RequestHandle:
         self._streaming = True
         own = self._hooks.event_loop()
         collector = self._collector
-        if foreign_loop(own):
-            async def next_batch() -> list[StreamDelta]:
-                return await maybe_marshal(own, collector.next_batch)
-        else:
-            next_batch = collector.next_batch
         try:
-            while True:
-                batch = await next_batch()
-                if not batch:
-                    break
-                for delta in batch:
-                    yield delta
+            if foreign_loop(own):
+                while True:
+                    batch = await maybe_marshal(own, collector.next_batch)
+                    if not batch:
+                        break
+                    for delta in batch:
+                        yield delta
+            else:  # the reader's step, once per decode step: take, or wait for the next wake
+                take, arm = collector.take, collector.arm
+                while True:
+                    batch = take()
+                    if batch:
+                        for delta in batch:
+                            yield delta
+                    elif collector.closed:
+                        break
+                    else:
+                        await arm()
             if self._error is not None:
                 self._raise_error()
         finally:
@@ -101,18 +111,21 @@ class RequestHandle:
 
     def on_message(self, msg: OutgoingMessage) -> None:
         """One stage message for one of this handle's completions (the router calls it, on
-        the loop thread)."""
+        the loop thread, for every row of every step)."""
         comp = self._by_sub.get(msg.request_id)
         if comp is None or comp.done or self._ended:
             return  # e.g. the abort that follows a stop string
-        if msg.type == "stream":
-            was_final = bool(getattr(msg.data, "finished", False))
+        kind = msg.type
+        if kind == "stream":
+            was_final = getattr(msg.data, "finished", False)  # before on_delta marks a stop
             delta, stopped = comp.on_delta(msg.data)
             if delta is not None:
                 self._collector.put(delta)
             if stopped and not was_final:
                 self._hooks.end_completion(comp.sub_id)  # its later terminal is ignored
-        elif msg.type == "result":
+            if not comp.done:
+                return  # the common step: nothing ends
+        elif kind == "result":
             if comp.index == 0:
                 self._stage_result = msg.data
             self._cached_tokens += int(getattr(msg.data, "cached_tokens", 0) or 0)
@@ -163,10 +176,6 @@ class RequestHandle:
         self._finished.set()
         self._hooks.done(self)
 
-    def wake(self) -> None:
-        """Let the stream reader take what the collector holds (once per step)."""
-        self._collector.wake()
-
     def _build_result(self) -> Any:
         outputs = [c.to_output() for c in self._completions]
         base = self._stage_result
@@ -192,3 +201,39 @@ class RequestHandle:
             prompt_logprobs=base.prompt_logprobs if isinstance(base, GenerationResult) else None,
             prompt_logprob_ranks=base.prompt_logprob_ranks if isinstance(base, GenerationResult) else None,
         )
+
+
+class SubmittedStream:
+    """``Engine.stream``'s iterator: submits on the first ``__anext__``, then hands out
+    the handle's own iteration step by step. Every running stream is resumed once per
+    decode step, so a wrapping async generator would cost each of them a generator
+    layer per step; here ``__anext__`` returns the handle's awaitable itself."""
+
+    __slots__ = ("_submit", "_deltas")
+
+    def __init__(self, submit: Callable[[], Awaitable[RequestHandle]]) -> None:
+        self._submit: Callable[[], Awaitable[RequestHandle]] | None = submit
+        self._deltas: Any = None  # the handle's async generator, once submitted
+
+    def __aiter__(self) -> "SubmittedStream":
+        return self
+
+    def __anext__(self) -> Awaitable[StreamDelta]:
+        deltas = self._deltas
+        if deltas is not None:
+            return deltas.__anext__()
+        return self._first()
+
+    async def _first(self) -> StreamDelta:
+        submit, self._submit = self._submit, None
+        if submit is None:  # closed, or the submit failed
+            raise StopAsyncIteration
+        handle = await submit()
+        self._deltas = handle.__aiter__()
+        return await self._deltas.__anext__()
+
+    async def aclose(self) -> None:
+        """Stop reading (the request is aborted when it has not ended)."""
+        self._submit = None
+        if self._deltas is not None:
+            await self._deltas.aclose()

@@ -16,9 +16,6 @@ from ..messages import OutgoingMessage
 from .handle import RequestHandle
 from .wakeups import SlicedWaker
 
-_TERMINAL = ("result", "error")
-
-
 @dataclass(frozen=True)
 class HandleHooks:
     """What a handle may ask of whoever routes its messages."""
@@ -60,23 +57,26 @@ class Router:
 
     def deliver(self, messages: list[OutgoingMessage]) -> None:
         """The stage's output sink: one step's messages, routed to their handles on the
-        loop thread; each handle touched is woken once, after the whole batch, in slices."""
-        touched: dict[int, RequestHandle] = {}
+        loop thread; each handle touched is woken once, after the whole batch, in slices.
+        This runs for every row of every step: one dict lookup and one call per message,
+        the handles kept in first-touched order (a handle hashes by identity)."""
+        touched: dict[RequestHandle, None] = {}
         routes = self._routes
         for msg in messages:
-            handle = routes.get(msg.request_id)
+            rid = msg.request_id
+            handle = routes.get(rid)
             if handle is None:
                 continue
-            if msg.type in _TERMINAL:
-                del routes[msg.request_id]
+            if msg.type != "stream":
+                del routes[rid]  # a terminal message: result or error
             try:
                 handle.on_message(msg)
             except Exception as exc:  # e.g. a tokenizer that raised: this request fails alone
                 failure = errors.RequestFailedError(f"processing the output of {handle.request_id!r} failed: {exc!r}")
                 failure.__cause__ = exc
                 handle.fail(failure)
-            touched[id(handle)] = handle
-        self._waker.wake([handle.wake for handle in touched.values()])
+            touched[handle] = None
+        self._waker.wake([handle.wake for handle in touched])
 
     def end_completion(self, sub_id: str) -> None:
         """End one stage request early; its terminal message still comes and is ignored."""

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from itertools import repeat
+from typing import Callable
 
 from .request import Request
 
@@ -74,6 +76,36 @@ class ScheduledBatch(StepShape):
     # max_new_tokens=0 (their ``samples_kept`` is False): (request, epoch). They end
     # when this step is processed, with no token.
     ends_unsampled: list[tuple[Request, int]] = field(default_factory=list)
+
+    def fill_decode(self, decoding: list[Request], steps: list[int] | None, page_size: int,
+                    allocate: Callable[[int], list[int]]) -> None:
+        """The columns of a decode step over ``decoding`` (``steps``: each row's forwards,
+        None for one), built in one pass over the rows; each row's KV grown for its tokens
+        and the tokens counted in flight, since the core's state advances when a step is
+        scheduled. A decode input still in flight (-1) is read on the device from the
+        step before."""
+        n = len(decoding)
+        self.reqs, self.extend_lens, self.samples_kept = decoding, [1] * n, [True] * n
+        epochs, prefix_lens, sample_indices, input_ids = self.epochs, self.prefix_lens, self.sample_indices, self.input_ids
+        tables, counts, inflight = self.page_tables, self.page_counts, self.inflight_inputs
+        for i, (req, k) in enumerate(zip(decoding, steps or repeat(1))):
+            cached, pending, out, pages = req.num_cached, req.num_inflight, req.output_ids, req.pages
+            epochs.append(req.epoch)
+            prefix_lens.append(cached)
+            sample_indices.append(len(out) + pending)
+            if pending:
+                input_ids.append(-1)
+                inflight.append((i, req))
+            else:
+                input_ids.append((out or req.prompt_ids)[-1])
+            need = -(-(cached + k) // page_size) - len(pages)
+            if need > 0:
+                pages.extend(allocate(need))
+            req.num_cached = cached + k
+            req.num_inflight = pending + k
+            tables.append(pages)  # shared: see page_tables
+            counts.append(len(pages))
+        self.row_steps = steps
 
     @property
     def num_tokens(self) -> int:

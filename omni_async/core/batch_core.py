@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from itertools import repeat
 from typing import Callable, Sequence
 
 from ..config import SchedulerConfig
@@ -21,7 +20,7 @@ from ..kv.prefix_cache import PrefixCache
 from .batch import ForwardMode, ScheduledBatch
 from .multi_step import DecodeSteps, process_multi_step, steps_for
 from .mixed_prefill import add_decode_rows, mixed_decodes
-from .step_results import process_one_forward
+from .step_results import end_unsampled, process_one_forward
 from .conditioning import ready_positions
 from .prefix_reuse import computing_key, drop_prefix, index_pages, reuse_prefix
 from .protocol import BatchCore, StepOutcome
@@ -212,32 +211,14 @@ class NativeBatchCore(BatchCore):
 
     def _schedule_decode(self) -> ScheduledBatch | None:
         """A decode step of every running request that still needs one: it runs every step
-        for every running request, so each column is one comprehension over the rows."""
+        for every running request, so the columns are built in one pass over the rows."""
         self.running = [r for r in self.running if r.finish_reason is None]
         decoding = self._retract_until_decode_fits(self._decoding())
         if not decoding:
             return None
         batch = self._new_batch(ForwardMode.DECODE)
-        n = len(decoding)
-        batch.reqs, batch.extend_lens, batch.samples_kept = decoding, [1] * n, [True] * n
-        batch.epochs = [r.epoch for r in decoding]
-        batch.prefix_lens = [r.num_cached for r in decoding]
-        batch.sample_indices = [len(r.output_ids) + r.num_inflight for r in decoding]
-        # A decode input still in flight (-1) is read on the device from the step before.
-        batch.input_ids = [-1 if r.num_inflight else (r.output_ids or r.prompt_ids)[-1] for r in decoding]
-        batch.inflight_inputs = [(i, r) for i, r in enumerate(decoding) if r.num_inflight]
-        ps, allocate = self.page_size, self.kv.allocate
         steps, batch.grammar_rows = steps_for(self, decoding)
-        for req, k in zip(decoding, steps or repeat(1)):
-            cached = req.num_cached
-            need = -(-(cached + k) // ps) - len(req.pages)
-            if need > 0:
-                req.pages.extend(allocate(need))
-            req.num_cached = cached + k
-            req.num_inflight += k
-        batch.row_steps = steps
-        batch.page_tables = [r.pages for r in decoding]  # shared: see ScheduledBatch.page_tables
-        batch.page_counts = [len(p) for p in batch.page_tables]
+        batch.fill_decode(decoding, steps, self.page_size, self.kv.allocate)
         self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
         return batch
 
@@ -249,7 +230,8 @@ class NativeBatchCore(BatchCore):
         constrained request's last token is in flight (its mask needs it:
         :func:`.request.mask_ready`)."""
         ctx = self.context_length
-        return [r for r in self.running if r.tokens_left(ctx, scheduling=True) > 0 and ready_positions(r, 1) and mask_ready(r)]
+        return [r for r in self.running
+                if r.tokens_left(ctx, scheduling=True) > 0 and (r.conditioning is None or ready_positions(r, 1)) and mask_ready(r)]
 
     def _decode_fits(self, decoding: list[Request]) -> bool:
         """A request holds the pages of its cached tokens, so one more token needs at most
@@ -346,7 +328,7 @@ class NativeBatchCore(BatchCore):
         process = process_one_forward if batch.row_steps is None else process_multi_step
         outcomes, finishes = process(batch, tokens, logprobs, self.context_length)
         if batch.ends_unsampled:
-            _end_unsampled(batch, outcomes, finishes)
+            end_unsampled(batch, outcomes, finishes)
         for req, reason in finishes:
             self.finish_request(req, reason)
         if finishes:
@@ -391,7 +373,7 @@ class NativeBatchCore(BatchCore):
             self.chunked = None
         for req in reaped:
             self.finish_request(req, req.to_finish or "abort")
-        self.running = [r for r in self.running if not r.finished()]
+        self.running = [r for r in self.running if r.finish_reason is None]  # runs every step: no call per row
         return reaped
 
     def abort_all(self) -> list[Request]:
@@ -419,13 +401,3 @@ class NativeBatchCore(BatchCore):
         self.running = [r for r in self.running if not r.finished()]
         return failed
 
-
-def _end_unsampled(batch: ScheduledBatch, outcomes: list[StepOutcome], finishes: list[tuple[Request, str]]) -> None:
-    """A request scoring its prompt with ``max_new_tokens=0`` ends when its last prefill
-    chunk is processed ("length", or its abort), with no token: its row sampled nothing
-    and it never decodes (no token is left to it)."""
-    ending = {id(req) for req, epoch in batch.ends_unsampled if req.finish_reason is None and req.epoch == epoch}
-    for oc in outcomes:
-        if id(oc.req) in ending:
-            oc.finished = True
-            finishes.append((oc.req, oc.req.to_finish or "length"))

@@ -44,8 +44,11 @@ def process_one_forward(
             req.output_logprobs.append(logprob)
         n = len(out)
         sp = req.sampling
+        stops = req._stop_ids  # computed once per request (``Request.stop_ids``)
+        if stops is None:
+            stops = req.stop_ids()
         reason = None
-        if (token in req.stop_ids() and n > sp.min_new_tokens) or (req.matcher is not None and req.matcher.accept(token)):
+        if (token in stops and n > sp.min_new_tokens) or (req.matcher is not None and req.matcher.accept(token)):
             reason = "stop"  # a stop token, or the grammar is complete
             if req.matcher is not None and req.matcher.failed:  # the grammar failed, not complete:
                 finishes.append((req, "error"))  # no token; the stage ends it with an error
@@ -59,3 +62,14 @@ def process_one_forward(
         else:
             add(StepOutcome(req, token, logprob))
     return outcomes, finishes
+
+
+def end_unsampled(batch: ScheduledBatch, outcomes: list[StepOutcome], finishes: list[tuple[Request, str]]) -> None:
+    """A request scoring its prompt with ``max_new_tokens=0`` ends when its last prefill
+    chunk is processed ("length", or its abort), with no token: its row sampled nothing
+    and it never decodes (no token is left to it)."""
+    ending = {id(req) for req, epoch in batch.ends_unsampled if req.finish_reason is None and req.epoch == epoch}
+    for oc in outcomes:
+        if id(oc.req) in ending:
+            oc.finished = True
+            finishes.append((oc.req, oc.req.to_finish or "length"))

@@ -190,6 +190,7 @@ class Emission:
             outputs = out.built_outputs  # None on a plain step
             inline = self.stream_output_builder is default_stream_output_builder and not debug_enabled()
             pending = self._pending
+            interval = self.stream_interval
             emitted = 0
             hidden = HiddenRows(batch, out) if out.hidden_states is not None or out.prompt_hidden is not None else None
             for oc in outcomes:
@@ -217,7 +218,7 @@ class Emission:
                         rid, fin = req.rid, oc.finished
                         lps = ([logprob] if tokens is None else oc.logprobs) if want_lp else None
                         toks = [token] if tokens is None else tokens
-                        if self.stream_interval > 1:
+                        if interval > 1:
                             toks, lps = self._interval(req, toks, lps, fin)
                             if toks is None:
                                 continue  # held: the request neither finished nor sends yet
