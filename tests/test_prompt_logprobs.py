@@ -7,6 +7,7 @@ typed error on that request alone."""
 from __future__ import annotations
 
 import asyncio
+import math
 
 import pytest
 import torch
@@ -35,11 +36,14 @@ def check_scores(folder, prompt: list[int], result, k: int = K, atol: float = AT
         row, token, entry = ref[i - 1], prompt[i], scores[i]
         assert list(entry)[0] == token  # the prompt's own token first
         assert entry[token] == pytest.approx(row[token].item(), abs=atol)
-        assert ranks[i] == int((row > row[token]).sum()) + 1
-        top = row.topk(k)
-        for t, lp in zip(top.indices.tolist(), top.values.tolist()):
-            assert entry[t] == pytest.approx(lp, abs=atol)
-        assert len(entry) == k + (token not in top.indices.tolist())
+        # Tokens whose log-probabilities are within ``atol`` of each other may be ordered
+        # either way by another device's reductions: ranks and the top k are checked up to that.
+        assert int((row > row[token] + atol).sum()) + 1 <= ranks[i] <= int((row > row[token] - atol).sum()) + 1
+        for t, lp in entry.items():
+            assert lp == pytest.approx(row[t].item(), abs=atol)
+        kth = row.topk(k).values[-1].item() if k else math.inf
+        assert sum(lp >= kth - atol for lp in entry.values()) >= k
+        assert len(entry) in (k, k + 1) and (len(entry) == k + 1 or token in entry)
 
 
 @pytest.mark.parametrize("loop", LOOPS)
