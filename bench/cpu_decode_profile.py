@@ -107,13 +107,13 @@ class ExtensionCalls:
         self.count = 0
         self.patched: list[tuple[Any, str, Any]] = []
         try:
-            from omni_async.kernels import cpu_fused, cpu_kernels, cpu_paged, cpu_quant
+            from omni_async.kernels import cpu_kernels, cpu_sources
         except ImportError:
             return
         if not cpu_kernels.KERNELS.is_built():
             return
         module = cpu_kernels.load()
-        for name in cpu_paged.FUNCTIONS + cpu_fused.FUNCTIONS + cpu_quant.FUNCTIONS:
+        for name in cpu_sources.PAGED_FUNCTIONS + cpu_sources.FUSED_FUNCTIONS + cpu_sources.QUANT_FUNCTIONS:
             self._wrap(module, name)
         if getattr(model, "cpu_stack", None) is not None:
             self._wrap(model, "cpu_stack")

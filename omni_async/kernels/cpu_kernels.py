@@ -17,7 +17,7 @@ from typing import Sequence
 
 from typing import Any
 
-from . import cpu_fused, cpu_paged, cpu_quant, cpu_stack
+from . import cpu_sources as src
 from .cpu_build import BUILD_SECONDS_ESTIMATE, CppKernels, cache_root
 
 
@@ -25,9 +25,9 @@ def _module_def() -> str:
     """The extension's Python bindings: every family's functions (the GIL released while
     they run, as torch's own ops release it) and the decode stack's class."""
     lines = ["PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {"]
-    for name in cpu_paged.FUNCTIONS + cpu_fused.FUNCTIONS + cpu_quant.FUNCTIONS:
+    for name in src.PAGED_FUNCTIONS + src.FUSED_FUNCTIONS + src.QUANT_FUNCTIONS:
         lines.append(f'  m.def("{name}", &{name}, "{name}", py::call_guard<py::gil_scoped_release>());')
-    lines.append(cpu_stack.BINDINGS)
+    lines.append(src.STACK_BINDINGS)
     lines.append("}")
     return "\n".join(lines)
 
@@ -38,9 +38,9 @@ _PRELUDE = "#include <torch/extension.h>\n#include <algorithm>\n#include <cmath>
 # block GEMM kernels keep the compiler's contraction they were first built with, their exp
 # included (a copy of the polynomial compiled with it), so their bits do not change.
 _NO_CONTRACTION = '#pragma GCC push_options\n#pragma GCC optimize("fp-contract=off")\n'
-_CONTRACTED_EXP = cpu_fused.EXP_POLY.replace("exp_poly(", "exp_poly_contracted(")
-SOURCE = "\n".join([_PRELUDE, _NO_CONTRACTION, cpu_fused.EXP_POLY, cpu_fused.SOURCE, "#pragma GCC pop_options", _CONTRACTED_EXP,
-                     cpu_paged.SOURCE, cpu_quant.SOURCE, cpu_stack.SOURCE, _module_def()])
+_CONTRACTED_EXP = src.FUSED_EXP_POLY.replace("exp_poly(", "exp_poly_contracted(")
+SOURCE = "\n".join([_PRELUDE, _NO_CONTRACTION, src.FUSED_EXP_POLY, src.FUSED_SOURCE, "#pragma GCC pop_options", _CONTRACTED_EXP,
+                     src.PAGED_SOURCE, src.QUANT_SOURCE, src.STACK_SOURCE, _module_def()])
 KERNELS = CppKernels("omni_async_cpu", SOURCE, None, "cpu_kernels")
 
 

@@ -1,0 +1,596 @@
+"""The C++ of the CPU kernel extension (:mod:`.cpu_kernels` assembles it), kept apart
+from the Python wrappers of each family (:mod:`.cpu_fused`, :mod:`.cpu_paged`,
+:mod:`.cpu_quant`, :mod:`.cpu_stack`) so that the extension is built from text alone and
+the wrappers can load it without an import cycle."""
+
+from __future__ import annotations
+
+# cpu_fused
+FUSED_EXP_POLY = r"""
+// exp for SiLU and softmax: Cephes' single-precision polynomial (about 1.3 ulp over [-87, 88]; 0 below,
+// inf above), branch-free so the loop around it vectorises with one division per element
+// (std::floor does with -fno-trapping-math). The clamp is on the power of two, not on x:
+// clamping x makes GCC add a second, predicated division.
+static inline float exp_poly(float x) {
+  float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  n = std::min(std::max(n, -127.f), 128.f);
+  float r = x - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  float y = 1.9875691500e-4f;
+  y = y * r + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = y * (r * r) + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  return y * __builtin_bit_cast(float, bits);
+}
+"""
+
+FUSED_SOURCE = r"""
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+// Below this many elements an op runs on the calling thread: a parallel region costs more.
+static constexpr int64_t kParallelElems = 1 << 18;
+
+template <typename F>
+static void over_rows(int64_t rows, int64_t per_row, const F& body) {
+  if (rows * per_row < kParallelElems) {
+    body(0, rows);
+  } else {
+    at::parallel_for(0, rows, std::max<int64_t>(1, kParallelElems / 4 / std::max<int64_t>(1, per_row)), body);
+  }
+}
+
+template <typename T> static inline T round_to(float v) { return static_cast<T>(v); }
+
+// Sum of squares with 16 independent partial sums (vectorisable without reassociation flags).
+static inline float sum_squares(const float* v, int64_t n) {
+  float part[16] = {0.f};
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    for (int j = 0; j < 16; ++j) part[j] += v[i + j] * v[i + j];
+  float acc = 0.f;
+  for (int j = 0; j < 16; ++j) acc += part[j];
+  for (; i < n; ++i) acc += v[i] * v[i];
+  return acc;
+}
+
+template <typename T>
+static void add_rms_norm_rows(const T* x, const T* d, const T* w, T* sum, T* out, int64_t rows, int64_t n, float eps) {
+  over_rows(rows, n, [&](int64_t lo, int64_t hi) {
+    std::vector<float> f(n);
+    for (int64_t r = lo; r < hi; ++r) {
+      const T* xr = x + r * n;
+      if (d != nullptr) {
+        const T* dr = d + r * n;
+        T* sr = sum + r * n;
+        for (int64_t i = 0; i < n; ++i) {
+          T s = round_to<T>(static_cast<float>(xr[i]) + static_cast<float>(dr[i]));
+          sr[i] = s;
+          f[i] = static_cast<float>(s);
+        }
+      } else {
+        for (int64_t i = 0; i < n; ++i) f[i] = static_cast<float>(xr[i]);
+      }
+      const float inv = 1.f / std::sqrt(sum_squares(f.data(), n) / static_cast<float>(n) + eps);
+      T* orow = out + r * n;
+      for (int64_t i = 0; i < n; ++i)
+        orow[i] = round_to<T>(static_cast<float>(w[i]) * static_cast<float>(round_to<T>(f[i] * inv)));
+    }
+  });
+}
+
+std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, c10::optional<torch::Tensor> delta, torch::Tensor weight, double eps) {
+  const int64_t n = x.size(-1), rows = x.numel() / std::max<int64_t>(1, n);
+  auto out = torch::empty_like(x);
+  auto sum = delta.has_value() ? torch::empty_like(x) : x;
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "add_rms_norm", [&] {
+    add_rms_norm_rows<scalar_t>(x.data_ptr<scalar_t>(), delta.has_value() ? delta->data_ptr<scalar_t>() : nullptr,
+                                weight.data_ptr<scalar_t>(), sum.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(),
+                                rows, n, static_cast<float>(eps));
+  });
+  return {sum, out};
+}
+
+template <typename T>
+static void silu_mul_rows(const T* gu, T* out, int64_t rows, int64_t n) {
+  over_rows(rows, 2 * n, [&](int64_t lo, int64_t hi) {
+    for (int64_t r = lo; r < hi; ++r) {
+      const T* g = gu + r * 2 * n;
+      const T* u = g + n;
+      T* o = out + r * n;
+      for (int64_t i = 0; i < n; ++i) {
+        const float gf = static_cast<float>(g[i]);
+        const T silu = round_to<T>(gf / (1.f + exp_poly(-gf)));
+        o[i] = round_to<T>(static_cast<float>(silu) * static_cast<float>(u[i]));
+      }
+    }
+  });
+}
+
+torch::Tensor silu_mul(torch::Tensor gate_up) {
+  const int64_t width = gate_up.size(-1), rows = gate_up.numel() / std::max<int64_t>(1, width);
+  auto sizes = gate_up.sizes().vec();
+  sizes.back() = width / 2;
+  auto out = torch::empty(sizes, gate_up.options());
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, gate_up.scalar_type(), "silu_mul", [&] {
+    silu_mul_rows<scalar_t>(gate_up.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), rows, width / 2);
+  });
+  return out;
+}
+
+// One head of one token: x * cos + rotate_half(x) * sin, each product and the sum rounded
+// to T as the reference's three ops round them.
+template <typename T>
+static inline void rotate(const T* x, const T* c, const T* s, T* y, int64_t half) {
+  for (int64_t i = 0; i < half; ++i) {
+    const float x1 = static_cast<float>(x[i]), x2 = static_cast<float>(x[i + half]);
+    const T a1 = round_to<T>(x1 * static_cast<float>(c[i]));
+    const T b1 = round_to<T>(-x2 * static_cast<float>(s[i]));
+    const T a2 = round_to<T>(x2 * static_cast<float>(c[i + half]));
+    const T b2 = round_to<T>(x1 * static_cast<float>(s[i + half]));
+    y[i] = round_to<T>(static_cast<float>(a1) + static_cast<float>(b1));
+    y[i + half] = round_to<T>(static_cast<float>(a2) + static_cast<float>(b2));
+  }
+}
+
+template <typename T>
+static void rope_store_rows(const T* q, const T* k, const T* v, const T* cos, const T* sin, T* qo, T* ko, T* kc, T* vc,
+                            const int64_t* slots, int64_t tokens, int64_t H, int64_t KVH, int64_t D,
+                            int64_t sq, int64_t sqh, int64_t sk, int64_t skh, int64_t sv, int64_t svh) {
+  const int64_t half = D / 2;
+  over_rows(tokens, (H + 2 * KVH) * D, [&](int64_t lo, int64_t hi) {
+    for (int64_t t = lo; t < hi; ++t) {
+      const T* c = cos + t * D;
+      const T* s = sin + t * D;
+      for (int64_t h = 0; h < H; ++h) rotate<T>(q + t * sq + h * sqh, c, s, qo + (t * H + h) * D, half);
+      const int64_t slot = slots[t];
+      for (int64_t g = 0; g < KVH; ++g) {
+        T* krow = ko + (t * KVH + g) * D;
+        rotate<T>(k + t * sk + g * skh, c, s, krow, half);
+        std::memcpy(kc + (slot * KVH + g) * D, krow, D * sizeof(T));
+        std::memcpy(vc + (slot * KVH + g) * D, v + t * sv + g * svh, D * sizeof(T));
+      }
+    }
+  });
+}
+
+std::vector<torch::Tensor> rope_store(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor cos, torch::Tensor sin,
+                                      torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots) {
+  const int64_t T_ = q.size(0), H = q.size(1), D = q.size(2), KVH = k.size(1);
+  auto qo = torch::empty({T_, H, D}, q.options());
+  auto ko = torch::empty({T_, KVH, D}, k.options());
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "rope_store", [&] {
+    rope_store_rows<scalar_t>(q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(),
+                              cos.data_ptr<scalar_t>(), sin.data_ptr<scalar_t>(), qo.data_ptr<scalar_t>(),
+                              ko.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
+                              slots.data_ptr<int64_t>(), T_, H, KVH, D, q.stride(0), q.stride(1), k.stride(0),
+                              k.stride(1), v.stride(0), v.stride(1));
+  });
+  return {qo, ko};
+}
+
+// Causal attention of an extend step, reading K/V from the cache through each sequence's
+// slots (its cached prefix, then its new tokens, already written): query i of a sequence
+// with prefix p attends to its first p + i + 1 positions. One task per (sequence, query
+// head), float32 arithmetic.
+template <typename T>
+static void extend_rows(const T* q, const T* kc, const T* vc, T* out, const int64_t* slots, const int64_t* seqs,
+                        int64_t S, int64_t H, int64_t KVH, int64_t D, float scale) {
+  const int64_t rep = H / KVH;
+  int64_t longest = 1;  // seqs: [S, 4] rows of (q_start, q_len, prefix_len, first slot index)
+  for (int64_t s = 0; s < S; ++s) longest = std::max(longest, seqs[s * 4 + 1] + seqs[s * 4 + 2]);
+  at::parallel_for(0, S * H, 1, [&](int64_t lo, int64_t hi) {
+    std::vector<float> scores(longest), qf(D), acc(D);
+    for (int64_t task = lo; task < hi; ++task) {
+      const int64_t s = task / H, h = task % H, g = h / rep;
+      const int64_t start = seqs[s * 4], n = seqs[s * 4 + 1], prefix = seqs[s * 4 + 2];
+      const int64_t* sl = slots + seqs[s * 4 + 3];
+      for (int64_t i = 0; i < n; ++i) {
+        const T* qrow = q + ((start + i) * H + h) * D;
+        for (int64_t d = 0; d < D; ++d) qf[d] = static_cast<float>(qrow[d]) * scale;
+        const int64_t len = prefix + i + 1;
+        float mx = -INFINITY;
+        for (int64_t j = 0; j < len; ++j) {
+          const T* krow = kc + (sl[j] * KVH + g) * D;
+          float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+          for (int64_t d = 0; d < D; ++d) dot += qf[d] * static_cast<float>(krow[d]);
+          scores[j] = dot;
+          mx = std::max(mx, dot);
+        }
+        for (int64_t j = 0; j < len; ++j) scores[j] = exp_poly(scores[j] - mx);
+        float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t j = 0; j < len; ++j) sum += scores[j];
+        std::fill(acc.begin(), acc.end(), 0.f);
+        for (int64_t j = 0; j < len; ++j) {
+          const T* vrow = vc + (sl[j] * KVH + g) * D;
+          const float w = scores[j] / sum;
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) acc[d] += w * static_cast<float>(vrow[d]);
+        }
+        T* orow = out + ((start + i) * H + h) * D;
+        for (int64_t d = 0; d < D; ++d) orow[d] = static_cast<T>(acc[d]);
+      }
+    }
+  });
+}
+
+torch::Tensor extend_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots,
+                               torch::Tensor seqs, double scale) {
+  auto out = torch::empty_like(q);
+  const int64_t H = q.size(1), D = q.size(2), KVH = k_cache.size(1), S = seqs.size(0);
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "extend_attention", [&] {
+    extend_rows<scalar_t>(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
+                          out.data_ptr<scalar_t>(), slots.data_ptr<int64_t>(), seqs.data_ptr<int64_t>(), S, H, KVH, D,
+                          static_cast<float>(scale));
+  });
+  return out;
+}
+"""
+
+FUSED_FUNCTIONS = ["add_rms_norm", "silu_mul", "rope_store", "extend_attention"]
+
+# cpu_paged
+PAGED_SOURCE = r"""
+#include <torch/extension.h>
+#include <cstdint>
+#include <ATen/Parallel.h>
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+// Scores, then exp over the whole row (a vectorised loop), then the weighted V sum; the
+// query heads of one KV head share each K and V row load. DC is the head dim when it is
+// one of the common ones (the dot products then compile to straight-line vector code), 0
+// for any other.
+template <typename T, int64_t DC>
+static void decode_rows(const T* q, const T* kc, const T* vc, const int64_t* pages, const int64_t* lens, T* out,
+                        int64_t B, int64_t H, int64_t D_, int64_t KVH, int64_t P, int64_t ps, float scale) {
+  const int64_t D = DC ? DC : D_;
+  const int64_t rep = H / KVH, span = P * ps;
+  at::parallel_for(0, B * KVH, 1, [&](int64_t lo, int64_t hi) {
+    std::vector<float> scores(rep * span), qf(rep * D), acc(rep * D), mx(rep), sum(rep);
+    for (int64_t bk = lo; bk < hi; ++bk) {
+      const int64_t b = bk / KVH, g = bk % KVH, len = lens[b];
+      for (int64_t r = 0; r < rep; ++r)
+        for (int64_t d = 0; d < D; ++d) qf[r * D + d] = static_cast<float>(q[(b * H + g * rep + r) * D + d]) * scale;
+      std::fill(mx.begin(), mx.end(), -INFINITY);
+      for (int64_t t = 0; t < len; ++t) {
+        const T* k = kc + ((pages[b * P + t / ps] * ps + t % ps) * KVH + g) * D;
+        for (int64_t r = 0; r < rep; ++r) {
+          const float* qr = qf.data() + r * D;
+          float s = 0.f;
+#pragma omp simd reduction(+ : s)
+          for (int64_t d = 0; d < D; ++d) s += qr[d] * static_cast<float>(k[d]);
+          scores[r * span + t] = s;
+          mx[r] = std::max(mx[r], s);
+        }
+      }
+      for (int64_t r = 0; r < rep; ++r) {
+        float* sr = scores.data() + r * span;
+        const float m = mx[r];
+        for (int64_t t = 0; t < len; ++t) sr[t] = exp_poly_contracted(sr[t] - m);
+        float total = 0.f;
+#pragma omp simd reduction(+ : total)
+        for (int64_t t = 0; t < len; ++t) total += sr[t];
+        sum[r] = total;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t t = 0; t < len; ++t) {
+        const T* v = vc + ((pages[b * P + t / ps] * ps + t % ps) * KVH + g) * D;
+        for (int64_t r = 0; r < rep; ++r) {
+          const float w = scores[r * span + t] / sum[r];
+          float* ar = acc.data() + r * D;
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) ar[d] += w * static_cast<float>(v[d]);
+        }
+      }
+      for (int64_t r = 0; r < rep; ++r)
+        for (int64_t d = 0; d < D; ++d) out[(b * H + g * rep + r) * D + d] = static_cast<T>(acc[r * D + d]);
+    }
+  });
+}
+
+torch::Tensor paged_decode(torch::Tensor q, torch::Tensor kc, torch::Tensor vc, torch::Tensor pages, int64_t ps,
+                           torch::Tensor lens, double scale) {
+  auto out = torch::empty_like(q);
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2), KVH = kc.size(1), P = pages.size(1);
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "paged_decode", [&] {
+    auto run = D == 64 ? decode_rows<scalar_t, 64> : D == 128 ? decode_rows<scalar_t, 128> : decode_rows<scalar_t, 0>;
+    run(q.data_ptr<scalar_t>(), kc.data_ptr<scalar_t>(), vc.data_ptr<scalar_t>(), pages.data_ptr<int64_t>(),
+        lens.data_ptr<int64_t>(), out.data_ptr<scalar_t>(), B, H, D, KVH, P, ps, static_cast<float>(scale));
+  });
+  return out;
+}
+"""
+
+PAGED_FUNCTIONS = ["paged_decode"]
+
+# cpu_quant
+QUANT_SOURCE = r"""
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+static constexpr int64_t kBlock = 32;
+static constexpr int64_t kRowTile = 4;  // activation rows sharing one unpacked weight block
+
+// Each row of x, per block of 32: int8 codes, the scale, and the exact float sum.
+static void quantize_rows(const float* x, int64_t B, int64_t K, int8_t* xq, float* dx, float* sx) {
+  const int64_t nb = K / kBlock;
+  for (int64_t i = 0; i < B * nb; ++i) {
+    const float* v = x + i * kBlock;
+    float amax = 0.f, sum = 0.f;
+    for (int j = 0; j < kBlock; ++j) { amax = std::max(amax, std::fabs(v[j])); sum += v[j]; }
+    const float d = amax / 127.f, id = d > 0.f ? 1.f / d : 0.f;
+    for (int j = 0; j < kBlock; ++j) xq[i * kBlock + j] = static_cast<int8_t>(std::nearbyint(v[j] * id));
+    dx[i] = d;
+    sx[i] = sum;
+  }
+}
+
+#if defined(__AVX2__)
+static inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+// The 32 codes of one weight block as bytes, and the signed source for maddubs.
+template <bool Q4> static inline __m256i unpack(const uint8_t* q) {
+  if constexpr (Q4) {
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
+    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), _mm256_set1_epi8(0x0F));
+  } else {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
+  }
+}
+template <bool Q4> static inline __m256 block_dot(__m256i w, const int8_t* xq) {
+  const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq));
+  __m256i p;
+  if constexpr (Q4) {
+    p = _mm256_maddubs_epi16(w, x);  // codes 0..15 are unsigned
+  } else {
+    p = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
+  }
+  return _mm256_cvtepi32_ps(_mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+}
+#endif
+
+// out[b, n] = sum_blocks d[n,k] * dx[b,k] * dot(q[n,k], xq[b,k]) (+ m[n,k] * sx[b,k] for q4) + bias[n]
+template <bool Q4>
+static void gemm_rows(const uint8_t* qs, const float* d, const float* m, const float* bias, const int8_t* xq,
+                      const float* dx, const float* sx, float* out, int64_t B, int64_t N, int64_t K) {
+  const int64_t nb = K / kBlock, row_bytes = Q4 ? K / 2 : K, block_bytes = Q4 ? 16 : 32;
+  const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, K * B));
+  at::parallel_for(0, N, grain, [&](int64_t lo, int64_t hi) {
+    for (int64_t n = lo; n < hi; ++n) {
+      const uint8_t* wq = qs + n * row_bytes;
+      const float* dn = d + n * nb;
+      const float* mn = Q4 ? m + n * nb : nullptr;
+      for (int64_t b0 = 0; b0 < B; b0 += kRowTile) {
+        const int64_t rows = std::min(kRowTile, B - b0);
+        float result[kRowTile] = {0.f, 0.f, 0.f, 0.f};
+#if defined(__AVX2__)
+        __m256 acc[kRowTile] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+        for (int64_t k = 0; k < nb; ++k) {
+          const __m256i w = unpack<Q4>(wq + k * block_bytes);
+          for (int64_t r = 0; r < rows; ++r) {
+            const int64_t xb = (b0 + r) * nb + k;
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(dn[k] * dx[xb]), block_dot<Q4>(w, xq + xb * kBlock), acc[r]);
+          }
+        }
+        for (int64_t r = 0; r < rows; ++r) result[r] = hsum(acc[r]);
+#else
+        for (int64_t k = 0; k < nb; ++k) {
+          int codes[kBlock];
+          for (int j = 0; j < kBlock; ++j) {
+            if (Q4) {
+              const uint8_t byte = wq[k * block_bytes + (j % 16)];
+              codes[j] = j < 16 ? (byte & 0x0F) : (byte >> 4);
+            } else {
+              codes[j] = static_cast<int8_t>(wq[k * block_bytes + j]);
+            }
+          }
+          for (int64_t r = 0; r < rows; ++r) {
+            const int64_t xb = (b0 + r) * nb + k;
+            int32_t dot = 0;
+            for (int j = 0; j < kBlock; ++j) dot += codes[j] * xq[xb * kBlock + j];
+            result[r] += dn[k] * dx[xb] * static_cast<float>(dot);
+          }
+        }
+#endif
+        for (int64_t r = 0; r < rows; ++r) {
+          float v = result[r];
+          if (Q4) {
+            const float* s = sx + (b0 + r) * nb;
+            for (int64_t k = 0; k < nb; ++k) v += mn[k] * s[k];
+          }
+          out[(b0 + r) * N + n] = v + (bias ? bias[n] : 0.f);
+        }
+      }
+    }
+  });
+}
+
+// out[B, N] = x[B, K] times the blocks (m: the q4 minimums, null for q8; bias may be null).
+static void linear_blocks_rows(const float* x, int64_t B, int64_t K, const uint8_t* qs, const float* d, const float* m,
+                               const float* bias, int64_t N, float* out) {
+  if (B == 0) return;
+  const int64_t nb = K / kBlock;
+  std::vector<int8_t> xq(B * K);
+  std::vector<float> dx(B * nb), sx(B * nb);
+  quantize_rows(x, B, K, xq.data(), dx.data(), sx.data());
+  if (m != nullptr) {
+    gemm_rows<true>(qs, d, m, bias, xq.data(), dx.data(), sx.data(), out, B, N, K);
+  } else {
+    gemm_rows<false>(qs, d, nullptr, bias, xq.data(), dx.data(), sx.data(), out, B, N, K);
+  }
+}
+
+torch::Tensor linear_blocks(torch::Tensor x, torch::Tensor qs, torch::Tensor d, c10::optional<torch::Tensor> m,
+                            c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(), "x: contiguous float32 [B, K]");
+  const int64_t B = x.size(0), K = x.size(1), N = qs.size(0);
+  TORCH_CHECK(K % kBlock == 0, "K must be a multiple of 32");
+  auto out = torch::empty({B, N}, x.options());
+  linear_blocks_rows(x.data_ptr<float>(), B, K, qs.data_ptr<uint8_t>(), d.data_ptr<float>(),
+                     m.has_value() ? m->data_ptr<float>() : nullptr, bias.has_value() ? bias->data_ptr<float>() : nullptr,
+                     N, out.data_ptr<float>());
+  return out;
+}
+"""
+
+QUANT_FUNCTIONS = ["linear_blocks"]
+
+# cpu_stack
+STACK_SOURCE = r"""
+// ---------------------------------------------------------------- the decode stack
+struct StackLinear {
+  at::Tensor codes, scale, minimum, bias;  // minimum: q4 only; bias: optional
+  int64_t N = 0, K = 0;
+  void run(const float* x, int64_t B, float* out) const {
+    linear_blocks_rows(x, B, K, codes.data_ptr<uint8_t>(), scale.data_ptr<float>(),
+                       minimum.defined() ? minimum.data_ptr<float>() : nullptr,
+                       bias.defined() ? bias.data_ptr<float>() : nullptr, N, out);
+  }
+};
+
+struct StackLayer {
+  at::Tensor norm1, norm2;
+  StackLinear qkv, o, gate_up, down;
+};
+
+class DecodeStack {
+ public:
+  // Per layer 18 entries: the two norm weights, then codes, scale, minimum, bias of
+  // qkv, o, gate_up and down (minimum and bias may be None).
+  DecodeStack(const std::vector<std::vector<c10::optional<torch::Tensor>>>& layers, torch::Tensor final_norm, double eps,
+              int64_t heads, int64_t kv_heads, int64_t head_dim, double scale)
+      : final_norm_(final_norm), eps_(static_cast<float>(eps)), H_(heads), KVH_(kv_heads), D_(head_dim),
+        scale_(static_cast<float>(scale)) {
+    for (const auto& t : layers) {
+      TORCH_CHECK(t.size() == 18, "a stack layer has 18 entries");
+      StackLayer layer;
+      layer.norm1 = float_tensor(t[0]);
+      layer.norm2 = float_tensor(t[1]);
+      layer.qkv = linear(t, 2);
+      layer.o = linear(t, 6);
+      layer.gate_up = linear(t, 10);
+      layer.down = linear(t, 14);
+      layers_.push_back(layer);
+    }
+    TORCH_CHECK(!layers_.empty(), "a stack needs a layer");
+    hidden_ = layers_[0].o.N;
+    inter_ = layers_[0].gate_up.N / 2;
+    for (const auto& l : layers_) {
+      TORCH_CHECK(l.qkv.N == (H_ + 2 * KVH_) * D_ && l.qkv.K == hidden_ && l.o.K == H_ * D_ && l.o.N == hidden_ &&
+                  l.gate_up.K == hidden_ && l.gate_up.N == 2 * inter_ && l.down.K == inter_ && l.down.N == hidden_,
+                  "stack layer shapes disagree");
+    }
+  }
+
+  // The final hidden states [B, hidden] (after the final norm) of one decode step: x the
+  // input embeddings [B, hidden], cos/sin [B, D], the caches [slots, KVH, D] per layer,
+  // pages [B, P] page ids, lens [B] context lengths (the new token included), slots [B]
+  // where each row's new K/V go.
+  torch::Tensor forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, const std::vector<torch::Tensor>& k_caches,
+                        const std::vector<torch::Tensor>& v_caches, torch::Tensor pages, int64_t page_size, torch::Tensor lens,
+                        torch::Tensor slots) {
+    const int64_t L = static_cast<int64_t>(layers_.size());
+    TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.size(1) == hidden_, "x: float32 [B, hidden]");
+    TORCH_CHECK(static_cast<int64_t>(k_caches.size()) == L && static_cast<int64_t>(v_caches.size()) == L, "one cache per layer");
+    TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat, "cos/sin: float32");
+    const int64_t B = x.size(0), H = H_, KVH = KVH_, D = D_, W = (H + 2 * KVH) * D;
+    const auto opts = x.options();
+    auto resid = x.contiguous().clone();
+    auto hidden = torch::empty({B, hidden_}, opts), delta = torch::empty({B, hidden_}, opts);
+    auto qkv = torch::empty({B, W}, opts), q = torch::empty({B, H, D}, opts), k = torch::empty({B, KVH, D}, opts);
+    auto attn = torch::empty({B, H * D}, opts);
+    auto gu = torch::empty({B, 2 * inter_}, opts), act = torch::empty({B, inter_}, opts);
+    cos = cos.contiguous();
+    sin = sin.contiguous();
+    pages = pages.to(at::kLong).contiguous();
+    lens = lens.to(at::kLong).contiguous();
+    slots = slots.to(at::kLong).contiguous();
+    float* r = resid.data_ptr<float>();
+    float* h = hidden.data_ptr<float>();
+    float* dl = delta.data_ptr<float>();
+    float* qkvp = qkv.data_ptr<float>();
+    const int64_t P = pages.size(1);
+    auto attend = D == 64 ? decode_rows<float, 64> : D == 128 ? decode_rows<float, 128> : decode_rows<float, 0>;
+    for (int64_t i = 0; i < L; ++i) {
+      const StackLayer& layer = layers_[i];
+      const auto& kc = k_caches[i];
+      const auto& vc = v_caches[i];
+      TORCH_CHECK(kc.is_contiguous() && vc.is_contiguous() && kc.scalar_type() == at::kFloat && vc.scalar_type() == at::kFloat,
+                  "caches: contiguous float32");
+      add_rms_norm_rows<float>(r, i == 0 ? nullptr : dl, layer.norm1.data_ptr<float>(), r, h, B, hidden_, eps_);
+      layer.qkv.run(h, B, qkvp);
+      rope_store_rows<float>(qkvp, qkvp + H * D, qkvp + (H + KVH) * D, cos.data_ptr<float>(), sin.data_ptr<float>(),
+                             q.data_ptr<float>(), k.data_ptr<float>(), kc.data_ptr<float>(), vc.data_ptr<float>(),
+                             slots.data_ptr<int64_t>(), B, H, KVH, D, W, D, W, D, W, D);
+      attend(q.data_ptr<float>(), kc.data_ptr<float>(), vc.data_ptr<float>(), pages.data_ptr<int64_t>(), lens.data_ptr<int64_t>(),
+             attn.data_ptr<float>(), B, H, D, KVH, P, page_size, scale_);
+      layer.o.run(attn.data_ptr<float>(), B, dl);
+      add_rms_norm_rows<float>(r, dl, layer.norm2.data_ptr<float>(), r, h, B, hidden_, eps_);
+      layer.gate_up.run(h, B, gu.data_ptr<float>());
+      silu_mul_rows<float>(gu.data_ptr<float>(), act.data_ptr<float>(), B, inter_);
+      layer.down.run(act.data_ptr<float>(), B, dl);
+    }
+    auto out = torch::empty({B, hidden_}, opts);
+    add_rms_norm_rows<float>(r, dl, final_norm_.data_ptr<float>(), r, out.data_ptr<float>(), B, hidden_, eps_);
+    return out;
+  }
+
+  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+
+ private:
+  static at::Tensor float_tensor(const c10::optional<torch::Tensor>& t) {
+    TORCH_CHECK(t.has_value() && t->scalar_type() == at::kFloat && t->is_contiguous(), "a contiguous float32 tensor");
+    return *t;
+  }
+  static StackLinear linear(const std::vector<c10::optional<torch::Tensor>>& t, size_t at) {
+    StackLinear out;
+    TORCH_CHECK(t[at].has_value() && t[at]->scalar_type() == at::kByte && t[at]->is_contiguous(), "codes: contiguous uint8");
+    out.codes = *t[at];
+    out.scale = float_tensor(t[at + 1]);
+    if (t[at + 2].has_value()) out.minimum = float_tensor(t[at + 2]);
+    if (t[at + 3].has_value()) out.bias = float_tensor(t[at + 3]);
+    out.N = out.codes.size(0);
+    out.K = out.scale.size(1) * kBlock;
+    TORCH_CHECK(out.codes.size(1) == (out.minimum.defined() ? out.K / 2 : out.K), "codes and scales disagree");
+    return out;
+  }
+
+  std::vector<StackLayer> layers_;
+  at::Tensor final_norm_;
+  float eps_;
+  int64_t H_, KVH_, D_, hidden_ = 0, inter_ = 0;
+  float scale_;
+};
+"""
+
+STACK_BINDINGS = r"""
+  py::class_<DecodeStack>(m, "DecodeStack")
+      .def(py::init<const std::vector<std::vector<c10::optional<torch::Tensor>>>&, torch::Tensor, double, int64_t, int64_t, int64_t,
+                    double>())
+      .def("forward", &DecodeStack::forward, py::call_guard<py::gil_scoped_release>())
+      .def("num_layers", &DecodeStack::num_layers);
+"""
