@@ -84,22 +84,29 @@ def valid_item(obj: Any) -> bool:
     )
 
 
-def valid_prefix(text: str) -> tuple[bool, int]:
+def valid_prefix(text: str) -> tuple[bool, int, str | None]:
     """Whether ``text`` is the start of an array of valid items (every complete item
-    valid; what follows the last one is where the length cut it), and the complete items."""
+    valid; what follows the last one is where the length cut it), the complete items, and
+    the first thing refused (an item, or what stands where ", " should), else None.
+
+    The length may cut anywhere, also inside the separator: ``...},`` (the "," and the
+    " " are often tokens of their own) is a valid start. ``len`` counts code points, as
+    JSON Schema's ``maxLength`` does."""
     if not text.startswith("["):
-        return False, 0
+        return False, 0, text[:40]
     decoder, pos, items = json.JSONDecoder(), 1, 0
     while True:
         try:
             obj, end = decoder.raw_decode(text, pos)
         except ValueError:
-            return True, items  # the item the length cut
+            return True, items, None  # the item the length cut
         if not valid_item(obj):
-            return False, items
+            return False, items, text[pos:end]
         items += 1
-        if text[end:end + 2] != ", ":
-            return end == len(text), items
+        sep = text[end:end + 2]
+        if sep != ", ":
+            ok = ", ".startswith(sep) and end + len(sep) == len(text)  # cut in the separator
+            return ok, items, None if ok else text[end:end + 40]
         pos = end + 2
 
 
@@ -152,9 +159,11 @@ async def run_arm(engine: Engine, work, arm: str) -> dict[str, Any]:
         "tokens": sum(len(r.output_ids) for r in results),
         "equal_lengths": all(len(r.output_ids) == work[i][1] for i, r in enumerate(results)),
         "constrained": len(cons),
-        "valid": sum(ok and results[i].finish_reason == "length" for (ok, _), i in zip(checks, cons)),
-        "items_mean": statistics.mean(n for _, n in checks) if checks else None,
-        "invalid_examples": [results[i].text[:400] for (ok, _), i in zip(checks, cons) if not ok][:3],
+        "valid": sum(ok and results[i].finish_reason == "length" for (ok, _, _), i in zip(checks, cons)),
+        "items_mean": statistics.mean(n for _, n, _ in checks) if checks else None,
+        # the refused item itself (or what stood where ", " should), and the output's end
+        "invalid_examples": [{"refused": bad, "items_before": n, "tail": results[i].text[-200:]}
+                             for (ok, n, bad), i in zip(checks, cons) if not ok][:3],
         "step_ms": step_ms,
         "mask_ms_per_step": mask_ms,
         "mask_pct_of_step": 100 * mask_ms / step_ms if mask_ms is not None and step_ms else None,
