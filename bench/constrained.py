@@ -84,23 +84,50 @@ def valid_item(obj: Any) -> bool:
     )
 
 
-def valid_prefix(text: str) -> tuple[bool, int]:
+def valid_prefix(text: str) -> tuple[bool, int, str | None]:
     """Whether ``text`` is the start of an array of valid items (every complete item
-    valid; what follows the last one is where the length cut it), and the complete items."""
+    valid; what follows the last one is where the length cut it), the complete items, and
+    the first thing refused (an item, or what stands where ", " should), else None.
+
+    The length may cut anywhere, also inside the separator: ``...},`` (the "," and the
+    " " are often tokens of their own) is a valid start. ``len`` counts code points, as
+    JSON Schema's ``maxLength`` does."""
     if not text.startswith("["):
-        return False, 0
+        return False, 0, text[:40]
     decoder, pos, items = json.JSONDecoder(), 1, 0
     while True:
         try:
             obj, end = decoder.raw_decode(text, pos)
         except ValueError:
-            return True, items  # the item the length cut
+            return True, items, None  # the item the length cut
         if not valid_item(obj):
-            return False, items
+            return False, items, text[pos:end]
         items += 1
-        if text[end:end + 2] != ", ":
-            return end == len(text), items
+        sep = text[end:end + 2]
+        if sep != ", ":
+            ok = ", ".startswith(sep) and end + len(sep) == len(text)  # cut in the separator
+            return ok, items, None if ok else text[end:end + 40]
         pos = end + 2
+
+
+class GrammarReplay:
+    """Each constrained output's token ids fed again to a fresh matcher of SCHEMA. Tells the
+    two kinds of fault apart: a token the grammar refuses is the engine's (a mask on the
+    wrong row, a stale mask, a wrong forced token); ids the grammar accepts whose text the
+    checker refuses are the grammar's, the detokenizer's or the checker's."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        from omni_async.structured.grammar import GrammarCompiler
+
+        self._compiler = GrammarCompiler(tokenizer, tokenizer.vocab_size)
+        self._key = ("json_schema", json.dumps(SCHEMA))
+
+    def accepts(self, ids: list[int]) -> bool:
+        matcher = self._compiler.matcher(self._key).handle
+        return all(matcher.consume_token(t) for t in ids) and not matcher.is_error()
+
+    def close(self) -> None:
+        self._compiler.close()
 
 
 def workload(n: int, vocab: int, smoke: bool, seed: int = 0) -> list[tuple[list[int], int]]:
@@ -122,7 +149,7 @@ def requests(work, arm: str) -> list[SamplingParams]:
     ]
 
 
-async def run_arm(engine: Engine, work, arm: str) -> dict[str, Any]:
+async def run_arm(engine: Engine, work, arm: str, replay: GrammarReplay) -> dict[str, Any]:
     reqs = requests(work, arm)
     await engine.flush_cache()  # every run prefills its prompts (repeats would hit the cache)
     info0 = engine.scheduler.info()
@@ -140,6 +167,7 @@ async def run_arm(engine: Engine, work, arm: str) -> dict[str, Any]:
     free = [i for i in range(len(reqs)) if i % 4 != 3]  # free in the free and quarter arms
     cons = [i for i in range(len(reqs)) if constrained(arm, i)]
     checks = [valid_prefix(results[i].text) for i in cons]
+    accepted = [replay.accepts(results[i].output_ids) for i in cons]
     wall = max(done)
     masked = d["grammar_mask_steps"]
     step_ms = 1e3 * wall / d["steps"] if d["steps"] else None
@@ -152,9 +180,12 @@ async def run_arm(engine: Engine, work, arm: str) -> dict[str, Any]:
         "tokens": sum(len(r.output_ids) for r in results),
         "equal_lengths": all(len(r.output_ids) == work[i][1] for i, r in enumerate(results)),
         "constrained": len(cons),
-        "valid": sum(ok and results[i].finish_reason == "length" for (ok, _), i in zip(checks, cons)),
-        "items_mean": statistics.mean(n for _, n in checks) if checks else None,
-        "invalid_examples": [results[i].text[:400] for (ok, _), i in zip(checks, cons) if not ok][:3],
+        "valid": sum(ok and results[i].finish_reason == "length" for (ok, _, _), i in zip(checks, cons)),
+        "grammar_accepted": sum(accepted),
+        "items_mean": statistics.mean(n for _, n, _ in checks) if checks else None,
+        # the refused item itself (or what stood where ", " should), and the output's end
+        "invalid_examples": [{"refused": bad, "items_before": n, "grammar_accepted": acc, "tail": results[i].text[-200:]}
+                             for (ok, n, bad), acc, i in zip(checks, accepted, cons) if not ok or not acc][:3],
         "step_ms": step_ms,
         "mask_ms_per_step": mask_ms,
         "mask_pct_of_step": 100 * mask_ms / step_ms if mask_ms is not None and step_ms else None,
@@ -203,19 +234,21 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     for loop in C.parse_loops(args.loops):
         engine = await Engine.load(path, loop=loop, **kwargs)
         runs = []
+        replay = GrammarReplay(engine.tokenizer)
         async with engine:
             work = workload(args.requests, engine.tokenizer.vocab_size, args.smoke, args.seed)
             for arm in ARMS:  # warm-up: each arm once, not recorded
-                await run_arm(engine, work, arm)
+                await run_arm(engine, work, arm, replay)
             for rep in range(args.repeats):
                 order = ARMS[rep % 3:] + ARMS[:rep % 3]
                 for arm in order:
-                    run = dict(await run_arm(engine, work, arm), repeat=rep)
+                    run = dict(await run_arm(engine, work, arm, replay), repeat=rep)
                     runs.append(run)
                     print(f"{loop} rep {rep} {arm:8s} total {run['total_tok_s']:8.0f} tok/s"
                           + (f", free rows {run['free_tok_s']:8.0f} tok/s" if run["free_tok_s"] else "")
-                          + (f", valid {run['valid']}/{run['constrained']}, mask {run['mask_pct_of_step']:.1f}% of a step"
+                          + (f", valid {run['valid']}/{run['constrained']} (grammar accepts {run['grammar_accepted']}), mask {run['mask_pct_of_step']:.1f}% of a step"
                              if run["constrained"] else ""), flush=True)
+        replay.close()
         for run in runs:  # the free rows' tokens: the same in every free and quarter run?
             run["free_same_as_free_arm"] = None if run["free_outputs"] is None else run["free_outputs"] == next(
                 r["free_outputs"] for r in runs if r["arm"] == "free")
@@ -257,7 +290,8 @@ def print_table(result: dict[str, Any]) -> None:
                       f"{statistics.median(r['mask_rows_per_step'] for r in rs):.1f} rows; step "
                       f"{span([r['step_ms'] for r in rs], '{:.2f}')} ms; rows not computed ahead "
                       f"{sum(r['inline_rows'] for r in rs)}; fused launches beside grammar rows "
-                      f"{sum(r['counters']['fused_decode_beside_grammar'] for r in rs)}; equal lengths "
+                      f"{sum(r['counters']['fused_decode_beside_grammar'] for r in rs)}; grammar accepts {sum(r['grammar_accepted'] for r in rs)}"
+                      f"/{sum(r['constrained'] for r in rs)} outputs' ids; equal lengths "
                       f"{all(r['equal_lengths'] for r in rs)}")
 
 
