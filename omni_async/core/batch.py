@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from itertools import repeat
 from typing import Callable
 
 from .request import Request
@@ -80,31 +79,29 @@ class ScheduledBatch(StepShape):
     def fill_decode(self, decoding: list[Request], steps: list[int] | None, page_size: int,
                     allocate: Callable[[int], list[int]]) -> None:
         """The columns of a decode step over ``decoding`` (``steps``: each row's forwards,
-        None for one), built in one pass over the rows; each row's KV grown for its tokens
-        and the tokens counted in flight, since the core's state advances when a step is
-        scheduled. A decode input still in flight (-1) is read on the device from the
-        step before."""
+        None for one), each built by one comprehension; each row's KV grown for its
+        tokens (only the rows that cross a page boundary, about one in ``page_size / k``,
+        allocate) and the tokens counted in flight, since the core's state advances when
+        a step is scheduled. A decode input still in flight (-1) is read on the device
+        from the step before."""
         n = len(decoding)
+        ks = steps or [1] * n
         self.reqs, self.extend_lens, self.samples_kept = decoding, [1] * n, [True] * n
-        epochs, prefix_lens, sample_indices, input_ids = self.epochs, self.prefix_lens, self.sample_indices, self.input_ids
-        tables, counts, inflight = self.page_tables, self.page_counts, self.inflight_inputs
-        for i, (req, k) in enumerate(zip(decoding, steps or repeat(1))):
-            cached, pending, out, pages = req.num_cached, req.num_inflight, req.output_ids, req.pages
-            epochs.append(req.epoch)
-            prefix_lens.append(cached)
-            sample_indices.append(len(out) + pending)
-            if pending:
-                input_ids.append(-1)
-                inflight.append((i, req))
-            else:
-                input_ids.append((out or req.prompt_ids)[-1])
-            need = -(-(cached + k) // page_size) - len(pages)
+        self.epochs = [r.epoch for r in decoding]
+        cached = self.prefix_lens = [r.num_cached for r in decoding]
+        pending = [r.num_inflight for r in decoding]
+        self.sample_indices = [len(r.output_ids) + p for r, p in zip(decoding, pending)]
+        self.input_ids = [-1 if p else (r.output_ids or r.prompt_ids)[-1] for r, p in zip(decoding, pending)]
+        self.inflight_inputs = [(i, r) for i, (r, p) in enumerate(zip(decoding, pending)) if p]
+        tables = self.page_tables = [r.pages for r in decoding]  # shared: see page_tables
+        for pages, c, k in zip(tables, cached, ks):
+            need = -(-(c + k) // page_size) - len(pages)
             if need > 0:
                 pages.extend(allocate(need))
-            req.num_cached = cached + k
-            req.num_inflight = pending + k
-            tables.append(pages)  # shared: see page_tables
-            counts.append(len(pages))
+        self.page_counts = [len(pages) for pages in tables]
+        for r, c, p, k in zip(decoding, cached, pending, ks):
+            r.num_cached = c + k
+            r.num_inflight = p + k
         self.row_steps = steps
 
     @property

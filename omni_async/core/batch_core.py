@@ -24,7 +24,7 @@ from .step_results import end_unsampled, process_one_forward
 from .conditioning import ready_positions
 from .prefix_reuse import computing_key, drop_prefix, index_pages, reuse_prefix
 from .protocol import BatchCore, StepOutcome
-from .request import Request, mask_ready
+from .request import Request, decode_limits, mask_ready
 
 __all__ = ["BatchCore", "NativeBatchCore", "StepOutcome"]
 
@@ -229,9 +229,9 @@ class NativeBatchCore(BatchCore):
         running; the stream chunk that brings the row wakes the loop); not while a
         constrained request's last token is in flight (its mask needs it:
         :func:`.request.mask_ready`)."""
-        ctx = self.context_length
-        return [r for r in self.running
-                if r.tokens_left(ctx, scheduling=True) > 0 and (r.conditioning is None or ready_positions(r, 1)) and mask_ready(r)]
+        running = self.running
+        return [r for r, left in zip(running, decode_limits(running, self.context_length))
+                if left > 0 and (r.conditioning is None or ready_positions(r, 1)) and (r.matcher is None or mask_ready(r))]
 
     def _decode_fits(self, decoding: list[Request]) -> bool:
         """A request holds the pages of its cached tokens, so one more token needs at most

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Sequence
 
 from .conditioning import ready_positions
 from .protocol import StepOutcome
-from .request import Request
+from .request import Request, decode_limits, landing_limits
 
 if TYPE_CHECKING:
     from .batch import ScheduledBatch
@@ -67,12 +67,13 @@ def row_steps(decoding: list[Request], k: int, context_length: int) -> tuple[lis
         return None, []
     steps: list[int] = []
     constrained: list[int] = []
-    for i, r in enumerate(decoding):
+    for i, (r, left) in enumerate(zip(decoding, decode_limits(decoding, context_length))):
         if r.matcher is not None:
             constrained.append(i)
             steps.append(1)
         else:
-            steps.append(ready_positions(r, min(k, r.tokens_left(context_length, scheduling=True))))
+            n = k if left >= k else left
+            steps.append(n if r.conditioning is None else ready_positions(r, n))
     if constrained and max(steps) <= 1:
         return None, []
     return steps, constrained
@@ -89,7 +90,10 @@ def process_multi_step(
     finishes: list[tuple[Request, str]] = []
     size, ctx = batch.size, context_length
     assert batch.row_steps is not None
-    for i, (req, epoch, steps) in enumerate(zip(batch.reqs, batch.epochs, batch.row_steps)):
+    if tokens and type(tokens[0]) is not int:  # a runner's own values: Python ints once per step
+        tokens = [int(t) for t in tokens]
+    limits = landing_limits(batch.reqs, batch.row_steps, ctx)  # the length rule, one pass
+    for i, (req, epoch, steps, limit) in enumerate(zip(batch.reqs, batch.epochs, batch.row_steps, limits)):
         if req.finish_reason is not None or req.epoch != epoch:
             continue  # finished or retracted after this step was scheduled
         req.num_inflight -= steps
@@ -97,13 +101,13 @@ def process_multi_step(
             finishes.append((req, req.to_finish))
             outcomes.append(StepOutcome(req, None, finished=True))
             continue
-        out, stop_ids = req.output_ids, req.stop_ids()
+        out, stop_ids = req.output_ids, req._stop_ids
+        if stop_ids is None:
+            stop_ids = req.stop_ids()
         end = i + steps * size
         row = tokens[i:end:size]  # the row's tokens, forward by forward
-        if req.matcher is None and stop_ids.isdisjoint(row):  # the common row: only limits can end it
-            limit = req.tokens_left(ctx, scheduling=False)
+        if req.matcher is None and (not stop_ids or stop_ids.isdisjoint(row)):  # only limits can end it
             kept, reason = (row, None) if limit > steps else (row[: max(1, limit)], "length")
-            kept = [int(t) for t in kept]
             out.extend(kept)
             lps = None
             if logprobs is not None:

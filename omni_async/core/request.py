@@ -89,6 +89,35 @@ class Request:
         return ids
 
 
+def decode_limits(reqs: list[Request], context_length: int) -> list[int]:
+    """``tokens_left(context_length, scheduling=True)`` of every row of a step, in one
+    pass: the same rule written for a column, so that choosing a step's rows and their
+    forwards costs no method call per row (the scheduler runs it for every running
+    request on every step; tests/test_host_columns.py holds the two equal)."""
+    out: list[int] = []
+    add = out.append
+    for r in reqs:
+        gen = len(r.output_ids) + r.num_inflight
+        by_count = r.sampling.max_new_tokens - gen
+        by_context = context_length - len(r.prompt_ids) - gen
+        add(by_count if by_count < by_context else by_context)
+    return out
+
+
+def landing_limits(reqs: list[Request], landing: list[int], context_length: int) -> list[int]:
+    """``tokens_left(context_length, scheduling=False)`` of every row of a step being
+    processed, once its ``landing`` tokens (per row) are no longer in flight and before
+    they are appended: the processing side of the same rule, one pass per step."""
+    out: list[int] = []
+    add = out.append
+    for r, n in zip(reqs, landing):
+        kept = len(r.output_ids)
+        by_count = r.sampling.max_new_tokens - kept
+        by_context = context_length - len(r.prompt_ids) - kept - (r.num_inflight - n)
+        add(by_count if by_count < by_context else by_context)
+    return out
+
+
 @dataclass(eq=False)
 class RequestData:
     """What a request builder produces and what runners, handlers and result adapters
