@@ -38,7 +38,7 @@ from .logs import log
 from .loops import LOOPS
 from .messages import IncomingMessage, OutgoingMessage
 from .stage.control import StageControl
-from .stage.emission import Emission, OutputSink, ResultAdapter, StreamOutputBuilder
+from .stage.emission import ColumnsSink, Emission, OutputSink, ResultAdapter, StreamOutputBuilder
 from .stage.intake import Intake, RequestBuilder
 from .stage.emission import StageState
 from .stage.request_checks import ModelLimits, RequestDoor
@@ -237,12 +237,15 @@ class AsyncOmniScheduler:
             self.intake.put(msg)
             self._wake.set()
 
-    def attach_output_sink(self, sink: OutputSink) -> None:
+    def attach_output_sink(self, sink: OutputSink, *, columns: ColumnsSink | None = None) -> None:
         """Deliver messages to ``sink`` (one call per step, on the loop thread) instead
-        of the ``outbox``: an embedding layer's fast path. Attach before serving."""
+        of the ``outbox``: an embedding layer's fast path. With ``columns``, every
+        delivery goes there instead, a step's plain stream rows as one ``StepTokens``
+        and the other messages beside it. Attach before serving."""
         if self.state.lifecycle != "new":
             raise RuntimeError("attach the output sink before the scheduler runs")
         self.emission.sink = sink
+        self.emission.columns_sink = columns
 
     def add_step_observer(self, observe: Callable[[float], None]) -> None:
         """Call ``observe(seconds)`` after each processed step (launch to processed)."""

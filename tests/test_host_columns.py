@@ -42,3 +42,75 @@ def test_landing_limits_equal_tokens_left_once_the_step_landed():
             r.num_inflight -= n  # what processing does before it checks the limit
             want.append(r.tokens_left(ctx, scheduling=False))
         assert got == want
+
+
+# ---------------------------------------------------------------- the columns sink
+
+import anyio  # noqa: E402
+import pytest  # noqa: E402
+
+from omni_async import IncomingMessage, RequestPayload  # noqa: E402
+from omni_async.backends.native.builder import build_native_stack, build_scheduler  # noqa: E402
+from omni_async.config import SchedulerConfig  # noqa: E402
+
+from .conftest import LOOPS  # noqa: E402
+
+LIMITS = [5, 9, 14, 3, 11, 7]
+
+
+async def _serve(loop: str, columns: bool) -> tuple[list, dict[str, list[int]], dict[str, list], bool]:
+    """Six requests through a scheduler whose output goes to a recording sink (with a
+    columns sink when ``columns``): the deliveries, each request's streamed tokens, its
+    terminal messages, and whether the KV ended fully free."""
+    config = SchedulerConfig(loop=loop)
+    stack = build_native_stack("tiny", config)
+    sched = build_scheduler(stack, config)
+    deliveries: list = []  # (StepTokens or None, messages)
+    streamed: dict[str, list[int]] = {f"r{i}": [] for i in range(len(LIMITS))}
+    terminals: dict[str, list] = {rid: [] for rid in streamed}
+    done = anyio.Event()
+
+    def take(tokens, messages):
+        deliveries.append((tokens, list(messages)))
+        if tokens is not None:
+            for rid, toks, reason in zip(tokens.request_ids, tokens.token_ids, tokens.finish_reasons):
+                assert not terminals[rid], "a row after its request's terminal message"
+                streamed[rid] += toks
+        for msg in messages:
+            if msg.type == "stream":
+                assert not terminals[msg.request_id]
+                streamed[msg.request_id] += msg.data.token_ids
+            else:
+                terminals[msg.request_id].append(msg)
+        if all(terminals.values()):
+            done.set()
+
+    sched.attach_output_sink(lambda msgs: take(None, msgs), columns=take if columns else None)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(sched.run)
+        for i, n in enumerate(LIMITS):
+            sp = SamplingParams(max_new_tokens=n, ignore_eos=True, return_logprob=i % 2 == 0)
+            await sched.inbox.send(IncomingMessage(f"r{i}", "new_request", RequestPayload(f"r{i}", [i + 3, 7, 9, 11], sp)))
+        await done.wait()
+        await sched.aclose()
+    return deliveries, streamed, terminals, stack.allocator.is_fully_free()
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+async def test_a_step_reaches_the_columns_sink_as_one_set_of_columns(loop):
+    deliveries, streamed, terminals, kv_free = await _serve(loop, columns=True)
+    # A decode step of several rows is one StepTokens, and no plain row became a message.
+    assert any(tokens is not None and len(tokens) > 1 for tokens, _ in deliveries)
+    assert not any(msg.type == "stream" for _, msgs in deliveries for msg in msgs)
+    for i, n in enumerate(LIMITS):
+        rid = f"r{i}"
+        assert len(terminals[rid]) == 1 and terminals[rid][0].type == "result"
+        assert streamed[rid] == terminals[rid][0].data.output_ids and len(streamed[rid]) == n
+    ends = [(rid, reason) for tokens, _ in deliveries if tokens is not None
+            for rid, reason in zip(tokens.request_ids, tokens.finish_reasons) if reason is not None]
+    assert sorted(ends) == sorted((f"r{i}", "length") for i in range(len(LIMITS)))
+    assert kv_free
+    # The message form of the same run: the same tokens, one terminal each.
+    _, streamed_msgs, terminals_msgs, _ = await _serve(loop, columns=False)
+    assert streamed_msgs == streamed
+    assert all(len(t) == 1 for t in terminals_msgs.values())

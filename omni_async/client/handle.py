@@ -117,15 +117,9 @@ class RequestHandle:
             return  # e.g. the abort that follows a stop string
         kind = msg.type
         if kind == "stream":
-            was_final = getattr(msg.data, "finished", False)  # before on_delta marks a stop
-            delta, stopped = comp.on_delta(msg.data)
-            if delta is not None:
-                self._collector.put(delta)
-            if stopped and not was_final:
-                self._hooks.end_completion(comp.sub_id)  # its later terminal is ignored
-            if not comp.done:
-                return  # the common step: nothing ends
-        elif kind == "result":
+            self._on_stream(comp, msg.data)
+            return
+        if kind == "result":
             if comp.index == 0:
                 self._stage_result = msg.data
             self._cached_tokens += int(getattr(msg.data, "cached_tokens", 0) or 0)
@@ -135,6 +129,24 @@ class RequestHandle:
         else:
             self.fail(msg.data)
             return
+        if comp.done and all(c.done for c in self._completions):
+            self._finish(self._build_result())
+
+    def on_tokens(self, sub_id: str, token_ids: list[int], logprobs: list[float] | None, finish_reason: str | None) -> None:
+        """One row of a step's columns for one of this handle's completions: a stream
+        delta of ``token_ids`` (ending the completion when ``finish_reason`` is set)."""
+        comp = self._by_sub.get(sub_id)
+        if comp is None or comp.done or self._ended:
+            return  # e.g. the abort that follows a stop string
+        self._on_stream(comp, StreamDelta(sub_id, token_ids, logprobs, finish_reason is not None, finish_reason))
+
+    def _on_stream(self, comp: Completion, data: Any) -> None:
+        was_final = getattr(data, "finished", False)  # before on_delta marks a stop
+        delta, stopped = comp.on_delta(data)
+        if delta is not None:
+            self._collector.put(delta)
+        if stopped and not was_final:
+            self._hooks.end_completion(comp.sub_id)  # its later terminal is ignored
         if comp.done and all(c.done for c in self._completions):
             self._finish(self._build_result())
 

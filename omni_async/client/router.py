@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from .. import errors
 from ..messages import OutgoingMessage
 from .handle import RequestHandle
 from .wakeups import SlicedWaker
+
+if TYPE_CHECKING:
+    from ..stage.emission import StepTokens
 
 @dataclass(frozen=True)
 class HandleHooks:
@@ -61,6 +64,29 @@ class Router:
         This runs for every row of every step: one dict lookup and one call per message,
         the handles kept in first-touched order (a handle hashes by identity)."""
         touched: dict[RequestHandle, None] = {}
+        self._route(messages, touched)
+        self._waker.wake([handle.wake for handle in touched])
+
+    def deliver_step(self, tokens: "StepTokens", messages: list[OutgoingMessage]) -> None:
+        """The stage's columns sink: a step's plain stream rows as columns (each row's
+        tokens handed to its handle, no message or delta built on the stage's side),
+        then the other messages; each handle touched is woken once, after both."""
+        touched: dict[RequestHandle, None] = {}
+        routes = self._routes
+        for rid, toks, lps, reason in zip(tokens.request_ids, tokens.token_ids, tokens.logprobs, tokens.finish_reasons):
+            handle = routes.get(rid)
+            if handle is None:
+                continue
+            try:
+                handle.on_tokens(rid, toks, lps, reason)
+            except Exception as exc:  # e.g. a tokenizer that raised: this request fails alone
+                self._failed(handle, exc)
+            touched[handle] = None
+        if messages:
+            self._route(messages, touched)
+        self._waker.wake([handle.wake for handle in touched])
+
+    def _route(self, messages: list[OutgoingMessage], touched: dict[RequestHandle, None]) -> None:
         routes = self._routes
         for msg in messages:
             rid = msg.request_id
@@ -72,11 +98,14 @@ class Router:
             try:
                 handle.on_message(msg)
             except Exception as exc:  # e.g. a tokenizer that raised: this request fails alone
-                failure = errors.RequestFailedError(f"processing the output of {handle.request_id!r} failed: {exc!r}")
-                failure.__cause__ = exc
-                handle.fail(failure)
+                self._failed(handle, exc)
             touched[handle] = None
-        self._waker.wake([handle.wake for handle in touched])
+
+    @staticmethod
+    def _failed(handle: RequestHandle, exc: Exception) -> None:
+        failure = errors.RequestFailedError(f"processing the output of {handle.request_id!r} failed: {exc!r}")
+        failure.__cause__ = exc
+        handle.fail(failure)
 
     def end_completion(self, sub_id: str) -> None:
         """End one stage request early; its terminal message still comes and is ignored."""

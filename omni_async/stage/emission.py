@@ -26,6 +26,36 @@ T = TypeVar("T")
 V = TypeVar("V")
 
 OutputSink = Callable[[list[OutgoingMessage]], None]
+
+
+@dataclass(slots=True, eq=False)
+class StepTokens:
+    """A step's plain stream output as columns, in row order: request ``request_ids[j]``
+    got ``token_ids[j]`` (with ``logprobs[j]`` when it asked), and ended with
+    ``finish_reasons[j]`` (None: it runs on). What a columns sink receives instead of one
+    ``OutgoingMessage`` and ``StreamDelta`` per row; rows with hidden states, extra
+    outputs or a custom stream builder still go as messages."""
+
+    request_ids: list[str]
+    token_ids: list[list[int]]
+    logprobs: list[list[float] | None]
+    finish_reasons: list[str | None]
+
+    def __len__(self) -> int:
+        return len(self.request_ids)
+
+    def messages(self) -> list[OutgoingMessage]:
+        """The message form, for a sink that wants one message per row."""
+        return [OutgoingMessage(rid, "stream", StreamDelta(rid, toks, lps, reason is not None, reason))
+                for rid, toks, lps, reason in zip(self.request_ids, self.token_ids, self.logprobs, self.finish_reasons)]
+
+
+def _no_tokens() -> StepTokens:
+    return StepTokens([], [], [], [])
+
+
+# (a step's columns, then the messages sent with it): one call per delivery.
+ColumnsSink = Callable[[StepTokens, list[OutgoingMessage]], None]
 ResultAdapter = Callable[[RequestData], Any]
 StreamOutputBuilder = Callable[[str, RequestData, RequestOutput], Iterable[OutgoingMessage]]
 
@@ -55,6 +85,11 @@ class Emission:
         self.ended: IdWindow[None] = IdWindow(ended_cap, ended_keep)
         self.stats = stats
         self._pending: list[OutgoingMessage] = []
+        # With a columns sink (the engine's router), plain stream rows gather here and
+        # go before the messages of the same delivery (a request's result comes after
+        # its last tokens either way).
+        self.columns_sink: ColumnsSink | None = None
+        self._tokens = _no_tokens()
         self._coalescing = 0
         self._first_emitted: set[str] = set()
         # SchedulerConfig.stream_interval: above 1, a request's plain deltas are held
@@ -84,13 +119,18 @@ class Emission:
             self.flush()
 
     def flush(self) -> None:
-        if not self._pending:
+        tokens = self._tokens
+        if not self._pending and not tokens.request_ids:
             return
         batch, self._pending = self._pending, []
         try:
-            self.sink(batch)
+            if self.columns_sink is not None:
+                self._tokens = _no_tokens()
+                self.columns_sink(tokens, batch)
+            else:
+                self.sink(batch)
         except Exception as exc:  # a sink must not take the loop down
-            log.error("scheduler_output_sink_failed", error=repr(exc), messages=len(batch))
+            log.error("scheduler_output_sink_failed", error=repr(exc), messages=len(batch) + len(tokens))
 
     # ------------------------------------------------------------ the live table
 
@@ -182,6 +222,10 @@ class Emission:
         With the default stream builder the message is built inline (no callback guard,
         no per-row list): this runs for every running request on every step."""
         with self.coalesced():
+            if self.columns_sink is not None and (self._pending or self._tokens.request_ids):
+                # An enclosing block's output goes first, so that a request whose rows
+                # change form between steps (columns, messages) keeps its deltas in order.
+                self.flush()
             for row, message in (out.row_errors or {}).items():
                 req = batch.reqs[row]
                 if batch.row_is_live(row):
@@ -191,6 +235,10 @@ class Emission:
             inline = self.stream_output_builder is default_stream_output_builder and not debug_enabled()
             pending = self._pending
             interval = self.stream_interval
+            columns = self._tokens if self.columns_sink is not None and interval == 1 else None
+            if columns is not None:
+                col_ids, col_toks, col_lps, col_ends = (
+                    columns.request_ids, columns.token_ids, columns.logprobs, columns.finish_reasons)
             emitted = 0
             hidden = HiddenRows(batch, out) if out.hidden_states is not None or out.prompt_hidden is not None else None
             for oc in outcomes:
@@ -218,6 +266,14 @@ class Emission:
                         rid, fin = req.rid, oc.finished
                         lps = ([logprob] if tokens is None else oc.logprobs) if want_lp else None
                         toks = [token] if tokens is None else tokens
+                        if columns is not None:  # the engine's router: one row of the step's columns
+                            col_ids.append(rid)
+                            col_toks.append(toks)
+                            col_lps.append(lps)
+                            col_ends.append(req.finish_reason if fin else None)
+                            if fin:
+                                self.finish(req)
+                            continue
                         if interval > 1:
                             toks, lps = self._interval(req, toks, lps, fin)
                             if toks is None:
