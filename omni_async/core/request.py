@@ -51,6 +51,9 @@ class Request:
     # thinker's hidden states, ``core.conditioning``); None for a plain request.
     conditioning: Any = None
     _stop_ids: frozenset[int] | None = field(default=None, repr=False)
+    # The runner's view of this request (``runner_io.SchedulerRequest``), made once and
+    # handed to every step it is in; dropped with ``data`` when the request ends.
+    sched_entry: Any = field(default=None, repr=False)
 
     @property
     def seq_len(self) -> int:

@@ -335,6 +335,10 @@ class ModelRunner(RunnerHooks):
         """Commit ``generation_steps`` for the rows that got a token."""
         skip = self.finalize_skip_rids(so)
         requests = so.requests
+        if not outputs and not skip and steps is not None:  # a plain multi-step decode: one pass
+            for i in rows:
+                requests[i].data.generation_steps += steps[i]
+            return
         if steps is not None:  # a multi-step decode: each row advanced by its forwards
             for i in rows:
                 if not (skip and requests[i].request_id in skip):

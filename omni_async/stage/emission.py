@@ -400,6 +400,7 @@ def _unlink(data: RequestData) -> None:
     request, and a step still in flight reaches the data through its own rows
     (``SchedulerRequest.data``); ``data.req`` stays for the result and the caller."""
     data.req.data = None
+    data.req.sched_entry = None  # it holds ``data`` too
 
 
 @dataclass

@@ -55,6 +55,18 @@ class InflightStep:
     launched_at: float = 0.0
 
 
+def scheduler_requests(reqs: list[Any]) -> list[SchedulerRequest]:
+    """The runner's view of a step's rows: each request's own ``SchedulerRequest``,
+    made at its first step and reused while its ``data`` is the same (a running request
+    is in every decode step, so the step costs a lookup per row, not an object)."""
+    return [e if (e := r.sched_entry) is not None and e.data is r.data else _sched_entry(r) for r in reqs]
+
+
+def _sched_entry(req: Any) -> SchedulerRequest:
+    entry = req.sched_entry = SchedulerRequest(request_id=req.rid, data=req.data)
+    return entry
+
+
 class StepSink(Protocol):
     """What the stage does with a step: see its output, or its failure."""
 
@@ -178,10 +190,7 @@ class Stepper:
                     self._prefill_logged.put(req.rid, None)
                     log.debug("scheduler_prefill_start", request_id=req.rid)
         self._trace(trace, batch)
-        sched_output = SchedulerOutput(
-            requests=[SchedulerRequest(request_id=r.rid, data=r.data) for r in batch.reqs],
-            batch_data=batch,
-        )
+        sched_output = SchedulerOutput(requests=scheduler_requests(batch.reqs), batch_data=batch)
         inline = self.executor.launches_inline and batch.is_decode
         if inline:
             await self._until_enqueued()
