@@ -117,7 +117,7 @@ class RequestHandle:
             return  # e.g. the abort that follows a stop string
         kind = msg.type
         if kind == "stream":
-            self._on_stream(comp, msg.data)
+            self._on_stream(comp, msg.data, getattr(msg.data, "finished", False))  # before on_delta marks a stop
             return
         if kind == "result":
             if comp.index == 0:
@@ -138,10 +138,12 @@ class RequestHandle:
         comp = self._by_sub.get(sub_id)
         if comp is None or comp.done or self._ended:
             return  # e.g. the abort that follows a stop string
-        self._on_stream(comp, StreamDelta(sub_id, token_ids, logprobs, finish_reason is not None, finish_reason))
+        final = finish_reason is not None
+        self._on_stream(comp, StreamDelta(sub_id, token_ids, logprobs, final, finish_reason), final)
 
-    def _on_stream(self, comp: Completion, data: Any) -> None:
-        was_final = getattr(data, "finished", False)  # before on_delta marks a stop
+    def _on_stream(self, comp: Completion, data: Any, was_final: bool) -> None:
+        """A stream delta for ``comp``; ``was_final``: the stage ended the completion with
+        it (read before ``on_delta``, which marks a stop string's end too)."""
         delta, stopped = comp.on_delta(data)
         if delta is not None:
             self._collector.put(delta)
