@@ -302,9 +302,10 @@ class SchedulerConfig:
     # k tokens, so its per-token cost falls about k-fold. Tokens are the same as k=1
     # (tokens after a stop are discarded); a stop or abort is seen up to k-1 forwards
     # late, and stream deltas carry up to k tokens. At most page_size. None (the
-    # default) chooses by how many requests decode: on CUDA 1 below 64, 4 from 64 (where
-    # one Python thread cannot keep up with one forward per step) and 8 from 256 (capped
-    # at page_size); 1 on CPU, with tensor parallelism and on the SGLang backend.
+    # default) chooses by how many requests decode: on CUDA 4 below 64 and 8 from 64
+    # (capped at page_size; one Python thread cannot keep up with one forward per step,
+    # and a batch-1 step's host work is as long as its forward); 1 on CPU, with tensor
+    # parallelism and on the SGLang backend.
     decode_steps: int | None = None
     # Native backend, decode_steps > 1: a multi-step decode runs its forwards, their
     # inputs and their sampling (filters, seeds, repetition penalty, bans) as one launch

@@ -117,3 +117,15 @@ class GenerationResult:
     # ``prompt_logprob_ranks``: the rank of each prompt token (1 = most likely).
     prompt_logprobs: list[dict[int, float] | None] | None = None
     prompt_logprob_ranks: list[int | None] | None = None
+
+
+def join_rows(rows: list[Any]) -> Any:
+    """Hidden-state rows gathered over several steps or deltas as one tensor (None for
+    none): what a finished request and a finished completion hand out."""
+    if not rows:
+        return None
+    if len(rows) == 1:
+        return rows[0]
+    import torch  # only requests that asked for hidden states get here
+
+    return torch.cat(rows)

@@ -253,22 +253,22 @@ def test_decode_steps_is_refused_where_it_does_not_run():
 
 def test_auto_takes_more_forwards_on_cuda_at_larger_batches_only():
     auto = resolve_decode_steps(None, "cuda")
-    assert [auto.for_batch(n) for n in (1, 63, 64, 255, 256, 512)] == [1, 1, 4, 4, 8, 8] and auto.most == 8
+    assert [auto.for_batch(n) for n in (1, 63, 64, 255, 256, 512)] == [4, 4, 8, 8, 8, 8] and auto.most == 8
     assert resolve_decode_steps(None, "cpu").for_batch(512) == 1
     assert resolve_decode_steps(None, "cuda", tensor_parallel_size=2).for_batch(512) == 1
     fixed = resolve_decode_steps(3, "cpu")
     assert fixed.for_batch(1) == fixed.for_batch(512) == fixed.most == 3
     assert resolve_decode_steps(1, "cuda").most == 1
     small_pages = resolve_decode_steps(None, "cuda", page_size=4)  # a step adds at most one page per row
-    assert [small_pages.for_batch(n) for n in (63, 64, 512)] == [1, 4, 4]
+    assert [small_pages.for_batch(n) for n in (1, 63, 64, 512)] == [4, 4, 4, 4]
+    assert resolve_decode_steps(None, "cuda", page_size=2).for_batch(1) == 2
     assert resolve_decode_steps(None, "cuda", page_size=1).most == 1
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 async def test_cuda_default_runs_multi_step_at_large_batch():
-    """The default (decode_steps=None) on CUDA: one forward per step below 64 decoding
-    requests, four from 64 on, eight from 256; tokens equal one forward per step
-    throughout."""
+    """The default (decode_steps=None) on CUDA: four forwards per step below 64 decoding
+    requests, eight from 64 on; tokens equal one forward per step throughout."""
     rng = random.Random(2)
     reqs = [([rng.randrange(3, 250) for _ in range(rng.randint(4, 40))], SamplingParams(max_new_tokens=rng.randint(8, 40), ignore_eos=True))
             for _ in range(280)]
@@ -276,7 +276,7 @@ async def test_cuda_default_runs_multi_step_at_large_batch():
     one, _, info_one = await run(reqs, decode_steps=1, **limits)
     auto, _, info_auto = await run(reqs, **limits)
     assert same(auto, one)
-    assert info_auto["decode_steps"] < 0.5 * info_one["decode_steps"]  # 8 forwards while >= 256 decode, then 4
+    assert info_auto["decode_steps"] < 0.5 * info_one["decode_steps"]  # 8 forwards while >= 64 decode, then 4
     assert info_auto["fused_decode_replays"] > 0  # all greedy: the fused graphs ran
 
 

@@ -7,7 +7,7 @@ from typing import Any
 
 from ..config import SamplingParams
 from ..text.detokenize import finish_text
-from ..messages import CompletionOutput, GenerationResult, StreamDelta
+from ..messages import CompletionOutput, GenerationResult, StreamDelta, join_rows
 from ..text.stops import StopMatcher
 from ..text.tokenizer import Tokenizer
 
@@ -167,17 +167,6 @@ class Completion:
             text=self.text,
             output_logprobs=list(self.logprobs) if self._want_logprobs else None,
             top_logprobs=self.top_logprobs,
-            hidden_states=_joined(self._hidden) if self._want_hidden else None,
+            hidden_states=join_rows(self._hidden) if self._want_hidden else None,
             prompt_hidden_states=self._prompt_hidden,
         )
-
-
-def _joined(rows: list[Any]) -> Any:
-    """The kept rows of every delta as one tensor."""
-    if not rows:
-        return None
-    if len(rows) == 1:
-        return rows[0]
-    import torch  # only completions that asked for hidden states get here
-
-    return torch.cat(rows)

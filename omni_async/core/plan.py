@@ -17,9 +17,11 @@ Why these defaults (measurements in bench/RESULTS.md):
 - Prefill budget on CUDA. An eager prefill forward costs the host ~12-15 ms whatever its
   size, so 512-token chunks left the GPU idle most of a prefill phase (W256 on the H200:
   13-15k output tok/s against 67-71k with 8192-token chunks). CPU keeps 4096 / 512.
-- Decode tiers on CUDA (``decode_steps=None``): one forward per step below 64 decoding
-  requests, 4 from 64, 8 from 256 (at most ``page_size``): at 256 rows the host's
-  per-step work outgrew 4 forwards' device time on the H200. One forward elsewhere.
+- Decode tiers on CUDA (``decode_steps=None``): 4 forwards per step below 64 decoding
+  requests, 8 from 64 (at most ``page_size``). NV256 on the H200 (bench/probes/
+  nv256_profile.py): one forward per step below 64 rows spent 0.89 s of a 3.8 s run on
+  its tail, 4 or 8 forwards 0.50 s (34.9k -> 39.1-39.9k tok/s); from 64 rows 4 and 8 take
+  the same device time and 8 half the host's. One forward elsewhere.
 - CPU dtype and kernels. A CPU with native bfloat16 instructions runs a checkpoint stored
   in 16 bits or fewer faster in bfloat16 once several requests share a step, and the C++
   kernels add to it at every batch size; float32 (the exact reference path) otherwise.
@@ -49,7 +51,7 @@ TOKENS_PER_RUNNING_REQUEST = 1024
 CPU_PREFILL_BUDGET = (4096, 512)
 CUDA_PREFILL_BUDGET = (16384, 8192)
 # decode_steps=None on CUDA: (fewest decoding requests, forwards per step).
-AUTO_TIERS = ((64, 4), (256, 8))
+AUTO_TIERS = ((1, 4), (64, 8))
 # CPU KV when kv_capacity_tokens is not given: this fraction of the memory available
 # once the weights are loaded, within [CPU_KV_MIN_TOKENS, CPU_KV_MAX_TOKENS] (the cap
 # keeps start-up and tests quick; give kv_capacity_tokens for more);

@@ -7,7 +7,7 @@ from typing import Any
 
 from ..core.request import Request, RequestData
 from ..core.runner_io import ModelRunnerOutput, RequestOutput
-from ..messages import GenerationResult, OutgoingMessage, StreamDelta
+from ..messages import GenerationResult, OutgoingMessage, StreamDelta, join_rows
 
 
 class HiddenRows:
@@ -56,7 +56,7 @@ class HiddenRows:
                 data.hidden_rows.append(self.rows)
         if sp.return_prompt_hidden_states and data.prompt_hidden_rows and len(req.output_ids) == (
                 1 if oc.tokens is None else len(oc.tokens)):
-            self.prompt = _joined(data.prompt_hidden_rows)  # with the request's first token
+            self.prompt = join_rows(data.prompt_hidden_rows)  # with the request's first token
         return True
 
     def _collect_scores(self, data: RequestData, i: int) -> None:
@@ -77,17 +77,6 @@ class HiddenRows:
         if hi > lo:
             data.prompt_hidden_rows.append(every[first_flat + lo - first_pos : first_flat + hi - first_pos])
             data.prompt_hidden_upto = hi
-
-
-def _joined(rows: list[Any]) -> Any:
-    """The rows of several steps as one tensor (None for none)."""
-    if not rows:
-        return None
-    if len(rows) == 1:
-        return rows[0]
-    import torch  # only requests that asked for hidden states get here
-
-    return torch.cat(rows)
 
 
 def prompt_logprobs_of(data: RequestData) -> tuple[list[dict[int, float] | None], list[int | None]]:
@@ -122,8 +111,8 @@ def default_result_adapter(data: RequestData) -> GenerationResult:
         weight_version=data.weight_version,
         extra={k: v for k, v in data.extra_model_outputs.items() if k != "hidden_state"},
         cached_tokens=req.cached_tokens,
-        hidden_states=_joined(data.hidden_rows) if req.sampling.return_hidden_states else None,
-        prompt_hidden_states=_joined(data.prompt_hidden_rows) if req.sampling.return_prompt_hidden_states else None,
+        hidden_states=join_rows(data.hidden_rows) if req.sampling.return_hidden_states else None,
+        prompt_hidden_states=join_rows(data.prompt_hidden_rows) if req.sampling.return_prompt_hidden_states else None,
         prompt_logprobs=scored[0],
         prompt_logprob_ranks=scored[1],
     )
