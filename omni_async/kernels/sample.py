@@ -16,13 +16,16 @@ every logit at -inf, gets ``ok = False`` and token 0. Logits are clamped to the 
 float32 range first, as ``nan_to_num`` does in the torch path.
 
 Precision: each token's weight ``exp((x - max) / T)`` is computed in float32 with the
-same rounded subtraction and division as torch (IEEE division), then summed and scanned
-in float64; the torch path divides by the float32 sum and scans the rounded
-probabilities in float64. A uniform scale of all weights cancels (the target is ``u``
-times the row's own total), so the two cumulative distributions differ by the weights'
-own rounding: a few float32 ulps of each weight, below ``CDF_BOUND`` (1e-6) of the
-row's total. Tokens can differ only where the target falls within that distance of a
-boundary of the cumulative distribution: about one draw in a million.
+same rounded subtraction and division as torch (IEEE division, CUDA's ``expf``), then
+summed and scanned in float64; the torch path divides each weight by the float32 sum and
+scans the rounded probabilities in float64. A uniform scale of all weights cancels (the
+target is ``u`` times the row's own total), so the two cumulative distributions differ
+only by that division's rounding, at most 2**-23 of each weight and so of any prefix of
+the distribution (in practice the roundings cancel: the gap grows like the square root
+of the vocabulary). A token can differ only where the target falls inside that gap at
+one boundary: on random logits over Qwen2's vocabulary about one draw in 10**5 at the
+flattest, fewer on peaked distributions; the tests count the draws that fall near a
+boundary and compare every other one.
 
 Capturable in a CUDA graph: fixed grid, outputs allocated by shape, no host reads.
 """
@@ -38,17 +41,21 @@ from triton.language.extra import libdevice
 
 from .launch import FastKernel
 
-# Where the torch path's and the kernel's cumulative distributions may differ, as a
-# fraction of the row's total mass (see the module docstring); tests count the draws
-# that fall this close to a boundary.
-CDF_BOUND = 1e-6
 BLOCK = 4096
 _FLT_MAX = tl.constexpr(3.4028234663852886e38)
 _MASK32 = tl.constexpr(0xFFFFFFFF)
 
 # The interpreter (TRITON_INTERPRET=1, how the CPU tests run kernels) has no libdevice;
-# its ``tl.exp`` is numpy's, as precise. On the GPU ``tl.exp`` is the approximate ``ex2``.
-_EXP = tl if os.environ.get("TRITON_INTERPRET") == "1" else libdevice
+# its ``tl.exp`` is numpy's, as precise. On the GPU ``tl.exp`` is the approximate ``ex2``;
+# libdevice's is CUDA's ``expf``, as torch's softmax uses.
+if os.environ.get("TRITON_INTERPRET") == "1":
+    @triton.jit
+    def _exp(x):
+        return tl.exp(x)
+else:
+    @triton.jit
+    def _exp(x):
+        return libdevice.exp(x)
 
 
 @triton.jit
@@ -80,7 +87,7 @@ def _weights(base, start, V, m, t, BLOCK: tl.constexpr):
     inside = offs < V
     x = tl.load(base + offs, mask=inside, other=0.0).to(tl.float32)
     x = tl.minimum(tl.maximum(x, -_FLT_MAX), _FLT_MAX)
-    e = _EXP.exp(tl.math.div_rn(x - m, t))
+    e = _exp(tl.math.div_rn(x - m, t))
     return tl.where(inside, e, 0.0).to(tl.float64)
 
 
