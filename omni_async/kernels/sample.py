@@ -141,6 +141,7 @@ def _sample_kernel(X, TEMP, SEEDS, INDICES, TOKENS, OK, V, NUM_BLOCKS, stride_x,
 
 _KERNEL = FastKernel(_sample_kernel) if hasattr(_sample_kernel, "params") else _sample_kernel
 launches = 0  # calls of sample_temperature (graph replays are not calls)
+captured = 0  # those made while a CUDA graph was being captured
 
 
 def sample_temperature(
@@ -150,7 +151,7 @@ def sample_temperature(
     float dtype, last dimension contiguous): rows with ``temperature`` 0 greedy, the
     others drawn at ``temperature`` with ``row_uniforms(seeds, indices)``; the vectors may
     be strided columns."""
-    global launches
+    global launches, captured
     rows, vocab = logits.shape
     if logits.stride(1) != 1:
         logits = logits.contiguous()
@@ -159,6 +160,7 @@ def sample_temperature(
     block = min(BLOCK, triton.next_power_of_2(vocab))
     num_blocks = triton.cdiv(vocab, block)
     launches += 1
+    captured += logits.is_cuda and torch.cuda.is_current_stream_capturing()
     _KERNEL[(rows,)](logits, temperature, seeds, indices, tokens, ok, vocab, num_blocks, logits.stride(0),
                      temperature.stride(0), seeds.stride(0), indices.stride(0),
                      BLOCK=block, NB=triton.next_power_of_2(num_blocks), num_warps=8 if block >= 2048 else 4)

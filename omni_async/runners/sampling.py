@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import os
 import random
 from dataclasses import dataclass
 from typing import Sequence
@@ -210,8 +211,9 @@ def temperature_only(sb: SamplingBatch, top_k_logprobs: int = 0) -> bool:
 
 
 # Whether CUDA batches of temperature-only rows go to the Triton kernel; False keeps the
-# torch path everywhere (benchmarks compare the two). Graphs keep what they captured.
-SAMPLE_KERNEL = True
+# torch path everywhere (benchmarks compare the two; ``OMNI_ASYNC_SAMPLE_KERNEL=0`` sets it
+# for a process). Graphs keep what they captured.
+SAMPLE_KERNEL = os.environ.get("OMNI_ASYNC_SAMPLE_KERNEL", "").strip().lower() not in ("0", "false", "no", "off")
 
 
 @functools.cache
