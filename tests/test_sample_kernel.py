@@ -112,6 +112,17 @@ tokens, ok = sample_temperature(x, fp[:, 0], seeds[:, 2], idx)
 want, _ = sample_temperature(x, fp[:, 0].contiguous(), seeds[:, 2].contiguous(), idx)
 assert torch.equal(tokens, want) and ok.all()
 assert torch.equal(tokens[::2], x[::2].argmax(-1))
+# Each row's vocabulary split into parts (the small batches' parallelism): the same tokens
+# however it is split, the last part shorter than the others or not.
+x = torch.randn(4, 41000, generator=g) * 2
+x[1, 40999] = 50.0  # the maximum in the last block of the last part
+temp = torch.tensor([0.7, 0.0, 1.3, 0.2])
+seeds, idx = torch.randint(0, 2**62, (4,), generator=g), torch.arange(4)
+want = sample_temperature(x, temp, seeds, idx, parts=1)
+for parts in (2, 3, 4, 11):
+    got = sample_temperature(x, temp, seeds, idx, parts=parts)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), parts
+assert want[0][1] == 40999 and want[1].all()
 print("ok", rows + rows_bf16)
 '''
 

@@ -4,9 +4,11 @@ Why: the torch sampler spends a dozen kernels on a row that only has a temperatu
 float32 copy of the logits, two maxima, ``nan_to_num``, the scaling, softmax, a float64
 copy and a float64 scan over the whole vocabulary, a search and an argmax. On the H200
 at NV256's shape (vocabulary 151,936, 64-256 rows) that was ~0.9 ms per forward, a third
-of the GPU's time, against ~0.04 ms for greedy's argmax. Here one program per row reads
-its logits twice: once for the maximum (and the greedy token), once for the mass of each
-block of the vocabulary; then it re-reads only the block where the row's target falls.
+of the GPU's time, against ~0.04 ms for greedy's argmax. Here three launches read each
+row's logits about twice: the maximum (and the greedy token) of each part of the row, the
+mass of each block of the vocabulary, then, one program per row, the block where the
+row's target falls, read again and scanned. Parts split a row across programs so that a
+small batch still keeps every SM reading.
 
 What it computes is :func:`omni_async.runners.sampling.sample` for such rows: the token
 whose cumulative probability under ``softmax((x - max) / T)`` first exceeds ``u`` times
@@ -32,6 +34,7 @@ Capturable in a CUDA graph: fixed grid, outputs allocated by shape, no host read
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -92,16 +95,16 @@ def _weights(base, start, V, m, t, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _sample_kernel(X, TEMP, SEEDS, INDICES, TOKENS, OK, V, NUM_BLOCKS, stride_x, stride_t, stride_s, stride_i,
-                   BLOCK: tl.constexpr, NB: tl.constexpr):
-    row = tl.program_id(0)
+def _max_kernel(X, PMAX, PIDX, PNAN, V, PER, S, stride_x, BLOCK: tl.constexpr):
+    """Pass 1, program (row, part): the maximum of its blocks (NaN aside), the first index
+    holding it, and whether they hold a NaN."""
+    row, part = tl.program_id(0), tl.program_id(1)
     base = X + row.to(tl.int64) * stride_x
     lanes = tl.arange(0, BLOCK)
-    # Pass 1: the row's maximum (NaN aside), the first index holding it, and any NaN.
     best = tl.full((), float("-inf"), tl.float32)
     best_i = tl.full((), 0, tl.int32)
     nan = tl.full((), 0, tl.int32)
-    for b in range(0, NUM_BLOCKS):
+    for b in range(part * PER, part * PER + PER):
         offs = b * BLOCK + lanes
         x = tl.load(base + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
         is_nan = x != x
@@ -112,56 +115,121 @@ def _sample_kernel(X, TEMP, SEEDS, INDICES, TOKENS, OK, V, NUM_BLOCKS, stride_x,
         take = bm > best
         best_i = tl.where(take, bi, best_i)
         best = tl.where(take, bm, best)
-    ok = (nan == 0) & (best > float("-inf"))
+    at = row * S + part
+    tl.store(PMAX + at, best)
+    tl.store(PIDX + at, best_i)
+    tl.store(PNAN + at, nan)
+
+
+@triton.jit
+def _row_max(PMAX, PIDX, PNAN, row, S, SP: tl.constexpr):
+    """The row's maximum, the first index holding it, and whether it is admissible (no
+    NaN, not everything -inf), from its parts' results."""
+    parts = tl.arange(0, SP)
+    inside = parts < S
+    pmax = tl.load(PMAX + row * S + parts, mask=inside, other=float("-inf"))
+    best = tl.max(pmax, 0)
+    best_i = tl.min(tl.where(inside & (pmax == best), tl.load(PIDX + row * S + parts, mask=inside, other=0), 2**31 - 1), 0)
+    nan = tl.max(tl.load(PNAN + row * S + parts, mask=inside, other=0), 0)
+    return best, best_i, (nan == 0) & (best > float("-inf"))
+
+
+@triton.jit
+def _mass_kernel(X, TEMP, PMAX, PIDX, PNAN, MASS, V, PER, S, NB, stride_x, stride_t,
+                 BLOCK: tl.constexpr, SP: tl.constexpr):
+    """Pass 2, program (row, part) of a sampled row: the mass of each of its blocks."""
+    row, part = tl.program_id(0), tl.program_id(1)
+    temp = tl.load(TEMP + row * stride_t)
+    if temp != 0:
+        base = X + row.to(tl.int64) * stride_x
+        best, _, _ = _row_max(PMAX, PIDX, PNAN, row, S, SP)
+        m = tl.minimum(best, _FLT_MAX)
+        t = tl.maximum(temp, 1e-30)
+        for b in range(part * PER, tl.minimum(part * PER + PER, NB)):
+            tl.store(MASS + row * NB + b, tl.sum(_weights(base, b * BLOCK, V, m, t, BLOCK), 0))
+
+
+@triton.jit
+def _pick_kernel(X, TEMP, SEEDS, INDICES, PMAX, PIDX, PNAN, MASS, TOKENS, OK, V, S, NB, stride_x, stride_t,
+                 stride_s, stride_i, BLOCK: tl.constexpr, SP: tl.constexpr, NBP: tl.constexpr):
+    """Pass 3, one program per row: the greedy token, or the block where the cumulative
+    mass first exceeds the row's target and the token in it (that block read again)."""
+    row = tl.program_id(0)
+    best, best_i, ok = _row_max(PMAX, PIDX, PNAN, row, S, SP)
     token = best_i.to(tl.int64)
     temp = tl.load(TEMP + row * stride_t)
     if temp != 0:
-        t = tl.maximum(temp, 1e-30)
+        base = X + row.to(tl.int64) * stride_x
         m = tl.minimum(best, _FLT_MAX)
-        # Pass 2: each block's mass, kept in registers.
-        blocks = tl.arange(0, NB)
-        mass = tl.zeros([NB], tl.float64)
-        for b in range(0, NUM_BLOCKS):
-            mass = tl.where(blocks == b, tl.sum(_weights(base, b * BLOCK, V, m, t, BLOCK), 0), mass)
+        t = tl.maximum(temp, 1e-30)
+        blocks = tl.arange(0, NBP)
+        mass = tl.load(MASS + row * NB + blocks, mask=blocks < NB, other=0.0)
         u = _uniform(tl.load(SEEDS + row * stride_s), tl.load(INDICES + row * stride_i))
         target = u * tl.sum(mass, 0)
-        # The block where the cumulative mass first exceeds the target, then the token in it.
-        c = tl.minimum(tl.sum((tl.cumsum(mass, 0) <= target).to(tl.int32), 0), NUM_BLOCKS - 1)
+        c = tl.minimum(tl.sum((tl.cumsum(mass, 0) <= target).to(tl.int32), 0), NB - 1)
         before = tl.sum(tl.where(blocks < c, mass, 0.0), 0)
         w = _weights(base, c * BLOCK, V, m, t, BLOCK)
         k = tl.sum((before + tl.cumsum(w, 0) <= target).to(tl.int32), 0)
         # Scan and sum round differently: a target at the very top of the block takes its
         # last token with mass (or the maximum where the block has none).
-        last = tl.max(tl.where(w > 0, lanes, -1), 0)
+        last = tl.max(tl.where(w > 0, tl.arange(0, BLOCK), -1), 0)
         k = tl.minimum(k, last)
         token = tl.where(last >= 0, c.to(tl.int64) * BLOCK + k, best_i.to(tl.int64))
     tl.store(TOKENS + row, tl.where(ok, token, 0))
     tl.store(OK + row, ok)
 
 
-_KERNEL = FastKernel(_sample_kernel) if hasattr(_sample_kernel, "params") else _sample_kernel
+def _fast(fn):
+    # The interpreter has no compiled launcher to call directly: launched through Triton there.
+    return FastKernel(fn) if hasattr(fn, "params") else fn
+
+
+_MAX, _MASS, _PICK = _fast(_max_kernel), _fast(_mass_kernel), _fast(_pick_kernel)
 launches = 0  # calls of sample_temperature (graph replays are not calls)
 captured = 0  # those made while a CUDA graph was being captured
 
 
+@functools.cache
+def _programs_wanted(device: torch.device) -> int:
+    """Programs per pass that fill the device: a few per SM."""
+    if device.type != "cuda":
+        return 4
+    return 4 * torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def sample_temperature(
-    logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor, indices: torch.Tensor
+    logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor, indices: torch.Tensor,
+    parts: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Tokens (``[B]`` int64) and ``ok`` (``[B]`` bool) for ``logits`` (``[B, V]``, any
     float dtype, last dimension contiguous): rows with ``temperature`` 0 greedy, the
     others drawn at ``temperature`` with ``row_uniforms(seeds, indices)``; the vectors may
-    be strided columns."""
+    be strided columns. Each row's vocabulary is split into ``parts`` (default: enough
+    programs to fill the device) for the two full passes: a small batch still reads its
+    logits on every SM."""
     global launches, captured
     rows, vocab = logits.shape
     if logits.stride(1) != 1:
         logits = logits.contiguous()
-    tokens = torch.empty(rows, dtype=torch.long, device=logits.device)
-    ok = torch.empty(rows, dtype=torch.bool, device=logits.device)
-    block = min(BLOCK, triton.next_power_of_2(vocab))
-    num_blocks = triton.cdiv(vocab, block)
+    device = logits.device
     launches += 1
     captured += logits.is_cuda and torch.cuda.is_current_stream_capturing()
-    _KERNEL[(rows,)](logits, temperature, seeds, indices, tokens, ok, vocab, num_blocks, logits.stride(0),
-                     temperature.stride(0), seeds.stride(0), indices.stride(0),
-                     BLOCK=block, NB=triton.next_power_of_2(num_blocks), num_warps=8 if block >= 2048 else 4)
+    block = min(BLOCK, triton.next_power_of_2(vocab))
+    nb = triton.cdiv(vocab, block)
+    per = triton.cdiv(nb, max(1, min(nb, parts or triton.cdiv(_programs_wanted(device), rows))))
+    s = triton.cdiv(nb, per)  # parts of ``per`` blocks each (the last may have fewer)
+    pmax = torch.empty((rows, s), dtype=torch.float32, device=device)
+    pidx = torch.empty((rows, s), dtype=torch.int32, device=device)
+    pnan = torch.empty((rows, s), dtype=torch.int32, device=device)
+    mass = torch.empty((rows, nb), dtype=torch.float64, device=device)
+    tokens = torch.empty(rows, dtype=torch.long, device=device)
+    ok = torch.empty(rows, dtype=torch.bool, device=device)
+    warps = 8 if block >= 2048 else 4
+    sp = triton.next_power_of_2(s)
+    _MAX[(rows, s)](logits, pmax, pidx, pnan, vocab, per, s, logits.stride(0), BLOCK=block, num_warps=warps)
+    _MASS[(rows, s)](logits, temperature, pmax, pidx, pnan, mass, vocab, per, s, nb, logits.stride(0),
+                     temperature.stride(0), BLOCK=block, SP=sp, num_warps=warps)
+    _PICK[(rows,)](logits, temperature, seeds, indices, pmax, pidx, pnan, mass, tokens, ok, vocab, s, nb,
+                   logits.stride(0), temperature.stride(0), seeds.stride(0), indices.stride(0),
+                   BLOCK=block, SP=sp, NBP=triton.next_power_of_2(nb), num_warps=warps)
     return tokens, ok
