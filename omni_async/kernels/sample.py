@@ -1,4 +1,4 @@
-"""Temperature-only sampling (and greedy rows beside it) in one Triton kernel (CUDA).
+"""Temperature-only sampling (and greedy rows beside it) in three Triton launches (CUDA).
 
 Why: the torch sampler spends a dozen kernels on a row that only has a temperature: a
 float32 copy of the logits, two maxima, ``nan_to_num``, the scaling, softmax, a float64

@@ -369,7 +369,7 @@ class NativeModelRunner(ModelRunner):
             return SampleResult(tokens=tokens, logprobs=None, ok=ok)
         sampler = self.sampling_graphs
         if kernel_serves(result.logits, sb, top_k_logprobs):
-            sampler = None  # one kernel launch, eagerly: ``sample`` routes it
+            sampler = None  # the sampling kernels, eagerly: ``sample`` routes it
         if result.can_run_cuda_graph and sampler is not None and sampler.eligible(sb, top_k_logprobs):
             tokens, ok = sampler.sample(sb)
             return SampleResult(tokens=tokens, logprobs=None, ok=ok)

@@ -210,7 +210,7 @@ def temperature_only(sb: SamplingBatch, top_k_logprobs: int = 0) -> bool:
     )
 
 
-# Whether CUDA batches of temperature-only rows go to the Triton kernel; False keeps the
+# Whether CUDA batches of temperature-only rows go to the Triton kernels; False keeps the
 # torch path everywhere (benchmarks compare the two; ``OMNI_ASYNC_SAMPLE_KERNEL=0`` sets it
 # for a process). Graphs keep what they captured.
 SAMPLE_KERNEL = os.environ.get("OMNI_ASYNC_SAMPLE_KERNEL", "").strip().lower() not in ("0", "false", "no", "off")
@@ -225,7 +225,7 @@ def _kernel_on(device: torch.device) -> bool:
 
 def kernel_serves(logits: torch.Tensor, sb: SamplingBatch, top_k_logprobs: int = 0) -> bool:
     """The one routing decision: a temperature-only batch on CUDA goes to the Triton
-    kernel; another device (CPU's torch path is the reference) or a row needing more
+    kernels; another device (CPU's torch path is the reference) or a row needing more
     keeps the torch path."""
     return SAMPLE_KERNEL and logits.is_cuda and temperature_only(sb, top_k_logprobs) and _kernel_on(logits.device)
 
@@ -233,9 +233,9 @@ def kernel_serves(logits: torch.Tensor, sb: SamplingBatch, top_k_logprobs: int =
 def kernel_sample(
     logits: torch.Tensor, sb: SamplingBatch, top_k_logprobs: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Tokens and ``ok`` from one Triton launch where :func:`kernel_serves` (greedy rows
-    take their argmax there too), else None. Fixed shapes and no host reads: it runs
-    inside graphs too."""
+    """Tokens and ``ok`` from the Triton kernels (:mod:`..kernels.sample`) where
+    :func:`kernel_serves` (greedy rows take their argmax there too), else None. Fixed
+    shapes and no host reads: it runs inside graphs too."""
     if not kernel_serves(logits, sb, top_k_logprobs):
         return None
     from ..kernels.sample import sample_temperature
