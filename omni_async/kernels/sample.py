@@ -211,6 +211,9 @@ def sample_temperature(
     rows, vocab = logits.shape
     if logits.stride(1) != 1:
         logits = logits.contiguous()
+    # The hash takes 64-bit seeds and indices, as ``row_uniforms`` does.
+    seeds, indices = seeds.to(torch.long), indices.to(torch.long)
+    temperature = temperature.to(torch.float32)
     device = logits.device
     launches += 1
     captured += logits.is_cuda and torch.cuda.is_current_stream_capturing()
