@@ -202,7 +202,8 @@ def _draw(x: torch.Tensor, sb: SamplingBatch, rows: torch.Tensor | None) -> torc
 
 def temperature_only(sb: SamplingBatch, top_k_logprobs: int = 0) -> bool:
     """Some row samples and nothing but a temperature shapes any row's distribution:
-    no filter, penalty, bias, ban or grammar, no logprobs (see :mod:`..kernels.sample`)."""
+    no filter, penalty, bias, ban or grammar, no logprobs (see :mod:`..kernels.sample`).
+    A new ``SamplingBatch`` field that shapes a distribution must be refused here."""
     return (
         sb.num_sampled > 0 and not (sb.use_top_k or sb.use_top_p or sb.use_min_p)
         and sb.penalty is None and sb.ban is None and sb.controls is None and sb.allowed is None
