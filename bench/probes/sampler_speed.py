@@ -30,6 +30,7 @@ from typing import Callable
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: _common
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout's omni_async
 from _common import machine_facts, save_json  # noqa: E402
 
 from omni_async.kernels.sample import sample_temperature  # noqa: E402
