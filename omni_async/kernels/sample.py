@@ -42,6 +42,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from .attention_block import unspecialized
 from .launch import FastKernel
 
 BLOCK = 4096
@@ -94,7 +95,7 @@ def _weights(base, start, V, m, t, BLOCK: tl.constexpr):
     return tl.where(inside, e, 0.0).to(tl.float64)
 
 
-@triton.jit
+@triton.jit(**unspecialized(ints=("V", "PER", "S", "stride_x")))
 def _max_kernel(X, PMAX, PIDX, PNAN, V, PER, S, stride_x, BLOCK: tl.constexpr):
     """Pass 1, program (row, part): the maximum of its blocks (NaN aside), the first index
     holding it, and whether they hold a NaN."""
@@ -134,7 +135,7 @@ def _row_max(PMAX, PIDX, PNAN, row, S, SP: tl.constexpr):
     return best, best_i, (nan == 0) & (best > float("-inf"))
 
 
-@triton.jit
+@triton.jit(**unspecialized(ints=("V", "PER", "S", "NB", "stride_x", "stride_t")))
 def _mass_kernel(X, TEMP, PMAX, PIDX, PNAN, MASS, V, PER, S, NB, stride_x, stride_t,
                  BLOCK: tl.constexpr, SP: tl.constexpr):
     """Pass 2, program (row, part) of a sampled row: the mass of each of its blocks."""
@@ -149,7 +150,7 @@ def _mass_kernel(X, TEMP, PMAX, PIDX, PNAN, MASS, V, PER, S, NB, stride_x, strid
             tl.store(MASS + row * NB + b, tl.sum(_weights(base, b * BLOCK, V, m, t, BLOCK), 0))
 
 
-@triton.jit
+@triton.jit(**unspecialized(ints=("V", "S", "NB", "stride_x", "stride_t", "stride_s", "stride_i")))
 def _pick_kernel(X, TEMP, SEEDS, INDICES, PMAX, PIDX, PNAN, MASS, TOKENS, OK, V, S, NB, stride_x, stride_t,
                  stride_s, stride_i, BLOCK: tl.constexpr, SP: tl.constexpr, NBP: tl.constexpr):
     """Pass 3, one program per row: the greedy token, or the block where the cumulative
@@ -228,7 +229,10 @@ def sample_temperature(
     tokens = torch.empty(rows, dtype=torch.long, device=device)
     ok = torch.empty(rows, dtype=torch.bool, device=device)
     warps = 8 if block >= 2048 else 4
-    sp = triton.next_power_of_2(s)
+    # Compile-time sizes that follow the vocabulary alone (never the batch), and the
+    # integers above kept out of the compile key: one compile per kernel, dtype and
+    # vocabulary, not one per batch size met mid-run (3.4 s of first-token time on the H200).
+    sp = triton.next_power_of_2(nb)
     _MAX[(rows, s)](logits, pmax, pidx, pnan, vocab, per, s, logits.stride(0), BLOCK=block, num_warps=warps)
     _MASS[(rows, s)](logits, temperature, pmax, pidx, pnan, mass, vocab, per, s, nb, logits.stride(0),
                      temperature.stride(0), BLOCK=block, SP=sp, num_warps=warps)
