@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .sampling import SamplingBatch, _draw, _filtered, _penalised, greedy
+from .sampling import SamplingBatch, _draw, _filtered, _penalised, greedy, kernel_sample
 from .input_batch import HAS_STOP, HAS_SUPPRESS, MIN_NEW, MIN_P, PENALTY, SEED, TEMP, TOP_K, TOP_P, WANT_LP
 
 
@@ -117,12 +117,16 @@ def sample_all_rows(logits: torch.Tensor, sb: SamplingBatch) -> tuple[torch.Tens
     """:func:`omni_async.runners.sampling.sample`'s tokens and ``ok`` (no logprobs) with every
     row through the same fixed-shape operations: sampled rows draw, greedy rows
     (temperature 0) take the argmax of their penalised logits."""
+    fast = kernel_sample(logits, sb)
+    if fast is not None:
+        return fast
     x = _penalised(logits.to(torch.float32), sb)
     best, tokens = x.max(dim=-1)
     ok = best > float("-inf")
     if sb.num_sampled:
         # ``sample`` zeroes the rows without an admissible token before filtering; their
-        # token is 0 whatever they draw, and rows do not mix, so a pass is saved here.
-        drawn = _draw(_filtered(x, sb, None), sb, None)
+        # token is 0 whatever they draw, and rows do not mix, so a pass is saved here
+        # (and the maximum is reused: the others hold no NaN).
+        drawn = _draw(_filtered(x, sb, None, best.clamp(max=torch.finfo(x.dtype).max)), sb, None)
         tokens = torch.where(sb.temperature == 0, tokens, drawn)
     return torch.where(ok, tokens, torch.zeros_like(tokens)), ok

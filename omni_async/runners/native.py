@@ -19,7 +19,7 @@ from ..kernels import cpu_decode_stack, model_ops, triton_available
 from ..kv.attention import AttentionContext, slots_from_tables
 from ..kv.cache import PagedKVCache
 from ..models.decoder import DecoderModel
-from .sampling import SampleResult, SamplingBatch, sample
+from .sampling import SampleResult, SamplingBatch, kernel_serves, sample
 from .base import ModelRunner
 from .hooks import attach_hidden_extras, hidden_states_only
 from .cuda_graphs import DecodeGraphs
@@ -368,6 +368,8 @@ class NativeModelRunner(ModelRunner):
             tokens, ok = result.graph_greedy
             return SampleResult(tokens=tokens, logprobs=None, ok=ok)
         sampler = self.sampling_graphs
+        if kernel_serves(result.logits, sb, top_k_logprobs):
+            sampler = None  # the sampling kernels, eagerly: ``sample`` routes it
         if result.can_run_cuda_graph and sampler is not None and sampler.eligible(sb, top_k_logprobs):
             tokens, ok = sampler.sample(sb)
             return SampleResult(tokens=tokens, logprobs=None, ok=ok)
