@@ -67,6 +67,7 @@ for lens, heads, kv_heads, dim, ps, block, splits, min_len in (
     ([250], 14, 2, 64, 16, 32, 32, 0),                     # batch 1, most splits empty
     ([33, 250, 96], 8, 2, 32, 8, 32, 6, 64),               # segments of at least 64 positions
     ([100, 7], 6, 2, 16, 32, 32, 3, 0),                    # pages larger than a block
+    ([45, 9], 4, 2, 24, 16, 32, 2, 0),                     # a head size below its power of two
 ):
     pd.DECODE_BLOCK_N, pd.DECODE_MIN_SPLIT_LEN = block, min_len
     q, kc, vc, tables, kv_lens = make_case(lens, heads, kv_heads, dim, ps, gen)

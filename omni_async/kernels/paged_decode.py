@@ -60,7 +60,8 @@ def _segment(seq_len, splits, BLOCK_N: tl.constexpr, MIN_SEG: tl.constexpr):
 def _decode_block(
     q, K, V, TABLES, table_base, start, seq_len, k_head, v_head, stride_ks, stride_vs,
     d, dmask, m_i, l_i, acc, qk_scale,
-    PS: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, MASKED: tl.constexpr,
+    PS: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr,
+    MASKED: tl.constexpr,
 ):
     """Positions ``[start, start + BLOCK_N)`` below ``seq_len`` folded into the running
     softmax, in base 2 (``qk_scale`` is the softmax scale times log2(e)). Decode's own step
@@ -76,7 +77,12 @@ def _decode_block(
         page = tl.load(TABLES + table_base + n // PS)
         kv_mask = dmask[None, :]
     slot = page * PS + n % PS
-    k = tl.load(K + slot[:, None] * stride_ks + k_head + d[None, :], mask=kv_mask, other=0.0)
+    k_ptrs = K + slot[:, None] * stride_ks + k_head + d[None, :]
+    v_ptrs = V + slot[:, None] * stride_vs + v_head + d[None, :]
+    if MASKED or D < BLOCK_D:
+        k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
+    else:  # a whole block of a power-of-two head size: no predicates on the main loads
+        k = tl.load(k_ptrs)
     if IEEE:
         s = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
@@ -89,7 +95,10 @@ def _decode_block(
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = tl.load(V + slot[:, None] * stride_vs + v_head + d[None, :], mask=kv_mask, other=0.0)
+    if MASKED or D < BLOCK_D:
+        v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+    else:
+        v = tl.load(v_ptrs)
     if IEEE:
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
     else:
@@ -134,10 +143,10 @@ def _paged_decode_kernel(
     acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
     for blk in range(start, full_end, BLOCK_N):
         m, l, acc = _decode_block(q, K, V, TABLES, b * stride_tb, blk, seq_len, g * stride_kh, g * stride_vh,
-                                  stride_ks, stride_vs, d, dmask, m, l, acc, qk_scale, PS, BLOCK_N, IEEE, False)
+                                  stride_ks, stride_vs, d, dmask, m, l, acc, qk_scale, PS, D, BLOCK_N, BLOCK_D, IEEE, False)
     for blk in range(full_end, end, BLOCK_N):  # the sequence's last block, when partial
         m, l, acc = _decode_block(q, K, V, TABLES, b * stride_tb, blk, seq_len, g * stride_kh, g * stride_vh,
-                                  stride_ks, stride_vs, d, dmask, m, l, acc, qk_scale, PS, BLOCK_N, IEEE, True)
+                                  stride_ks, stride_vs, d, dmask, m, l, acc, qk_scale, PS, D, BLOCK_N, BLOCK_D, IEEE, True)
     o_ptrs = O + b * stride_ob + h[:, None] * stride_oh + d[None, :]
     if not SPLIT:
         tl.store(o_ptrs, (acc / l[:, None]).to(O.dtype.element_ty), mask=io_mask)
