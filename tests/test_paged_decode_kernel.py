@@ -131,3 +131,24 @@ def test_captured_graph_stays_right_as_contexts_grow(splits):
         want = scope["reference"](q.bfloat16().float(), kc.bfloat16().float(), vc.bfloat16().float(), tables, lens, ps,
                                   dim**-0.5)
         assert (out.double().cpu() - want).abs().max().item() < 3e-2, (splits, frac)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled kernel needs a GPU")
+@pytest.mark.parametrize("bsz", [1, 16, 64, 256])
+def test_default_split_count_on_cuda(bsz):
+    """The split count the module picks for each batch (the graphs' buckets), bfloat16 at
+    the reference's tolerance and float32 tightly, with lengths spread as in serving."""
+    from omni_async.kernels.paged_decode import paged_decode_attention
+
+    scope: dict = {}
+    exec(CASES, scope)
+    gen = torch.Generator().manual_seed(bsz)
+    heads, kv_heads, dim, ps = 14, 2, 64, 16
+    lens = torch.randint(1, 2001, (bsz,), generator=gen).tolist()
+    q, kc, vc, tables, kv_lens = scope["make_case"](lens, heads, kv_heads, dim, ps, gen)
+    want = scope["reference"](q, kc, vc, tables, kv_lens, ps, dim**-0.5)
+    got = paged_decode_attention(q.cuda(), kc.cuda(), vc.cuda(), tables.cuda(), kv_lens.cuda(), ps, dim**-0.5)
+    assert (got.double().cpu() - want).abs().max().item() < 1e-5
+    bf = [t.to("cuda", torch.bfloat16) for t in (q, kc, vc)]
+    got = paged_decode_attention(*bf, tables.cuda(), kv_lens.cuda(), ps, dim**-0.5)
+    assert (got.double().cpu() - want).abs().max().item() < 3e-2
