@@ -56,26 +56,30 @@ from omni_async.kernels import paged_decode as pd
 
 gen = torch.Generator().manual_seed(0)
 checked = 0
-# (lens, heads, kv_heads, dim, page size, block, splits, min split length)
-for lens, heads, kv_heads, dim, ps, block, splits, min_len in (
+# (lens, heads, kv_heads, dim, page size, block, splits, min split length); the
+# hand-pipelined whole-block loop (DECODE_PREFETCH) on every other case.
+for i, (lens, heads, kv_heads, dim, ps, block, splits, min_len) in enumerate((
     ([1, 17, 64, 300], 14, 2, 64, 16, 128, 1, 0),          # one split: the kernel as it was
+    ([40, 300, 97], 8, 2, 32, 16, 32, 1, 0),
     ([1, 17, 64, 300], 14, 2, 64, 16, 128, 2, 0),
     ([1, 17, 64, 300], 14, 2, 64, 16, 128, 3, 0),          # a split count that does not divide
     ([5, 40, 77, 129, 200], 8, 2, 32, 16, 32, 4, 0),       # ends mid-block and mid-page
     ([3, 2, 1], 4, 4, 32, 16, 32, 8, 0),                   # shorter than the split count
     ([250], 14, 2, 64, 16, 32, 5, 0),                      # batch 1, several blocks per split
+    ([250], 14, 2, 64, 16, 32, 5, 0),                      # the same through the other loop
     ([250], 14, 2, 64, 16, 32, 32, 0),                     # batch 1, most splits empty
     ([33, 250, 96], 8, 2, 32, 8, 32, 6, 64),               # segments of at least 64 positions
     ([100, 7], 6, 2, 16, 32, 32, 3, 0),                    # pages larger than a block
     ([45, 9], 4, 2, 24, 16, 32, 2, 0),                     # a head size below its power of two
-):
-    pd.DECODE_BLOCK_N, pd.DECODE_MIN_SPLIT_LEN = block, min_len
+    ([45, 9], 4, 2, 24, 16, 32, 2, 0),
+)):
+    pd.DECODE_BLOCK_N, pd.DECODE_MIN_SPLIT_LEN, pd.DECODE_PREFETCH = block, min_len, i % 2 == 1
     q, kc, vc, tables, kv_lens = make_case(lens, heads, kv_heads, dim, ps, gen)
     scale = dim ** -0.5
     want = reference(q, kc, vc, tables, kv_lens, ps, scale)
     got = pd.paged_decode_attention(q, kc, vc, tables, kv_lens, ps, scale, splits=splits)
     err = (got.double() - want).abs().max().item()
-    assert err < 1e-5, (lens, heads, kv_heads, splits, err)
+    assert err < 1e-5, (lens, heads, kv_heads, splits, pd.DECODE_PREFETCH, err)
     if splits == 3 and heads == 14:
         # Half precision: float16 (the interpreter's dot of bfloat16 operands is wrong in
         # Triton 3.8; bfloat16 is checked on CUDA below).

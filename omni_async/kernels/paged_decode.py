@@ -44,6 +44,9 @@ DECODE_SPLITS: int | None = None
 DECODE_PROGRAMS_PER_SM = 3
 DECODE_MAX_SPLITS = 32
 DECODE_MIN_SPLIT_LEN = 0
+# Whether the whole-block loop loads the next block's K/V before using this block's
+# (a software pipeline by hand; costs registers for a second K/V tile).
+DECODE_PREFETCH = False
 
 
 @triton.jit
@@ -57,48 +60,58 @@ def _segment(seq_len, splits, BLOCK_N: tl.constexpr, MIN_SEG: tl.constexpr):
 
 
 @triton.jit
-def _decode_block(
-    q, K, V, TABLES, table_base, start, seq_len, k_head, v_head, stride_ks, stride_vs,
-    d, dmask, m_i, l_i, acc, qk_scale,
-    PS: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr,
-    MASKED: tl.constexpr,
+def _load_kv(
+    K, V, TABLES, table_base, start, limit, k_head, v_head, stride_ks, stride_vs, d, dmask,
+    PS: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr,
+    WIDE: tl.constexpr,
 ):
-    """Positions ``[start, start + BLOCK_N)`` below ``seq_len`` folded into the running
-    softmax, in base 2 (``qk_scale`` is the softmax scale times log2(e)). Decode's own step
-    rather than :func:`attention_block.attend_block`: the one query is the newest token,
-    so it sees every position below the length and needs no causal mask; ``MASKED=False``
-    is for a block wholly below the length (no bounds masks either)."""
+    """The K and V rows of positions ``[start, start + BLOCK_N)``, read through the page
+    table; with ``MASKED``, positions at or past ``limit`` read as zeros (and nothing)."""
     n = start + tl.arange(0, BLOCK_N)
     if MASKED:
-        nmask = n < seq_len
+        nmask = n < limit
         page = tl.load(TABLES + table_base + n // PS, mask=nmask, other=0)
         kv_mask = nmask[:, None] & dmask[None, :]
     else:
         page = tl.load(TABLES + table_base + n // PS)
         kv_mask = dmask[None, :]
-    slot = page * PS + n % PS
-    k_ptrs = K + slot[:, None] * stride_ks + k_head + d[None, :]
-    v_ptrs = V + slot[:, None] * stride_vs + v_head + d[None, :]
+    slot = page.to(tl.int32) * PS + n % PS
+    if WIDE:  # a cache of 2**31 elements or more: offsets need 64 bits
+        slot = slot.to(tl.int64)
+    k_ptrs = K + (slot * stride_ks + k_head)[:, None] + d[None, :]
+    v_ptrs = V + (slot * stride_vs + v_head)[:, None] + d[None, :]
     if MASKED or D < BLOCK_D:
         k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
+        v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
     else:  # a whole block of a power-of-two head size: no predicates on the main loads
         k = tl.load(k_ptrs)
+        v = tl.load(v_ptrs)
+    return k, v
+
+
+@triton.jit
+def _fold(
+    q, k, v, start, seq_len, m_i, l_i, acc, qk_scale,
+    BLOCK_N: tl.constexpr, IEEE: tl.constexpr, MASKED: tl.constexpr,
+):
+    """Positions ``[start, start + BLOCK_N)`` (keys ``k``, values ``v``) folded into the
+    running softmax, in base 2 (``qk_scale`` is the softmax scale times log2(e)); with
+    ``MASKED``, only those below ``seq_len``. Decode's own step rather than
+    :func:`attention_block.attend_block`: the one query is the newest token, so it sees
+    every position below the length and needs no causal mask."""
     if IEEE:
         s = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
         s = tl.dot(q, tl.trans(k))
     if MASKED:
-        s = tl.where(nmask[None, :], s * qk_scale, float("-inf"))
+        n = start + tl.arange(0, BLOCK_N)
+        s = tl.where((n < seq_len)[None, :], s * qk_scale, float("-inf"))
     else:
         s = s * qk_scale
     m_new = tl.maximum(m_i, tl.max(s, 1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    if MASKED or D < BLOCK_D:
-        v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
-    else:
-        v = tl.load(v_ptrs)
     if IEEE:
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
     else:
@@ -116,7 +129,7 @@ def _paged_decode_kernel(
     stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ob, stride_oh, stride_tb,
     R: tl.constexpr, PS: tl.constexpr, D: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr,
-    SPLIT: tl.constexpr, MIN_SEG: tl.constexpr,
+    SPLIT: tl.constexpr, MIN_SEG: tl.constexpr, PREFETCH: tl.constexpr, WIDE: tl.constexpr,
 ):
     b = tl.program_id(0)
     g = tl.program_id(1)
@@ -141,25 +154,43 @@ def _paged_decode_kernel(
     m = tl.full([BLOCK_R], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_R], tl.float32)
     acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
-    for blk in range(start, full_end, BLOCK_N):
-        m, l, acc = _decode_block(q, K, V, TABLES, b * stride_tb, blk, seq_len, g * stride_kh, g * stride_vh,
-                                  stride_ks, stride_vs, d, dmask, m, l, acc, qk_scale, PS, D, BLOCK_N, BLOCK_D, IEEE, False)
-    for blk in range(full_end, end, BLOCK_N):  # the sequence's last block, when partial
-        m, l, acc = _decode_block(q, K, V, TABLES, b * stride_tb, blk, seq_len, g * stride_kh, g * stride_vh,
-                                  stride_ks, stride_vs, d, dmask, m, l, acc, qk_scale, PS, D, BLOCK_N, BLOCK_D, IEEE, True)
-    o_ptrs = O + b * stride_ob + h[:, None] * stride_oh + d[None, :]
-    if not SPLIT:
-        tl.store(o_ptrs, (acc / l[:, None]).to(O.dtype.element_ty), mask=io_mask)
-    elif seq_len <= seg:  # one segment holds the row: split 0 finishes it, the others had nothing
-        if sp == 0:
-            tl.store(o_ptrs, (acc / l[:, None]).to(O.dtype.element_ty), mask=io_mask)
+    base = b * stride_tb
+    k_head = g * stride_kh
+    v_head = g * stride_vh
+    if PREFETCH:
+        # The next block's K/V are loaded before this block's are used, so their reads
+        # are in flight during this block's math (Triton does not pipeline these
+        # page-table-indirect loads itself). The loads past the whole blocks read nothing.
+        k, v = _load_kv(K, V, TABLES, base, start, full_end, k_head, v_head, stride_ks, stride_vs, d, dmask,
+                        PS, D, BLOCK_N, BLOCK_D, True, WIDE)
+        for blk in range(start, full_end, BLOCK_N):
+            k_next, v_next = _load_kv(K, V, TABLES, base, blk + BLOCK_N, full_end, k_head, v_head, stride_ks, stride_vs,
+                                      d, dmask, PS, D, BLOCK_N, BLOCK_D, True, WIDE)
+            m, l, acc = _fold(q, k, v, blk, seq_len, m, l, acc, qk_scale, BLOCK_N, IEEE, False)
+            k, v = k_next, v_next
     else:
-        # Partials: PART [B, splits, H, D], STATS [2, B, splits, H] (max, sum), float32.
-        heads = R * tl.num_programs(1)
-        row = (b * splits + sp) * heads + h
-        tl.store(PART + row[:, None] * D + d[None, :], acc, mask=io_mask)
-        tl.store(STATS + row, m, mask=rmask)
-        tl.store(STATS + tl.num_programs(0) * splits * heads + row, l, mask=rmask)
+        for blk in range(start, full_end, BLOCK_N):
+            k, v = _load_kv(K, V, TABLES, base, blk, seq_len, k_head, v_head, stride_ks, stride_vs, d, dmask,
+                            PS, D, BLOCK_N, BLOCK_D, False, WIDE)
+            m, l, acc = _fold(q, k, v, blk, seq_len, m, l, acc, qk_scale, BLOCK_N, IEEE, False)
+    for blk in range(full_end, end, BLOCK_N):  # the sequence's last block, when partial
+        k, v = _load_kv(K, V, TABLES, base, blk, seq_len, k_head, v_head, stride_ks, stride_vs, d, dmask,
+                        PS, D, BLOCK_N, BLOCK_D, True, WIDE)
+        m, l, acc = _fold(q, k, v, blk, seq_len, m, l, acc, qk_scale, BLOCK_N, IEEE, True)
+    o_ptrs = O + b * stride_ob + h[:, None] * stride_oh + d[None, :]
+    if SPLIT:
+        if seq_len <= seg:  # one segment holds the row: split 0 finishes it, the others had nothing
+            if sp == 0:
+                tl.store(o_ptrs, (acc / l[:, None]).to(O.dtype.element_ty), mask=io_mask)
+        else:
+            # Partials: PART [B, splits, H, D], STATS [2, B, splits, H] (max, sum), float32.
+            heads = R * tl.num_programs(1)
+            row = (b * splits + sp) * heads + h
+            tl.store(PART + row[:, None] * D + d[None, :], acc, mask=io_mask)
+            tl.store(STATS + row, m, mask=rmask)
+            tl.store(STATS + tl.num_programs(0) * splits * heads + row, l, mask=rmask)
+    else:
+        tl.store(o_ptrs, (acc / l[:, None]).to(O.dtype.element_ty), mask=io_mask)
 
 
 @triton.jit(**unspecialized(ints=("splits",)))
@@ -264,7 +295,8 @@ def paged_decode_attention(
         out.stride(0), out.stride(1), block_tables.stride(0),
         R=heads // kv_heads, PS=page_size, D=dim,
         BLOCK_R=_pow2(heads // kv_heads), BLOCK_N=block_n, BLOCK_D=_pow2(dim), IEEE=q.dtype == torch.float32,
-        SPLIT=splits > 1, MIN_SEG=min_seg, num_warps=DECODE_NUM_WARPS, num_stages=DECODE_NUM_STAGES,
+        SPLIT=splits > 1, MIN_SEG=min_seg, PREFETCH=DECODE_PREFETCH,
+        WIDE=max(k_cache.numel(), v_cache.numel()) >= 2**31, num_warps=DECODE_NUM_WARPS, num_stages=DECODE_NUM_STAGES,
     )
     if splits > 1:
         _COMBINE_LAUNCH[(bsz, heads)](
