@@ -12,7 +12,7 @@ H200) across a replay, so their GB/s can pass HBM's.
 
     python bench/probes/paged_decode_speed.py --device cuda --out bench/results/paged_decode_speed_h200.json \
         [--batches 1,16,64,180,256] [--contexts 128,1024,4096,mix] [--splits auto,1,2,4,8] [--block 64,128]
-        [--warps 4] [--stages 3] [--repeats 5]
+        [--warps 4] [--stages 3] [--prefetch 0,1] [--repeats 5]
 
 ``--device cpu`` (with TRITON_INTERPRET=1, tiny shapes) runs the same code paths with
 plain launches and wall-clock timing: a smoke test of the script, not a measurement.
@@ -127,6 +127,7 @@ def apply(variant: dict) -> None:
     pd.DECODE_BLOCK_N = variant.get("block", 128)
     pd.DECODE_NUM_WARPS = variant.get("warps", 4)
     pd.DECODE_NUM_STAGES = variant.get("stages", 3)
+    pd.DECODE_PREFETCH = variant.get("prefetch", False)
 
 
 def stack_fn(c: dict, variant: dict):
@@ -174,12 +175,13 @@ def timer(c: dict, variant: dict, device: str):
 
 def variants(args) -> list[dict]:
     out = [{"name": "baseline"}]
-    for splits, block, warps, stages in itertools.product(
+    for splits, block, warps, stages, prefetch in itertools.product(
         args.splits.split(","), map(int, args.block.split(",")), map(int, args.warps.split(",")),
-        map(int, args.stages.split(",")),
+        map(int, args.stages.split(",")), map(int, args.prefetch.split(",")),
     ):
-        v = {"splits": None if splits == "auto" else int(splits), "block": block, "warps": warps, "stages": stages}
-        v["name"] = f"s{splits}_b{block}_w{warps}_st{stages}"
+        v = {"splits": None if splits == "auto" else int(splits), "block": block, "warps": warps, "stages": stages,
+             "prefetch": bool(prefetch)}
+        v["name"] = f"s{splits}_b{block}_w{warps}_st{stages}" + ("_pf" if prefetch else "")
         out.append(v)
     return out
 
@@ -194,6 +196,7 @@ def main() -> None:
     ap.add_argument("--block", default="64,128")
     ap.add_argument("--warps", default="4")
     ap.add_argument("--stages", default="3")
+    ap.add_argument("--prefetch", default="0", help="0,1: the hand-pipelined whole-block loop off / on")
     ap.add_argument("--calls", type=int, default=24, help="launches per graph (one per layer)")
     ap.add_argument("--replays", type=int, default=20, help="graph replays per timed sample")
     ap.add_argument("--repeats", type=int, default=5)
@@ -268,7 +271,7 @@ def summary(results: dict) -> None:
     block), and the best variant measured."""
     default = None
     for name in next(iter(results["cases"].values()))["variants"]:
-        if name.startswith("sauto_b128_w4_st3"):
+        if name == "sauto_b128_w4_st3":
             default = name
     print(f"\n{'case':16s} {'old us':>8s} {'old GB/s':>9s} {'default us':>11s} {'GB/s':>6s} {'best':>24s} {'us':>7s} {'GB/s':>6s} {'x old':>6s}")
     for key, case in results["cases"].items():
