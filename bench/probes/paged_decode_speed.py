@@ -125,6 +125,7 @@ def apply(variant: dict) -> None:
     """Set the kernel module's knobs (graphs capture whatever they are at capture)."""
     pd.DECODE_SPLITS = variant.get("splits")
     pd.DECODE_BLOCK_N = variant.get("block", 128)
+    pd.DECODE_MAX_TILE = pd.DECODE_BLOCK_N * DIM  # the block asked for, not capped
     pd.DECODE_NUM_WARPS = variant.get("warps", 4)
     pd.DECODE_NUM_STAGES = variant.get("stages", 3)
     pd.DECODE_PREFETCH = variant.get("prefetch", False)

@@ -43,6 +43,10 @@ DECODE_SPLITS: int | None = None
 # own (0: one block).
 DECODE_PROGRAMS_PER_SM = 3
 DECODE_MAX_SPLITS = 32
+# The most K (or V) elements one program holds per block: the block shrinks below
+# DECODE_BLOCK_N for wide heads. ptxas for sm_90a, 4 warps: head dim 128 at 128 positions
+# spills ~1 KB per thread; at 64 (8,192 elements, as head dim 64 at 128) it does not.
+DECODE_MAX_TILE = 8192
 DECODE_MIN_SPLIT_LEN = 0
 # Whether the whole-block loop loads the next block's K/V before using this block's
 # (a software pipeline by hand; costs registers for a second K/V tile).
@@ -280,7 +284,7 @@ def paged_decode_attention(
     out = torch.empty_like(q)
     if splits is None:
         splits = decode_splits(bsz, kv_heads, _sm_count(q.device))
-    block_n = DECODE_BLOCK_N
+    block_n = max(16, min(DECODE_BLOCK_N, DECODE_MAX_TILE // _pow2(dim)))
     min_seg = -(-DECODE_MIN_SPLIT_LEN // block_n) * block_n
     if splits > 1:
         # Scratch comes from the caching allocator: inside a graph capture, the graph's
