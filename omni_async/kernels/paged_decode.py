@@ -41,7 +41,10 @@ DECODE_SPLITS: int | None = None
 # The automatic split count aims for this many programs per SM and never exceeds
 # DECODE_MAX_SPLITS; DECODE_MIN_SPLIT_LEN is the shortest segment worth a program of its
 # own (0: one block).
-DECODE_PROGRAMS_PER_SM = 3
+# Measured on the H200 (bench/probes/paged_decode_speed.py, bench/results/
+# paged_decode_speed_h200.json, 0.5B heads): 4 splits at 64 rows (33 -> 19 us a call on
+# mixed lengths), one at 180 and 256 rows (two were 5-20% slower there on uniform lengths).
+DECODE_PROGRAMS_PER_SM = 4
 DECODE_MAX_SPLITS = 32
 # The most K (or V) elements one program holds per block: the block shrinks below
 # DECODE_BLOCK_N for wide heads. ptxas for sm_90a, 4 warps: head dim 128 at 128 positions
@@ -252,8 +255,9 @@ def _sm_count(device: torch.device) -> int:
 
 def decode_splits(batch: int, kv_heads: int, sm_count: int) -> int:
     """The split count for a launch: ``DECODE_SPLITS`` when set; else enough splits that
-    the grid holds about ``DECODE_PROGRAMS_PER_SM`` programs per SM (one split when the
-    batch alone does), at most ``DECODE_MAX_SPLITS``. It depends on the batch size and
+    the grid holds at most about ``DECODE_PROGRAMS_PER_SM`` programs per SM (rounded
+    down: one split once the batch alone holds more than half of that), at most
+    ``DECODE_MAX_SPLITS``. It depends on the batch size and
     head count only, never on the lengths, so a captured graph stays right as its
     contexts grow."""
     if DECODE_SPLITS is not None:
@@ -262,7 +266,7 @@ def decode_splits(batch: int, kv_heads: int, sm_count: int) -> int:
     want = DECODE_PROGRAMS_PER_SM * sm_count
     if programs >= want:
         return 1
-    return max(1, min(DECODE_MAX_SPLITS, -(-want // programs)))
+    return max(1, min(DECODE_MAX_SPLITS, want // programs))
 
 
 def paged_decode_attention(
