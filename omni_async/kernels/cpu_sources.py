@@ -352,80 +352,141 @@ static inline float hsum(__m256 v) {
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
 }
-// The 32 codes of one weight block as bytes, and the signed source for maddubs.
+// The 32 codes of one weight block as bytes: q4's 16 bytes in both lanes, the high lane
+// shifted by 4 (elements 16..31 are the high nibbles), then masked.
 template <bool Q4> static inline __m256i unpack(const uint8_t* q) {
   if constexpr (Q4) {
-    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
-    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), _mm256_set1_epi8(0x0F));
+    const __m256i raw = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
+    return _mm256_and_si256(_mm256_srlv_epi32(raw, _mm256_set_epi32(4, 4, 4, 4, 0, 0, 0, 0)), _mm256_set1_epi8(0x0F));
   } else {
     return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
   }
 }
-template <bool Q4> static inline __m256 block_dot(__m256i w, const int8_t* xq) {
-  const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq));
-  __m256i p;
-  if constexpr (Q4) {
-    p = _mm256_maddubs_epi16(w, x);  // codes 0..15 are unsigned
-  } else {
-    p = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
+
+// sum_k m[k] * s[k] in a fixed order (8 lanes, then the lanes, then the tail): the q4
+// minimums' term of one output, the same bits whatever tile the output is in.
+static inline float min_term(const float* m, const float* s, int64_t nb) {
+  __m256 a = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + 8 <= nb; k += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(m + k), _mm256_loadu_ps(s + k), a);
+  float v = hsum(a);
+  for (; k < nb; ++k) v = std::fma(m[k], s[k], v);
+  return v;
+}
+
+// R activation rows times C weight columns: each block of the C columns is unpacked once
+// into registers and multiplied with the R rows' blocks, R*C independent accumulators (the
+// FMA latency hidden at one row too). Every output's arithmetic is the same whatever R and
+// C are, so a row's result does not depend on its batch.
+template <bool Q4, int R, int C>
+static inline void gemm_tile(const uint8_t* qs, const float* d, const float* m, const float* bias, const int8_t* xq,
+                             const float* dx, const float* sx, float* out, int64_t b0, int64_t n0, int64_t N, int64_t nb) {
+  constexpr int64_t block_bytes = Q4 ? 16 : 32;
+  const int64_t row_bytes = nb * block_bytes;
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
+  const uint8_t* wq = qs + n0 * row_bytes;
+  const float* dn = d + n0 * nb;
+  for (int64_t k = 0; k < nb; ++k) {
+    __m256i w[C], wa[C];
+    __m256 dw[C];
+    for (int c = 0; c < C; ++c) {
+      w[c] = unpack<Q4>(wq + c * row_bytes + k * block_bytes);
+      if constexpr (!Q4) wa[c] = _mm256_sign_epi8(w[c], w[c]);
+      dw[c] = _mm256_broadcast_ss(dn + c * nb + k);
+    }
+    for (int r = 0; r < R; ++r) {
+      const int64_t xb = (b0 + r) * nb + k;
+      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + xb * kBlock));
+      const __m256 ds = _mm256_broadcast_ss(dx + xb);
+      for (int c = 0; c < C; ++c) {
+        __m256i p;
+        if constexpr (Q4) {
+          p = _mm256_maddubs_epi16(w[c], x);  // codes 0..15 are unsigned
+        } else {
+          p = _mm256_maddubs_epi16(wa[c], _mm256_sign_epi8(x, w[c]));
+        }
+        const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones));
+        acc[r][c] = _mm256_fmadd_ps(_mm256_mul_ps(dw[c], ds), dot, acc[r][c]);
+      }
+    }
   }
-  return _mm256_cvtepi32_ps(_mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+  for (int r = 0; r < R; ++r) {
+    for (int c = 0; c < C; ++c) {
+      float v = hsum(acc[r][c]);
+      if constexpr (Q4) v += min_term(m + (n0 + c) * nb, sx + (b0 + r) * nb, nb);
+      out[(b0 + r) * N + n0 + c] = v + (bias ? bias[n0 + c] : 0.f);
+    }
+  }
+}
+
+// Every row tile of one group of columns [n0, n1): the group's weights stay in L1 while
+// all rows pass over them.
+template <bool Q4, int R, int C>
+static inline void gemm_rows_of(const uint8_t* qs, const float* d, const float* m, const float* bias, const int8_t* xq,
+                                const float* dx, const float* sx, float* out, int64_t b0, int64_t b1, int64_t n0, int64_t n1,
+                                int64_t N, int64_t nb) {
+  int64_t n = n0;
+  for (; n + C <= n1; n += C)
+    for (int64_t b = b0; b + R <= b1; b += R) gemm_tile<Q4, R, C>(qs, d, m, bias, xq, dx, sx, out, b, n, N, nb);
+  for (; n < n1; ++n)
+    for (int64_t b = b0; b + R <= b1; b += R) gemm_tile<Q4, R, 1>(qs, d, m, bias, xq, dx, sx, out, b, n, N, nb);
 }
 #endif
+
+// Output columns one task takes at a time (a multiple of every tile's width).
+static constexpr int64_t kColumnGroup = 8;
 
 // out[b, n] = sum_blocks d[n,k] * dx[b,k] * dot(q[n,k], xq[b,k]) (+ m[n,k] * sx[b,k] for q4) + bias[n]
 template <bool Q4>
 static void gemm_rows(const uint8_t* qs, const float* d, const float* m, const float* bias, const int8_t* xq,
                       const float* dx, const float* sx, float* out, int64_t B, int64_t N, int64_t K) {
   const int64_t nb = K / kBlock, row_bytes = Q4 ? K / 2 : K, block_bytes = Q4 ? 16 : 32;
-  const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, K * B));
-  at::parallel_for(0, N, grain, [&](int64_t lo, int64_t hi) {
+  const int64_t groups = (N + kColumnGroup - 1) / kColumnGroup;
+  const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, K * B * kColumnGroup));
+  at::parallel_for(0, groups, grain, [&](int64_t glo, int64_t ghi) {
+    const int64_t lo = glo * kColumnGroup, hi = std::min(N, ghi * kColumnGroup);
+#if defined(__AVX2__)
+    const int64_t full = B - B % kRowTile;  // row tiles of 4, then the rest as one tile
+    if (full > 0) gemm_rows_of<Q4, 4, 2>(qs, d, m, bias, xq, dx, sx, out, 0, full, lo, hi, N, nb);
+    switch (B - full) {
+      case 1: gemm_rows_of<Q4, 1, 1>(qs, d, m, bias, xq, dx, sx, out, full, B, lo, hi, N, nb); break;
+      case 2: gemm_rows_of<Q4, 2, 2>(qs, d, m, bias, xq, dx, sx, out, full, B, lo, hi, N, nb); break;
+      case 3: gemm_rows_of<Q4, 3, 2>(qs, d, m, bias, xq, dx, sx, out, full, B, lo, hi, N, nb); break;
+      default: break;
+    }
+#else
     for (int64_t n = lo; n < hi; ++n) {
       const uint8_t* wq = qs + n * row_bytes;
       const float* dn = d + n * nb;
       const float* mn = Q4 ? m + n * nb : nullptr;
-      for (int64_t b0 = 0; b0 < B; b0 += kRowTile) {
-        const int64_t rows = std::min(kRowTile, B - b0);
-        float result[kRowTile] = {0.f, 0.f, 0.f, 0.f};
-#if defined(__AVX2__)
-        __m256 acc[kRowTile] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+      for (int64_t b = 0; b < B; ++b) {
+        float v = 0.f;
         for (int64_t k = 0; k < nb; ++k) {
-          const __m256i w = unpack<Q4>(wq + k * block_bytes);
-          for (int64_t r = 0; r < rows; ++r) {
-            const int64_t xb = (b0 + r) * nb + k;
-            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(dn[k] * dx[xb]), block_dot<Q4>(w, xq + xb * kBlock), acc[r]);
-          }
-        }
-        for (int64_t r = 0; r < rows; ++r) result[r] = hsum(acc[r]);
-#else
-        for (int64_t k = 0; k < nb; ++k) {
-          int codes[kBlock];
+          const int64_t xb = b * nb + k;
+          int32_t dot = 0;
           for (int j = 0; j < kBlock; ++j) {
+            int code;
             if (Q4) {
               const uint8_t byte = wq[k * block_bytes + (j % 16)];
-              codes[j] = j < 16 ? (byte & 0x0F) : (byte >> 4);
+              code = j < 16 ? (byte & 0x0F) : (byte >> 4);
             } else {
-              codes[j] = static_cast<int8_t>(wq[k * block_bytes + j]);
+              code = static_cast<int8_t>(wq[k * block_bytes + j]);
             }
+            dot += code * xq[xb * kBlock + j];
           }
-          for (int64_t r = 0; r < rows; ++r) {
-            const int64_t xb = (b0 + r) * nb + k;
-            int32_t dot = 0;
-            for (int j = 0; j < kBlock; ++j) dot += codes[j] * xq[xb * kBlock + j];
-            result[r] += dn[k] * dx[xb] * static_cast<float>(dot);
-          }
+          v += dn[k] * dx[xb] * static_cast<float>(dot);
         }
-#endif
-        for (int64_t r = 0; r < rows; ++r) {
-          float v = result[r];
-          if (Q4) {
-            const float* s = sx + (b0 + r) * nb;
-            for (int64_t k = 0; k < nb; ++k) v += mn[k] * s[k];
-          }
-          out[(b0 + r) * N + n] = v + (bias ? bias[n] : 0.f);
+        if (Q4) {
+          const float* s = sx + b * nb;
+          for (int64_t k = 0; k < nb; ++k) v += mn[k] * s[k];
         }
+        out[b * N + n] = v + (bias ? bias[n] : 0.f);
       }
     }
+#endif
   });
 }
 
