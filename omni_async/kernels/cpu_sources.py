@@ -252,52 +252,63 @@ PAGED_SOURCE = r"""
 // Scores, then exp over the whole row (a vectorised loop), then the weighted V sum; the
 // query heads of one KV head share each K and V row load. DC is the head dim when it is
 // one of the common ones (the dot products then compile to straight-line vector code), 0
-// for any other.
+// for any other. Tasks [lo, hi): a task is one (row, KV head) with all its query heads, or
+// with split_heads one (row, query head) (more tasks where rows are few); each query head's
+// arithmetic is the same either way.
+template <typename T, int64_t DC>
+static void decode_tasks(const T* q, const T* kc, const T* vc, const int64_t* pages, const int64_t* lens, T* out,
+                         int64_t H, int64_t D_, int64_t KVH, int64_t P, int64_t ps, float scale, bool split_heads,
+                         int64_t lo, int64_t hi) {
+  const int64_t D = DC ? DC : D_;
+  const int64_t rep = H / KVH, span = P * ps;
+  std::vector<float> scores(rep * span), qf(rep * D), acc(rep * D), mx(rep), sum(rep);
+  for (int64_t task = lo; task < hi; ++task) {
+    const int64_t per_row = split_heads ? H : KVH;
+    const int64_t b = task / per_row, g = split_heads ? (task % H) / rep : task % KVH, len = lens[b];
+    const int64_t r0 = split_heads ? (task % H) % rep : 0, r1 = split_heads ? r0 + 1 : rep;
+    for (int64_t r = r0; r < r1; ++r)
+      for (int64_t d = 0; d < D; ++d) qf[r * D + d] = static_cast<float>(q[(b * H + g * rep + r) * D + d]) * scale;
+    std::fill(mx.begin(), mx.end(), -INFINITY);
+    for (int64_t t = 0; t < len; ++t) {
+      const T* k = kc + ((pages[b * P + t / ps] * ps + t % ps) * KVH + g) * D;
+      for (int64_t r = r0; r < r1; ++r) {
+        const float* qr = qf.data() + r * D;
+        float s = 0.f;
+#pragma omp simd reduction(+ : s)
+        for (int64_t d = 0; d < D; ++d) s += qr[d] * static_cast<float>(k[d]);
+        scores[r * span + t] = s;
+        mx[r] = std::max(mx[r], s);
+      }
+    }
+    for (int64_t r = r0; r < r1; ++r) {
+      float* sr = scores.data() + r * span;
+      const float m = mx[r];
+      for (int64_t t = 0; t < len; ++t) sr[t] = exp_poly_contracted(sr[t] - m);
+      float total = 0.f;
+#pragma omp simd reduction(+ : total)
+      for (int64_t t = 0; t < len; ++t) total += sr[t];
+      sum[r] = total;
+    }
+    std::fill(acc.begin(), acc.end(), 0.f);
+    for (int64_t t = 0; t < len; ++t) {
+      const T* v = vc + ((pages[b * P + t / ps] * ps + t % ps) * KVH + g) * D;
+      for (int64_t r = r0; r < r1; ++r) {
+        const float w = scores[r * span + t] / sum[r];
+        float* ar = acc.data() + r * D;
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) ar[d] += w * static_cast<float>(v[d]);
+      }
+    }
+    for (int64_t r = r0; r < r1; ++r)
+      for (int64_t d = 0; d < D; ++d) out[(b * H + g * rep + r) * D + d] = static_cast<T>(acc[r * D + d]);
+  }
+}
+
 template <typename T, int64_t DC>
 static void decode_rows(const T* q, const T* kc, const T* vc, const int64_t* pages, const int64_t* lens, T* out,
                         int64_t B, int64_t H, int64_t D_, int64_t KVH, int64_t P, int64_t ps, float scale) {
-  const int64_t D = DC ? DC : D_;
-  const int64_t rep = H / KVH, span = P * ps;
   at::parallel_for(0, B * KVH, 1, [&](int64_t lo, int64_t hi) {
-    std::vector<float> scores(rep * span), qf(rep * D), acc(rep * D), mx(rep), sum(rep);
-    for (int64_t bk = lo; bk < hi; ++bk) {
-      const int64_t b = bk / KVH, g = bk % KVH, len = lens[b];
-      for (int64_t r = 0; r < rep; ++r)
-        for (int64_t d = 0; d < D; ++d) qf[r * D + d] = static_cast<float>(q[(b * H + g * rep + r) * D + d]) * scale;
-      std::fill(mx.begin(), mx.end(), -INFINITY);
-      for (int64_t t = 0; t < len; ++t) {
-        const T* k = kc + ((pages[b * P + t / ps] * ps + t % ps) * KVH + g) * D;
-        for (int64_t r = 0; r < rep; ++r) {
-          const float* qr = qf.data() + r * D;
-          float s = 0.f;
-#pragma omp simd reduction(+ : s)
-          for (int64_t d = 0; d < D; ++d) s += qr[d] * static_cast<float>(k[d]);
-          scores[r * span + t] = s;
-          mx[r] = std::max(mx[r], s);
-        }
-      }
-      for (int64_t r = 0; r < rep; ++r) {
-        float* sr = scores.data() + r * span;
-        const float m = mx[r];
-        for (int64_t t = 0; t < len; ++t) sr[t] = exp_poly_contracted(sr[t] - m);
-        float total = 0.f;
-#pragma omp simd reduction(+ : total)
-        for (int64_t t = 0; t < len; ++t) total += sr[t];
-        sum[r] = total;
-      }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t = 0; t < len; ++t) {
-        const T* v = vc + ((pages[b * P + t / ps] * ps + t % ps) * KVH + g) * D;
-        for (int64_t r = 0; r < rep; ++r) {
-          const float w = scores[r * span + t] / sum[r];
-          float* ar = acc.data() + r * D;
-#pragma omp simd
-          for (int64_t d = 0; d < D; ++d) ar[d] += w * static_cast<float>(v[d]);
-        }
-      }
-      for (int64_t r = 0; r < rep; ++r)
-        for (int64_t d = 0; d < D; ++d) out[(b * H + g * rep + r) * D + d] = static_cast<T>(acc[r * D + d]);
-    }
+    decode_tasks<T, DC>(q, kc, vc, pages, lens, out, H, D_, KVH, P, ps, scale, false, lo, hi);
   });
 }
 
@@ -330,6 +341,8 @@ QUANT_SOURCE = r"""
 
 static constexpr int64_t kBlock = 32;
 static constexpr int64_t kRowTile = 4;  // activation rows sharing one unpacked weight block
+// Output columns one task takes at a time (a multiple of every tile's width).
+static constexpr int64_t kColumnGroup = 8;
 
 // Each row of x, per block of 32: int8 codes, the scale, and the exact float sum.
 static void quantize_rows(const float* x, int64_t B, int64_t K, int8_t* xq, float* dx, float* sx) {
@@ -436,17 +449,48 @@ static inline void gemm_rows_of(const uint8_t* qs, const float* d, const float* 
 }
 #endif
 
-// Output columns one task takes at a time (a multiple of every tile's width).
-static constexpr int64_t kColumnGroup = 8;
+// Activation rows quantised per block (quantize_rows), the input of every block product.
+struct QuantRows {
+  std::vector<int8_t> xq;
+  std::vector<float> dx, sx;
+  int64_t B, nb;
+  QuantRows(int64_t rows, int64_t K) : xq(rows * K), dx(rows * (K / kBlock)), sx(rows * (K / kBlock)), B(rows), nb(K / kBlock) {}
+  // Rows [lo, hi) of x [B, K]: each row's codes depend on that row alone.
+  void set_rows(const float* x, int64_t lo, int64_t hi) {
+    const int64_t K = nb * kBlock;
+    quantize_rows(x + lo * K, hi - lo, K, xq.data() + lo * K, dx.data() + lo * nb, sx.data() + lo * nb);
+  }
+};
 
-// out[b, n] = sum_blocks d[n,k] * dx[b,k] * dot(q[n,k], xq[b,k]) (+ m[n,k] * sx[b,k] for q4) + bias[n]
-template <bool Q4>
-static void gemm_rows(const uint8_t* qs, const float* d, const float* m, const float* bias, const int8_t* xq,
-                      const float* dx, const float* sx, float* out, int64_t B, int64_t N, int64_t K) {
-  const int64_t nb = K / kBlock, row_bytes = Q4 ? K / 2 : K, block_bytes = Q4 ? 16 : 32;
-  const int64_t groups = (N + kColumnGroup - 1) / kColumnGroup;
-  const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, K * B * kColumnGroup));
-  at::parallel_for(0, groups, grain, [&](int64_t glo, int64_t ghi) {
+// One weight matrix [N, K] in blocks (m: the q4 minimums, null for q8; bias may be null).
+struct BlockMatrix {
+  const uint8_t* qs;
+  const float *d, *m, *bias;
+  int64_t N, K;
+  int64_t groups() const { return (N + kColumnGroup - 1) / kColumnGroup; }
+
+  // out[b, n] = sum_blocks d[n,k] * dx[b,k] * dot(q[n,k], xq[b,k]) (+ m[n,k] * sx[b,k] for q4) + bias[n]
+  // for the columns of groups [glo, ghi): one task's share. Each output's arithmetic does
+  // not depend on how the groups are split, nor on the other rows.
+  void groups_of(const QuantRows& x, float* out, int64_t glo, int64_t ghi) const {
+    if (m != nullptr) {
+      run<true>(x, out, glo, ghi);
+    } else {
+      run<false>(x, out, glo, ghi);
+    }
+  }
+
+  void operator()(const QuantRows& x, float* out) const {
+    const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, K * x.B * kColumnGroup));
+    at::parallel_for(0, groups(), grain, [&](int64_t glo, int64_t ghi) { groups_of(x, out, glo, ghi); });
+  }
+
+ private:
+  template <bool Q4>
+  void run(const QuantRows& x, float* out, int64_t glo, int64_t ghi) const {
+    const int64_t B = x.B, nb = K / kBlock;
+    const int8_t* xq = x.xq.data();
+    const float *dx = x.dx.data(), *sx = x.sx.data();
     const int64_t lo = glo * kColumnGroup, hi = std::min(N, ghi * kColumnGroup);
 #if defined(__AVX2__)
     const int64_t full = B - B % kRowTile;  // row tiles of 4, then the rest as one tile
@@ -458,6 +502,7 @@ static void gemm_rows(const uint8_t* qs, const float* d, const float* m, const f
       default: break;
     }
 #else
+    const int64_t row_bytes = Q4 ? K / 2 : K, block_bytes = Q4 ? 16 : 32;
     for (int64_t n = lo; n < hi; ++n) {
       const uint8_t* wq = qs + n * row_bytes;
       const float* dn = d + n * nb;
@@ -487,22 +532,16 @@ static void gemm_rows(const uint8_t* qs, const float* d, const float* m, const f
       }
     }
 #endif
-  });
-}
+  }
+};
 
-// out[B, N] = x[B, K] times the blocks (m: the q4 minimums, null for q8; bias may be null).
+// out[B, N] = x[B, K] times the blocks.
 static void linear_blocks_rows(const float* x, int64_t B, int64_t K, const uint8_t* qs, const float* d, const float* m,
                                const float* bias, int64_t N, float* out) {
   if (B == 0) return;
-  const int64_t nb = K / kBlock;
-  std::vector<int8_t> xq(B * K);
-  std::vector<float> dx(B * nb), sx(B * nb);
-  quantize_rows(x, B, K, xq.data(), dx.data(), sx.data());
-  if (m != nullptr) {
-    gemm_rows<true>(qs, d, m, bias, xq.data(), dx.data(), sx.data(), out, B, N, K);
-  } else {
-    gemm_rows<false>(qs, d, nullptr, bias, xq.data(), dx.data(), sx.data(), out, B, N, K);
-  }
+  QuantRows rows(B, K);
+  rows.set_rows(x, 0, B);
+  BlockMatrix{qs, d, m, bias, N, K}(rows, out);
 }
 
 torch::Tensor linear_blocks(torch::Tensor x, torch::Tensor qs, torch::Tensor d, c10::optional<torch::Tensor> m,
@@ -526,12 +565,25 @@ STACK_SOURCE = r"""
 struct StackLinear {
   at::Tensor codes, scale, minimum, bias;  // minimum: q4 only; bias: optional
   int64_t N = 0, K = 0;
-  void run(const float* x, int64_t B, float* out) const {
-    linear_blocks_rows(x, B, K, codes.data_ptr<uint8_t>(), scale.data_ptr<float>(),
-                       minimum.defined() ? minimum.data_ptr<float>() : nullptr,
-                       bias.defined() ? bias.data_ptr<float>() : nullptr, N, out);
+  BlockMatrix matrix() const {
+    return BlockMatrix{codes.data_ptr<uint8_t>(), scale.data_ptr<float>(), minimum.defined() ? minimum.data_ptr<float>() : nullptr,
+                       bias.defined() ? bias.data_ptr<float>() : nullptr, N, K};
   }
 };
+
+// Inside the stack's parallel region: every thread takes column groups of w (a few at a
+// time, as each finishes: a thread that the OS set aside for a moment does not hold the
+// others at the barrier), then all wait at the loop's end.
+static inline void shared_gemm(const BlockMatrix& w, const QuantRows& x, float* out, int64_t chunk) {
+  const int64_t groups = w.groups();
+#pragma omp for schedule(dynamic, 1)
+  for (int64_t c = 0; c < (groups + chunk - 1) / chunk; ++c) w.groups_of(x, out, c * chunk, std::min(groups, (c + 1) * chunk));
+}
+
+// Column groups per task: about 8 tasks per thread.
+static inline int64_t gemm_chunk(const BlockMatrix& w, int64_t threads) {
+  return std::max<int64_t>(1, w.groups() / (8 * threads));
+}
 
 struct StackLayer {
   at::Tensor norm1, norm2;
@@ -579,44 +631,89 @@ class DecodeStack {
     TORCH_CHECK(static_cast<int64_t>(k_caches.size()) == L && static_cast<int64_t>(v_caches.size()) == L, "one cache per layer");
     TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat, "cos/sin: float32");
     const int64_t B = x.size(0), H = H_, KVH = KVH_, D = D_, W = (H + 2 * KVH) * D;
+    for (int64_t i = 0; i < L; ++i) {
+      const auto& kc = k_caches[i];
+      const auto& vc = v_caches[i];
+      TORCH_CHECK(kc.is_contiguous() && vc.is_contiguous() && kc.scalar_type() == at::kFloat && vc.scalar_type() == at::kFloat,
+                  "caches: contiguous float32");
+    }
     const auto opts = x.options();
     auto resid = x.contiguous().clone();
     auto hidden = torch::empty({B, hidden_}, opts), delta = torch::empty({B, hidden_}, opts);
     auto qkv = torch::empty({B, W}, opts), q = torch::empty({B, H, D}, opts), k = torch::empty({B, KVH, D}, opts);
     auto attn = torch::empty({B, H * D}, opts);
     auto gu = torch::empty({B, 2 * inter_}, opts), act = torch::empty({B, inter_}, opts);
+    auto out = torch::empty({B, hidden_}, opts);
     cos = cos.contiguous();
     sin = sin.contiguous();
     pages = pages.to(at::kLong).contiguous();
     lens = lens.to(at::kLong).contiguous();
     slots = slots.to(at::kLong).contiguous();
+    if (B == 0) return out;
     float* r = resid.data_ptr<float>();
     float* h = hidden.data_ptr<float>();
     float* dl = delta.data_ptr<float>();
     float* qkvp = qkv.data_ptr<float>();
-    const int64_t P = pages.size(1);
-    auto attend = D == 64 ? decode_rows<float, 64> : D == 128 ? decode_rows<float, 128> : decode_rows<float, 0>;
-    for (int64_t i = 0; i < L; ++i) {
-      const StackLayer& layer = layers_[i];
-      const auto& kc = k_caches[i];
-      const auto& vc = v_caches[i];
-      TORCH_CHECK(kc.is_contiguous() && vc.is_contiguous() && kc.scalar_type() == at::kFloat && vc.scalar_type() == at::kFloat,
-                  "caches: contiguous float32");
-      add_rms_norm_rows<float>(r, i == 0 ? nullptr : dl, layer.norm1.data_ptr<float>(), r, h, B, hidden_, eps_);
-      layer.qkv.run(h, B, qkvp);
-      rope_store_rows<float>(qkvp, qkvp + H * D, qkvp + (H + KVH) * D, cos.data_ptr<float>(), sin.data_ptr<float>(),
-                             q.data_ptr<float>(), k.data_ptr<float>(), kc.data_ptr<float>(), vc.data_ptr<float>(),
-                             slots.data_ptr<int64_t>(), B, H, KVH, D, W, D, W, D, W, D);
-      attend(q.data_ptr<float>(), kc.data_ptr<float>(), vc.data_ptr<float>(), pages.data_ptr<int64_t>(), lens.data_ptr<int64_t>(),
-             attn.data_ptr<float>(), B, H, D, KVH, P, page_size, scale_);
-      layer.o.run(attn.data_ptr<float>(), B, dl);
-      add_rms_norm_rows<float>(r, dl, layer.norm2.data_ptr<float>(), r, h, B, hidden_, eps_);
-      layer.gate_up.run(h, B, gu.data_ptr<float>());
-      silu_mul_rows<float>(gu.data_ptr<float>(), act.data_ptr<float>(), B, inter_);
-      layer.down.run(act.data_ptr<float>(), B, dl);
+    float* qp = q.data_ptr<float>();
+    float* kp = k.data_ptr<float>();
+    float* ap = attn.data_ptr<float>();
+    float* gup = gu.data_ptr<float>();
+    float* actp = act.data_ptr<float>();
+    const float* cp = cos.data_ptr<float>();
+    const float* sp = sin.data_ptr<float>();
+    const int64_t* pagep = pages.data_ptr<int64_t>();
+    const int64_t* lenp = lens.data_ptr<int64_t>();
+    const int64_t* slotp = slots.data_ptr<int64_t>();
+    const int64_t P = pages.size(1), hid = hidden_, inter = inter_;
+    auto attend = D == 64 ? decode_tasks<float, 64> : D == 128 ? decode_tasks<float, 128> : decode_tasks<float, 0>;
+    at::internal::lazy_init_num_threads();
+    const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+    // Few rows: one task per query head (each thread gets a share at batch 1); more: one per
+    // KV head, its query heads sharing each K/V row load.
+    const bool split_heads = B * KVH < 2 * threads;
+    const int64_t tasks = split_heads ? B * H : B * KVH;
+    QuantRows xa(B, hid), xo(B, H * D), xd(B, inter);  // the inputs of qkv and gate_up, of o, of down
+    // One parallel region for the whole step (not one per kernel): the team starts once, and
+    // each phase below ends at the barrier of its loop.
+#pragma omp parallel num_threads(threads)
+    {
+      for (int64_t i = 0; i < L; ++i) {
+        const StackLayer& layer = layers_[i];
+        float* kc = k_caches[i].data_ptr<float>();
+        float* vc = v_caches[i].data_ptr<float>();
+        const BlockMatrix wqkv = layer.qkv.matrix(), wo = layer.o.matrix(), wgu = layer.gate_up.matrix(), wd = layer.down.matrix();
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < B; ++b) {
+          add_rms_norm_rows<float>(r + b * hid, i == 0 ? nullptr : dl + b * hid, layer.norm1.data_ptr<float>(), r + b * hid, h + b * hid, 1, hid, eps_);
+          xa.set_rows(h, b, b + 1);
+        }
+        shared_gemm(wqkv, xa, qkvp, gemm_chunk(wqkv, threads));
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < B; ++b)
+          rope_store_rows<float>(qkvp + b * W, qkvp + b * W + H * D, qkvp + b * W + (H + KVH) * D, cp + b * D, sp + b * D, qp + b * H * D,
+                                 kp + b * KVH * D, kc, vc, slotp + b, 1, H, KVH, D, W, D, W, D, W, D);
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t t = 0; t < tasks; ++t) attend(qp, kc, vc, pagep, lenp, ap, H, D, KVH, P, page_size, scale_, split_heads, t, t + 1);
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < B; ++b) xo.set_rows(ap, b, b + 1);
+        shared_gemm(wo, xo, dl, gemm_chunk(wo, threads));
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < B; ++b) {
+          add_rms_norm_rows<float>(r + b * hid, dl + b * hid, layer.norm2.data_ptr<float>(), r + b * hid, h + b * hid, 1, hid, eps_);
+          xa.set_rows(h, b, b + 1);
+        }
+        shared_gemm(wgu, xa, gup, gemm_chunk(wgu, threads));
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < B; ++b) {
+          silu_mul_rows<float>(gup + b * 2 * inter, actp + b * inter, 1, inter);
+          xd.set_rows(actp, b, b + 1);
+        }
+        shared_gemm(wd, xd, dl, gemm_chunk(wd, threads));
+      }
+#pragma omp for schedule(static)
+      for (int64_t b = 0; b < B; ++b)
+        add_rms_norm_rows<float>(r + b * hid, dl + b * hid, final_norm_.data_ptr<float>(), r + b * hid, out.data_ptr<float>() + b * hid, 1, hid, eps_);
     }
-    auto out = torch::empty({B, hidden_}, opts);
-    add_rms_norm_rows<float>(r, dl, final_norm_.data_ptr<float>(), r, out.data_ptr<float>(), B, hidden_, eps_);
     return out;
   }
 
