@@ -340,6 +340,9 @@ QUANT_SOURCE = r"""
 #endif
 
 static constexpr int64_t kBlock = 32;
+
+static inline float half_to_float(uint16_t bits) { return static_cast<float>(c10::Half(bits, c10::Half::from_bits())); }
+static inline const uint16_t* half_bits(const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::Half>()); }
 static constexpr int64_t kRowTile = 4;  // activation rows sharing one unpacked weight block
 // Output columns one task takes at a time (a multiple of every tile's width).
 static constexpr int64_t kColumnGroup = 8;
@@ -378,12 +381,13 @@ template <bool Q4> static inline __m256i unpack(const uint8_t* q) {
 
 // sum_k m[k] * s[k] in a fixed order (8 lanes, then the lanes, then the tail): the q4
 // minimums' term of one output, the same bits whatever tile the output is in.
-static inline float min_term(const float* m, const float* s, int64_t nb) {
+static inline float min_term(const uint16_t* m, const float* s, int64_t nb) {
   __m256 a = _mm256_setzero_ps();
   int64_t k = 0;
-  for (; k + 8 <= nb; k += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(m + k), _mm256_loadu_ps(s + k), a);
+  for (; k + 8 <= nb; k += 8)
+    a = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(m + k))), _mm256_loadu_ps(s + k), a);
   float v = hsum(a);
-  for (; k < nb; ++k) v = std::fma(m[k], s[k], v);
+  for (; k < nb; ++k) v = std::fma(_cvtsh_ss(m[k]), s[k], v);
   return v;
 }
 
@@ -392,7 +396,7 @@ static inline float min_term(const float* m, const float* s, int64_t nb) {
 // FMA latency hidden at one row too). Every output's arithmetic is the same whatever R and
 // C are, so a row's result does not depend on its batch.
 template <bool Q4, int R, int C>
-static inline void gemm_tile(const uint8_t* qs, const float* d, const float* m, const float* bias, const int8_t* xq,
+static inline void gemm_tile(const uint8_t* qs, const uint16_t* d, const uint16_t* m, const float* bias, const int8_t* xq,
                              const float* dx, const float* sx, float* out, int64_t b0, int64_t n0, int64_t N, int64_t nb) {
   constexpr int64_t block_bytes = Q4 ? 16 : 32;
   const int64_t row_bytes = nb * block_bytes;
@@ -401,14 +405,14 @@ static inline void gemm_tile(const uint8_t* qs, const float* d, const float* m, 
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
   const uint8_t* wq = qs + n0 * row_bytes;
-  const float* dn = d + n0 * nb;
+  const uint16_t* dn = d + n0 * nb;
   for (int64_t k = 0; k < nb; ++k) {
     __m256i w[C], wa[C];
     __m256 dw[C];
     for (int c = 0; c < C; ++c) {
       w[c] = unpack<Q4>(wq + c * row_bytes + k * block_bytes);
       if constexpr (!Q4) wa[c] = _mm256_sign_epi8(w[c], w[c]);
-      dw[c] = _mm256_broadcast_ss(dn + c * nb + k);
+      dw[c] = _mm256_set1_ps(_cvtsh_ss(dn[c * nb + k]));
     }
     for (int r = 0; r < R; ++r) {
       const int64_t xb = (b0 + r) * nb + k;
@@ -438,7 +442,7 @@ static inline void gemm_tile(const uint8_t* qs, const float* d, const float* m, 
 // Every row tile of one group of columns [n0, n1): the group's weights stay in L1 while
 // all rows pass over them.
 template <bool Q4, int R, int C>
-static inline void gemm_rows_of(const uint8_t* qs, const float* d, const float* m, const float* bias, const int8_t* xq,
+static inline void gemm_rows_of(const uint8_t* qs, const uint16_t* d, const uint16_t* m, const float* bias, const int8_t* xq,
                                 const float* dx, const float* sx, float* out, int64_t b0, int64_t b1, int64_t n0, int64_t n1,
                                 int64_t N, int64_t nb) {
   int64_t n = n0;
@@ -462,10 +466,12 @@ struct QuantRows {
   }
 };
 
-// One weight matrix [N, K] in blocks (m: the q4 minimums, null for q8; bias may be null).
+// One weight matrix [N, K] in blocks: codes, float16 scales d and (q4) minimums m as bits
+// (m null for q8), bias float32 or null.
 struct BlockMatrix {
   const uint8_t* qs;
-  const float *d, *m, *bias;
+  const uint16_t *d, *m;
+  const float* bias;
   int64_t N, K;
   int64_t groups() const { return (N + kColumnGroup - 1) / kColumnGroup; }
 
@@ -505,8 +511,8 @@ struct BlockMatrix {
     const int64_t row_bytes = Q4 ? K / 2 : K, block_bytes = Q4 ? 16 : 32;
     for (int64_t n = lo; n < hi; ++n) {
       const uint8_t* wq = qs + n * row_bytes;
-      const float* dn = d + n * nb;
-      const float* mn = Q4 ? m + n * nb : nullptr;
+      const uint16_t* dn = d + n * nb;
+      const uint16_t* mn = Q4 ? m + n * nb : nullptr;
       for (int64_t b = 0; b < B; ++b) {
         float v = 0.f;
         for (int64_t k = 0; k < nb; ++k) {
@@ -522,11 +528,11 @@ struct BlockMatrix {
             }
             dot += code * xq[xb * kBlock + j];
           }
-          v += dn[k] * dx[xb] * static_cast<float>(dot);
+          v += half_to_float(dn[k]) * dx[xb] * static_cast<float>(dot);
         }
         if (Q4) {
           const float* s = sx + b * nb;
-          for (int64_t k = 0; k < nb; ++k) v += mn[k] * s[k];
+          for (int64_t k = 0; k < nb; ++k) v += half_to_float(mn[k]) * s[k];
         }
         out[b * N + n] = v + (bias ? bias[n] : 0.f);
       }
@@ -536,7 +542,7 @@ struct BlockMatrix {
 };
 
 // out[B, N] = x[B, K] times the blocks.
-static void linear_blocks_rows(const float* x, int64_t B, int64_t K, const uint8_t* qs, const float* d, const float* m,
+static void linear_blocks_rows(const float* x, int64_t B, int64_t K, const uint8_t* qs, const uint16_t* d, const uint16_t* m,
                                const float* bias, int64_t N, float* out) {
   if (B == 0) return;
   QuantRows rows(B, K);
@@ -550,8 +556,8 @@ torch::Tensor linear_blocks(torch::Tensor x, torch::Tensor qs, torch::Tensor d, 
   const int64_t B = x.size(0), K = x.size(1), N = qs.size(0);
   TORCH_CHECK(K % kBlock == 0, "K must be a multiple of 32");
   auto out = torch::empty({B, N}, x.options());
-  linear_blocks_rows(x.data_ptr<float>(), B, K, qs.data_ptr<uint8_t>(), d.data_ptr<float>(),
-                     m.has_value() ? m->data_ptr<float>() : nullptr, bias.has_value() ? bias->data_ptr<float>() : nullptr,
+  TORCH_CHECK(d.scalar_type() == at::kHalf && (!m.has_value() || m->scalar_type() == at::kHalf), "scales: float16");
+  linear_blocks_rows(x.data_ptr<float>(), B, K, qs.data_ptr<uint8_t>(), half_bits(d), m.has_value() ? half_bits(*m) : nullptr, bias.has_value() ? bias->data_ptr<float>() : nullptr,
                      N, out.data_ptr<float>());
   return out;
 }
@@ -566,7 +572,7 @@ struct StackLinear {
   at::Tensor codes, scale, minimum, bias;  // minimum: q4 only; bias: optional
   int64_t N = 0, K = 0;
   BlockMatrix matrix() const {
-    return BlockMatrix{codes.data_ptr<uint8_t>(), scale.data_ptr<float>(), minimum.defined() ? minimum.data_ptr<float>() : nullptr,
+    return BlockMatrix{codes.data_ptr<uint8_t>(), half_bits(scale), minimum.defined() ? half_bits(minimum) : nullptr,
                        bias.defined() ? bias.data_ptr<float>() : nullptr, N, K};
   }
 };
@@ -724,12 +730,16 @@ class DecodeStack {
     TORCH_CHECK(t.has_value() && t->scalar_type() == at::kFloat && t->is_contiguous(), "a contiguous float32 tensor");
     return *t;
   }
+  static at::Tensor half_tensor(const c10::optional<torch::Tensor>& t) {
+    TORCH_CHECK(t.has_value() && t->scalar_type() == at::kHalf && t->is_contiguous(), "a contiguous float16 tensor");
+    return *t;
+  }
   static StackLinear linear(const std::vector<c10::optional<torch::Tensor>>& t, size_t at) {
     StackLinear out;
     TORCH_CHECK(t[at].has_value() && t[at]->scalar_type() == at::kByte && t[at]->is_contiguous(), "codes: contiguous uint8");
     out.codes = *t[at];
-    out.scale = float_tensor(t[at + 1]);
-    if (t[at + 2].has_value()) out.minimum = float_tensor(t[at + 2]);
+    out.scale = half_tensor(t[at + 1]);
+    if (t[at + 2].has_value()) out.minimum = half_tensor(t[at + 2]);
     if (t[at + 3].has_value()) out.bias = float_tensor(t[at + 3]);
     out.N = out.codes.size(0);
     out.K = out.scale.size(1) * kBlock;
