@@ -335,7 +335,9 @@ QUANT_SOURCE = r"""
 #include <cmath>
 #include <cstdint>
 #include <vector>
-#if defined(__AVX2__)
+// The vector path needs AVX2, FMA and F16C (every AVX2 CPU has the other two); a portable loop otherwise.
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define OMNI_BLOCK_SIMD 1
 #include <immintrin.h>
 #endif
 
@@ -361,7 +363,7 @@ static void quantize_rows(const float* x, int64_t B, int64_t K, int8_t* xq, floa
   }
 }
 
-#if defined(__AVX2__)
+#if defined(OMNI_BLOCK_SIMD)
 static inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -498,7 +500,7 @@ struct BlockMatrix {
     const int8_t* xq = x.xq.data();
     const float *dx = x.dx.data(), *sx = x.sx.data();
     const int64_t lo = glo * kColumnGroup, hi = std::min(N, ghi * kColumnGroup);
-#if defined(__AVX2__)
+#if defined(OMNI_BLOCK_SIMD)
     const int64_t full = B - B % kRowTile;  // row tiles of 4, then the rest as one tile
     if (full > 0) gemm_rows_of<Q4, 4, 2>(qs, d, m, bias, xq, dx, sx, out, 0, full, lo, hi, N, nb);
     switch (B - full) {
