@@ -579,20 +579,6 @@ struct StackLinear {
   }
 };
 
-// Inside the stack's parallel region: every thread takes column groups of w (a few at a
-// time, as each finishes: a thread that the OS set aside for a moment does not hold the
-// others at the barrier), then all wait at the loop's end.
-static inline void shared_gemm(const BlockMatrix& w, const QuantRows& x, float* out, int64_t chunk) {
-  const int64_t groups = w.groups();
-#pragma omp for schedule(dynamic, 1)
-  for (int64_t c = 0; c < (groups + chunk - 1) / chunk; ++c) w.groups_of(x, out, c * chunk, std::min(groups, (c + 1) * chunk));
-}
-
-// Column groups per task: about 8 tasks per thread.
-static inline int64_t gemm_chunk(const BlockMatrix& w, int64_t threads) {
-  return std::max<int64_t>(1, w.groups() / (8 * threads));
-}
-
 struct StackLayer {
   at::Tensor norm1, norm2;
   StackLinear qkv, o, gate_up, down;
@@ -674,54 +660,36 @@ class DecodeStack {
     const int64_t* slotp = slots.data_ptr<int64_t>();
     const int64_t P = pages.size(1), hid = hidden_, inter = inter_;
     auto attend = D == 64 ? decode_tasks<float, 64> : D == 128 ? decode_tasks<float, 128> : decode_tasks<float, 0>;
-    at::internal::lazy_init_num_threads();
-    const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
-    // Few rows: one task per query head (each thread gets a share at batch 1); more: one per
-    // KV head, its query heads sharing each K/V row load.
-    const bool split_heads = B * KVH < 2 * threads;
+    // Few rows: one attention task per query head (both cores get a share at batch 1);
+    // more: one per KV head, its query heads sharing each K/V row load.
+    const bool split_heads = B * KVH < 2 * std::max<int64_t>(1, at::get_num_threads());
     const int64_t tasks = split_heads ? B * H : B * KVH;
     QuantRows xa(B, hid), xo(B, H * D), xd(B, inter);  // the inputs of qkv and gate_up, of o, of down
-    // One parallel region for the whole step (not one per kernel): the team starts once, and
-    // each phase below ends at the barrier of its loop.
-#pragma omp parallel num_threads(threads)
-    {
-      for (int64_t i = 0; i < L; ++i) {
-        const StackLayer& layer = layers_[i];
-        float* kc = k_caches[i].data_ptr<float>();
-        float* vc = v_caches[i].data_ptr<float>();
-        const BlockMatrix wqkv = layer.qkv.matrix(), wo = layer.o.matrix(), wgu = layer.gate_up.matrix(), wd = layer.down.matrix();
-#pragma omp for schedule(static)
-        for (int64_t b = 0; b < B; ++b) {
-          add_rms_norm_rows<float>(r + b * hid, i == 0 ? nullptr : dl + b * hid, layer.norm1.data_ptr<float>(), r + b * hid, h + b * hid, 1, hid, eps_);
-          xa.set_rows(h, b, b + 1);
-        }
-        shared_gemm(wqkv, xa, qkvp, gemm_chunk(wqkv, threads));
-#pragma omp for schedule(static)
-        for (int64_t b = 0; b < B; ++b)
-          rope_store_rows<float>(qkvp + b * W, qkvp + b * W + H * D, qkvp + b * W + (H + KVH) * D, cp + b * D, sp + b * D, qp + b * H * D,
-                                 kp + b * KVH * D, kc, vc, slotp + b, 1, H, KVH, D, W, D, W, D, W, D);
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t t = 0; t < tasks; ++t) attend(qp, kc, vc, pagep, lenp, ap, H, D, KVH, P, page_size, scale_, split_heads, t, t + 1);
-#pragma omp for schedule(static)
-        for (int64_t b = 0; b < B; ++b) xo.set_rows(ap, b, b + 1);
-        shared_gemm(wo, xo, dl, gemm_chunk(wo, threads));
-#pragma omp for schedule(static)
-        for (int64_t b = 0; b < B; ++b) {
-          add_rms_norm_rows<float>(r + b * hid, dl + b * hid, layer.norm2.data_ptr<float>(), r + b * hid, h + b * hid, 1, hid, eps_);
-          xa.set_rows(h, b, b + 1);
-        }
-        shared_gemm(wgu, xa, gup, gemm_chunk(wgu, threads));
-#pragma omp for schedule(static)
-        for (int64_t b = 0; b < B; ++b) {
-          silu_mul_rows<float>(gup + b * 2 * inter, actp + b * inter, 1, inter);
-          xd.set_rows(actp, b, b + 1);
-        }
-        shared_gemm(wd, xd, dl, gemm_chunk(wd, threads));
-      }
-#pragma omp for schedule(static)
-      for (int64_t b = 0; b < B; ++b)
-        add_rms_norm_rows<float>(r + b * hid, dl + b * hid, final_norm_.data_ptr<float>(), r + b * hid, out.data_ptr<float>() + b * hid, 1, hid, eps_);
+    // One OpenMP region per GEMM and attention, the small row work on this thread between
+    // them: a region spanning the whole step (a barrier after every phase, 8 a layer) ran
+    // 10-40x slower at batch 1 when the two cores were shared with other work (a thread
+    // spinning at a barrier for one the OS had set aside).
+    for (int64_t i = 0; i < L; ++i) {
+      const StackLayer& layer = layers_[i];
+      float* kc = k_caches[i].data_ptr<float>();
+      float* vc = v_caches[i].data_ptr<float>();
+      add_rms_norm_rows<float>(r, i == 0 ? nullptr : dl, layer.norm1.data_ptr<float>(), r, h, B, hid, eps_);
+      xa.set_rows(h, 0, B);
+      layer.qkv.matrix()(xa, qkvp);
+      rope_store_rows<float>(qkvp, qkvp + H * D, qkvp + (H + KVH) * D, cp, sp, qp, kp, kc, vc, slotp, B, H, KVH, D, W, D, W, D, W, D);
+      at::parallel_for(0, tasks, 1, [&](int64_t lo, int64_t hi) {
+        attend(qp, kc, vc, pagep, lenp, ap, H, D, KVH, P, page_size, scale_, split_heads, lo, hi);
+      });
+      xo.set_rows(ap, 0, B);
+      layer.o.matrix()(xo, dl);
+      add_rms_norm_rows<float>(r, dl, layer.norm2.data_ptr<float>(), r, h, B, hid, eps_);
+      xa.set_rows(h, 0, B);
+      layer.gate_up.matrix()(xa, gup);
+      silu_mul_rows<float>(gup, actp, B, inter);
+      xd.set_rows(actp, 0, B);
+      layer.down.matrix()(xd, dl);
     }
+    add_rms_norm_rows<float>(r, dl, final_norm_.data_ptr<float>(), r, out.data_ptr<float>(), B, hid, eps_);
     return out;
   }
 
