@@ -666,9 +666,9 @@ class DecodeStack {
     const int64_t tasks = split_heads ? B * H : B * KVH;
     QuantRows xa(B, hid), xo(B, H * D), xd(B, inter);  // the inputs of qkv and gate_up, of o, of down
     // One OpenMP region per GEMM and attention, the small row work on this thread between
-    // them: a region spanning the whole step (a barrier after every phase, 8 a layer) ran
-    // 10-40x slower at batch 1 when the two cores were shared with other work (a thread
-    // spinning at a barrier for one the OS had set aside).
+    // them. A region spanning the whole step (a barrier after every phase, 8 a layer) could
+    // not be shown faster on a shared 2-core machine and has more barriers to spin at when
+    // the OS sets a thread aside.
     for (int64_t i = 0; i < L; ++i) {
       const StackLayer& layer = layers_[i];
       float* kc = k_caches[i].data_ptr<float>();
