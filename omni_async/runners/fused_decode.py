@@ -16,6 +16,16 @@ behalf: forward ``j`` of a row that runs ``s`` forwards sits at position ``p + m
 (a row past its length limit, or a padding row with ``s = 0``), and reads as input the
 token forward ``j - 1`` sampled. Without graphs (CPU, or a batch no graph fits) the
 same body runs eagerly; the tokens are those of the forward-by-forward path.
+
+Rows under a grammar run in the same launch with ``s = 1``: their first token is sampled
+under the step's bitmask (one more input, every bit set for the free rows; a static
+buffer of the graph, filled in place before the replay), and their later forwards, whose
+masks the host has not computed, are discarded like those of a row past its length
+limit: they repeat the row's position, write their KV to the scratch slot and never to
+the row's pages (which the batch core sized for one token), and their tokens are never
+read (the step's result holds ``s`` tokens of each row; the slots' newest token is the
+row's own, see :func:`own_tokens`). One launch reads the weights once
+per forward for every row of the step.
 """
 
 from __future__ import annotations
@@ -58,6 +68,11 @@ class FusedBatch:
     split: object | None = None  # a fused_split.Split: the whole step and its other rows
     # A talker's conditioning of each forward: ``[k, B, Hc]`` rows and ``[k, B]`` mask.
     cond: tuple[torch.Tensor, torch.Tensor] | None = None
+    # The grammar bitmask of the first forward (``[B', ceil(V/32)]`` int32 on the device,
+    # every bit set for free rows), when ``mode.grammar``.
+    allowed: torch.Tensor | None = None
+    # The launch's ``[B, 5]`` inputs on the device (set by the run): the rows' forward counts.
+    inputs_dev: torch.Tensor | None = None
 
 
 # Runner hooks a fused multi-step decode skips (it runs no per-forward Python): it is
@@ -94,13 +109,15 @@ def fused_forwards(
     settings: RowSettings | None = None,
     hidden_out: torch.Tensor | None = None,
     cond: tuple[torch.Tensor, torch.Tensor] | None = None,
+    allowed: torch.Tensor | None = None,
 ) -> None:
     """``steps`` forwards of the rows in ``inputs`` (``[B, 5]``, columns above),
     ``newest`` their slots' newest tokens and ``tables`` their page tables, each
     sampled in ``mode`` from ``settings`` (greedy: none needed); writes each forward's
     tokens and ``ok`` flags into ``out`` (``[2, steps, B]`` int64) and, when given, its
     final hidden states into ``hidden_out`` (``[steps, B, H]``). ``cond``: each
-    forward's conditioning rows and mask (``[steps, B, Hc]``, ``[steps, B]``)."""
+    forward's conditioning rows and mask (``[steps, B, Hc]``, ``[steps, B]``);
+    ``allowed``: the first forward's grammar bitmask (``mode.grammar``)."""
     ps = kv.page_size
     start, row_steps = inputs[:, POSITION], inputs[:, STEPS]
     ids = torch.where(inputs[:, TOKEN] >= 0, inputs[:, TOKEN], newest)
@@ -115,9 +132,24 @@ def fused_forwards(
         logits, hidden = model(ids, positions, kv, ctx, return_hidden=True, float_logits=False, cond=step_cond)
         if hidden_out is not None:
             hidden_out[j].copy_(hidden)
-        ids, ok = sample_forward(logits, mode, settings, j)  # type: ignore[arg-type]
+        ids, ok = sample_forward(logits, mode, settings, j, allowed)
         out[0, j].copy_(ids)
         out[1, j].copy_(ok)
+
+
+def own_tokens(fb: FusedBatch, out: torch.Tensor) -> torch.Tensor:
+    """The launch's ``[k, B]`` tokens with each row's forwards past its own count
+    holding its last own token: what the slots record as the rows' newest (and seen)
+    tokens. A row under a grammar, or one at its length limit, ran fewer forwards than
+    the launch; the tokens its discarded forwards sampled are no one's."""
+    size = fb.batch.size
+    tokens = out[0, :, :size]
+    if int(fb.host[:size, STEPS].min()) >= fb.steps:
+        return tokens
+    assert fb.inputs_dev is not None
+    last = (fb.inputs_dev[:size, STEPS] - 1).clamp(min=0)
+    later = torch.arange(fb.steps, device=tokens.device)[:, None]
+    return tokens.gather(0, torch.minimum(later, last[None, :]))
 
 
 class FusedDecode:
@@ -139,7 +171,9 @@ class FusedDecode:
         self.replays = 0
         self.sampled = 0  # launches that sampled (a mode other than plain greedy)
         self.captures_later = 0  # graphs captured on a step's first need of their mode
-        self.beside_grammar = 0  # launches beside rows under a grammar (run one forward in the split)
+        self.beside_grammar = 0  # launches beside rows under a grammar split off (they asked for what a launch lacks)
+        self.with_grammar = 0  # launches holding rows under a grammar (sampled under the launch's bitmask)
+        self.allowed: torch.Tensor | None = None  # the graphs' static [n, ceil(V/32)] bitmask input
 
     # ------------------------------------------------------------ graphs
 
@@ -184,7 +218,11 @@ class FusedDecode:
             if name not in self.masks:
                 self.masks[name] = torch.zeros((self.inputs.shape[0], self.model.config.vocab_size), dtype=torch.bool,
                                                device=device)
+        if mode.grammar and self.allowed is None:
+            words = (self.model.config.vocab_size + 31) // 32
+            self.allowed = torch.full((self.inputs.shape[0], words), -1, dtype=torch.int32, device=device)
         self.inputs.zero_()
+        allowed = self.allowed[:b] if mode.grammar and self.allowed is not None else None
 
         def ctx_for(tables, positions, slots, kv_lens, j):
             return AttentionContext(is_decode=True, slot_mapping=slots, logits_rows=self.rows[:b], kv_lens=kv_lens,
@@ -195,7 +233,7 @@ class FusedDecode:
                                    {name: self.masks[name][:b] for name in mode.masks})
             cond = None if self.cond is None else (self.cond[0][:k, :b], self.cond[1][:k, :b])
             fused_forwards(self.model, self.kv, k, self.inputs[:b], self.newest[:b], self.tables[:b],
-                           self.scratch_slot, ctx_for, out, mode, settings, hidden_out, cond)
+                           self.scratch_slot, ctx_for, out, mode, settings, hidden_out, cond, allowed)
 
         hidden_size = self.model.config.hidden_size
         dtype = self.model.model.embed_tokens.weight.dtype
@@ -248,6 +286,7 @@ class FusedDecode:
         eagerly only when ``fb.capture_hidden``, else None). Enqueued, not waited for."""
         self.launches += 1
         self.sampled += not fb.mode.greedy
+        self.with_grammar += fb.mode.grammar
         src = torch.from_numpy(fb.host)
         bucket, steps, mode = fb.bucket, fb.steps, fb.mode
         if bucket is not None:
@@ -267,6 +306,11 @@ class FusedDecode:
                 torch.index_select(slots.ip_dev, 0, idx, out=self.ip[:bucket])
                 for name in mode.masks:
                     torch.index_select(slots.masks[name], 0, idx, out=self.masks[name][:bucket])
+            if mode.grammar:
+                assert self.allowed is not None and fb.allowed is not None
+                # In place: the graph reads this buffer. Padding rows keep what they held
+                # (their tokens are never read).
+                self.allowed[: fb.allowed.shape[0]].copy_(fb.allowed, non_blocking=True)
             if self.cond is not None:
                 if fb.cond is None:
                     self.cond[1][:steps, :bucket].zero_()
@@ -275,6 +319,7 @@ class FusedDecode:
                     self.cond[1][:steps, :bucket].copy_(fb.cond[1], non_blocking=True)
             graph.replay()
             self.replays += 1
+            fb.inputs_dev = self.inputs[:bucket]
             return out, hidden
         device = slots.table_dev.device
         inputs = src.to(device, non_blocking=True)
@@ -290,5 +335,6 @@ class FusedDecode:
             settings = RowSettings(slots.fp_dev.index_select(0, idx), slots.ip_dev.index_select(0, idx), inputs[:, INDEX],
                                    {name: slots.masks[name].index_select(0, idx) for name in mode.masks})
         fused_forwards(self.model, self.kv, steps, inputs, slots.last_token.index_select(0, idx), tables,
-                       self.scratch_slot, eager_ctx, out, mode, settings, hidden, fb.cond)
+                       self.scratch_slot, eager_ctx, out, mode, settings, hidden, fb.cond, fb.allowed)
+        fb.inputs_dev = inputs
         return out, hidden

@@ -25,7 +25,7 @@ from .hooks import attach_hidden_extras, hidden_states_only
 from .cuda_graphs import DecodeGraphs
 from .conditioning import decode_rows, gather_rows
 from .forward_batch import ForwardBatch, prompt_embeds
-from .fused_decode import FusedBatch, FusedDecode, leaves_hooks
+from .fused_decode import FusedBatch, FusedDecode, leaves_hooks, own_tokens
 from .fused_split import merge_fused, merge_rest, plan_fused
 from .graph_sampling import SamplingGraphs
 from .input_batch import InputBatch, SlotRows
@@ -153,9 +153,11 @@ class NativeModelRunner(ModelRunner):
         def eager_ctx(tables, positions, slots, kv_lens, j):
             return self._decode_ctx(tables, positions, slots, None, fb.span + j, kv_lens=kv_lens)
 
+        if fb.mode.grammar:  # its rows under a grammar sample their one token under their masks
+            fb.allowed = self.grammar_masks.fill(fb.batch, self.inputs.vocab, self.device)
         out, hidden = fused.run(fb, self.inputs, eager_ctx)
         size = fb.batch.size
-        self.inputs.publish_steps(fb.rows.slots_dev, out[0, :, :size])
+        self.inputs.publish_steps(fb.rows.slots_dev, own_tokens(fb, out))
         # A graph's hidden states are its static buffer: copied out before the next replay.
         hidden = hidden[:, :size].clone() if fb.capture_hidden and hidden is not None else None
         result = BatchResult(logits=None, next_token_ids=out[0], sample_ok=out[1], can_run_cuda_graph=fb.bucket is not None, packed=out,
@@ -171,6 +173,7 @@ class NativeModelRunner(ModelRunner):
         return {"fused_decode_launches": f.launches if f else 0, "fused_decode_replays": f.replays if f else 0,
                 "fused_decode_sampled": f.sampled if f else 0, "fused_decode_late_captures": f.captures_later if f else 0,
                 "fused_decode_beside_grammar": f.beside_grammar if f else 0,
+                "fused_decode_with_grammar": f.with_grammar if f else 0,
                 **super().stats()}
 
     def _later(self, k: int) -> torch.Tensor:
