@@ -10,6 +10,7 @@ import asyncio
 import json
 
 import pytest
+import torch
 
 from omni_async import Engine, SamplingParams
 
@@ -110,3 +111,23 @@ def test_a_batch_rebuilt_after_a_drain_keeps_its_forwards_and_grammar_rows():
     reqs[0].finish_reason = "stop"
     out = batch.runnable_after_drain()
     assert out.reqs == reqs[1:] and out.row_steps == [4, 1] and out.grammar_rows == [1]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("loop", LOOPS)
+async def test_cuda_constrained_rows_replay_the_fused_graph_with_their_bitmask(loop):
+    """On CUDA (float32, graphs): steps holding rows under a grammar replay a fused graph
+    whose bitmask input is filled in place before each replay; every output equals that of
+    one-forward steps, constrained outputs are valid, KV freed once."""
+    limits = dict(device="cuda", dtype="float32", loop=loop, kv_capacity_tokens=8192)
+    async with Engine.from_pretrained("tiny", decode_steps=1, **limits) as engine:
+        single = [r.output_ids for r in await run(engine, mixed_sampled())]
+    async with Engine.from_pretrained("tiny", decode_steps=4, **limits) as engine:
+        results = await run(engine, mixed_sampled())
+        info = engine.scheduler.info()
+    assert_kv_free(engine)
+    assert info["fused_decode_with_grammar"] > 0 and info["fused_decode_replays"] > 0
+    for i, r in enumerate(results):
+        if i % 4 == 3:
+            validate(json.loads(r.text), SCHEMA)
+        assert r.output_ids == single[i], f"request {i} differs from one-forward steps"
