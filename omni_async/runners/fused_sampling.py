@@ -102,10 +102,10 @@ class RowSettings:
 def sample_forward(logits: torch.Tensor, mode: SamplingMode, rs: RowSettings | None, j: int,
                    allowed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Tokens and ``ok`` of forward ``j`` (0-based) of a fused launch; marks the tokens
-    seen when the mode penalises repeats. ``allowed``: the ``[B, ceil(V/32)]`` int32
-    grammar bitmask of the first forward (every bit set for free rows), applied there
-    only: a row under a grammar keeps its first token alone."""
-    mask = allowed if mode.grammar and j == 0 else None
+    seen when the mode penalises repeats. ``allowed``: this forward's ``[B, ceil(V/32)]``
+    int32 grammar bitmask (every bit set for free rows and for a grammar row's forwards
+    other than the one it keeps), when ``mode.grammar``."""
+    mask = allowed if mode.grammar else None
     if mode.greedy:
         return greedy(logits if mask is None else apply_token_bitmask(logits, mask))
     assert rs is not None

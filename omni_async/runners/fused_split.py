@@ -72,6 +72,8 @@ def _fused(fused: FusedDecode, inputs: InputBatch, batch: ScheduledBatch, rows: 
     bucket = None
     if graphs_on:
         bucket = fused.graph_for(batch.size, rows.widest, steps)
+        if bucket is None and batch.grammar_rows:  # rows fed forced tokens: a longer launch serves
+            steps, bucket = fused.graph_at_least(batch.size, rows.widest, steps)
         if bucket is None:
             return None
     s = rows.slots

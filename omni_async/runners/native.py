@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from ..core.batch import ScheduledBatch
-from ..core.multi_step import DecodeSteps
+from ..core.multi_step import DecodeSteps, fed_inputs
 from ..kernels import cpu_decode_stack, model_ops, triton_available
 from ..kv.attention import AttentionContext, slots_from_tables
 from ..kv.cache import PagedKVCache
@@ -123,6 +123,12 @@ class NativeModelRunner(ModelRunner):
                           cond=cond, all_cond=all_cond)
         fb.row_steps, fb.tables, fb.span, fb.all_positions, fb.all_slots = steps, tables, span, all_positions, all_slots
         fb.all_kv_lens, fb.all_sample_indices = all_kv_lens, sidx_dev + later
+        fed = fed_inputs(batch)
+        if fed:  # a jump-forward's forced tokens, fed to the forwards after the first
+            feed = np.full((max(batch.row_steps), batch.size), -1, dtype=np.int64)
+            for i, tokens in fed:
+                feed[1 : 1 + len(tokens), i] = tokens
+            fb.feed = torch.from_numpy(feed).to(self.device, non_blocking=True)
         return fb
 
     def configure_decode_steps(self, plan: DecodeSteps, *, fused: bool = True) -> None:
@@ -260,6 +266,8 @@ class NativeModelRunner(ModelRunner):
         assert fb.all_positions is not None and fb.all_slots is not None and fb.tables is not None
         assert fb.all_kv_lens is not None and fb.all_sample_indices is not None
         positions = fb.all_positions[j]
+        if fb.feed is not None:
+            tokens = torch.where(fb.feed[j] >= 0, fb.feed[j], tokens)
         ctx = self._decode_ctx(fb.tables, positions, fb.all_slots[j], fb.block_tables, fb.span + j, rows=fb.ctx.logits_rows,
                                kv_lens=fb.all_kv_lens[j])
         return ForwardBatch(

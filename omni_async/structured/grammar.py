@@ -96,6 +96,11 @@ class GrammarMatcher:
         if done is not None and not done.is_set():
             done.wait()
 
+    def count_jump(self, tokens: int) -> None:
+        """Count a jump-forward of ``tokens`` forced tokens (:mod:`.jump`) in ``info()``."""
+        if self._worker is not None:
+            self._worker.count_jump(tokens)
+
     def next_mask(self) -> Any:
         """The current position's mask from the worker (waiting for it while in flight),
         or None: not computed ahead (the caller computes it through :attr:`handle`)."""
