@@ -115,9 +115,10 @@ def process_multi_step(
                 lps = [float(lp) for lp in logprobs[i:end:size][: len(kept)]]
                 req.output_logprobs.extend(lps)
         else:
+            first = i
             if req.matcher is not None:  # one token sampled, by its last forward (the others fed forced tokens)
-                row, end = row[-1:], end - (steps - 1) * size
-            kept, lps, reason = _walk_row(req, row, None if logprobs is None else logprobs[end - size:end:size], ctx)
+                row, first = row[-1:], end - size
+            kept, lps, reason = _walk_row(req, row, None if logprobs is None else logprobs[first:end:size], ctx)
         if reason == "error":  # its grammar failed: no token; the stage ends it with an error
             finishes.append((req, reason))
             outcomes.append(StepOutcome(req, None, finished=True))
