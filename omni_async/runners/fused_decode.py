@@ -282,15 +282,15 @@ class FusedDecode:
         bucket = next((b for b in self.buckets if b >= rows), None)
         return bucket if bucket is not None and steps in self.wanted[bucket] else None
 
-    def graph_at_least(self, rows: int, widest: int, steps: int) -> tuple[int, int | None]:
-        """The fewest captured forwards, at least ``steps``, of the bucket a step of
-        ``rows`` rows replays, and that bucket (None: none fits). Rows run their own
-        counts in a longer launch; the forwards past them go to the scratch slot."""
-        for k in sorted(k for ks in self.wanted.values() for k in ks if k >= steps):
-            bucket = self.graph_for(rows, widest, k)
-            if bucket is not None:
-                return k, bucket
-        return steps, None
+    def grammar_bucket(self, rows: int, widest: int, steps: int) -> int | None:
+        """The bucket a step holding rows under a grammar replays with ``steps``
+        forwards, any count up to the bucket's most (rows fed forced tokens make counts
+        the plan does not: each such graph is captured on its first need, so a step runs
+        only the forwards its rows use); None when none fits."""
+        if widest > self.max_pages or (self.model.thinker_to_talker_proj is not None and self.cond is None):
+            return None
+        bucket = next((b for b in self.buckets if b >= rows), None)
+        return bucket if bucket is not None and steps <= max(self.wanted[bucket]) else None
 
     # ------------------------------------------------------------ a step
 

@@ -71,9 +71,10 @@ def _fused(fused: FusedDecode, inputs: InputBatch, batch: ScheduledBatch, rows: 
     steps = max(batch.row_steps or (1,))
     bucket = None
     if graphs_on:
-        bucket = fused.graph_for(batch.size, rows.widest, steps)
-        if bucket is None and batch.grammar_rows:  # rows fed forced tokens: a longer launch serves
-            steps, bucket = fused.graph_at_least(batch.size, rows.widest, steps)
+        if batch.grammar_rows:
+            bucket = fused.grammar_bucket(batch.size, rows.widest, steps)
+        else:
+            bucket = fused.graph_for(batch.size, rows.widest, steps)
         if bucket is None:
             return None
     s = rows.slots
