@@ -224,13 +224,16 @@ class NativeBatchCore(BatchCore):
         steps, grammar_rows = steps_for(self, decoding)
         due = still_due(self.jump_due) if self.jump_due else None
         self.jump_due = []
+        if due:  # one not decoding now keeps its place for a later step
+            stepping = {id(r) for r in decoding}
+            self.jump_due = [(r, r.epoch) for key, r in due.items() if key not in stepping]
         if due and steps is None:  # forced tokens to compute in a step of one forward per row
             return jump_step(self, decoding, due)
         batch = self._new_batch(ForwardMode.DECODE)
         batch.grammar_rows = grammar_rows
         batch.fill_decode(decoding, steps, self.page_size, self.kv.allocate)
-        if due:
-            feed_rows(batch, due)
+        if steps is not None and grammar_rows:
+            feed_rows(batch)
         self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
         return batch
 

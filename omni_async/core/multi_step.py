@@ -191,17 +191,17 @@ def still_due(due: list[tuple[Request, int]]) -> dict[int, Request]:
             if r.finish_reason is None and r.epoch == epoch and not r.num_inflight and r.seq_len - r.num_cached > 1}
 
 
-def feed_rows(batch: "ScheduledBatch", due: dict[int, Request]) -> None:
-    """A multi-step decode's rows whose forced tokens wait for their KV (``due``) run one
-    forward per such token and one more: the first reads the token after their KV, the
-    others are fed the tokens in turn (:func:`fed_inputs`), and only the last samples, at
-    the generation index that follows them. Called once ``fill_decode`` counted the row's
-    forwards in flight: one token is."""
+def feed_rows(batch: "ScheduledBatch") -> None:
+    """A multi-step decode's grammar rows whose forced tokens wait for their KV (those
+    :func:`row_steps` gave more than one forward) run one forward per such token and one
+    more: the first reads the token after their KV, the others are fed the tokens in turn
+    (:func:`fed_inputs`), and only the last samples, at the generation index that follows
+    them. Called once ``fill_decode`` counted the row's forwards in flight: one token is."""
     assert batch.row_steps is not None
     for i in batch.grammar_rows:
         req = batch.reqs[i]
         s = batch.row_steps[i]
-        if s <= 1 or id(req) not in due:
+        if s <= 1:
             continue
         batch.input_ids[i] = _token_at(req, batch.prefix_lens[i])
         batch.sample_indices[i] -= s - 1
