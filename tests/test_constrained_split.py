@@ -131,3 +131,15 @@ async def test_cuda_constrained_rows_replay_the_fused_graph_with_their_bitmask(l
         if i % 4 == 3:
             validate(json.loads(r.text), SCHEMA)
         assert r.output_ids == single[i], f"request {i} differs from one-forward steps"
+
+
+async def test_steps_of_constrained_rows_only_run_one_forward_per_row():
+    """Every row under a grammar and none with forced tokens to compute: one forward per
+    row (the one-forward decode path, whose graphs replay on CUDA), no fused launch."""
+    async with Engine.from_pretrained("tiny", device="cpu", loop="overlap", decode_steps=4, jump_forward=False) as engine:
+        results = await run(engine, [CONSTRAINED] * len(PROMPTS))
+        info = engine.scheduler.info()
+    assert_kv_free(engine)
+    assert info["fused_decode_launches"] == 0 and info["grammar_mask_steps"] > 0
+    for r in results:
+        validate(json.loads(r.text), SCHEMA)
