@@ -197,7 +197,9 @@ async def run_arm(engine: Engine, work, arm: str, replay: GrammarReplay) -> dict
         "worker_ms_per_step": 1e3 * d["grammar_mask_worker_s"] / masked if masked else None,
         "mask_rows_per_step": d["grammar_mask_rows"] / masked if masked else None,
         "inline_rows": d["grammar_mask_inline_rows"],
-        "forced_pct": 100 * d["grammar_forced_masks"] / d["grammar_mask_prefetched_rows"] if d["grammar_mask_prefetched_rows"] else None,
+        # forced masks over the constrained rows' tokens (a jump-forward computes some masks
+        # on the loop thread, so the worker's rows are no longer every position)
+        "forced_pct": 100 * d["grammar_forced_masks"] / sum(len(results[i].output_ids) for i in cons) if cons else None,
         "skipped_pct": 100 * d["grammar_forced_skipped"] / sum(len(results[i].output_ids) for i in cons) if cons else None,
         "counters": d,
         "free_outputs": [results[i].output_ids for i in free] if arm != "all" else None,

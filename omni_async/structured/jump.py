@@ -50,19 +50,20 @@ def jump_forward(req: Any, context_length: int, most: int) -> tuple[list[int], s
     stops = req.stop_ids()
     run: list[int] = []
     reason = None
+    mask = matcher.next_mask()  # the worker's, queued when the sampled token was accepted
     while len(run) < most:
-        mask = matcher.next_mask()
         token = None if mask is None else single_token(mask)
         if token is None or token in stops:
             break
         out.append(token)
         run.append(token)
-        if matcher.accept(token):
+        if matcher.accept(token, prefetch=False):
             reason = "error" if matcher.failed else "stop"
             break
         if req.tokens_left(context_length, scheduling=False) <= 0:
             reason = "length"
             break
+        mask = matcher.mask_now()  # here: the next step's fill then finds it ready
     if run:
         matcher.count_jump(len(run))
     return run, reason
