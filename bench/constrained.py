@@ -21,8 +21,12 @@ request ran to its length), and from the engine's counters: the host time the la
 thread spent filling masks per masked step and as % of a step (on CUDA a decode step is
 launched on the loop thread, so this is the loop's time; on CPU the launch runs on the
 worker thread), the mask worker's time, the rows whose mask was not computed ahead, the
-positions the grammar forced (exactly one admissible token), fused launches beside
-constrained rows and lookahead steps. The table: medians with [min-max] over repeats, and
+positions the grammar forced (exactly one admissible token), fused launches holding
+constrained rows (and beside them, split off: rows asking for logprobs), lookahead steps,
+and jump-forward's counters: runs of forced tokens appended at once, the tokens they
+skipped (as a share of the constrained rows' tokens: "skipped %"), and the one-forward
+steps that computed them as extend rows. ``--no-jump-forward`` decodes forced tokens one by
+one (the engine's ``jump_forward=False``), for comparison. The table: medians with [min-max] over repeats, and
 the median paired ratios quarter/free (free rows) and all/free (all rows).
 
 Model: ``--model qwen05-smol`` (default on CUDA) is the NV256 shape (Qwen2-0.5B, bf16,
@@ -71,7 +75,8 @@ SCHEMA = {"type": "array", "items": ITEM, "minItems": 100_000}
 ARMS = ("free", "quarter", "all")
 COUNTERS = ("grammar_mask_steps", "grammar_mask_rows", "grammar_mask_s", "grammar_mask_inline_rows",
             "grammar_mask_prefetched_rows", "grammar_mask_worker_s", "grammar_forced_masks", "steps",
-            "decode_steps", "lookahead_steps", "fused_decode_launches", "fused_decode_beside_grammar")
+            "decode_steps", "lookahead_steps", "fused_decode_launches", "fused_decode_beside_grammar",
+            "fused_decode_with_grammar", "grammar_jumps", "grammar_forced_skipped", "grammar_jump_steps")
 
 
 def valid_item(obj: Any) -> bool:
@@ -192,7 +197,10 @@ async def run_arm(engine: Engine, work, arm: str, replay: GrammarReplay) -> dict
         "worker_ms_per_step": 1e3 * d["grammar_mask_worker_s"] / masked if masked else None,
         "mask_rows_per_step": d["grammar_mask_rows"] / masked if masked else None,
         "inline_rows": d["grammar_mask_inline_rows"],
-        "forced_pct": 100 * d["grammar_forced_masks"] / d["grammar_mask_prefetched_rows"] if d["grammar_mask_prefetched_rows"] else None,
+        # forced masks over the constrained rows' tokens (a jump-forward computes some masks
+        # on the loop thread, so the worker's rows are no longer every position)
+        "forced_pct": 100 * d["grammar_forced_masks"] / sum(len(results[i].output_ids) for i in cons) if cons else None,
+        "skipped_pct": 100 * d["grammar_forced_skipped"] / sum(len(results[i].output_ids) for i in cons) if cons else None,
         "counters": d,
         "free_outputs": [results[i].output_ids for i in free] if arm != "all" else None,
     }
@@ -230,6 +238,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         kwargs.update(dtype="bfloat16", max_running_requests=args.max_running)
     if args.decode_steps is not None:
         kwargs["decode_steps"] = args.decode_steps
+    if args.no_jump_forward:
+        kwargs["jump_forward"] = False
     result: dict[str, Any] = {"machine": C.machine_facts(), "args": vars(args), "model": model, "runs": {}}
     for loop in C.parse_loops(args.loops):
         engine = await Engine.load(path, loop=loop, **kwargs)
@@ -267,7 +277,7 @@ def span(xs: list[float], fmt: str = "{:.0f}") -> str:
 def print_table(result: dict[str, Any]) -> None:
     print(f"\nmodel {result['model']}; medians [min-max] over repeats; ratios are medians of paired runs")
     head = (f"{'loop':13s} {'free arm tok/s':>22s} {'quarter: free rows':>22s} {'ratio':>6s} {'all-constrained':>22s} "
-            f"{'ratio':>6s} {'valid':>9s} {'mask % step':>16s} {'forced %':>8s} {'same':>5s}")
+            f"{'ratio':>6s} {'valid':>9s} {'mask % step':>16s} {'forced %':>8s} {'skipped %':>9s} {'same':>5s}")
     print(head)
     for loop, runs in result["runs"].items():
         by = {a: [r for r in runs if r["arm"] == a] for a in ARMS}
@@ -277,11 +287,12 @@ def print_table(result: dict[str, Any]) -> None:
         valid = f"{sum(r['valid'] for r in cons)}/{sum(r['constrained'] for r in cons)}"
         masks = [r["mask_pct_of_step"] for r in cons if r["mask_pct_of_step"] is not None]
         forced = [r["forced_pct"] for r in cons if r["forced_pct"] is not None]
+        skipped = [r["skipped_pct"] for r in cons if r["skipped_pct"] is not None]
         same = all(r["free_same_as_free_arm"] for r in by["quarter"])
         print(f"{loop:13s} {span([r['free_tok_s'] for r in by['free']]):>22s} {span([r['free_tok_s'] for r in by['quarter']]):>22s} "
               f"{statistics.median(q_ratio) if q_ratio else 0:6.3f} {span([r['total_tok_s'] for r in by['all']]):>22s} "
               f"{statistics.median(a_ratio) if a_ratio else 0:6.3f} {valid:>9s} {span(masks, '{:.1f}'):>16s} "
-              f"{statistics.median(forced) if forced else 0:8.1f} {str(same):>5s}")
+              f"{statistics.median(forced) if forced else 0:8.1f} {statistics.median(skipped) if skipped else 0:9.1f} {str(same):>5s}")
         for arm in ("quarter", "all"):
             rs = by[arm]
             if rs:
@@ -289,8 +300,12 @@ def print_table(result: dict[str, Any]) -> None:
                       f"thread, worker {span([r['worker_ms_per_step'] for r in rs], '{:.3f}')} ms, "
                       f"{statistics.median(r['mask_rows_per_step'] for r in rs):.1f} rows; step "
                       f"{span([r['step_ms'] for r in rs], '{:.2f}')} ms; rows not computed ahead "
-                      f"{sum(r['inline_rows'] for r in rs)}; fused launches beside grammar rows "
-                      f"{sum(r['counters']['fused_decode_beside_grammar'] for r in rs)}; grammar accepts {sum(r['grammar_accepted'] for r in rs)}"
+                      f"{sum(r['inline_rows'] for r in rs)}; fused launches with grammar rows "
+                      f"{sum(r['counters']['fused_decode_with_grammar'] for r in rs)} (beside, split off: "
+                      f"{sum(r['counters']['fused_decode_beside_grammar'] for r in rs)}); jump-forwards "
+                      f"{sum(r['counters']['grammar_jumps'] for r in rs)}, forced tokens skipped "
+                      f"{sum(r['counters']['grammar_forced_skipped'] for r in rs)}, jump steps "
+                      f"{sum(r['counters']['grammar_jump_steps'] for r in rs)}; grammar accepts {sum(r['grammar_accepted'] for r in rs)}"
                       f"/{sum(r['constrained'] for r in rs)} outputs' ids; equal lengths "
                       f"{all(r['equal_lengths'] for r in rs)}")
 
@@ -305,6 +320,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--decode-steps", type=int, default=None, help="forwards per decode step (default: the engine's)")
     p.add_argument("--max-running", type=int, default=256, help="max_running_requests on CUDA")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-jump-forward", action="store_true", help="decode forced tokens one by one (jump_forward=False)")
     p.add_argument("--checkpoint-dir", default="/tmp/omni-bench-checkpoints")
     p.add_argument("--smoke", action="store_true", help="8 short requests (16-48 tokens), one repeat unless --repeats, "
                    "4 forwards per decode step unless --decode-steps (CPU)")

@@ -329,6 +329,10 @@ class SchedulerConfig:
     # instead of pausing for each prefill step (vLLM's and SGLang's mixed batches).
     # Same tokens either way; False runs prefill and decode steps apart.
     mixed_prefill: bool = True
+    # Native backend, requests under a grammar: where the grammar admits one token, it is
+    # appended at once and its KV computed in the request's next step, with the tokens
+    # after it (omni_async/structured/jump.py). Same tokens; False decodes them one by one.
+    jump_forward: bool = True
     # Stream deltas every this many tokens per request (and at its finish): fewer,
     # larger deltas for callers that do not need every token at once (SGLang's
     # stream_interval). 1 (the default) sends each step's tokens as they come.
@@ -374,7 +378,7 @@ class SchedulerConfig:
                 f"got {self.kv_capacity_tokens!r}"
             )
         check_step_timeout(self.step_timeout_s)
-        for name in ("enable_prefix_cache", "gc_freeze", "fuse_decode_steps", "own_cuda_stream", "mixed_prefill"):
+        for name in ("enable_prefix_cache", "gc_freeze", "fuse_decode_steps", "own_cuda_stream", "mixed_prefill", "jump_forward"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be a bool, got {getattr(self, name)!r}")
         for name in ("cpu_attention_kernel", "cpu_fused_ops"):

@@ -21,10 +21,15 @@ def _on_grid(fmt: str, n: int, k: int, seed: int) -> torch.Tensor:
         codes = torch.randint(0, 16, blocks, generator=g)
         codes[..., 0], codes[..., 1] = 0, 15  # llama.cpp's Q4_1 blocks span their min and max
         d, m = torch.rand(n, k // 32, 1, generator=g) * 0.01, torch.randn(n, k // 32, 1, generator=g) * 0.05
-        return (codes * d + m).reshape(n, k)
+        return (codes * _f16(d) + _f16(m)).reshape(n, k)
     codes = torch.randint(-127, 128, blocks, generator=g)
     codes[..., 0] = 127
-    return (codes * (torch.rand(n, k // 32, 1, generator=g) * 0.01)).reshape(n, k)
+    return (codes * _f16(torch.rand(n, k // 32, 1, generator=g) * 0.01)).reshape(n, k)
+
+
+def _f16(t: torch.Tensor) -> torch.Tensor:
+    """A GGUF block's scale and minimum are float16 values."""
+    return t.half().float()
 
 
 @pytest.mark.parametrize("fmt", ["q4", "q8"])
@@ -49,13 +54,17 @@ def test_the_kernel_computes_the_dequantised_product(fmt, rows):
     assert (out - exact).abs().max() <= 0.02 * exact.abs().max()
 
 
-def test_a_rows_result_does_not_depend_on_its_batch():
+@pytest.mark.parametrize("fmt", ["q4", "q8"])
+def test_a_rows_result_does_not_depend_on_its_batch(fmt):
+    # 11 rows: two tiles of 4 and a tail of 3; alone, in pairs, in threes (every tile shape);
+    # 70 columns: column tiles and a tail.
     g = torch.Generator().manual_seed(3)
-    blocks = cpu_quant.quantize(torch.randn(64, 256, generator=g), "q4")
-    x = torch.randn(5, 256, generator=g)
+    blocks = cpu_quant.quantize(torch.randn(70, 256, generator=g), fmt, torch.randn(70, generator=g))
+    x = torch.randn(11, 256, generator=g)
     together = blocks(x)
-    for i in range(5):
-        assert torch.equal(blocks(x[i : i + 1])[0], together[i])
+    for size in (1, 2, 3):
+        for i in range(0, 11 - size + 1):
+            assert torch.equal(blocks(x[i : i + size]), together[i : i + size]), (size, i)
 
 
 @pytest.mark.parametrize("mode", ["q4", "q8"])

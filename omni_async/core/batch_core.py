@@ -18,8 +18,8 @@ from ..config import SchedulerConfig
 from ..kv.allocator import PageAllocator
 from ..kv.prefix_cache import PrefixCache
 from .batch import ForwardMode, ScheduledBatch
-from .multi_step import DecodeSteps, process_multi_step, steps_for
-from .mixed_prefill import add_decode_rows, mixed_decodes
+from .multi_step import DecodeSteps, feed_rows, jump_rows, process_multi_step, steps_for, still_due
+from .mixed_prefill import add_decode_rows, jump_step, mixed_decodes
 from .step_results import end_unsampled, process_one_forward
 from .conditioning import ready_positions
 from .prefix_reuse import computing_key, drop_prefix, index_pages, reuse_prefix
@@ -63,6 +63,10 @@ class NativeBatchCore(BatchCore):
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
         self.num_retractions = 0
         self.mixed_decode_rows = 0  # decode rows carried by prefill steps (mixed_prefill)
+        # Requests whose grammar's forced tokens wait for their KV (structured.jump), with
+        # their epochs; the next decode step computes them. And the one-forward steps that did.
+        self.jump_due: list[tuple[Request, int]] = []
+        self.jump_steps = 0
         self._step_id = 0
         self._arrivals = 0
 
@@ -110,6 +114,7 @@ class NativeBatchCore(BatchCore):
             "page_size": self.allocator.page_size,
             "num_retractions": self.num_retractions,
             "mixed_decode_rows": self.mixed_decode_rows,
+            "grammar_jump_steps": self.jump_steps,
             **self.kv.stats(),
         }
 
@@ -216,9 +221,19 @@ class NativeBatchCore(BatchCore):
         decoding = self._retract_until_decode_fits(self._decoding())
         if not decoding:
             return None
+        steps, grammar_rows = steps_for(self, decoding)
+        due = still_due(self.jump_due) if self.jump_due else None
+        self.jump_due = []
+        if due:  # one not decoding now keeps its place for a later step
+            stepping = {id(r) for r in decoding}
+            self.jump_due = [(r, r.epoch) for key, r in due.items() if key not in stepping]
+        if due and steps is None:  # forced tokens to compute in a step of one forward per row
+            return jump_step(self, decoding, due)
         batch = self._new_batch(ForwardMode.DECODE)
-        steps, batch.grammar_rows = steps_for(self, decoding)
+        batch.grammar_rows = grammar_rows
         batch.fill_decode(decoding, steps, self.page_size, self.kv.allocate)
+        if steps is not None and grammar_rows:
+            feed_rows(batch)
         self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
         return batch
 
@@ -327,6 +342,8 @@ class NativeBatchCore(BatchCore):
         where their KV is freed."""
         process = process_one_forward if batch.row_steps is None else process_multi_step
         outcomes, finishes = process(batch, tokens, logprobs, self.context_length)
+        if self.config.jump_forward and (batch.grammar_rows or batch.row_steps is None):
+            jump_rows(outcomes, finishes, self.context_length, self._jump_most(), self.jump_due)
         if batch.ends_unsampled:
             end_unsampled(batch, outcomes, finishes)
         for req, reason in finishes:
@@ -334,6 +351,13 @@ class NativeBatchCore(BatchCore):
         if finishes:
             self.running = [r for r in self.running if r.finish_reason is None]
         return outcomes
+
+    def _jump_most(self) -> int:
+        """The most forced tokens one jump-forward takes: with multi-step decodes, as many
+        as one fused launch then feeds (k - 1); else a page's worth (the decode step's
+        KV bound, :meth:`_decode_fits`, stays one page a row)."""
+        most = self.decode_plan.most
+        return most - 1 if most > 1 else self.page_size - 1
 
     def finish_request(self, req: Request, reason: str) -> None:
         req.finish_reason = reason

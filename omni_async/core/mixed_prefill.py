@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from .multi_step import still_due
 from .request import Request
 
 if TYPE_CHECKING:
@@ -23,8 +24,8 @@ def mixed_decodes(core: "NativeBatchCore", rows: list[tuple[Request, int]]) -> l
     where retraction can make room."""
     if not core.config.mixed_prefill or not core.running or any(r.step_failures for r, _ in rows):
         return []
-    if not core.mixed_allowed():
-        return []
+    if not core.mixed_allowed() or still_due(core.jump_due):
+        return []  # (a row with forced tokens to compute is not one token: its decode step takes it)
     core.running = [r for r in core.running if r.finish_reason is None]
     decoding = core._decoding()
     ps = core.page_size
@@ -50,3 +51,30 @@ def add_decode_rows(core: "NativeBatchCore", batch: "ScheduledBatch", decoding: 
         core._add_row(batch, req, 1, True)
         req.num_cached = cached + 1
         req.num_inflight += 1
+
+
+def jump_step(core: "NativeBatchCore", decoding: list[Request], due: dict[int, Request]) -> "ScheduledBatch":
+    """A decode step that runs one forward per row, as an extend step: the rows whose
+    forced tokens (:mod:`omni_async.structured.jump`) wait for their KV compute them and
+    sample after the last, as one extend row each; the other running requests ride in
+    it as one-token rows, as in a mixed prefill step."""
+    from .batch import ForwardMode
+
+    batch = core._new_batch(ForwardMode.EXTEND)
+    jumping = [r for r in decoding if id(r) in due]
+    others = [r for r in decoding if id(r) not in due]
+    if others:
+        add_decode_rows(core, batch, others)
+        core.mixed_decode_rows -= len(others)  # counted as the jump steps' rows, not mixed prefill's
+    ps, allocate = core.page_size, core.kv.allocate
+    for req in jumping:
+        cached, n = req.num_cached, req.seq_len - req.num_cached
+        need = -(-(cached + n) // ps) - len(req.pages)
+        if need > 0:
+            req.pages.extend(allocate(need))
+        batch.input_ids.extend(req.fill_ids()[cached:])
+        core._add_row(batch, req, n, True)
+        req.num_cached = cached + n
+        req.num_inflight += 1
+    core.jump_steps += 1
+    return batch

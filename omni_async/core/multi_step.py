@@ -59,10 +59,12 @@ def steps_for(core: "NativeBatchCore", decoding: list[Request]) -> tuple[list[in
 def row_steps(decoding: list[Request], k: int, context_length: int) -> tuple[list[int] | None, list[int]]:
     """Forwards per row: k, or fewer where the row's token or context limit comes first
     (counting tokens still in flight) or a conditioned row's rows run out; and the rows
-    under a grammar, which run one (their next mask needs the host to have seen their
-    last token), so the free rows beside them keep their k forwards. None (one forward
-    for every row) while a row asks for top logprobs, which are read per forward, or
-    when no row runs more than one."""
+    under a grammar, which sample one token (their next mask needs the host to have seen
+    their last token), so the free rows beside them keep their k forwards: one forward,
+    or one per token without KV when a jump-forward appended forced tokens (fed in, the
+    last forward samples). None (one forward for every row) while a row asks for top
+    logprobs, which are read per forward, when no row runs more than one, or when a
+    row's forced tokens need more than k forwards (a jump step takes them)."""
     if any(r.sampling.top_logprobs for r in decoding):
         return None, []
     steps: list[int] = []
@@ -70,7 +72,10 @@ def row_steps(decoding: list[Request], k: int, context_length: int) -> tuple[lis
     for i, (r, left) in enumerate(zip(decoding, decode_limits(decoding, context_length))):
         if r.matcher is not None:
             constrained.append(i)
-            steps.append(1)
+            uncached = r.seq_len - r.num_cached  # 1, or 1 + the forced tokens of a jump-forward
+            if uncached > k:
+                return None, []
+            steps.append(uncached)
         else:
             n = k if left >= k else left
             steps.append(n if r.conditioning is None else ready_positions(r, n))
@@ -96,7 +101,7 @@ def process_multi_step(
     for i, (req, epoch, steps, limit) in enumerate(zip(batch.reqs, batch.epochs, batch.row_steps, limits)):
         if req.finish_reason is not None or req.epoch != epoch:
             continue  # finished or retracted after this step was scheduled
-        req.num_inflight -= steps
+        req.num_inflight -= 1 if req.matcher is not None else steps  # a grammar row samples one (see feed_rows)
         if req.to_finish is not None:
             finishes.append((req, req.to_finish))
             outcomes.append(StepOutcome(req, None, finished=True))
@@ -114,7 +119,10 @@ def process_multi_step(
                 lps = [float(lp) for lp in logprobs[i:end:size][: len(kept)]]
                 req.output_logprobs.extend(lps)
         else:
-            kept, lps, reason = _walk_row(req, row, None if logprobs is None else logprobs[i:end:size], ctx)
+            first = i
+            if req.matcher is not None:  # one token sampled, by its last forward (the others fed forced tokens)
+                row, first = row[-1:], end - size
+            kept, lps, reason = _walk_row(req, row, None if logprobs is None else logprobs[first:end:size], ctx)
         if reason == "error":  # its grammar failed: no token; the stage ends it with an error
             finishes.append((req, reason))
             outcomes.append(StepOutcome(req, None, finished=True))
@@ -147,3 +155,78 @@ def _walk_row(req: Request, row: Sequence[int], row_lps: Sequence[float] | None,
         if req.tokens_left(ctx, scheduling=False) <= 0:
             return kept, lps, "length"
     return kept, lps, None
+
+
+# ---------------------------------------------------------------- jump-forward
+
+
+def jump_rows(outcomes: list[StepOutcome], finishes: list[tuple[Request, str]], context_length: int, most: int,
+              due: list[tuple[Request, int]]) -> None:
+    """After a step's processing: each live row under a grammar that may jump
+    (:func:`omni_async.structured.jump.can_jump`) takes the tokens its grammar now forces,
+    at most ``most`` (its outcome carries them; it ends if they end it). The requests
+    left with tokens to compute go into ``due`` with their epoch: their next step
+    computes them (:func:`feed_rows`, or :func:`omni_async.core.mixed_prefill.jump_step`)."""
+    from ..structured.jump import can_jump, jump_forward
+
+    for oc in outcomes:
+        req = oc.req
+        if req.matcher is None or oc.finished or oc.token is None or not can_jump(req):
+            continue
+        run, reason = jump_forward(req, context_length, most)
+        if not run:
+            continue
+        oc.tokens = (oc.tokens or [oc.token]) + run
+        oc.token = run[-1]
+        if reason == "error":  # the grammar failed on a forced token: the stage ends it with an error
+            oc.token, oc.tokens, oc.finished = None, None, True
+            finishes.append((req, reason))
+        elif reason is not None:
+            oc.finished = True
+            finishes.append((req, reason))
+        else:
+            due.append((req, req.epoch))
+
+
+def still_due(due: list[tuple[Request, int]]) -> dict[int, Request]:
+    """The requests of ``due`` whose forced tokens still wait for their KV (not ended,
+    retracted or scheduled since), by id."""
+    return {id(r): r for r, epoch in due
+            if r.finish_reason is None and r.epoch == epoch and not r.num_inflight and r.seq_len - r.num_cached > 1}
+
+
+def feed_rows(batch: "ScheduledBatch") -> None:
+    """A multi-step decode's grammar rows whose forced tokens wait for their KV (those
+    :func:`row_steps` gave more than one forward) run one forward per such token and one
+    more: the first reads the token after their KV, the others are fed the tokens in turn
+    (:func:`fed_inputs`), and only the last samples, at the generation index that follows
+    them. Called once ``fill_decode`` counted the row's forwards in flight: one token is."""
+    assert batch.row_steps is not None
+    for i in batch.grammar_rows:
+        req = batch.reqs[i]
+        s = batch.row_steps[i]
+        if s <= 1:
+            continue
+        batch.input_ids[i] = _token_at(req, batch.prefix_lens[i])
+        batch.sample_indices[i] -= s - 1
+        req.num_inflight -= s - 1
+
+
+def fed_inputs(batch: "ScheduledBatch") -> list[tuple[int, list[int]]]:
+    """``(row, tokens)`` of the rows fed forced tokens (:func:`feed_rows`): the inputs of
+    their forwards 1 .. s-1. Their requests are not in flight, so the tokens stand."""
+    if not batch.grammar_rows or batch.row_steps is None:
+        return []
+    fed = []
+    for i in batch.grammar_rows:
+        s = batch.row_steps[i]
+        if s > 1:
+            p = batch.prefix_lens[i]
+            req = batch.reqs[i]
+            fed.append((i, [_token_at(req, p + j) for j in range(1, s)]))
+    return fed
+
+
+def _token_at(req: Request, position: int) -> int:
+    prompt = len(req.prompt_ids)
+    return req.prompt_ids[position] if position < prompt else req.output_ids[position - prompt]

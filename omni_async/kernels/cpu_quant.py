@@ -5,11 +5,16 @@ speed is the weights' size over the memory bandwidth. SmolLM2-135M in float32 is
 a token; in 4-bit blocks it is 0.085 GB. The weights stay in blocks of 32 values along
 the input dimension and are unpacked in registers:
 
-- ``q4``: 4-bit unsigned codes with a float32 scale and minimum per block
-  (``w = d * q + m``, llama.cpp's Q4_1 arrangement). A GGUF file stored in Q4_1 comes
-  back from its float32 dequantisation block for block (the same codes, scale and
-  minimum up to float32 rounding), so nothing is lost against the file.
-- ``q8``: signed 8-bit codes with a float32 scale per block (``w = d * q``, Q8_0's).
+- ``q4``: 4-bit unsigned codes with a float16 scale and minimum per block
+  (``w = d * q + m``, llama.cpp's Q4_1 arrangement, 0.625 bytes a weight). A GGUF file
+  stored in Q4_1 comes back from its float32 dequantisation block for block (the same
+  codes, and the file's own float16 scale and minimum), so nothing is lost against the
+  file.
+- ``q8``: signed 8-bit codes with a float16 scale per block (``w = d * q``, Q8_0's).
+
+The scales are float16 as in the file, not float32: a batch-1 step reads every byte of
+them, and float32 scales made a token stream 16% more bytes than llama.cpp's (111.5 MB
+against 96.4 MB for SmolLM2-135M).
 
 Each activation row is quantised per block of 32 to int8 with its own scale (and its
 exact float sum kept for the ``m`` term), then every block's dot product is an integer
@@ -44,7 +49,7 @@ def load() -> Any:
 class BlockWeights:
     """One weight matrix ``[N, K]`` in blocks of 32 along K: ``codes`` (uint8; q4 packs
     element j and j+16 of a block into one byte's low and high nibble), per-block
-    ``scale`` and, for q4, ``minimum`` (float32 ``[N, K/32]``)."""
+    ``scale`` and, for q4, ``minimum`` (float16 ``[N, K/32]``)."""
 
     format: str
     codes: torch.Tensor
@@ -54,8 +59,8 @@ class BlockWeights:
 
     @property
     def nbytes(self) -> int:
-        extra = 0 if self.minimum is None else self.minimum.numel() * 4
-        return self.codes.numel() + self.scale.numel() * 4 + extra
+        extra = 0 if self.minimum is None else self.minimum.numel() * self.minimum.element_size()
+        return self.codes.numel() + self.scale.numel() * self.scale.element_size() + extra
 
     def dequantize(self) -> torch.Tensor:
         """The float32 matrix these blocks stand for (tests, and the reference)."""
@@ -63,9 +68,9 @@ class BlockWeights:
         if self.format == "q4":
             c = self.codes.view(n, -1, 16)
             q = torch.cat([c & 0x0F, c >> 4], dim=-1).to(torch.float32)
-            return (q * self.scale[..., None] + self.minimum[..., None]).reshape(n, -1)
+            return (q * self.scale.float()[..., None] + self.minimum.float()[..., None]).reshape(n, -1)
         q = self.codes.view(torch.int8).view(n, -1, BLOCK).to(torch.float32)
-        return (q * self.scale[..., None]).reshape(n, -1)
+        return (q * self.scale.float()[..., None]).reshape(n, -1)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -77,7 +82,8 @@ class BlockWeights:
 def quantize(weight: torch.Tensor, format: str, bias: torch.Tensor | None = None) -> BlockWeights:
     """``weight`` ``[N, K]`` (K a multiple of 32) in blocks. q4 takes each block's min and
     max as llama.cpp's Q4_1 does (``d = (max - min) / 15``), so a Q4_1 source comes back
-    with its own codes."""
+    with its own codes. The codes are taken against the float16 scale and minimum the
+    kernels read."""
     if format not in FORMATS:
         raise ValueError(f"unknown block format {format!r}")
     w = weight.detach().to(torch.float32)
@@ -87,13 +93,15 @@ def quantize(weight: torch.Tensor, format: str, bias: torch.Tensor | None = None
     blocks = w.reshape(n, k // BLOCK, BLOCK)
     b = None if bias is None else bias.detach().to(torch.float32).contiguous()
     if format == "q8":
-        scale = blocks.abs().amax(dim=-1) / 127.0
-        inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
+        scale = (blocks.abs().amax(dim=-1) / 127.0).to(torch.float16)
+        d = scale.float()
+        inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
         q = torch.round(blocks * inv[..., None]).clamp(-127, 127).to(torch.int8)
         return BlockWeights("q8", q.reshape(n, k).view(torch.uint8).contiguous(), scale.contiguous(), None, b)
     lo, hi = blocks.amin(dim=-1), blocks.amax(dim=-1)
-    scale = (hi - lo) / 15.0
-    inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
-    q = torch.round((blocks - lo[..., None]) * inv[..., None]).clamp(0, 15).to(torch.uint8)
+    scale, lo = ((hi - lo) / 15.0).to(torch.float16), lo.to(torch.float16)
+    d = scale.float()
+    inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
+    q = torch.round((blocks - lo.float()[..., None]) * inv[..., None]).clamp(0, 15).to(torch.uint8)
     packed = q[..., :16] | (q[..., 16:] << 4)
     return BlockWeights("q4", packed.reshape(n, k // 2).contiguous(), scale.contiguous(), lo.contiguous(), b)

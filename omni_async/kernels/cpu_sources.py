@@ -252,52 +252,63 @@ PAGED_SOURCE = r"""
 // Scores, then exp over the whole row (a vectorised loop), then the weighted V sum; the
 // query heads of one KV head share each K and V row load. DC is the head dim when it is
 // one of the common ones (the dot products then compile to straight-line vector code), 0
-// for any other.
+// for any other. Tasks [lo, hi): a task is one (row, KV head) with all its query heads, or
+// with split_heads one (row, query head) (more tasks where rows are few); each query head's
+// arithmetic is the same either way.
+template <typename T, int64_t DC>
+static void decode_tasks(const T* q, const T* kc, const T* vc, const int64_t* pages, const int64_t* lens, T* out,
+                         int64_t H, int64_t D_, int64_t KVH, int64_t P, int64_t ps, float scale, bool split_heads,
+                         int64_t lo, int64_t hi) {
+  const int64_t D = DC ? DC : D_;
+  const int64_t rep = H / KVH, span = P * ps;
+  std::vector<float> scores(rep * span), qf(rep * D), acc(rep * D), mx(rep), sum(rep);
+  for (int64_t task = lo; task < hi; ++task) {
+    const int64_t per_row = split_heads ? H : KVH;
+    const int64_t b = task / per_row, g = split_heads ? (task % H) / rep : task % KVH, len = lens[b];
+    const int64_t r0 = split_heads ? (task % H) % rep : 0, r1 = split_heads ? r0 + 1 : rep;
+    for (int64_t r = r0; r < r1; ++r)
+      for (int64_t d = 0; d < D; ++d) qf[r * D + d] = static_cast<float>(q[(b * H + g * rep + r) * D + d]) * scale;
+    std::fill(mx.begin(), mx.end(), -INFINITY);
+    for (int64_t t = 0; t < len; ++t) {
+      const T* k = kc + ((pages[b * P + t / ps] * ps + t % ps) * KVH + g) * D;
+      for (int64_t r = r0; r < r1; ++r) {
+        const float* qr = qf.data() + r * D;
+        float s = 0.f;
+#pragma omp simd reduction(+ : s)
+        for (int64_t d = 0; d < D; ++d) s += qr[d] * static_cast<float>(k[d]);
+        scores[r * span + t] = s;
+        mx[r] = std::max(mx[r], s);
+      }
+    }
+    for (int64_t r = r0; r < r1; ++r) {
+      float* sr = scores.data() + r * span;
+      const float m = mx[r];
+      for (int64_t t = 0; t < len; ++t) sr[t] = exp_poly_contracted(sr[t] - m);
+      float total = 0.f;
+#pragma omp simd reduction(+ : total)
+      for (int64_t t = 0; t < len; ++t) total += sr[t];
+      sum[r] = total;
+    }
+    std::fill(acc.begin(), acc.end(), 0.f);
+    for (int64_t t = 0; t < len; ++t) {
+      const T* v = vc + ((pages[b * P + t / ps] * ps + t % ps) * KVH + g) * D;
+      for (int64_t r = r0; r < r1; ++r) {
+        const float w = scores[r * span + t] / sum[r];
+        float* ar = acc.data() + r * D;
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) ar[d] += w * static_cast<float>(v[d]);
+      }
+    }
+    for (int64_t r = r0; r < r1; ++r)
+      for (int64_t d = 0; d < D; ++d) out[(b * H + g * rep + r) * D + d] = static_cast<T>(acc[r * D + d]);
+  }
+}
+
 template <typename T, int64_t DC>
 static void decode_rows(const T* q, const T* kc, const T* vc, const int64_t* pages, const int64_t* lens, T* out,
                         int64_t B, int64_t H, int64_t D_, int64_t KVH, int64_t P, int64_t ps, float scale) {
-  const int64_t D = DC ? DC : D_;
-  const int64_t rep = H / KVH, span = P * ps;
   at::parallel_for(0, B * KVH, 1, [&](int64_t lo, int64_t hi) {
-    std::vector<float> scores(rep * span), qf(rep * D), acc(rep * D), mx(rep), sum(rep);
-    for (int64_t bk = lo; bk < hi; ++bk) {
-      const int64_t b = bk / KVH, g = bk % KVH, len = lens[b];
-      for (int64_t r = 0; r < rep; ++r)
-        for (int64_t d = 0; d < D; ++d) qf[r * D + d] = static_cast<float>(q[(b * H + g * rep + r) * D + d]) * scale;
-      std::fill(mx.begin(), mx.end(), -INFINITY);
-      for (int64_t t = 0; t < len; ++t) {
-        const T* k = kc + ((pages[b * P + t / ps] * ps + t % ps) * KVH + g) * D;
-        for (int64_t r = 0; r < rep; ++r) {
-          const float* qr = qf.data() + r * D;
-          float s = 0.f;
-#pragma omp simd reduction(+ : s)
-          for (int64_t d = 0; d < D; ++d) s += qr[d] * static_cast<float>(k[d]);
-          scores[r * span + t] = s;
-          mx[r] = std::max(mx[r], s);
-        }
-      }
-      for (int64_t r = 0; r < rep; ++r) {
-        float* sr = scores.data() + r * span;
-        const float m = mx[r];
-        for (int64_t t = 0; t < len; ++t) sr[t] = exp_poly_contracted(sr[t] - m);
-        float total = 0.f;
-#pragma omp simd reduction(+ : total)
-        for (int64_t t = 0; t < len; ++t) total += sr[t];
-        sum[r] = total;
-      }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t = 0; t < len; ++t) {
-        const T* v = vc + ((pages[b * P + t / ps] * ps + t % ps) * KVH + g) * D;
-        for (int64_t r = 0; r < rep; ++r) {
-          const float w = scores[r * span + t] / sum[r];
-          float* ar = acc.data() + r * D;
-#pragma omp simd
-          for (int64_t d = 0; d < D; ++d) ar[d] += w * static_cast<float>(v[d]);
-        }
-      }
-      for (int64_t r = 0; r < rep; ++r)
-        for (int64_t d = 0; d < D; ++d) out[(b * H + g * rep + r) * D + d] = static_cast<T>(acc[r * D + d]);
-    }
+    decode_tasks<T, DC>(q, kc, vc, pages, lens, out, H, D_, KVH, P, ps, scale, false, lo, hi);
   });
 }
 
@@ -324,12 +335,19 @@ QUANT_SOURCE = r"""
 #include <cmath>
 #include <cstdint>
 #include <vector>
-#if defined(__AVX2__)
+// The vector path needs AVX2, FMA and F16C (every AVX2 CPU has the other two); a portable loop otherwise.
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define OMNI_BLOCK_SIMD 1
 #include <immintrin.h>
 #endif
 
 static constexpr int64_t kBlock = 32;
+
+static inline float half_to_float(uint16_t bits) { return static_cast<float>(c10::Half(bits, c10::Half::from_bits())); }
+static inline const uint16_t* half_bits(const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::Half>()); }
 static constexpr int64_t kRowTile = 4;  // activation rows sharing one unpacked weight block
+// Output columns one task takes at a time (a multiple of every tile's width).
+static constexpr int64_t kColumnGroup = 8;
 
 // Each row of x, per block of 32: int8 codes, the scale, and the exact float sum.
 static void quantize_rows(const float* x, int64_t B, int64_t K, int8_t* xq, float* dx, float* sx) {
@@ -345,103 +363,193 @@ static void quantize_rows(const float* x, int64_t B, int64_t K, int8_t* xq, floa
   }
 }
 
-#if defined(__AVX2__)
+#if defined(OMNI_BLOCK_SIMD)
 static inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
 }
-// The 32 codes of one weight block as bytes, and the signed source for maddubs.
+// The 32 codes of one weight block as bytes: q4's 16 bytes in both lanes, the high lane
+// shifted by 4 (elements 16..31 are the high nibbles), then masked.
 template <bool Q4> static inline __m256i unpack(const uint8_t* q) {
   if constexpr (Q4) {
-    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
-    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), _mm256_set1_epi8(0x0F));
+    const __m256i raw = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
+    return _mm256_and_si256(_mm256_srlv_epi32(raw, _mm256_set_epi32(4, 4, 4, 4, 0, 0, 0, 0)), _mm256_set1_epi8(0x0F));
   } else {
     return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
   }
 }
-template <bool Q4> static inline __m256 block_dot(__m256i w, const int8_t* xq) {
-  const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq));
-  __m256i p;
-  if constexpr (Q4) {
-    p = _mm256_maddubs_epi16(w, x);  // codes 0..15 are unsigned
-  } else {
-    p = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
-  }
-  return _mm256_cvtepi32_ps(_mm256_madd_epi16(p, _mm256_set1_epi16(1)));
-}
-#endif
 
-// out[b, n] = sum_blocks d[n,k] * dx[b,k] * dot(q[n,k], xq[b,k]) (+ m[n,k] * sx[b,k] for q4) + bias[n]
-template <bool Q4>
-static void gemm_rows(const uint8_t* qs, const float* d, const float* m, const float* bias, const int8_t* xq,
-                      const float* dx, const float* sx, float* out, int64_t B, int64_t N, int64_t K) {
-  const int64_t nb = K / kBlock, row_bytes = Q4 ? K / 2 : K, block_bytes = Q4 ? 16 : 32;
-  const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, K * B));
-  at::parallel_for(0, N, grain, [&](int64_t lo, int64_t hi) {
-    for (int64_t n = lo; n < hi; ++n) {
-      const uint8_t* wq = qs + n * row_bytes;
-      const float* dn = d + n * nb;
-      const float* mn = Q4 ? m + n * nb : nullptr;
-      for (int64_t b0 = 0; b0 < B; b0 += kRowTile) {
-        const int64_t rows = std::min(kRowTile, B - b0);
-        float result[kRowTile] = {0.f, 0.f, 0.f, 0.f};
-#if defined(__AVX2__)
-        __m256 acc[kRowTile] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-        for (int64_t k = 0; k < nb; ++k) {
-          const __m256i w = unpack<Q4>(wq + k * block_bytes);
-          for (int64_t r = 0; r < rows; ++r) {
-            const int64_t xb = (b0 + r) * nb + k;
-            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(dn[k] * dx[xb]), block_dot<Q4>(w, xq + xb * kBlock), acc[r]);
-          }
+// sum_k m[k] * s[k] in a fixed order (8 lanes, then the lanes, then the tail): the q4
+// minimums' term of one output, the same bits whatever tile the output is in.
+static inline float min_term(const uint16_t* m, const float* s, int64_t nb) {
+  __m256 a = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + 8 <= nb; k += 8)
+    a = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(m + k))), _mm256_loadu_ps(s + k), a);
+  float v = hsum(a);
+  for (; k < nb; ++k) v = std::fma(_cvtsh_ss(m[k]), s[k], v);
+  return v;
+}
+
+// R activation rows times C weight columns: each block of the C columns is unpacked once
+// into registers and multiplied with the R rows' blocks, R*C independent accumulators (the
+// FMA latency hidden at one row too). Every output's arithmetic is the same whatever R and
+// C are, so a row's result does not depend on its batch.
+template <bool Q4, int R, int C>
+static inline void gemm_tile(const uint8_t* qs, const uint16_t* d, const uint16_t* m, const float* bias, const int8_t* xq,
+                             const float* dx, const float* sx, float* out, int64_t b0, int64_t n0, int64_t N, int64_t nb) {
+  constexpr int64_t block_bytes = Q4 ? 16 : 32;
+  const int64_t row_bytes = nb * block_bytes;
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
+  const uint8_t* wq = qs + n0 * row_bytes;
+  const uint16_t* dn = d + n0 * nb;
+  for (int64_t k = 0; k < nb; ++k) {
+    __m256i w[C], wa[C];
+    __m256 dw[C];
+    for (int c = 0; c < C; ++c) {
+      w[c] = unpack<Q4>(wq + c * row_bytes + k * block_bytes);
+      if constexpr (!Q4) wa[c] = _mm256_sign_epi8(w[c], w[c]);
+      dw[c] = _mm256_set1_ps(_cvtsh_ss(dn[c * nb + k]));
+    }
+    for (int r = 0; r < R; ++r) {
+      const int64_t xb = (b0 + r) * nb + k;
+      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + xb * kBlock));
+      const __m256 ds = _mm256_broadcast_ss(dx + xb);
+      for (int c = 0; c < C; ++c) {
+        __m256i p;
+        if constexpr (Q4) {
+          p = _mm256_maddubs_epi16(w[c], x);  // codes 0..15 are unsigned
+        } else {
+          p = _mm256_maddubs_epi16(wa[c], _mm256_sign_epi8(x, w[c]));
         }
-        for (int64_t r = 0; r < rows; ++r) result[r] = hsum(acc[r]);
-#else
-        for (int64_t k = 0; k < nb; ++k) {
-          int codes[kBlock];
-          for (int j = 0; j < kBlock; ++j) {
-            if (Q4) {
-              const uint8_t byte = wq[k * block_bytes + (j % 16)];
-              codes[j] = j < 16 ? (byte & 0x0F) : (byte >> 4);
-            } else {
-              codes[j] = static_cast<int8_t>(wq[k * block_bytes + j]);
-            }
-          }
-          for (int64_t r = 0; r < rows; ++r) {
-            const int64_t xb = (b0 + r) * nb + k;
-            int32_t dot = 0;
-            for (int j = 0; j < kBlock; ++j) dot += codes[j] * xq[xb * kBlock + j];
-            result[r] += dn[k] * dx[xb] * static_cast<float>(dot);
-          }
-        }
-#endif
-        for (int64_t r = 0; r < rows; ++r) {
-          float v = result[r];
-          if (Q4) {
-            const float* s = sx + (b0 + r) * nb;
-            for (int64_t k = 0; k < nb; ++k) v += mn[k] * s[k];
-          }
-          out[(b0 + r) * N + n] = v + (bias ? bias[n] : 0.f);
-        }
+        const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones));
+        acc[r][c] = _mm256_fmadd_ps(_mm256_mul_ps(dw[c], ds), dot, acc[r][c]);
       }
     }
-  });
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int c = 0; c < C; ++c) {
+      float v = hsum(acc[r][c]);
+      if constexpr (Q4) v += min_term(m + (n0 + c) * nb, sx + (b0 + r) * nb, nb);
+      out[(b0 + r) * N + n0 + c] = v + (bias ? bias[n0 + c] : 0.f);
+    }
+  }
 }
 
-// out[B, N] = x[B, K] times the blocks (m: the q4 minimums, null for q8; bias may be null).
-static void linear_blocks_rows(const float* x, int64_t B, int64_t K, const uint8_t* qs, const float* d, const float* m,
+// Every row tile of one group of columns [n0, n1): the group's weights stay in L1 while
+// all rows pass over them.
+template <bool Q4, int R, int C>
+static inline void gemm_rows_of(const uint8_t* qs, const uint16_t* d, const uint16_t* m, const float* bias, const int8_t* xq,
+                                const float* dx, const float* sx, float* out, int64_t b0, int64_t b1, int64_t n0, int64_t n1,
+                                int64_t N, int64_t nb) {
+  int64_t n = n0;
+  for (; n + C <= n1; n += C)
+    for (int64_t b = b0; b + R <= b1; b += R) gemm_tile<Q4, R, C>(qs, d, m, bias, xq, dx, sx, out, b, n, N, nb);
+  for (; n < n1; ++n)
+    for (int64_t b = b0; b + R <= b1; b += R) gemm_tile<Q4, R, 1>(qs, d, m, bias, xq, dx, sx, out, b, n, N, nb);
+}
+#endif
+
+// Activation rows quantised per block (quantize_rows), the input of every block product.
+struct QuantRows {
+  std::vector<int8_t> xq;
+  std::vector<float> dx, sx;
+  int64_t B, nb;
+  QuantRows(int64_t rows, int64_t K) : xq(rows * K), dx(rows * (K / kBlock)), sx(rows * (K / kBlock)), B(rows), nb(K / kBlock) {}
+  // Rows [lo, hi) of x [B, K]: each row's codes depend on that row alone.
+  void set_rows(const float* x, int64_t lo, int64_t hi) {
+    const int64_t K = nb * kBlock;
+    quantize_rows(x + lo * K, hi - lo, K, xq.data() + lo * K, dx.data() + lo * nb, sx.data() + lo * nb);
+  }
+};
+
+// One weight matrix [N, K] in blocks: codes, float16 scales d and (q4) minimums m as bits
+// (m null for q8), bias float32 or null.
+struct BlockMatrix {
+  const uint8_t* qs;
+  const uint16_t *d, *m;
+  const float* bias;
+  int64_t N, K;
+  int64_t groups() const { return (N + kColumnGroup - 1) / kColumnGroup; }
+
+  // out[b, n] = sum_blocks d[n,k] * dx[b,k] * dot(q[n,k], xq[b,k]) (+ m[n,k] * sx[b,k] for q4) + bias[n]
+  // for the columns of groups [glo, ghi): one task's share. Each output's arithmetic does
+  // not depend on how the groups are split, nor on the other rows.
+  void groups_of(const QuantRows& x, float* out, int64_t glo, int64_t ghi) const {
+    if (m != nullptr) {
+      run<true>(x, out, glo, ghi);
+    } else {
+      run<false>(x, out, glo, ghi);
+    }
+  }
+
+  void operator()(const QuantRows& x, float* out) const {
+    const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, K * x.B * kColumnGroup));
+    at::parallel_for(0, groups(), grain, [&](int64_t glo, int64_t ghi) { groups_of(x, out, glo, ghi); });
+  }
+
+ private:
+  template <bool Q4>
+  void run(const QuantRows& x, float* out, int64_t glo, int64_t ghi) const {
+    const int64_t B = x.B, nb = K / kBlock;
+    const int8_t* xq = x.xq.data();
+    const float *dx = x.dx.data(), *sx = x.sx.data();
+    const int64_t lo = glo * kColumnGroup, hi = std::min(N, ghi * kColumnGroup);
+#if defined(OMNI_BLOCK_SIMD)
+    const int64_t full = B - B % kRowTile;  // row tiles of 4, then the rest as one tile
+    if (full > 0) gemm_rows_of<Q4, 4, 2>(qs, d, m, bias, xq, dx, sx, out, 0, full, lo, hi, N, nb);
+    switch (B - full) {
+      case 1: gemm_rows_of<Q4, 1, 1>(qs, d, m, bias, xq, dx, sx, out, full, B, lo, hi, N, nb); break;
+      case 2: gemm_rows_of<Q4, 2, 2>(qs, d, m, bias, xq, dx, sx, out, full, B, lo, hi, N, nb); break;
+      case 3: gemm_rows_of<Q4, 3, 2>(qs, d, m, bias, xq, dx, sx, out, full, B, lo, hi, N, nb); break;
+      default: break;
+    }
+#else
+    const int64_t row_bytes = Q4 ? K / 2 : K, block_bytes = Q4 ? 16 : 32;
+    for (int64_t n = lo; n < hi; ++n) {
+      const uint8_t* wq = qs + n * row_bytes;
+      const uint16_t* dn = d + n * nb;
+      const uint16_t* mn = Q4 ? m + n * nb : nullptr;
+      for (int64_t b = 0; b < B; ++b) {
+        float v = 0.f;
+        for (int64_t k = 0; k < nb; ++k) {
+          const int64_t xb = b * nb + k;
+          int32_t dot = 0;
+          for (int j = 0; j < kBlock; ++j) {
+            int code;
+            if (Q4) {
+              const uint8_t byte = wq[k * block_bytes + (j % 16)];
+              code = j < 16 ? (byte & 0x0F) : (byte >> 4);
+            } else {
+              code = static_cast<int8_t>(wq[k * block_bytes + j]);
+            }
+            dot += code * xq[xb * kBlock + j];
+          }
+          v += half_to_float(dn[k]) * dx[xb] * static_cast<float>(dot);
+        }
+        if (Q4) {
+          const float* s = sx + b * nb;
+          for (int64_t k = 0; k < nb; ++k) v += half_to_float(mn[k]) * s[k];
+        }
+        out[b * N + n] = v + (bias ? bias[n] : 0.f);
+      }
+    }
+#endif
+  }
+};
+
+// out[B, N] = x[B, K] times the blocks.
+static void linear_blocks_rows(const float* x, int64_t B, int64_t K, const uint8_t* qs, const uint16_t* d, const uint16_t* m,
                                const float* bias, int64_t N, float* out) {
   if (B == 0) return;
-  const int64_t nb = K / kBlock;
-  std::vector<int8_t> xq(B * K);
-  std::vector<float> dx(B * nb), sx(B * nb);
-  quantize_rows(x, B, K, xq.data(), dx.data(), sx.data());
-  if (m != nullptr) {
-    gemm_rows<true>(qs, d, m, bias, xq.data(), dx.data(), sx.data(), out, B, N, K);
-  } else {
-    gemm_rows<false>(qs, d, nullptr, bias, xq.data(), dx.data(), sx.data(), out, B, N, K);
-  }
+  QuantRows rows(B, K);
+  rows.set_rows(x, 0, B);
+  BlockMatrix{qs, d, m, bias, N, K}(rows, out);
 }
 
 torch::Tensor linear_blocks(torch::Tensor x, torch::Tensor qs, torch::Tensor d, c10::optional<torch::Tensor> m,
@@ -450,8 +558,8 @@ torch::Tensor linear_blocks(torch::Tensor x, torch::Tensor qs, torch::Tensor d, 
   const int64_t B = x.size(0), K = x.size(1), N = qs.size(0);
   TORCH_CHECK(K % kBlock == 0, "K must be a multiple of 32");
   auto out = torch::empty({B, N}, x.options());
-  linear_blocks_rows(x.data_ptr<float>(), B, K, qs.data_ptr<uint8_t>(), d.data_ptr<float>(),
-                     m.has_value() ? m->data_ptr<float>() : nullptr, bias.has_value() ? bias->data_ptr<float>() : nullptr,
+  TORCH_CHECK(d.scalar_type() == at::kHalf && (!m.has_value() || m->scalar_type() == at::kHalf), "scales: float16");
+  linear_blocks_rows(x.data_ptr<float>(), B, K, qs.data_ptr<uint8_t>(), half_bits(d), m.has_value() ? half_bits(*m) : nullptr, bias.has_value() ? bias->data_ptr<float>() : nullptr,
                      N, out.data_ptr<float>());
   return out;
 }
@@ -465,10 +573,9 @@ STACK_SOURCE = r"""
 struct StackLinear {
   at::Tensor codes, scale, minimum, bias;  // minimum: q4 only; bias: optional
   int64_t N = 0, K = 0;
-  void run(const float* x, int64_t B, float* out) const {
-    linear_blocks_rows(x, B, K, codes.data_ptr<uint8_t>(), scale.data_ptr<float>(),
-                       minimum.defined() ? minimum.data_ptr<float>() : nullptr,
-                       bias.defined() ? bias.data_ptr<float>() : nullptr, N, out);
+  BlockMatrix matrix() const {
+    return BlockMatrix{codes.data_ptr<uint8_t>(), half_bits(scale), minimum.defined() ? half_bits(minimum) : nullptr,
+                       bias.defined() ? bias.data_ptr<float>() : nullptr, N, K};
   }
 };
 
@@ -518,44 +625,71 @@ class DecodeStack {
     TORCH_CHECK(static_cast<int64_t>(k_caches.size()) == L && static_cast<int64_t>(v_caches.size()) == L, "one cache per layer");
     TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat, "cos/sin: float32");
     const int64_t B = x.size(0), H = H_, KVH = KVH_, D = D_, W = (H + 2 * KVH) * D;
+    for (int64_t i = 0; i < L; ++i) {
+      const auto& kc = k_caches[i];
+      const auto& vc = v_caches[i];
+      TORCH_CHECK(kc.is_contiguous() && vc.is_contiguous() && kc.scalar_type() == at::kFloat && vc.scalar_type() == at::kFloat,
+                  "caches: contiguous float32");
+    }
     const auto opts = x.options();
     auto resid = x.contiguous().clone();
     auto hidden = torch::empty({B, hidden_}, opts), delta = torch::empty({B, hidden_}, opts);
     auto qkv = torch::empty({B, W}, opts), q = torch::empty({B, H, D}, opts), k = torch::empty({B, KVH, D}, opts);
     auto attn = torch::empty({B, H * D}, opts);
     auto gu = torch::empty({B, 2 * inter_}, opts), act = torch::empty({B, inter_}, opts);
+    auto out = torch::empty({B, hidden_}, opts);
     cos = cos.contiguous();
     sin = sin.contiguous();
     pages = pages.to(at::kLong).contiguous();
     lens = lens.to(at::kLong).contiguous();
     slots = slots.to(at::kLong).contiguous();
+    if (B == 0) return out;
     float* r = resid.data_ptr<float>();
     float* h = hidden.data_ptr<float>();
     float* dl = delta.data_ptr<float>();
     float* qkvp = qkv.data_ptr<float>();
-    const int64_t P = pages.size(1);
-    auto attend = D == 64 ? decode_rows<float, 64> : D == 128 ? decode_rows<float, 128> : decode_rows<float, 0>;
+    float* qp = q.data_ptr<float>();
+    float* kp = k.data_ptr<float>();
+    float* ap = attn.data_ptr<float>();
+    float* gup = gu.data_ptr<float>();
+    float* actp = act.data_ptr<float>();
+    const float* cp = cos.data_ptr<float>();
+    const float* sp = sin.data_ptr<float>();
+    const int64_t* pagep = pages.data_ptr<int64_t>();
+    const int64_t* lenp = lens.data_ptr<int64_t>();
+    const int64_t* slotp = slots.data_ptr<int64_t>();
+    const int64_t P = pages.size(1), hid = hidden_, inter = inter_;
+    auto attend = D == 64 ? decode_tasks<float, 64> : D == 128 ? decode_tasks<float, 128> : decode_tasks<float, 0>;
+    // Few rows: one attention task per query head (both cores get a share at batch 1);
+    // more: one per KV head, its query heads sharing each K/V row load.
+    const bool split_heads = B * KVH < 2 * std::max<int64_t>(1, at::get_num_threads());
+    const int64_t tasks = split_heads ? B * H : B * KVH;
+    QuantRows xa(B, hid), xo(B, H * D), xd(B, inter);  // the inputs of qkv and gate_up, of o, of down
+    // One OpenMP region per GEMM and attention, the small row work on this thread between
+    // them. A region spanning the whole step (a barrier after every phase, 8 a layer) could
+    // not be shown faster on a shared 2-core machine and has more barriers to spin at when
+    // the OS sets a thread aside.
     for (int64_t i = 0; i < L; ++i) {
       const StackLayer& layer = layers_[i];
-      const auto& kc = k_caches[i];
-      const auto& vc = v_caches[i];
-      TORCH_CHECK(kc.is_contiguous() && vc.is_contiguous() && kc.scalar_type() == at::kFloat && vc.scalar_type() == at::kFloat,
-                  "caches: contiguous float32");
-      add_rms_norm_rows<float>(r, i == 0 ? nullptr : dl, layer.norm1.data_ptr<float>(), r, h, B, hidden_, eps_);
-      layer.qkv.run(h, B, qkvp);
-      rope_store_rows<float>(qkvp, qkvp + H * D, qkvp + (H + KVH) * D, cos.data_ptr<float>(), sin.data_ptr<float>(),
-                             q.data_ptr<float>(), k.data_ptr<float>(), kc.data_ptr<float>(), vc.data_ptr<float>(),
-                             slots.data_ptr<int64_t>(), B, H, KVH, D, W, D, W, D, W, D);
-      attend(q.data_ptr<float>(), kc.data_ptr<float>(), vc.data_ptr<float>(), pages.data_ptr<int64_t>(), lens.data_ptr<int64_t>(),
-             attn.data_ptr<float>(), B, H, D, KVH, P, page_size, scale_);
-      layer.o.run(attn.data_ptr<float>(), B, dl);
-      add_rms_norm_rows<float>(r, dl, layer.norm2.data_ptr<float>(), r, h, B, hidden_, eps_);
-      layer.gate_up.run(h, B, gu.data_ptr<float>());
-      silu_mul_rows<float>(gu.data_ptr<float>(), act.data_ptr<float>(), B, inter_);
-      layer.down.run(act.data_ptr<float>(), B, dl);
+      float* kc = k_caches[i].data_ptr<float>();
+      float* vc = v_caches[i].data_ptr<float>();
+      add_rms_norm_rows<float>(r, i == 0 ? nullptr : dl, layer.norm1.data_ptr<float>(), r, h, B, hid, eps_);
+      xa.set_rows(h, 0, B);
+      layer.qkv.matrix()(xa, qkvp);
+      rope_store_rows<float>(qkvp, qkvp + H * D, qkvp + (H + KVH) * D, cp, sp, qp, kp, kc, vc, slotp, B, H, KVH, D, W, D, W, D, W, D);
+      at::parallel_for(0, tasks, 1, [&](int64_t lo, int64_t hi) {
+        attend(qp, kc, vc, pagep, lenp, ap, H, D, KVH, P, page_size, scale_, split_heads, lo, hi);
+      });
+      xo.set_rows(ap, 0, B);
+      layer.o.matrix()(xo, dl);
+      add_rms_norm_rows<float>(r, dl, layer.norm2.data_ptr<float>(), r, h, B, hid, eps_);
+      xa.set_rows(h, 0, B);
+      layer.gate_up.matrix()(xa, gup);
+      silu_mul_rows<float>(gup, actp, B, inter);
+      xd.set_rows(actp, 0, B);
+      layer.down.matrix()(xd, dl);
     }
-    auto out = torch::empty({B, hidden_}, opts);
-    add_rms_norm_rows<float>(r, dl, final_norm_.data_ptr<float>(), r, out.data_ptr<float>(), B, hidden_, eps_);
+    add_rms_norm_rows<float>(r, dl, final_norm_.data_ptr<float>(), r, out.data_ptr<float>(), B, hid, eps_);
     return out;
   }
 
@@ -566,12 +700,16 @@ class DecodeStack {
     TORCH_CHECK(t.has_value() && t->scalar_type() == at::kFloat && t->is_contiguous(), "a contiguous float32 tensor");
     return *t;
   }
+  static at::Tensor half_tensor(const c10::optional<torch::Tensor>& t) {
+    TORCH_CHECK(t.has_value() && t->scalar_type() == at::kHalf && t->is_contiguous(), "a contiguous float16 tensor");
+    return *t;
+  }
   static StackLinear linear(const std::vector<c10::optional<torch::Tensor>>& t, size_t at) {
     StackLinear out;
     TORCH_CHECK(t[at].has_value() && t[at]->scalar_type() == at::kByte && t[at]->is_contiguous(), "codes: contiguous uint8");
     out.codes = *t[at];
-    out.scale = float_tensor(t[at + 1]);
-    if (t[at + 2].has_value()) out.minimum = float_tensor(t[at + 2]);
+    out.scale = half_tensor(t[at + 1]);
+    if (t[at + 2].has_value()) out.minimum = half_tensor(t[at + 2]);
     if (t[at + 3].has_value()) out.bias = float_tensor(t[at + 3]);
     out.N = out.codes.size(0);
     out.K = out.scale.size(1) * kBlock;

@@ -7,6 +7,8 @@ bookkeeping. Here one call runs every layer: residual add + RMSNorm, the merged 
 projection, rotary and the KV write, attention over the paged cache, the output
 projection, the MLP, and the final norm; the GIL is released for its length, so the
 event loop's thread runs while the step computes. Buffers are allocated once per call.
+Threads: torch's OpenMP pool (``info()["cpu_threads"]``), one region per GEMM and per
+attention (a region spanning the whole step was tried: see the C++ forward).
 
 Exactly what the per-op path computes: the stack calls the same C++ functions (compiled
 in the same extension, :mod:`.cpu_kernels`) on the same inputs in the same order, so the

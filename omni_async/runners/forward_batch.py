@@ -36,6 +36,7 @@ class ForwardBatch:
     all_slots: torch.Tensor | None = None  # [k, B]: each forward's KV slots (scratch past a row's end)
     all_kv_lens: torch.Tensor | None = None  # [k, B]: each forward's attended length
     all_sample_indices: torch.Tensor | None = None  # [k, B]: each forward's generation indices
+    feed: torch.Tensor | None = None  # [k, B]: forced tokens fed as inputs (-1: the one sampled before)
     sampling: SamplingBatch | None = None  # the first forward's, for the later ones to reuse
     # A talker's conditioning (:mod:`omni_async.core.conditioning`): this forward's
     # ``(rows [B, Hc], mask [B])``; a multi-step decode's every forward's in ``all_cond``.

@@ -16,6 +16,19 @@ behalf: forward ``j`` of a row that runs ``s`` forwards sits at position ``p + m
 (a row past its length limit, or a padding row with ``s = 0``), and reads as input the
 token forward ``j - 1`` sampled. Without graphs (CPU, or a batch no graph fits) the
 same body runs eagerly; the tokens are those of the forward-by-forward path.
+
+Rows under a grammar run in the same launch and sample one token, at their last forward
+``s - 1``, under the step's bitmask (one more input, every bit set for the free rows; a
+static buffer of the graph, filled in place before the replay). ``s`` is 1, or one more
+than the forced tokens a jump-forward appended (:mod:`omni_async.structured.jump`): those
+are fed in as the inputs of forwards 1 .. s-1 (a ``[k, B]`` input, -1 where the sampled
+token is the input), so the launch computes their KV, and what those forwards sample is
+not read. Their forwards after ``s - 1``, whose masks the host has not computed, are
+discarded like those of a row past its length limit: they repeat the row's position,
+write their KV to the scratch slot and never to the row's pages (which the batch core
+sized for ``s`` tokens), and their tokens are never read (the slots' newest token is the
+row's own, see :func:`own_tokens`). One launch reads the weights once per forward for
+every row of the step.
 """
 
 from __future__ import annotations
@@ -27,6 +40,7 @@ import numpy as np
 import torch
 
 from ..core.batch import ScheduledBatch
+from ..core.multi_step import fed_inputs
 from ..kv.attention import AttentionContext
 from ..kv.cache import PagedKVCache
 from ..models.decoder import DecoderModel
@@ -58,6 +72,13 @@ class FusedBatch:
     split: object | None = None  # a fused_split.Split: the whole step and its other rows
     # A talker's conditioning of each forward: ``[k, B, Hc]`` rows and ``[k, B]`` mask.
     cond: tuple[torch.Tensor, torch.Tensor] | None = None
+    # The grammar bitmask of the rows' sampling forwards (``[B', ceil(V/32)]`` int32 on
+    # the device, every bit set for free rows), and the ``[k, B]`` host array of tokens
+    # fed as forward inputs (-1: the token sampled before), when ``mode.grammar``.
+    allowed: torch.Tensor | None = None
+    feed: np.ndarray | None = None
+    # The launch's ``[B, 5]`` inputs on the device (set by the run): the rows' forward counts.
+    inputs_dev: torch.Tensor | None = None
 
 
 # Runner hooks a fused multi-step decode skips (it runs no per-forward Python): it is
@@ -94,18 +115,25 @@ def fused_forwards(
     settings: RowSettings | None = None,
     hidden_out: torch.Tensor | None = None,
     cond: tuple[torch.Tensor, torch.Tensor] | None = None,
+    allowed: torch.Tensor | None = None,
+    feed: torch.Tensor | None = None,
 ) -> None:
     """``steps`` forwards of the rows in ``inputs`` (``[B, 5]``, columns above),
     ``newest`` their slots' newest tokens and ``tables`` their page tables, each
     sampled in ``mode`` from ``settings`` (greedy: none needed); writes each forward's
     tokens and ``ok`` flags into ``out`` (``[2, steps, B]`` int64) and, when given, its
     final hidden states into ``hidden_out`` (``[steps, B, H]``). ``cond``: each
-    forward's conditioning rows and mask (``[steps, B, Hc]``, ``[steps, B]``)."""
+    forward's conditioning rows and mask (``[steps, B, Hc]``, ``[steps, B]``);
+    ``allowed`` and ``feed``: the rows' grammar bitmask, applied at each row's last
+    forward, and the ``[steps, B]`` tokens fed as inputs (-1: the one sampled before),
+    when ``mode.grammar``."""
     ps = kv.page_size
     start, row_steps = inputs[:, POSITION], inputs[:, STEPS]
     ids = torch.where(inputs[:, TOKEN] >= 0, inputs[:, TOKEN], newest)
     last_forward = row_steps - 1
     for j in range(steps):
+        if feed is not None and j:
+            ids = torch.where(feed[j] >= 0, feed[j], ids)
         positions = start + last_forward.clamp(0, j)
         pages = tables.gather(1, (positions // ps)[:, None])[:, 0]
         slots = torch.where(row_steps > j, pages * ps + positions % ps, scratch_slot)
@@ -115,9 +143,27 @@ def fused_forwards(
         logits, hidden = model(ids, positions, kv, ctx, return_hidden=True, float_logits=False, cond=step_cond)
         if hidden_out is not None:
             hidden_out[j].copy_(hidden)
-        ids, ok = sample_forward(logits, mode, settings, j)  # type: ignore[arg-type]
+        mask = None
+        if allowed is not None:  # every bit set (-1) in the rows that do not sample here under it
+            mask = allowed | (last_forward != j).to(allowed.dtype).neg()[:, None]
+        ids, ok = sample_forward(logits, mode, settings, j, mask)
         out[0, j].copy_(ids)
         out[1, j].copy_(ok)
+
+
+def own_tokens(fb: FusedBatch, out: torch.Tensor) -> torch.Tensor:
+    """The launch's ``[k, B]`` tokens with each row's forwards past its own count
+    holding its last own token: what the slots record as the rows' newest (and seen)
+    tokens. A row under a grammar, or one at its length limit, ran fewer forwards than
+    the launch; the tokens its discarded forwards sampled are no one's."""
+    size = fb.batch.size
+    tokens = out[0, :, :size]
+    if int(fb.host[:size, STEPS].min()) >= fb.steps:
+        return tokens
+    assert fb.inputs_dev is not None
+    last = (fb.inputs_dev[:size, STEPS] - 1).clamp(min=0)
+    later = torch.arange(fb.steps, device=tokens.device)[:, None]
+    return tokens.gather(0, torch.minimum(later, last[None, :]))
 
 
 class FusedDecode:
@@ -139,7 +185,10 @@ class FusedDecode:
         self.replays = 0
         self.sampled = 0  # launches that sampled (a mode other than plain greedy)
         self.captures_later = 0  # graphs captured on a step's first need of their mode
-        self.beside_grammar = 0  # launches beside rows under a grammar (run one forward in the split)
+        self.beside_grammar = 0  # launches beside rows under a grammar split off (they asked for what a launch lacks)
+        self.with_grammar = 0  # launches holding rows under a grammar (sampled under the launch's bitmask)
+        self.allowed: torch.Tensor | None = None  # the graphs' static [n, ceil(V/32)] bitmask input
+        self.feed: torch.Tensor | None = None  # and their [k, n] fed tokens
 
     # ------------------------------------------------------------ graphs
 
@@ -184,7 +233,16 @@ class FusedDecode:
             if name not in self.masks:
                 self.masks[name] = torch.zeros((self.inputs.shape[0], self.model.config.vocab_size), dtype=torch.bool,
                                                device=device)
+        if mode.grammar and self.allowed is None:
+            words, n = (self.model.config.vocab_size + 31) // 32, self.inputs.shape[0]
+            self.allowed = torch.full((n, words), -1, dtype=torch.int32, device=device)
+            self.feed = torch.full((max(max(ks) for ks in self.wanted.values()), n), -1, dtype=torch.long, device=device)
         self.inputs.zero_()
+        allowed = feed = None
+        if mode.grammar:
+            assert self.allowed is not None and self.feed is not None
+            allowed, feed = self.allowed[:b], self.feed[:k, :b]
+            feed.fill_(-1)
 
         def ctx_for(tables, positions, slots, kv_lens, j):
             return AttentionContext(is_decode=True, slot_mapping=slots, logits_rows=self.rows[:b], kv_lens=kv_lens,
@@ -195,7 +253,7 @@ class FusedDecode:
                                    {name: self.masks[name][:b] for name in mode.masks})
             cond = None if self.cond is None else (self.cond[0][:k, :b], self.cond[1][:k, :b])
             fused_forwards(self.model, self.kv, k, self.inputs[:b], self.newest[:b], self.tables[:b],
-                           self.scratch_slot, ctx_for, out, mode, settings, hidden_out, cond)
+                           self.scratch_slot, ctx_for, out, mode, settings, hidden_out, cond, allowed, feed)
 
         hidden_size = self.model.config.hidden_size
         dtype = self.model.model.embed_tokens.weight.dtype
@@ -224,6 +282,16 @@ class FusedDecode:
         bucket = next((b for b in self.buckets if b >= rows), None)
         return bucket if bucket is not None and steps in self.wanted[bucket] else None
 
+    def grammar_bucket(self, rows: int, widest: int, steps: int) -> int | None:
+        """The bucket a step holding rows under a grammar replays with ``steps``
+        forwards, any count up to the bucket's most (rows fed forced tokens make counts
+        the plan does not: each such graph is captured on its first need, so a step runs
+        only the forwards its rows use); None when none fits."""
+        if widest > self.max_pages or (self.model.thinker_to_talker_proj is not None and self.cond is None):
+            return None
+        bucket = next((b for b in self.buckets if b >= rows), None)
+        return bucket if bucket is not None and steps <= max(self.wanted[bucket]) else None
+
     # ------------------------------------------------------------ a step
 
     def batch(self, batch: ScheduledBatch, rows: SlotRows, sidx: np.ndarray, steps: int, bucket: int | None,
@@ -237,7 +305,12 @@ class FusedDecode:
         arr[:size, STEPS] = batch.row_steps
         arr[:size, SLOT] = rows.slots
         arr[:size, INDEX] = sidx
-        return FusedBatch(batch, rows, arr, steps, bucket, max(batch.prefix_lens) + 1, mode)
+        feed = None
+        if mode.grammar:
+            feed = np.full((steps, bucket or size), -1, dtype=np.int64)
+            for i, tokens in fed_inputs(batch):
+                feed[1 : 1 + len(tokens), i] = tokens
+        return FusedBatch(batch, rows, arr, steps, bucket, max(batch.prefix_lens) + 1, mode, feed=feed)
 
     @torch.inference_mode()
     def run(self, fb: FusedBatch, slots: InputBatch, eager_ctx: ContextFactory) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -248,6 +321,7 @@ class FusedDecode:
         eagerly only when ``fb.capture_hidden``, else None). Enqueued, not waited for."""
         self.launches += 1
         self.sampled += not fb.mode.greedy
+        self.with_grammar += fb.mode.grammar
         src = torch.from_numpy(fb.host)
         bucket, steps, mode = fb.bucket, fb.steps, fb.mode
         if bucket is not None:
@@ -267,6 +341,13 @@ class FusedDecode:
                 torch.index_select(slots.ip_dev, 0, idx, out=self.ip[:bucket])
                 for name in mode.masks:
                     torch.index_select(slots.masks[name], 0, idx, out=self.masks[name][:bucket])
+            if mode.grammar:
+                assert self.allowed is not None and fb.allowed is not None
+                # In place: the graph reads this buffer. Padding rows keep what they held
+                # (their tokens are never read).
+                self.allowed[: fb.allowed.shape[0]].copy_(fb.allowed, non_blocking=True)
+                assert self.feed is not None and fb.feed is not None
+                self.feed[:steps, :bucket].copy_(torch.from_numpy(fb.feed), non_blocking=True)
             if self.cond is not None:
                 if fb.cond is None:
                     self.cond[1][:steps, :bucket].zero_()
@@ -275,6 +356,7 @@ class FusedDecode:
                     self.cond[1][:steps, :bucket].copy_(fb.cond[1], non_blocking=True)
             graph.replay()
             self.replays += 1
+            fb.inputs_dev = self.inputs[:bucket]
             return out, hidden
         device = slots.table_dev.device
         inputs = src.to(device, non_blocking=True)
@@ -290,5 +372,7 @@ class FusedDecode:
             settings = RowSettings(slots.fp_dev.index_select(0, idx), slots.ip_dev.index_select(0, idx), inputs[:, INDEX],
                                    {name: slots.masks[name].index_select(0, idx) for name in mode.masks})
         fused_forwards(self.model, self.kv, steps, inputs, slots.last_token.index_select(0, idx), tables,
-                       self.scratch_slot, eager_ctx, out, mode, settings, hidden, fb.cond)
+                       self.scratch_slot, eager_ctx, out, mode, settings, hidden, fb.cond, fb.allowed,
+                       None if fb.feed is None else torch.from_numpy(fb.feed).to(device, non_blocking=True))
+        fb.inputs_dev = inputs
         return out, hidden

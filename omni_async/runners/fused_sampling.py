@@ -28,7 +28,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .sampling import SamplingBatch, _draw, _filtered, _penalised, greedy
+from .logit_controls import apply_token_bitmask
+from .sampling import SamplingBatch, _draw, _filtered, _penalised, greedy, kernel_sample
 from .input_batch import HAS_STOP, HAS_SUPPRESS, MIN_NEW, MIN_P, PENALTY, SEED, TEMP, TOP_K, TOP_P, WANT_LP
 
 
@@ -42,10 +43,15 @@ class SamplingMode:
     penalty: bool = False  # repetition penalty over the tokens seen so far
     suppress: bool = False  # suppressed tokens
     stop: bool = False  # stop ids banned before min_new_tokens
+    # Some row samples its first token under a grammar's bitmask (the launch's ``allowed``
+    # input; its later forwards are discarded, see :mod:`.fused_decode`).
+    grammar: bool = False
 
     @property
     def greedy(self) -> bool:
-        return self == GREEDY
+        """Only the argmax runs (after a grammar's mask, where the mode has one): no
+        per-row settings are gathered."""
+        return not (self.sampled or self.sort or self.min_p or self.penalty or self.suppress or self.stop)
 
     @property
     def masks(self) -> tuple[str, ...]:
@@ -63,9 +69,11 @@ def fallback_rows(flags: np.ndarray) -> np.ndarray:
     return flags[:, WANT_LP]
 
 
-def sampling_mode(fp: np.ndarray, ip: np.ndarray, flags: np.ndarray, sample_indices: np.ndarray, vocab: int) -> SamplingMode:
+def sampling_mode(fp: np.ndarray, ip: np.ndarray, flags: np.ndarray, sample_indices: np.ndarray, vocab: int,
+                  grammar: bool = False) -> SamplingMode:
     """The mode serving every row of a launch, from the host mirror of their slots'
-    float and int settings and flags (see ``InputBatch``)."""
+    float and int settings and flags (see ``InputBatch``); ``grammar``: some row samples
+    under a grammar's mask."""
     sampled = fp[:, TEMP] != 0
     top_k = ip[:, TOP_K]
     return SamplingMode(
@@ -75,6 +83,7 @@ def sampling_mode(fp: np.ndarray, ip: np.ndarray, flags: np.ndarray, sample_indi
         penalty=bool((fp[:, PENALTY] != 1).any()),
         suppress=bool(flags[:, HAS_SUPPRESS].any()),
         stop=bool((flags[:, HAS_STOP] & (sample_indices < ip[:, MIN_NEW])).any()),
+        grammar=grammar,
     )
 
 
@@ -90,11 +99,19 @@ class RowSettings:
     masks: dict[str, torch.Tensor]
 
 
-def sample_forward(logits: torch.Tensor, mode: SamplingMode, rs: RowSettings, j: int) -> tuple[torch.Tensor, torch.Tensor]:
+def sample_forward(logits: torch.Tensor, mode: SamplingMode, rs: RowSettings | None, j: int,
+                   allowed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Tokens and ``ok`` of forward ``j`` (0-based) of a fused launch; marks the tokens
-    seen when the mode penalises repeats."""
+    seen when the mode penalises repeats. ``allowed``: this forward's ``[B, ceil(V/32)]``
+    int32 grammar bitmask (every bit set for free rows and for a grammar row's forwards
+    other than the one it keeps), when ``mode.grammar``."""
+    if mode.grammar and allowed is not None:
+        # Masked first, as ``_penalised`` would mask last (the penalties and bans keep a
+        # -inf at -inf): a temperature-only batch then still reaches the sampling kernel.
+        logits = apply_token_bitmask(logits, allowed)
     if mode.greedy:
         return greedy(logits)
+    assert rs is not None
     index = rs.first_index + j
     ban = rs.masks["suppress"] if mode.suppress else None
     if mode.stop:
@@ -117,12 +134,16 @@ def sample_all_rows(logits: torch.Tensor, sb: SamplingBatch) -> tuple[torch.Tens
     """:func:`omni_async.runners.sampling.sample`'s tokens and ``ok`` (no logprobs) with every
     row through the same fixed-shape operations: sampled rows draw, greedy rows
     (temperature 0) take the argmax of their penalised logits."""
+    fast = kernel_sample(logits, sb)
+    if fast is not None:
+        return fast
     x = _penalised(logits.to(torch.float32), sb)
     best, tokens = x.max(dim=-1)
     ok = best > float("-inf")
     if sb.num_sampled:
         # ``sample`` zeroes the rows without an admissible token before filtering; their
-        # token is 0 whatever they draw, and rows do not mix, so a pass is saved here.
-        drawn = _draw(_filtered(x, sb, None), sb, None)
+        # token is 0 whatever they draw, and rows do not mix, so a pass is saved here
+        # (and the maximum is reused: the others hold no NaN).
+        drawn = _draw(_filtered(x, sb, None, best.clamp(max=torch.finfo(x.dtype).max)), sb, None)
         tokens = torch.where(sb.temperature == 0, tokens, drawn)
     return torch.where(ok, tokens, torch.zeros_like(tokens)), ok

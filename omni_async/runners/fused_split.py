@@ -1,13 +1,13 @@
 """Which rows of a multi-step decode run as one fused launch, and the rest beside it.
 
 Why split: a row that needs what the fused launch cannot give (its logprobs, read from
-each forward's logits; presence/frequency penalties or a logit bias; a grammar's mask,
-computed on the host from the row's last token, so such a row runs one forward) would
-otherwise take the whole step forward by forward, so one
+each forward's logits; presence/frequency penalties or a logit bias) would otherwise
+take the whole step forward by forward, so one
 such request among hundreds cost every row the fused launch. Here the step's other
 rows still run fused, and the few that cannot run forward by forward as a step of their
 own; the two write disjoint KV pages and slots, so either's tokens are those it would
-have had alone. Their tokens (and ``ok`` flags, and the fallback rows' logprobs) are
+have had alone. (Rows under a grammar run in the launch itself, see :mod:`.fused_decode`,
+unless they need one of those.) Their tokens (and ``ok`` flags, and the fallback rows' logprobs) are
 merged back into the step's ``[k, B]`` forward-major layout.
 """
 
@@ -48,9 +48,9 @@ def plan_fused(fused: FusedDecode, inputs: InputBatch, batch: ScheduledBatch, ro
     none can (or, with CUDA graphs, no fused graph fits the fused rows)."""
     # Rows under OpenAI penalties or a logit bias sample through the per-forward path,
     # which applies them from the running token counts.
+    # Rows under a grammar run in the launch (one forward of theirs kept, sampled under
+    # their masks), unless they need one of those too.
     fall = fallback_rows(inputs.flags[rows.slots]) | inputs.controls.active[rows.slots]
-    if batch.grammar_rows:  # rows under a grammar: one forward under their masks, beside the fused rows
-        fall[batch.grammar_rows] = True
     if not fall.any():
         return _fused(fused, inputs, batch, rows, sidx, graphs_on)
     if fall.all():
@@ -62,7 +62,7 @@ def plan_fused(fused: FusedDecode, inputs: InputBatch, batch: ScheduledBatch, ro
         return None
     rest = sub_batch(batch, other)
     fb.split = Split(batch, keep, other, build_rest(rest, sub_rows(rows, other, rest, inputs.device), sidx[other]))
-    fused.beside_grammar += bool(batch.grammar_rows)
+    fused.beside_grammar += bool(rest.grammar_rows)
     return fb
 
 
@@ -71,11 +71,14 @@ def _fused(fused: FusedDecode, inputs: InputBatch, batch: ScheduledBatch, rows: 
     steps = max(batch.row_steps or (1,))
     bucket = None
     if graphs_on:
-        bucket = fused.graph_for(batch.size, rows.widest, steps)
+        if batch.grammar_rows:
+            bucket = fused.grammar_bucket(batch.size, rows.widest, steps)
+        else:
+            bucket = fused.graph_for(batch.size, rows.widest, steps)
         if bucket is None:
             return None
     s = rows.slots
-    mode = sampling_mode(inputs.fp[s], inputs.ip[s], inputs.flags[s], sidx, inputs.vocab)
+    mode = sampling_mode(inputs.fp[s], inputs.ip[s], inputs.flags[s], sidx, inputs.vocab, grammar=bool(batch.grammar_rows))
     return fused.batch(batch, rows, sidx, steps, bucket, mode)
 
 

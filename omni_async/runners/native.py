@@ -14,18 +14,18 @@ import numpy as np
 import torch
 
 from ..core.batch import ScheduledBatch
-from ..core.multi_step import DecodeSteps
+from ..core.multi_step import DecodeSteps, fed_inputs
 from ..kernels import cpu_decode_stack, model_ops, triton_available
 from ..kv.attention import AttentionContext, slots_from_tables
 from ..kv.cache import PagedKVCache
 from ..models.decoder import DecoderModel
-from .sampling import SampleResult, SamplingBatch, sample
+from .sampling import SampleResult, SamplingBatch, kernel_serves, sample
 from .base import ModelRunner
 from .hooks import attach_hidden_extras, hidden_states_only
 from .cuda_graphs import DecodeGraphs
 from .conditioning import decode_rows, gather_rows
 from .forward_batch import ForwardBatch, prompt_embeds
-from .fused_decode import FusedBatch, FusedDecode, leaves_hooks
+from .fused_decode import FusedBatch, FusedDecode, leaves_hooks, own_tokens
 from .fused_split import merge_fused, merge_rest, plan_fused
 from .graph_sampling import SamplingGraphs
 from .input_batch import InputBatch, SlotRows
@@ -123,6 +123,12 @@ class NativeModelRunner(ModelRunner):
                           cond=cond, all_cond=all_cond)
         fb.row_steps, fb.tables, fb.span, fb.all_positions, fb.all_slots = steps, tables, span, all_positions, all_slots
         fb.all_kv_lens, fb.all_sample_indices = all_kv_lens, sidx_dev + later
+        fed = fed_inputs(batch)
+        if fed:  # a jump-forward's forced tokens, fed to the forwards after the first
+            feed = np.full((max(batch.row_steps), batch.size), -1, dtype=np.int64)
+            for i, tokens in fed:
+                feed[1 : 1 + len(tokens), i] = tokens
+            fb.feed = torch.from_numpy(feed).to(self.device, non_blocking=True)
         return fb
 
     def configure_decode_steps(self, plan: DecodeSteps, *, fused: bool = True) -> None:
@@ -153,9 +159,11 @@ class NativeModelRunner(ModelRunner):
         def eager_ctx(tables, positions, slots, kv_lens, j):
             return self._decode_ctx(tables, positions, slots, None, fb.span + j, kv_lens=kv_lens)
 
+        if fb.mode.grammar:  # its rows under a grammar sample their one token under their masks
+            fb.allowed = self.grammar_masks.fill(fb.batch, self.inputs.vocab, self.device)
         out, hidden = fused.run(fb, self.inputs, eager_ctx)
         size = fb.batch.size
-        self.inputs.publish_steps(fb.rows.slots_dev, out[0, :, :size])
+        self.inputs.publish_steps(fb.rows.slots_dev, own_tokens(fb, out))
         # A graph's hidden states are its static buffer: copied out before the next replay.
         hidden = hidden[:, :size].clone() if fb.capture_hidden and hidden is not None else None
         result = BatchResult(logits=None, next_token_ids=out[0], sample_ok=out[1], can_run_cuda_graph=fb.bucket is not None, packed=out,
@@ -171,6 +179,7 @@ class NativeModelRunner(ModelRunner):
         return {"fused_decode_launches": f.launches if f else 0, "fused_decode_replays": f.replays if f else 0,
                 "fused_decode_sampled": f.sampled if f else 0, "fused_decode_late_captures": f.captures_later if f else 0,
                 "fused_decode_beside_grammar": f.beside_grammar if f else 0,
+                "fused_decode_with_grammar": f.with_grammar if f else 0,
                 **super().stats()}
 
     def _later(self, k: int) -> torch.Tensor:
@@ -257,6 +266,8 @@ class NativeModelRunner(ModelRunner):
         assert fb.all_positions is not None and fb.all_slots is not None and fb.tables is not None
         assert fb.all_kv_lens is not None and fb.all_sample_indices is not None
         positions = fb.all_positions[j]
+        if fb.feed is not None:
+            tokens = torch.where(fb.feed[j] >= 0, fb.feed[j], tokens)
         ctx = self._decode_ctx(fb.tables, positions, fb.all_slots[j], fb.block_tables, fb.span + j, rows=fb.ctx.logits_rows,
                                kv_lens=fb.all_kv_lens[j])
         return ForwardBatch(
@@ -368,6 +379,8 @@ class NativeModelRunner(ModelRunner):
             tokens, ok = result.graph_greedy
             return SampleResult(tokens=tokens, logprobs=None, ok=ok)
         sampler = self.sampling_graphs
+        if kernel_serves(result.logits, sb, top_k_logprobs):
+            sampler = None  # the sampling kernels, eagerly: ``sample`` routes it
         if result.can_run_cuda_graph and sampler is not None and sampler.eligible(sb, top_k_logprobs):
             tokens, ok = sampler.sample(sb)
             return SampleResult(tokens=tokens, logprobs=None, ok=ok)

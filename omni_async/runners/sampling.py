@@ -22,7 +22,9 @@ the batch are unaffected and no NaN leaves the sampler.
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import os
 import random
 from dataclasses import dataclass
 from typing import Sequence
@@ -144,14 +146,19 @@ def _penalised(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
     return x
 
 
-def _filtered(x: torch.Tensor, sb: SamplingBatch, rows: torch.Tensor | None) -> torch.Tensor:
-    """Temperature, top-k, top-p, min-p for the sampled rows (``x`` already selected)."""
+def _filtered(x: torch.Tensor, sb: SamplingBatch, rows: torch.Tensor | None,
+              row_max: torch.Tensor | None = None) -> torch.Tensor:
+    """Temperature, top-k, top-p, min-p for the sampled rows (``x`` already selected).
+    ``row_max``: each row's maximum after ``nan_to_num`` when the caller has it (a
+    second reduction over the vocabulary saved)."""
     def pick(t: torch.Tensor) -> torch.Tensor:
         return t if rows is None else t.index_select(0, rows)
 
     temp = pick(sb.temperature).clamp_min(MIN_TEMPERATURE)[:, None]
     x = torch.nan_to_num(x, nan=float("-inf"), posinf=torch.finfo(x.dtype).max)
-    x = (x - x.max(dim=-1, keepdim=True).values) / temp
+    if row_max is None:
+        row_max = x.max(dim=-1).values
+    x = (x - row_max[:, None]) / temp
     vocab = x.shape[-1]
     if sb.use_top_k or sb.use_top_p:
         sorted_x, order = torch.sort(x, dim=-1, descending=True)
@@ -187,8 +194,54 @@ def _draw(x: torch.Tensor, sb: SamplingBatch, rows: torch.Tensor | None) -> torc
     cdf = x.softmax(-1).to(torch.float64).cumsum(-1)
     target = (u * cdf[:, -1])[:, None]
     tokens = torch.searchsorted(cdf, target, right=True).squeeze(1)
-    # Rounding can put the target at the very end: take the most likely token then.
-    return torch.where(tokens < x.shape[-1], tokens, x.argmax(-1))
+    # ``u`` is at most 1 - 2**-33, so the target stays below the last cumulative value
+    # and the search below the vocabulary size for every row with an admissible token;
+    # the clamp keeps the others (whose token is replaced by 0) in range.
+    return tokens.clamp_max(x.shape[-1] - 1)
+
+
+def temperature_only(sb: SamplingBatch, top_k_logprobs: int = 0) -> bool:
+    """Some row samples and nothing but a temperature shapes any row's distribution:
+    no filter, penalty, bias, ban or grammar, no logprobs (see :mod:`..kernels.sample`).
+    A new ``SamplingBatch`` field that shapes a distribution must be refused here."""
+    return (
+        sb.num_sampled > 0 and not (sb.use_top_k or sb.use_top_p or sb.use_min_p)
+        and sb.penalty is None and sb.ban is None and sb.controls is None and sb.allowed is None
+        and not sb.want_logprobs and not top_k_logprobs
+    )
+
+
+# Whether CUDA batches of temperature-only rows go to the Triton kernels; False keeps the
+# torch path everywhere (benchmarks compare the two; ``OMNI_ASYNC_SAMPLE_KERNEL=0`` sets it
+# for a process). Graphs keep what they captured.
+SAMPLE_KERNEL = os.environ.get("OMNI_ASYNC_SAMPLE_KERNEL", "").strip().lower() not in ("0", "false", "no", "off")
+
+
+@functools.cache
+def _kernel_on(device: torch.device) -> bool:
+    from ..kernels import triton_available
+
+    return triton_available(device)
+
+
+def kernel_serves(logits: torch.Tensor, sb: SamplingBatch, top_k_logprobs: int = 0) -> bool:
+    """The one routing decision: a temperature-only batch on CUDA goes to the Triton
+    kernels; another device (CPU's torch path is the reference) or a row needing more
+    keeps the torch path."""
+    return SAMPLE_KERNEL and logits.is_cuda and temperature_only(sb, top_k_logprobs) and _kernel_on(logits.device)
+
+
+def kernel_sample(
+    logits: torch.Tensor, sb: SamplingBatch, top_k_logprobs: int = 0
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Tokens and ``ok`` from the Triton kernels (:mod:`..kernels.sample`) where
+    :func:`kernel_serves` (greedy rows take their argmax there too), else None. Fixed
+    shapes and no host reads: it runs inside graphs too."""
+    if not kernel_serves(logits, sb, top_k_logprobs):
+        return None
+    from ..kernels.sample import sample_temperature
+
+    return sample_temperature(logits, sb.temperature, sb.seeds, sb.sample_indices)
 
 
 def greedy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -204,17 +257,28 @@ def sample(logits: torch.Tensor, sb: SamplingBatch, top_k_logprobs: int = 0) -> 
     graph's bfloat16/float16 logits, converted first); with ``top_k_logprobs``, also
     each row's most likely tokens in the distribution its logprobs come from (processed,
     or raw where the row asked)."""
+    fast = kernel_sample(logits, sb, top_k_logprobs)
+    if fast is not None:
+        return SampleResult(tokens=fast[0], logprobs=None, ok=fast[1])
     if logits.dtype != torch.float32:
         logits = logits.to(torch.float32)
     x = _penalised(logits, sb)
-    best, tokens = x.max(dim=-1)
+    rows = None if sb.num_sampled == sb.size else sb.sampled_rows
+    if sb.num_sampled and rows is None:
+        best, tokens = x.amax(dim=-1), None  # every row draws: no argmax needed
+    else:
+        best, tokens = x.max(dim=-1)
     ok = best > float("-inf")  # False when every token is banned, or on NaN
     processed = x
     if sb.num_sampled:
-        rows = None if sb.num_sampled == sb.size else sb.sampled_rows
+        row_ok = ok if rows is None else ok.index_select(0, rows)
         xs = x if rows is None else x.index_select(0, rows)
-        xs = torch.where(ok[:, None] if rows is None else ok.index_select(0, rows)[:, None], xs, 0.0)
-        fx = _filtered(xs, sb, rows)
+        xs = torch.where(row_ok[:, None], xs, 0.0)
+        # The maximum of the admissible rows after ``nan_to_num`` is their maximum
+        # clamped to the finite range (they hold no NaN); rows set to 0 above have 0.
+        row_best = best if rows is None else best.index_select(0, rows)
+        row_max = torch.where(row_ok, row_best.clamp(max=torch.finfo(x.dtype).max), 0.0)
+        fx = _filtered(xs, sb, rows, row_max)
         drawn = _draw(fx, sb, rows)
         if rows is None:
             tokens, processed = drawn, fx

@@ -59,7 +59,8 @@ class GrammarMasks:
                "grammar_mask_inline_rows": self.inline_rows}
         worker = self._worker
         out.update(worker.stats() if worker is not None else
-                   {"grammar_mask_prefetched_rows": 0, "grammar_mask_worker_s": 0.0, "grammar_forced_masks": 0})
+                   {"grammar_mask_prefetched_rows": 0, "grammar_mask_worker_s": 0.0, "grammar_forced_masks": 0,
+                    "grammar_jumps": 0, "grammar_forced_skipped": 0})
         return out
 
 

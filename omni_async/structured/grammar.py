@@ -50,11 +50,12 @@ class GrammarMatcher:
         self._valid = False
         self._done: threading.Event | None = None  # clear while the worker computes
 
-    def accept(self, token: int) -> bool:
+    def accept(self, token: int, prefetch: bool = True) -> bool:
         """Advance by ``token``; True when the grammar has ended: complete, or failed
         (:attr:`failed` then says why, and the request ends with an error). A token the
         grammar refuses (it can only come from outside the mask) also ends the grammar.
-        Otherwise the next mask is queued on the worker."""
+        Otherwise the next mask is queued on the worker (unless ``prefetch`` is False:
+        the caller computes it now, :meth:`mask_now`)."""
         self._settle()
         self._valid = False
         ok = self._m.consume_token(int(token))
@@ -65,7 +66,8 @@ class GrammarMatcher:
             return True
         if not ok or self._m.is_stopped():
             return True
-        self.prefetch()
+        if prefetch:
+            self.prefetch()
         return False
 
     def prefetch(self) -> None:
@@ -95,6 +97,32 @@ class GrammarMatcher:
         done = self._done
         if done is not None and not done.is_set():
             done.wait()
+
+    def mask_now(self) -> Any:
+        """The current position's mask, computed on this thread unless the worker has it
+        (a jump-forward reads position after position: a round trip through the worker
+        for each would cost more than the computation); None without a worker."""
+        worker = self._worker
+        if worker is None:
+            return None
+        self._settle()
+        if not self._valid:
+            if self._buf is None:
+                import numpy as np
+
+                self._buf = np.empty(worker.words, dtype=np.int32)
+            try:
+                self._m.unsafe_compute_mask_ptr(self._buf.ctypes.data, self._buf.nbytes)
+            except Exception:  # the step's fill computes it again and meets the error there
+                return None
+            self._valid = True
+            worker.count_inline(self._buf)
+        return self._buf
+
+    def count_jump(self, tokens: int) -> None:
+        """Count a jump-forward of ``tokens`` forced tokens (:mod:`.jump`) in ``info()``."""
+        if self._worker is not None:
+            self._worker.count_jump(tokens)
 
     def next_mask(self) -> Any:
         """The current position's mask from the worker (waiting for it while in flight),

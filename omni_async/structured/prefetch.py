@@ -47,6 +47,10 @@ class MaskWorker:
         self.rows = 0
         self.seconds = 0.0
         self.forced = 0
+        # Jump-forwards (structured.jump, on the loop thread): runs and the tokens they skipped.
+        self.jumps = 0
+        self.jumped = 0
+        self.forced_inline = 0  # forced masks a jump-forward computed on the loop thread
 
     def submit(self, handle: Any, buf: np.ndarray, owner: Prefetchable) -> bool:
         """Queue ``handle``'s next mask into ``buf``; ``owner._prefetched(buf)`` is called
@@ -69,7 +73,17 @@ class MaskWorker:
 
     def stats(self) -> dict[str, float]:
         return {"grammar_mask_prefetched_rows": self.rows, "grammar_mask_worker_s": self.seconds,
-                "grammar_forced_masks": self.forced}
+                "grammar_forced_masks": self.forced + self.forced_inline, "grammar_jumps": self.jumps,
+                "grammar_forced_skipped": self.jumped}
+
+    def count_jump(self, tokens: int) -> None:
+        self.jumps += 1
+        self.jumped += tokens
+
+    def count_inline(self, buf: np.ndarray) -> None:
+        """Count a mask computed on the loop thread (``GrammarMatcher.mask_now``) if forced."""
+        if int(np.bitwise_count(buf.view(np.uint32)).sum()) == 1:
+            self.forced_inline += 1
 
     def _run(self) -> None:
         while True:
