@@ -58,7 +58,7 @@ FIELD_HELP: dict[str, str] = {
     "gc_gen0_threshold": "the cyclic GC's first threshold (none: Python's 700; process-wide)",
     "quantization": "CPU weights: int8 (fbgemm), q4 / q8 (blocks read by the C++ kernels; q4 is a GGUF file's default); none keeps the float path",
     "mixed_prefill": "running decodes ride along in prefill steps, so their streams keep going while prompts arrive",
-    "jump_forward": "tokens a grammar forces are appended at once, their KV computed in the next step",
+    "jump_forward": "tokens a grammar forces are appended at once, their KV computed in the next step (off by default: its mask reads cost more than it saves)",
     "stream_interval": "a request's delta every N tokens (and at its end); 1 sends every step's",
     "decode_steps": "decode forwards per launch (none: chosen by batch size; 1 on CPU)",
     "fuse_decode_steps": "run a multi-step greedy decode as one launch",

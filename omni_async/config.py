@@ -331,8 +331,12 @@ class SchedulerConfig:
     mixed_prefill: bool = True
     # Native backend, requests under a grammar: where the grammar admits one token, it is
     # appended at once and its KV computed in the request's next step, with the tokens
-    # after it (omni_async/structured/jump.py). Same tokens; False decodes them one by one.
-    jump_forward: bool = True
+    # after it (omni_async/structured/jump.py). Same tokens. Off by default: finding a
+    # forced run reads each next mask on the loop thread (~100-200 us a token, waiting on
+    # the mask worker), which cost more than the steps it saved (bench/probes/
+    # constrained_host.py: 32 rows, 26.8 s against 15.6 s on CPU; on the H200 the
+    # constrained arms ran 2-5x slower with it on).
+    jump_forward: bool = False
     # Stream deltas every this many tokens per request (and at its finish): fewer,
     # larger deltas for callers that do not need every token at once (SGLang's
     # stream_interval). 1 (the default) sends each step's tokens as they come.

@@ -65,7 +65,7 @@ async def test_jump_forward_emits_the_tokens_of_token_by_token_decoding(loop, de
 
 async def test_jump_forward_streams_every_token_once():
     """A stream's deltas carry the forced tokens with the sampled ones, each once."""
-    async with Engine.from_pretrained("tiny", device="cpu", loop="overlap", decode_steps=4) as engine:
+    async with Engine.from_pretrained("tiny", device="cpu", loop="overlap", decode_steps=4, jump_forward=True) as engine:
         streamed: list[int] = []
         async for delta in engine.stream(prompt="record 9:", sampling=GREEDY):
             streamed.extend(delta.token_ids)

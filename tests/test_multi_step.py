@@ -235,11 +235,11 @@ async def test_cuda_graph_path_tokens_equal_one_step_decode(loop):
     the graph, filtered sampling outside): tokens equal k = 1's, float32."""
     reqs = mixed_requests(5, 12)
     limits = dict(loop=loop, device="cuda", dtype="float32", max_running_requests=8, page_size=8, kv_capacity_tokens=4096)
-    one, _, info_one = await run(reqs, **limits)
+    one, _, info_one = await run(reqs, decode_steps=1, **limits)
     four, _, info_four = await run(reqs, decode_steps=4, **limits)
     assert same(four, one) and info_four["decode_steps"] < 0.6 * info_one["decode_steps"]
     greedy_reqs = greedy_requests(7, 12)  # all greedy: one fused graph replay per step
-    one, _, _ = await run(greedy_reqs, **limits)
+    one, _, _ = await run(greedy_reqs, decode_steps=1, **limits)
     four, _, info_four = await run(greedy_reqs, decode_steps=4, **limits)
     assert same(four, one) and info_four["fused_decode_replays"] > 0
 
