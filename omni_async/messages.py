@@ -129,3 +129,25 @@ def join_rows(rows: list[Any]) -> Any:
     import torch  # only requests that asked for hidden states get here
 
     return torch.cat(rows)
+
+
+@dataclass(slots=True, eq=False)
+class StepTokens:
+    """A step's plain stream output as columns, in row order: request ``request_ids[j]``
+    got ``token_ids[j]`` (with ``logprobs[j]`` when it asked), and ended with
+    ``finish_reasons[j]`` (None: it runs on). What a columns sink receives instead of one
+    ``OutgoingMessage`` and ``StreamDelta`` per row; rows with hidden states, extra
+    outputs or a custom stream builder still go as messages."""
+
+    request_ids: list[str]
+    token_ids: list[list[int]]
+    logprobs: list[list[float] | None]
+    finish_reasons: list[str | None]
+
+    def __len__(self) -> int:
+        return len(self.request_ids)
+
+    def messages(self) -> list[OutgoingMessage]:
+        """The message form, for a sink that wants one message per row."""
+        return [OutgoingMessage(rid, "stream", StreamDelta(rid, toks, lps, reason is not None, reason))
+                for rid, toks, lps, reason in zip(self.request_ids, self.token_ids, self.logprobs, self.finish_reasons)]

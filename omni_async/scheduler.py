@@ -40,7 +40,7 @@ from .messages import IncomingMessage, OutgoingMessage
 from .stage.control import StageControl
 from .stage.emission import ColumnsSink, Emission, OutputSink, ResultAdapter, StreamOutputBuilder
 from .stage.intake import Intake, RequestBuilder
-from .stage.emission import StageState
+from .stage.state import StageState
 from .stage.request_checks import ModelLimits, RequestDoor
 from .stage.stepper import Stepper, StepStats
 

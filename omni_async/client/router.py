@@ -17,7 +17,7 @@ from .handle import RequestHandle
 from .wakeups import SlicedWaker
 
 if TYPE_CHECKING:
-    from ..stage.emission import StepTokens
+    from ..messages import StepTokens
 
 @dataclass(frozen=True)
 class HandleHooks:

@@ -18,7 +18,7 @@ from ..config import SchedulerConfig
 from ..kv.allocator import PageAllocator
 from ..kv.prefix_cache import PrefixCache
 from .batch import ForwardMode, ScheduledBatch
-from .multi_step import DecodeSteps, feed_rows, jump_rows, process_multi_step, steps_for, still_due
+from .multi_step import DecodeSteps, feed_rows, jump_most, jump_rows, process_multi_step, steps_for, take_due
 from .mixed_prefill import add_decode_rows, jump_step, mixed_decodes
 from .step_results import end_unsampled, process_one_forward
 from .conditioning import ready_positions
@@ -222,11 +222,7 @@ class NativeBatchCore(BatchCore):
         if not decoding:
             return None
         steps, grammar_rows = steps_for(self, decoding)
-        due = still_due(self.jump_due) if self.jump_due else None
-        self.jump_due = []
-        if due:  # one not decoding now keeps its place for a later step
-            stepping = {id(r) for r in decoding}
-            self.jump_due = [(r, r.epoch) for key, r in due.items() if key not in stepping]
+        due = take_due(self, decoding)
         if due and steps is None:  # forced tokens to compute in a step of one forward per row
             return jump_step(self, decoding, due)
         batch = self._new_batch(ForwardMode.DECODE)
@@ -343,7 +339,7 @@ class NativeBatchCore(BatchCore):
         process = process_one_forward if batch.row_steps is None else process_multi_step
         outcomes, finishes = process(batch, tokens, logprobs, self.context_length)
         if self.config.jump_forward and (batch.grammar_rows or batch.row_steps is None):
-            jump_rows(outcomes, finishes, self.context_length, self._jump_most(), self.jump_due)
+            jump_rows(outcomes, finishes, self.context_length, jump_most(self.decode_plan, self.page_size), self.jump_due)
         if batch.ends_unsampled:
             end_unsampled(batch, outcomes, finishes)
         for req, reason in finishes:
@@ -351,13 +347,6 @@ class NativeBatchCore(BatchCore):
         if finishes:
             self.running = [r for r in self.running if r.finish_reason is None]
         return outcomes
-
-    def _jump_most(self) -> int:
-        """The most forced tokens one jump-forward takes: with multi-step decodes, as many
-        as one fused launch then feeds (k - 1); else a page's worth (the decode step's
-        KV bound, :meth:`_decode_fits`, stays one page a row)."""
-        most = self.decode_plan.most
-        return most - 1 if most > 1 else self.page_size - 1
 
     def finish_request(self, req: Request, reason: str) -> None:
         req.finish_reason = reason

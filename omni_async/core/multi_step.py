@@ -230,3 +230,21 @@ def fed_inputs(batch: "ScheduledBatch") -> list[tuple[int, list[int]]]:
 def _token_at(req: Request, position: int) -> int:
     prompt = len(req.prompt_ids)
     return req.prompt_ids[position] if position < prompt else req.output_ids[position - prompt]
+
+
+def take_due(core: "NativeBatchCore", decoding: list[Request]) -> dict[int, Request] | None:
+    """The requests whose forced tokens wait for their KV and are still due (None for
+    none); one not decoding in this step keeps its place for a later one."""
+    due = still_due(core.jump_due) if core.jump_due else None
+    core.jump_due = []
+    if due:
+        stepping = {id(r) for r in decoding}
+        core.jump_due = [(r, r.epoch) for key, r in due.items() if key not in stepping]
+    return due
+
+
+def jump_most(plan: DecodeSteps, page_size: int) -> int:
+    """The most forced tokens one jump-forward takes: with multi-step decodes, as many as
+    one fused launch then feeds (k - 1); else a page's worth (a decode step's KV bound
+    stays one page a row)."""
+    return plan.most - 1 if plan.most > 1 else page_size - 1

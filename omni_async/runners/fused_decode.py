@@ -376,3 +376,25 @@ class FusedDecode:
                        None if fb.feed is None else torch.from_numpy(fb.feed).to(device, non_blocking=True))
         fb.inputs_dev = inputs
         return out, hidden
+
+
+def fed_tokens(batch: ScheduledBatch, device: torch.device) -> torch.Tensor | None:
+    """The launch's ``[k, B]`` feed input: a jump-forward's forced tokens, fed to the
+    forwards after a row's first (-1 elsewhere); None when no row has any."""
+    fed = fed_inputs(batch)
+    if not fed:
+        return None
+    feed = np.full((max(batch.row_steps or (1,)), batch.size), -1, dtype=np.int64)
+    for i, tokens in fed:
+        feed[1 : 1 + len(tokens), i] = tokens
+    return torch.from_numpy(feed).to(device, non_blocking=True)
+
+
+def fused_counters(f: "FusedDecode | None") -> dict[str, int]:
+    """``info()``'s fused multi-step counters: launches, graph replays, sampled launches,
+    graphs captured after start-up, launches beside split-off grammar rows and with
+    grammar rows inside."""
+    return {"fused_decode_launches": f.launches if f else 0, "fused_decode_replays": f.replays if f else 0,
+            "fused_decode_sampled": f.sampled if f else 0, "fused_decode_late_captures": f.captures_later if f else 0,
+            "fused_decode_beside_grammar": f.beside_grammar if f else 0,
+            "fused_decode_with_grammar": f.with_grammar if f else 0}

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from ..core.batch import ScheduledBatch
-from ..core.multi_step import DecodeSteps, fed_inputs
+from ..core.multi_step import DecodeSteps
 from ..kernels import cpu_decode_stack, model_ops, triton_available
 from ..kv.attention import AttentionContext, slots_from_tables
 from ..kv.cache import PagedKVCache
@@ -25,7 +25,7 @@ from .hooks import attach_hidden_extras, hidden_states_only
 from .cuda_graphs import DecodeGraphs
 from .conditioning import decode_rows, gather_rows
 from .forward_batch import ForwardBatch, prompt_embeds
-from .fused_decode import FusedBatch, FusedDecode, leaves_hooks, own_tokens
+from .fused_decode import FusedBatch, FusedDecode, fed_tokens, fused_counters, leaves_hooks, own_tokens
 from .fused_split import merge_fused, merge_rest, plan_fused
 from .graph_sampling import SamplingGraphs
 from .input_batch import InputBatch, SlotRows
@@ -123,12 +123,7 @@ class NativeModelRunner(ModelRunner):
                           cond=cond, all_cond=all_cond)
         fb.row_steps, fb.tables, fb.span, fb.all_positions, fb.all_slots = steps, tables, span, all_positions, all_slots
         fb.all_kv_lens, fb.all_sample_indices = all_kv_lens, sidx_dev + later
-        fed = fed_inputs(batch)
-        if fed:  # a jump-forward's forced tokens, fed to the forwards after the first
-            feed = np.full((max(batch.row_steps), batch.size), -1, dtype=np.int64)
-            for i, tokens in fed:
-                feed[1 : 1 + len(tokens), i] = tokens
-            fb.feed = torch.from_numpy(feed).to(self.device, non_blocking=True)
+        fb.feed = fed_tokens(batch, self.device)
         return fb
 
     def configure_decode_steps(self, plan: DecodeSteps, *, fused: bool = True) -> None:
@@ -174,13 +169,8 @@ class NativeModelRunner(ModelRunner):
             result = merge_rest(split, merged, rest)
         return result, (result.next_token_ids if lookahead else None)
 
-    def stats(self) -> dict[str, int]:  # fused multi-step launches: all, graph replays, sampled, captured late
-        f = self.fused_decode
-        return {"fused_decode_launches": f.launches if f else 0, "fused_decode_replays": f.replays if f else 0,
-                "fused_decode_sampled": f.sampled if f else 0, "fused_decode_late_captures": f.captures_later if f else 0,
-                "fused_decode_beside_grammar": f.beside_grammar if f else 0,
-                "fused_decode_with_grammar": f.with_grammar if f else 0,
-                **super().stats()}
+    def stats(self) -> dict[str, int]:
+        return {**fused_counters(self.fused_decode), **super().stats()}
 
     def _later(self, k: int) -> torch.Tensor:
         """``[[0], [1], ..., [k-1]]`` on the device, made once per k."""

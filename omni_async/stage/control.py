@@ -11,7 +11,8 @@ from typing import Any, Awaitable, Callable, TypeVar
 from .. import errors
 from ..core.protocol import BatchCore, StepRunner
 from .channels import WakeSignal
-from .emission import Emission, StageState
+from .emission import Emission
+from .state import StageState
 from .executor import StepExecutor
 from .intake import Intake
 from .stepper import Stepper

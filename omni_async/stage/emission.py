@@ -10,44 +10,18 @@ one delivery, not one channel hop per token.
 from __future__ import annotations
 
 from contextlib import contextmanager
-from collections import OrderedDict
-from dataclasses import dataclass
-from typing import Any, Callable, Generic, Iterable, Iterator, Sequence, TypeVar
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 from .. import errors
 from ..core.protocol import BatchCore
 from ..core.request import Request, RequestData
 from ..logs import debug_enabled, log
-from ..messages import OutgoingMessage, StreamDelta
+from ..messages import OutgoingMessage, StepTokens, StreamDelta
 from ..core.runner_io import ModelRunnerOutput, RequestOutput
 from .outputs import HiddenRows, default_result_adapter, default_stream_output_builder, stream_message
-
-T = TypeVar("T")
-V = TypeVar("V")
+from .state import IdWindow, call_user
 
 OutputSink = Callable[[list[OutgoingMessage]], None]
-
-
-@dataclass(slots=True, eq=False)
-class StepTokens:
-    """A step's plain stream output as columns, in row order: request ``request_ids[j]``
-    got ``token_ids[j]`` (with ``logprobs[j]`` when it asked), and ended with
-    ``finish_reasons[j]`` (None: it runs on). What a columns sink receives instead of one
-    ``OutgoingMessage`` and ``StreamDelta`` per row; rows with hidden states, extra
-    outputs or a custom stream builder still go as messages."""
-
-    request_ids: list[str]
-    token_ids: list[list[int]]
-    logprobs: list[list[float] | None]
-    finish_reasons: list[str | None]
-
-    def __len__(self) -> int:
-        return len(self.request_ids)
-
-    def messages(self) -> list[OutgoingMessage]:
-        """The message form, for a sink that wants one message per row."""
-        return [OutgoingMessage(rid, "stream", StreamDelta(rid, toks, lps, reason is not None, reason))
-                for rid, toks, lps, reason in zip(self.request_ids, self.token_ids, self.logprobs, self.finish_reasons)]
 
 
 def _no_tokens() -> StepTokens:
@@ -401,70 +375,3 @@ def _unlink(data: RequestData) -> None:
     (``SchedulerRequest.data``); ``data.req`` stays for the result and the caller."""
     data.req.data = None
     data.req.sched_entry = None  # it holds ``data`` too
-
-
-@dataclass
-class StageState:
-    """``lifecycle`` moves new -> running -> closing -> closed (the scheduler moves it);
-    ``paused`` and ``pause_mode`` are set by the control API; ``weight_version`` names the
-    weights results are stamped with (the admin actions update it)."""
-
-    lifecycle: str = "new"
-    paused: bool = False
-    pause_mode: str | None = None
-    weight_version: str | None = None
-
-    @property
-    def serving(self) -> bool:
-        return self.lifecycle == "running"
-
-    @property
-    def closed(self) -> bool:
-        return self.lifecycle in ("closing", "closed")
-
-
-# ---------------------------------------------------------------- Bounded id bookkeeping
-# (read by the stepper, intake and control too)
-
-class IdWindow(Generic[V]):
-    """An insertion-ordered map of ids with a cap: past ``cap`` entries only the newest
-    ``keep`` stay (amortised O(1) per insert)."""
-
-    def __init__(self, cap: int, keep: int) -> None:
-        self.cap = cap
-        self.keep = keep
-        self._items: OrderedDict[str, V] = OrderedDict()
-
-    def put(self, rid: str, value: V) -> None:
-        self._items[rid] = value
-        self._items.move_to_end(rid)
-        if len(self._items) > self.cap:
-            while len(self._items) > self.keep:
-                self._items.popitem(last=False)
-
-    def pop(self, rid: str, default: V | None = None) -> V | None:
-        return self._items.pop(rid, default)
-
-    def get(self, rid: str, default: V | None = None) -> V | None:
-        return self._items.get(rid, default)
-
-    def __contains__(self, rid: object) -> bool:
-        return rid in self._items
-
-    def __len__(self) -> int:
-        return len(self._items)
-
-
-# ---------------------------------------------------------------- User callbacks
-# (read by the stepper, intake and control too)
-
-def call_user(what: str, fn: Callable[..., T], *args: Any) -> T:
-    """Call a user callback; its exception becomes a typed error for its request.
-    The library's own typed errors pass through unchanged."""
-    try:
-        return fn(*args)
-    except errors.OmniAsyncError:
-        raise
-    except Exception as exc:
-        err = errors.RequestFailedError(f"{what} failed: {exc!r}")
-        raise err from exc

@@ -24,7 +24,8 @@ from .channels import WakeSignal
 from .request_checks import RequestDoor, metadata_of, refuse_unknown_fields, sampling_of
 from .prompt_embeds import payload_prompt_len
 from ..structured.gate import GrammarGate
-from .emission import Emission, IdWindow, call_user
+from .emission import Emission
+from .state import IdWindow, call_user
 
 
 RequestBuilder = Callable[[Any], RequestData]

@@ -26,7 +26,7 @@ from ..config import SamplingParams
 from ..core.request import Request, RequestData
 from ..logs import debug_enabled, log
 from ..messages import RequestPayload
-from .emission import call_user
+from .state import call_user
 from .prompt_embeds import EMBEDS_PLACEHOLDER_ID, check_input_embeds
 
 

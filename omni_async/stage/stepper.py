@@ -25,7 +25,7 @@ from .executor import StepExecutor
 from ..logs import debug_enabled, log
 from ..core.runner_io import ModelRunnerOutput, SchedulerOutput, SchedulerRequest
 from .channels import WakeSignal
-from .emission import IdWindow, StageState
+from .state import IdWindow, StageState
 from .watchdog import AUTO, StepWatchdog
 
 
