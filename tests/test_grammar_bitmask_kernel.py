@@ -4,14 +4,12 @@ is chosen when kernels are defined)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 pytest.importorskip("triton")
+
+from .triton_interpreter import run_interpreted  # noqa: E402
 
 SCRIPT = r"""
 import torch
@@ -31,7 +29,5 @@ print("ok")
 
 
 def test_kernel_equals_the_torch_path_in_the_interpreter():
-    root = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(root))
-    done = subprocess.run([sys.executable, "-c", SCRIPT], cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    done = run_interpreted(SCRIPT, timeout=300)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]

@@ -7,15 +7,13 @@ its contexts grow between replays."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 pytest.importorskip("triton")
+
+from .triton_interpreter import run_interpreted  # noqa: E402
 
 # Shared by the interpreter script and the CUDA test: random pages scattered over a
 # cache, and attention computed in float64 from the gathered positions.
@@ -50,6 +48,7 @@ def reference(q, kc, vc, tables, lens, ps, scale):
         out[i] = torch.einsum("hn,nhd->hd", att.softmax(-1), v)
     return out
 """
+
 
 SCRIPT = CASES + r"""
 from omni_async.kernels import paged_decode as pd
@@ -103,9 +102,7 @@ print("ok", checked)
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the compiled kernel's tests below run instead")
 def test_split_kv_kernel_equals_the_reference_in_the_interpreter():
-    root = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])))
-    done = subprocess.run([sys.executable, "-c", SCRIPT], cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    done = run_interpreted(SCRIPT, timeout=600)
     assert done.returncode == 0 and done.stdout.strip().startswith("ok"), done.stderr[-3000:]
 
 

@@ -8,11 +8,7 @@ the fused multi-step graphs."""
 
 from __future__ import annotations
 
-import os
 import random
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -22,9 +18,11 @@ from omni_async.runners import sampling
 from omni_async.runners.sampling import SamplingBatch, kernel_sample, sample, temperature_only
 
 from .test_multi_step import run, same
+from .triton_interpreter import run_interpreted
 
 # Shared by the interpreter's script and the CUDA test: compare the kernel with the torch
 # path on one batch, return (rows compared, draws within the bound of a boundary).
+
 COMPARE = r'''
 import torch
 from omni_async.kernels.sample import sample_temperature
@@ -130,9 +128,7 @@ print("ok", rows + rows_bf16)
 @pytest.mark.skipif(__import__("importlib").util.find_spec("triton") is None, reason="needs Triton")
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the compiled kernel's tests below run instead")
 def test_kernel_tokens_equal_the_torch_path_in_the_interpreter():
-    root = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])))
-    done = subprocess.run([sys.executable, "-c", SCRIPT], cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    done = run_interpreted(SCRIPT, timeout=600)
     assert done.returncode == 0 and done.stdout.strip().startswith("ok"), done.stderr[-3000:]
 
 
