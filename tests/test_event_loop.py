@@ -65,7 +65,7 @@ async def test_other_tasks_run_between_any_two_inline_steps(loop):
     """With decode launched inline and a device that keeps up, every await of a loop
     iteration can return at once; the loop still yields once per iteration, so a task
     that only ever yields (``sleep(0)``) sees at most a couple of steps between its turns."""
-    engine = Engine.from_pretrained("tiny", device="cuda", loop=loop, step_launch="inline")
+    engine = Engine.from_pretrained("tiny", device="cuda", loop=loop, step_launch="inline", decode_steps=1)
     seen: list[int] = []
     stop = asyncio.Event()
 
