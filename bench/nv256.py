@@ -52,6 +52,10 @@ from omni_async.backends.native.builder import build_off_this_thread  # noqa: E4
 
 QWEN05 = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
               intermediate_size=4864, vocab_size=151936, max_position_embeddings=32768, tie_word_embeddings=True)
+# Llama-3-8B's shape (no biases, untied head): the large end of a thinker.
+LLAMA8B = dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+               intermediate_size=14336, vocab_size=128256, max_position_embeddings=32768, tie_word_embeddings=False)
+SHAPES = {"qwen05": ("qwen2", QWEN05), "llama8b": ("llama", LLAMA8B)}
 SMOKE_SHAPE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                    intermediate_size=128, vocab_size=1024, max_position_embeddings=2048, tie_word_embeddings=True)
 
@@ -128,13 +132,14 @@ def free_device() -> None:
         torch.cuda.empty_cache()
 
 
-def make_checkpoint(folder: Path, shape: dict, dtype: torch.dtype, device: str) -> Path:
-    """A random-weight Qwen2 checkpoint of ``shape`` (written once, then reused)."""
-    from transformers import AutoModelForCausalLM, Qwen2Config
+def make_checkpoint(folder: Path, shape: dict, dtype: torch.dtype, device: str, family: str = "qwen2") -> Path:
+    """A random-weight Qwen2 (or Llama) checkpoint of ``shape`` (written once, then reused)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
     if not (folder / "config.json").exists():
         torch.manual_seed(0)
-        cfg = Qwen2Config(bos_token_id=1, eos_token_id=None, pad_token_id=0, **shape)
+        config_class = LlamaConfig if family == "llama" else Qwen2Config
+        cfg = config_class(bos_token_id=1, eos_token_id=None, pad_token_id=0, **shape)
         with torch.device(device):
             model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
         model.save_pretrained(folder)
@@ -276,11 +281,14 @@ def facts() -> dict:
 
 
 async def main_async(args: argparse.Namespace) -> dict:
-    shape, device = (SMOKE_SHAPE, "cpu") if args.smoke else (QWEN05, "cuda")
-    folder = Path(args.checkpoint or Path(tempfile.gettempdir()) / ("nv-qwen2-smoke" if args.smoke else "nv-qwen2-05b-bf16"))
+    family, shape = SHAPES[args.shape]
+    shape, device = (SMOKE_SHAPE, "cpu") if args.smoke else (shape, "cuda")
+    default_folder = "nv-qwen2-smoke" if args.smoke else ("nv-qwen2-05b-bf16" if args.shape == "qwen05" else f"nv-{args.shape}-bf16")
+    folder = Path(args.checkpoint or Path(tempfile.gettempdir()) / default_folder)
     # Written on a thread of its own: torch's parallel ops would leave this thread an
     # OpenMP team beside the engines' step thread's, which slows every CPU op (builder.py).
-    path = build_off_this_thread(lambda: make_checkpoint(folder, shape, getattr(torch, args.dtype), device))
+    path = build_off_this_thread(lambda: make_checkpoint(folder, shape, getattr(torch, args.dtype), device,
+                                                          "qwen2" if args.smoke else family))
     if args.smoke:
         scale = dict(prompt_len=(10, 40), id_max=1000, new_tokens=(5, 24))
         workloads = [Workload(8, 0, **scale)] + ([Workload(16, 1, **scale)] if args.scale else [])
@@ -319,6 +327,7 @@ def main() -> int:
     ap.add_argument("--hf", action="store_true", help="also transformers generate on the same prompts")
     ap.add_argument("--hf-batch", type=int, default=64)
     ap.add_argument("--checkpoint", default=None)
+    ap.add_argument("--shape", default="qwen05", choices=sorted(SHAPES), help="model shape (random bf16 weights)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--torch-threads", type=int, default=None,
                     help="torch.set_num_threads (default: torch's; 1 with --smoke, which a shared CPU box needs)")
