@@ -28,6 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent))
 
+from _common import machine_facts, save_json  # noqa: E402
 from constrained import SCHEMA  # noqa: E402
 
 from omni_async import Engine, SamplingParams  # noqa: E402
@@ -111,6 +112,7 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--jump", choices=("both", "off", "on"), default="both", help="jump_forward runs (default both)")
     p.add_argument("--torch-threads", type=int, default=None)
+    p.add_argument("--out", default="constrained_host.json")
     args = p.parse_args()
     if args.torch_threads:
         import torch
@@ -123,6 +125,8 @@ def main() -> int:
             r = asyncio.run(run(args, jump))
             runs.append(r)
             report(r)
+    path = save_json(args.out, {"machine": machine_facts(), "args": vars(args), "runs": runs})
+    print(f"saved {path}")
     for jump in JUMPS[args.jump]:
         walls = [r["wall_s"] for r in runs if r["jump"] == jump]
         print(f"jump_forward={jump}: wall {statistics.median(walls):.1f} s [{min(walls):.1f}-{max(walls):.1f}]")

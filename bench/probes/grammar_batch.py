@@ -19,6 +19,7 @@ the pool from 16 rows on 8+ CPUs, ``prefetch.pool_threads``).
 
     python bench/probes/grammar_batch.py --rows 128 --steps 40          # SmolLM2's vocabulary
     python bench/probes/grammar_batch.py --smoke                         # byte vocabulary, seconds
+    python bench/probes/grammar_batch.py --tokenizer-dir /tmp/omni-bench-checkpoints/qwen05-smol
 """
 
 from __future__ import annotations
@@ -42,12 +43,23 @@ from omni_async.structured.grammar import GrammarCompiler, prefetch_all  # noqa:
 from omni_async.structured.prefetch import pool_threads  # noqa: E402
 
 
-def tokenizer(smoke: bool):
+def tokenizer(smoke: bool, folder: str | None = None):
+    """The byte tokenizer (smoke), a folder's tokenizer.json (e.g. bench/constrained.py's
+    qwen05-smol checkpoint: SmolLM2's), or SmolLM2's GGUF."""
     if smoke:
         from omni_async.text.tokenizer import ByteTokenizer
 
         tok = ByteTokenizer()
         return tok, tok.vocab_size
+    if folder is not None:
+        from tokenizers import Tokenizer
+
+        from omni_async.text.tokenizer import HFTokenizer
+
+        path = Path(folder) / "tokenizer.json"
+        backend = Tokenizer.from_file(str(path))
+        eos = backend.token_to_id("<|im_end|>")  # SmolLM2's (llguidance needs an end token)
+        return HFTokenizer(path, () if eos is None else (eos,), backend.get_vocab_size()), backend.get_vocab_size()
     from omni_async.models.gguf import GGUFFile, config_from_gguf, load_gguf_tokenizer, smollm2_path
 
     f = GGUFFile(smollm2_path())
@@ -97,11 +109,12 @@ def main() -> int:
     p.add_argument("--busy-ms", type=float, default=2.0)
     p.add_argument("--threads", type=int, default=None, help="llguidance pool threads for a ticket (default: the engine's)")
     p.add_argument("--smoke", action="store_true", help="byte vocabulary, 32 rows, 10 steps")
+    p.add_argument("--tokenizer-dir", default=None, help="a folder with tokenizer.json (default: SmolLM2's GGUF)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     if args.smoke:
         args.rows, args.steps = min(args.rows, 32), min(args.steps, 10)
-    tok, vocab = tokenizer(args.smoke)
+    tok, vocab = tokenizer(args.smoke, args.tokenizer_dir)
     compiler = GrammarCompiler(tok, vocab)
     worker = compiler.masks
     if args.threads is not None:
