@@ -107,11 +107,13 @@ class MaskWorker:
         """Queue the next masks of ``handles`` (library matchers, none in use elsewhere
         until the ticket is done) as one ticket; None once closed.
 
-        When the worker is idle, this waits until it has taken the ticket: the worker
-        needs the GIL to wake and reach the library call (which then releases it), and a
-        loop thread running Python hands the GIL over only every switch interval (5 ms),
-        so without the hand-over the masks were often computed only once the loop waited
-        for them at the fill. The wait is one thread wake-up per step."""
+        When the worker is idle and the ticket goes to the pool, this waits until the
+        worker has taken it: the worker needs the GIL to wake and reach the library call
+        (which then releases it), and a loop thread running Python hands the GIL over only
+        every switch interval (5 ms), so without the hand-over the masks were often
+        computed only once the loop waited for them at the fill. The wait is one thread
+        wake-up per step. A request's first mask, queued alone at admission, is needed only
+        after its prefill: no wait."""
         ticket = MaskTicket(handles)
         with self._cond:
             if self._closed:
@@ -121,7 +123,7 @@ class MaskWorker:
                 self._thread = threading.Thread(target=self._run, name="omni-grammar-masks", daemon=True)
                 self._thread.start()
             self._cond.notify_all()
-            if self._idle and self.threads:  # (a worker computing row by row takes the GIL back at every row)
+            if self._idle and self.threads and len(handles) > 1:  # a pool call (see _compute)
                 self._cond.wait_for(lambda: not self._queue or self._closed, timeout=HANDOVER_TIMEOUT_S)
         return ticket
 
@@ -160,7 +162,9 @@ class MaskWorker:
             t0 = time.perf_counter()
             try:
                 self._compute(todo)
-            finally:  # never leave an owner waiting: a ticket without masks sends the fill to compute them
+            except Exception:  # the thread carries on: a ticket without masks sends the fill to compute them
+                pass
+            finally:  # never leave an owner waiting
                 for ticket in todo:
                     ticket.done.set()
             self.seconds += time.perf_counter() - t0
