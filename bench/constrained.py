@@ -77,7 +77,8 @@ COUNTERS = ("grammar_mask_steps", "grammar_mask_rows", "grammar_mask_s", "gramma
             "grammar_mask_prefetched_rows", "grammar_mask_worker_s", "grammar_forced_masks", "steps",
             "decode_steps", "lookahead_steps", "fused_decode_launches", "fused_decode_beside_grammar",
             "fused_decode_with_grammar", "grammar_jumps", "grammar_forced_skipped", "grammar_jump_steps",
-            "grammar_mask_worker_calls", "grammar_mask_fused_steps", "grammar_mask_fused_s")
+            "grammar_mask_worker_calls", "grammar_mask_fused_steps", "grammar_mask_fused_s",
+            "fused_decode_late_captures")
 
 
 def valid_item(obj: Any) -> bool:
@@ -316,7 +317,8 @@ def print_table(result: dict[str, Any]) -> None:
                       f"{span([r['fused_fill_ms'] for r in rs if r['fused_fill_ms'] is not None], '{:.3f}')} ms; "
                       f"fused launches with grammar rows "
                       f"{sum(r['counters']['fused_decode_with_grammar'] for r in rs)} (beside, split off: "
-                      f"{sum(r['counters']['fused_decode_beside_grammar'] for r in rs)}); jump-forwards "
+                      f"{sum(r['counters']['fused_decode_beside_grammar'] for r in rs)}; graphs captured in the runs: "
+                      f"{sum(r['counters']['fused_decode_late_captures'] for r in rs)}); jump-forwards "
                       f"{sum(r['counters']['grammar_jumps'] for r in rs)}, forced tokens skipped "
                       f"{sum(r['counters']['grammar_forced_skipped'] for r in rs)}, jump steps "
                       f"{sum(r['counters']['grammar_jump_steps'] for r in rs)}; grammar accepts {sum(r['grammar_accepted'] for r in rs)}"
