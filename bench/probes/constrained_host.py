@@ -57,6 +57,7 @@ def install() -> None:
     from omni_async.structured import batch_mask, grammar, jump
 
     timed(batch_mask.GrammarMasks, "fill", "mask fill (launching thread)")
+    timed(batch_mask, "fill_rows", "fill: rows copied (incl. waits)")
     timed(grammar.GrammarMatcher, "accept", "matcher accept")
     timed(grammar.GrammarMatcher, "next_mask", "matcher next_mask (waits for the worker)")
     timed(jump, "single_token", "jump: one-bit test")
