@@ -76,7 +76,9 @@ ARMS = ("free", "quarter", "all")
 COUNTERS = ("grammar_mask_steps", "grammar_mask_rows", "grammar_mask_s", "grammar_mask_inline_rows",
             "grammar_mask_prefetched_rows", "grammar_mask_worker_s", "grammar_forced_masks", "steps",
             "decode_steps", "lookahead_steps", "fused_decode_launches", "fused_decode_beside_grammar",
-            "fused_decode_with_grammar", "grammar_jumps", "grammar_forced_skipped", "grammar_jump_steps")
+            "fused_decode_with_grammar", "grammar_jumps", "grammar_forced_skipped", "grammar_jump_steps",
+            "grammar_mask_worker_calls", "grammar_mask_fused_steps", "grammar_mask_fused_s",
+            "fused_decode_late_captures")
 
 
 def valid_item(obj: Any) -> bool:
@@ -196,6 +198,14 @@ async def run_arm(engine: Engine, work, arm: str, replay: GrammarReplay) -> dict
         "mask_pct_of_step": 100 * mask_ms / step_ms if mask_ms is not None and step_ms else None,
         "worker_ms_per_step": 1e3 * d["grammar_mask_worker_s"] / masked if masked else None,
         "mask_rows_per_step": d["grammar_mask_rows"] / masked if masked else None,
+        # the worker's library calls (one per processed step's rows, plus admissions) and
+        # the rows a call computed; the fill's time in fused launches, whose free rows wait too
+        "worker_calls_per_step": d["grammar_mask_worker_calls"] / masked if masked else None,
+        "worker_rows_per_call": (d["grammar_mask_prefetched_rows"] / d["grammar_mask_worker_calls"]
+                                 if d["grammar_mask_worker_calls"] else None),
+        "fused_fill_ms": (1e3 * d["grammar_mask_fused_s"] / d["grammar_mask_fused_steps"]
+                          if d["grammar_mask_fused_steps"] else None),
+        "mask_threads": info1.get("grammar_mask_threads"),
         "inline_rows": d["grammar_mask_inline_rows"],
         # forced masks over the constrained rows' tokens (a jump-forward computes some masks
         # on the loop thread, so the worker's rows are no longer every position)
@@ -300,9 +310,15 @@ def print_table(result: dict[str, Any]) -> None:
                       f"thread, worker {span([r['worker_ms_per_step'] for r in rs], '{:.3f}')} ms, "
                       f"{statistics.median(r['mask_rows_per_step'] for r in rs):.1f} rows; step "
                       f"{span([r['step_ms'] for r in rs], '{:.2f}')} ms; rows not computed ahead "
-                      f"{sum(r['inline_rows'] for r in rs)}; fused launches with grammar rows "
+                      f"{sum(r['inline_rows'] for r in rs)}; worker calls per masked step "
+                      f"{span([r['worker_calls_per_step'] for r in rs if r['worker_calls_per_step'] is not None], '{:.2f}')} "
+                      f"({span([r['worker_rows_per_call'] for r in rs if r['worker_rows_per_call'] is not None], '{:.1f}')} rows a call, "
+                      f"pool threads {rs[0]['mask_threads']}); fill per fused launch "
+                      f"{span([r['fused_fill_ms'] for r in rs if r['fused_fill_ms'] is not None], '{:.3f}')} ms; "
+                      f"fused launches with grammar rows "
                       f"{sum(r['counters']['fused_decode_with_grammar'] for r in rs)} (beside, split off: "
-                      f"{sum(r['counters']['fused_decode_beside_grammar'] for r in rs)}); jump-forwards "
+                      f"{sum(r['counters']['fused_decode_beside_grammar'] for r in rs)}; graphs captured in the runs: "
+                      f"{sum(r['counters']['fused_decode_late_captures'] for r in rs)}); jump-forwards "
                       f"{sum(r['counters']['grammar_jumps'] for r in rs)}, forced tokens skipped "
                       f"{sum(r['counters']['grammar_forced_skipped'] for r in rs)}, jump steps "
                       f"{sum(r['counters']['grammar_jump_steps'] for r in rs)}; grammar accepts {sum(r['grammar_accepted'] for r in rs)}"

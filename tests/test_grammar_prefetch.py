@@ -14,7 +14,8 @@ import pytest
 pytest.importorskip("llguidance")
 
 from omni_async import Engine, SamplingParams  # noqa: E402
-from omni_async.structured.grammar import GrammarCompiler, GrammarMatcher  # noqa: E402
+from omni_async.structured import prefetch  # noqa: E402
+from omni_async.structured.grammar import GrammarCompiler, GrammarMatcher, prefetch_all  # noqa: E402
 from omni_async.text.tokenizer import ByteTokenizer  # noqa: E402
 
 REGEX = r"[a-c]{2}-x[0-9]"
@@ -71,3 +72,72 @@ async def test_engine_masks_come_from_the_worker(loop):
     assert info["grammar_mask_inline_rows"] == 0
     assert info["grammar_mask_prefetched_rows"] >= info["grammar_mask_rows"]
     assert info["grammar_forced_masks"] >= 4 * 2
+
+
+@pytest.mark.parametrize("threads", [0, 2])
+def test_a_steps_rows_go_to_the_worker_as_one_call(threads):
+    """The rows a processed step accepted are queued together (``prefetch_all``, what the
+    batch core does): one library call on the worker per step, through llguidance's pool
+    or row by row, each row's mask equal to the one computed on the spot."""
+    tok = ByteTokenizer()
+    compiler = GrammarCompiler(tok, tok.vocab_size)
+    compiler.masks.threads = threads  # the pool is the engine's choice on 8+ CPUs only
+    words = (tok.vocab_size + 31) // 32
+    try:
+        ahead = [compiler.matcher(("regex", REGEX)) for _ in range(5)]
+        here = [GrammarMatcher(m.handle.deep_copy()) for m in ahead]
+        for i, ch in enumerate(b"ab-x"):
+            calls = compiler.masks.stats()["grammar_mask_worker_calls"]
+            later: list[GrammarMatcher] = []
+            for m, h in zip(ahead, here):
+                assert not m.accept(ch, later=later) and not h.accept(ch)
+            assert later == ahead
+            prefetch_all(later)
+            for j, (m, h) in enumerate(zip(ahead, here)):
+                got = m.next_mask()
+                assert got is not None and np.array_equal(got, inline_mask(h, words)), f"position {i + 1}, row {j}"
+            assert compiler.masks.stats()["grammar_mask_worker_calls"] == calls + 1
+    finally:
+        compiler.close()
+
+
+@pytest.mark.parametrize("loop,threads", [("normal", None), ("overlap", 2)])
+async def test_engine_queues_a_steps_masks_as_one(loop, threads, monkeypatch):
+    """8 constrained requests side by side: the worker's calls are bounded by the steps
+    and the admissions (one ticket each), not by the rows; also through llguidance's pool
+    and the hand-over (the engine's choice on 8+ CPUs, forced here)."""
+    if threads is not None:
+        monkeypatch.setattr(prefetch, "pool_threads", lambda cpus=None: threads)
+    n = 8
+    sps = [SamplingParams(max_new_tokens=16, regex=REGEX, temperature=1.0, seed=s) for s in range(n)]
+    async with Engine.from_pretrained("tiny", device="cpu", loop=loop) as engine:
+        results = await asyncio.gather(*[engine.generate(prompt="id:", sampling=sp) for sp in sps])
+        info = engine.scheduler.info()
+    assert all(r.finish_reason == "stop" and re.fullmatch(REGEX, r.text) for r in results)
+    assert info["grammar_mask_prefetched_rows"] >= n * 5
+    assert info["grammar_mask_worker_calls"] <= info["steps"] + n
+    assert info["grammar_mask_threads"] == (threads or prefetch.pool_threads())
+
+
+def test_a_failed_computation_leaves_its_rows_to_the_fill_and_the_worker_running():
+    tok = ByteTokenizer()
+    compiler = GrammarCompiler(tok, tok.vocab_size)
+    worker = compiler.masks
+    real = worker._compute
+    calls = []
+
+    def first_fails(todo):
+        calls.append(len(todo))
+        if len(calls) == 1:
+            raise RuntimeError("the library failed")
+        real(todo)
+
+    worker._compute = first_fails
+    try:
+        m = compiler.matcher(("regex", REGEX))
+        assert m.next_mask() is None  # the fill computes this one itself
+        assert not m.accept(ord("a"))
+        assert m._ticket is not None and m._ticket.done.wait(timeout=30), "the worker stopped"
+        assert m.next_mask() is not None and len(calls) == 2
+    finally:
+        compiler.close()

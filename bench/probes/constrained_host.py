@@ -12,6 +12,7 @@ matcher's ``accept`` (the library's consume and queueing the next mask), jump-fo
 row-step (a row in a step) and per generated token, with and without jump-forward.
 
     python bench/probes/constrained_host.py --requests 32 --tokens 96
+    python bench/probes/constrained_host.py --jump off --torch-threads 1   # without jump-forward only
 """
 
 from __future__ import annotations
@@ -27,11 +28,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent))
 
+from _common import machine_facts, save_json  # noqa: E402
 from constrained import SCHEMA  # noqa: E402
 
 from omni_async import Engine, SamplingParams  # noqa: E402
 
 TIMES: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+JUMPS = {"both": (False, True), "off": (False,), "on": (True,)}
 
 
 def timed(owner, name: str, label: str) -> None:
@@ -54,6 +57,7 @@ def install() -> None:
     from omni_async.structured import batch_mask, grammar, jump
 
     timed(batch_mask.GrammarMasks, "fill", "mask fill (launching thread)")
+    timed(batch_mask, "fill_rows", "fill: rows copied (incl. waits)")
     timed(grammar.GrammarMatcher, "accept", "matcher accept")
     timed(grammar.GrammarMatcher, "next_mask", "matcher next_mask (waits for the worker)")
     timed(jump, "single_token", "jump: one-bit test")
@@ -80,13 +84,20 @@ async def run(args: argparse.Namespace, jump: bool) -> dict:
     tokens = sum(len(r.output_ids) for r in results)
     row_steps = d.get("grammar_mask_rows", 0)
     return {"jump": jump, "wall_s": wall, "tokens": tokens, "row_steps": row_steps, "steps": d.get("steps", 0),
-            "skipped": d.get("grammar_forced_skipped", 0), "times": {k: tuple(v) for k, v in TIMES.items()}}
+            "skipped": d.get("grammar_forced_skipped", 0), "worker_calls": d.get("grammar_mask_worker_calls"),
+            "worker_s": d.get("grammar_mask_worker_s", 0.0), "masked_steps": d.get("grammar_mask_steps", 0),
+            "times": {k: tuple(v) for k, v in TIMES.items()}}
 
 
 def report(r: dict) -> None:
     rows = max(r["row_steps"], 1)
     print(f"\njump_forward={r['jump']}: {r['tokens']} tokens in {r['wall_s']:.1f} s, {r['steps']} steps, "
           f"{r['row_steps']} masked row-steps, {r['skipped']} forced tokens skipped")
+    masked = max(r["masked_steps"], 1)
+    calls = r["worker_calls"]
+    print(f"  mask worker: {1e3 * r['worker_s'] / masked:.2f} ms per masked step, "
+          + (f"{calls / masked:.2f} library calls per masked step, {r['row_steps'] / max(calls, 1):.1f} rows a call"
+             if calls is not None else "calls not counted (before the step's rows went as one ticket)"))
     print(f"  {'function':45s} {'calls':>7s} {'total ms':>9s} {'us/row-step':>12s} {'us/token':>9s}")
     for label, (sec, calls) in sorted(r["times"].items(), key=lambda kv: -kv[1][0]):
         print(f"  {label:45s} {calls:7d} {1e3 * sec:9.1f} {1e6 * sec / rows:12.1f} {1e6 * sec / r['tokens']:9.1f}")
@@ -100,15 +111,24 @@ def main() -> int:
     p.add_argument("--tokens", type=int, default=96)
     p.add_argument("--decode-steps", type=int, default=4)
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--jump", choices=("both", "off", "on"), default="both", help="jump_forward runs (default both)")
+    p.add_argument("--torch-threads", type=int, default=None)
+    p.add_argument("--out", default="constrained_host.json")
     args = p.parse_args()
+    if args.torch_threads:
+        import torch
+
+        torch.set_num_threads(args.torch_threads)
     install()
     runs = []
     for rep in range(args.repeats):  # interleaved
-        for jump in (False, True):
+        for jump in JUMPS[args.jump]:
             r = asyncio.run(run(args, jump))
             runs.append(r)
             report(r)
-    for jump in (False, True):
+    path = save_json(args.out, {"machine": machine_facts(), "args": vars(args), "runs": runs})
+    print(f"saved {path}")
+    for jump in JUMPS[args.jump]:
         walls = [r["wall_s"] for r in runs if r["jump"] == jump]
         print(f"jump_forward={jump}: wall {statistics.median(walls):.1f} s [{min(walls):.1f}-{max(walls):.1f}]")
     return 0

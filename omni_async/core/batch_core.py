@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 from ..config import SchedulerConfig
 from ..kv.allocator import PageAllocator
@@ -337,7 +337,11 @@ class NativeBatchCore(BatchCore):
         flat pass, :mod:`.step_results`), then the rows that ended are finished here,
         where their KV is freed."""
         process = process_one_forward if batch.row_steps is None else process_multi_step
-        outcomes, finishes = process(batch, tokens, logprobs, self.context_length)
+        accepted: list[Any] = []  # constrained rows that run on: their next masks, queued as one
+        outcomes, finishes = process(batch, tokens, logprobs, self.context_length, accepted)
+        if accepted:
+            from ..structured.grammar import prefetch_all  # here: a core without grammars imports no tokenizer
+            prefetch_all(accepted)
         if self.config.jump_forward and (batch.grammar_rows or batch.row_steps is None):
             jump_rows(outcomes, finishes, self.context_length, jump_most(self.decode_plan, self.page_size), self.jump_due)
         if batch.ends_unsampled:

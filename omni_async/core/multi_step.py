@@ -16,7 +16,7 @@ so the tokens equal those of k = 1. Their KV writes land beyond the finished seq
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from .conditioning import ready_positions
 from .protocol import StepOutcome
@@ -85,12 +85,13 @@ def row_steps(decoding: list[Request], k: int, context_length: int) -> tuple[lis
 
 
 def process_multi_step(
-    batch: "ScheduledBatch", tokens: Sequence[int], logprobs: Sequence[float] | None, context_length: int
+    batch: "ScheduledBatch", tokens: Sequence[int], logprobs: Sequence[float] | None, context_length: int,
+    accepted: list[Any] | None = None,
 ) -> tuple[list[StepOutcome], list[tuple[Request, str]]]:
     """``process_result`` of a multi-step decode: each live row's outcome, and the rows
     that end with it and why (the batch core finishes those: their KV is its to free).
     ``tokens`` (and ``logprobs``) are forward-major: row i's j-th token is at
-    ``j * batch.size + i``."""
+    ``j * batch.size + i``. ``accepted``: as in ``step_results.process_one_forward``."""
     outcomes: list[StepOutcome] = []
     finishes: list[tuple[Request, str]] = []
     size, ctx = batch.size, context_length
@@ -122,7 +123,8 @@ def process_multi_step(
             first = i
             if req.matcher is not None:  # one token sampled, by its last forward (the others fed forced tokens)
                 row, first = row[-1:], end - size
-            kept, lps, reason = _walk_row(req, row, None if logprobs is None else logprobs[first:end:size], ctx)
+            kept, lps, reason = _walk_row(req, row, None if logprobs is None else logprobs[first:end:size], ctx,
+                                           accepted)
         if reason == "error":  # its grammar failed: no token; the stage ends it with an error
             finishes.append((req, reason))
             outcomes.append(StepOutcome(req, None, finished=True))
@@ -134,7 +136,8 @@ def process_multi_step(
     return outcomes, finishes
 
 
-def _walk_row(req: Request, row: Sequence[int], row_lps: Sequence[float] | None, ctx: int):
+def _walk_row(req: Request, row: Sequence[int], row_lps: Sequence[float] | None, ctx: int,
+              accepted: list[Any] | None = None):
     """A row holding a stop id or under a grammar, token by token: what it keeps, their
     logprobs, and why it ended (None: it runs on; "error": its grammar failed). The
     checks are those of a one-forward step (``core.step_results``), in the same order."""
@@ -150,7 +153,7 @@ def _walk_row(req: Request, row: Sequence[int], row_lps: Sequence[float] | None,
             req.output_logprobs.append(lp)
             lps.append(lp)
         n = len(out)
-        if (token in stop_ids and n > sp.min_new_tokens) or (matcher is not None and matcher.accept(token)):
+        if (token in stop_ids and n > sp.min_new_tokens) or (matcher is not None and matcher.accept(token, later=accepted)):
             return kept, lps, "error" if matcher is not None and matcher.failed else "stop"
         if req.tokens_left(ctx, scheduling=False) <= 0:
             return kept, lps, "length"

@@ -9,7 +9,7 @@ the pass is one flat loop with its lookups hoisted."""
 from __future__ import annotations
 
 from itertools import repeat
-from typing import Sequence
+from typing import Any, Sequence
 
 from .batch import ScheduledBatch
 from .protocol import StepOutcome
@@ -17,9 +17,12 @@ from .request import Request
 
 
 def process_one_forward(
-    batch: ScheduledBatch, tokens: Sequence[int], logprobs: Sequence[float] | None, context_length: int
+    batch: ScheduledBatch, tokens: Sequence[int], logprobs: Sequence[float] | None, context_length: int,
+    accepted: list[Any] | None = None,
 ) -> tuple[list[StepOutcome], list[tuple[Request, str]]]:
-    """Each live row's outcome, and the rows that end with this step and why."""
+    """Each live row's outcome, and the rows that end with this step and why. The
+    matchers of constrained rows that run on are appended to ``accepted`` (their next
+    masks are queued together once the step is processed), else each queues its own."""
     outcomes: list[StepOutcome] = []
     finishes: list[tuple[Request, str]] = []
     add = outcomes.append
@@ -48,7 +51,7 @@ def process_one_forward(
         if stops is None:
             stops = req.stop_ids()
         reason = None
-        if (token in stops and n > sp.min_new_tokens) or (req.matcher is not None and req.matcher.accept(token)):
+        if (token in stops and n > sp.min_new_tokens) or (req.matcher is not None and req.matcher.accept(token, later=accepted)):
             reason = "stop"  # a stop token, or the grammar is complete
             if req.matcher is not None and req.matcher.failed:  # the grammar failed, not complete:
                 finishes.append((req, "error"))  # no token; the stage ends it with an error

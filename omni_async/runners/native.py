@@ -155,7 +155,7 @@ class NativeModelRunner(ModelRunner):
             return self._decode_ctx(tables, positions, slots, None, fb.span + j, kv_lens=kv_lens)
 
         if fb.mode.grammar:  # its rows under a grammar sample their one token under their masks
-            fb.allowed = self.grammar_masks.fill(fb.batch, self.inputs.vocab, self.device)
+            fb.allowed = self.grammar_masks.fill(fb.batch, self.inputs.vocab, self.device, fused=True)
         out, hidden = fused.run(fb, self.inputs, eager_ctx)
         size = fb.batch.size
         self.inputs.publish_steps(fb.rows.slots_dev, own_tokens(fb, out))

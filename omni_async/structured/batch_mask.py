@@ -9,18 +9,14 @@ flight (:func:`omni_async.core.request.mask_ready`), and runs it one forward per
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Any
 
 import torch
 
+from .prefetch import PARALLEL_MIN_ROWS, pool_threads
+
 _EXECUTOR: Any = None
-# llguidance's thread pool pays a wake-up per fill: on a 2-core host it was 2-20x slower than
-# one thread at 4-64 rows (~15 us a row there; bench/probes/grammar_libraries.py measures both).
-# It is used only for many rows on a host with cores to spare.
-PARALLEL_MIN_ROWS = 16
-PARALLEL_MIN_CPUS = 8
 
 
 class GrammarMasks:
@@ -34,9 +30,13 @@ class GrammarMasks:
         self.rows = 0
         self.seconds = 0.0
         self.inline_rows = 0
+        self.fused_steps = 0  # fills of multi-step launches (free rows beside), and their seconds
+        self.fused_seconds = 0.0
         self._worker: Any = None  # the mask worker the filled rows' matchers use
 
-    def fill(self, batch: Any, vocab: int, device: torch.device) -> torch.Tensor | None:
+    def fill(self, batch: Any, vocab: int, device: torch.device, fused: bool = False) -> torch.Tensor | None:
+        """The step's bitmask (None without a constrained row); ``fused``: a multi-step
+        launch, whose free rows wait for it too (counted apart: what masks cost them)."""
         t0 = time.perf_counter()
         rows = grammar_rows(batch)
         if not rows:
@@ -51,16 +51,22 @@ class GrammarMasks:
         mask = bitmask.to(device, non_blocking=True) if device.type != "cpu" else bitmask
         self.steps += 1
         self.rows += len(rows)
-        self.seconds += time.perf_counter() - t0
+        took = time.perf_counter() - t0
+        self.seconds += took
+        if fused:
+            self.fused_steps += 1
+            self.fused_seconds += took
         return mask
 
     def stats(self) -> dict[str, float]:
         out = {"grammar_mask_steps": self.steps, "grammar_mask_rows": self.rows, "grammar_mask_s": self.seconds,
-               "grammar_mask_inline_rows": self.inline_rows}
+               "grammar_mask_inline_rows": self.inline_rows,
+               "grammar_mask_fused_steps": self.fused_steps, "grammar_mask_fused_s": self.fused_seconds}
         worker = self._worker
         out.update(worker.stats() if worker is not None else
-                   {"grammar_mask_prefetched_rows": 0, "grammar_mask_worker_s": 0.0, "grammar_forced_masks": 0,
-                    "grammar_jumps": 0, "grammar_forced_skipped": 0})
+                   {"grammar_mask_prefetched_rows": 0, "grammar_mask_worker_s": 0.0, "grammar_mask_worker_calls": 0,
+                    "grammar_mask_threads": pool_threads(), "grammar_forced_masks": 0, "grammar_jumps": 0,
+                    "grammar_forced_skipped": 0})
         return out
 
 
@@ -101,12 +107,13 @@ def fill_rows(rows: list[tuple[Any, int]], bitmask: torch.Tensor) -> int:
 def compute_rows(rows: list[tuple[Any, int]], bitmask: torch.Tensor) -> None:
     """Each ``(library matcher, row)``'s mask computed straight into ``bitmask``."""
     stride = bitmask.shape[1] * 4
-    if len(rows) >= PARALLEL_MIN_ROWS and (os.cpu_count() or 1) >= PARALLEL_MIN_CPUS:
+    threads = pool_threads()  # llguidance's pool only where it pays (see .prefetch)
+    if len(rows) >= PARALLEL_MIN_ROWS and threads:
         global _EXECUTOR
         if _EXECUTOR is None:
             import llguidance  # not llguidance.torch: importing it compiles a kernel (seconds)
 
-            _EXECUTOR = llguidance.LLExecutor()
+            _EXECUTOR = llguidance.LLExecutor(num_threads=threads)
         _EXECUTOR.unsafe_compute_mask_ptr(rows, bitmask.data_ptr(), stride, bitmask.shape[0])
         return
     base = bitmask.data_ptr()

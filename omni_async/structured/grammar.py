@@ -21,7 +21,7 @@ from collections import OrderedDict
 from typing import Any, Callable
 
 from ..errors import InvalidRequestError
-from .prefetch import MaskWorker
+from .prefetch import MaskTicket, MaskWorker
 from .vocab import TokenVocab, token_vocab
 
 # JSON comes out as ``json.dumps`` writes it (", " and ": ", no other whitespace) unless the
@@ -36,27 +36,31 @@ class GrammarMatcher:
     ``complete`` says the grammar admits nothing more (the request then ends, "stop").
 
     With a :class:`~omni_async.structured.prefetch.MaskWorker`, each position's mask is
-    computed ahead on the worker (queued by ``accept`` and ``prefetch``) and the step's
-    fill takes it from :meth:`next_mask`. The library's matcher is never touched by two
-    threads at once: every method here first waits for a computation in flight."""
+    computed ahead on the worker (queued by :func:`prefetch_all` for a processed step's
+    rows, by ``accept`` or ``prefetch`` alone) and the step's fill takes it from
+    :meth:`next_mask`. The library's matcher is never touched by two threads at once:
+    every method here first waits for a computation in flight."""
 
-    __slots__ = ("_m", "_on_fail", "_worker", "_buf", "_valid", "_done")
+    __slots__ = ("_m", "_on_fail", "_worker", "_ticket", "_row", "_buf", "_valid")
 
     def __init__(self, matcher: Any, on_fail: Callable[[str], None] | None = None, worker: Any = None) -> None:
         self._m = matcher
         self._on_fail = on_fail  # told once, when the grammar fails
         self._worker = worker
-        self._buf: Any = None  # the next mask ([words] int32) once the worker computed it
+        self._ticket: MaskTicket | None = None  # the worker's computation of this position's mask
+        self._row = 0  # this matcher's row in it
+        self._buf: Any = None  # a mask computed on this thread (mask_now), while _valid
         self._valid = False
-        self._done: threading.Event | None = None  # clear while the worker computes
 
-    def accept(self, token: int, prefetch: bool = True) -> bool:
+    def accept(self, token: int, prefetch: bool = True, later: list["GrammarMatcher"] | None = None) -> bool:
         """Advance by ``token``; True when the grammar has ended: complete, or failed
         (:attr:`failed` then says why, and the request ends with an error). A token the
         grammar refuses (it can only come from outside the mask) also ends the grammar.
-        Otherwise the next mask is queued on the worker (unless ``prefetch`` is False:
-        the caller computes it now, :meth:`mask_now`)."""
+        Otherwise the next mask is queued on the worker: now, or, given ``later``, by the
+        caller with the rest of its step (this matcher appended; :func:`prefetch_all`);
+        not at all when ``prefetch`` is False (the caller computes it, :meth:`mask_now`)."""
         self._settle()
+        self._ticket = None
         self._valid = False
         ok = self._m.consume_token(int(token))
         if self._m.is_error():
@@ -66,37 +70,25 @@ class GrammarMatcher:
             return True
         if not ok or self._m.is_stopped():
             return True
-        if prefetch:
+        if later is not None:
+            later.append(self)
+        elif prefetch:
             self.prefetch()
         return False
 
     def prefetch(self) -> None:
         """Queue the mask of the current position on the worker (nothing without one)."""
-        worker = self._worker
-        if worker is None or self._valid:
-            return
-        if self._buf is None:
-            import numpy as np
-
-            self._buf = np.empty(worker.words, dtype=np.int32)
-            self._done = threading.Event()
-        else:
-            self._settle()
-        assert self._done is not None
-        self._done.clear()
-        if not worker.submit(self._m, self._buf, self):
-            self._done.set()
-
-    def _prefetched(self, buf: Any) -> None:
-        """The worker's answer (on its thread): the mask is in ``buf``, or None (failed)."""
-        self._valid = buf is not None
-        assert self._done is not None
-        self._done.set()
+        prefetch_all([self])
 
     def _settle(self) -> None:
-        done = self._done
-        if done is not None and not done.is_set():
-            done.wait()
+        ticket = self._ticket
+        if ticket is not None and not ticket.done.is_set():
+            ticket.done.wait()
+
+    def _ahead(self) -> Any:
+        """The worker's mask of this position (after waiting for it), else None."""
+        ticket = self._ticket
+        return ticket.mask(self._row) if ticket is not None else None
 
     def mask_now(self) -> Any:
         """The current position's mask, computed on this thread unless the worker has it
@@ -105,7 +97,9 @@ class GrammarMatcher:
         worker = self._worker
         if worker is None:
             return None
-        self._settle()
+        ahead = self._ahead()
+        if ahead is not None:
+            return ahead
         if not self._valid:
             if self._buf is None:
                 import numpy as np
@@ -126,8 +120,11 @@ class GrammarMatcher:
 
     def next_mask(self) -> Any:
         """The current position's mask from the worker (waiting for it while in flight),
-        or None: not computed ahead (the caller computes it through :attr:`handle`)."""
-        self._settle()
+        or one :meth:`mask_now` computed; None: not computed ahead (the caller computes it
+        through :attr:`handle`)."""
+        ahead = self._ahead()
+        if ahead is not None:
+            return ahead
         return self._buf if self._valid else None
 
     @property
@@ -147,6 +144,30 @@ class GrammarMatcher:
         """The library's matcher (for the batch mask fill), once no computation is in flight."""
         self._settle()
         return self._m
+
+
+def prefetch_all(matchers: list[GrammarMatcher]) -> None:
+    """Queue the current position's mask of each of ``matchers`` (one processed step's
+    rows) on their worker as one ticket: the worker computes them in one call (see
+    :mod:`.prefetch` for why not row by row). Matchers without a worker, or whose mask
+    is already there or queued, are left out."""
+    worker = None
+    todo: list[GrammarMatcher] = []
+    for m in matchers:
+        if m._worker is None or m._ticket is not None or m._valid:
+            continue
+        if worker is not None and m._worker is not worker:  # another compiler's worker: its own ticket
+            prefetch_all([m])
+            continue
+        worker = m._worker
+        todo.append(m)
+    if worker is None:
+        return
+    ticket = worker.submit([m._m for m in todo])
+    if ticket is None:  # closed: the fill computes them
+        return
+    for j, m in enumerate(todo):
+        m._ticket, m._row = ticket, j
 
 
 class GrammarCompiler:
