@@ -149,10 +149,10 @@ async def _stream_all(engine, lag: bool) -> list[tuple]:
 
 @pytest.mark.parametrize("loop", LOOPS)
 async def test_the_engine_without_a_tokenizer_streams_what_it_returns(loop):
-    """The engine's router takes a step's plain rows as columns and, without a tokenizer,
-    puts their ids and logprobs straight into each reader's pending delta: what a
-    reader that keeps up and one that comes after the end see adds up to the result, and
-    both equal the tokens of the message path (the scheduler's own outbox form)."""
+    """The engine's router takes a step's plain rows as columns: what a reader that keeps
+    up and one that comes after the end see adds up to the result (n>1, logprobs,
+    multi-step rows), and both equal the tokens of the message path (the scheduler's
+    own outbox form)."""
     from omni_async import Engine
 
     runs = {}

@@ -65,32 +65,13 @@ class OutputCollector:
         if cur is None:
             self._pending[delta.index] = delta
             return
-        merge_into(cur, delta, self._owned(delta.index, cur))
-
-    def put_tokens(self, index: int, request_id: str, token_ids: list[int], logprobs: list[float] | None) -> None:
-        """``put`` of a plain delta (ids and logprobs, nothing else, not finished): made
-        only when nothing is pending for ``index``, else merged into the pending one."""
-        cur = self._pending.get(index)
-        if cur is None:
-            self._pending[index] = StreamDelta(request_id, token_ids, logprobs, index=index)
-            return
-        self._owned(index, cur)
-        cur.token_ids.extend(token_ids)
-        if logprobs is not None:
-            if cur.logprobs is None:
-                cur.logprobs = []
-            cur.logprobs.extend(logprobs)
-
-    def _owned(self, index: int, cur: StreamDelta) -> list[str]:
-        """The pending delta's lists made its own before its first merge (they may be
-        the stage's: merging extends them in place); its gathered text parts."""
-        texts = self._texts.get(index)
+        texts = self._texts.get(delta.index)
         if texts is None:
-            texts = self._texts[index] = [cur.text] if cur.text else []
-            cur.token_ids = list(cur.token_ids)
+            texts = self._texts[delta.index] = [cur.text] if cur.text else []
+            cur.token_ids = list(cur.token_ids)  # owned from here on: extended in place
             cur.logprobs = list(cur.logprobs) if cur.logprobs is not None else None
             cur.top_logprobs = list(cur.top_logprobs) if cur.top_logprobs is not None else None
-        return texts
+        merge_into(cur, delta, texts)
 
     def close(self) -> None:
         """No more deltas will come (the handle ended)."""

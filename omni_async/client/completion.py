@@ -33,9 +33,6 @@ class Completion:
         self._tokenizer = tokenizer
         self._skip_special = sampling.skip_special_tokens
         self._decoder = tokenizer.decode_stream(sampling.skip_special_tokens) if tokenizer is not None else None
-        # No tokenizer: no text and no stop strings, so a delta's ids and logprobs are
-        # taken as they are (the handle's per-row fast path for a step's columns).
-        self.plain = self._decoder is None
         self._stops = StopMatcher(sampling.stop, sampling.include_stop_str_in_output)
         self._flushed = False
         self._want_hidden = sampling.return_hidden_states

@@ -138,16 +138,6 @@ class RequestHandle:
         comp = self._by_sub.get(sub_id)
         if comp is None or comp.done or self._ended:
             return  # e.g. the abort that follows a stop string
-        if finish_reason is None and comp.plain:
-            # The row of nearly every step without a tokenizer: the ids (and logprobs) go
-            # into the completion and the reader's pending delta, with no delta object
-            # while the reader has one pending (on_delta's path does the same work in
-            # five calls; this runs for every running request on every step).
-            comp.output_ids.extend(token_ids)
-            if logprobs is not None:
-                comp.logprobs.extend(logprobs)
-            self._collector.put_tokens(comp.index, sub_id, token_ids, logprobs)
-            return
         final = finish_reason is not None
         self._on_stream(comp, StreamDelta(sub_id, token_ids, logprobs, final, finish_reason), final)
 
