@@ -46,9 +46,11 @@ LOOPS = ("normal", "overlap", "async_decode")
 # ------------------------------------------------------------------ the null device
 
 
-def install_null_device(engine, device_s: float = 0.0) -> None:
+def install_null_device(engine, device_s: float = 0.0, fused: bool = False) -> None:
     """Swap the engine's device work for a null step: decode through a stand-in for the
-    captured graphs, prefill without a forward, decode launches inline on the loop."""
+    captured graphs, prefill without a forward, decode launches inline on the loop.
+    ``fused``: a multi-step decode goes through the fused launch's host path as on the
+    GPU (one stand-in replay for its k forwards), not k one-forward replays."""
     import torch
 
     from omni_async.stage.executor import InlineStepExecutor
@@ -80,6 +82,9 @@ def install_null_device(engine, device_s: float = 0.0) -> None:
             self.ok = torch.ones(cap, dtype=torch.bool)
             self.hidden = torch.zeros((cap, 1))
             self.replays = 0
+            self.counted = 0  # replays already charged to a step's device time
+            self.device_s_total = 0.0  # the modelled device's busy time, all steps
+            self.free_at = 0.0  # when the modelled device finishes what is queued
 
         def bucket_for(self, bs: int) -> int | None:
             return bs if bs <= cap else None
@@ -98,12 +103,17 @@ def install_null_device(engine, device_s: float = 0.0) -> None:
             return GraphOutputs(self.logits[:bs], self.hidden[:bs], fake_tokens(self.input_ids[:bs], self.positions[:bs]), self.ok[:bs])
 
     class NullEvent:
-        """A CUDA event stand-in: done ``device_s`` after the launch, and never at the
+        """A CUDA event stand-in: done ``device_s`` per forward after the later of its
+        launch and the step before it (one queue, as on a device), and never at the
         first two queries, so the loop's cooperative wait yields once per step as it
         does while a real step runs."""
 
         def __init__(self) -> None:
-            self.done_at = time.perf_counter() + device_s
+            forwards = max(1, graphs.replays - graphs.counted)
+            graphs.counted = graphs.replays
+            busy = device_s * forwards
+            graphs.device_s_total += busy
+            graphs.free_at = self.done_at = max(time.perf_counter(), graphs.free_at) + busy
             self.queries = 0
 
         def query(self) -> bool:
@@ -131,8 +141,47 @@ def install_null_device(engine, device_s: float = 0.0) -> None:
 
     runner.__class__ = NullDeviceRunner
     runner.graphs = graphs
+    if fused and runner.fused_decode is not None:
+        install_null_fused(runner, graphs, fake_tokens, cap)
     executor = InlineStepExecutor(event_waiter=sched.executor.event_waiter)
     sched.executor = sched.stepper.executor = executor
+
+
+def install_null_fused(runner, graphs, fake_tokens, cap: int) -> None:
+    """Multi-step decodes through the fused launch's host path (``plan_fused``, the
+    ``[B, 5]`` inputs, ``publish_steps``), its replay replaced by what a replay costs the
+    host: the inputs copied into a static buffer, the rows' newest tokens gathered, and
+    the k forwards as k elementwise ops (tokens equal the one-forward replays')."""
+    import torch
+
+    from omni_async.runners.fused_decode import POSITION, SLOT
+    from omni_async.runners.fused_split import plan_fused
+
+    fused = runner.fused_decode
+    static = torch.zeros((cap, 5), dtype=torch.long)
+
+    def null_run(fb, slots, eager_ctx):
+        fused.launches += 1
+        n = fb.host.shape[0]
+        inputs = static[:n]
+        inputs.copy_(torch.from_numpy(fb.host))
+        token = slots.last_token.index_select(0, inputs[:, SLOT])
+        out = torch.ones((2, fb.steps, n), dtype=torch.long)
+        for j in range(fb.steps):
+            token = fake_tokens(token, inputs[:, POSITION] + j)
+            out[0, j] = token
+        graphs.replays += fb.steps  # the modelled device's forwards
+        fb.inputs_dev = inputs
+        return out, None
+
+    def fused_batch(batch, rows, sidx, capture=False):
+        def rest(sub, sub_rows, sub_sidx):
+            return runner._unfused_decode(sub, sub_rows, sub_sidx, capture)
+
+        return plan_fused(fused, runner.inputs, batch, rows, sidx, False, rest)
+
+    fused.run = null_run
+    runner._fused_batch = fused_batch
 
 
 # ------------------------------------------------------------------ one process, one checkout
@@ -197,7 +246,9 @@ async def run_workload(engine, reqs: list[list[int]], new: int) -> tuple[dict, l
             out.extend(d.token_ids)
         return out
 
-    steps0 = engine.scheduler.stats.decode_steps
+    steps0, all0 = engine.scheduler.stats.decode_steps, engine.scheduler.stats.steps
+    graphs = engine.scheduler.runner.graphs
+    busy0 = graphs.device_s_total
     with GcWatch() as gcw:
         cpu0, t0 = time.process_time(), time.perf_counter()
         outs = await asyncio.gather(*(one(p) for p in reqs))
@@ -215,6 +266,9 @@ async def run_workload(engine, reqs: list[list[int]], new: int) -> tuple[dict, l
         "tokens": tokens,
         "cpu_over_wall": cpu / wall,
         "decode_steps": engine.scheduler.stats.decode_steps - steps0,
+        "steps": engine.scheduler.stats.steps - all0,
+        # With --device-us: the modelled device's busy fraction of the wall (GPU busy).
+        "device_busy": (graphs.device_s_total - busy0) / wall,
         "ticker_p50_ms": 1e3 * pct(lags, 50),
         "ticker_p99_ms": 1e3 * pct(lags, 99),
         "ticker_max_ms": 1e3 * max(lags, default=0.0),
@@ -224,7 +278,7 @@ async def run_workload(engine, reqs: list[list[int]], new: int) -> tuple[dict, l
     }, outs
 
 
-def make_engine(loop: str, batch: int, device_s: float, decode_steps: int = 1):
+def make_engine(loop: str, batch: int, device_s: float, decode_steps: int = 1, fused: bool = False):
     from omni_async import Engine
 
     eng = Engine.from_pretrained(
@@ -232,7 +286,7 @@ def make_engine(loop: str, batch: int, device_s: float, decode_steps: int = 1):
         max_prefill_tokens=8192, chunked_prefill_size=8192, max_queued_requests=8192, decode_steps=decode_steps,
     )
     eng.tokenizer = None  # as in the GPU workload (a random checkpoint has no tokenizer)
-    install_null_device(eng, device_s)
+    install_null_device(eng, device_s, fused)
     return eng
 
 
@@ -261,7 +315,7 @@ async def child_main(args) -> dict:
     out: dict = {"package": str(Path(omni_async.__file__).parent), "batches": {}}
     for batch in [int(b) for b in args.batches.split(",")]:
         ks = [int(k) for k in args.decode_steps.split(",")]
-        engines = {(loop if len(ks) == 1 else f"{loop}/k{k}"): make_engine(loop, batch, args.device_us * 1e-6, k)
+        engines = {(loop if len(ks) == 1 else f"{loop}/k{k}"): make_engine(loop, batch, args.device_us * 1e-6, k, args.fused)
                    for k in ks for loop in loops}
         reqs = workload(batch, seed=batch, vocab=250)
         for eng in engines.values():
@@ -319,7 +373,7 @@ def run_child(code: str, args) -> dict:
         sys.executable, str(BENCH / "host_overhead.py"), "--child", "--batches", args.batches, "--loops", args.loops,
         "--new", str(args.new), "--child-repeats", "1",
         "--device-us", str(args.device_us), "--decode-steps", args.decode_steps,
-    ]
+    ] + (["--fused"] if args.fused else [])
     cmd += ["--gc", args.gc]
     env = dict(os.environ, PYTHONPATH=str(Path(code).resolve()))
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=str(Path(code).resolve()))
@@ -339,8 +393,9 @@ def main() -> int:
     ap.add_argument("--batches", default="256,64")
     ap.add_argument("--loops", default=",".join(LOOPS))
     ap.add_argument("--new", type=int, default=128)
-    ap.add_argument("--device-us", type=float, default=0.0, help="null step's device time per step (0: none)")
+    ap.add_argument("--device-us", type=float, default=0.0, help="null device's time per forward (0: none)")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--fused", action="store_true", help="multi-step decodes through the fused launch's host path (the GPU's)")
     ap.add_argument("--decode-steps", default="1", help="decode_steps values, side by side (variants loop/kN)")
     ap.add_argument("--code", action="append", help="checkout to import omni_async from (repeatable)")
     ap.add_argument("--labels", default="", help="comma-separated labels of the --code checkouts")
@@ -366,11 +421,12 @@ def main() -> int:
             per[label].append(r)
             for b, br in r["batches"].items():
                 line = "  ".join(f"{loop} {runs[0]['us_per_token']:.2f}/{runs[0]['cpu_us_per_token']:.2f}"
+                                 f" busy {runs[0].get('device_busy', 0.0):.2f}"
                                  for loop, runs in br["runs"].items())
                 print(f"rep {rep} {label:>8} batch {b:>4}: us/token wall/cpu {line}  equal={br['loops_equal']}", flush=True)
     result: dict = {"config": vars(args), "labels": labels, "runs": per, "summary": {}}
     print(f"\n{'label':>8} {'batch':>5} {'loop':>20} {'us/token median (min-max)':>28} {'spread':>7} {'cpu us/token':>12} "
-          f"{'tick p99 ms':>11} {'tick max':>8} {'gc2 passes':>10} {'gc max ms':>9}")
+          f"{'tick p99 ms':>11} {'tick max':>8} {'gc2 passes':>10} {'gc max ms':>9} {'busy':>5} {'host ms/step':>12}")
     for label in labels:
         for b in per[label][0]["batches"]:
             for loop in per[label][0]["batches"][b]["runs"]:
@@ -384,11 +440,17 @@ def main() -> int:
                     "gc_gen2_passes": [x["gc_passes"][2] for x in runs],
                     "gc_max_pause_ms": max(x["gc_max_pause_ms"] for x in runs),
                     "loops_equal": all(r["batches"][b]["loops_equal"] for r in per[label]),
+                    "device_busy": summary([x.get("device_busy", 0.0) for x in runs]),
+                    # The modelled device's idle time per step (prefill and decode): the host's
+                    # share of a step where nothing overlaps it (the normal loop).
+                    "host_ms_per_step": summary([1e3 * max(0.0, x["wall_s"] * (1 - x.get("device_busy", 0.0))) / max(1, x.get("steps", x["decode_steps"])) for x in runs]),
                 }
                 print(f"{label:>8} {b:>5} {loop:>20} {s['median']:>10.2f} ({s['min']:.2f}-{s['max']:.2f}) "
                       f"{s['spread_pct']:>6}% {c['median']:>12.2f} {statistics.median(x['ticker_p99_ms'] for x in runs):>11.2f} "
                       f"{max(x['ticker_max_ms'] for x in runs):>8.1f} {max(x['gc_passes'][2] for x in runs):>10} "
-                      f"{max(x['gc_max_pause_ms'] for x in runs):>9.2f}")
+                      f"{max(x['gc_max_pause_ms'] for x in runs):>9.2f} "
+                      f"{result['summary'][f'{label}/{b}/{loop}']['device_busy']['median']:>5.2f} "
+                      f"{result['summary'][f'{label}/{b}/{loop}']['host_ms_per_step']['median']:>12.3f}")
     digests = {label: {b: br["token_digest"] for b, br in per[label][0]["batches"].items()} for label in labels}
     result["token_digests"] = digests
     print("token digests (equal across checkouts when the tokens are):", digests)

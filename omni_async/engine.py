@@ -161,7 +161,7 @@ class Engine:
         if self._closed or self._started:
             raise errors.SchedulerClosedError("engine is closed" if self._closed else "engine is already serving")
         self._started = True
-        self.scheduler.attach_output_sink(self._router.deliver)
+        self.scheduler.attach_output_sink(self._router.deliver, columns=self._router.deliver_step)
         async with anyio.create_task_group() as tg:
             await tg.start(self.scheduler.run)
             log.info("engine_started", loop=self.scheduler.config.loop)
@@ -181,7 +181,7 @@ class Engine:
         self._started = True
         # Served by this engine: the stage's messages come straight to the handles, one
         # call per step (a scheduler used on its own keeps its outbox).
-        self.scheduler.attach_output_sink(self._router.deliver)
+        self.scheduler.attach_output_sink(self._router.deliver, columns=self._router.deliver_step)
         self._loop = asyncio.get_running_loop()
         serving = self._loop.create_future()
 

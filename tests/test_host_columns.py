@@ -114,3 +114,61 @@ async def test_a_step_reaches_the_columns_sink_as_one_set_of_columns(loop):
     _, streamed_msgs, terminals_msgs, _ = await _serve(loop, columns=False)
     assert streamed_msgs == streamed
     assert all(len(t) == 1 for t in terminals_msgs.values())
+
+
+# ---------------------------------------------------------------- the engine's router on columns
+
+
+async def _stream_all(engine, lag: bool) -> list[tuple]:
+    """Six requests streamed (two with n=2, logprobs on half): per request each
+    completion's streamed ids and logprobs, the number of deltas, and the result's."""
+    from omni_async import SamplingParams as SP
+
+    async def one(i: int, n: int) -> tuple:
+        sp = SP(max_new_tokens=n, ignore_eos=True, return_logprob=i % 2 == 0, n=2 if i % 3 == 0 else 1,
+                temperature=0.8 if i % 3 == 0 else 0.0, seed=i)
+        handle = await engine.submit(input_ids=[i + 3, 7, 9, 11], sampling=sp)
+        if lag:
+            await handle.result()  # every step's rows merge into one pending delta per completion
+        ids: dict[int, list[int]] = {}
+        lps: dict[int, list[float]] = {}
+        deltas = 0
+        async for d in handle:
+            deltas += 1
+            ids.setdefault(d.index, []).extend(d.token_ids)
+            lps.setdefault(d.index, []).extend(d.logprobs or [])
+        res = await handle.result()
+        got = [(ids.get(c.index, []), lps.get(c.index, []) or None) for c in res.outputs]
+        want = [(c.output_ids, c.output_logprobs) for c in res.outputs]
+        return got, want, deltas, [c.finish_reason for c in res.outputs]
+
+    import asyncio
+
+    return await asyncio.gather(*(one(i, n) for i, n in enumerate(LIMITS)))
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+async def test_the_engine_without_a_tokenizer_streams_what_it_returns(loop):
+    """The engine's router takes a step's plain rows as columns: what a reader that keeps
+    up and one that comes after the end see adds up to the result (n>1, logprobs,
+    multi-step rows), and both equal the tokens of the message path (the scheduler's
+    own outbox form)."""
+    from omni_async import Engine
+
+    runs = {}
+    for lag in (False, True):
+        engine = Engine.from_pretrained("tiny", loop=loop, decode_steps=3)
+        engine.tokenizer = None
+        assert engine.scheduler.emission.columns_sink is None
+        async with engine:
+            assert engine.scheduler.emission.columns_sink is not None
+            runs[lag] = await _stream_all(engine, lag)
+        assert engine.stack.allocator.is_fully_free()
+    for lag, outs in runs.items():
+        for (got, want, deltas, reasons), n in zip(outs, LIMITS):
+            assert got == want and all(len(ids) == n for ids, _ in got) and reasons == ["length"] * len(got)
+            if lag:
+                assert deltas == len(got)  # one merged delta per completion
+    assert [o[1] for o in runs[False]] == [o[1] for o in runs[True]]
+    _, streamed_msgs, _, _ = await _serve(loop, columns=False)
+    assert [runs[False][i][1][0][0] for i in (1, 2, 4, 5)] == [streamed_msgs[f"r{i}"] for i in (1, 2, 4, 5)]

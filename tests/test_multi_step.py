@@ -91,6 +91,16 @@ async def run(reqs, *, retract_at: int | None = None, abort: set[int] = frozense
     return outs, sizes, info
 
 
+async def test_the_normal_loops_sixteen_forwards_equal_one_in_the_other_loops():
+    """The normal loop's CUDA tiers run up to 16 forwards a step (a page's worth): its
+    tokens equal one forward per step of the lookahead loops, stops and lengths mid-step."""
+    reqs = mixed_requests(5, 12)
+    one, _, _ = await run(reqs, loop="overlap", max_running_requests=8)
+    sixteen, _, _ = await run(reqs, loop="normal", max_running_requests=8, decode_steps=16)
+    assert same(sixteen, one)
+    assert {o[1] for o in one} >= {"stop", "length"}
+
+
 async def test_seeded_sampling_without_penalties_equals_one_step_decode():
     """Later forwards reuse the first one's sampling settings when nothing reads the
     tokens sampled so far (no penalty, no ban): their seeds still follow the index."""
@@ -263,6 +273,10 @@ def test_auto_takes_more_forwards_on_cuda_at_larger_batches_only():
     assert [small_pages.for_batch(n) for n in (1, 63, 64, 512)] == [4, 4, 4, 4]
     assert resolve_decode_steps(None, "cuda", page_size=2).for_batch(1) == 2
     assert resolve_decode_steps(None, "cuda", page_size=1).most == 1
+    normal = resolve_decode_steps(None, "cuda", loop="normal")  # no overlap: twice the forwards
+    assert [normal.for_batch(n) for n in (1, 63, 64, 512)] == [8, 8, 16, 16]
+    assert [resolve_decode_steps(None, "cuda", page_size=8, loop="normal").for_batch(n) for n in (1, 64)] == [8, 8]
+    assert resolve_decode_steps(None, "cpu", loop="normal").most == 1
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

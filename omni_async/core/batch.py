@@ -80,8 +80,9 @@ class ScheduledBatch(StepShape):
                     allocate: Callable[[int], list[int]]) -> None:
         """The columns of a decode step over ``decoding`` (``steps``: each row's forwards,
         None for one), each built by one comprehension; each row's KV grown for its
-        tokens (only the rows that cross a page boundary, about one in ``page_size / k``,
-        allocate) and the tokens counted in flight, since the core's state advances when
+        tokens (the rows that cross a page boundary, about one in ``page_size / k`` and
+        every row at ``k = page_size``, take their pages from one allocation) and the
+        tokens counted in flight, since the core's state advances when
         a step is scheduled. A decode input still in flight (-1) is read on the device
         from the step before."""
         n = len(decoding)
@@ -94,10 +95,14 @@ class ScheduledBatch(StepShape):
         self.input_ids = [-1 if p else (r.output_ids or r.prompt_ids)[-1] for r, p in zip(decoding, pending)]
         self.inflight_inputs = [(i, r) for i, (r, p) in enumerate(zip(decoding, pending)) if p]
         tables = self.page_tables = [r.pages for r in decoding]  # shared: see page_tables
-        for pages, c, k in zip(tables, cached, ks):
-            need = -(-(c + k) // page_size) - len(pages)
-            if need > 0:
-                pages.extend(allocate(need))
+        needs = [-(-(c + k) // page_size) - len(pages) for pages, c, k in zip(tables, cached, ks)]
+        total = sum(n for n in needs if n > 0)
+        if total:  # one allocation for the step, handed out in row order (the same pages as one per row)
+            fresh, at = allocate(total), 0
+            for pages, need in zip(tables, needs):
+                if need > 0:
+                    pages.extend(fresh[at : at + need])
+                    at += need
         self.page_counts = [len(pages) for pages in tables]
         for r, c, p, k in zip(decoding, cached, pending, ks):
             r.num_cached = c + k

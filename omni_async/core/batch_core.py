@@ -218,10 +218,10 @@ class NativeBatchCore(BatchCore):
         """A decode step of every running request that still needs one: it runs every step
         for every running request, so the columns are built in one pass over the rows."""
         self.running = [r for r in self.running if r.finish_reason is None]
-        decoding = self._retract_until_decode_fits(self._decoding())
+        decoding, limits = self._retract_until_decode_fits(*self._decoding_limits())
         if not decoding:
             return None
-        steps, grammar_rows = steps_for(self, decoding)
+        steps, grammar_rows = steps_for(self, decoding, limits)
         due = take_due(self, decoding)
         if due and steps is None:  # forced tokens to compute in a step of one forward per row
             return jump_step(self, decoding, due)
@@ -233,16 +233,17 @@ class NativeBatchCore(BatchCore):
         self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
         return batch
 
-    def _decoding(self) -> list[Request]:
-        """Running requests that still need a decode step: not once the tokens sampled (in
-        flight too) reach the length limit, so a lookahead loop spends no step on them;
-        not while a conditioned request's next position has no row yet (it waits in
-        running; the stream chunk that brings the row wakes the loop); not while a
-        constrained request's last token is in flight (its mask needs it:
-        :func:`.request.mask_ready`)."""
-        running = self.running
-        return [r for r, left in zip(running, decode_limits(running, self.context_length))
-                if left > 0 and (r.conditioning is None or ready_positions(r, 1)) and (r.matcher is None or mask_ready(r))]
+    def _decoding_limits(self) -> tuple[list[Request], list[int]]:
+        """Running requests that still need a decode step, and their ``decode_limits``:
+        not once the tokens sampled (in flight too) reach the length limit, so a
+        lookahead loop spends no step on them; not while a conditioned request's next
+        position has no row yet (it waits in running; the stream chunk that brings the
+        row wakes the loop); not while a constrained request's last token is in flight
+        (its mask needs it: :func:`.request.mask_ready`)."""
+        running = self.running  # (one pass: the step's forwards per row are cut to the limits)
+        pairs = [(r, left) for r, left in zip(running, decode_limits(running, self.context_length))
+                 if left > 0 and (r.conditioning is None or ready_positions(r, 1)) and (r.matcher is None or mask_ready(r))]
+        return [r for r, _ in pairs], [left for _, left in pairs]
 
     def _decode_fits(self, decoding: list[Request]) -> bool:
         """A request holds the pages of its cached tokens, so one more token needs at most
@@ -251,11 +252,10 @@ class NativeBatchCore(BatchCore):
         k = self.decode_plan.most  # <= page_size: still at most one more page per row
         return len(decoding) <= free or sum(max(0, -(-(r.num_cached + k) // ps) - len(r.pages)) for r in decoding) <= free
 
-    def _retract_until_decode_fits(self, decoding: list[Request]) -> list[Request]:
-        """Retract the newest requests until the next decode step of ``decoding`` fits
-        in KV; returns the requests that still decode. Empty when there is nothing to
-        decode, or when it cannot fit yet only because requests about to finish still
-        hold KV (the step in flight will free it)."""
+    def _retract_until_decode_fits(self, decoding: list[Request], limits: list[int]) -> tuple[list[Request], list[int]]:
+        """Retract the newest requests until the next decode step of ``decoding`` fits in
+        KV; the requests that still decode, with their ``limits``. Empty when nothing
+        decodes, or when only requests about to finish hold the KV it needs."""
         while decoding and not self._decode_fits(decoding):
             if self.chunked is not None:
                 victim = self.chunked
@@ -264,15 +264,15 @@ class NativeBatchCore(BatchCore):
                 victim = max(decoding, key=lambda r: r.arrival)
                 self.running.remove(victim)
             elif len(decoding) < len(self.running):
-                return []
+                return [], []
             else:
                 raise RuntimeError(
                     "KV cache cannot hold the single running request; admission should have refused it"
                 )
             self._retract(victim)
             self.new_token_ratio = 1.0
-            decoding = self._decoding()
-        return decoding
+            decoding, limits = self._decoding_limits()
+        return decoding, limits
 
     def _retract(self, req: Request) -> None:
         self._release(req)

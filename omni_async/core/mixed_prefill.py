@@ -27,7 +27,7 @@ def mixed_decodes(core: "NativeBatchCore", rows: list[tuple[Request, int]]) -> l
     if not core.mixed_allowed() or still_due(core.jump_due):
         return []  # (a row with forced tokens to compute is not one token: its decode step takes it)
     core.running = [r for r in core.running if r.finish_reason is None]
-    decoding = core._decoding()
+    decoding = core._decoding_limits()[0]
     ps = core.page_size
     need = sum(max(0, -(-(r.num_cached + 1) // ps) - len(r.pages)) for r in decoding)
     return decoding if need <= core.kv.available_pages else []

@@ -46,17 +46,19 @@ class DecodeSteps:
         return max((k for _, k in self.tiers), default=1)
 
 
-def steps_for(core: "NativeBatchCore", decoding: list[Request]) -> tuple[list[int] | None, list[int]]:
+def steps_for(core: "NativeBatchCore", decoding: list[Request], limits: list[int] | None = None) -> tuple[list[int] | None, list[int]]:
     """Forwards per row of the next decode step (None for one forward: a small batch
     under the automatic choice, or a runner that hands out per-step hidden states), and
-    the rows under a grammar (they run one forward, beside the others)."""
+    the rows under a grammar (they run one forward, beside the others). ``limits``: the
+    rows' ``decode_limits`` when the caller has them."""
     k = core.decode_plan.for_batch(len(decoding))
     if k <= 1 or not core.multi_step_allowed():
         return None, []
-    return row_steps(decoding, k, core.context_length)
+    return row_steps(decoding, k, core.context_length, limits)
 
 
-def row_steps(decoding: list[Request], k: int, context_length: int) -> tuple[list[int] | None, list[int]]:
+def row_steps(decoding: list[Request], k: int, context_length: int,
+              limits: list[int] | None = None) -> tuple[list[int] | None, list[int]]:
     """Forwards per row: k, or fewer where the row's token or context limit comes first
     (counting tokens still in flight) or a conditioned row's rows run out; and the rows
     under a grammar, which sample one token (their next mask needs the host to have seen
@@ -69,7 +71,9 @@ def row_steps(decoding: list[Request], k: int, context_length: int) -> tuple[lis
         return None, []
     steps: list[int] = []
     constrained: list[int] = []
-    for i, (r, left) in enumerate(zip(decoding, decode_limits(decoding, context_length))):
+    if limits is None:
+        limits = decode_limits(decoding, context_length)
+    for i, (r, left) in enumerate(zip(decoding, limits)):
         if r.matcher is not None:
             constrained.append(i)
             uncached = r.seq_len - r.num_cached  # 1, or 1 + the forced tokens of a jump-forward

@@ -1,0 +1,97 @@
+"""The batch core's host time per decode step, alone (issue 42): scheduling
+(``get_next_batch``) and processing (``process_result``) of B running requests with k
+forwards a step, thread CPU time, no model, no runner. With ``--code`` given more than
+once each checkout runs in its own process, interleaved per repeat (before/after).
+
+    python bench/probes/core_decode_step.py --code /tmp/before --code . --labels before,after
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def one_run(batch: int, k: int, steps: int) -> dict[str, float]:
+    from omni_async.config import SamplingParams, SchedulerConfig
+    from omni_async.core.batch_core import NativeBatchCore
+    from omni_async.core.multi_step import DecodeSteps
+    from omni_async.core.plan import settle
+    from omni_async.core.request import Request
+    from omni_async.kv.allocator import PageAllocator
+
+    config = settle(SchedulerConfig(max_running_requests=batch, max_prefill_tokens=1 << 16, chunked_prefill_size=1 << 16))
+    tiers = DecodeSteps(((1, k),)) if k > 1 else DecodeSteps()
+    new = steps * k + 8
+    core = NativeBatchCore(config, PageAllocator(batch * (new + 256) // 8, 16), 4096, decode_steps=tiers)
+    for i in range(batch):
+        core.add_request(Request(rid=f"r{i}", prompt_ids=[3] * (64 + i % 64), sampling=SamplingParams(max_new_tokens=new, ignore_eos=True)))
+    while True:  # the prompts' prefill, untimed
+        b = core.get_next_batch()
+        if b.is_decode:
+            break
+        core.process_result(b, [5] * b.size)
+    assert b.size == batch and not core.waiting, "every request decodes in every step"
+    sched = proc = 0.0
+    for _ in range(steps):
+        tokens = [7] * (b.size * max(b.row_steps or [1]))
+        t0 = time.thread_time()
+        core.process_result(b, tokens)
+        t1 = time.thread_time()
+        b = core.get_next_batch()
+        t2 = time.thread_time()
+        proc += t1 - t0
+        sched += t2 - t1
+    n = steps * batch
+    return {"schedule_ns_per_row": 1e9 * sched / n, "process_ns_per_row": 1e9 * proc / n}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--k", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--code", action="append")
+    ap.add_argument("--labels", default="")
+    ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--out", default="core_decode_step.json")
+    args = ap.parse_args()
+    if args.smoke:
+        args.batch, args.steps, args.repeats = 16, 5, 1
+    if args.child:
+        print(json.dumps(one_run(args.batch, args.k, args.steps)))
+        return 0
+    here = Path(__file__).resolve()
+    sys.path.insert(0, str(here.parents[1]))
+    from _common import machine_facts, save_json
+
+    codes = args.code or [str(here.parents[2])]
+    labels = args.labels.split(",") if args.labels else [Path(c).resolve().name for c in codes]
+    runs: dict[str, list[dict]] = {label: [] for label in labels}
+    for _ in range(args.repeats):
+        for code, label in zip(codes, labels):
+            cmd = [sys.executable, str(here), "--child", "--batch", str(args.batch), "--k", str(args.k), "--steps", str(args.steps)]
+            env = dict(os.environ, PYTHONPATH=str(Path(code).resolve()))
+            out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True, cwd=str(Path(code).resolve()))
+            runs[label].append(json.loads(out.stdout.strip().splitlines()[-1]))
+    summary = {}
+    for label, rs in runs.items():
+        for key in ("schedule_ns_per_row", "process_ns_per_row"):
+            xs = [r[key] for r in rs]
+            summary[f"{label}/{key}"] = {"median": round(statistics.median(xs), 1), "min": round(min(xs), 1), "max": round(max(xs), 1)}
+            print(f"{label:>10} {key:>22}: median {statistics.median(xs):8.1f}  [{min(xs):.1f}, {max(xs):.1f}]")
+    path = save_json(args.out, {"config": vars(args), "runs": runs, "summary": summary, "machine": machine_facts()})
+    print(f"saved {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
