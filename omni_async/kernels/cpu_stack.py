@@ -7,8 +7,13 @@ bookkeeping. Here one call runs every layer: residual add + RMSNorm, the merged 
 projection, rotary and the KV write, attention over the paged cache, the output
 projection, the MLP, and the final norm; the GIL is released for its length, so the
 event loop's thread runs while the step computes. Buffers are allocated once per call.
-Threads: torch's OpenMP pool (``info()["cpu_threads"]``), one region per GEMM and per
-attention (a region spanning the whole step was tried: see the C++ forward).
+Threads: torch's OpenMP pool (``info()["cpu_threads"]``; the extension links the same
+libgomp). From 4 rows per thread up (16 concurrent requests on 2 cores), each thread
+takes whole rows through every layer: one parallel region a step and no barrier inside
+it, where splitting every GEMM and attention by columns made ~150 regions a step, each
+waiting for the slowest thread (on a loaded 2-core machine a step then took 4-9x as
+long as one thread's, bench/RESULTS.md). Fewer rows keep that per-GEMM split, so a
+batch-1 step still uses both cores.
 
 Exactly what the per-op path computes: the stack calls the same C++ functions (compiled
 in the same extension, :mod:`.cpu_kernels`) on the same inputs in the same order, so the
