@@ -138,8 +138,21 @@ def test_rows_split_across_threads_give_the_bits_of_one_row_at_a_time():
         torch.set_num_threads(2)
         assert rows >= 2 * stack.rows_per_thread()  # this call takes the row split
         together = forward(0, rows)
+        stack.set_rows_per_thread(0)  # the same rows split by columns and heads instead
+        by_columns = forward(0, rows)
         torch.set_num_threads(1)
         alone = torch.cat([forward(i, i + 1) for i in range(rows)])
     finally:
         torch.set_num_threads(before)
     assert torch.equal(together, alone)
+    assert torch.equal(by_columns, alone)
+
+
+def test_the_row_split_follows_its_environment_variable(monkeypatch):
+    from omni_async.kernels.cpu_stack import ROW_SPLIT_ENV, apply_row_split
+
+    stack, _ = _random_stack(layers=1)
+    assert stack.rows_per_thread() == 4
+    monkeypatch.setenv(ROW_SPLIT_ENV, "0")
+    apply_row_split(stack)
+    assert stack.rows_per_thread() == 0

@@ -681,12 +681,12 @@ class DecodeStack {
     // Many rows: each thread takes whole rows through every layer, in one OpenMP region
     // for the step with no barrier inside it (a row's arithmetic does not depend on
     // which rows share its call, so the bits are those of one call for all rows). Each
-    // thread streams the weights itself; at kRowsPerThread rows or more the step is bound
+    // thread streams the weights itself; at rows_per_thread_ rows or more the step is bound
     // by the block products, not by the weights' bytes. Fewer rows: one call for all of
     // them, each GEMM and attention a region of its own split by columns and heads (a
     // batch-1 step would leave a core idle otherwise).
     const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
-    if (threads > 1 && B >= kRowsPerThread * threads) {
+    if (threads > 1 && rows_per_thread_ > 0 && B >= rows_per_thread_ * threads) {
       at::parallel_for(0, B, (B + threads - 1) / threads, [&](int64_t lo, int64_t hi) { rows(st, lo, hi); });
     } else {
       rows(st, 0, B);
@@ -694,13 +694,15 @@ class DecodeStack {
     return out;
   }
 
-  int64_t rows_per_thread() const { return kRowsPerThread; }
+  int64_t rows_per_thread() const { return rows_per_thread_; }
+  // 0 turns the row split off (every step split by columns and heads).
+  void set_rows_per_thread(int64_t rows) { rows_per_thread_ = std::max<int64_t>(0, rows); }
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
  private:
   // The rows a step splits across threads only from this many rows per thread up.
-  static constexpr int64_t kRowsPerThread = 4;
+  int64_t rows_per_thread_ = 4;
 
   // One step's inputs and scratch, every row's; a rows() call uses its own rows' share.
   struct Step {
@@ -791,5 +793,6 @@ STACK_BINDINGS = r"""
                     double>())
       .def("forward", &DecodeStack::forward, py::call_guard<py::gil_scoped_release>())
       .def("num_layers", &DecodeStack::num_layers)
-      .def("rows_per_thread", &DecodeStack::rows_per_thread);
+      .def("rows_per_thread", &DecodeStack::rows_per_thread)
+      .def("set_rows_per_thread", &DecodeStack::set_rows_per_thread);
 """

@@ -13,7 +13,8 @@ takes whole rows through every layer: one parallel region a step and no barrier 
 it, where splitting every GEMM and attention by columns made ~150 regions a step, each
 waiting for the slowest thread (on a loaded 2-core machine a step then took 4-9x as
 long as one thread's, bench/RESULTS.md). Fewer rows keep that per-GEMM split, so a
-batch-1 step still uses both cores.
+batch-1 step still uses both cores. ``OMNI_ASYNC_CPU_ROW_SPLIT`` sets the rows per thread
+(0: off).
 
 Exactly what the per-op path computes: the stack calls the same C++ functions (compiled
 in the same extension, :mod:`.cpu_kernels`) on the same inputs in the same order, so the
@@ -26,11 +27,23 @@ per-op path, unchanged.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
 
+# Rows per thread from which a step's rows are split across threads (see the module's
+# docstring); 0 keeps every step split by columns and heads. Unset: the extension's 4.
+ROW_SPLIT_ENV = "OMNI_ASYNC_CPU_ROW_SPLIT"
 
+
+def apply_row_split(stack: Any) -> None:
+    """Set ``stack``'s row split from ``OMNI_ASYNC_CPU_ROW_SPLIT`` where given: the quiet
+    2-core figures of the two splits were not settled when it was added (bench/RESULTS.md),
+    so the A/B stays one variable away."""
+    value = os.environ.get(ROW_SPLIT_ENV, "").strip()
+    if value:
+        stack.set_rows_per_thread(int(value))
 
 
 def _linear_entries(linear: Any) -> list[torch.Tensor | None] | None:
@@ -70,6 +83,7 @@ class CpuDecodeStack:
         attn = model.model.layers[0].self_attn
         self.stack = load().DecodeStack(layers, model.model.norm.weight.detach(), float(model.model.norm.eps), attn.num_heads,
                                         attn.num_kv_heads, attn.head_dim, float(attn.scale))
+        apply_row_split(self.stack)
         self.num_layers = cfg.num_layers
 
     @classmethod
