@@ -114,10 +114,12 @@ def _random_stack(layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: i
 
 
 def test_rows_split_across_threads_give_the_bits_of_one_row_at_a_time():
-    """From rows_per_thread rows per thread up, each thread takes whole rows through the
-    stack (one parallel region a step); below, every GEMM and attention is split by
-    columns and heads. A row's hidden state must be the same bits either way."""
+    """With the row split on, from rows_per_thread rows per thread up each thread takes
+    whole rows through the stack (one parallel region a step); otherwise every GEMM and
+    attention is split by columns and heads. A row's hidden state must be the same bits
+    either way."""
     stack, s = _random_stack()
+    stack.set_rows_per_thread(4)
     g = torch.Generator().manual_seed(2)
     rows, page, pages_per_row = 17, 16, 4
     slots = rows * pages_per_row * page
@@ -152,7 +154,7 @@ def test_the_row_split_follows_its_environment_variable(monkeypatch):
     from omni_async.kernels.cpu_stack import ROW_SPLIT_ENV, apply_row_split
 
     stack, _ = _random_stack(layers=1)
-    assert stack.rows_per_thread() == 4
-    monkeypatch.setenv(ROW_SPLIT_ENV, "0")
+    assert stack.rows_per_thread() == 0  # off unless asked for
+    monkeypatch.setenv(ROW_SPLIT_ENV, "4")
     apply_row_split(stack)
-    assert stack.rows_per_thread() == 0
+    assert stack.rows_per_thread() == 4

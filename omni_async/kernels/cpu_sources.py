@@ -678,13 +678,11 @@ class DecodeStack {
     st.slots = slots.to(at::kLong).contiguous();
     st.page_size = page_size;
     if (B == 0) return out;
-    // Many rows: each thread takes whole rows through every layer, in one OpenMP region
-    // for the step with no barrier inside it (a row's arithmetic does not depend on
-    // which rows share its call, so the bits are those of one call for all rows). Each
-    // thread streams the weights itself; at rows_per_thread_ rows or more the step is bound
-    // by the block products, not by the weights' bytes. Fewer rows: one call for all of
-    // them, each GEMM and attention a region of its own split by columns and heads (a
-    // batch-1 step would leave a core idle otherwise).
+    // With the row split set (set_rows_per_thread) and many rows: each thread takes whole
+    // rows through every layer, one OpenMP region for the step with no barrier inside it
+    // (a row's arithmetic does not depend on which rows share its call: the same bits).
+    // Each thread streams all the weights itself. Otherwise: one call for all rows, each
+    // GEMM and attention a region of its own split by columns and heads.
     const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
     if (threads > 1 && rows_per_thread_ > 0 && B >= rows_per_thread_ * threads) {
       at::parallel_for(0, B, (B + threads - 1) / threads, [&](int64_t lo, int64_t hi) { rows(st, lo, hi); });
@@ -701,8 +699,11 @@ class DecodeStack {
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
  private:
-  // The rows a step splits across threads only from this many rows per thread up.
-  int64_t rows_per_thread_ = 4;
+  // The rows a step splits across threads only from this many rows per thread up; 0
+  // (the default) never. Off by default: each thread streams all the weights, so the
+  // bytes grow with the threads and the model (measured a win only on a loaded 2-core
+  // machine, bench/RESULTS.md).
+  int64_t rows_per_thread_ = 0;
 
   // One step's inputs and scratch, every row's; a rows() call uses its own rows' share.
   struct Step {

@@ -8,13 +8,14 @@ projection, rotary and the KV write, attention over the paged cache, the output
 projection, the MLP, and the final norm; the GIL is released for its length, so the
 event loop's thread runs while the step computes. Buffers are allocated once per call.
 Threads: torch's OpenMP pool (``info()["cpu_threads"]``; the extension links the same
-libgomp). From 4 rows per thread up (16 concurrent requests on 2 cores), each thread
-takes whole rows through every layer: one parallel region a step and no barrier inside
-it, where splitting every GEMM and attention by columns made ~150 regions a step, each
-waiting for the slowest thread (on a loaded 2-core machine a step then took 4-9x as
-long as one thread's, bench/RESULTS.md). Fewer rows keep that per-GEMM split, so a
-batch-1 step still uses both cores. ``OMNI_ASYNC_CPU_ROW_SPLIT`` sets the rows per thread
-(0: off).
+libgomp). By default every GEMM and attention is split by columns and heads, ~150
+parallel regions a step, each waiting for the slowest thread: on a loaded 2-core machine
+a step then takes 4-9x as long as one thread's (bench/RESULTS.md).
+``OMNI_ASYNC_CPU_ROW_SPLIT=N`` splits a step of N or more rows per thread by rows instead:
+each thread takes whole rows through every layer, one region a step with no barrier
+inside it (3-4x faster at 16 rows on that loaded machine). Off by default: each thread
+then streams all the weights, bytes that grow with the threads and the model, and on a
+quiet machine it was not shown faster.
 
 Exactly what the per-op path computes: the stack calls the same C++ functions (compiled
 in the same extension, :mod:`.cpu_kernels`) on the same inputs in the same order, so the
@@ -33,7 +34,7 @@ from typing import Any
 import torch
 
 # Rows per thread from which a step's rows are split across threads (see the module's
-# docstring); 0 keeps every step split by columns and heads. Unset: the extension's 4.
+# docstring); 0 or unset keeps every step split by columns and heads.
 ROW_SPLIT_ENV = "OMNI_ASYNC_CPU_ROW_SPLIT"
 
 
