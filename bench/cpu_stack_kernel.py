@@ -7,8 +7,8 @@ the output head in q8 blocks timed apart) at 1 and 16 rows over a paged cache of
 Why: on a shared 2-core machine whole-engine tok/s swing with the other jobs; the stack's
 own call, timed many times in a row, is the figure a kernel change moves. Wall and
 process CPU time per step, median and range of ``--repeats`` rounds; ``--threads``
-sets torch's intra-op threads (the stack's team); ``OMNI_ASYNC_CPU_ROW_SPLIT`` (rows
-per thread from which a step splits by rows, 0 off) as the engine reads it. Run the same script from two
+sets torch's intra-op threads (the stack's team); the row split is set as the engine
+sets it (``OMNI_ASYNC_CPU_ROW_SPLIT``: rows per thread from which a step splits by rows, 0 off). Run the same script from two
 checkouts, alternating, for an A/B (each builds its own extension).
 Results: bench/results/cpu_stack_kernel.json (``--out`` to rename).
 

@@ -154,7 +154,19 @@ def test_the_row_split_follows_its_environment_variable(monkeypatch):
     from omni_async.kernels.cpu_stack import ROW_SPLIT_ENV, apply_row_split
 
     stack, _ = _random_stack(layers=1)
-    assert stack.rows_per_thread() == 0  # off unless asked for
-    monkeypatch.setenv(ROW_SPLIT_ENV, "4")
+    assert stack.rows_per_thread() == 0  # the extension's own default: off
+    monkeypatch.setenv(ROW_SPLIT_ENV, "6")
     apply_row_split(stack)
-    assert stack.rows_per_thread() == 4
+    assert stack.rows_per_thread() == 6
+    monkeypatch.setenv(ROW_SPLIT_ENV, "0")
+    apply_row_split(stack)
+    assert stack.rows_per_thread() == 0
+
+
+def test_the_row_split_is_on_by_default_at_two_threads_only(monkeypatch):
+    from omni_async.kernels.cpu_stack import ROW_SPLIT_ENV, row_split_rows
+
+    monkeypatch.delenv(ROW_SPLIT_ENV, raising=False)
+    assert row_split_rows(2) == 4
+    assert row_split_rows(1) == 4  # (a single thread never splits: the extension checks the threads)
+    assert row_split_rows(8) == 0

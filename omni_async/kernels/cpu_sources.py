@@ -700,9 +700,8 @@ class DecodeStack {
 
  private:
   // The rows a step splits across threads only from this many rows per thread up; 0
-  // (the default) never. Off by default: each thread streams all the weights, so the
-  // bytes grow with the threads and the model (measured a win only on a loaded 2-core
-  // machine, bench/RESULTS.md).
+  // never. The engine sets it (kernels/cpu_stack.py's row_split_rows: on at 2 threads):
+  // each thread streams all the weights, bytes that grow with the threads and the model.
   int64_t rows_per_thread_ = 0;
 
   // One step's inputs and scratch, every row's; a rows() call uses its own rows' share.
