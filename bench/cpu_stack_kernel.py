@@ -7,7 +7,8 @@ the output head in q8 blocks timed apart) at 1 and 16 rows over a paged cache of
 Why: on a shared 2-core machine whole-engine tok/s swing with the other jobs; the stack's
 own call, timed many times in a row, is the figure a kernel change moves. Wall and
 process CPU time per step, median and range of ``--repeats`` rounds; ``--threads``
-sets torch's intra-op threads (the stack's team). Run the same script from two
+sets torch's intra-op threads (the stack's team); the row split is set as the engine
+sets it (``OMNI_ASYNC_CPU_ROW_SPLIT``: rows per thread from which a step splits by rows, 0 off). Run the same script from two
 checkouts, alternating, for an A/B (each builds its own extension).
 Results: bench/results/cpu_stack_kernel.json (``--out`` to rename).
 
@@ -27,6 +28,7 @@ import torch
 
 from omni_async.kernels import cpu_quant
 from omni_async.kernels.cpu_kernels import load
+from omni_async.kernels.cpu_stack import apply_row_split
 
 LAYERS, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, VOCAB = 30, 576, 9, 3, 64, 1536, 49152
 PAGE = 16
@@ -80,6 +82,8 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     ext = load()
     stack = ext.DecodeStack(stack_layers(LAYERS), 1 + 0.1 * torch.randn(HIDDEN), 1e-5, HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM ** -0.5)
+    if hasattr(stack, "set_rows_per_thread"):  # a build before the row split has none
+        apply_row_split(stack)
     head = cpu_quant.quantize(torch.randn(VOCAB, HIDDEN) * 0.05, "q8")
     info = getattr(stack, "info", None)
     result = {"threads": torch.get_num_threads(), "context": args.context, "machine": C.machine_facts(),

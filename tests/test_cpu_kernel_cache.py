@@ -60,3 +60,16 @@ def test_a_missing_build_is_announced_and_not_waited_for(monkeypatch, tmp_path, 
     err = capsys.readouterr().err
     assert "building them in the background" in err and " s, once" in err
     assert len(started) == 1 and started[0][1:3] == ["-m", "omni_async.kernels.cpu_kernels"]
+
+
+def test_the_cpus_instruction_sets_are_in_the_key(monkeypatch, tmp_path):
+    """Cloud VMs name Zen 3 (AVX2) and Zen 4 (AVX-512) alike ("AMD EPYC"): a build made with
+    -march=native on the one must not be loaded on the other."""
+    monkeypatch.setenv(cpu_build.CACHE_ENV, str(tmp_path))
+    folders = []
+    for flags in ("fpu avx2 fma f16c", "fpu avx2 fma f16c avx512f avx512_vnni"):
+        info = tmp_path / f"cpuinfo-{len(folders)}"
+        info.write_text(f"processor\t: 0\nmodel name\t: AMD EPYC\nflags\t\t: {flags}\n\nprocessor\t: 1\nmodel name\t: AMD EPYC\n")
+        monkeypatch.setattr(cpu_build, "CPUINFO", info)
+        folders.append(KERNELS.folder)
+    assert folders[0] != folders[1]

@@ -249,66 +249,82 @@ PAGED_SOURCE = r"""
 #include <cmath>
 #include <vector>
 
-// Scores, then exp over the whole row (a vectorised loop), then the weighted V sum; the
-// query heads of one KV head share each K and V row load. DC is the head dim when it is
-// one of the common ones (the dot products then compile to straight-line vector code), 0
-// for any other. Tasks [lo, hi): a task is one (row, KV head) with all its query heads, or
-// with split_heads one (row, query head) (more tasks where rows are few); each query head's
-// arithmetic is the same either way.
+// Scores, then exp over the whole row (a vectorised loop), then the weighted V sum. DC is
+// the head dim when it is one of the common ones (the dot products then compile to
+// straight-line vector code), 0 for any other. A task is one row's query heads
+// [h0, h0 + n), n = heads_per_task (decode_heads_per_task): one head (both cores get a
+// share at batch 1), one KV head's query heads (they share each K and V row load), or
+// every head of the row (many rows: the row's K and V are read token by token, each
+// token's heads contiguous, instead of one head's 64 floats out of every token). Each
+// query head's arithmetic is the same whatever the task holds, so neither the batch nor
+// the thread count changes a row's bits.
 template <typename T, int64_t DC>
 static void decode_tasks(const T* q, const T* kc, const T* vc, const int64_t* pages, const int64_t* lens, T* out,
-                         int64_t H, int64_t D_, int64_t KVH, int64_t P, int64_t ps, float scale, bool split_heads,
+                         int64_t H, int64_t D_, int64_t KVH, int64_t P, int64_t ps, float scale, int64_t heads_per_task,
                          int64_t lo, int64_t hi) {
   const int64_t D = DC ? DC : D_;
-  const int64_t rep = H / KVH, span = P * ps;
-  std::vector<float> scores(rep * span), qf(rep * D), acc(rep * D), mx(rep), sum(rep);
+  const int64_t rep = H / KVH, span = P * ps, n = heads_per_task, per_row = H / n;
+  std::vector<float> scores(n * span), qf(n * D), acc(n * D), mx(n), sum(n);
+  std::vector<int64_t> offset(n);  // each head's K/V offset within a token's row
   for (int64_t task = lo; task < hi; ++task) {
-    const int64_t per_row = split_heads ? H : KVH;
-    const int64_t b = task / per_row, g = split_heads ? (task % H) / rep : task % KVH, len = lens[b];
-    const int64_t r0 = split_heads ? (task % H) % rep : 0, r1 = split_heads ? r0 + 1 : rep;
-    for (int64_t r = r0; r < r1; ++r)
-      for (int64_t d = 0; d < D; ++d) qf[r * D + d] = static_cast<float>(q[(b * H + g * rep + r) * D + d]) * scale;
+    const int64_t b = task / per_row, h0 = (task % per_row) * n, len = lens[b];
+    for (int64_t j = 0; j < n; ++j) {
+      offset[j] = ((h0 + j) / rep) * D;
+      for (int64_t d = 0; d < D; ++d) qf[j * D + d] = static_cast<float>(q[(b * H + h0 + j) * D + d]) * scale;
+    }
     std::fill(mx.begin(), mx.end(), -INFINITY);
     for (int64_t t = 0; t < len; ++t) {
-      const T* k = kc + ((pages[b * P + t / ps] * ps + t % ps) * KVH + g) * D;
-      for (int64_t r = r0; r < r1; ++r) {
-        const float* qr = qf.data() + r * D;
+      const T* krow = kc + (pages[b * P + t / ps] * ps + t % ps) * KVH * D;
+      for (int64_t j = 0; j < n; ++j) {
+        const float* qr = qf.data() + j * D;
+        const T* k = krow + offset[j];
         float s = 0.f;
 #pragma omp simd reduction(+ : s)
         for (int64_t d = 0; d < D; ++d) s += qr[d] * static_cast<float>(k[d]);
-        scores[r * span + t] = s;
-        mx[r] = std::max(mx[r], s);
+        scores[j * span + t] = s;
+        mx[j] = std::max(mx[j], s);
       }
     }
-    for (int64_t r = r0; r < r1; ++r) {
-      float* sr = scores.data() + r * span;
-      const float m = mx[r];
+    for (int64_t j = 0; j < n; ++j) {
+      float* sr = scores.data() + j * span;
+      const float m = mx[j];
       for (int64_t t = 0; t < len; ++t) sr[t] = exp_poly_contracted(sr[t] - m);
       float total = 0.f;
 #pragma omp simd reduction(+ : total)
       for (int64_t t = 0; t < len; ++t) total += sr[t];
-      sum[r] = total;
+      sum[j] = total;
     }
     std::fill(acc.begin(), acc.end(), 0.f);
     for (int64_t t = 0; t < len; ++t) {
-      const T* v = vc + ((pages[b * P + t / ps] * ps + t % ps) * KVH + g) * D;
-      for (int64_t r = r0; r < r1; ++r) {
-        const float w = scores[r * span + t] / sum[r];
-        float* ar = acc.data() + r * D;
+      const T* vrow = vc + (pages[b * P + t / ps] * ps + t % ps) * KVH * D;
+      for (int64_t j = 0; j < n; ++j) {
+        const float w = scores[j * span + t] / sum[j];
+        const T* v = vrow + offset[j];
+        float* ar = acc.data() + j * D;
 #pragma omp simd
         for (int64_t d = 0; d < D; ++d) ar[d] += w * static_cast<float>(v[d]);
       }
     }
-    for (int64_t r = r0; r < r1; ++r)
-      for (int64_t d = 0; d < D; ++d) out[(b * H + g * rep + r) * D + d] = static_cast<T>(acc[r * D + d]);
+    for (int64_t j = 0; j < n; ++j)
+      for (int64_t d = 0; d < D; ++d) out[(b * H + h0 + j) * D + d] = static_cast<T>(acc[j * D + d]);
   }
+}
+
+// The query heads one attention task takes (see decode_tasks), from the rows and the
+// threads: one place for the stack and the per-op kernel alike.
+static int64_t decode_heads_per_task(int64_t B, int64_t H, int64_t KVH) {
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  if (B * KVH < 2 * threads) return 1;
+  if (B < 4 * threads) return H / KVH;
+  return H;
 }
 
 template <typename T, int64_t DC>
 static void decode_rows(const T* q, const T* kc, const T* vc, const int64_t* pages, const int64_t* lens, T* out,
                         int64_t B, int64_t H, int64_t D_, int64_t KVH, int64_t P, int64_t ps, float scale) {
-  at::parallel_for(0, B * KVH, 1, [&](int64_t lo, int64_t hi) {
-    decode_tasks<T, DC>(q, kc, vc, pages, lens, out, H, D_, KVH, P, ps, scale, false, lo, hi);
+  const int64_t n = decode_heads_per_task(B, H, KVH);
+  at::parallel_for(0, B * (H / n), 1, [&](int64_t lo, int64_t hi) {
+    decode_tasks<T, DC>(q, kc, vc, pages, lens, out, H, D_, KVH, P, ps, scale, n, lo, hi);
   });
 }
 
@@ -393,6 +409,18 @@ static inline float min_term(const uint16_t* m, const float* s, int64_t nb) {
   return v;
 }
 
+// The int32 sums of each 4 adjacent u8 x s8 products: one VNNI instruction where the CPU
+// has it (AVX512-VNNI with VL), else maddubs then madd. The same integers either way (the
+// int16 pair sums of maddubs cannot saturate here: q4 codes 0..15 and |x| <= 127, or q8's
+// |w| <= 128 and |x| <= 127, at most 32,512), so the outputs' bits do not depend on it.
+static inline __m256i dot_u8s8(__m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#else
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
+
 // R activation rows times C weight columns: each block of the C columns is unpacked once
 // into registers and multiplied with the R rows' blocks, R*C independent accumulators (the
 // FMA latency hidden at one row too). Every output's arithmetic is the same whatever R and
@@ -402,7 +430,6 @@ static inline void gemm_tile(const uint8_t* qs, const uint16_t* d, const uint16_
                              const float* dx, const float* sx, float* out, int64_t b0, int64_t n0, int64_t N, int64_t nb) {
   constexpr int64_t block_bytes = Q4 ? 16 : 32;
   const int64_t row_bytes = nb * block_bytes;
-  const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
@@ -423,11 +450,11 @@ static inline void gemm_tile(const uint8_t* qs, const uint16_t* d, const uint16_
       for (int c = 0; c < C; ++c) {
         __m256i p;
         if constexpr (Q4) {
-          p = _mm256_maddubs_epi16(w[c], x);  // codes 0..15 are unsigned
+          p = dot_u8s8(w[c], x);  // codes 0..15 are unsigned
         } else {
-          p = _mm256_maddubs_epi16(wa[c], _mm256_sign_epi8(x, w[c]));
+          p = dot_u8s8(wa[c], _mm256_sign_epi8(x, w[c]));
         }
-        const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones));
+        const __m256 dot = _mm256_cvtepi32_ps(p);
         acc[r][c] = _mm256_fmadd_ps(_mm256_mul_ps(dw[c], ds), dot, acc[r][c]);
       }
     }
@@ -632,70 +659,105 @@ class DecodeStack {
                   "caches: contiguous float32");
     }
     const auto opts = x.options();
-    auto resid = x.contiguous().clone();
-    auto hidden = torch::empty({B, hidden_}, opts), delta = torch::empty({B, hidden_}, opts);
-    auto qkv = torch::empty({B, W}, opts), q = torch::empty({B, H, D}, opts), k = torch::empty({B, KVH, D}, opts);
-    auto attn = torch::empty({B, H * D}, opts);
-    auto gu = torch::empty({B, 2 * inter_}, opts), act = torch::empty({B, inter_}, opts);
     auto out = torch::empty({B, hidden_}, opts);
-    cos = cos.contiguous();
-    sin = sin.contiguous();
-    pages = pages.to(at::kLong).contiguous();
-    lens = lens.to(at::kLong).contiguous();
-    slots = slots.to(at::kLong).contiguous();
+    Step st{k_caches, v_caches};
+    st.resid = x.contiguous().clone();
+    st.out = out;
+    st.hidden = torch::empty({B, hidden_}, opts);
+    st.delta = torch::empty({B, hidden_}, opts);
+    st.qkv = torch::empty({B, W}, opts);
+    st.q = torch::empty({B, H, D}, opts);
+    st.k = torch::empty({B, KVH, D}, opts);
+    st.attn = torch::empty({B, H * D}, opts);
+    st.gu = torch::empty({B, 2 * inter_}, opts);
+    st.act = torch::empty({B, inter_}, opts);
+    st.cos = cos.contiguous();
+    st.sin = sin.contiguous();
+    st.pages = pages.to(at::kLong).contiguous();
+    st.lens = lens.to(at::kLong).contiguous();
+    st.slots = slots.to(at::kLong).contiguous();
+    st.page_size = page_size;
     if (B == 0) return out;
-    float* r = resid.data_ptr<float>();
-    float* h = hidden.data_ptr<float>();
-    float* dl = delta.data_ptr<float>();
-    float* qkvp = qkv.data_ptr<float>();
-    float* qp = q.data_ptr<float>();
-    float* kp = k.data_ptr<float>();
-    float* ap = attn.data_ptr<float>();
-    float* gup = gu.data_ptr<float>();
-    float* actp = act.data_ptr<float>();
-    const float* cp = cos.data_ptr<float>();
-    const float* sp = sin.data_ptr<float>();
-    const int64_t* pagep = pages.data_ptr<int64_t>();
-    const int64_t* lenp = lens.data_ptr<int64_t>();
-    const int64_t* slotp = slots.data_ptr<int64_t>();
-    const int64_t P = pages.size(1), hid = hidden_, inter = inter_;
-    auto attend = D == 64 ? decode_tasks<float, 64> : D == 128 ? decode_tasks<float, 128> : decode_tasks<float, 0>;
-    // Few rows: one attention task per query head (both cores get a share at batch 1);
-    // more: one per KV head, its query heads sharing each K/V row load.
-    const bool split_heads = B * KVH < 2 * std::max<int64_t>(1, at::get_num_threads());
-    const int64_t tasks = split_heads ? B * H : B * KVH;
-    QuantRows xa(B, hid), xo(B, H * D), xd(B, inter);  // the inputs of qkv and gate_up, of o, of down
-    // One OpenMP region per GEMM and attention, the small row work on this thread between
-    // them. A region spanning the whole step (a barrier after every phase, 8 a layer) could
-    // not be shown faster on a shared 2-core machine and has more barriers to spin at when
-    // the OS sets a thread aside.
-    for (int64_t i = 0; i < L; ++i) {
-      const StackLayer& layer = layers_[i];
-      float* kc = k_caches[i].data_ptr<float>();
-      float* vc = v_caches[i].data_ptr<float>();
-      add_rms_norm_rows<float>(r, i == 0 ? nullptr : dl, layer.norm1.data_ptr<float>(), r, h, B, hid, eps_);
-      xa.set_rows(h, 0, B);
-      layer.qkv.matrix()(xa, qkvp);
-      rope_store_rows<float>(qkvp, qkvp + H * D, qkvp + (H + KVH) * D, cp, sp, qp, kp, kc, vc, slotp, B, H, KVH, D, W, D, W, D, W, D);
-      at::parallel_for(0, tasks, 1, [&](int64_t lo, int64_t hi) {
-        attend(qp, kc, vc, pagep, lenp, ap, H, D, KVH, P, page_size, scale_, split_heads, lo, hi);
-      });
-      xo.set_rows(ap, 0, B);
-      layer.o.matrix()(xo, dl);
-      add_rms_norm_rows<float>(r, dl, layer.norm2.data_ptr<float>(), r, h, B, hid, eps_);
-      xa.set_rows(h, 0, B);
-      layer.gate_up.matrix()(xa, gup);
-      silu_mul_rows<float>(gup, actp, B, inter);
-      xd.set_rows(actp, 0, B);
-      layer.down.matrix()(xd, dl);
+    // With the row split set (set_rows_per_thread) and many rows: each thread takes whole
+    // rows through every layer, one OpenMP region for the step with no barrier inside it
+    // (a row's arithmetic does not depend on which rows share its call: the same bits).
+    // Each thread streams all the weights itself. Otherwise: one call for all rows, each
+    // GEMM and attention a region of its own split by columns and heads.
+    const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+    if (threads > 1 && rows_per_thread_ > 0 && B >= rows_per_thread_ * threads) {
+      at::parallel_for(0, B, (B + threads - 1) / threads, [&](int64_t lo, int64_t hi) { rows(st, lo, hi); });
+    } else {
+      rows(st, 0, B);
     }
-    add_rms_norm_rows<float>(r, dl, final_norm_.data_ptr<float>(), r, out.data_ptr<float>(), B, hid, eps_);
     return out;
   }
+
+  int64_t rows_per_thread() const { return rows_per_thread_; }
+  // 0 turns the row split off (every step split by columns and heads).
+  void set_rows_per_thread(int64_t rows) { rows_per_thread_ = std::max<int64_t>(0, rows); }
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
  private:
+  // The rows a step splits across threads only from this many rows per thread up; 0
+  // never. The engine sets it (kernels/cpu_stack.py's row_split_rows: on at 2 threads):
+  // each thread streams all the weights, bytes that grow with the threads and the model.
+  int64_t rows_per_thread_ = 0;
+
+  // One step's inputs and scratch, every row's; a rows() call uses its own rows' share.
+  struct Step {
+    const std::vector<torch::Tensor>& k_caches;
+    const std::vector<torch::Tensor>& v_caches;
+    at::Tensor resid, out, hidden, delta, qkv, q, k, attn, gu, act, cos, sin, pages, lens, slots;
+    int64_t page_size = 0;
+  };
+
+  // Rows [b0, b1) of the step through every layer and the final norm. Inside an OpenMP
+  // region (the row split) each at::parallel_for below runs on the calling thread.
+  void rows(const Step& st, int64_t b0, int64_t b1) const {
+    const int64_t n = b1 - b0, H = H_, KVH = KVH_, D = D_, W = (H + 2 * KVH) * D, hid = hidden_, inter = inter_;
+    if (n <= 0) return;
+    float* r = st.resid.data_ptr<float>() + b0 * hid;
+    float* h = st.hidden.data_ptr<float>() + b0 * hid;
+    float* dl = st.delta.data_ptr<float>() + b0 * hid;
+    float* qkvp = st.qkv.data_ptr<float>() + b0 * W;
+    float* qp = st.q.data_ptr<float>() + b0 * H * D;
+    float* kp = st.k.data_ptr<float>() + b0 * KVH * D;
+    float* ap = st.attn.data_ptr<float>() + b0 * H * D;
+    float* gup = st.gu.data_ptr<float>() + b0 * 2 * inter;
+    float* actp = st.act.data_ptr<float>() + b0 * inter;
+    const float* cp = st.cos.data_ptr<float>() + b0 * D;
+    const float* sp = st.sin.data_ptr<float>() + b0 * D;
+    const int64_t P = st.pages.size(1);
+    const int64_t* pagep = st.pages.data_ptr<int64_t>() + b0 * P;
+    const int64_t* lenp = st.lens.data_ptr<int64_t>() + b0;
+    const int64_t* slotp = st.slots.data_ptr<int64_t>() + b0;
+    auto attend = D == 64 ? decode_tasks<float, 64> : D == 128 ? decode_tasks<float, 128> : decode_tasks<float, 0>;
+    const int64_t heads_per_task = decode_heads_per_task(n, H, KVH), tasks = n * (H / heads_per_task);
+    QuantRows xa(n, hid), xo(n, H * D), xd(n, inter);  // the inputs of qkv and gate_up, of o, of down
+    for (size_t i = 0; i < layers_.size(); ++i) {
+      const StackLayer& layer = layers_[i];
+      float* kc = st.k_caches[i].data_ptr<float>();
+      float* vc = st.v_caches[i].data_ptr<float>();
+      add_rms_norm_rows<float>(r, i == 0 ? nullptr : dl, layer.norm1.data_ptr<float>(), r, h, n, hid, eps_);
+      xa.set_rows(h, 0, n);
+      layer.qkv.matrix()(xa, qkvp);
+      rope_store_rows<float>(qkvp, qkvp + H * D, qkvp + (H + KVH) * D, cp, sp, qp, kp, kc, vc, slotp, n, H, KVH, D, W, D, W, D, W, D);
+      at::parallel_for(0, tasks, 1, [&](int64_t lo, int64_t hi) {
+        attend(qp, kc, vc, pagep, lenp, ap, H, D, KVH, P, st.page_size, scale_, heads_per_task, lo, hi);
+      });
+      xo.set_rows(ap, 0, n);
+      layer.o.matrix()(xo, dl);
+      add_rms_norm_rows<float>(r, dl, layer.norm2.data_ptr<float>(), r, h, n, hid, eps_);
+      xa.set_rows(h, 0, n);
+      layer.gate_up.matrix()(xa, gup);
+      silu_mul_rows<float>(gup, actp, n, inter);
+      xd.set_rows(actp, 0, n);
+      layer.down.matrix()(xd, dl);
+    }
+    add_rms_norm_rows<float>(r, dl, final_norm_.data_ptr<float>(), r, st.out.data_ptr<float>() + b0 * hid, n, hid, eps_);
+  }
+
   static at::Tensor float_tensor(const c10::optional<torch::Tensor>& t) {
     TORCH_CHECK(t.has_value() && t->scalar_type() == at::kFloat && t->is_contiguous(), "a contiguous float32 tensor");
     return *t;
@@ -730,5 +792,7 @@ STACK_BINDINGS = r"""
       .def(py::init<const std::vector<std::vector<c10::optional<torch::Tensor>>>&, torch::Tensor, double, int64_t, int64_t, int64_t,
                     double>())
       .def("forward", &DecodeStack::forward, py::call_guard<py::gil_scoped_release>())
-      .def("num_layers", &DecodeStack::num_layers);
+      .def("num_layers", &DecodeStack::num_layers)
+      .def("rows_per_thread", &DecodeStack::rows_per_thread)
+      .def("set_rows_per_thread", &DecodeStack::set_rows_per_thread);
 """

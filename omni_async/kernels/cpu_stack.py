@@ -7,8 +7,16 @@ bookkeeping. Here one call runs every layer: residual add + RMSNorm, the merged 
 projection, rotary and the KV write, attention over the paged cache, the output
 projection, the MLP, and the final norm; the GIL is released for its length, so the
 event loop's thread runs while the step computes. Buffers are allocated once per call.
-Threads: torch's OpenMP pool (``info()["cpu_threads"]``), one region per GEMM and per
-attention (a region spanning the whole step was tried: see the C++ forward).
+Threads: torch's OpenMP pool (``info()["cpu_threads"]``; the extension links the same
+libgomp). By default every GEMM and attention is split by columns and heads, ~150
+parallel regions a step, each waiting for the slowest thread: on a loaded 2-core machine
+a step then takes 4-9x as long as one thread's (bench/RESULTS.md).
+With 2 threads, a step of 4 or more rows per thread is split by rows instead
+(``OMNI_ASYNC_CPU_ROW_SPLIT=N``: from N rows per thread, 0 off): each thread takes whole
+rows through every layer, one region a step with no barrier inside it (3-4x faster at 16
+rows on that loaded machine, +3% to +26% in three of four quieter pairs). Off with more
+threads by default: each thread streams all the weights, bytes that grow with the
+threads and the model.
 
 Exactly what the per-op path computes: the stack calls the same C++ functions (compiled
 in the same extension, :mod:`.cpu_kernels`) on the same inputs in the same order, so the
@@ -21,11 +29,33 @@ per-op path, unchanged.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
 
+# Rows per thread from which a step's rows are split across threads (see the module's
+# docstring); 0 keeps every step split by columns and heads. Unset: ROW_SPLIT_DEFAULT
+# rows up to ROW_SPLIT_MAX_THREADS threads, off above.
+ROW_SPLIT_ENV = "OMNI_ASYNC_CPU_ROW_SPLIT"
+ROW_SPLIT_DEFAULT = 4
+ROW_SPLIT_MAX_THREADS = 2
 
+
+def row_split_rows(threads: int) -> int:
+    """The rows per thread of the row split: the variable where given, else on where it
+    was measured (2 threads: 16 concurrent requests +3% to +26% on a quiet-ish 2-core
+    machine, 3-6x on a loaded one) and off with more threads, where every thread streaming
+    all the weights multiplies the bytes a step reads (not measured)."""
+    value = os.environ.get(ROW_SPLIT_ENV, "").strip()
+    if value:
+        return max(0, int(value))
+    return ROW_SPLIT_DEFAULT if threads <= ROW_SPLIT_MAX_THREADS else 0
+
+
+def apply_row_split(stack: Any) -> None:
+    """Set ``stack``'s row split (:func:`row_split_rows` for torch's threads)."""
+    stack.set_rows_per_thread(row_split_rows(torch.get_num_threads()))
 
 
 def _linear_entries(linear: Any) -> list[torch.Tensor | None] | None:
@@ -65,6 +95,7 @@ class CpuDecodeStack:
         attn = model.model.layers[0].self_attn
         self.stack = load().DecodeStack(layers, model.model.norm.weight.detach(), float(model.model.norm.eps), attn.num_heads,
                                         attn.num_kv_heads, attn.head_dim, float(attn.scale))
+        apply_row_split(self.stack)
         self.num_layers = cfg.num_layers
 
     @classmethod
