@@ -40,8 +40,8 @@ def test_cuda_defaults_gather_the_device_limits():
     d = cuda_defaults(1 << 20, DEFAULT_BUCKETS)
     assert d.max_running_requests == 512
     assert (d.max_prefill_tokens, d.chunked_prefill_size) == (16384, 8192)
-    steps = resolve_decode_steps(None, "cuda", loop="normal")  # the default loop
-    assert [steps.for_batch(n) for n in (1, 64, 256, 512)] == [8, 16, 16, 16]
+    steps = resolve_decode_steps(None, "cuda")
+    assert [steps.for_batch(n) for n in (1, 64, 256, 512)] == [4, 8, 8, 8]
     assert tuple(steps.tiers) == d.decode_tiers
 
 

@@ -43,9 +43,7 @@ def test_a_05b_model_on_an_h200():
     assert plan.kv_pages == int(free * 0.8) // per_token // 16
     assert plan.max_running_requests == 512  # the largest graph bucket: the KV holds far more
     assert (plan.max_prefill_tokens, plan.chunked_prefill_size) == (16384, 8192)
-    assert plan.decode_tiers == ((1, 8), (64, 16))  # the normal loop (the default): host time in plain view
-    for loop in ("overlap", "async_decode"):
-        assert plan_stage(SchedulerConfig(loop=loop), DeviceFacts(free_bytes=free, **H200), QWEN_05B).decode_tiers == ((1, 4), (64, 8))
+    assert plan.decode_tiers == ((1, 4), (64, 8))
     assert (plan.graph_max_len, plan.graph_max_batch) == (32768, 512)  # the paged kernel spans the context
     assert plan.own_stream and plan.dtype == "bfloat16"
     assert (plan.config.max_running_requests, plan.config.max_prefill_tokens) == (512, 16384)

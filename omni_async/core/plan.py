@@ -22,12 +22,6 @@ Why these defaults (measurements in bench/RESULTS.md):
   nv256_profile.py): one forward per step below 64 rows spent 0.89 s of a 3.8 s run on
   its tail, 4 or 8 forwards 0.50 s (34.9k -> 39.1-39.9k tok/s); from 64 rows 4 and 8 take
   the same device time and 8 half the host's. One forward elsewhere.
-- The normal loop's tiers are twice those (8 and 16). It runs schedule, launch and
-  processing between steps with the device idle (no overlap, by design): NV256 on the
-  H200 left its GPU busy 69-74% against the overlap loop's 83-90%, ~3 ms of host per step
-  in plain view (47.4k against 60.3k tok/s over ~180 steps). Twice the forwards per step
-  halve that per token; tokens are those of one forward per step either way (a multi-step
-  row stops at its first finishing token), and a stream's deltas come twice as large.
 - CPU dtype and kernels. A CPU with native bfloat16 instructions runs a checkpoint stored
   in 16 bits or fewer faster in bfloat16 once several requests share a step, and the C++
   kernels add to it at every batch size; float32 (the exact reference path) otherwise.
@@ -56,9 +50,8 @@ TOKENS_PER_RUNNING_REQUEST = 1024
 # (max_prefill_tokens, chunked_prefill_size) for fields the config leaves open.
 CPU_PREFILL_BUDGET = (4096, 512)
 CUDA_PREFILL_BUDGET = (16384, 8192)
-# decode_steps=None on CUDA: (fewest decoding requests, forwards per step), by loop.
+# decode_steps=None on CUDA: (fewest decoding requests, forwards per step).
 AUTO_TIERS = ((1, 4), (64, 8))
-LOOP_AUTO_TIERS = {"normal": ((1, 8), (64, 16))}
 # CPU KV when kv_capacity_tokens is not given: this fraction of the memory available
 # once the weights are loaded, within [CPU_KV_MIN_TOKENS, CPU_KV_MAX_TOKENS] (the cap
 # keeps start-up and tests quick; give kv_capacity_tokens for more);
@@ -167,15 +160,14 @@ class StagePlan:
 
 
 def resolve_decode_steps(configured: int | None, device_type: str, tensor_parallel_size: int = 1,
-                         page_size: int = 16, loop: str = "overlap") -> DecodeSteps:
+                         page_size: int = 16) -> DecodeSteps:
     """``SchedulerConfig.decode_steps`` on this device: a fixed k for every batch, or
-    (None) the automatic tiers of ``loop`` on CUDA, at most ``page_size`` (a step then
-    adds at most one page per row), and one forward elsewhere."""
+    (None) the automatic tiers on CUDA, at most ``page_size`` (a step then adds at most
+    one page per row), and one forward elsewhere."""
     if configured is not None:
         return DecodeSteps(((1, configured),) if configured > 1 else ())
     if device_type == "cuda" and tensor_parallel_size == 1:
-        tiers = LOOP_AUTO_TIERS.get(loop, AUTO_TIERS)
-        return DecodeSteps(tuple((least, min(k, page_size)) for least, k in tiers if min(k, page_size) > 1))
+        return DecodeSteps(tuple((least, min(k, page_size)) for least, k in AUTO_TIERS if min(k, page_size) > 1))
     return DecodeSteps()
 
 
@@ -335,8 +327,7 @@ def plan_stage(
         chunked_prefill_size=chunked,
         context_length=context,
         max_running_requests=running,
-        decode_steps=resolve_decode_steps(config.decode_steps, device.type, config.tensor_parallel_size, config.page_size,
-                                          config.loop),
+        decode_steps=resolve_decode_steps(config.decode_steps, device.type, config.tensor_parallel_size, config.page_size),
         fuse_decode_steps=config.fuse_decode_steps,
         kv_pages=pages,
         kv_tokens=pages * config.page_size,
