@@ -57,7 +57,7 @@ FIELD_HELP: dict[str, str] = {
     "gc_freeze": "freeze the objects that exist once the model is built (shorter GC passes; process-wide)",
     "gc_gen0_threshold": "the cyclic GC's first threshold (none: Python's 700; process-wide)",
     "quantization": "CPU weights: int8 (fbgemm), q4 / q8 (blocks read by the C++ kernels; q4 is a GGUF file's default); none keeps the float path",
-    "mixed_prefill": "running decodes ride along in prefill steps, so their streams keep going while prompts arrive",
+    "mixed_prefill": "running decodes ride along in prefill steps (off by default: prefill and decode steps alternate while prompts wait)",
     "jump_forward": "tokens a grammar forces are appended at once, their KV computed in the next step (off by default: its mask reads cost more than it saves)",
     "stream_interval": "a request's delta every N tokens (and at its end); 1 sends every step's",
     "decode_steps": "decode forwards per launch (none: chosen by batch size; 1 on CPU)",

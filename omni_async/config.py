@@ -325,10 +325,11 @@ class SchedulerConfig:
     # Close to the reference, not bit-equal. None: as cpu_attention_kernel.
     cpu_fused_ops: bool | None = None
     # Native backend: a prefill step also carries every running request's next decode
-    # token (one-token rows), so running streams keep their pace while prompts arrive
-    # instead of pausing for each prefill step (vLLM's and SGLang's mixed batches).
-    # Same tokens either way; False runs prefill and decode steps apart.
-    mixed_prefill: bool = True
+    # token (one-token rows, vLLM's and SGLang's mixed batches). Off by default: the
+    # running requests then keep their fused multi-step decode launches, and prefill and
+    # decode steps alternate while prompts wait, so a running stream waits for one prefill
+    # step at most (core.mixed_prefill.prefill_turn). Same tokens either way.
+    mixed_prefill: bool = False
     # Native backend, requests under a grammar: where the grammar admits one token, it is
     # appended at once and its KV computed in the request's next step, with the tokens
     # after it (omni_async/structured/jump.py). Same tokens. Off by default: finding a

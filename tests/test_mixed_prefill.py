@@ -62,7 +62,7 @@ async def test_mixed_loops_agree():
     running, arriving = _prompts(5)
     outs = []
     for loop in LOOPS:
-        engine = Engine.from_pretrained("tiny", loop=loop, chunked_prefill_size=32, page_size=8)
+        engine = Engine.from_pretrained("tiny", loop=loop, mixed_prefill=True, chunked_prefill_size=32, page_size=8)
         async with engine:
             results = await _burst_while_decoding(engine, running, arriving, _sampling(0.7))
             assert engine.stack.core.stats()["mixed_decode_rows"] > 0
@@ -80,7 +80,7 @@ async def test_mixed_greedy_matches_transformers_under_pressure(hf_checkpoints, 
     arriving = random_prompts(5, 512, 60, 120, seed=2)
     lengths = [24] * len(running) + [8] * len(arriving)
     expected = [hf_greedy(folder, p, n) for p, n in zip(running + arriving, lengths)]
-    engine = Engine.from_pretrained(str(folder), loop=loop, page_size=8, kv_capacity_tokens=8 * 40,
+    engine = Engine.from_pretrained(str(folder), loop=loop, mixed_prefill=True, page_size=8, kv_capacity_tokens=8 * 40,
                                     chunked_prefill_size=48, max_prefill_tokens=64)
     async def retract_mid_mix() -> None:
         for _ in range(10_000):  # until a mixed step was scheduled (bounded: never a hang)
@@ -112,7 +112,7 @@ async def test_aborts_mid_mix(loop):
     async with reference:
         want = [r.output_ids for r in await asyncio.gather(
             *[reference.generate(input_ids=p, sampling=sp(i)) for i, p in enumerate(running + arriving)])]
-    engine = Engine.from_pretrained("tiny", loop=loop, chunked_prefill_size=32, page_size=8)
+    engine = Engine.from_pretrained("tiny", loop=loop, mixed_prefill=True, chunked_prefill_size=32, page_size=8)
     async with engine:
         handles = [await engine.submit(input_ids=p, sampling=sp(i), request_id=f"r{i}") for i, p in enumerate(running)]
         streams = [h.__aiter__() for h in handles]

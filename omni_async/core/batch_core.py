@@ -19,12 +19,12 @@ from ..kv.allocator import PageAllocator
 from ..kv.prefix_cache import PrefixCache
 from .batch import ForwardMode, ScheduledBatch
 from .multi_step import DecodeSteps, feed_rows, jump_most, jump_rows, process_multi_step, steps_for, take_due
-from .mixed_prefill import add_decode_rows, jump_step, mixed_decodes
+from .mixed_prefill import add_decode_rows, jump_step, mixed_decodes, prefill_turn
 from .step_results import end_unsampled, process_one_forward
 from .conditioning import ready_positions
 from .prefix_reuse import computing_key, drop_prefix, index_pages, reuse_prefix
 from .protocol import BatchCore, StepOutcome
-from .request import Request, decode_limits, mask_ready
+from .request import Request, decode_limits, mask_ready, reserved_tokens
 
 __all__ = ["BatchCore", "NativeBatchCore", "StepOutcome"]
 
@@ -63,6 +63,7 @@ class NativeBatchCore(BatchCore):
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
         self.num_retractions = 0
         self.mixed_decode_rows = 0  # decode rows carried by prefill steps (mixed_prefill)
+        self.decodes_waited = False  # the last step was a prefill step without the running decodes
         # Requests whose grammar's forced tokens wait for their KV (structured.jump), with
         # their epochs; the next decode step computes them. And the one-forward steps that did.
         self.jump_due: list[tuple[Request, int]] = []
@@ -121,15 +122,14 @@ class NativeBatchCore(BatchCore):
     # ------------------------------------------------------------------ scheduling
 
     def get_next_batch(self) -> ScheduledBatch | None:
-        """A prefill batch when requests wait and fit, else a decode step of the running set."""
-        return (self._schedule_prefill() if self.waiting or self.chunked else None) or self._schedule_decode()
-
-    def _reserved_tokens(self) -> int:
-        reserved = 0.0
-        for req in self.running:
-            remaining = req.sampling.max_new_tokens - req.num_generated
-            reserved += max(0, remaining) * self.new_token_ratio
-        return int(math.ceil(reserved))
+        """A prefill batch when requests wait and fit, else a decode step of the running set;
+        running requests wait for at most one prefill step (:func:`.mixed_prefill.prefill_turn`)."""
+        mixed, batch = self.mixed_decode_rows, (self._schedule_prefill() if prefill_turn(self) else None)
+        if batch is not None:
+            self.decodes_waited = self.mixed_decode_rows == mixed and bool(self.running)
+            return batch
+        self.decodes_waited = False
+        return self._schedule_decode() or (self._schedule_prefill() if self.waiting or self.chunked else None)
 
     def _schedule_prefill(self) -> ScheduledBatch | None:
         cfg = self.config
@@ -137,7 +137,7 @@ class NativeBatchCore(BatchCore):
         if cfg.chunk_size is not None:
             budget = min(budget, cfg.chunk_size)
         rows: list[tuple[Request, int]] = []
-        reserved = self._reserved_tokens()
+        reserved = reserved_tokens(self.running, self.new_token_ratio)
         kv = self.kv
         candidates: list[Request] = ([self.chunked] if self.chunked is not None else []) + list(self.waiting)
         slots = cfg.max_running_requests - len(self.running)

@@ -78,3 +78,15 @@ def jump_step(core: "NativeBatchCore", decoding: list[Request], due: dict[int, R
         req.num_inflight += 1
     core.jump_steps += 1
     return batch
+
+
+def prefill_turn(core: "NativeBatchCore") -> bool:
+    """Whether the next step may be a prefill step: requests wait, and the step before was
+    not a prefill step that the running requests sat out. So a running stream waits for
+    one prefill step at most, never a run of them (a burst of long prompts is several
+    chunks), and the prompts still start within a decode step; a decode step that cannot
+    run gives its turn back. Without mixing this is how prompts and decodes share the
+    device: the decodes keep their fused multi-step launches (a mixed step is one eager
+    forward for every running row; at 512 running rows on the H200 that cost NV256's
+    1,024-request run 27%, bench/RESULTS.md)."""
+    return bool(core.waiting or core.chunked) and not (core.decodes_waited and core.running)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -194,3 +195,10 @@ def waits_for_host(reqs: list[Request]) -> bool:
     then runs in sync, after a drain). Never true of the native core's steps
     (:func:`mask_ready`); the check stays for any core that does not keep that rule."""
     return any(r.matcher is not None and r.num_inflight > 1 for r in reqs)
+
+
+def reserved_tokens(running: list[Request], new_token_ratio: float) -> int:
+    """KV tokens the running requests are expected to still need: each one's tokens left,
+    scaled by the core's estimate of the share it will use (what a prefill leaves free)."""
+    ratio = new_token_ratio
+    return int(math.ceil(sum(max(0, r.sampling.max_new_tokens - r.num_generated) * ratio for r in running)))
