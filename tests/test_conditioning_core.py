@@ -109,6 +109,9 @@ def test_prefill_takes_the_ready_positions_then_waits_without_blocking_others():
     assert nxt.reqs == [plain] and nxt.extend_lens == [2]
     finish_step(c, nxt)
     req.conditioning.add(Rows(3))  # through position 5: the rest of the prompt
+    nxt = c.get_next_batch()  # the plain request sat out a prefill step: its decode first
+    assert nxt.mode == ForwardMode.DECODE and nxt.reqs == [plain]
+    finish_step(c, nxt)
     nxt = c.get_next_batch()
     assert nxt.mode == ForwardMode.EXTEND and nxt.reqs == [req] and nxt.extend_lens == [3]
     assert nxt.samples_kept == [True]
