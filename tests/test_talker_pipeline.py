@@ -127,14 +127,14 @@ async def test_three_loops_give_the_same_talker_tokens():
 async def test_a_thinker_failure_mid_stream_ends_the_talker_with_an_error(loop):
     count = {"n": 0}
 
-    def breaks_at_the_sixth_token(rid, data, out):
+    def breaks_mid_stream(rid, data, out):
         if rid == "bad" and out.data is not None:
             count["n"] += 1
-            if count["n"] == 6:
+            if count["n"] == 24:  # late enough that the talker has started (at 6 it sometimes had not)
                 raise RuntimeError("thinker broke")
         return default_stream_output_builder(rid, data, out)
 
-    first, thinker_stack = thinker(loop, stream_output_builder=breaks_at_the_sixth_token)
+    first, thinker_stack = thinker(loop, stream_output_builder=breaks_mid_stream)
     second, talker_stack = talker(loop)
     async with TwoStagePipeline(first, second) as pipe:
         handle = await pipe.submit("bad", *payloads("bad", n_think=200, n_talk=200))

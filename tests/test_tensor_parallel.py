@@ -29,7 +29,8 @@ FAMILIES = ["llama", "qwen2", "qwen3"]
 PROMPTS = random_prompts(6, 512, 3, 70, seed=5)
 N_NEW = 12
 # Small pages and KV, chunked prefill: retraction and chunking happen with two ranks too.
-LIMITS = dict(page_size=8, kv_capacity_tokens=8 * 24, chunked_prefill_size=32, max_prefill_tokens=48)
+# (32 pages: with prefill and decode steps alternating, every loop retracts here.)
+LIMITS = dict(page_size=8, kv_capacity_tokens=8 * 32, chunked_prefill_size=32, max_prefill_tokens=48)
 
 _REFERENCE: dict[str, list[list[int]]] = {}
 
