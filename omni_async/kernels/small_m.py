@@ -1,0 +1,282 @@
+"""A decoder layer's GEMMs at few rows, each fused with the elementwise op before it (Triton, CUDA).
+
+Why: at batch 1 a decode layer on the H200 is ~34 us of kernels (the 2026-12-04 profile,
+``bench/results/nv256_profile_h200/b1_torch.txt``, Qwen2-0.5B shape) for weights it could
+read in ~6 us: it is bound by kernel count and the latency floor of small cuBLAS GEMMs
+(4.4-6.8 us each, plus a split-K reduce on ``down``), not bytes. Here each GEMM takes its
+input op into the load of its A tile, so a layer's add + RMSNorm + qkv, add + RMSNorm +
+gate_up and SiLU*mul + down are one kernel each (the o projection a plain one), and the
+residual deltas of o and down are left to the next ``add_norm_linear``:
+
+- ``add_norm_linear``: ``x_sum = x + delta`` (stored by one program), ``y = (rmsnorm(x_sum)
+  * g) @ W.T (+ bias)``. Every program computes its rows' inverse RMS itself in a first pass
+  over K (K is the hidden size: a few KB per row, read from L2), then scales the A tile as
+  it loads it;
+- ``silu_mul_linear``: ``y = (silu(gate) * up) @ W.T (+ bias)``, SiLU*mul while loading;
+- ``linear``: ``y = x @ W.T (+ bias)``.
+
+Rounding follows :class:`~omni_async.kernels.reference.ReferenceOps` then ``F.linear``: the
+residual sum, the normalised value, its product with the norm weight and the SiLU*mul
+product are each rounded to the model dtype before the next step; the GEMM accumulates in
+float32 (the order differs from cuBLAS's, so results agree within bf16 rounding, not bit
+for bit). The weights are read where they are (no folding of the norm weight into W):
+weight updates through the admin API keep working unchanged.
+
+The product is GEMV-shaped: programs split N finely (and K, with a deterministic second
+pass summing the splits in order, where N alone gives too few programs), each either a
+``tl.dot`` with M padded to 16 or a broadcast product summed over K (``dot=False``, for one
+or two rows). :func:`pick_config` chooses; ``bench/probes/small_m_layer.py`` sweeps the
+alternatives on the GPU.
+
+Imported only when Triton is present (through :mod:`.fused`).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+from .launch import launcher
+
+SMALL_M_MAX = 16
+"""The most rows a step may have for the fused small-M path; above it the layer runs as
+before (the elementwise kernels of :mod:`.fused` and cuBLAS). Provisional: 16 is where
+padding M for ``tl.dot`` stops being free and where cuBLAS's small-GEMM floor (4.4-6.8 us a
+GEMM at batch 1 in the H200 profile) is still far above the weight-read time (~1-2 us at
+the 0.5B shape); ``bench/probes/small_m_layer.py`` measures M = 1..64 against today's ops
+and is what should move this number (no GPU figure was measured when it was set)."""
+
+# The prologue applied to the A tile as it loads (constexpr values of the kernel).
+PLAIN, ADD_NORM, SILU_MUL = 0, 1, 2
+
+# Triton 3.9's interpreter computes ``tl.dot`` of bfloat16 tiles wrongly (garbage of
+# ~1e10 on 16x16 ones; float32 tiles are right) and rounds to bfloat16 by truncation:
+# interpreted, the dot's operands go up to float32 first (the same exact products as the
+# GPU's bf16 MMA) and roundings are done on the bits (see ``_round``).
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@dataclass(frozen=True)
+class SmallMConfig:
+    """Tiling of one small-M GEMM: N per program, K per step, programs along K (their
+    float32 partial sums added in order by a second kernel), warps, and whether the
+    product is a ``tl.dot`` (M padded to 16) or a broadcast product."""
+
+    block_n: int
+    block_k: int
+    split_k: int = 1
+    warps: int = 4
+    dot: bool = True
+
+
+@functools.lru_cache(maxsize=8)
+def _sm_count(index: int) -> int:
+    if not torch.cuda.is_available():
+        return 132  # the H200's, for the interpreter: only the tiling changes
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def pick_config(m: int, n: int, k: int, device: torch.device | None = None) -> SmallMConfig:
+    """Enough programs to keep every SM reading weights: N tiles as wide as still gives
+    two programs per SM, and K split in two (or four) where N alone gives fewer programs
+    than SMs and each split still walks >= 1024 columns (``down`` at the 0.5B shape: 896
+    rows, 4864 columns). One or two rows use the broadcast product (no padding to 16)."""
+    on_cuda = device is not None and device.type == "cuda"
+    sms = _sm_count((device.index or 0) if on_cuda else 0)
+    dot = m > 2
+    block_n = 16 if dot else 8
+    while block_n < 128 and triton.cdiv(n, block_n * 2) >= 2 * sms:
+        block_n *= 2
+    split = 1
+    while triton.cdiv(n, block_n) * split < sms and k // (split * 2) >= 1024 and split < 4:
+        split *= 2
+    block_k = min(128 if dot else 256, triton.next_power_of_2(k))
+    return SmallMConfig(block_n=block_n, block_k=block_k, split_k=split, warps=4, dot=dot)
+
+
+# Roundings to the model dtype are round-to-nearest-even, the GPU's default. Triton 3.9's
+# interpreter truncates float32 to bfloat16 instead (and adds bfloat16 values as raw 16-bit
+# integers): interpreted (``EMULATE``), the rounding is done on the bits, so the CPU tests
+# check the rounding the GPU does.
+@triton.jit
+def _round(x, dtype: tl.constexpr, EMULATE: tl.constexpr):
+    if EMULATE:
+        if dtype == tl.bfloat16:
+            bits = x.to(tl.uint32, bitcast=True)
+            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000  # exactly a bfloat16 value
+            return bits.to(tl.float32, bitcast=True).to(dtype)
+    return x.to(dtype)
+
+
+@triton.jit
+def _rounded_sum(x, y, EMULATE: tl.constexpr):
+    return _round(x.to(tl.float32) + y.to(tl.float32), x.dtype, EMULATE)
+
+
+@triton.jit
+def _small_m_kernel(
+    A, DELTA, G, W, BIAS, SUM, Y, PART,
+    M, N, K, stride_a, stride_d, stride_s, stride_w, stride_y, eps,
+    PROLOGUE: tl.constexpr, HAS_DELTA: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    DOT: tl.constexpr, EMULATE: tl.constexpr, IEEE: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rm = tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mmask = rm < M
+    nmask = rn < N
+    inv = tl.zeros([BLOCK_M], tl.float32)
+    if PROLOGUE == 1:
+        # First pass: each row's inverse RMS over the whole of K (program (0, 0) also stores
+        # the residual sum); the second pass reads the same rows again, from L1/L2.
+        sum_rows = tl.where(pid_n + pid_k == 0, M, 0)  # rows this program stores x_sum for
+        ssq = tl.zeros([BLOCK_M], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            rk = k0 + tl.arange(0, BLOCK_K)
+            msk = mmask[:, None] & (rk < K)[None, :]
+            s = tl.load(A + rm[:, None] * stride_a + rk[None, :], mask=msk, other=0.0)
+            if HAS_DELTA:
+                s = _rounded_sum(s, tl.load(DELTA + rm[:, None] * stride_d + rk[None, :], mask=msk, other=0.0), EMULATE)
+                tl.store(SUM + rm[:, None] * stride_s + rk[None, :], s, mask=(rm < sum_rows)[:, None] & (rk < K)[None, :])
+            s32 = s.to(tl.float32)
+            ssq += tl.sum(s32 * s32, axis=1)
+        inv = tl.math.rsqrt(ssq / K + eps)
+    k_per = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
+    k_start = pid_k * k_per
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(k_start, k_start + k_per, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        kmask = rk < K
+        msk = mmask[:, None] & kmask[None, :]
+        src = A + rm[:, None] * stride_a + rk[None, :]
+        if PROLOGUE == 1:
+            s = tl.load(src, mask=msk, other=0.0)
+            if HAS_DELTA:
+                s = _rounded_sum(s, tl.load(DELTA + rm[:, None] * stride_d + rk[None, :], mask=msk, other=0.0), EMULATE)
+            normed = _round(s.to(tl.float32) * inv[:, None], s.dtype, EMULATE)
+            g = tl.load(G + rk, mask=kmask, other=0.0)
+            a = _round(g.to(tl.float32)[None, :] * normed.to(tl.float32), W.dtype.element_ty, EMULATE)
+        elif PROLOGUE == 2:
+            gate = tl.load(src, mask=msk, other=0.0)
+            up = tl.load(src + K, mask=msk, other=0.0)
+            g32 = gate.to(tl.float32)
+            silu = _round(g32 / (1.0 + tl.exp(-g32)), gate.dtype, EMULATE)
+            a = _round(silu.to(tl.float32) * up.to(tl.float32), W.dtype.element_ty, EMULATE)
+        else:
+            a = tl.load(src, mask=msk, other=0.0)
+        w = tl.load(W + rn[:, None] * stride_w + rk[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
+        if DOT:
+            if EMULATE:
+                acc = tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
+            elif IEEE:
+                acc = tl.dot(a, tl.trans(w), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, tl.trans(w), acc)
+        else:
+            acc += tl.sum(a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+    out = mmask[:, None] & nmask[None, :]
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            acc += tl.load(BIAS + rn, mask=nmask, other=0.0).to(tl.float32)[None, :]
+        tl.store(Y + rm[:, None] * stride_y + rn[None, :], _round(acc, Y.dtype.element_ty, EMULATE), mask=out)
+    else:
+        tl.store(PART + (pid_k * M + rm[:, None]) * N + rn[None, :], acc, mask=out)
+
+
+@triton.jit
+def _split_sum_kernel(
+    PART, BIAS, Y, M, N, stride_y,
+    HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr, EMULATE: tl.constexpr,
+):
+    # The splits' partial sums added in a fixed order: the same bits on every run.
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < N
+    acc = tl.zeros([BLOCK], tl.float32)
+    for s in tl.static_range(SPLIT_K):
+        acc += tl.load(PART + (s * M + row) * N + cols, mask=mask, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(BIAS + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(Y + row * stride_y + cols, _round(acc, Y.dtype.element_ty, EMULATE), mask=mask)
+
+
+_SMALL_M_LAUNCH = launcher(_small_m_kernel)
+_SPLIT_SUM_LAUNCH = launcher(_split_sum_kernel)
+
+
+def _gemm(
+    prologue: int, a: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *, k: int,
+    delta: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
+    config: SmallMConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One fused launch (two with a split K): ``(x_sum, y)``, ``x_sum`` being ``a`` itself
+    unless a delta was added."""
+    m = a.shape[0]
+    n = weight.shape[0]
+    cfg = config or pick_config(m, n, k, a.device)
+    y = torch.empty(m, n, dtype=weight.dtype, device=a.device)
+    total = torch.empty_like(a) if delta is not None else a
+    if m == 0:
+        return total, y
+    block_m = max(16 if cfg.dot else 1, triton.next_power_of_2(m))
+    part = torch.empty(cfg.split_k, m, n, dtype=torch.float32, device=a.device) if cfg.split_k > 1 else y
+    _SMALL_M_LAUNCH[(triton.cdiv(n, cfg.block_n), cfg.split_k)](
+        a, delta if delta is not None else a, norm_weight if norm_weight is not None else weight,
+        weight, bias if bias is not None else weight, total, y, part,
+        m, n, k, a.stride(0), delta.stride(0) if delta is not None else 0, total.stride(0), weight.stride(0), y.stride(0), eps,
+        PROLOGUE=prologue, HAS_DELTA=delta is not None, HAS_BIAS=bias is not None, SPLIT_K=cfg.split_k,
+        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, DOT=cfg.dot,
+        EMULATE=_INTERPRETED, IEEE=weight.dtype == torch.float32, num_warps=cfg.warps,
+    )
+    if cfg.split_k > 1:
+        block = min(1024, triton.next_power_of_2(n))
+        _SPLIT_SUM_LAUNCH[(m, triton.cdiv(n, block))](
+            part, bias if bias is not None else weight, y, m, n, y.stride(0),
+            HAS_BIAS=bias is not None, SPLIT_K=cfg.split_k, BLOCK=block, EMULATE=_INTERPRETED,
+        )
+    return total, y
+
+
+def add_norm_linear(
+    x: torch.Tensor, delta: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+    weight: torch.Tensor, bias: torch.Tensor | None, config: SmallMConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x + delta, (rmsnorm(x + delta) * norm_weight) @ weight.T + bias)`` over ``[M, K]``
+    rows; ``delta`` None adds nothing (and ``x`` itself comes back)."""
+    return _gemm(ADD_NORM, x, weight, bias, k=x.shape[1], delta=delta, norm_weight=norm_weight, eps=eps, config=config)
+
+
+def silu_mul_linear(
+    gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: SmallMConfig | None = None
+) -> torch.Tensor:
+    """``(silu(gate) * up) @ weight.T + bias`` for ``[M, 2I]`` rows laid out ``[gate | up]``."""
+    return _gemm(SILU_MUL, gate_up, weight, bias, k=gate_up.shape[1] // 2, config=config)[1]
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: SmallMConfig | None = None) -> torch.Tensor:
+    """``x @ weight.T + bias`` over ``[M, K]`` rows."""
+    return _gemm(PLAIN, x, weight, bias, k=x.shape[1], config=config)[1]
+
+
+def small_m_weights(x: torch.Tensor, module: Any, *others: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """The one decision: ``(weight, bias)`` of ``module`` when its GEMM over ``x`` takes the
+    fused small-M path, else None. It does when ``x`` has at most :data:`SMALL_M_MAX` rows,
+    the module declares that its forward is exactly ``F.linear(x, weight, bias)``
+    (``plain_gemm``: not quantised, not a tensor-parallel layer that all-reduces after its
+    GEMM), and every tensor involved (``others``: the delta, the norm weight) shares
+    ``x``'s dtype, with unit stride along the row."""
+    if x.dim() != 2 or x.shape[0] > SMALL_M_MAX or not getattr(module, "plain_gemm", False):
+        return None
+    weight, bias = module.weight, module.bias
+    tensors = [x, weight, *(t for t in (bias, *others) if t is not None)]
+    if any(t.dtype != x.dtype or t.stride(-1) != 1 for t in tensors) or weight.device != x.device:
+        return None
+    return weight, bias

@@ -1,0 +1,180 @@
+"""The fused small-M GEMMs (:mod:`omni_async.kernels.small_m`) against the torch reference
+ops and ``F.linear``: on the CPU through Triton's interpreter, in a process of its own (the
+interpreter is chosen when Triton is first imported), on small shapes; on CUDA compiled, on
+the Qwen2-0.5B shapes, and the whole decoder's greedy tokens with them.
+
+Tolerance (bfloat16): the kernel rounds at the reference's points (tested exactly through
+``x_sum`` and through outputs that match bit for bit on most elements), but sums the
+products in another order than torch's GEMM; two float32 sums that differ by ~1e-6
+relative can round to neighbouring bfloat16 values, so an output may differ by one
+bfloat16 step (2^-7 of its magnitude) plus float32 noise of the order of K * 2^-24 of the
+largest |a| * |w| sum, bounded here by 1e-3 of the largest output. Float32: 1e-5 of the
+largest output (the same accumulation-order noise, K <= 4864).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from omni_async.backends.native.parallel.sharding import RowParallelLinear  # noqa: E402
+from omni_async.kernels import small_m, triton_available  # noqa: E402
+from omni_async.models.merged import MergedLinear  # noqa: E402
+from omni_async.models.quantized import Linear  # noqa: E402
+
+from .triton_interpreter import run_interpreted  # noqa: E402
+
+# Shared by the interpreter's script and the CUDA test: every fused op against the
+# reference ops over real modules (RMSNorm, MergedLinear, Linear), for each combination.
+COMPARE = r'''
+import itertools
+import torch
+from omni_async.kernels import small_m
+from omni_async.kernels.fused import FusedOps
+from omni_async.kernels.reference import ReferenceOps
+from omni_async.models.decoder import RMSNorm
+from omni_async.models.merged import MergedLinear
+from omni_async.models.quantized import Linear
+
+torch.set_grad_enabled(False)
+
+
+def close(got, want, dtype):
+    assert got.dtype == want.dtype and got.shape == want.shape, (got.dtype, want.dtype, got.shape, want.shape)
+    got, want = got.double(), want.double()
+    scale = float(want.abs().max())
+    if dtype == torch.bfloat16:
+        bound = want.abs() * 2.0 ** -7 + 1e-3 * scale
+    else:
+        bound = torch.full_like(want, 1e-5 * scale)
+    err = (got - want).abs()
+    assert bool((err <= bound).all()), float((err - bound).max())
+    return int((err > 0).sum())
+
+
+def trial(device, dtype, m, hidden, inter, bias, with_delta, config, gen):
+    ref, fused = ReferenceOps(), FusedOps()
+    norm = RMSNorm(hidden, 1e-6).to(device, dtype)
+    qkv = MergedLinear(hidden, {"q_proj": hidden, "k_proj": hidden // 4, "v_proj": hidden // 4}, bias=bias).to(device, dtype)
+    down = Linear(inter, hidden, bias=bias).to(device, dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(hidden, generator=gen, device=device) * 0.5 + 1)
+        for mod in (qkv, down):
+            mod.weight.copy_(torch.randn(mod.weight.shape, generator=gen, device=device) * mod.in_features ** -0.5)
+            if bias:
+                mod.bias.copy_(torch.randn(mod.out_features, generator=gen, device=device) * 0.1)
+    x = (torch.randn(m, hidden, generator=gen, device=device) * 2).to(dtype)
+    delta = torch.randn(m, hidden, generator=gen, device=device).to(dtype) if with_delta else None
+    gate_up = (torch.randn(m, 2 * inter, generator=gen, device=device) * 3).to(dtype)
+    assert small_m.small_m_weights(x, qkv, delta, norm.weight) is not None  # the fused path is taken
+    want_sum, want_y = ref.add_norm_linear(x, delta, norm, qkv)
+    if config is None:
+        got_sum, got_y = fused.add_norm_linear(x, delta, norm, qkv)
+        got_down = fused.silu_mul_linear(gate_up, down)
+        got_o = fused.linear(x, qkv)
+    else:
+        got_sum, got_y = small_m.add_norm_linear(x, delta, norm.weight, norm.eps, qkv.weight, qkv.bias, config)
+        got_down = small_m.silu_mul_linear(gate_up, down.weight, down.bias, config)
+        got_o = small_m.linear(x, qkv.weight, qkv.bias, config)
+    assert torch.equal(got_sum, want_sum)  # the residual sum: exactly the reference's
+    differ = close(got_y, want_y, dtype)
+    differ += close(got_down, ref.silu_mul_linear(gate_up, down), dtype)
+    differ += close(got_o, ref.linear(x, qkv), dtype)
+    return differ
+
+
+def trials(device, cases, configs):
+    gen = torch.Generator(device=device).manual_seed(0)
+    count = differ = 0
+    for (dtype, m, hidden, inter), bias, with_delta, config in itertools.product(cases, (False, True), (False, True), configs):
+        differ += trial(device, dtype, m, hidden, inter, bias, with_delta, config, gen)
+        count += 1
+    return count, differ
+'''
+
+INTERPRETED = COMPARE + r'''
+cases = [(dtype, m, hidden, inter) for dtype in (torch.bfloat16, torch.float32)
+         for m, hidden, inter in ((1, 64, 96), (3, 128, 64), (16, 64, 128))]
+# The default tiling, a split K with the dot, and the broadcast product.
+configs = (None, small_m.SmallMConfig(16, 32, 2, 4, True), small_m.SmallMConfig(8, 64, 1, 4, False))
+print("ok", *trials("cpu", cases, configs))
+'''
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the compiled kernel's test below runs instead")
+def test_fused_small_m_ops_match_reference_interpreted():
+    proc = run_interpreted(INTERPRETED, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    words = proc.stdout.split()
+    assert words[0] == "ok" and int(words[1]) == 72, proc.stdout
+
+
+def _modules(rows: int, dtype: torch.dtype = torch.float32):
+    x = torch.randn(rows, 32, dtype=dtype)
+    return x, Linear(32, 48, bias=True).to(dtype), MergedLinear(32, {"gate_proj": 16, "up_proj": 16}, bias=False).to(dtype)
+
+
+def test_threshold_selects_the_fused_path_for_few_rows_only():
+    """At most ``SMALL_M_MAX`` rows and a plain linear of the same dtype: fused; one row
+    more, a tensor-parallel layer (its all-reduce comes after the GEMM), a quantised one
+    or a dtype mismatch: the old path."""
+    limit = small_m.SMALL_M_MAX
+    for rows in (1, 3, limit):
+        x, lin, merged = _modules(rows)
+        assert small_m.small_m_weights(x, lin) == (lin.weight, lin.bias)
+        assert small_m.small_m_weights(x, merged, x, torch.ones(32)) == (merged.weight, None)
+    x, lin, merged = _modules(limit + 1)
+    assert small_m.small_m_weights(x, lin) is None and small_m.small_m_weights(x, merged) is None
+    x, lin, _ = _modules(1)
+    assert small_m.small_m_weights(x, RowParallelLinear(32, 48, True, lambda t: t)) is None
+    lin.packed_int8 = object()  # what quantize_linears attaches
+    assert small_m.small_m_weights(x, lin) is None
+    x, lin, _ = _modules(1)
+    assert small_m.small_m_weights(x.to(torch.bfloat16), lin) is None
+    assert small_m.small_m_weights(x, lin, torch.ones(32, dtype=torch.bfloat16)) is None
+
+
+def test_config_splits_k_only_where_n_gives_too_few_programs():
+    """The 0.5B shape's ``down`` (896 rows of 4864) splits K; its ``gate_up`` (9728 rows)
+    does not; one row uses the broadcast product, 16 rows the dot."""
+    assert small_m.pick_config(1, 896, 4864).split_k > 1
+    assert small_m.pick_config(1, 9728, 896).split_k == 1
+    assert not small_m.pick_config(1, 1152, 896).dot and small_m.pick_config(16, 1152, 896).dot
+
+
+@pytest.mark.skipif(not triton_available("cuda"), reason="the compiled kernel needs a GPU")
+def test_fused_small_m_ops_match_reference_cuda():
+    scope: dict = {}
+    exec(COMPARE, scope)
+    cases = [(dtype, m, 896, 4864) for dtype in (torch.bfloat16, torch.float32) for m in (1, 2, 5, 16)]
+    configs = (None, small_m.SmallMConfig(16, 128, 4, 4, True), small_m.SmallMConfig(8, 256, 2, 4, False))
+    count, _ = scope["trials"]("cuda", cases, configs)
+    assert count == len(cases) * 12
+
+
+@pytest.mark.skipif(not triton_available("cuda"), reason="needs CUDA and Triton")
+def test_decoder_greedy_tokens_with_small_m_path_equal_reference():
+    """A small random model in float32, one and three requests (decode graphs of 1 and 4
+    rows, both on the fused small-M path), 32 greedy tokens each: equal to the CPU
+    reference ops', and the small-M kernel did run."""
+    import asyncio
+
+    from omni_async import Engine, SamplingParams
+
+    def tokens(device: str, prompts) -> list[list[int]]:
+        async def run():
+            engine = Engine.from_pretrained("tiny", device=device, dtype="float32", kv_capacity_tokens=4096)
+            async with engine:
+                res = await asyncio.gather(*[engine.generate(input_ids=p, sampling=SamplingParams(max_new_tokens=32, ignore_eos=True))
+                                             for p in prompts])
+            return [r.output_ids for r in res]
+
+        return asyncio.run(run())
+
+    for prompts in ([[5, 6, 7, 8]], [[1, 2, 3], [9, 10, 11, 12, 13], [42] * 20]):
+        before = len(small_m._SMALL_M_LAUNCH._compiled)
+        got = tokens("cuda", prompts)
+        assert got == tokens("cpu", prompts)
+        assert len(small_m._SMALL_M_LAUNCH._compiled) > 0 or before > 0
