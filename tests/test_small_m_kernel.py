@@ -99,7 +99,38 @@ cases = [(dtype, m, hidden, inter) for dtype in (torch.bfloat16, torch.float32)
          for m, hidden, inter in ((1, 64, 96), (3, 128, 64), (16, 64, 128))]
 # The default tiling, a split K with the dot, and the broadcast product.
 configs = (None, small_m.SmallMConfig(16, 32, 2, 4, True), small_m.SmallMConfig(8, 64, 1, 4, False))
-print("ok", *trials("cpu", cases, configs))
+count, differ = trials("cpu", cases, configs)
+
+
+def layer_outputs(ops, m):
+    """A real DecoderLayer (Qwen2-like: q/k/v bias) decoding m rows of 20 cached tokens."""
+    from omni_async.kv.attention import AttentionContext
+    from omni_async.kv.cache import PagedKVCache
+    from omni_async.models.config import ModelConfig
+    from omni_async.models.decoder import DecoderLayer
+
+    cfg = ModelConfig(family="qwen2", vocab_size=64, hidden_size=64, intermediate_size=96, num_layers=1,
+                      num_heads=4, num_kv_heads=2, head_dim=16, qkv_bias=True)
+    gen = torch.Generator().manual_seed(m)
+    layer = DecoderLayer(cfg, 0)
+    for name, p in layer.named_parameters():
+        p.copy_(torch.randn(p.shape, generator=gen) * (0.2 if "layernorm" in name else p.shape[-1] ** -0.5) + ("layernorm" in name))
+    kv = PagedKVCache(num_layers=1, num_pages=2 * m, page_size=16, num_kv_heads=2, head_dim=16,
+                      dtype=torch.float32, device=torch.device("cpu"))
+    kv.k[0].copy_(torch.randn(kv.k[0].shape, generator=gen))
+    kv.v[0].copy_(torch.randn(kv.v[0].shape, generator=gen))
+    tables = torch.arange(2 * m).view(m, 2)
+    ctx = AttentionContext(is_decode=True, slot_mapping=tables[:, 1] * 16 + 3, logits_rows=torch.arange(m),
+                           kv_lens=torch.full((m,), 20), block_tables=tables, page_size=16)
+    x, delta = torch.randn(m, 64, generator=gen), torch.randn(m, 64, generator=gen)
+    emb = torch.rand(m, 8, generator=gen).repeat(1, 2) * 20
+    return (*layer(x, delta, emb.cos(), emb.sin(), kv, ctx, ops), kv.k[0], kv.v[0])
+
+
+for m in (1, 3):
+    for got, want in zip(layer_outputs(FusedOps(), m), layer_outputs(ReferenceOps(), m)):
+        close(got, want, torch.float32)
+print("ok", count, differ)
 '''
 
 
