@@ -58,21 +58,22 @@ PLAIN, ADD_NORM, SILU_MUL = 0, 1, 2
 # Triton 3.9's interpreter computes ``tl.dot`` of bfloat16 tiles wrongly (garbage of
 # ~1e10 on 16x16 ones; float32 tiles are right) and rounds to bfloat16 by truncation:
 # interpreted, the dot's operands go up to float32 first (the same exact products as the
-# GPU's bf16 MMA) and roundings are done on the bits (see ``_round``).
+# GPU's bf16 MMA) and roundings are done on the bits (see ``_rne``).
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @dataclass(frozen=True)
 class SmallMConfig:
     """Tiling of one small-M GEMM: N per program, K per step, programs along K (their
-    float32 partial sums added in order by a second kernel), warps, and whether the
-    product is a ``tl.dot`` (M padded to 16) or a broadcast product."""
+    float32 partial sums added in order by a second kernel), warps, whether the product
+    is a ``tl.dot`` (M padded to 16) or a broadcast product, and pipeline stages."""
 
     block_n: int
     block_k: int
     split_k: int = 1
     warps: int = 4
     dot: bool = True
+    stages: int = 3
 
 
 @functools.lru_cache(maxsize=8)
@@ -83,40 +84,51 @@ def _sm_count(index: int) -> int:
 
 
 def pick_config(m: int, n: int, k: int, device: torch.device | None = None) -> SmallMConfig:
-    """Enough programs to keep every SM reading weights: N tiles as wide as still gives
-    two programs per SM, and K split in two (or four) where N alone gives fewer programs
-    than SMs and each split still walks >= 1024 columns (``down`` at the 0.5B shape: 896
-    rows, 4864 columns). One or two rows use the broadcast product (no padding to 16)."""
+    """A first guess, before the probe measures the alternatives. Enough programs to
+    keep every SM reading weights: 8 rows of N a program for the broadcast product (one
+    or two rows: no padding to 16), N tiles as wide as still give two programs per SM for
+    the dot; K split in two (or four) where N alone gives fewer programs than SMs and each
+    split still walks >= 1024 columns (``down`` at the 0.5B shape: 896 rows, 4864 columns).
+    The broadcast product's K steps hold up to 8192 products a program (1024 columns for
+    one row): each step of its loop is a round trip to memory that nothing overlaps, so
+    fewer steps is less latency (113-126 registers a thread with 8 warps, sm_90). The
+    dot's K loop is pipelined by Triton (``stages``)."""
     on_cuda = device is not None and device.type == "cuda"
     sms = _sm_count((device.index or 0) if on_cuda else 0)
     dot = m > 2
     block_n = 16 if dot else 8
-    while block_n < 128 and triton.cdiv(n, block_n * 2) >= 2 * sms:
+    while dot and block_n < 128 and triton.cdiv(n, block_n * 2) >= 2 * sms:
         block_n *= 2
     split = 1
     while triton.cdiv(n, block_n) * split < sms and k // (split * 2) >= 1024 and split < 4:
         split *= 2
-    block_k = min(128 if dot else 256, triton.next_power_of_2(k))
-    return SmallMConfig(block_n=block_n, block_k=block_k, split_k=split, warps=4, dot=dot)
+    if dot:  # 96-167 registers a thread for sm_90 (ptxas; 228-255 with 256-column steps)
+        return SmallMConfig(block_n=block_n, block_k=min(128, triton.next_power_of_2(k)), split_k=split, warps=4, dot=True)
+    block_k = min(triton.next_power_of_2(k), max(128, 8192 // (triton.next_power_of_2(m) * block_n)))
+    return SmallMConfig(block_n=block_n, block_k=block_k, split_k=split, warps=8, dot=False)
 
 
 # Roundings to the model dtype are round-to-nearest-even, the GPU's default. Triton 3.9's
 # interpreter truncates float32 to bfloat16 instead (and adds bfloat16 values as raw 16-bit
-# integers): interpreted (``EMULATE``), the rounding is done on the bits, so the CPU tests
-# check the rounding the GPU does.
+# integers): interpreted on bfloat16 (``EMULATE``), a float32 value is first rounded on its
+# bits to the bfloat16 value it must become, so the CPU tests check the GPU's rounding.
+# Compiled, ``EMULATE`` is False and this is the identity.
 @triton.jit
-def _round(x, dtype: tl.constexpr, EMULATE: tl.constexpr):
+def _rne(x, EMULATE: tl.constexpr):
     if EMULATE:
-        if dtype == tl.bfloat16:
-            bits = x.to(tl.uint32, bitcast=True)
-            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000  # exactly a bfloat16 value
-            return bits.to(tl.float32, bitcast=True).to(dtype)
-    return x.to(dtype)
+        bits = x.to(tl.uint32, bitcast=True)
+        x = ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+    return x
 
 
 @triton.jit
-def _rounded_sum(x, y, EMULATE: tl.constexpr):
-    return _round(x.to(tl.float32) + y.to(tl.float32), x.dtype, EMULATE)
+def _residual(A, DELTA, offs_a, offs_d, mask, HAS_DELTA: tl.constexpr, EMULATE: tl.constexpr):
+    """The tile of ``x`` (``+ delta``, rounded to the model dtype as torch's add rounds)."""
+    s = tl.load(A + offs_a, mask=mask, other=0.0)
+    if HAS_DELTA:
+        d = tl.load(DELTA + offs_d, mask=mask, other=0.0)
+        s = _rne(s.to(tl.float32) + d.to(tl.float32), EMULATE).to(s.dtype)
+    return s
 
 
 @triton.jit
@@ -142,9 +154,9 @@ def _small_m_kernel(
         for k0 in range(0, K, BLOCK_K):
             rk = k0 + tl.arange(0, BLOCK_K)
             msk = mmask[:, None] & (rk < K)[None, :]
-            s = tl.load(A + rm[:, None] * stride_a + rk[None, :], mask=msk, other=0.0)
+            s = _residual(A, DELTA, rm[:, None] * stride_a + rk[None, :], rm[:, None] * stride_d + rk[None, :], msk,
+                          HAS_DELTA, EMULATE)
             if HAS_DELTA:
-                s = _rounded_sum(s, tl.load(DELTA + rm[:, None] * stride_d + rk[None, :], mask=msk, other=0.0), EMULATE)
                 tl.store(SUM + rm[:, None] * stride_s + rk[None, :], s, mask=(rm < sum_rows)[:, None] & (rk < K)[None, :])
             s32 = s.to(tl.float32)
             ssq += tl.sum(s32 * s32, axis=1)
@@ -158,18 +170,17 @@ def _small_m_kernel(
         msk = mmask[:, None] & kmask[None, :]
         src = A + rm[:, None] * stride_a + rk[None, :]
         if PROLOGUE == 1:
-            s = tl.load(src, mask=msk, other=0.0)
-            if HAS_DELTA:
-                s = _rounded_sum(s, tl.load(DELTA + rm[:, None] * stride_d + rk[None, :], mask=msk, other=0.0), EMULATE)
-            normed = _round(s.to(tl.float32) * inv[:, None], s.dtype, EMULATE)
+            s = _residual(A, DELTA, rm[:, None] * stride_a + rk[None, :], rm[:, None] * stride_d + rk[None, :], msk,
+                          HAS_DELTA, EMULATE)
+            normed = _rne(s.to(tl.float32) * inv[:, None], EMULATE).to(s.dtype)
             g = tl.load(G + rk, mask=kmask, other=0.0)
-            a = _round(g.to(tl.float32)[None, :] * normed.to(tl.float32), W.dtype.element_ty, EMULATE)
+            a = _rne(g.to(tl.float32)[None, :] * normed.to(tl.float32), EMULATE).to(W.dtype.element_ty)
         elif PROLOGUE == 2:
             gate = tl.load(src, mask=msk, other=0.0)
             up = tl.load(src + K, mask=msk, other=0.0)
             g32 = gate.to(tl.float32)
-            silu = _round(g32 / (1.0 + tl.exp(-g32)), gate.dtype, EMULATE)
-            a = _round(silu.to(tl.float32) * up.to(tl.float32), W.dtype.element_ty, EMULATE)
+            silu = _rne(g32 / (1.0 + tl.exp(-g32)), EMULATE).to(gate.dtype)
+            a = _rne(silu.to(tl.float32) * up.to(tl.float32), EMULATE).to(W.dtype.element_ty)
         else:
             a = tl.load(src, mask=msk, other=0.0)
         w = tl.load(W + rn[:, None] * stride_w + rk[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
@@ -186,7 +197,7 @@ def _small_m_kernel(
     if SPLIT_K == 1:
         if HAS_BIAS:
             acc += tl.load(BIAS + rn, mask=nmask, other=0.0).to(tl.float32)[None, :]
-        tl.store(Y + rm[:, None] * stride_y + rn[None, :], _round(acc, Y.dtype.element_ty, EMULATE), mask=out)
+        tl.store(Y + rm[:, None] * stride_y + rn[None, :], _rne(acc, EMULATE).to(Y.dtype.element_ty), mask=out)
     else:
         tl.store(PART + (pid_k * M + rm[:, None]) * N + rn[None, :], acc, mask=out)
 
@@ -205,7 +216,7 @@ def _split_sum_kernel(
         acc += tl.load(PART + (s * M + row) * N + cols, mask=mask, other=0.0)
     if HAS_BIAS:
         acc += tl.load(BIAS + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(Y + row * stride_y + cols, _round(acc, Y.dtype.element_ty, EMULATE), mask=mask)
+    tl.store(Y + row * stride_y + cols, _rne(acc, EMULATE).to(Y.dtype.element_ty), mask=mask)
 
 
 _SMALL_M_LAUNCH = launcher(_small_m_kernel)
@@ -227,6 +238,7 @@ def _gemm(
     if m == 0:
         return total, y
     block_m = max(16 if cfg.dot else 1, triton.next_power_of_2(m))
+    emulate = _INTERPRETED and weight.dtype == torch.bfloat16
     part = torch.empty(cfg.split_k, m, n, dtype=torch.float32, device=a.device) if cfg.split_k > 1 else y
     _SMALL_M_LAUNCH[(triton.cdiv(n, cfg.block_n), cfg.split_k)](
         a, delta if delta is not None else a, norm_weight if norm_weight is not None else weight,
@@ -234,13 +246,13 @@ def _gemm(
         m, n, k, a.stride(0), delta.stride(0) if delta is not None else 0, total.stride(0), weight.stride(0), y.stride(0), eps,
         PROLOGUE=prologue, HAS_DELTA=delta is not None, HAS_BIAS=bias is not None, SPLIT_K=cfg.split_k,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, DOT=cfg.dot,
-        EMULATE=_INTERPRETED, IEEE=weight.dtype == torch.float32, num_warps=cfg.warps,
+        EMULATE=emulate, IEEE=weight.dtype == torch.float32, num_warps=cfg.warps, num_stages=cfg.stages,
     )
     if cfg.split_k > 1:
         block = min(1024, triton.next_power_of_2(n))
         _SPLIT_SUM_LAUNCH[(m, triton.cdiv(n, block))](
             part, bias if bias is not None else weight, y, m, n, y.stride(0),
-            HAS_BIAS=bias is not None, SPLIT_K=cfg.split_k, BLOCK=block, EMULATE=_INTERPRETED,
+            HAS_BIAS=bias is not None, SPLIT_K=cfg.split_k, BLOCK=block, EMULATE=emulate,
         )
     return total, y
 
