@@ -92,19 +92,29 @@ def small_m_limit(limit: int, configs: dict | None = None):
         small_m.SMALL_M_MAX, small_m.pick_config = old_limit, old_pick
 
 
-class Setup:
-    """The layers, KV cache and decode inputs of one shape and row count."""
+def build_layers(cfg: ModelConfig, device: str, dtype: torch.dtype) -> list:
+    """``cfg.num_layers`` real decoder layers with random weights (norm weights near 1),
+    made on the device (the 8B shape's 436 MB a layer is slow to draw on the CPU)."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    with torch.device("meta"):
+        layers = [DecoderLayer(cfg, i) for i in range(cfg.num_layers)]
+    out = []
+    for layer in layers:
+        layer = layer.to_empty(device=device).to(dtype).eval()
+        with torch.no_grad():
+            for name, p in layer.named_parameters():
+                norm = "layernorm" in name
+                p.copy_(torch.randn(p.shape, generator=gen, device=device) * (0.1 if norm else p.shape[-1] ** -0.5) + norm)
+        out.append(layer)
+    return out
 
-    def __init__(self, cfg: ModelConfig, m: int, context: int, device: str, dtype: torch.dtype) -> None:
+
+class Setup:
+    """The KV cache and decode inputs of one row count, over one shape's layers."""
+
+    def __init__(self, cfg: ModelConfig, layers: list, m: int, context: int, device: str, dtype: torch.dtype) -> None:
         gen = torch.Generator(device="cpu").manual_seed(m)
-        self.layers = []
-        for i in range(cfg.num_layers):
-            layer = DecoderLayer(cfg, i)
-            with torch.no_grad():
-                for name, p in layer.named_parameters():
-                    scale = 1.0 if "layernorm" in name else p.shape[-1] ** -0.5
-                    p.copy_(torch.randn(p.shape, generator=gen) * scale + (1.0 if "layernorm" in name else 0.0))
-            self.layers.append(layer.to(device, dtype).eval())
+        self.layers = layers
         page = 16
         pages = -(-context // page)
         self.kv = PagedKVCache(num_layers=cfg.num_layers, num_pages=m * pages + 1, page_size=page,
@@ -211,8 +221,8 @@ def timer_or_error(make, device: str):
         return None, repr(exc)[:300]
 
 
-def run_m(name: str, cfg: ModelConfig, m: int, args, device: str, dtype, deadline: float, best: dict) -> dict:
-    s = Setup(cfg, m, args.context, device, dtype)
+def run_m(cfg: ModelConfig, layers: list, m: int, args, device: str, dtype, deadline: float, best: dict) -> dict:
+    s = Setup(cfg, layers, m, args.context, device, dtype)
     row: dict = {"M": m, "layers_per_graph": cfg.num_layers, "kernels": {}, "errors": {}}
     # Kernels alone: today's against the fused default, then the sweep (time allowing).
     for kernel in KERNELS:
@@ -315,11 +325,13 @@ def main() -> None:
     t0 = time.monotonic()
     for name, shape in shapes.items():
         cfg, best = model_config(shape), {}
+        layers = build_layers(cfg, device, dtype)
         for m in map(int, args.m.split(",")):
-            results["rows"][f"{name}_M{m}"] = row = run_m(name, cfg, m, args, device, dtype, deadline, best)
+            results["rows"][f"{name}_M{m}"] = row = run_m(cfg, layers, m, args, device, dtype, deadline, best)
             report(name, row)
             results["elapsed_s"] = round(time.monotonic() - t0, 1)
             path = save_json(out, results)  # after each row: a partial run keeps what it measured
+        del layers
     print("saved", path, f"in {time.monotonic() - t0:.0f} s")
 
 
