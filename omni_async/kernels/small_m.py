@@ -288,7 +288,9 @@ def small_m_weights(x: torch.Tensor, module: Any, *others: torch.Tensor | None) 
     if x.dim() != 2 or x.shape[0] > SMALL_M_MAX or not getattr(module, "plain_gemm", False):
         return None
     weight, bias = module.weight, module.bias
-    tensors = [x, weight, *(t for t in (bias, *others) if t is not None)]
-    if any(t.dtype != x.dtype or t.stride(-1) != 1 for t in tensors) or weight.device != x.device:
+    if weight.device != x.device:
         return None
+    for t in (x, weight, bias, *others):  # called per GEMM in eager forwards: no lists built
+        if t is not None and (t.dtype != x.dtype or t.stride(-1) != 1):
+            return None
     return weight, bias
