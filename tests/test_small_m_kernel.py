@@ -88,19 +88,26 @@ def trial(device, dtype, m, hidden, inter, bias, with_delta, config, gen):
 
 
 def trials(device, cases, configs):
+    """Every case with and without bias and delta at the default tiling (``configs[0]``),
+    and with both at each other tiling (the prologues do not depend on the tiling)."""
     gen = torch.Generator(device=device).manual_seed(0)
     count = differ = 0
-    for (dtype, m, hidden, inter), bias, with_delta, config in itertools.product(cases, (False, True), (False, True), configs):
-        differ += trial(device, dtype, m, hidden, inter, bias, with_delta, config, gen)
-        count += 1
+    for case in cases:
+        runs = [(bias, delta, configs[0]) for bias, delta in itertools.product((False, True), (False, True))]
+        runs += [(True, True, config) for config in configs[1:]]
+        for bias, with_delta, config in runs:
+            differ += trial(device, *case, bias, with_delta, config, gen)
+            count += 1
     return count, differ
 '''
 
 INTERPRETED = COMPARE + r'''
 cases = [(dtype, m, hidden, inter) for dtype in (torch.bfloat16, torch.float32)
          for m, hidden, inter in ((1, 64, 96), (3, 128, 64), (16, 64, 128))]
-# The default tiling, a split K with the dot, and the broadcast product.
-configs = (None, small_m.SmallMConfig(16, 32, 2, 4, True), small_m.SmallMConfig(8, 64, 1, 4, False))
+# The default tiling, a split K with the dot, and the broadcast product with and without
+# the weight prefetch (split, several K steps a program).
+configs = (None, small_m.SmallMConfig(16, 32, 2, 4, True), small_m.SmallMConfig(8, 64, 1, 4, False),
+           small_m.SmallMConfig(8, 16, 2, 4, False, 3, True))
 count, differ = trials("cpu", cases, configs)
 
 
@@ -141,7 +148,7 @@ def test_fused_small_m_ops_match_reference_interpreted():
     proc = run_interpreted(INTERPRETED, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     words = proc.stdout.split()
-    assert words[0] == "ok" and int(words[1]) == 72, proc.stdout
+    assert words[0] == "ok" and int(words[1]) == 6 * 7, proc.stdout
 
 
 def _modules(rows: int, dtype: torch.dtype = torch.float32):
@@ -182,9 +189,10 @@ def test_fused_small_m_ops_match_reference_cuda():
     scope: dict = {}
     exec(COMPARE, scope)
     cases = [(dtype, m, 896, 4864) for dtype in (torch.bfloat16, torch.float32) for m in (1, 2, 5, 16)]
-    configs = (None, small_m.SmallMConfig(16, 128, 4, 4, True), small_m.SmallMConfig(8, 256, 2, 4, False))
+    configs = (None, small_m.SmallMConfig(16, 128, 4, 4, True), small_m.SmallMConfig(8, 256, 2, 4, False),
+               small_m.SmallMConfig(8, 1024, 2, 8, False, 3, True))
     count, _ = scope["trials"]("cuda", cases, configs)
-    assert count == len(cases) * 12
+    assert count == len(cases) * 7
 
 
 @pytest.mark.skipif(not triton_available("cuda"), reason="needs CUDA and Triton")
@@ -237,6 +245,7 @@ def test_kernels_compile_for_hopper_without_a_gpu():
     for m, (prologue, n, k) in [(1, (1, 1152, 896)), (16, (1, 1152, 896)), (1, (2, 896, 4864)), (16, (2, 896, 4864)), (1, (0, 896, 896))]:
         c = small_m.pick_config(m, n, k)
         const = dict(PROLOGUE=prologue, HAS_DELTA=prologue == 1, HAS_BIAS=prologue != 2, SPLIT_K=c.split_k,
-                     BLOCK_M=max(16 if c.dot else 1, m), BLOCK_N=c.block_n, BLOCK_K=c.block_k, DOT=c.dot, EMULATE=False, IEEE=False)
+                     BLOCK_M=max(16 if c.dot else 1, m), BLOCK_N=c.block_n, BLOCK_K=c.block_k, DOT=c.dot,
+                     PREFETCH=c.prefetch, EMULATE=False, IEEE=False)
         compile_for_sm90(small_m._small_m_kernel, const, c.warps, c.stages)
     compile_for_sm90(small_m._split_sum_kernel, dict(HAS_BIAS=True, SPLIT_K=2, BLOCK=1024, EMULATE=False), 4)

@@ -56,20 +56,20 @@ SHAPES = {
     "llama_8b": (4096, 14336, 32, 8, 128, False, 2),
 }
 SMOKE_SHAPES = {"tiny": (64, 128, 4, 2, 16, True, 2)}
-# Tilings swept for each GEMM (block_n, block_k, split_k, warps, dot); the broadcast
-# product (dot=False) only at one or two rows (its registers grow with M).
+# Tilings swept for each GEMM (block_n, block_k, split_k, warps, dot, stages, prefetch);
+# the broadcast product (dot=False) only at one or two rows (its registers grow with M).
 SWEEP = (
-    SmallMConfig(8, 1024, 1, 8, False), SmallMConfig(8, 512, 1, 4, False), SmallMConfig(16, 512, 1, 8, False),
-    SmallMConfig(8, 1024, 2, 8, False), SmallMConfig(4, 1024, 1, 4, False),
+    SmallMConfig(8, 1024, 1, 8, False, 3, True), SmallMConfig(8, 1024, 1, 8, False), SmallMConfig(8, 512, 1, 4, False, 3, True),
+    SmallMConfig(16, 512, 1, 8, False, 3, True), SmallMConfig(8, 1024, 2, 8, False, 3, True), SmallMConfig(4, 1024, 1, 4, False, 3, True),
     SmallMConfig(16, 128, 1, 4, True), SmallMConfig(32, 128, 1, 4, True), SmallMConfig(16, 256, 1, 8, True),
     SmallMConfig(16, 128, 2, 4, True), SmallMConfig(64, 64, 1, 4, True),
 )
-SMOKE_SWEEP = (SmallMConfig(8, 32, 1, 4, False), SmallMConfig(16, 32, 2, 4, True))
+SMOKE_SWEEP = (SmallMConfig(8, 32, 1, 4, False, 3, True), SmallMConfig(16, 32, 2, 4, True))
 KERNELS = ("qkv", "o", "gate_up", "down")
 
 
 def config_name(c: SmallMConfig) -> str:
-    return f"bn{c.block_n}_bk{c.block_k}_sk{c.split_k}_w{c.warps}_{'dot' if c.dot else 'sum'}"
+    return f"bn{c.block_n}_bk{c.block_k}_sk{c.split_k}_w{c.warps}_{'dot' if c.dot else 'sum'}{'_pf' if c.prefetch else ''}"
 
 
 def model_config(shape: tuple) -> ModelConfig:

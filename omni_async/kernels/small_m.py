@@ -66,7 +66,8 @@ _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 class SmallMConfig:
     """Tiling of one small-M GEMM: N per program, K per step, programs along K (their
     float32 partial sums added in order by a second kernel), warps, whether the product
-    is a ``tl.dot`` (M padded to 16) or a broadcast product, and pipeline stages."""
+    is a ``tl.dot`` (M padded to 16) or a broadcast product, pipeline stages (Triton's, for
+    the dot), and whether each K step's weight tile is loaded one step ahead by hand."""
 
     block_n: int
     block_k: int
@@ -74,6 +75,7 @@ class SmallMConfig:
     warps: int = 4
     dot: bool = True
     stages: int = 3
+    prefetch: bool = False
 
 
 @functools.lru_cache(maxsize=8)
@@ -91,8 +93,9 @@ def pick_config(m: int, n: int, k: int, device: torch.device | None = None) -> S
     split still walks >= 1024 columns (``down`` at the 0.5B shape: 896 rows, 4864 columns).
     The broadcast product's K steps hold up to 8192 products a program (1024 columns for
     one row): each step of its loop is a round trip to memory that nothing overlaps, so
-    fewer steps is less latency (113-126 registers a thread with 8 warps, sm_90). The
-    dot's K loop is pipelined by Triton (``stages``)."""
+    fewer steps is less latency (113-126 registers a thread with 8 warps, sm_90), and its
+    weight tiles are loaded a step ahead, the first before the norm's pass. The dot's K
+    loop is pipelined by Triton (``stages``)."""
     on_cuda = device is not None and device.type == "cuda"
     sms = _sm_count((device.index or 0) if on_cuda else 0)
     dot = m > 2
@@ -105,7 +108,7 @@ def pick_config(m: int, n: int, k: int, device: torch.device | None = None) -> S
     if dot:  # 96-167 registers a thread for sm_90 (ptxas; 228-255 with 256-column steps)
         return SmallMConfig(block_n=block_n, block_k=min(128, triton.next_power_of_2(k)), split_k=split, warps=4, dot=True)
     block_k = min(triton.next_power_of_2(k), max(128, 8192 // (triton.next_power_of_2(m) * block_n)))
-    return SmallMConfig(block_n=block_n, block_k=block_k, split_k=split, warps=8, dot=False)
+    return SmallMConfig(block_n=block_n, block_k=block_k, split_k=split, warps=8, dot=False, prefetch=True)
 
 
 # Roundings to the model dtype are round-to-nearest-even, the GPU's default. Triton 3.9's
@@ -137,7 +140,7 @@ def _small_m_kernel(
     M, N, K, stride_a, stride_d, stride_s, stride_w, stride_y, eps,
     PROLOGUE: tl.constexpr, HAS_DELTA: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT: tl.constexpr, EMULATE: tl.constexpr, IEEE: tl.constexpr,
+    DOT: tl.constexpr, PREFETCH: tl.constexpr, EMULATE: tl.constexpr, IEEE: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -145,6 +148,16 @@ def _small_m_kernel(
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mmask = rm < M
     nmask = rn < N
+    k_per = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
+    k_start = pid_k * k_per
+    k_end = tl.minimum(k_start + k_per, K)
+    w_rows = W + rn[:, None] * stride_w
+    if PREFETCH:
+        # The first weight tile is asked for before anything else (the norm's first pass
+        # included), and each step asks for the next before using its own: a K loop of one
+        # or two rows is otherwise a chain of round trips to memory.
+        rk = k_start + tl.arange(0, BLOCK_K)
+        w_next = tl.load(w_rows + rk[None, :], mask=nmask[:, None] & (rk < k_end)[None, :], other=0.0)
     inv = tl.zeros([BLOCK_M], tl.float32)
     if PROLOGUE == 1:
         # First pass: each row's inverse RMS over the whole of K (program (0, 0) also stores
@@ -161,12 +174,15 @@ def _small_m_kernel(
             s32 = s.to(tl.float32)
             ssq += tl.sum(s32 * s32, axis=1)
         inv = tl.math.rsqrt(ssq / K + eps)
-    k_per = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
-    k_start = pid_k * k_per
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(k_start, k_start + k_per, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
-        kmask = rk < K
+        kmask = rk < k_end
+        if PREFETCH:
+            w = w_next
+            w_next = tl.load(w_rows + BLOCK_K + rk[None, :], mask=nmask[:, None] & (rk + BLOCK_K < k_end)[None, :], other=0.0)
+        else:
+            w = tl.load(w_rows + rk[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
         msk = mmask[:, None] & kmask[None, :]
         src = A + rm[:, None] * stride_a + rk[None, :]
         if PROLOGUE == 1:
@@ -183,7 +199,6 @@ def _small_m_kernel(
             a = _rne(silu.to(tl.float32) * up.to(tl.float32), EMULATE).to(W.dtype.element_ty)
         else:
             a = tl.load(src, mask=msk, other=0.0)
-        w = tl.load(W + rn[:, None] * stride_w + rk[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
         if DOT:
             if EMULATE:
                 acc = tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
@@ -245,7 +260,7 @@ def _gemm(
         weight, bias if bias is not None else weight, total, y, part,
         m, n, k, a.stride(0), delta.stride(0) if delta is not None else 0, total.stride(0), weight.stride(0), y.stride(0), eps,
         PROLOGUE=prologue, HAS_DELTA=delta is not None, HAS_BIAS=bias is not None, SPLIT_K=cfg.split_k,
-        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, DOT=cfg.dot,
+        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, DOT=cfg.dot, PREFETCH=cfg.prefetch,
         EMULATE=emulate, IEEE=weight.dtype == torch.float32, num_warps=cfg.warps, num_stages=cfg.stages,
     )
     if cfg.split_k > 1:
