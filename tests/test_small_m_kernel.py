@@ -232,20 +232,30 @@ def _ptxas_present() -> bool:
 def test_kernels_compile_for_hopper_without_a_gpu():
     """The interpreter runs what the GPU compiler may refuse: every prologue at the
     default tilings of the 0.5B shape's GEMMs (one row, 16 rows, a split K) compiles for
-    sm_90 through ptxas, and so does the split-K sum."""
+    sm_90 through ptxas, and so does the split-K sum. With the integers and pointers
+    16-aligned (as Triton specialises the real shapes), the weights load in 16-byte
+    vectors: one row's loop as plain loads, the dot's through asynchronous copies."""
+    import re
+
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    def compile_for_sm90(fn, const: dict, warps: int, stages: int = 3) -> None:
+    def ptx_for_sm90(fn, const: dict, warps: int, stages: int = 3) -> str:
         sig = {n: ("constexpr" if n in const else "*fp32" if n == "PART" else "fp32" if n == "eps"
                    else "*bf16" if n in ("A", "DELTA", "G", "W", "BIAS", "SUM", "Y") else "i32") for n in fn.arg_names}
-        triton.compile(ASTSource(fn, sig, const), target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+        aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+                   if n not in const and n not in ("M", "eps")}
+        kernel = triton.compile(ASTSource(fn, sig, const, aligned), target=GPUTarget("cuda", 90, 32),
+                                options={"num_warps": warps, "num_stages": stages})
+        return kernel.asm["ptx"]
 
     for m, (prologue, n, k) in [(1, (1, 1152, 896)), (16, (1, 1152, 896)), (1, (2, 896, 4864)), (16, (2, 896, 4864)), (1, (0, 896, 896))]:
         c = small_m.pick_config(m, n, k)
         const = dict(PROLOGUE=prologue, HAS_DELTA=prologue == 1, HAS_BIAS=prologue != 2, SPLIT_K=c.split_k,
                      BLOCK_M=max(16 if c.dot else 1, m), BLOCK_N=c.block_n, BLOCK_K=c.block_k, DOT=c.dot,
                      PREFETCH=c.prefetch, EMULATE=False, IEEE=False)
-        compile_for_sm90(small_m._small_m_kernel, const, c.warps, c.stages)
-    compile_for_sm90(small_m._split_sum_kernel, dict(HAS_BIAS=True, SPLIT_K=2, BLOCK=1024, EMULATE=False), 4)
+        ptx = ptx_for_sm90(small_m._small_m_kernel, const, c.warps, c.stages)
+        wide = r"cp\.async\.cg\.shared\.global" if c.dot else r"ld\.global(\.\w+)*\.v4\.b32"
+        assert len(re.findall(wide, ptx)) >= 4, (m, prologue, c)
+    ptx_for_sm90(small_m._split_sum_kernel, dict(HAS_BIAS=True, SPLIT_K=2, BLOCK=1024, EMULATE=False), 4)

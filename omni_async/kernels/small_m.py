@@ -93,7 +93,7 @@ def pick_config(m: int, n: int, k: int, device: torch.device | None = None) -> S
     split still walks >= 1024 columns (``down`` at the 0.5B shape: 896 rows, 4864 columns).
     The broadcast product's K steps hold up to 8192 products a program (1024 columns for
     one row): each step of its loop is a round trip to memory that nothing overlaps, so
-    fewer steps is less latency (113-126 registers a thread with 8 warps, sm_90), and its
+    fewer steps is less latency (111-128 registers a thread with 8 warps, sm_90), and its
     weight tiles are loaded a step ahead, the first before the norm's pass. The dot's K
     loop is pipelined by Triton (``stages``)."""
     on_cuda = device is not None and device.type == "cuda"
