@@ -298,7 +298,7 @@ def report(name: str, row: dict) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--m", default="1,2,4,8,16,32,64", help="rows (decode batch sizes)")
-    ap.add_argument("--sweep-m", default="1,16", help="rows at which the tilings are swept")
+    ap.add_argument("--sweep-m", default="1,16", help="rows at which the tilings are swept ('' for none)")
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--context", type=int, default=512, help="tokens each row attends to")
     ap.add_argument("--replays", type=int, default=20)
@@ -313,7 +313,7 @@ def main() -> None:
     if args.smoke:
         device, dtype, shapes, args.sweep = "cpu", torch.float32, SMOKE_SHAPES, SMOKE_SWEEP
         args.m, args.sweep_m, args.replays, args.repeats, args.context = "1,16", "1", 1, 1, 40
-    args.sweep_m = [int(v) for v in args.sweep_m.split(",")]
+    args.sweep_m = [int(v) for v in args.sweep_m.split(",") if v]  # "" sweeps nothing
     deadline = time.monotonic() + args.budget_s
     results: dict = {
         "probe": "small_m_layer", "machine": machine_facts(), "argv": sys.argv[1:],
