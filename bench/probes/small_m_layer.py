@@ -27,6 +27,7 @@ best tiling found for each GEMM. Stops sweeping at ``--budget-s`` and saves what
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
 import sys
@@ -322,6 +323,7 @@ def main() -> None:
         "gpu": torch.cuda.get_device_name(0) if device == "cuda" else "cpu (interpreter smoke test)",
         "dtype": str(dtype), "context": args.context, "replays": args.replays, "repeats": args.repeats,
         "small_m_max": small_m.SMALL_M_MAX, "units": "us per layer (graph time / layers / replays)", "rows": {},
+        "best_tilings": {},  # the sweep's fastest tiling per (shape, M, N, K): what pick_config should return
     }
     out = Path(args.out) if args.out else Path("small_m_layer_smoke.json" if args.smoke else "small_m_layer.json")
     t0 = time.monotonic()
@@ -331,6 +333,7 @@ def main() -> None:
         for m in map(int, args.m.split(",")):
             results["rows"][f"{name}_M{m}"] = row = run_m(cfg, layers, m, args, device, dtype, deadline, best)
             report(name, row)
+            results["best_tilings"].update({f"{name}_M{bm}_N{n}_K{k}": dataclasses.asdict(c) for (bm, n, k), c in best.items()})
             results["elapsed_s"] = round(time.monotonic() - t0, 1)
             path = save_json(out, results)  # after each row: a partial run keeps what it measured
         del layers
