@@ -41,6 +41,7 @@ from omni_async.models.merged import MergedLinear
 from omni_async.models.quantized import Linear
 
 torch.set_grad_enabled(False)
+small_m.SMALL_M_MAX = 16  # the kernels at every row count they serve, above today's threshold too
 
 
 def close(got, want, dtype):
@@ -161,7 +162,7 @@ def test_threshold_selects_the_fused_path_for_few_rows_only():
     more, a tensor-parallel layer (its all-reduce comes after the GEMM), a quantised one
     or a dtype mismatch: the old path."""
     limit = small_m.SMALL_M_MAX
-    for rows in (1, 3, limit):
+    for rows in sorted({1, limit}):
         x, lin, merged = _modules(rows)
         assert small_m.small_m_weights(x, lin) == (lin.weight, lin.bias)
         assert small_m.small_m_weights(x, merged, x, torch.ones(32)) == (merged.weight, None)
@@ -172,14 +173,23 @@ def test_threshold_selects_the_fused_path_for_few_rows_only():
     lin.packed_int8 = object()  # what quantize_linears attaches
     assert small_m.small_m_weights(x, lin) is None
     x, lin, _ = _modules(1)
+    big = lin.weight.numel() * lin.weight.element_size()
+    old_limit, small_m.SMALL_M_MAX_WEIGHT_BYTES = small_m.SMALL_M_MAX_WEIGHT_BYTES, big - 1
+    try:  # a larger matrix than the limit: cuBLAS
+        assert small_m.small_m_weights(x, lin) is None
+    finally:
+        small_m.SMALL_M_MAX_WEIGHT_BYTES = old_limit
+    assert small_m.small_m_weights(x, lin) == (lin.weight, lin.bias)
     assert small_m.small_m_weights(x.to(torch.bfloat16), lin) is None
     assert small_m.small_m_weights(x, lin, torch.ones(32, dtype=torch.bfloat16)) is None
 
 
 def test_config_splits_k_only_where_n_gives_too_few_programs():
-    """The 0.5B shape's ``down`` (896 rows of 4864) splits K; its ``gate_up`` (9728 rows)
-    does not; one row uses the broadcast product, 16 rows the dot."""
-    assert small_m.pick_config(1, 896, 4864).split_k > 1
+    """A narrow matrix with a long K (256 rows of 4864: 64 programs of 4 rows) splits K;
+    the 0.5B shape's ``down`` (896 rows: 224 programs) and ``gate_up`` do not; one row
+    uses the broadcast product, 16 rows the dot."""
+    assert small_m.pick_config(1, 256, 4864).split_k > 1
+    assert small_m.pick_config(1, 896, 4864).split_k == 1
     assert small_m.pick_config(1, 9728, 896).split_k == 1
     assert not small_m.pick_config(1, 1152, 896).dot and small_m.pick_config(16, 1152, 896).dot
 
@@ -187,19 +197,23 @@ def test_config_splits_k_only_where_n_gives_too_few_programs():
 @pytest.mark.skipif(not triton_available("cuda"), reason="the compiled kernel needs a GPU")
 def test_fused_small_m_ops_match_reference_cuda():
     scope: dict = {}
-    exec(COMPARE, scope)
-    cases = [(dtype, m, 896, 4864) for dtype in (torch.bfloat16, torch.float32) for m in (1, 2, 5, 16)]
-    configs = (None, small_m.SmallMConfig(16, 128, 4, 4, True), small_m.SmallMConfig(8, 256, 2, 4, False),
-               small_m.SmallMConfig(8, 1024, 2, 8, False, 3, True))
-    count, _ = scope["trials"]("cuda", cases, configs)
+    limit = small_m.SMALL_M_MAX
+    try:
+        exec(COMPARE, scope)  # (raises SMALL_M_MAX for its own checks)
+        cases = [(dtype, m, 896, 4864) for dtype in (torch.bfloat16, torch.float32) for m in (1, 2, 5, 16)]
+        configs = (None, small_m.SmallMConfig(16, 128, 4, 4, True), small_m.SmallMConfig(8, 256, 2, 4, False),
+                   small_m.SmallMConfig(8, 1024, 2, 8, False, 3, True))
+        count, _ = scope["trials"]("cuda", cases, configs)
+    finally:
+        small_m.SMALL_M_MAX = limit
     assert count == len(cases) * 7
 
 
 @pytest.mark.skipif(not triton_available("cuda"), reason="needs CUDA and Triton")
 def test_decoder_greedy_tokens_with_small_m_path_equal_reference():
-    """A small random model in float32, one and three requests (decode graphs of 1 and 4
-    rows, both on the fused small-M path), 32 greedy tokens each: equal to the CPU
-    reference ops', and the small-M kernel did run."""
+    """A small random model in float32, one and three requests (a decode graph of one row
+    on the fused small-M path, of four rows on today's), 32 greedy tokens each: equal to
+    the CPU reference ops', and the small-M kernel did run."""
     import asyncio
 
     from omni_async import Engine, SamplingParams

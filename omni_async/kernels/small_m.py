@@ -44,13 +44,19 @@ import triton.language as tl
 
 from .launch import launcher
 
-SMALL_M_MAX = 16
+SMALL_M_MAX = 1
 """The most rows a step may have for the fused small-M path; above it the layer runs as
-before (the elementwise kernels of :mod:`.fused` and cuBLAS). Provisional: 16 is where
-padding M for ``tl.dot`` stops being free and where cuBLAS's small-GEMM floor (4.4-6.8 us a
-GEMM at batch 1 in the H200 profile) is still far above the weight-read time (~1-2 us at
-the 0.5B shape); ``bench/probes/small_m_layer.py`` measures M = 1..64 against today's ops
-and is what should move this number (no GPU figure was measured when it was set)."""
+before (the elementwise kernels of :mod:`.fused` and cuBLAS). Measured on the H200
+(``bench/probes/small_m_layer.py``, bench/results/small_m_layer_h200.json, 2026-12-04): at
+one row the 0.5B shape's layer went from 38.4 to 33.2 us with the best tilings (qkv 5.6 ->
+3.3 us with its norm, o 4.6 -> 2.5, down 9.4 -> 8.0 with its SiLU-and-multiply); from two
+rows on every fused GEMM was slower than today's path (the layer 1.4-2x at M = 2-64)."""
+
+SMALL_M_MAX_WEIGHT_BYTES = 16 << 20
+"""The largest weight matrix the fused path takes. Where a matrix is small, cuBLAS sits at
+its latency floor and the fused kernel wins; on large ones cuBLAS streams the weights
+faster (same probe, one row: the 0.5B gate_up, 17 MB, 9.2 us today against 10.2 fused;
+every GEMM of the Llama-8B shape, 33-235 MB, 0.84x at its best tiling)."""
 
 # The prologue applied to the A tile as it loads (constexpr values of the kernel).
 PLAIN, ADD_NORM, SILU_MUL = 0, 1, 2
@@ -86,20 +92,20 @@ def _sm_count(index: int) -> int:
 
 
 def pick_config(m: int, n: int, k: int, device: torch.device | None = None) -> SmallMConfig:
-    """A first guess, before the probe measures the alternatives. Enough programs to
-    keep every SM reading weights: 8 rows of N a program for the broadcast product (one
-    or two rows: no padding to 16), N tiles as wide as still give two programs per SM for
-    the dot; K split in two (or four) where N alone gives fewer programs than SMs and each
-    split still walks >= 1024 columns (``down`` at the 0.5B shape: 896 rows, 4864 columns).
-    The broadcast product's K steps hold up to 8192 products a program (1024 columns for
-    one row): each step of its loop is a round trip to memory that nothing overlaps, so
-    fewer steps is less latency (111-128 registers a thread with 8 warps, sm_90), and its
-    weight tiles are loaded a step ahead, the first before the norm's pass. The dot's K
-    loop is pipelined by Triton (``stages``)."""
+    """The tiling of one small-M GEMM. Enough programs to keep every SM reading weights:
+    4 rows of N a program for the broadcast product (one or two rows: no padding to 16),
+    1024 columns a K step, 4 warps, weight tiles loaded a step ahead (the first before the
+    norm's pass): the H200 probe's fastest at one row for the 0.5B shape's qkv and down,
+    and within 0.1% of it for o (bench/results/small_m_layer_h200.json); each step of the
+    loop is a round trip to memory that nothing overlaps, so fewer steps is less latency.
+    The dot (M padded to 16; above SMALL_M_MAX today, kept for larger M once it measures
+    faster): N tiles as wide as still give two programs per SM, its K loop pipelined by
+    Triton (``stages``). K is split in two (or four) where N alone gives fewer programs
+    than SMs and each split still walks >= 1024 columns."""
     on_cuda = device is not None and device.type == "cuda"
     sms = _sm_count((device.index or 0) if on_cuda else 0)
     dot = m > 2
-    block_n = 16 if dot else 8
+    block_n = 16 if dot else 4  # 4: the probe's best at one row (0.5B qkv, down; o within 0.1%)
     while dot and block_n < 128 and triton.cdiv(n, block_n * 2) >= 2 * sms:
         block_n *= 2
     split = 1
@@ -107,8 +113,8 @@ def pick_config(m: int, n: int, k: int, device: torch.device | None = None) -> S
         split *= 2
     if dot:  # 96-167 registers a thread for sm_90 (ptxas; 228-255 with 256-column steps)
         return SmallMConfig(block_n=block_n, block_k=min(128, triton.next_power_of_2(k)), split_k=split, warps=4, dot=True)
-    block_k = min(triton.next_power_of_2(k), max(128, 8192 // (triton.next_power_of_2(m) * block_n)))
-    return SmallMConfig(block_n=block_n, block_k=block_k, split_k=split, warps=8, dot=False, prefetch=True)
+    block_k = min(triton.next_power_of_2(k), 1024)
+    return SmallMConfig(block_n=block_n, block_k=block_k, split_k=split, warps=4, dot=False, prefetch=True)
 
 
 # Roundings to the model dtype are round-to-nearest-even, the GPU's default. Triton 3.9's
@@ -296,6 +302,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, con
 def small_m_weights(x: torch.Tensor, module: Any, *others: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """The one decision: ``(weight, bias)`` of ``module`` when its GEMM over ``x`` takes the
     fused small-M path, else None. It does when ``x`` has at most :data:`SMALL_M_MAX` rows,
+    the weight is at most :data:`SMALL_M_MAX_WEIGHT_BYTES`,
     the module declares that its forward is exactly ``F.linear(x, weight, bias)``
     (``plain_gemm``: not quantised, not a tensor-parallel layer that all-reduces after its
     GEMM), and every tensor involved (``others``: the delta, the norm weight) shares
@@ -303,6 +310,8 @@ def small_m_weights(x: torch.Tensor, module: Any, *others: torch.Tensor | None) 
     if x.dim() != 2 or x.shape[0] > SMALL_M_MAX or not getattr(module, "plain_gemm", False):
         return None
     weight, bias = module.weight, module.bias
+    if weight.numel() * weight.element_size() > SMALL_M_MAX_WEIGHT_BYTES:
+        return None
     if weight.device != x.device:
         return None
     for t in (x, weight, bias, *others):  # called per GEMM in eager forwards: no lists built
