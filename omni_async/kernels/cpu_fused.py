@@ -83,9 +83,9 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     return load().extend_attention(q.contiguous(), k_cache, v_cache, tables[0], tables[1], scale)
 
 
-class CpuFusedOps:
-    """The decoder's elementwise ops through the kernels above (same interface as
-    :class:`~omni_async.kernels.reference.ReferenceOps`); shapes or dtypes they do not
+class CpuFusedOps(ReferenceOps):
+    """The decoder's elementwise ops through the kernels above (the interface of
+    :class:`~omni_async.kernels.reference.ReferenceOps`, whose GEMM pairs it keeps); shapes or dtypes they do not
     take (mixed dtypes, a non-contiguous cache) go to the reference ops."""
 
     name = "cpu_fused"

@@ -16,7 +16,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import FastKernel
+from . import small_m
+from .launch import launcher
+from .reference import ReferenceOps
 
 
 @triton.jit
@@ -39,7 +41,7 @@ def _add_rms_norm_kernel(
     tl.store(Y + row * stride_y + cols, y.to(Y.dtype.element_ty), mask=mask)
 
 
-_ADD_RMS_NORM_LAUNCH = FastKernel(_add_rms_norm_kernel)
+_ADD_RMS_NORM_LAUNCH = launcher(_add_rms_norm_kernel)
 
 
 def add_rms_norm(
@@ -71,7 +73,7 @@ def _silu_mul_kernel(GU, OUT, stride_gu, stride_o, n_cols, BLOCK: tl.constexpr):
     tl.store(OUT + row * stride_o + cols, out.to(OUT.dtype.element_ty), mask=mask)
 
 
-_SILU_MUL_LAUNCH = FastKernel(_silu_mul_kernel)
+_SILU_MUL_LAUNCH = launcher(_silu_mul_kernel)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -129,7 +131,7 @@ def _rope_store_kernel(
         tl.store(vdst + HALF, tl.load(vsrc + HALF, mask=mk), mask=mk)
 
 
-_ROPE_STORE_LAUNCH = FastKernel(_rope_store_kernel)
+_ROPE_STORE_LAUNCH = launcher(_rope_store_kernel)
 
 
 def rope_store(
@@ -159,10 +161,12 @@ def rope_store(
     return q_out
 
 
-class FusedOps:
+class FusedOps(ReferenceOps):
     """The decoder's elementwise ops through the kernels above (same interface as
     :class:`~omni_async.kernels.reference.ReferenceOps`). Rotated k is written straight to
-    the cache and not returned: the CUDA attention kernels read it there."""
+    the cache and not returned: the CUDA attention kernels read it there. A step of few
+    rows runs each GEMM fused with the op before it (:mod:`.small_m`, which decides when);
+    otherwise the op's kernel here, then the module's GEMM."""
 
     name = "triton"
 
@@ -174,3 +178,21 @@ class FusedOps:
 
     def rope_store(self, q, k, v, cos, sin, kv, layer, slots):
         return rope_store(q, k, v, cos, sin, kv.k[layer], kv.v[layer], slots), None
+
+    def add_norm_linear(self, x, delta, norm, linear):
+        weights = small_m.small_m_weights(x, linear, delta, norm.weight)
+        if weights is None:
+            return super().add_norm_linear(x, delta, norm, linear)
+        return small_m.add_norm_linear(x, delta, norm.weight, norm.eps, *weights)
+
+    def silu_mul_linear(self, gate_up, linear):
+        weights = small_m.small_m_weights(gate_up, linear)
+        if weights is None:
+            return super().silu_mul_linear(gate_up, linear)
+        return small_m.silu_mul_linear(gate_up, *weights)
+
+    def linear(self, x, linear):
+        weights = small_m.small_m_weights(x, linear)
+        if weights is None:
+            return linear(x)
+        return small_m.linear(x, *weights)

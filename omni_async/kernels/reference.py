@@ -17,7 +17,10 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class ReferenceOps:
-    """Residual add + norm, SiLU-and-multiply and rotary + KV write, in torch."""
+    """Residual add + norm, SiLU-and-multiply and rotary + KV write, in torch; and the
+    layer's GEMMs with the op before each (``add_norm_linear``, ``silu_mul_linear``,
+    ``linear``), composed here from the ops and the module's own forward, so that a fused
+    set (:class:`~omni_async.kernels.fused.FusedOps`) can make each pair one kernel."""
 
     name = "reference"
 
@@ -41,3 +44,18 @@ class ReferenceOps:
         k = k * cos + rotate_half(k) * sin
         kv.write(layer, slots, k, v)
         return q, k
+
+    def add_norm_linear(
+        self, x: torch.Tensor, delta: torch.Tensor | None, norm: Callable[[torch.Tensor], torch.Tensor],
+        linear: Callable[[torch.Tensor], torch.Tensor],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(x + delta, linear(norm(x + delta)))``."""
+        x, h = self.add_norm(x, delta, norm)
+        return x, linear(h)
+
+    def silu_mul_linear(self, gate_up: torch.Tensor, linear: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """``linear(silu(gate) * up)``."""
+        return linear(self.silu_mul(gate_up))
+
+    def linear(self, x: torch.Tensor, linear: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        return linear(x)

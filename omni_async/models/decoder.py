@@ -88,8 +88,21 @@ class Attention(nn.Module):
         ctx: AttentionContext,
         ops: ReferenceOps,
     ) -> torch.Tensor:
-        t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.qkv_proj.sizes, dim=-1)
+        return self.from_qkv(self.qkv_proj(x), cos, sin, kv, ctx, ops)
+
+    def from_qkv(
+        self,
+        qkv: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv: PagedKVCache,
+        ctx: AttentionContext,
+        ops: ReferenceOps,
+    ) -> torch.Tensor:
+        """The block after its q/k/v projection (which :class:`DecoderLayer` computes
+        fused with the norm before it)."""
+        t = qkv.shape[0]
+        q, k, v = qkv.split(self.qkv_proj.sizes, dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
@@ -97,7 +110,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = ops.rope_store(q, k, v, cos, sin, kv, self.layer_idx, ctx.slot_mapping)
         out = paged_attention(q, kv.k[self.layer_idx], kv.v[self.layer_idx], ctx, self.scale, k_new=k, v_new=v)
-        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+        return ops.linear(out.reshape(t, self.num_heads * self.head_dim), self.o_proj)
 
 
 class MLP(nn.Module):
@@ -108,7 +121,7 @@ class MLP(nn.Module):
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor, ops: ReferenceOps) -> torch.Tensor:
-        return self.down_proj(ops.silu_mul(self.gate_up_proj(x)))
+        return ops.silu_mul_linear(self.gate_up_proj(x), self.down_proj)
 
 
 class DecoderLayer(nn.Module):
@@ -121,11 +134,13 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, delta, cos, sin, kv, ctx, ops):
         """Residual stream ``x`` and the previous block's output ``delta`` (added here,
-        so that the add fuses with the norm); returns the new pair."""
-        x, h = ops.add_norm(x, delta, self.input_layernorm)
-        delta = self.self_attn(h, cos, sin, kv, ctx, ops)
-        x, h = ops.add_norm(x, delta, self.post_attention_layernorm)
-        return x, self.mlp(h, ops)
+        so that the add fuses with the norm, and at few rows with the GEMM after it:
+        :mod:`omni_async.kernels.small_m`); returns the new pair."""
+        attn, mlp = self.self_attn, self.mlp
+        x, qkv = ops.add_norm_linear(x, delta, self.input_layernorm, attn.qkv_proj)
+        delta = attn.from_qkv(qkv, cos, sin, kv, ctx, ops)
+        x, gate_up = ops.add_norm_linear(x, delta, self.post_attention_layernorm, mlp.gate_up_proj)
+        return x, ops.silu_mul_linear(gate_up, mlp.down_proj)
 
 
 class _Backbone(nn.Module):

@@ -46,6 +46,13 @@ class Linear(nn.Linear):
     packed_int8: object | None = None
     blocks: BlockWeights | None = None
 
+    @property
+    def plain_gemm(self) -> bool:
+        """Whether ``forward`` is exactly ``F.linear(x, weight, bias)`` (no packed copy
+        attached): what lets a fused kernel read ``weight`` and ``bias`` in its place
+        (:func:`omni_async.kernels.small_m.small_m_weights`)."""
+        return self.blocks is None and self.packed_int8 is None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.blocks is not None:
             return self.blocks(x)
