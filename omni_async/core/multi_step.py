@@ -88,6 +88,36 @@ def row_steps(decoding: list[Request], k: int, context_length: int,
     return steps, constrained
 
 
+def late_mask_rows(core: "NativeBatchCore", decoding: list[Request], limits: list[int]
+                   ) -> tuple[list[Request], list[int], list[int] | None, list[int], bool]:
+    """The rows of the next decode step (``decoding`` may hold constrained rows with their
+    last token in flight, :func:`.request.mask_ready` with ``late``) and their ``limits``,
+    forwards and grammar rows (:func:`steps_for`), and whether the step samples under
+    late masks: the one place that decides whether such a row runs in this step.
+
+    Its mask needs that token accepted by its matcher, which happens when the step in
+    flight is processed. A step of one forward per row takes it: its launch enqueues the
+    forward, and the stepper samples only after processing the step before (launch t+1,
+    process t, sample t+1: ``Stepper.step_ahead``, the runner's ``sample_pending``), so
+    the masks are computed while the forward runs and such rows run in every step
+    instead of every other one (when every row is constrained, the loop no longer drains
+    to a synchronous step each time). A fused multi-step launch samples every forward
+    inside the launch (the free rows' later forwards read those tokens), so there such
+    a row waits for the next step and the free rows keep their k forwards. Not with
+    jump_forward: processing a step may append forced tokens to a row, which would move
+    the position its launched forward computed; late masks apply only with it off."""
+    late = [r.matcher is not None and r.num_inflight > 0 for r in decoding]
+    steps, grammar = steps_for(core, decoding, limits)
+    if not any(late):
+        return decoding, limits, steps, grammar, False
+    if steps is None and not core.config.jump_forward:
+        return decoding, limits, None, [], True
+    keep = [i for i, x in enumerate(late) if not x]
+    decoding, limits = [decoding[i] for i in keep], [limits[i] for i in keep]
+    steps, grammar = steps_for(core, decoding, limits) if decoding else (None, [])
+    return decoding, limits, steps, grammar, False
+
+
 def process_multi_step(
     batch: "ScheduledBatch", tokens: Sequence[int], logprobs: Sequence[float] | None, context_length: int,
     accepted: list[Any] | None = None,
