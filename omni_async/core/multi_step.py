@@ -101,21 +101,20 @@ def late_mask_rows(core: "NativeBatchCore", decoding: list[Request], limits: lis
     process t, sample t+1: ``Stepper.step_ahead``, the runner's ``sample_pending``), so
     the masks are computed while the forward runs and such rows run in every step
     instead of every other one (when every row is constrained, the loop no longer drains
-    to a synchronous step each time). A fused multi-step launch samples every forward
-    inside the launch (the free rows' later forwards read those tokens), so there such
-    a row waits for the next step and the free rows keep their k forwards. Not with
+    to a synchronous step each time). When the other rows alone get a fused multi-step
+    launch, which samples every forward inside the launch (the free rows' later forwards
+    read those tokens), such a row waits for the next step and the free rows keep their
+    k forwards (one :func:`steps_for` per step either way). Not with
     jump_forward: processing a step may append forced tokens to a row, which would move
     the position its launched forward computed; late masks apply only with it off."""
-    late = [r.matcher is not None and r.num_inflight > 0 for r in decoding]
-    steps, grammar = steps_for(core, decoding, limits)
-    if not any(late):
-        return decoding, limits, steps, grammar, False
-    if steps is None and not core.config.jump_forward:
-        return decoding, limits, None, [], True
-    keep = [i for i, x in enumerate(late) if not x]
-    decoding, limits = [decoding[i] for i in keep], [limits[i] for i in keep]
-    steps, grammar = steps_for(core, decoding, limits) if decoding else (None, [])
-    return decoding, limits, steps, grammar, False
+    keep = [i for i, r in enumerate(decoding) if r.matcher is None or not r.num_inflight]
+    if len(keep) == len(decoding):
+        return (decoding, limits, *steps_for(core, decoding, limits), False)
+    rest, rest_limits = [decoding[i] for i in keep], [limits[i] for i in keep]
+    steps, grammar = steps_for(core, rest, rest_limits) if rest else (None, [])
+    if steps is not None or core.config.jump_forward:  # a fused launch: they wait for the next step
+        return rest, rest_limits, steps, grammar, False
+    return decoding, limits, None, [], True  # one forward per row, theirs too
 
 
 def process_multi_step(

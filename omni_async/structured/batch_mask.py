@@ -48,10 +48,9 @@ class GrammarMasks:
         launch, whose free rows wait for it too (counted apart: what masks cost them)."""
         t0 = time.perf_counter()
         rows = grammar_rows(batch)
-        late = getattr(batch, "late_masks", False)
-        self.late_steps += late
         if not rows:
             return None
+        late = getattr(batch, "late_masks", False)
         words = (vocab + 31) // 32
         # Pinned for a device: the copy below then does not wait (the caching host
         # allocator keeps the buffer until the copy is done).
@@ -68,6 +67,7 @@ class GrammarMasks:
             self.fused_steps += 1
             self.fused_seconds += took
         if late:
+            self.late_steps += 1
             self.late_seconds += took
         return mask
 
