@@ -261,3 +261,44 @@ def test_a_late_mask_batch_rebuilt_after_a_drain_keeps_sampling_late():
     reqs[1].finish_reason = "stop"
     out = batch.runnable_after_drain()
     assert out.reqs == [reqs[0], reqs[2]] and out.late_masks
+
+
+@pytest.mark.parametrize("loop", ["overlap", "async_decode"])
+async def test_inline_launches_sample_late_on_the_loop_thread(loop, monkeypatch):
+    """CUDA's thread discipline on the CPU: decode steps launched (and sampled) inline on
+    the loop thread, prefills on the worker. Every row constrained: late masks in each
+    step, the normal loop's tokens."""
+    from omni_async.backends.native import builder
+    from omni_async.stage.executor import EventWaiter, InlineStepExecutor
+
+    async with Engine.from_pretrained("tiny", device="cpu", loop="normal", decode_steps=1) as engine:
+        reference = [r.output_ids for r in await run(engine, [seeded(i) for i in range(N)])]
+    monkeypatch.setattr(builder, "make_step_executor", lambda launch, device, wait: InlineStepExecutor(event_waiter=EventWaiter(wait)))
+    async with Engine.from_pretrained("tiny", device="cpu", loop=loop, decode_steps=1) as engine:
+        assert engine.scheduler.executor.launches_inline
+        results = await run(engine, [seeded(i) for i in range(N)])
+        info = engine.scheduler.info()
+    assert_kv_free(engine)
+    assert info["grammar_late_mask_steps"] > 0
+    assert [r.output_ids for r in results] == reference
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("loop", ["overlap", "async_decode"])
+async def test_cuda_late_masks_keep_the_normal_loops_tokens(loop):
+    """On CUDA (float32, graphs, inline decode launches on the runner's stream): every row
+    constrained, greedy and seeded, beside free rows at one forward a step; the late-mask
+    steps' tokens equal the normal loop's, every constrained output valid, KV freed once."""
+    mixed = [(greedy(i) if i % 4 == 1 else seeded(i)) if i % 2 else FREE for i in range(2 * N)]
+    limits = dict(device="cuda", dtype="float32", decode_steps=1, kv_capacity_tokens=8192)
+    async with Engine.from_pretrained("tiny", loop="normal", **limits) as engine:
+        reference = [r.output_ids for r in await run(engine, mixed)]
+    async with Engine.from_pretrained("tiny", loop=loop, **limits) as engine:
+        results = await run(engine, mixed)
+        info = engine.scheduler.info()
+    assert_kv_free(engine)
+    assert info["grammar_late_mask_steps"] > 0
+    for i, r in enumerate(results):
+        if i % 2:
+            validate(json.loads(r.text), SCHEMA)
+        assert r.output_ids == reference[i], f"request {i} differs from the normal loop"
