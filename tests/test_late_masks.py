@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 
+import anyio
 import pytest
 
 pytest.importorskip("llguidance")
@@ -170,8 +171,6 @@ async def test_a_grammar_failing_mid_stream_ends_its_request_alone(monkeypatch):
 async def test_one_terminal_each_when_constrained_rows_abort_with_a_step_in_flight():
     """Aborts of constrained rows whose next step is launched (under late masks, always):
     exactly one terminal message per request, KV freed once, the others run to their end."""
-    import anyio
-
     from omni_async import IncomingMessage, RequestPayload
     from omni_async.backends.native.builder import build_native_stack, build_scheduler
     from omni_async.config import SchedulerConfig
@@ -302,3 +301,26 @@ async def test_cuda_late_masks_keep_the_normal_loops_tokens(loop):
         if i % 2:
             validate(json.loads(r.text), SCHEMA)
         assert r.output_ids == reference[i], f"request {i} differs from the normal loop"
+
+
+async def test_pause_with_retraction_between_late_mask_steps_keeps_the_tokens():
+    """A pause in retract mode drains (a step whose masks are due samples first), sends
+    every constrained row back to waiting with its matcher where its kept tokens left it,
+    and the rows go on after resume: the tokens of a run without the pause."""
+    sampling = [SamplingParams(max_new_tokens=60, json_schema=ENDLESS, temperature=0.7, seed=i) for i in range(N)]
+    async with Engine.from_pretrained("tiny", device="cpu", loop="normal", decode_steps=1) as engine:
+        reference = [r.output_ids for r in await run(engine, sampling)]
+    async with Engine.from_pretrained("tiny", device="cpu", loop="overlap", decode_steps=1) as engine:
+        core = engine.scheduler.core
+        task = asyncio.ensure_future(run(engine, sampling))
+        with anyio.fail_after(60):
+            while not core.running or min(len(r.output_ids) for r in core.running) < 10:
+                await asyncio.sleep(0.005)
+        await engine.pause(mode="retract")
+        assert core.num_retractions >= N
+        await engine.resume()
+        results = await task
+        info = engine.scheduler.info()
+    assert_kv_free(engine)
+    assert info["grammar_late_mask_steps"] > 0
+    assert [r.output_ids for r in results] == reference
