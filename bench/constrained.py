@@ -35,6 +35,7 @@ random weights) with SmolLM2's vocabulary and tokenizer, a grammar needing a tok
 
     python bench/constrained.py --smoke                     # CPU, tiny, a few minutes (all loops)
     python bench/constrained.py --device cuda               # the H200 run (overlap loop)
+    python bench/constrained.py --device cuda --arms free,all [--mask-pool off]   # all-constrained only, ~3 min
 """
 
 from __future__ import annotations
@@ -78,7 +79,7 @@ COUNTERS = ("grammar_mask_steps", "grammar_mask_rows", "grammar_mask_s", "gramma
             "decode_steps", "lookahead_steps", "fused_decode_launches", "fused_decode_beside_grammar",
             "fused_decode_with_grammar", "grammar_jumps", "grammar_forced_skipped", "grammar_jump_steps",
             "grammar_mask_worker_calls", "grammar_mask_fused_steps", "grammar_mask_fused_s",
-            "fused_decode_late_captures")
+            "fused_decode_late_captures", "grammar_late_mask_steps", "grammar_late_mask_s")
 
 
 def valid_item(obj: Any) -> bool:
@@ -205,6 +206,11 @@ async def run_arm(engine: Engine, work, arm: str, replay: GrammarReplay) -> dict
                                  if d["grammar_mask_worker_calls"] else None),
         "fused_fill_ms": (1e3 * d["grammar_mask_fused_s"] / d["grammar_mask_fused_steps"]
                           if d["grammar_mask_fused_steps"] else None),
+        # steps whose masks were filled after the step before was processed, the forward
+        # already enqueued (late masks), and what their fills took on the launching thread
+        "late_pct_of_decode_steps": 100 * d["grammar_late_mask_steps"] / d["decode_steps"] if d["decode_steps"] else None,
+        "late_fill_ms": (1e3 * d["grammar_late_mask_s"] / d["grammar_late_mask_steps"]
+                         if d["grammar_late_mask_steps"] else None),
         "mask_threads": info1.get("grammar_mask_threads"),
         "inline_rows": d["grammar_mask_inline_rows"],
         # forced masks over the constrained rows' tokens (a jump-forward computes some masks
@@ -242,6 +248,10 @@ def qwen05_smol(folder: Path) -> Path:
 
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     model = args.model or ("qwen05-smol" if args.device == "cuda" else "tiny")
+    if args.mask_pool == "off":  # one thread computes the masks, whatever the host's CPUs (structured/prefetch.py)
+        from omni_async.structured import prefetch
+
+        prefetch.PARALLEL_MIN_CPUS = 1 << 30
     path = str(qwen05_smol(Path(args.checkpoint_dir) / "qwen05-smol")) if model == "qwen05-smol" else model
     kwargs: dict[str, Any] = {"device": args.device}
     if args.device == "cuda":
@@ -257,10 +267,11 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         replay = GrammarReplay(engine.tokenizer)
         async with engine:
             work = workload(args.requests, engine.tokenizer.vocab_size, args.smoke, args.seed)
-            for arm in ARMS:  # warm-up: each arm once, not recorded
+            arms = args.arms
+            for arm in arms:  # warm-up: each arm once, not recorded
                 await run_arm(engine, work, arm, replay)
             for rep in range(args.repeats):
-                order = ARMS[rep % 3:] + ARMS[:rep % 3]
+                order = arms[rep % len(arms):] + arms[:rep % len(arms)]
                 for arm in order:
                     run = dict(await run_arm(engine, work, arm, replay), repeat=rep)
                     runs.append(run)
@@ -269,9 +280,9 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                           + (f", valid {run['valid']}/{run['constrained']} (grammar accepts {run['grammar_accepted']}), mask {run['mask_pct_of_step']:.1f}% of a step"
                              if run["constrained"] else ""), flush=True)
         replay.close()
+        free_arm = next((r["free_outputs"] for r in runs if r["arm"] == "free"), None)
         for run in runs:  # the free rows' tokens: the same in every free and quarter run?
-            run["free_same_as_free_arm"] = None if run["free_outputs"] is None else run["free_outputs"] == next(
-                r["free_outputs"] for r in runs if r["arm"] == "free")
+            run["free_same_as_free_arm"] = None if run["free_outputs"] is None or free_arm is None else run["free_outputs"] == free_arm
         for run in runs:
             run.pop("free_outputs")
         result["runs"][loop] = runs
@@ -321,7 +332,10 @@ def print_table(result: dict[str, Any]) -> None:
                       f"{sum(r['counters']['fused_decode_late_captures'] for r in rs)}); jump-forwards "
                       f"{sum(r['counters']['grammar_jumps'] for r in rs)}, forced tokens skipped "
                       f"{sum(r['counters']['grammar_forced_skipped'] for r in rs)}, jump steps "
-                      f"{sum(r['counters']['grammar_jump_steps'] for r in rs)}; grammar accepts {sum(r['grammar_accepted'] for r in rs)}"
+                      f"{sum(r['counters']['grammar_jump_steps'] for r in rs)}; late-mask steps "
+                      f"{span([r['late_pct_of_decode_steps'] for r in rs if r['late_pct_of_decode_steps'] is not None], '{:.0f}')} % "
+                      f"of decode steps, their fill {span([r['late_fill_ms'] for r in rs if r['late_fill_ms'] is not None], '{:.3f}')} ms; "
+                      f"grammar accepts {sum(r['grammar_accepted'] for r in rs)}"
                       f"/{sum(r['constrained'] for r in rs)} outputs' ids; equal lengths "
                       f"{all(r['equal_lengths'] for r in rs)}")
 
@@ -332,10 +346,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default="cpu")
     p.add_argument("--loops", default=None, help="default: overlap on CUDA, all three on CPU")
     p.add_argument("--requests", type=int, default=256)
+    p.add_argument("--arms", default=",".join(ARMS), help="comma-separated subset of free,quarter,all (default all three; "
+                   "'free,all' for the all-constrained ratio in two thirds of the time)")
     p.add_argument("--repeats", type=int, default=None, help="interleaved repeats (default 3; 1 with --smoke)")
     p.add_argument("--decode-steps", type=int, default=None, help="forwards per decode step (default: the engine's)")
     p.add_argument("--max-running", type=int, default=256, help="max_running_requests on CUDA")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--mask-pool", choices=("auto", "off"), default="auto",
+                   help="llguidance's thread pool for the masks: as the engine decides (8+ CPUs), or off (one thread)")
     p.add_argument("--no-jump-forward", action="store_true", help="decode forced tokens one by one (jump_forward=False)")
     p.add_argument("--checkpoint-dir", default="/tmp/omni-bench-checkpoints")
     p.add_argument("--smoke", action="store_true", help="8 short requests (16-48 tokens), one repeat unless --repeats, "
@@ -344,6 +362,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--torch-threads", type=int, default=None)
     p.add_argument("--out", default=None, help="default constrained_<device>.json (constrained_smoke.json with --smoke)")
     args = p.parse_args(argv)
+    args.arms = tuple(a for a in ARMS if a in args.arms.split(","))
+    if not args.arms:
+        p.error(f"--arms: choose from {','.join(ARMS)}")
     if args.loops is None:
         args.loops = "overlap" if args.device == "cuda" else ",".join(C.LOOPS)
     if args.smoke:

@@ -147,20 +147,24 @@ async def test_grammar_completes_even_with_ignore_eos():
 
 
 @pytest.mark.parametrize("loop", ["overlap", "async_decode"])
-async def test_constrained_rows_never_scheduled_with_a_token_in_flight(loop):
+async def test_constrained_rows_scheduled_with_at_most_the_step_in_flights_token(loop):
     """A constrained row's next mask needs its last token on the host: a step holds such a
-    row only when nothing else of it is in flight (it runs ahead then, beside free rows)."""
+    row when nothing else of it is in flight, or, in a one-forward step sampling under late
+    masks, with the token of the step in flight, which the host processes before this step
+    samples (core.multi_step.late_mask_rows)."""
     async with Engine.from_pretrained("tiny", device="cpu", loop=loop) as engine:
         core = engine.scheduler.core
         schedule = core.get_next_batch
-        held = []
+        held, late = [], []
 
         def checked():
             batch = schedule()
             if batch is not None:
                 rows = [r for r, kept in zip(batch.reqs, batch.samples_kept) if r.matcher is not None and kept]
-                assert all(r.num_inflight == 1 for r in rows), [r.num_inflight for r in rows]
+                most = 2 if batch.late_masks and batch.row_steps is None else 1
+                assert all(r.num_inflight <= most for r in rows), [r.num_inflight for r in rows]
                 held.append(len(rows))
+                late.append(any(r.num_inflight == 2 for r in rows))
             return batch
 
         core.get_next_batch = checked
@@ -168,6 +172,6 @@ async def test_constrained_rows_never_scheduled_with_a_token_in_flight(loop):
         free = [SamplingParams(max_new_tokens=24, ignore_eos=True) for _ in range(3)]
         results = await asyncio.gather(*[engine.generate(prompt="id:", sampling=sp) for sp in constrained + free])
         assert engine.scheduler.info()["lookahead_steps" if loop == "async_decode" else "steps"] > 0
-    assert any(held)
+    assert any(held) and any(late)
     for r in results[:3]:
         assert r.finish_reason == "stop" and re.fullmatch(REGEX, r.text), r.text

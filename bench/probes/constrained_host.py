@@ -9,7 +9,11 @@ mask fill (``GrammarMasks.fill``: waiting for the worker, copying the masks), th
 matcher's ``accept`` (the library's consume and queueing the next mask), jump-forward
 (reading masks, appending forced tokens), processing (``process_multi_step`` /
 ``process_one_forward``, which include ``accept`` and the walk). Printed per constrained
-row-step (a row in a step) and per generated token, with and without jump-forward.
+row-step (a row in a step) and per generated token, with and without jump-forward; and the
+steps that sampled under late masks (a constrained row's mask filled after the step before
+was processed, while the forward ran: ``core.multi_step.late_mask_rows``) with the seconds
+their fills took on the launching thread (on CUDA the loop thread; here the worker). A
+version without late masks reports 0 for those.
 
     python bench/probes/constrained_host.py --requests 32 --tokens 96
     python bench/probes/constrained_host.py --jump off --torch-threads 1   # without jump-forward only
@@ -86,6 +90,8 @@ async def run(args: argparse.Namespace, jump: bool) -> dict:
     return {"jump": jump, "wall_s": wall, "tokens": tokens, "row_steps": row_steps, "steps": d.get("steps", 0),
             "skipped": d.get("grammar_forced_skipped", 0), "worker_calls": d.get("grammar_mask_worker_calls"),
             "worker_s": d.get("grammar_mask_worker_s", 0.0), "masked_steps": d.get("grammar_mask_steps", 0),
+            "late_steps": d.get("grammar_late_mask_steps", 0), "late_mask_s": d.get("grammar_late_mask_s", 0.0),
+            "fill_s": d.get("grammar_mask_s", 0.0), "decode_steps": d.get("decode_steps", 0),
             "times": {k: tuple(v) for k, v in TIMES.items()}}
 
 
@@ -94,6 +100,9 @@ def report(r: dict) -> None:
     print(f"\njump_forward={r['jump']}: {r['tokens']} tokens in {r['wall_s']:.1f} s, {r['steps']} steps, "
           f"{r['row_steps']} masked row-steps, {r['skipped']} forced tokens skipped")
     masked = max(r["masked_steps"], 1)
+    print(f"  {1e3 * r['wall_s'] / max(r['steps'], 1):.1f} ms a step; mask fill {1e3 * r['fill_s'] / masked:.3f} ms per masked step "
+          f"on the launching thread; {r['late_steps']} steps under late masks, their fills "
+          f"{1e3 * r['late_mask_s'] / max(r['late_steps'], 1):.3f} ms a step")
     calls = r["worker_calls"]
     print(f"  mask worker: {1e3 * r['worker_s'] / masked:.2f} ms per masked step, "
           + (f"{calls / masked:.2f} library calls per masked step, {r['row_steps'] / max(calls, 1):.1f} rows a call"

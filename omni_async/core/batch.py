@@ -70,6 +70,9 @@ class ScheduledBatch(StepShape):
     # With row_steps: the rows under a grammar (they run one forward, apart from the
     # fused launch of the others, and sample under their masks).
     grammar_rows: list[int] = field(default_factory=list)
+    # Its constrained rows' masks wait for the step before it to be processed: the runner
+    # launches the forward, the stepper has it sample later (core.multi_step.late_mask_rows).
+    late_masks: bool = False
     step_id: int = 0
     # Rows that complete the prefill of a request scoring its prompt with
     # max_new_tokens=0 (their ``samples_kept`` is False): (request, epoch). They end
@@ -137,7 +140,7 @@ class ScheduledBatch(StepShape):
         inflight_at = {pos: req for pos, req in self.inflight_inputs}
         out = ScheduledBatch(
             mode=self.mode, reqs=[], epochs=[], prefix_lens=[], extend_lens=[], samples_kept=[],
-            input_ids=[], step_id=self.step_id,
+            input_ids=[], step_id=self.step_id, late_masks=self.late_masks,
         )
         for i in keep:
             for pos in range(starts[i], starts[i + 1]):

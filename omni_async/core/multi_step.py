@@ -88,6 +88,35 @@ def row_steps(decoding: list[Request], k: int, context_length: int,
     return steps, constrained
 
 
+def late_mask_rows(core: "NativeBatchCore", decoding: list[Request], limits: list[int]
+                   ) -> tuple[list[Request], list[int], list[int] | None, list[int], bool]:
+    """The rows of the next decode step (``decoding`` may hold constrained rows with their
+    last token in flight, :func:`.request.mask_ready` with ``late``) and their ``limits``,
+    forwards and grammar rows (:func:`steps_for`), and whether the step samples under
+    late masks: the one place that decides whether such a row runs in this step.
+
+    Its mask needs that token accepted by its matcher, which happens when the step in
+    flight is processed. A step of one forward per row takes it: its launch enqueues the
+    forward, and the stepper samples only after processing the step before (launch t+1,
+    process t, sample t+1: ``Stepper.step_ahead``, the runner's ``sample_pending``), so
+    the masks are computed while the forward runs and such rows run in every step
+    instead of every other one (when every row is constrained, the loop no longer drains
+    to a synchronous step each time). When the other rows alone get a fused multi-step
+    launch, which samples every forward inside the launch (the free rows' later forwards
+    read those tokens), such a row waits for the next step and the free rows keep their
+    k forwards (one :func:`steps_for` per step either way). Not with
+    jump_forward: processing a step may append forced tokens to a row, which would move
+    the position its launched forward computed; late masks apply only with it off."""
+    keep = [i for i, r in enumerate(decoding) if r.matcher is None or not r.num_inflight]
+    if len(keep) == len(decoding):
+        return (decoding, limits, *steps_for(core, decoding, limits), False)
+    rest, rest_limits = [decoding[i] for i in keep], [limits[i] for i in keep]
+    steps, grammar = steps_for(core, rest, rest_limits) if rest else (None, [])
+    if steps is not None or core.config.jump_forward:  # a fused launch: they wait for the next step
+        return rest, rest_limits, steps, grammar, False
+    return decoding, limits, None, [], True  # one forward per row, theirs too
+
+
 def process_multi_step(
     batch: "ScheduledBatch", tokens: Sequence[int], logprobs: Sequence[float] | None, context_length: int,
     accepted: list[Any] | None = None,

@@ -177,24 +177,25 @@ class RequestData:
         return self.req.sampling.suppress_tokens
 
 
-def mask_ready(req: Request) -> bool:
+def mask_ready(req: Request, late: bool = False) -> bool:
     """Whether a row may be scheduled now as far as its grammar goes: a free row always; a
     constrained row once the host has seen every token it sampled (nothing in flight),
-    because its next mask is computed from its matcher, which those tokens advance.
+    because its next mask is computed from its matcher, which those tokens advance; or,
+    for a step that may sample under late masks (``late``), with one token in flight:
+    the step in flight's, which the host processes before that step samples. Whether such
+    a row then runs in the step is decided in one place,
+    :func:`omni_async.core.multi_step.late_mask_rows`."""
+    return req.matcher is None or req.num_inflight <= (1 if late else 0)
 
-    This is the one rule that lets constrained rows share a step with free rows under
-    the lookahead loops: a step scheduled while another is in flight carries only the
-    constrained rows that are not in it (they join every other step there), and the
-    free rows keep running ahead and fused."""
-    return req.matcher is None or not req.num_inflight
 
-
-def waits_for_host(reqs: list[Request]) -> bool:
+def waits_for_host(reqs: list[Request], late: bool = False) -> bool:
     """Whether a scheduled step holds a constrained row whose mask needs a token still in
-    flight besides the one this step samples (a core that schedules such rows: the step
-    then runs in sync, after a drain). Never true of the native core's steps
-    (:func:`mask_ready`); the check stays for any core that does not keep that rule."""
-    return any(r.matcher is not None and r.num_inflight > 1 for r in reqs)
+    flight besides the one this step samples (and, in a step sampling under late masks,
+    ``late``, besides the one of the step before it, which the stepper processes before
+    sampling): such a step runs in sync, after a drain. Never true of the native core's
+    steps (:func:`mask_ready`); the check stays for any core that does not keep that rule."""
+    most = 2 if late else 1
+    return any(r.matcher is not None and r.num_inflight > most for r in reqs)
 
 
 def reserved_tokens(running: list[Request], new_token_ratio: float) -> int:

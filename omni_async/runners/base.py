@@ -22,12 +22,12 @@ import weakref
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
 from .sampling import RowSampling, SampleResult, SamplingBatch, SeedSource, batch_from_rows, sample
 from ..core.runner_io import ModelRunnerOutput, RequestOutput, SchedulerOutput
 from .hooks import RunnerHooks
+from .host_copy import copy_to_host, host_values, rows_ok
 from .streams import STREAMS
 from .types import BatchResult
 from ..structured.batch_mask import GrammarMasks
@@ -48,6 +48,8 @@ class PendingStep:
     step's result copied to host memory: rows of token ids, ``ok`` flags and, when
     asked, the bits of the float32 logprobs (all ``int64``); it is readable once the
     event completed. ``copied`` is the token tensor that copy was taken from.
+    ``masks_due``: only the forward is enqueued (a batch sampling under late masks);
+    :meth:`ModelRunner.sample_pending` does the rest.
     """
 
     event: Any
@@ -58,6 +60,7 @@ class PendingStep:
     launch_buf: Any = None
     host: torch.Tensor | None = None
     copied: torch.Tensor | None = None
+    masks_due: bool = False
 
     @property
     def schedule_batch(self) -> Any:
@@ -182,13 +185,33 @@ class ModelRunner(RunnerHooks):
     def launch(self, scheduler_output: SchedulerOutput, *, lookahead: bool = False) -> PendingStep | None:
         """Build, hooks, forward, sample, one host copy, completion marker; no wait.
         ``lookahead`` launches a decode step whose host half runs
-        ``post_decode_resolve`` at collect. None for an empty batch."""
+        ``post_decode_resolve`` at collect. None for an empty batch. A batch sampling
+        under late masks (``late_masks``) enqueues its forward only: its ``PendingStep``
+        has ``masks_due``, and :meth:`sample_pending` finishes it."""
         stream = self.stream
         if stream is None:
             return self._launch(scheduler_output, lookahead)
         stream.wait_stream(torch.cuda.default_stream(stream.device))
         with torch.cuda.stream(stream):
             return self._launch(scheduler_output, lookahead)
+
+    def sample_pending(self, pending: PendingStep) -> PendingStep:
+        """The second half of a launch whose masks were due, called (on the thread that
+        launched it) once the host has processed the step before: by then its constrained
+        rows' matchers have accepted their last tokens and the mask worker has (or is
+        computing) their masks, which the forward did not need. Fills the masks, samples,
+        runs the post hook, publishes the tokens, one host copy, the completion marker."""
+        if self.stream is None:
+            return self._sample_pending(pending)
+        with torch.cuda.stream(self.stream):
+            return self._sample_pending(pending)
+
+    @torch.inference_mode()
+    def _sample_pending(self, pending: PendingStep) -> PendingStep:
+        fb, batch, result = pending.forward_batch, pending.schedule_batch, pending.batch_result
+        pending.launch_buf = self._after_forward(result, fb, batch, pending.scheduler_output.requests, False, pending.lookahead)
+        pending.masks_due = False
+        return self._finish_launch(pending)
 
     @torch.inference_mode()
     def _launch(self, scheduler_output: SchedulerOutput, lookahead: bool) -> PendingStep | None:
@@ -205,32 +228,41 @@ class ModelRunner(RunnerHooks):
             else self.requested_capture_hidden_mode_decode(batch, requests)
         )
         fb = self.build_forward_batch(scheduler_output, capture_hidden_mode=capture)
+        if getattr(batch, "late_masks", False):  # one forward per row (core.multi_step.late_mask_rows)
+            result = self._forward(fb, batch, requests, is_prefill, lookahead)
+            return PendingStep(None, scheduler_output, fb, result, lookahead, masks_due=True)
         result, launch_buf = self._forward_and_sample(fb, batch, requests, is_prefill, lookahead)
-        self.publish_tokens(result, fb, batch)
-        host = self._copy_to_host(result)
-        return PendingStep(
-            event=self.record_completion(),
-            scheduler_output=scheduler_output,
-            forward_batch=fb,
-            batch_result=result,
-            lookahead=lookahead,
-            launch_buf=launch_buf,
-            host=host,
-            copied=result.next_token_ids,
-        )
+        return self._finish_launch(PendingStep(None, scheduler_output, fb, result, lookahead, launch_buf))
+
+    def _finish_launch(self, pending: PendingStep) -> PendingStep:
+        """The sampled step's tokens published to the next step's inputs, copied to the
+        host, and the completion marker recorded after that copy."""
+        result = pending.batch_result
+        self.publish_tokens(result, pending.forward_batch, pending.schedule_batch)
+        pending.host, pending.copied = copy_to_host(result), result.next_token_ids
+        pending.event = self.record_completion()
+        return pending
 
     def _forward_and_sample(self, fb: Any, batch: Any, requests: list, is_prefill: bool, lookahead: bool):
         """The hooks around the forward, in the reference's order, and sampling at the
         point they choose (before the post hook when asked, and always under lookahead,
         whose post hook publishes the sampled ids)."""
+        result = self._forward(fb, batch, requests, is_prefill, lookahead)
+        return result, self._after_forward(result, fb, batch, requests, is_prefill, lookahead)
+
+    def _forward(self, fb: Any, batch: Any, requests: list, is_prefill: bool, lookahead: bool) -> BatchResult:
+        """The pre hook and the forward (a hook's custom forward when it gives one)."""
         if is_prefill:
             self.before_prefill(fb, batch, requests)
             result = self.custom_prefill_forward(fb, batch, requests)
         else:
             self.before_decode(fb, batch, requests, is_lookahead=lookahead)
             result = self.custom_decode_forward(fb, batch, requests)
-        if result is None:
-            result = self.forward(fb)
+        return self.forward(fb) if result is None else result
+
+    def _after_forward(self, result: BatchResult, fb: Any, batch: Any, requests: list, is_prefill: bool, lookahead: bool) -> Any:
+        """Sampling and the post hook, in the reference's order; the lookahead's launch
+        buffer (None without lookahead)."""
         early = (
             self.sample_before_post_prefill(fb, batch, requests)
             if is_prefill
@@ -247,7 +279,7 @@ class ModelRunner(RunnerHooks):
             self.post_decode(result, fb, batch, requests)
         if result.next_token_ids is None:
             self._sample_into(result, fb, batch, requests)
-        return result, launch_buf
+        return launch_buf
 
     def collect(self, pending: PendingStep) -> ModelRunnerOutput:
         """After the step's marker completed: ``post_decode_resolve`` for a lookahead
@@ -260,16 +292,18 @@ class ModelRunner(RunnerHooks):
     @torch.inference_mode()
     def _collect(self, pending: PendingStep) -> ModelRunnerOutput:
         so, batch, result = pending.scheduler_output, pending.schedule_batch, pending.batch_result
+        if pending.masks_due:
+            raise RuntimeError("a step launched without its sampling was collected (sample_pending was not called)")
         requests = so.requests
         if pending.lookahead:
             self.post_decode_resolve(pending.launch_buf, result, pending.forward_batch, batch, requests)
         host = pending.host
         if host is None or result.next_token_ids is not pending.copied:
-            host = self._copy_to_host(result, wait=True)  # a hook replaced the tokens
-        token_ids, ok, logprobs = _host_values(host, batch.size)
+            host = copy_to_host(result, wait=True)  # a hook replaced the tokens
+        token_ids, ok, logprobs = host_values(host, batch.size)
         steps = getattr(batch, "row_steps", None)  # a multi-step decode: tokens forward-major
         if steps is not None and not all(ok):
-            ok = _rows_ok(ok, steps)
+            ok = rows_ok(ok, steps)
         kept, epochs, reqs = batch.samples_kept, batch.epochs, batch.reqs
         # Live rows: not finished or retracted since the step was scheduled.
         live = [i for i, (k, r, e) in enumerate(zip(kept, reqs, epochs)) if k and r.finish_reason is None and r.epoch == e]
@@ -377,41 +411,3 @@ class ModelRunner(RunnerHooks):
     def sample_logits(self, result: BatchResult, sb: SamplingBatch, top_k_logprobs: int) -> SampleResult:
         """Sample the step's logits; a runner may answer from work its graph already did."""
         return sample(result.logits, sb, top_k_logprobs)
-
-    @staticmethod
-    def _copy_to_host(result: BatchResult, wait: bool = False) -> torch.Tensor:
-        """One ``[2 or 3, B]`` int64 tensor (tokens, ok, float32 logprob bits) copied
-        to pinned host memory without waiting (the step's event marks it complete), or
-        with a wait when asked. A fused multi-step decode's ``packed`` goes as it is."""
-        if result.packed is not None:
-            return _to_host(result.packed, wait)
-        tokens = result.next_token_ids.to(torch.long).reshape(-1)  # a multi-step decode's [k, B] flattened
-        ok = result.sample_ok.reshape(-1) if result.sample_ok is not None else torch.ones_like(tokens, dtype=torch.bool)
-        parts = [tokens, ok.to(torch.long)]
-        if result.next_token_logprobs is not None:
-            parts.append(result.next_token_logprobs.reshape(-1).to(torch.float32).view(torch.int32).to(torch.long))
-        return _to_host(torch.stack(parts), wait)
-
-
-def _rows_ok(ok: list[int], steps: list[int]) -> list[int]:
-    """Per row of a multi-step decode: 1 when each of its forwards sampled a token."""
-    size = len(steps)
-    return [int(all(ok[j * size + i] for j in range(n))) for i, n in enumerate(steps)]
-
-
-def _to_host(packed: torch.Tensor, wait: bool) -> torch.Tensor:
-    if packed.device.type == "cpu" or wait:
-        return packed.cpu()
-    host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
-    host.copy_(packed, non_blocking=True)
-    return host
-
-
-def _host_values(host: torch.Tensor, rows: int) -> tuple[list[int], list[int], list[float] | None]:
-    """Token ids, ok flags and logprobs (or None) as Python lists; a fused multi-step
-    decode's ``[2, k, B]`` less its padding rows, forward-major."""
-    arr = host.numpy()
-    if arr.ndim == 3:
-        arr = arr[:, :, :rows].reshape(arr.shape[0], -1)
-    logprobs = arr[2].astype(np.int32).view(np.float32).astype(np.float64).tolist() if arr.shape[0] > 2 else None
-    return arr[0].tolist(), arr[1].tolist(), logprobs

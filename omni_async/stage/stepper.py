@@ -53,6 +53,9 @@ class InflightStep:
     lookahead: bool = False
     error: BaseException | None = None
     launched_at: float = 0.0
+    # Only its forward is enqueued: it samples under late masks once every step before it
+    # is processed (Stepper._sample_late).
+    masks_due: bool = False
 
 
 def scheduler_requests(reqs: list[Any]) -> list[SchedulerRequest]:
@@ -133,7 +136,7 @@ class Stepper:
         return (
             batch.is_decode
             and batch.size >= self.config.async_decode_min_batch_size
-            and not waits_for_host(batch.reqs)
+            and not waits_for_host(batch.reqs, getattr(batch, "late_masks", False))
             and self.runner.lookahead_eligible(batch)
         )
 
@@ -141,13 +144,14 @@ class Stepper:
         """Whether the overlap loop may run this batch while the previous step is in
         flight (a runner can turn overlap off per batch; a constrained row whose mask needs
         a token still in flight runs in sync, see ``core.request.waits_for_host``)."""
-        return not waits_for_host(batch.reqs) and self.runner.overlap_eligible(batch)
+        return not waits_for_host(batch.reqs, getattr(batch, "late_masks", False)) and self.runner.overlap_eligible(batch)
 
     # ------------------------------------------------------------ the two step shapes
 
     async def step_ahead(self, batch: ScheduledBatchLike, *, lookahead: bool = False) -> None:
         """Launch ``batch``, then process the step launched before it: one step stays in
-        flight while the host works on the previous one."""
+        flight while the host works on the previous one. A batch sampling under late
+        masks samples after that processing (launch t+1, process t, sample t+1)."""
         await self._launch(batch, lookahead=lookahead, trace="launch")
         if len(self._inflight) > 1:
             await self._until_launched(self._inflight[-1])
@@ -155,6 +159,8 @@ class Stepper:
             # yield: a turn for the caller's other tasks between the launch and processing.
             await anyio.lowlevel.checkpoint()
             await self._complete(self._inflight.popleft(), trace="resolve")
+        if self._inflight[-1].masks_due:
+            await self._sample_late(self._inflight[-1])
 
     async def step_in_sync(self, batch: ScheduledBatchLike | None) -> None:
         """Drain what is in flight, then run ``batch`` to completion. Draining may free
@@ -173,12 +179,19 @@ class Stepper:
                 await self.wake.wait()
             return
         await self._launch(batch, lookahead=False, trace="sync")
-        await self._complete(self._inflight.popleft(), trace=None)
+        step = self._inflight.popleft()
+        if step.masks_due:
+            await self._sample_late(step)
+        await self._complete(step, trace=None)
 
     async def drain(self) -> None:
-        """Process every step in flight (pause, weight updates, shutdown)."""
+        """Process every step in flight (pause, weight updates, shutdown), in launch
+        order: a step whose masks are due samples once those before it are processed."""
         while self._inflight:
-            await self._complete(self._inflight.popleft(), trace="drain")
+            step = self._inflight.popleft()
+            if step.masks_due:
+                await self._sample_late(step)
+            await self._complete(step, trace="drain")
 
     # ------------------------------------------------------------ launch and complete
 
@@ -199,7 +212,8 @@ class Stepper:
         except Exception as exc:
             self._inflight.append(InflightStep(batch, sched_output, None, lookahead, exc))
             return
-        self._inflight.append(InflightStep(batch, sched_output, fut, lookahead, launched_at=time.perf_counter()))
+        self._inflight.append(InflightStep(batch, sched_output, fut, lookahead, launched_at=time.perf_counter(),
+                                           masks_due=getattr(batch, "late_masks", False)))
 
     async def _until_enqueued(self) -> None:
         """Before launching on the loop thread: every step launched on the worker before
@@ -226,6 +240,26 @@ class Stepper:
 
     def _launch_on_worker(self, sched_output: SchedulerOutput, lookahead: bool) -> Any:
         return self.runner.launch(sched_output, lookahead=lookahead)
+
+    async def _sample_late(self, step: InflightStep) -> None:
+        """Finish a launch that enqueued only its forward (``core.multi_step.late_mask_rows``):
+        the runner fills its masks and enqueues sampling, the host copy and the completion
+        marker (``sample_pending``), on the thread its launch used. Called once every step
+        before it is processed, so its constrained rows' matchers have accepted their last
+        tokens. Queued behind the launch without awaiting it: on the worker (CPU) the
+        forward may still run, and the loop goes on to schedule the next step."""
+        step.masks_due = False
+        inline = self.executor.launches_inline and step.batch.is_decode
+        if inline:
+            await self._until_enqueued()
+        try:
+            step.future = self.executor.launch(self._sample_on_worker, step.future, inline=inline)
+        except Exception as exc:
+            step.future, step.error = None, exc
+
+    def _sample_on_worker(self, launched: "concurrent.futures.Future[Any]") -> Any:
+        pending = launched.result()  # done: the executor runs in order (a failed launch raises here)
+        return None if pending is None else self.runner.sample_pending(pending)
 
     async def _complete(self, step: InflightStep, *, trace: str | None) -> None:
         if trace is not None:

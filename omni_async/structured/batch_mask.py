@@ -3,8 +3,12 @@ mask worker, :mod:`.prefetch`, or here when it was not) copied into one tensor f
 sampler, on the device in one copy.
 
 A step's mask needs every earlier token of its constrained rows accepted by their
-matchers: the batch core schedules a constrained row only when none of its tokens is in
-flight (:func:`omni_async.core.request.mask_ready`), and runs it one forward per step.
+matchers: the batch core schedules a constrained row when none of its tokens is in
+flight (:func:`omni_async.core.request.mask_ready`), or, in a step of one forward per row,
+with the step in flight's token (:func:`omni_async.core.multi_step.late_mask_rows`): that
+step's launch enqueues the forward only, and the fill runs when the runner samples it
+(``ModelRunner.sample_pending``), once the host has processed the step before. A row
+whose request ended or was retracted meanwhile keeps every bit (its token is discarded).
 """
 
 from __future__ import annotations
@@ -22,8 +26,11 @@ _EXECUTOR: Any = None
 class GrammarMasks:
     """A runner's mask fills, counted for ``info()``: steps with a constrained row, rows
     masked, host seconds the launching thread spent on them (waiting for the worker,
-    copying, computing the rows it had not) and the rows it computed itself; with the
-    mask worker's own counters (:class:`.prefetch.MaskWorker`)."""
+    copying, computing the rows it had not) and the rows it computed itself; the steps
+    sampled under late masks (their forward launched before the step before them was
+    processed) and the seconds their fills took (on CUDA the loop thread's: whether the
+    masks were ready when the forward was enqueued); with the mask worker's own counters
+    (:class:`.prefetch.MaskWorker`)."""
 
     def __init__(self) -> None:
         self.steps = 0
@@ -32,6 +39,8 @@ class GrammarMasks:
         self.inline_rows = 0
         self.fused_steps = 0  # fills of multi-step launches (free rows beside), and their seconds
         self.fused_seconds = 0.0
+        self.late_steps = 0
+        self.late_seconds = 0.0
         self._worker: Any = None  # the mask worker the filled rows' matchers use
 
     def fill(self, batch: Any, vocab: int, device: torch.device, fused: bool = False) -> torch.Tensor | None:
@@ -41,6 +50,7 @@ class GrammarMasks:
         rows = grammar_rows(batch)
         if not rows:
             return None
+        late = getattr(batch, "late_masks", False)
         words = (vocab + 31) // 32
         # Pinned for a device: the copy below then does not wait (the caching host
         # allocator keeps the buffer until the copy is done).
@@ -56,12 +66,16 @@ class GrammarMasks:
         if fused:
             self.fused_steps += 1
             self.fused_seconds += took
+        if late:
+            self.late_steps += 1
+            self.late_seconds += took
         return mask
 
     def stats(self) -> dict[str, float]:
         out = {"grammar_mask_steps": self.steps, "grammar_mask_rows": self.rows, "grammar_mask_s": self.seconds,
                "grammar_mask_inline_rows": self.inline_rows,
-               "grammar_mask_fused_steps": self.fused_steps, "grammar_mask_fused_s": self.fused_seconds}
+               "grammar_mask_fused_steps": self.fused_steps, "grammar_mask_fused_s": self.fused_seconds,
+               "grammar_late_mask_steps": self.late_steps, "grammar_late_mask_s": self.late_seconds}
         worker = self._worker
         out.update(worker.stats() if worker is not None else
                    {"grammar_mask_prefetched_rows": 0, "grammar_mask_worker_s": 0.0, "grammar_mask_worker_calls": 0,
@@ -71,12 +85,17 @@ class GrammarMasks:
 
 
 def grammar_rows(batch: Any) -> list[tuple[Any, int]]:
-    """``(matcher, row)`` of each row of the step that samples under a grammar."""
+    """``(matcher, row)`` of each live row of the step that samples under a grammar: not
+    one whose request ended or was retracted since the step was scheduled (under late
+    masks the step before was processed in between), whose matcher may have completed
+    or failed and whose token is discarded."""
     kept = getattr(batch, "samples_kept", None)
+    epochs = batch.epochs
     return [
         (r.matcher, i)
         for i, r in enumerate(batch.reqs)
-        if getattr(r, "matcher", None) is not None and (kept is None or kept[i])
+        if getattr(r, "matcher", None) is not None and (kept is None or kept[i]) and r.finish_reason is None
+        and r.epoch == epochs[i]
     ]
 
 

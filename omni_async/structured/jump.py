@@ -2,7 +2,9 @@
 
 Why: in a JSON schema most positions admit exactly one token (the keys, the punctuation);
 decoded one by one, each costs a whole step of its request (two under the lookahead
-loops, where a constrained row joins every other step). Where the matcher admits one
+loops with jump-forward on: a row with a token in flight then waits, as processing may
+append forced tokens; without it, late masks let it join every one-forward step,
+``core.multi_step.late_mask_rows``). Where the matcher admits one
 token, the sample is determined whatever the logits say, so the token is appended to the
 output right after the token that led there, with the matcher advanced; the request then
 has several tokens without KV, computed in its next step as one row of several positions
