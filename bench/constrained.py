@@ -35,7 +35,7 @@ random weights) with SmolLM2's vocabulary and tokenizer, a grammar needing a tok
 
     python bench/constrained.py --smoke                     # CPU, tiny, a few minutes (all loops)
     python bench/constrained.py --device cuda               # the H200 run (overlap loop)
-    python bench/constrained.py --device cuda --arms free,all [--mask-pool off]   # all-constrained only, ~3 min
+    python bench/constrained.py --device cuda --arms free,all [--mask-pool on]   # all-constrained only, ~3 min
 """
 
 from __future__ import annotations
@@ -248,10 +248,8 @@ def qwen05_smol(folder: Path) -> Path:
 
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     model = args.model or ("qwen05-smol" if args.device == "cuda" else "tiny")
-    if args.mask_pool == "off":  # one thread computes the masks, whatever the host's CPUs (structured/prefetch.py)
-        from omni_async.structured import prefetch
-
-        prefetch.PARALLEL_MIN_CPUS = 1 << 30
+    if args.mask_pool != "default":  # llguidance's pool for the masks (structured/prefetch.py; off by default)
+        os.environ["OMNI_ASYNC_GRAMMAR_THREADS"] = "0" if args.mask_pool == "off" else str(max(2, (os.cpu_count() or 2) - 1))
     path = str(qwen05_smol(Path(args.checkpoint_dir) / "qwen05-smol")) if model == "qwen05-smol" else model
     kwargs: dict[str, Any] = {"device": args.device}
     if args.device == "cuda":
@@ -352,8 +350,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--decode-steps", type=int, default=None, help="forwards per decode step (default: the engine's)")
     p.add_argument("--max-running", type=int, default=256, help="max_running_requests on CUDA")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--mask-pool", choices=("auto", "off"), default="auto",
-                   help="llguidance's thread pool for the masks: as the engine decides (8+ CPUs), or off (one thread)")
+    p.add_argument("--mask-pool", choices=("default", "off", "on"), default="default",
+                   help="llguidance's thread pool for the masks: as the environment says (off unless "
+                        "OMNI_ASYNC_GRAMMAR_THREADS), off (one thread), or on (every CPU but one)")
     p.add_argument("--no-jump-forward", action="store_true", help="decode forced tokens one by one (jump_forward=False)")
     p.add_argument("--checkpoint-dir", default="/tmp/omni-bench-checkpoints")
     p.add_argument("--smoke", action="store_true", help="8 short requests (16-48 tokens), one repeat unless --repeats, "

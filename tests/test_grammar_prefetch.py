@@ -141,3 +141,13 @@ def test_a_failed_computation_leaves_its_rows_to_the_fill_and_the_worker_running
         assert m.next_mask() is not None and len(calls) == 2
     finally:
         compiler.close()
+
+
+def test_the_mask_pool_is_off_unless_asked_for(monkeypatch):
+    """One thread computes the masks by default (a pool was slower on both hosts measured);
+    OMNI_ASYNC_GRAMMAR_THREADS asks for a pool, at most every CPU but one."""
+    monkeypatch.delenv("OMNI_ASYNC_GRAMMAR_THREADS", raising=False)
+    assert prefetch.pool_threads(16) == 0
+    for asked, want in (("4", 4), ("64", 15), ("1", 0), ("x", 0)):
+        monkeypatch.setenv("OMNI_ASYNC_GRAMMAR_THREADS", asked)
+        assert prefetch.pool_threads(16) == want

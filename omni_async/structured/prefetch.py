@@ -15,12 +15,11 @@ worker takes the GIL back after it, and while the loop thread runs Python the wo
 waits for it (up to the interpreter's switch interval, 5 ms) at every row. The H200 run
 of 2026-12-04 saw 112 us a row, serially, on a 16-core host, with the rows of a step
 arriving one by one (each accept woke the worker for one row, so llguidance's pool, for
-16+ rows, was rarely taken). On a host with ``PARALLEL_MIN_CPUS`` a ticket goes to
-llguidance's pool sized to the cores (``pool_threads``, ``grammar_mask_threads`` in
-``info()``) in one call that holds no GIL for any of its rows, and ``submit`` hands it
-over to the worker (see there). Below that (no pool: on the 2-core dev VM its threads
-lost to one at 4-64 rows, bench/probes/grammar_libraries.py) the worker computes the
-rows one by one, still one wake-up per step.
+16+ rows, was rarely taken). By default the worker computes a ticket's rows one by one,
+one wake-up per step: on both hosts measured, llguidance's pool was slower than that (see
+``pool_threads``). Where ``OMNI_ASYNC_GRAMMAR_THREADS`` asks for a pool, a ticket goes to
+it in one call that holds no GIL for any of its rows (``grammar_mask_threads`` in
+``info()``), and ``submit`` hands it over to the worker (see there).
 """
 
 from __future__ import annotations
@@ -32,10 +31,12 @@ from typing import Any
 
 import numpy as np
 
-# llguidance's pool on hosts of this many CPUs (the worker's tickets; a fill computing rows
-# itself, batch_mask.compute_rows, from PARALLEL_MIN_ROWS rows: there the loop waits for the
-# pool's wake-up).
-PARALLEL_MIN_CPUS = 8
+# llguidance's pool for a ticket: off unless OMNI_ASYNC_GRAMMAR_THREADS=N asks for N threads.
+# Measured (bench/probes/grammar_batch.py, 128 rows a ticket): on the H200's host (16 CPUs, a
+# sandboxed VM) one thread took 5.8 ms a ticket, a pool of 4 7.8 ms, of 15 10.4 ms
+# (bench/results/h200_2026-12-04_evening/gb_t*.json); on the 2-core dev VM its threads lost
+# to one at 4-64 rows (bench/probes/grammar_libraries.py). Where a pool is asked for, a fill
+# computing rows itself (batch_mask.compute_rows) uses it from PARALLEL_MIN_ROWS rows.
 PARALLEL_MIN_ROWS = 16
 # The longest a submit waits for an idle worker to take its ticket (a safety bound: the
 # hand-over takes one thread wake-up).
@@ -51,11 +52,15 @@ def host_cpus() -> int:
 
 
 def pool_threads(cpus: int | None = None) -> int:
-    """llguidance's pool for the mask worker: every CPU but one, left to the loop thread
-    (the worker thread itself sleeps in the call); 0 below ``PARALLEL_MIN_CPUS`` (no pool:
-    one thread computes)."""
+    """llguidance's pool for the mask worker: ``OMNI_ASYNC_GRAMMAR_THREADS`` threads (at most
+    every CPU but one, ``cpus``: the host's by default); 0 (no pool: one thread computes)
+    when it is unset, below 2, or not a number."""
+    try:
+        asked = int(os.environ.get("OMNI_ASYNC_GRAMMAR_THREADS", "0"))
+    except ValueError:
+        return 0
     cpus = host_cpus() if cpus is None else cpus
-    return max(1, cpus - 1) if cpus >= PARALLEL_MIN_CPUS else 0
+    return min(asked, max(1, cpus - 1)) if asked >= 2 else 0
 
 
 class MaskTicket:
