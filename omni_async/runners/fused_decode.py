@@ -25,7 +25,8 @@ are fed in as the inputs of forwards 1 .. s-1 (a ``[k, B]`` input, -1 where the 
 token is the input), so the launch computes their KV, and what those forwards sample is
 not read. Their forwards after ``s - 1``, whose masks the host has not computed, are
 discarded like those of a row past its length limit: they repeat the row's position,
-write their KV to the scratch slot and never to the row's pages (which the batch core
+attend to its first position only, write their KV to the scratch slot and never to the
+row's pages (which the batch core
 sized for ``s`` tokens), and their tokens are never read (the slots' newest token is the
 row's own, see :func:`own_tokens`). One launch reads the weights once per forward for
 every row of the step.
@@ -136,8 +137,12 @@ def fused_forwards(
             ids = torch.where(feed[j] >= 0, feed[j], ids)
         positions = start + last_forward.clamp(0, j)
         pages = tables.gather(1, (positions // ps)[:, None])[:, 0]
-        slots = torch.where(row_steps > j, pages * ps + positions % ps, scratch_slot)
-        kv_lens = positions + 1
+        runs = row_steps > j
+        slots = torch.where(runs, pages * ps + positions % ps, scratch_slot)
+        # A discarded forward attends to one position, not the row's whole context: its
+        # outputs are never read, and a constrained row beside free rows would otherwise
+        # re-read its context in each of the launch's k - 1 later forwards.
+        kv_lens = torch.where(runs, positions + 1, 1)
         ctx = ctx_for(tables, positions, slots, kv_lens, j)
         step_cond = None if cond is None else (cond[0][j], cond[1][j])
         logits, hidden = model(ids, positions, kv, ctx, return_hidden=True, float_logits=False, cond=step_cond)
