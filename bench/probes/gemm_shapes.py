@@ -26,7 +26,6 @@ import itertools
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 if "--smoke" in sys.argv:  # the interpreter is chosen when Triton is first imported
@@ -41,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from _common import machine_facts, save_json  # noqa: E402
+from graph_timer import graph_timer  # noqa: E402
 
 # (name, K, N, bias, fused SiLU*mul): Qwen2-0.5B's decode GEMMs (hidden 896, 14 + 2 + 2
 # heads of 64, intermediate 4864, vocabulary 151,936 with the head tied).
@@ -138,33 +138,7 @@ def reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, silu_
 
 def make_timer(fn, calls: list, device: str):
     """A callable timing ``replays`` runs of the calls (a captured graph on CUDA), in ms."""
-    run = lambda: [fn(*c) for c in calls]  # noqa: E731
-    run()
-    if device != "cuda":
-        def timed_cpu(replays: int) -> float:
-            t0 = time.perf_counter()
-            for _ in range(replays):
-                run()
-            return (time.perf_counter() - t0) * 1e3
-        return timed_cpu
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
-    for _ in range(3):
-        graph.replay()
-    torch.cuda.synchronize()
-
-    def timed(replays: int) -> float:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(replays):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end)
-
-    return timed
+    return graph_timer(lambda: [fn(*c) for c in calls], device)[0]
 
 
 def run_shape(name: str, k: int, n: int, has_bias: bool, silu: bool, m: int, args, device: str, dtype) -> dict:

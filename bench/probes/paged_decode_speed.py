@@ -33,6 +33,9 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from graph_timer import graph_timer  # noqa: E402
 
 from omni_async.kernels import paged_decode as pd  # noqa: E402
 from omni_async.kernels.attention_block import attend_block  # noqa: E402
@@ -145,32 +148,7 @@ def stack_fn(c: dict, variant: dict):
 def timer(c: dict, variant: dict, device: str):
     """A callable timing ``replays`` runs of the stack: a captured graph on CUDA."""
     apply(variant)
-    run = stack_fn(c, variant)
-    outs = run()
-    if device != "cuda":
-        def timed_cpu(replays: int) -> float:
-            t0 = time.perf_counter()
-            for _ in range(replays):
-                run()
-            return (time.perf_counter() - t0) * 1e3
-        return timed_cpu, outs[0]
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = run()
-    for _ in range(3):
-        graph.replay()
-    torch.cuda.synchronize()
-
-    def timed(replays: int) -> float:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(replays):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end)
-
+    timed, outs = graph_timer(stack_fn(c, variant), device)
     return timed, outs[0]
 
 

@@ -44,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from _common import machine_facts, save_json  # noqa: E402
+from graph_timer import graph_timer  # noqa: E402
 
 from omni_async.kernels import small_m  # noqa: E402
 from omni_async.kernels.fused import FusedOps  # noqa: E402
@@ -175,33 +176,7 @@ class Setup:
 
 def make_timer(fn, device: str):
     """A callable timing ``replays`` runs of ``fn`` (a captured graph on CUDA), in ms."""
-    fn()
-    if device != "cuda":
-        def timed_cpu(replays: int) -> float:
-            t0 = time.perf_counter()
-            for _ in range(replays):
-                fn()
-            return (time.perf_counter() - t0) * 1e3
-        return timed_cpu
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    for _ in range(3):
-        graph.replay()
-    torch.cuda.synchronize()
-
-    def timed(replays: int) -> float:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(replays):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end)
-
-    timed.graph = graph  # kept alive with the timer
-    return timed
+    return graph_timer(fn, device)[0]
 
 
 def measure(timers: dict, args, per: int) -> dict:
