@@ -4,8 +4,10 @@
 each has produced ``--warm-tokens``, ``--burst`` prompts of ``--prompt-len`` ids arrive
 at once (``--burst-tokens`` new tokens each). The gaps between the running streams'
 deltas are recorded: before the burst, and during it (from its arrival until every burst
-request has its first token; a gap counts when it overlaps that window). With ``mixed_prefill`` off the streams wait behind every
-prefill step of the burst; on, each prefill step carries their next tokens.
+request has its first token; a gap counts when it overlaps that window). With ``mixed_prefill`` off
+("separate", the default) prefill and decode steps alternate, so the streams wait for one
+prefill step at a time (``core.mixed_prefill.prefill_turn``; before that rule they waited
+behind every prefill step of the burst); on ("mixed"), each prefill step carries their next tokens.
 
 One engine per loop; the two settings alternate on it, repeat by repeat (the batch core
 reads ``config.mixed_prefill`` at each step), so both see the same machine state.
