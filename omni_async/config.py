@@ -338,6 +338,11 @@ class SchedulerConfig:
     # constrained_host.py: 32 rows, 26.8 s against 15.6 s on CPU; on the H200 the
     # constrained arms ran 2-5x slower with it on).
     jump_forward: bool = False
+    # Native backend, grammar rows greedy or at temperature alone, without logprobs: sample
+    # as free rows (fused launch, lookahead), the grammar checking each token after (~2 us;
+    # a mask ~20-60); a refused token is sampled again under the mask (structured/
+    # optimistic.py). Greedy tokens as masking first, sampled ones the same distribution.
+    optimistic_grammar: bool = True  # (off with jump_forward, which reads every mask)
     # Stream deltas every this many tokens per request (and at its finish): fewer,
     # larger deltas for callers that do not need every token at once (SGLang's
     # stream_interval). 1 (the default) sends each step's tokens as they come.
@@ -383,7 +388,8 @@ class SchedulerConfig:
                 f"got {self.kv_capacity_tokens!r}"
             )
         check_step_timeout(self.step_timeout_s)
-        for name in ("enable_prefix_cache", "gc_freeze", "fuse_decode_steps", "own_cuda_stream", "mixed_prefill", "jump_forward"):
+        for name in ("enable_prefix_cache", "gc_freeze", "fuse_decode_steps", "own_cuda_stream", "mixed_prefill", "jump_forward",
+                     "optimistic_grammar"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be a bool, got {getattr(self, name)!r}")
         for name in ("cpu_attention_kernel", "cpu_fused_ops"):

@@ -1,0 +1,56 @@
+"""Optimistic constrained decoding: a row under a grammar samples as a free row, and the
+grammar checks the token afterwards; only a refused token costs a mask.
+
+Why: a grammar's mask costs ~20-60 us of CPU a row a step (llguidance, a JSON schema,
+a 49k vocabulary), and a step needs every mask before it samples, so with every request
+constrained the masks, not the forward, set the pace (bench/RESULTS.md, issue 41). A
+model asked for JSON mostly picks tokens the grammar admits; checking one token costs
+~2 us. So a row that may (``eligible``) samples unmasked, inside the fused multi-step
+launch and the lookahead loops like any free row; processing checks each of its tokens in
+order (``GrammarMatcher.refuses``). At the first refused token the row is rewound
+(``core.step_results.rewind``): that token and the row's later ones are dropped, and the
+position is sampled again, under its mask, in the row's next step. llama.cpp's sampler
+does the same by default (the grammar checks the sampled token, and the full mask is
+applied only when it is refused).
+
+Exactness. Greedy: an admissible argmax of the unmasked logits is the argmax of the
+masked ones, so the tokens are those of masking first. Sampled, at temperature alone (no
+top-k, top-p or min-p, which would be applied before the mask here and after it when
+masking first): drawing t from p, keeping it if admissible, else drawing from p
+restricted to the admissible set A, gives t in A with probability
+p(t) + (1 - p(A)) p(t) / p(A) = p(t) / p(A), the masked distribution, provided the redraw is
+independent of the refused draw. Draws are keyed by (seed, generation index), so a rewound
+row continues on a fresh seed (``runners.sampling.stream_seed``): the same request and seed
+still give the same tokens in every loop. Rows asking for logprobs or hidden states mask
+first (their values would be the unmasked distribution's).
+
+When refusals are frequent (a model that does not follow the grammar, random weights),
+checking first wastes the row's forwards after the refused token; so after m refusals with
+no admitted guess between them, the next ``2 ** (m - 1)`` positions (at most
+``LONGEST_MASKED_RUN``) are masked first (``after_refusal``). A prefill's token is always
+masked first: its recomputation would rewrite a prompt page the prefix cache may share.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# A generation index no request reaches: "mask every position" (not eligible).
+NEVER = 1 << 62
+LONGEST_MASKED_RUN = 64
+
+
+def eligible(sampling: Any, conditioning: Any = None) -> bool:
+    """Whether a request under a grammar may sample first and check after: greedy, or
+    sampled at temperature alone; no logprobs or hidden states read off its rows; not a
+    conditioned request (its positions take rows from outside)."""
+    sp = sampling
+    if sp.return_logprob or sp.top_logprobs or sp.return_hidden_states or conditioning is not None:
+        return False
+    return sp.temperature == 0.0 or (sp.top_k == 0 and sp.top_p >= 1.0 and sp.min_p <= 0.0)
+
+
+def after_refusal(refusals: int, index: int) -> int:
+    """``masked_until`` after the ``refusals``-th refusal in a row at generation
+    ``index``: that position and the ``2 ** (refusals - 1) - 1`` after it mask first."""
+    return index + min(1 << min(refusals - 1, 16), LONGEST_MASKED_RUN)
