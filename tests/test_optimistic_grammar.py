@@ -21,7 +21,7 @@ import torch  # noqa: E402
 
 from omni_async import Engine, SamplingParams  # noqa: E402
 from omni_async.runners.sampling import RowSampling, row_uniforms, stream_seed  # noqa: E402
-from omni_async.structured.optimistic import LONGEST_MASKED_RUN, after_refusal, eligible  # noqa: E402
+from omni_async.structured.optimistic import FIRST_SCORE, LONGEST_MASKED_RUN, LOW_SCORE, eligible, masked_run, scored  # noqa: E402
 
 # Runs the tiny random model mostly samples inside (any character but a digit: most
 # guesses admitted) between runs it almost never does (digits: most guesses refused), so
@@ -152,5 +152,15 @@ def test_eligibility_and_the_masked_runs():
     assert not eligible(SamplingParams(temperature=0.6, top_p=0.9))
     assert not eligible(SamplingParams(temperature=0.6, min_p=0.1))
     assert not eligible(SamplingParams(return_logprob=True))
-    runs = [after_refusal(m, 100) - 100 for m in range(1, 10)]
-    assert runs == [1, 2, 4, 8, 16, 32, 64, 64, 64] and max(runs) == LONGEST_MASKED_RUN
+    # A row whose guesses keep being refused: one position each while its score is high,
+    # then doubling runs, at most LONGEST_MASKED_RUN; admitted guesses bring it back.
+    score, low, runs = FIRST_SCORE, 0, []
+    for _ in range(14):
+        score = scored(score, False)
+        low = low + 1 if score < LOW_SCORE else 0
+        runs.append(masked_run(score, low))
+    assert runs[0] == 1 and runs[-1] == LONGEST_MASKED_RUN and runs == sorted(runs), runs
+    assert 2 in runs and 4 in runs
+    for _ in range(12):
+        score = scored(score, True)
+    assert score >= LOW_SCORE and masked_run(score, 3) == 1

@@ -21,7 +21,7 @@ from collections import OrderedDict
 from typing import Any, Callable
 
 from ..errors import InvalidRequestError
-from .optimistic import NEVER, after_refusal
+from .optimistic import FIRST_SCORE, LOW_SCORE, NEVER, masked_run, scored
 from .prefetch import MaskTicket, MaskWorker
 from .vocab import TokenVocab, token_vocab
 
@@ -42,7 +42,8 @@ class GrammarMatcher:
     :meth:`next_mask`. The library's matcher is never touched by two threads at once:
     every method here first waits for a computation in flight."""
 
-    __slots__ = ("_m", "_on_fail", "_worker", "_ticket", "_row", "_buf", "_valid", "masked_until", "_refusals")
+    __slots__ = ("_m", "_on_fail", "_worker", "_ticket", "_row", "_buf", "_valid", "masked_until", "_score",
+                 "_low_refusals")
 
     def __init__(self, matcher: Any, on_fail: Callable[[str], None] | None = None, worker: Any = None) -> None:
         self._m = matcher
@@ -55,7 +56,8 @@ class GrammarMatcher:
         # Generation indices from here on sample first and are checked after
         # (:mod:`.optimistic`); below it, under the mask. NEVER: every one masked.
         self.masked_until = NEVER
-        self._refusals = 0  # refused guesses since the last admitted one
+        self._score = FIRST_SCORE  # the share of recent guesses admitted (.optimistic.scored)
+        self._low_refusals = 0  # refusals since the score fell below LOW_SCORE
 
     def accept(self, token: int, prefetch: bool = True, later: list["GrammarMatcher"] | None = None,
                index: int | None = None) -> bool:
@@ -92,21 +94,24 @@ class GrammarMatcher:
         if index < self.masked_until:
             return False
         self._settle()
-        if self._m.validate_tokens([int(token)]):
-            self._refusals = 0
-            if self._worker is not None:
-                self._worker.guessed += 1
-            return False
+        admitted = bool(self._m.validate_tokens([int(token)]))
+        self._score = scored(self._score, admitted)
+        if self._score >= LOW_SCORE:
+            self._low_refusals = 0
         if self._worker is not None:
-            self._worker.refused += 1
-        return True
+            if admitted:
+                self._worker.guessed += 1
+            else:
+                self._worker.refused += 1
+        return not admitted
 
     def refused_at(self, index: int) -> None:
         """The guess at generation ``index`` was refused and the request rewound to the
         token before it: mask first from there (:func:`.optimistic.after_refusal`), and
         queue that position's mask now."""
-        self._refusals += 1
-        self.masked_until = after_refusal(self._refusals, index)
+        if self._score < LOW_SCORE:
+            self._low_refusals += 1
+        self.masked_until = index + masked_run(self._score, self._low_refusals)
         self.prefetch()
 
     def mask_first(self, index: int) -> None:

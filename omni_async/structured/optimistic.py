@@ -24,11 +24,16 @@ row continues on a fresh seed (``runners.sampling.stream_seed``): the same reque
 still give the same tokens in every loop. Rows asking for logprobs or hidden states mask
 first (their values would be the unmasked distribution's).
 
-When refusals are frequent (a model that does not follow the grammar, random weights),
-checking first wastes the row's forwards after the refused token; so after m refusals with
-no admitted guess between them, the next ``2 ** (m - 1)`` positions (at most
-``LONGEST_MASKED_RUN``) are masked first (``after_refusal``). A prefill's token is always
-masked first: its recomputation would rewrite a prompt page the prefix cache may share.
+A refusal costs the row a step (its position sampled again) and the forwards it ran past
+the refused token; an admission saves a mask. Where refusals are frequent (a model that
+does not follow the grammar, random weights, a schema of many forced positions) that loses
+(bench/RESULTS.md: twice the steps on this VM's tiny random model), so each row keeps an
+admission score, the share of its recent guesses admitted (``scored``): while it is at
+least ``LOW_SCORE`` a refusal masks its one position; below it, the positions masked after
+each refusal double (2, 4, ... ``LONGEST_MASKED_RUN``, ``masked_run``), so a row that
+keeps being refused spends one refused guess per run of masked tokens. A prefill's token is
+always masked first: its recomputation would rewrite a prompt page the prefix cache may
+share.
 """
 
 from __future__ import annotations
@@ -38,6 +43,14 @@ from typing import Any
 # A generation index no request reaches: "mask every position" (not eligible).
 NEVER = 1 << 62
 LONGEST_MASKED_RUN = 64
+# The admission score: the weight of the past in each update (about the last 8 guesses
+# count), and the score below which refused rows mask runs of positions.
+SCORE_KEEP = 0.875
+LOW_SCORE = 0.75
+# A row's score before its first guess: just above LOW_SCORE, so a row refused from the
+# start (a model that ignores the grammar) masks runs after its first refusal, and one
+# admitted as it goes keeps guessing through a refusal (0.8 -> 0.825 -> ... -> ~0.95).
+FIRST_SCORE = 0.8
 
 
 def eligible(sampling: Any, conditioning: Any = None) -> bool:
@@ -50,7 +63,15 @@ def eligible(sampling: Any, conditioning: Any = None) -> bool:
     return sp.temperature == 0.0 or (sp.top_k == 0 and sp.top_p >= 1.0 and sp.min_p <= 0.0)
 
 
-def after_refusal(refusals: int, index: int) -> int:
-    """``masked_until`` after the ``refusals``-th refusal in a row at generation
-    ``index``: that position and the ``2 ** (refusals - 1) - 1`` after it mask first."""
-    return index + min(1 << min(refusals - 1, 16), LONGEST_MASKED_RUN)
+def scored(score: float, admitted: bool) -> float:
+    """A row's admission score after one more guess (``FIRST_SCORE`` before any)."""
+    return score * SCORE_KEEP + (1.0 - SCORE_KEEP if admitted else 0.0)
+
+
+def masked_run(score: float, low_refusals: int) -> int:
+    """Positions masked first after a refusal, the refused one included: one while the
+    score is high; else ``2 ** low_refusals`` (the refusals since it fell below
+    ``LOW_SCORE``, this one included), at most ``LONGEST_MASKED_RUN``."""
+    if score >= LOW_SCORE:
+        return 1
+    return min(1 << min(low_refusals, 16), LONGEST_MASKED_RUN)
