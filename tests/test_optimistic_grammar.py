@@ -152,15 +152,15 @@ def test_eligibility_and_the_masked_runs():
     assert not eligible(SamplingParams(temperature=0.6, top_p=0.9))
     assert not eligible(SamplingParams(temperature=0.6, min_p=0.1))
     assert not eligible(SamplingParams(return_logprob=True))
-    # A row whose guesses keep being refused: one position each while its score is high,
-    # then doubling runs, at most LONGEST_MASKED_RUN; admitted guesses bring it back.
+    # A row refused from its first guess masks runs at once, doubling, at most
+    # LONGEST_MASKED_RUN; admitted guesses bring it back to one position per refusal.
     score, low, runs = FIRST_SCORE, 0, []
-    for _ in range(14):
+    for _ in range(10):
         score = scored(score, False)
         low = low + 1 if score < LOW_SCORE else 0
         runs.append(masked_run(score, low))
-    assert runs[0] == 1 and runs[-1] == LONGEST_MASKED_RUN and runs == sorted(runs), runs
-    assert 2 in runs and 4 in runs
+    assert runs[:4] == [2, 4, 8, 16] and runs[-1] == LONGEST_MASKED_RUN and runs == sorted(runs), runs
     for _ in range(12):
         score = scored(score, True)
+    assert scored(score, False) >= LOW_SCORE  # a row mostly admitted keeps guessing through one refusal
     assert score >= LOW_SCORE and masked_run(score, 3) == 1
