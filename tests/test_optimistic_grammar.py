@@ -160,7 +160,7 @@ def test_eligibility_and_the_masked_runs():
         low = low + 1 if score < LOW_SCORE else 0
         runs.append(masked_run(score, low))
     assert runs[:4] == [2, 4, 8, 16] and runs[-1] == LONGEST_MASKED_RUN and runs == sorted(runs), runs
-    for _ in range(12):
+    for _ in range(24):
         score = scored(score, True)
     assert scored(score, False) >= LOW_SCORE  # a row mostly admitted keeps guessing through one refusal
     assert score >= LOW_SCORE and masked_run(score, 3) == 1
