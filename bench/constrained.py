@@ -358,7 +358,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="llguidance's thread pool for the masks: as the environment says (off unless "
                         "OMNI_ASYNC_GRAMMAR_THREADS), off (one thread), or on (every CPU but one)")
     p.add_argument("--optimistic", choices=("default", "off", "on"), default="default",
-                   help="optimistic_grammar: constrained rows sample first and the grammar checks after (default on)")
+                   help="optimistic_grammar: constrained rows sample first and the grammar checks after (default: on CUDA)")
     p.add_argument("--no-jump-forward", action="store_true", help="decode forced tokens one by one (jump_forward=False)")
     p.add_argument("--checkpoint-dir", default="/tmp/omni-bench-checkpoints")
     p.add_argument("--smoke", action="store_true", help="8 short requests (16-48 tokens), one repeat unless --repeats, "

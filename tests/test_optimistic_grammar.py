@@ -81,7 +81,7 @@ async def test_free_rows_beside_optimistic_rows_keep_their_tokens():
     free = [SamplingParams(max_new_tokens=24, temperature=0.7, seed=i, ignore_eos=True) for i in range(3)]
 
     async def both(loop: str, constrained: bool) -> list:
-        async with Engine.from_pretrained("tiny", device="cpu", loop=loop, decode_steps=4) as engine:
+        async with Engine.from_pretrained("tiny", device="cpu", loop=loop, decode_steps=4, optimistic_grammar=True) as engine:
             extra = [engine.generate(prompt=f"code {i}:", sampling=seeded(i)) for i in range(3)] if constrained else []
             out = await asyncio.gather(*[engine.generate(prompt=f"free {i}:", sampling=sp) for i, sp in enumerate(free)],
                                        *extra)
@@ -139,7 +139,7 @@ async def test_rows_that_read_their_distribution_mask_first():
     params = [SamplingParams(max_new_tokens=12, regex=REGEX, return_logprob=True),
               SamplingParams(max_new_tokens=12, regex=REGEX, temperature=0.8, top_p=0.9, seed=1),
               SamplingParams(max_new_tokens=12, regex=REGEX, temperature=0.8, top_k=5, seed=2)]
-    async with Engine.from_pretrained("tiny", device="cpu") as engine:
+    async with Engine.from_pretrained("tiny", device="cpu", optimistic_grammar=True) as engine:
         await asyncio.gather(*[engine.generate(prompt="x:", sampling=sp) for sp in params])
         info = engine.scheduler.info()
     assert info["grammar_optimistic_tokens"] == 0 and info["grammar_optimistic_refused"] == 0, info
@@ -164,3 +164,27 @@ def test_eligibility_and_the_masked_runs():
         score = scored(score, True)
     assert scored(score, False) >= LOW_SCORE  # a row mostly admitted keeps guessing through one refusal
     assert score >= LOW_SCORE and masked_run(score, 3) == 1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("loop", LOOPS)
+async def test_cuda_greedy_tokens_equal_masking_first(loop):
+    """On CUDA (float32, graphs, the fused multi-step launch at its default tiers): greedy
+    rows sampling first and rewound on refusals give the tokens of masking first, beside
+    seeded free rows; outputs valid; no request holds KV after."""
+    free = [SamplingParams(max_new_tokens=24, temperature=0.7, seed=i, ignore_eos=True) for i in range(4)]
+    params = [greedy(i) for i in range(N)] + free
+    limits = dict(device="cuda", dtype="float32", kv_capacity_tokens=8192)
+
+    async def outputs(optimistic: bool, loop: str) -> tuple[list, dict]:
+        async with Engine.from_pretrained("tiny", loop=loop, optimistic_grammar=optimistic, **limits) as engine:
+            results = await asyncio.gather(*[engine.generate(prompt=f"code {i}:", sampling=sp) for i, sp in enumerate(params)])
+            info = engine.scheduler.info()
+            assert engine.scheduler.core.kv_is_fully_free()
+        valid(results[:N])
+        return [r.output_ids for r in results], info
+
+    reference, _ = await outputs(False, "normal")
+    tokens, info = await outputs(True, loop)
+    assert tokens == reference
+    assert info["grammar_optimistic_refused"] > 0 and info["grammar_optimistic_tokens"] > 0, info
