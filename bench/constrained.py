@@ -26,7 +26,8 @@ constrained rows (and beside them, split off: rows asking for logprobs), lookahe
 and jump-forward's counters: runs of forced tokens appended at once, the tokens they
 skipped (as a share of the constrained rows' tokens: "skipped %"), and the one-forward
 steps that computed them as extend rows. ``--no-jump-forward`` decodes forced tokens one by
-one (the engine's ``jump_forward=False``), for comparison. The table: medians with [min-max] over repeats, and
+one (the engine's ``jump_forward=False``), for comparison; ``--optimistic off`` masks every
+constrained token first (the engine's ``optimistic_grammar=False``). The table: medians with [min-max] over repeats, and
 the median paired ratios quarter/free (free rows) and all/free (all rows).
 
 Model: ``--model qwen05-smol`` (default on CUDA) is the NV256 shape (Qwen2-0.5B, bf16,
@@ -79,7 +80,8 @@ COUNTERS = ("grammar_mask_steps", "grammar_mask_rows", "grammar_mask_s", "gramma
             "decode_steps", "lookahead_steps", "fused_decode_launches", "fused_decode_beside_grammar",
             "fused_decode_with_grammar", "grammar_jumps", "grammar_forced_skipped", "grammar_jump_steps",
             "grammar_mask_worker_calls", "grammar_mask_fused_steps", "grammar_mask_fused_s",
-            "fused_decode_late_captures", "grammar_late_mask_steps", "grammar_late_mask_s")
+            "fused_decode_late_captures", "grammar_late_mask_steps", "grammar_late_mask_s",
+            "grammar_optimistic_tokens", "grammar_optimistic_refused")
 
 
 def valid_item(obj: Any) -> bool:
@@ -258,6 +260,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         kwargs["decode_steps"] = args.decode_steps
     if args.no_jump_forward:
         kwargs["jump_forward"] = False
+    if args.optimistic != "default":  # rows sampling first, checked after (structured/optimistic.py; on by default)
+        kwargs["optimistic_grammar"] = args.optimistic == "on"
     result: dict[str, Any] = {"machine": C.machine_facts(), "args": vars(args), "model": model, "runs": {}}
     for loop in C.parse_loops(args.loops):
         engine = await Engine.load(path, loop=loop, **kwargs)
@@ -353,6 +357,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--mask-pool", choices=("default", "off", "on"), default="default",
                    help="llguidance's thread pool for the masks: as the environment says (off unless "
                         "OMNI_ASYNC_GRAMMAR_THREADS), off (one thread), or on (every CPU but one)")
+    p.add_argument("--optimistic", choices=("default", "off", "on"), default="default",
+                   help="optimistic_grammar: constrained rows sample first and the grammar checks after (default: on CUDA)")
     p.add_argument("--no-jump-forward", action="store_true", help="decode forced tokens one by one (jump_forward=False)")
     p.add_argument("--checkpoint-dir", default="/tmp/omni-bench-checkpoints")
     p.add_argument("--smoke", action="store_true", help="8 short requests (16-48 tokens), one repeat unless --repeats, "

@@ -59,6 +59,8 @@ FIELD_HELP: dict[str, str] = {
     "quantization": "CPU weights: int8 (fbgemm), q4 / q8 (blocks read by the C++ kernels; q4 is a GGUF file's default); none keeps the float path",
     "mixed_prefill": "running decodes ride along in prefill steps (off by default: prefill and decode steps alternate while prompts wait)",
     "jump_forward": "tokens a grammar forces are appended at once, their KV computed in the next step (off by default: its mask reads cost more than it saves)",
+    "optimistic_grammar": "constrained greedy or temperature-only rows sample first and the grammar checks the token after "
+    "(a refused one is sampled again under the mask; default: on CUDA); off masks every token first",
     "stream_interval": "a request's delta every N tokens (and at its end); 1 sends every step's",
     "decode_steps": "decode forwards per launch (none: chosen by batch size; 1 on CPU)",
     "fuse_decode_steps": "run a multi-step greedy decode as one launch",

@@ -338,6 +338,11 @@ class SchedulerConfig:
     # constrained_host.py: 32 rows, 26.8 s against 15.6 s on CPU; on the H200 the
     # constrained arms ran 2-5x slower with it on).
     jump_forward: bool = False
+    # Native backend, grammar rows greedy or at temperature alone, without logprobs: sample
+    # as free rows (fused launch, lookahead), the grammar checking each token after (~2 us;
+    # a mask ~20-60); a refused token is sampled again under the mask (structured/
+    # optimistic.py). Greedy tokens as masking first, sampled ones the same distribution.
+    optimistic_grammar: bool | None = None  # None: on CUDA (core/plan.py); off with jump_forward
     # Stream deltas every this many tokens per request (and at its finish): fewer,
     # larger deltas for callers that do not need every token at once (SGLang's
     # stream_interval). 1 (the default) sends each step's tokens as they come.
@@ -386,7 +391,7 @@ class SchedulerConfig:
         for name in ("enable_prefix_cache", "gc_freeze", "fuse_decode_steps", "own_cuda_stream", "mixed_prefill", "jump_forward"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be a bool, got {getattr(self, name)!r}")
-        for name in ("cpu_attention_kernel", "cpu_fused_ops"):
+        for name in ("cpu_attention_kernel", "cpu_fused_ops", "optimistic_grammar"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be a bool or None, got {getattr(self, name)!r}")
         if self.gc_gen0_threshold is not None and (not _is_int(self.gc_gen0_threshold) or self.gc_gen0_threshold < 1):

@@ -4,6 +4,9 @@ inside the fused launch, their first token sampled under their masks and the res
 discarded, and join a step only once the host has seen their last token). Free rows' tokens equal those of an all-free run, every
 constrained output is valid, and the three loops agree."""
 
+# These tests are about rows that sample under their masks: optimistic_grammar=False keeps every
+# constrained row there (rows that sample first: tests/test_optimistic_grammar.py).
+
 from __future__ import annotations
 
 import asyncio
@@ -40,7 +43,7 @@ async def run(engine: Engine, sampling: list[SamplingParams]) -> list:
 
 @pytest.mark.parametrize("loop", LOOPS)
 async def test_free_rows_stay_fused_and_ahead_beside_constrained_rows(loop):
-    async with Engine.from_pretrained("tiny", device="cpu", loop=loop, decode_steps=4) as engine:
+    async with Engine.from_pretrained("tiny", optimistic_grammar=False, device="cpu", loop=loop, decode_steps=4) as engine:
         all_free = await run(engine, [FREE] * len(PROMPTS))
         engine.scheduler.trace_enabled = True
         before = engine.scheduler.info()
@@ -65,7 +68,7 @@ async def test_free_rows_stay_fused_and_ahead_beside_constrained_rows(loop):
 async def test_loops_agree_on_constrained_and_free_tokens():
     outputs = {}
     for loop in LOOPS:
-        async with Engine.from_pretrained("tiny", device="cpu", loop=loop, decode_steps=4) as engine:
+        async with Engine.from_pretrained("tiny", optimistic_grammar=False, device="cpu", loop=loop, decode_steps=4) as engine:
             outputs[loop] = [r.output_ids for r in await run(engine, mixed())]
     assert outputs["overlap"] == outputs["normal"] and outputs["async_decode"] == outputs["normal"]
 
@@ -84,9 +87,9 @@ async def test_constrained_rows_in_the_fused_launch_match_one_forward_steps(loop
     """A constrained row inside the fused launch keeps only its first token, sampled under
     its mask: its output equals that of one-forward steps (greedy and seeded), and its
     discarded forwards leave no trace (KV freed once, the free rows unchanged)."""
-    async with Engine.from_pretrained("tiny", device="cpu", loop=loop, decode_steps=1) as engine:
+    async with Engine.from_pretrained("tiny", optimistic_grammar=False, device="cpu", loop=loop, decode_steps=1) as engine:
         single = [r.output_ids for r in await run(engine, mixed_sampled())]
-    async with Engine.from_pretrained("tiny", device="cpu", loop=loop, decode_steps=4) as engine:
+    async with Engine.from_pretrained("tiny", optimistic_grammar=False, device="cpu", loop=loop, decode_steps=4) as engine:
         results = await run(engine, mixed_sampled())
         info = engine.scheduler.info()
     assert_kv_free(engine)
@@ -120,9 +123,9 @@ async def test_cuda_constrained_rows_replay_the_fused_graph_with_their_bitmask(l
     whose bitmask input is filled in place before each replay; every output equals that of
     one-forward steps, constrained outputs are valid, KV freed once."""
     limits = dict(device="cuda", dtype="float32", loop=loop, kv_capacity_tokens=8192)
-    async with Engine.from_pretrained("tiny", decode_steps=1, **limits) as engine:
+    async with Engine.from_pretrained("tiny", optimistic_grammar=False, decode_steps=1, **limits) as engine:
         single = [r.output_ids for r in await run(engine, mixed_sampled())]
-    async with Engine.from_pretrained("tiny", decode_steps=4, **limits) as engine:
+    async with Engine.from_pretrained("tiny", optimistic_grammar=False, decode_steps=4, **limits) as engine:
         results = await run(engine, mixed_sampled())
         info = engine.scheduler.info()
     assert_kv_free(engine)
@@ -136,7 +139,7 @@ async def test_cuda_constrained_rows_replay_the_fused_graph_with_their_bitmask(l
 async def test_steps_of_constrained_rows_only_run_one_forward_per_row():
     """Every row under a grammar and none with forced tokens to compute: one forward per
     row (the one-forward decode path, whose graphs replay on CUDA), no fused launch."""
-    async with Engine.from_pretrained("tiny", device="cpu", loop="overlap", decode_steps=4, jump_forward=False) as engine:
+    async with Engine.from_pretrained("tiny", optimistic_grammar=False, device="cpu", loop="overlap", decode_steps=4, jump_forward=False) as engine:
         results = await run(engine, [CONSTRAINED] * len(PROMPTS))
         info = engine.scheduler.info()
     assert_kv_free(engine)

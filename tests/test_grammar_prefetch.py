@@ -3,6 +3,9 @@ step takes from the worker equals the one computed on the spot at every position
 matcher accepting a token queues its next mask, forced positions are counted, and in an
 engine every constrained row's mask came from the worker, not the launching thread."""
 
+# These tests are about rows that sample under their masks: optimistic_grammar=False keeps every
+# constrained row there (rows that sample first: tests/test_optimistic_grammar.py).
+
 from __future__ import annotations
 
 import asyncio
@@ -62,7 +65,7 @@ def test_a_closed_worker_leaves_masks_to_the_fill():
 async def test_engine_masks_come_from_the_worker(loop):
     constrained = [SamplingParams(max_new_tokens=16, regex=REGEX, temperature=1.0, seed=s) for s in range(4)]
     free = [SamplingParams(max_new_tokens=12, ignore_eos=True) for _ in range(4)]
-    async with Engine.from_pretrained("tiny", device="cpu", loop=loop) as engine:
+    async with Engine.from_pretrained("tiny", optimistic_grammar=False, device="cpu", loop=loop) as engine:
         results = await asyncio.gather(*[engine.generate(prompt="id:", sampling=sp) for sp in constrained + free])
         info = engine.scheduler.info()
     for r in results[:4]:
@@ -110,7 +113,7 @@ async def test_engine_queues_a_steps_masks_as_one(loop, threads, monkeypatch):
         monkeypatch.setattr(prefetch, "pool_threads", lambda cpus=None: threads)
     n = 8
     sps = [SamplingParams(max_new_tokens=16, regex=REGEX, temperature=1.0, seed=s) for s in range(n)]
-    async with Engine.from_pretrained("tiny", device="cpu", loop=loop) as engine:
+    async with Engine.from_pretrained("tiny", optimistic_grammar=False, device="cpu", loop=loop) as engine:
         results = await asyncio.gather(*[engine.generate(prompt="id:", sampling=sp) for sp in sps])
         info = engine.scheduler.info()
     assert all(r.finish_reason == "stop" and re.fullmatch(REGEX, r.text) for r in results)

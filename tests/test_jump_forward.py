@@ -4,6 +4,9 @@ step). Every token equals token-by-token constrained decoding (greedy and seeded
 three loops, with and without multi-step decodes), the skipped tokens are counted in
 ``info()``, outputs are valid, KV is freed once."""
 
+# These tests are about rows that sample under their masks: optimistic_grammar=False keeps every
+# constrained row there (rows that sample first: tests/test_optimistic_grammar.py).
+
 from __future__ import annotations
 
 import asyncio
@@ -38,7 +41,7 @@ def requests() -> list[SamplingParams]:
 
 
 async def outputs(loop: str, decode_steps: int, jump: bool) -> tuple[list, dict]:
-    async with Engine.from_pretrained("tiny", device="cpu", loop=loop, decode_steps=decode_steps, jump_forward=jump) as engine:
+    async with Engine.from_pretrained("tiny", optimistic_grammar=False, device="cpu", loop=loop, decode_steps=decode_steps, jump_forward=jump) as engine:
         results = await asyncio.gather(*[engine.generate(prompt=p, sampling=sp) for p, sp in zip(PROMPTS, requests())])
         info = engine.scheduler.info()
     assert_kv_free(engine)
@@ -65,7 +68,7 @@ async def test_jump_forward_emits_the_tokens_of_token_by_token_decoding(loop, de
 
 async def test_jump_forward_streams_every_token_once():
     """A stream's deltas carry the forced tokens with the sampled ones, each once."""
-    async with Engine.from_pretrained("tiny", device="cpu", loop="overlap", decode_steps=4, jump_forward=True) as engine:
+    async with Engine.from_pretrained("tiny", optimistic_grammar=False, device="cpu", loop="overlap", decode_steps=4, jump_forward=True) as engine:
         streamed: list[int] = []
         async for delta in engine.stream(prompt="record 9:", sampling=GREEDY):
             streamed.extend(delta.token_ids)

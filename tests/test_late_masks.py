@@ -6,6 +6,9 @@ runner sample under the masks (``core.multi_step.late_mask_rows``, ``Stepper.ste
 consecutive steps instead of every other one, and with every row constrained the loop
 no longer drains to a synchronous step each time. Tokens stay those of the normal loop."""
 
+# These tests are about rows that sample under their masks: optimistic_grammar=False keeps every
+# constrained row there (rows that sample first: tests/test_optimistic_grammar.py).
+
 from __future__ import annotations
 
 import asyncio
@@ -49,7 +52,7 @@ async def run(engine: Engine, sampling: list[SamplingParams]) -> list:
 async def test_all_constrained_rows_run_in_consecutive_steps_with_the_normal_loops_tokens(make):
     outputs = {}
     for loop in LOOPS:
-        async with Engine.from_pretrained("tiny", device="cpu", loop=loop, decode_steps=1) as engine:
+        async with Engine.from_pretrained("tiny", optimistic_grammar=False, device="cpu", loop=loop, decode_steps=1) as engine:
             engine.scheduler.trace_enabled = True
             results = await run(engine, [make(i) for i in range(N)])
             info = engine.scheduler.info()
@@ -77,12 +80,12 @@ FREE = SamplingParams(max_new_tokens=24, ignore_eos=True)
 @pytest.mark.parametrize("loop", ["overlap", "async_decode"])
 async def test_free_rows_beside_late_constrained_rows_keep_their_tokens(loop):
     mixed = [seeded(i) if i % 2 else FREE for i in range(N)]
-    async with Engine.from_pretrained("tiny", device="cpu", loop=loop, decode_steps=1) as engine:
+    async with Engine.from_pretrained("tiny", optimistic_grammar=False, device="cpu", loop=loop, decode_steps=1) as engine:
         alone = await run(engine, [FREE] * N)
         before = engine.scheduler.info()["grammar_late_mask_steps"]
         results = await run(engine, mixed)
         late = engine.scheduler.info()["grammar_late_mask_steps"] - before
-    async with Engine.from_pretrained("tiny", device="cpu", loop="normal", decode_steps=1) as engine:
+    async with Engine.from_pretrained("tiny", optimistic_grammar=False, device="cpu", loop="normal", decode_steps=1) as engine:
         reference = await run(engine, mixed)
     assert_kv_free(engine)
     assert late > 0
@@ -99,7 +102,7 @@ async def test_jump_forward_keeps_constrained_rows_out_of_steps_with_a_token_in_
     a token in flight waits (no late masks); the tokens still equal the normal loop's."""
     outputs = {}
     for loop in ("normal", "overlap"):
-        async with Engine.from_pretrained("tiny", device="cpu", loop=loop, decode_steps=1, jump_forward=True) as engine:
+        async with Engine.from_pretrained("tiny", optimistic_grammar=False, device="cpu", loop=loop, decode_steps=1, jump_forward=True) as engine:
             results = await run(engine, [greedy(i) for i in range(N)])
             assert engine.scheduler.info()["grammar_late_mask_steps"] == 0
         outputs[loop] = [r.output_ids for r in results]
@@ -149,7 +152,7 @@ async def test_a_grammar_failing_mid_stream_ends_its_request_alone(monkeypatch):
         return m
 
     monkeypatch.setattr(GrammarCompiler, "matcher", matcher)
-    async with Engine.from_pretrained("tiny", device="cpu", loop="overlap", decode_steps=1) as engine:
+    async with Engine.from_pretrained("tiny", optimistic_grammar=False, device="cpu", loop="overlap", decode_steps=1) as engine:
         others = run(engine, [SamplingParams(max_new_tokens=200, json_schema=ENDLESS) for _ in range(N - 1)])
         streamed: list[int] = []
 
@@ -222,7 +225,7 @@ async def test_the_fill_leaves_rows_of_ended_or_retracted_requests_all_ones():
     from omni_async.structured.batch_mask import GrammarMasks
     from omni_async.structured.grammar import GrammarCompiler
 
-    async with Engine.from_pretrained("tiny", device="cpu") as engine:
+    async with Engine.from_pretrained("tiny", optimistic_grammar=False, device="cpu") as engine:
         tok = engine.tokenizer
     compiler = GrammarCompiler(tok, tok.vocab_size)
     try:
@@ -270,10 +273,10 @@ async def test_inline_launches_sample_late_on_the_loop_thread(loop, monkeypatch)
     from omni_async.backends.native import builder
     from omni_async.stage.executor import EventWaiter, InlineStepExecutor
 
-    async with Engine.from_pretrained("tiny", device="cpu", loop="normal", decode_steps=1) as engine:
+    async with Engine.from_pretrained("tiny", optimistic_grammar=False, device="cpu", loop="normal", decode_steps=1) as engine:
         reference = [r.output_ids for r in await run(engine, [seeded(i) for i in range(N)])]
     monkeypatch.setattr(builder, "make_step_executor", lambda launch, device, wait: InlineStepExecutor(event_waiter=EventWaiter(wait)))
-    async with Engine.from_pretrained("tiny", device="cpu", loop=loop, decode_steps=1) as engine:
+    async with Engine.from_pretrained("tiny", optimistic_grammar=False, device="cpu", loop=loop, decode_steps=1) as engine:
         assert engine.scheduler.executor.launches_inline
         results = await run(engine, [seeded(i) for i in range(N)])
         info = engine.scheduler.info()
@@ -290,9 +293,9 @@ async def test_cuda_late_masks_keep_the_normal_loops_tokens(loop):
     steps' tokens equal the normal loop's, every constrained output valid, KV freed once."""
     mixed = [(greedy(i) if i % 4 == 1 else seeded(i)) if i % 2 else FREE for i in range(2 * N)]
     limits = dict(device="cuda", dtype="float32", decode_steps=1, kv_capacity_tokens=8192)
-    async with Engine.from_pretrained("tiny", loop="normal", **limits) as engine:
+    async with Engine.from_pretrained("tiny", optimistic_grammar=False, loop="normal", **limits) as engine:
         reference = [r.output_ids for r in await run(engine, mixed)]
-    async with Engine.from_pretrained("tiny", loop=loop, **limits) as engine:
+    async with Engine.from_pretrained("tiny", optimistic_grammar=False, loop=loop, **limits) as engine:
         results = await run(engine, mixed)
         info = engine.scheduler.info()
     assert_kv_free(engine)
@@ -308,9 +311,9 @@ async def test_pause_with_retraction_between_late_mask_steps_keeps_the_tokens():
     every constrained row back to waiting with its matcher where its kept tokens left it,
     and the rows go on after resume: the tokens of a run without the pause."""
     sampling = [SamplingParams(max_new_tokens=60, json_schema=ENDLESS, temperature=0.7, seed=i) for i in range(N)]
-    async with Engine.from_pretrained("tiny", device="cpu", loop="normal", decode_steps=1) as engine:
+    async with Engine.from_pretrained("tiny", optimistic_grammar=False, device="cpu", loop="normal", decode_steps=1) as engine:
         reference = [r.output_ids for r in await run(engine, sampling)]
-    async with Engine.from_pretrained("tiny", device="cpu", loop="overlap", decode_steps=1) as engine:
+    async with Engine.from_pretrained("tiny", optimistic_grammar=False, device="cpu", loop="overlap", decode_steps=1) as engine:
         core = engine.scheduler.core
         task = asyncio.ensure_future(run(engine, sampling))
         with anyio.fail_after(60):

@@ -34,6 +34,7 @@ def test_cpu_keeps_the_reference_path_and_its_limits():
     # A tenth of the available RAM, within [2048, 65536] tokens.
     assert plan.kv_tokens == 65536 and plan.kv_pages == 65536 // 16
     assert plan_stage(SchedulerConfig(), DeviceFacts(type="cpu"), TINY_CPU).kv_tokens == 32768  # RAM unknown
+    assert plan.config.optimistic_grammar is False  # CPU masks every constrained token first
 
 
 def test_a_05b_model_on_an_h200():
@@ -47,6 +48,7 @@ def test_a_05b_model_on_an_h200():
     assert (plan.graph_max_len, plan.graph_max_batch) == (32768, 512)  # the paged kernel spans the context
     assert plan.own_stream and plan.dtype == "bfloat16"
     assert (plan.config.max_running_requests, plan.config.max_prefill_tokens) == (512, 16384)
+    assert plan.config.optimistic_grammar is True  # grammar rows sample first on CUDA
 
 
 def test_an_8b_model_on_an_h200_with_a_fixed_kv():
@@ -64,6 +66,8 @@ def test_given_values_are_kept():
     plan = plan_stage(config, DeviceFacts(free_bytes=100 * GIB, **H200), QWEN_05B)
     assert (plan.max_prefill_tokens, plan.chunked_prefill_size, plan.max_running_requests) == (256, 8192, 7)
     assert plan.decode_tiers == ((1, 2),) and plan.graph_max_len is None
+    assert plan_stage(SchedulerConfig(optimistic_grammar=False), DeviceFacts(**H200), QWEN_05B).config.optimistic_grammar is False
+    assert plan_stage(SchedulerConfig(optimistic_grammar=True), DeviceFacts(type="cpu"), TINY_CPU).config.optimistic_grammar
     with pytest.raises(errors.ConfigError, match="context_length"):
         plan_stage(SchedulerConfig(context_length=10**6), DeviceFacts(**H200), QWEN_05B)
 

@@ -20,7 +20,7 @@ from ..kv.prefix_cache import PrefixCache
 from .batch import ForwardMode, ScheduledBatch
 from .multi_step import DecodeSteps, feed_rows, jump_most, jump_rows, late_mask_rows, process_multi_step, take_due
 from .mixed_prefill import add_decode_rows, jump_step, mixed_decodes, prefill_turn
-from .step_results import end_unsampled, process_one_forward
+from .step_results import end_unsampled, process_one_forward, rewind
 from .conditioning import ready_positions
 from .prefix_reuse import computing_key, drop_prefix, index_pages, reuse_prefix
 from .protocol import BatchCore, StepOutcome
@@ -81,7 +81,7 @@ class NativeBatchCore(BatchCore):
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.chunked)
 
-    def on_idle(self) -> None:
+    def on_idle(self) -> None:  # nothing runs: admission may be optimistic again
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
 
     def num_waiting(self) -> int:
@@ -94,15 +94,13 @@ class NativeBatchCore(BatchCore):
     def find(self, rid: str) -> Request | None:
         return next((req for req in self.active_requests() if req.rid == rid), None)
 
-    def kv_is_fully_free(self) -> bool:
-        """No request holds KV (cached prefixes nobody holds do not count)."""
+    def kv_is_fully_free(self) -> bool:  # no request holds KV (cached prefixes nobody holds do not count)
         return self.kv.held_pages == 0
 
-    def flush_cache(self) -> bool:
-        """Drop the cached prefixes; refused (False) while any request holds KV."""
+    def flush_cache(self) -> bool:  # drop the cached prefixes; refused (False) while any request holds KV
         return self.kv.flush()
 
-    def invalidate_cache(self) -> None:
+    def invalidate_cache(self) -> None:  # (new weights: no old prefix is shared again)
         self.kv.invalidate()
 
     def stats(self) -> dict[str, int]:
@@ -201,6 +199,8 @@ class NativeBatchCore(BatchCore):
             batch.input_ids.extend(fill[start : start + n])
             kept = start + n == req.seq_len
             unsampled = kept and req.sampling.max_new_tokens == 0  # scores its prompt only
+            if kept and req.matcher is not None:  # a prefill's token samples under the mask (structured.optimistic)
+                req.matcher.mask_first(req.num_generated)
             self._add_row(batch, req, n, kept and not unsampled)
             req.num_cached += n
             index_pages(self.kv, req)
@@ -304,8 +304,7 @@ class NativeBatchCore(BatchCore):
     def retract_all(self) -> list[Request]:
         """Send every running and chunked request back to waiting, freeing its KV."""
         victims = [r for r in self.running if not r.finished()] + ([self.chunked] if self.chunked else [])
-        self.running = []
-        self.chunked = None
+        self.running, self.chunked = [], None
         for req in sorted(victims, key=lambda r: r.arrival):
             self._retract(req)
         return victims
@@ -338,7 +337,10 @@ class NativeBatchCore(BatchCore):
         where their KV is freed."""
         process = process_one_forward if batch.row_steps is None else process_multi_step
         accepted: list[Any] = []  # constrained rows that run on: their next masks, queued as one
-        outcomes, finishes = process(batch, tokens, logprobs, self.context_length, accepted)
+        rewound: list[Request] = []  # rows whose grammar refused a token sampled before its mask
+        outcomes, finishes = process(batch, tokens, logprobs, self.context_length, accepted, rewound)
+        for req in rewound:  # (structured.optimistic)
+            rewind(req)
         if accepted:
             from ..structured.grammar import prefetch_all  # here: a core without grammars imports no tokenizer
             prefetch_all(accepted)
@@ -353,8 +355,7 @@ class NativeBatchCore(BatchCore):
         return outcomes
 
     def finish_request(self, req: Request, reason: str) -> None:
-        req.finish_reason = reason
-        req.num_inflight = 0
+        req.finish_reason, req.num_inflight = reason, 0
         self._release(req)
 
     def _release(self, req: Request) -> None:
@@ -397,8 +398,7 @@ class NativeBatchCore(BatchCore):
         """Finish every active request now (close, pause in abort mode, failures)."""
         victims = self.active_requests()
         self.waiting.clear()
-        self.running = []
-        self.chunked = None
+        self.running, self.chunked = [], None
         for req in victims:
             self.finish_request(req, "abort")
         return victims

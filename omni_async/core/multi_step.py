@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 from .conditioning import ready_positions
 from .protocol import StepOutcome
-from .request import Request, decode_limits, landing_limits
+from .request import Request, decode_limits, landing_limits, masked
 
 if TYPE_CHECKING:
     from .batch import ScheduledBatch
@@ -61,8 +61,9 @@ def row_steps(decoding: list[Request], k: int, context_length: int,
               limits: list[int] | None = None) -> tuple[list[int] | None, list[int]]:
     """Forwards per row: k, or fewer where the row's token or context limit comes first
     (counting tokens still in flight) or a conditioned row's rows run out; and the rows
-    under a grammar, which sample one token (their next mask needs the host to have seen
-    their last token), so the free rows beside them keep their k forwards: one forward,
+    under a grammar's mask, which sample one token (their next mask needs the host to have
+    seen their last token), so the free rows beside them keep their k forwards (as do rows
+    that sample before their mask, ``structured.optimistic``): one forward,
     or one per token without KV when a jump-forward appended forced tokens (fed in, the
     last forward samples). None (one forward for every row) while a row asks for top
     logprobs, which are read per forward, when no row runs more than one, or when a
@@ -74,7 +75,7 @@ def row_steps(decoding: list[Request], k: int, context_length: int,
     if limits is None:
         limits = decode_limits(decoding, context_length)
     for i, (r, left) in enumerate(zip(decoding, limits)):
-        if r.matcher is not None:
+        if r.matcher is not None and masked(r, r.num_generated):
             constrained.append(i)
             uncached = r.seq_len - r.num_cached  # 1, or 1 + the forced tokens of a jump-forward
             if uncached > k:
@@ -107,7 +108,7 @@ def late_mask_rows(core: "NativeBatchCore", decoding: list[Request], limits: lis
     k forwards (one :func:`steps_for` per step either way). Not with
     jump_forward: processing a step may append forced tokens to a row, which would move
     the position its launched forward computed; late masks apply only with it off."""
-    keep = [i for i, r in enumerate(decoding) if r.matcher is None or not r.num_inflight]
+    keep = [i for i, r in enumerate(decoding) if r.matcher is None or not r.num_inflight or not masked(r, r.num_generated)]
     if len(keep) == len(decoding):
         return (decoding, limits, *steps_for(core, decoding, limits), False)
     rest, rest_limits = [decoding[i] for i in keep], [limits[i] for i in keep]
@@ -119,12 +120,13 @@ def late_mask_rows(core: "NativeBatchCore", decoding: list[Request], limits: lis
 
 def process_multi_step(
     batch: "ScheduledBatch", tokens: Sequence[int], logprobs: Sequence[float] | None, context_length: int,
-    accepted: list[Any] | None = None,
+    accepted: list[Any] | None = None, rewound: list[Request] | None = None,
 ) -> tuple[list[StepOutcome], list[tuple[Request, str]]]:
     """``process_result`` of a multi-step decode: each live row's outcome, and the rows
     that end with it and why (the batch core finishes those: their KV is its to free).
     ``tokens`` (and ``logprobs``) are forward-major: row i's j-th token is at
-    ``j * batch.size + i``. ``accepted``: as in ``step_results.process_one_forward``."""
+    ``j * batch.size + i``. ``accepted`` and ``rewound``: as in
+    ``step_results.process_one_forward``."""
     outcomes: list[StepOutcome] = []
     finishes: list[tuple[Request, str]] = []
     size, ctx = batch.size, context_length
@@ -132,10 +134,12 @@ def process_multi_step(
     if tokens and type(tokens[0]) is not int:  # a runner's own values: Python ints once per step
         tokens = [int(t) for t in tokens]
     limits = landing_limits(batch.reqs, batch.row_steps, ctx)  # the length rule, one pass
+    under_mask = set(batch.grammar_rows)  # rows sampling one token under their mask
     for i, (req, epoch, steps, limit) in enumerate(zip(batch.reqs, batch.epochs, batch.row_steps, limits)):
         if req.finish_reason is not None or req.epoch != epoch:
             continue  # finished or retracted after this step was scheduled
-        req.num_inflight -= 1 if req.matcher is not None else steps  # a grammar row samples one (see feed_rows)
+        masked_row = i in under_mask
+        req.num_inflight -= 1 if masked_row else steps  # a masked row samples one (see feed_rows)
         if req.to_finish is not None:
             finishes.append((req, req.to_finish))
             outcomes.append(StepOutcome(req, None, finished=True))
@@ -154,10 +158,16 @@ def process_multi_step(
                 req.output_logprobs.extend(lps)
         else:
             first = i
-            if req.matcher is not None:  # one token sampled, by its last forward (the others fed forced tokens)
+            if masked_row:  # one token sampled, by its last forward (the others fed forced tokens)
                 row, first = row[-1:], end - size
             kept, lps, reason = _walk_row(req, row, None if logprobs is None else logprobs[first:end:size], ctx,
                                            accepted)
+            if reason == "rewind":  # a token sampled before its mask was refused (structured.optimistic)
+                if rewound is not None:
+                    rewound.append(req)
+                outcomes.append(StepOutcome(req, kept[-1], lps[-1] if lps else None, tokens=kept, logprobs=lps)
+                                if kept else StepOutcome(req, None))
+                continue
         if reason == "error":  # its grammar failed: no token; the stage ends it with an error
             finishes.append((req, reason))
             outcomes.append(StepOutcome(req, None, finished=True))
@@ -172,13 +182,17 @@ def process_multi_step(
 def _walk_row(req: Request, row: Sequence[int], row_lps: Sequence[float] | None, ctx: int,
               accepted: list[Any] | None = None):
     """A row holding a stop id or under a grammar, token by token: what it keeps, their
-    logprobs, and why it ended (None: it runs on; "error": its grammar failed). The
-    checks are those of a one-forward step (``core.step_results``), in the same order."""
+    logprobs, and why it ended (None: it runs on; "error": its grammar failed; "rewind":
+    its grammar refused a token sampled before the mask, which and whose followers are
+    not kept). The checks are those of a one-forward step (``core.step_results``), in the
+    same order."""
     out, sp, stop_ids, matcher = req.output_ids, req.sampling, req.stop_ids(), req.matcher
     kept: list[int] = []
     lps: list[float] | None = [] if row_lps is not None else None
     for j, t in enumerate(row):
         token = int(t)
+        if matcher is not None and matcher.refuses(token, len(out)):
+            return kept, lps, "rewind"
         out.append(token)
         kept.append(token)
         if lps is not None:
@@ -186,7 +200,7 @@ def _walk_row(req: Request, row: Sequence[int], row_lps: Sequence[float] | None,
             req.output_logprobs.append(lp)
             lps.append(lp)
         n = len(out)
-        if (token in stop_ids and n > sp.min_new_tokens) or (matcher is not None and matcher.accept(token, later=accepted)):
+        if (token in stop_ids and n > sp.min_new_tokens) or (matcher is not None and matcher.accept(token, later=accepted, index=n - 1)):
             return kept, lps, "error" if matcher is not None and matcher.failed else "stop"
         if req.tokens_left(ctx, scheduling=False) <= 0:
             return kept, lps, "length"

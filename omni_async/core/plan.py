@@ -27,6 +27,12 @@ Why these defaults (measurements in bench/RESULTS.md):
   kernels add to it at every batch size; float32 (the exact reference path) otherwise.
   The kernels are on by default only in bfloat16 or int8 (paths that are not bit-exact
   anyway) and only where they build.
+- Optimistic grammar rows on CUDA only (``optimistic_grammar=None``). A grammar mask costs
+  ~45 us of host time a row on the H200's host, so 256 constrained rows' masks take
+  longer than the step's forward; sampling first skips ~94% of them for a real model asked
+  for JSON (SmolLM2 on the dev VM, bench/optimistic_grammar.py). On CPU the forward of a
+  step is ~100x its masks: the same run there showed no gain (CPU time per token +3%, the
+  refused positions' extra steps), so CPU masks first.
 """
 
 from __future__ import annotations
@@ -311,8 +317,10 @@ def plan_stage(
         buckets = [b for b in device.graph_buckets if b <= config.cuda_graph_max_batch] or [config.cuda_graph_max_batch]
         running = running_limit(device.type, pages * config.page_size, buckets)
     graphs = device.type == "cuda" and config.cuda_graphs
+    optimistic = config.optimistic_grammar
     settled = dataclasses.replace(
         config, max_running_requests=running, max_prefill_tokens=max_prefill, chunked_prefill_size=chunked,
+        optimistic_grammar=device.type == "cuda" if optimistic is None else optimistic,
         **{name: on for name, on in kernels.items() if getattr(config, name) is None},
     )
     on_cpu = device.type == "cpu"

@@ -34,6 +34,9 @@ class Request:
     finish_reason: str | None = None
     to_finish: str | None = None
     num_retractions: int = 0
+    # Times a token it sampled before its grammar's mask was refused and it went back to
+    # the token before (``structured.optimistic``); its draws then take a fresh seed.
+    num_rewinds: int = 0
     # Failed steps this request was in. After one it is retried once, in a prefill of
     # its own, so that a request that breaks steps fails alone.
     step_failures: int = 0
@@ -177,25 +180,35 @@ class RequestData:
         return self.req.sampling.suppress_tokens
 
 
+def masked(req: Request, index: int) -> bool:
+    """Whether ``req`` samples generation ``index`` under its grammar's mask: a constrained
+    request, below its matcher's ``masked_until`` (past it the row samples first and the
+    grammar checks the token after, ``structured.optimistic``). The one place the two kinds
+    of constrained row are told apart."""
+    m = req.matcher
+    return m is not None and index < m.masked_until
+
+
 def mask_ready(req: Request, late: bool = False) -> bool:
-    """Whether a row may be scheduled now as far as its grammar goes: a free row always; a
-    constrained row once the host has seen every token it sampled (nothing in flight),
-    because its next mask is computed from its matcher, which those tokens advance; or,
-    for a step that may sample under late masks (``late``), with one token in flight:
-    the step in flight's, which the host processes before that step samples. Whether such
-    a row then runs in the step is decided in one place,
-    :func:`omni_async.core.multi_step.late_mask_rows`."""
-    return req.matcher is None or req.num_inflight <= (1 if late else 0)
+    """Whether a row may be scheduled now as far as its grammar goes: a free row, or one
+    whose next token samples before its mask, always; a masked row once the host has
+    seen every token it sampled (nothing in flight), because its next mask is computed
+    from its matcher, which those tokens advance; or, for a step that may sample under
+    late masks (``late``), with one token in flight: the step in flight's, which the host
+    processes before that step samples. Whether such a row then runs in the step is
+    decided in one place, :func:`omni_async.core.multi_step.late_mask_rows`."""
+    return req.num_inflight <= (1 if late else 0) or not masked(req, req.num_generated)
 
 
 def waits_for_host(reqs: list[Request], late: bool = False) -> bool:
-    """Whether a scheduled step holds a constrained row whose mask needs a token still in
+    """Whether a scheduled step holds a masked row whose mask needs a token still in
     flight besides the one this step samples (and, in a step sampling under late masks,
     ``late``, besides the one of the step before it, which the stepper processes before
     sampling): such a step runs in sync, after a drain. Never true of the native core's
-    steps (:func:`mask_ready`); the check stays for any core that does not keep that rule."""
+    steps (:func:`mask_ready`); the check stays for any core that does not keep that rule.
+    (Called right after scheduling: a row's last token in flight is this step's.)"""
     most = 2 if late else 1
-    return any(r.matcher is not None and r.num_inflight > most for r in reqs)
+    return any(r.matcher is not None and r.num_inflight > most and masked(r, r.num_generated - 1) for r in reqs)
 
 
 def reserved_tokens(running: list[Request], new_token_ratio: float) -> int:

@@ -18,11 +18,13 @@ from .request import Request
 
 def process_one_forward(
     batch: ScheduledBatch, tokens: Sequence[int], logprobs: Sequence[float] | None, context_length: int,
-    accepted: list[Any] | None = None,
+    accepted: list[Any] | None = None, rewound: list[Request] | None = None,
 ) -> tuple[list[StepOutcome], list[tuple[Request, str]]]:
     """Each live row's outcome, and the rows that end with this step and why. The
     matchers of constrained rows that run on are appended to ``accepted`` (their next
-    masks are queued together once the step is processed), else each queues its own."""
+    masks are queued together once the step is processed), else each queues its own.
+    A row whose grammar refuses the token it sampled before its mask keeps nothing and
+    goes into ``rewound`` (the batch core takes it back a token, :func:`rewind`)."""
     outcomes: list[StepOutcome] = []
     finishes: list[tuple[Request, str]] = []
     add = outcomes.append
@@ -41,6 +43,12 @@ def process_one_forward(
             continue
         token = int(token)
         out = req.output_ids
+        matcher = req.matcher
+        if matcher is not None and matcher.refuses(token, len(out)):
+            if rewound is not None:
+                rewound.append(req)
+            add(StepOutcome(req, None))
+            continue
         out.append(token)
         if logprob is not None:
             logprob = float(logprob)
@@ -51,9 +59,9 @@ def process_one_forward(
         if stops is None:
             stops = req.stop_ids()
         reason = None
-        if (token in stops and n > sp.min_new_tokens) or (req.matcher is not None and req.matcher.accept(token, later=accepted)):
+        if (token in stops and n > sp.min_new_tokens) or (matcher is not None and matcher.accept(token, later=accepted, index=n - 1)):
             reason = "stop"  # a stop token, or the grammar is complete
-            if req.matcher is not None and req.matcher.failed:  # the grammar failed, not complete:
+            if matcher is not None and matcher.failed:  # the grammar failed, not complete:
                 finishes.append((req, "error"))  # no token; the stage ends it with an error
                 add(StepOutcome(req, None, finished=True))
                 continue
@@ -76,3 +84,20 @@ def end_unsampled(batch: ScheduledBatch, outcomes: list[StepOutcome], finishes: 
         if id(oc.req) in ending:
             oc.finished = True
             finishes.append((oc.req, oc.req.to_finish or "length"))
+
+
+def rewind(req: Request) -> None:
+    """Take ``req`` back to its last kept token after its grammar refused the token it
+    sampled first (``structured.optimistic``): every token still in flight is dropped
+    (a new epoch: the rows of steps launched since are skipped, and the runner gives the
+    request a fresh slot), the last kept token is computed again by its next step (which
+    samples the refused position, under the mask), and its draws move to a fresh seed
+    (``runners.sampling.stream_seed``), so the redraw is independent of the refused one.
+    Its pages stay: the positions past the kept tokens are written again before they are
+    read. A prefill's token is masked first, so the position computed again is never in
+    a page the prefix cache shares."""
+    req.epoch += 1
+    req.num_inflight = 0
+    req.num_cached = req.seq_len - 1
+    req.num_rewinds += 1
+    req.matcher.refused_at(len(req.output_ids))

@@ -126,6 +126,7 @@ class ModelRunner(RunnerHooks):
                 else (),
                 stop_ids=sorted(sr.data.req.stop_ids()),
                 base_seed=self.base_seed(sr.data.req),
+                rewinds=sr.data.req.num_rewinds,
             )
             for i, sr in enumerate(requests)
         ]

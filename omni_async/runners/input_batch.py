@@ -27,7 +27,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from .sampling import SamplingBatch
+from .sampling import SamplingBatch, stream_seed
 from .slot_controls import SlotControls
 
 # Columns of the float32 and int64 per-slot sampling tables.
@@ -209,6 +209,7 @@ class InputBatch:
         """A joining request's sampling settings and token masks."""
         sp = req.sampling
         seed = sp.resolved_seed if sp.resolved_seed is not None else unseeded_base
+        seed = stream_seed(seed or 0, req.num_rewinds)  # a rewound row's draws (structured.optimistic)
         self.fp[slot] = (sp.temperature, sp.top_p, sp.min_p, sp.repetition_penalty, sp.logprobs_mode == "raw")
         self.ip[slot] = (sp.top_k, seed or 0, sp.min_new_tokens)
         stop = sorted(req.stop_ids()) if sp.min_new_tokens > 0 else []

@@ -325,13 +325,22 @@ class RowSampling:
     output_ids: Sequence[int]  # tokens generated so far (repetition penalty)
     stop_ids: Sequence[int]  # banned until min_new_tokens is reached
     base_seed: int | None = None  # for unseeded rows: drawn by the runner's SeedSource
+    rewinds: int = 0  # the request's ``num_rewinds``
 
     def seed(self) -> int:
         if self.params.resolved_seed is not None:
-            return self.params.resolved_seed
+            return stream_seed(self.params.resolved_seed, self.rewinds)
         if self.base_seed is not None:
-            return self.base_seed & SAMPLING_SEED_MASK
-        return derive_seed("omni-async-unseeded-row", self.request_id)
+            return stream_seed(self.base_seed & SAMPLING_SEED_MASK, self.rewinds)
+        return stream_seed(derive_seed("omni-async-unseeded-row", self.request_id), self.rewinds)
+
+
+def stream_seed(seed: int, rewinds: int) -> int:
+    """A row's seed after ``rewinds`` rewinds (``structured.optimistic``): the draws that
+    follow a refused token must not repeat the one that drew it, or the redrawn token
+    would not follow the masked distribution; the request's own history decides it, so
+    every loop draws the same."""
+    return seed if not rewinds else derive_seed(seed, "rewind", rewinds)
 
 
 def batch_from_rows(rows: Sequence[RowSampling], vocab: int, device: torch.device, want_logprobs: bool) -> SamplingBatch:

@@ -67,7 +67,8 @@ class Intake:
         self._arrived_new: dict[str, int] = {}  # rid -> new_request messages in ``arrived``
         # Ids aborted before they arrived (False) or whose abort was already answered (True).
         self.tombstones: IdWindow[bool] = IdWindow(config.aborted_id_cap, config.aborted_id_keep)
-        self.grammars = GrammarGate(door.limits.grammar_compiler, wake.set_threadsafe)
+        self.grammars = GrammarGate(door.limits.grammar_compiler, wake.set_threadsafe,
+                                    optimistic=bool(config.optimistic_grammar) and not config.jump_forward)
         self.admission = Admission(
             config,
             is_ready=_with_grammar(self.grammars, _guarded_ready(request_build_ready) if request_build_ready else None),

@@ -80,22 +80,23 @@ class GrammarMasks:
         out.update(worker.stats() if worker is not None else
                    {"grammar_mask_prefetched_rows": 0, "grammar_mask_worker_s": 0.0, "grammar_mask_worker_calls": 0,
                     "grammar_mask_threads": pool_threads(), "grammar_forced_masks": 0, "grammar_jumps": 0,
-                    "grammar_forced_skipped": 0})
+                    "grammar_forced_skipped": 0, "grammar_optimistic_tokens": 0, "grammar_optimistic_refused": 0})
         return out
 
 
 def grammar_rows(batch: Any) -> list[tuple[Any, int]]:
-    """``(matcher, row)`` of each live row of the step that samples under a grammar: not
-    one whose request ended or was retracted since the step was scheduled (under late
-    masks the step before was processed in between), whose matcher may have completed
-    or failed and whose token is discarded."""
+    """``(matcher, row)`` of each live row of the step that samples under a grammar's
+    mask: not one that samples first (:mod:`.optimistic`: its generation index is past
+    ``masked_until``), nor one whose request ended or was retracted since the step was
+    scheduled (under late masks the step before was processed in between), whose
+    matcher may have completed or failed and whose token is discarded."""
     kept = getattr(batch, "samples_kept", None)
-    epochs = batch.epochs
+    epochs, indices = batch.epochs, getattr(batch, "sample_indices", None)
     return [
-        (r.matcher, i)
+        (m, i)
         for i, r in enumerate(batch.reqs)
-        if getattr(r, "matcher", None) is not None and (kept is None or kept[i]) and r.finish_reason is None
-        and r.epoch == epochs[i]
+        if (m := getattr(r, "matcher", None)) is not None and (kept is None or kept[i]) and r.finish_reason is None
+        and r.epoch == epochs[i] and (not indices or indices[i] < m.masked_until)
     ]
 
 

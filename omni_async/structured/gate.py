@@ -15,6 +15,7 @@ from typing import Any, Callable
 
 from ..errors import InvalidRequestError
 from .grammar import GrammarCompiler
+from .optimistic import eligible
 
 NO_TOKENIZER = (
     "constrained decoding (json_schema, regex, ebnf) needs the model's tokenizer, and this "
@@ -30,8 +31,11 @@ def grammar_key(payload: Any) -> tuple[str, str] | None:
 class GrammarGate:
     """Readiness for admission, and the matcher a built request gets."""
 
-    def __init__(self, compiler: GrammarCompiler | None, wake: Callable[[], None] | None) -> None:
+    def __init__(self, compiler: GrammarCompiler | None, wake: Callable[[], None] | None,
+                 optimistic: bool = False) -> None:
+        """``optimistic``: eligible requests sample before their mask (:mod:`.optimistic`)."""
         self.compiler = compiler
+        self.optimistic = optimistic
         self._wake = wake
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._compiling: dict[tuple[str, str], list[str]] = {}  # key -> waiting request ids (loop thread)
@@ -77,6 +81,8 @@ class GrammarGate:
         if self.compiler is None:
             raise InvalidRequestError(NO_TOKENIZER)
         req.matcher = self.compiler.matcher(key)
+        if self.optimistic and eligible(req.sampling, req.conditioning):
+            req.matcher.masked_until = 0  # a prefill's token still masks first (NativeBatchCore._build_extend)
 
     def shutdown(self) -> None:
         if self.compiler is not None:

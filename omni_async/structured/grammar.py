@@ -21,6 +21,7 @@ from collections import OrderedDict
 from typing import Any, Callable
 
 from ..errors import InvalidRequestError
+from .optimistic import FIRST_SCORE, LOW_SCORE, NEVER, masked_run, scored
 from .prefetch import MaskTicket, MaskWorker
 from .vocab import TokenVocab, token_vocab
 
@@ -41,7 +42,8 @@ class GrammarMatcher:
     :meth:`next_mask`. The library's matcher is never touched by two threads at once:
     every method here first waits for a computation in flight."""
 
-    __slots__ = ("_m", "_on_fail", "_worker", "_ticket", "_row", "_buf", "_valid")
+    __slots__ = ("_m", "_on_fail", "_worker", "_ticket", "_row", "_buf", "_valid", "masked_until", "_score",
+                 "_low_refusals")
 
     def __init__(self, matcher: Any, on_fail: Callable[[str], None] | None = None, worker: Any = None) -> None:
         self._m = matcher
@@ -51,14 +53,21 @@ class GrammarMatcher:
         self._row = 0  # this matcher's row in it
         self._buf: Any = None  # a mask computed on this thread (mask_now), while _valid
         self._valid = False
+        # Generation indices from here on sample first and are checked after
+        # (:mod:`.optimistic`); below it, under the mask. NEVER: every one masked.
+        self.masked_until = NEVER
+        self._score = FIRST_SCORE  # the share of recent guesses admitted (.optimistic.scored)
+        self._low_refusals = 0  # refusals since the score fell below LOW_SCORE
 
-    def accept(self, token: int, prefetch: bool = True, later: list["GrammarMatcher"] | None = None) -> bool:
+    def accept(self, token: int, prefetch: bool = True, later: list["GrammarMatcher"] | None = None,
+               index: int | None = None) -> bool:
         """Advance by ``token``; True when the grammar has ended: complete, or failed
         (:attr:`failed` then says why, and the request ends with an error). A token the
         grammar refuses (it can only come from outside the mask) also ends the grammar.
         Otherwise the next mask is queued on the worker: now, or, given ``later``, by the
         caller with the rest of its step (this matcher appended; :func:`prefetch_all`);
-        not at all when ``prefetch`` is False (the caller computes it, :meth:`mask_now`)."""
+        not at all when ``prefetch`` is False (the caller computes it, :meth:`mask_now`)
+        or when the token is generation ``index`` and the next one samples first."""
         self._settle()
         self._ticket = None
         self._valid = False
@@ -70,11 +79,45 @@ class GrammarMatcher:
             return True
         if not ok or self._m.is_stopped():
             return True
+        if index is not None and index + 1 >= self.masked_until:
+            return False  # the next token samples first: no mask needed
         if later is not None:
             later.append(self)
         elif prefetch:
             self.prefetch()
         return False
+
+    def refuses(self, token: int, index: int) -> bool:
+        """Whether ``token``, sampled first at generation ``index`` (:mod:`.optimistic`),
+        is one the grammar does not admit now (the matcher is left as it was); False for a
+        token sampled under the mask. Counted in ``info()``."""
+        if index < self.masked_until:
+            return False
+        self._settle()
+        admitted = bool(self._m.validate_tokens([int(token)]))
+        self._score = scored(self._score, admitted)
+        if self._score >= LOW_SCORE:
+            self._low_refusals = 0
+        if self._worker is not None:
+            if admitted:
+                self._worker.guessed += 1
+            else:
+                self._worker.refused += 1
+        return not admitted
+
+    def refused_at(self, index: int) -> None:
+        """The guess at generation ``index`` was refused and the request rewound to the
+        token before it: mask first from there (:func:`.optimistic.after_refusal`), and
+        queue that position's mask now."""
+        if self._score < LOW_SCORE:
+            self._low_refusals += 1
+        self.masked_until = index + masked_run(self._score, self._low_refusals)
+        self.prefetch()
+
+    def mask_first(self, index: int) -> None:
+        """Generation ``index`` samples under the mask (a prefill's token, see :mod:`.optimistic`)."""
+        if self.masked_until <= index:
+            self.masked_until = index + 1
 
     def prefetch(self) -> None:
         """Queue the mask of the current position on the worker (nothing without one)."""

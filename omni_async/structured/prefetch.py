@@ -107,6 +107,10 @@ class MaskWorker:
         self.jumps = 0
         self.jumped = 0
         self.forced_inline = 0  # forced masks a jump-forward computed on the loop thread
+        # Optimistic rows (structured.optimistic, on the loop thread): tokens sampled before
+        # their mask and admitted, and those refused (each a rewind).
+        self.guessed = 0
+        self.refused = 0
 
     def submit(self, handles: list[Any]) -> MaskTicket | None:
         """Queue the next masks of ``handles`` (library matchers, none in use elsewhere
@@ -142,7 +146,8 @@ class MaskWorker:
         return {"grammar_mask_prefetched_rows": self.rows, "grammar_mask_worker_s": self.seconds,
                 "grammar_mask_worker_calls": self.calls, "grammar_mask_threads": self.threads,
                 "grammar_forced_masks": self.forced + self.forced_inline, "grammar_jumps": self.jumps,
-                "grammar_forced_skipped": self.jumped}
+                "grammar_forced_skipped": self.jumped, "grammar_optimistic_tokens": self.guessed,
+                "grammar_optimistic_refused": self.refused}
 
     def count_jump(self, tokens: int) -> None:
         self.jumps += 1

@@ -1,0 +1,190 @@
+"""Optimistic constrained decoding (``structured/optimistic.py``): eligible rows under a
+grammar sample as free rows, the grammar checks each token after, and a refused token is
+dropped and its position sampled again under the mask (the request rewound a token).
+
+The oracles: greedy tokens equal those of masking every token first (an admissible
+argmax is the masked argmax), in all three loops, one forward a step and four; seeded
+sampled tokens equal across the loops; every output valid; KV freed; the sampled
+distribution that of masking first."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import re
+
+import pytest
+
+pytest.importorskip("llguidance")
+
+import torch  # noqa: E402
+
+from omni_async import Engine, SamplingParams  # noqa: E402
+from omni_async.runners.sampling import RowSampling, row_uniforms, stream_seed  # noqa: E402
+from omni_async.structured.optimistic import FIRST_SCORE, LONGEST_MASKED_RUN, LOW_SCORE, eligible, masked_run, scored  # noqa: E402
+
+# Runs the tiny random model mostly samples inside (any character but a digit: most
+# guesses admitted) between runs it almost never does (digits: most guesses refused), so
+# both the admitted path and the rewinds are exercised.
+REGEX = "[^0-9]{6,10}[0-9]{3}[^0-9]{6,10}[0-9]{2}"
+LOOPS = ["normal", "overlap", "async_decode"]
+N = 6
+
+
+def greedy(i: int) -> SamplingParams:
+    return SamplingParams(max_new_tokens=40, regex=REGEX)
+
+
+def seeded(i: int) -> SamplingParams:
+    return SamplingParams(max_new_tokens=40, regex=REGEX, temperature=0.9, seed=100 + i)
+
+
+async def run(loop: str, make, decode_steps: int, optimistic: bool = True) -> tuple[list, dict]:
+    async with Engine.from_pretrained("tiny", device="cpu", loop=loop, decode_steps=decode_steps,
+                                      optimistic_grammar=optimistic) as engine:
+        results = await asyncio.gather(*[engine.generate(prompt=f"code {i}:", sampling=make(i)) for i in range(N)])
+        info = engine.scheduler.info()
+        assert engine.scheduler.core.kv_is_fully_free()  # no request holds KV (cached prefixes may stay)
+    return results, info
+
+
+def valid(results) -> None:
+    for r in results:
+        assert r.finish_reason == "stop" and re.fullmatch(REGEX, r.text), (r.finish_reason, r.text)
+
+
+@pytest.mark.parametrize("decode_steps", [1, 4])
+async def test_greedy_tokens_equal_masking_first_in_every_loop(decode_steps):
+    reference, ref_info = await run("normal", greedy, decode_steps, optimistic=False)
+    valid(reference)
+    assert ref_info["grammar_optimistic_tokens"] == 0
+    for loop in LOOPS:
+        results, info = await run(loop, greedy, decode_steps)
+        assert [r.output_ids for r in results] == [r.output_ids for r in reference], loop
+        assert info["grammar_optimistic_tokens"] > 0 and info["grammar_optimistic_refused"] > 0, info
+        # Fewer masks than masking first: the admitted guesses needed none.
+        assert info["grammar_mask_rows"] < ref_info["grammar_mask_rows"], (info, ref_info)
+
+
+@pytest.mark.parametrize("decode_steps", [1, 4])
+async def test_seeded_sampled_tokens_equal_across_loops(decode_steps):
+    reference, ref_info = await run("normal", seeded, decode_steps)
+    valid(reference)
+    assert ref_info["grammar_optimistic_refused"] > 0
+    for loop in LOOPS[1:]:
+        results, _ = await run(loop, seeded, decode_steps)
+        assert [r.output_ids for r in results] == [r.output_ids for r in reference], loop
+
+
+async def test_free_rows_beside_optimistic_rows_keep_their_tokens():
+    """Rewinds of constrained rows leave the free rows of the same steps alone."""
+    free = [SamplingParams(max_new_tokens=24, temperature=0.7, seed=i, ignore_eos=True) for i in range(3)]
+
+    async def both(loop: str, constrained: bool) -> list:
+        async with Engine.from_pretrained("tiny", device="cpu", loop=loop, decode_steps=4, optimistic_grammar=True) as engine:
+            extra = [engine.generate(prompt=f"code {i}:", sampling=seeded(i)) for i in range(3)] if constrained else []
+            out = await asyncio.gather(*[engine.generate(prompt=f"free {i}:", sampling=sp) for i, sp in enumerate(free)],
+                                       *extra)
+            if constrained:
+                assert engine.scheduler.info()["grammar_optimistic_refused"] > 0
+        return [r.output_ids for r in out[: len(free)]]
+
+    alone = await both("normal", False)
+    for loop in LOOPS:
+        assert await both(loop, True) == alone, loop
+
+
+def test_a_rewound_row_draws_from_a_fresh_stream():
+    """The redraw of a refused position must not reuse the refused draw's random number
+    (inverse CDF with the same uniform over the masked distribution is biased towards
+    the tokens whose masked interval covers the refused token's): after each rewind the
+    row's seed, and so every uniform it draws, changes; with none it is the request's."""
+    seeds = torch.tensor([7, 7, 7, 123456789], dtype=torch.long)
+    index = torch.tensor([5, 5, 5, 9], dtype=torch.long)
+    rewound = torch.tensor([stream_seed(int(s), r) for s, r in zip(seeds, [0, 1, 2, 0])], dtype=torch.long)
+    u = row_uniforms(rewound, index)
+    assert rewound[0] == 7 and rewound[3] == 123456789  # no rewind: the request's own stream
+    assert len({float(x) for x in u[:3]}) == 3
+    row = RowSampling(params=SamplingParams(temperature=1.0, seed=7), request_id="r", sample_index=5,
+                      output_ids=(), stop_ids=(), rewinds=1)
+    assert row.seed() == stream_seed(7, 1) != 7
+
+
+async def test_redrawn_tokens_follow_the_masked_distribution():
+    """Sampled at temperature 4 over a small admissible set, the second token (the first
+    comes with the prefill, masked) is drawn first and redrawn under the mask when refused;
+    its histogram over 400 seeds stays within sampling noise of masking first."""
+    regex = "x[a-h]"
+    n = 400
+
+    async def histogram(optimistic: bool) -> collections.Counter:
+        async with Engine.from_pretrained("tiny", device="cpu", optimistic_grammar=optimistic) as engine:
+            results = await asyncio.gather(*[
+                engine.generate(prompt="pick:", sampling=SamplingParams(max_new_tokens=4, regex=regex, temperature=4.0, seed=s))
+                for s in range(n)])
+            if optimistic:
+                assert engine.scheduler.info()["grammar_optimistic_refused"] > 0
+        assert all(re.fullmatch(regex, r.text) for r in results)
+        return collections.Counter(r.text for r in results)
+
+    first, masked = await histogram(True), await histogram(False)
+    assert len(first) >= 6  # the redraws spread over the admissible set
+    distance = sum(abs(first[k] - masked[k]) for k in set(first) | set(masked)) / (2 * n)
+    assert distance < 0.15, (first, masked)  # two independent 400-draw histograms differ by ~0.05-0.1
+
+
+async def test_rows_that_read_their_distribution_mask_first():
+    """Logprobs, top-p and top-k rows sample under the mask (the unmasked distribution
+    would leak into what they read or filter)."""
+    params = [SamplingParams(max_new_tokens=12, regex=REGEX, return_logprob=True),
+              SamplingParams(max_new_tokens=12, regex=REGEX, temperature=0.8, top_p=0.9, seed=1),
+              SamplingParams(max_new_tokens=12, regex=REGEX, temperature=0.8, top_k=5, seed=2)]
+    async with Engine.from_pretrained("tiny", device="cpu", optimistic_grammar=True) as engine:
+        await asyncio.gather(*[engine.generate(prompt="x:", sampling=sp) for sp in params])
+        info = engine.scheduler.info()
+    assert info["grammar_optimistic_tokens"] == 0 and info["grammar_optimistic_refused"] == 0, info
+
+
+def test_eligibility_and_the_masked_runs():
+    assert eligible(SamplingParams())
+    assert eligible(SamplingParams(temperature=0.6, repetition_penalty=1.1))
+    assert eligible(SamplingParams(temperature=0.0, top_p=0.5))  # greedy ignores filters
+    assert not eligible(SamplingParams(temperature=0.6, top_p=0.9))
+    assert not eligible(SamplingParams(temperature=0.6, min_p=0.1))
+    assert not eligible(SamplingParams(return_logprob=True))
+    # A row refused from its first guess masks runs at once, doubling, at most
+    # LONGEST_MASKED_RUN; admitted guesses bring it back to one position per refusal.
+    score, low, runs = FIRST_SCORE, 0, []
+    for _ in range(10):
+        score = scored(score, False)
+        low = low + 1 if score < LOW_SCORE else 0
+        runs.append(masked_run(score, low))
+    assert runs[:4] == [2, 4, 8, 16] and runs[-1] == LONGEST_MASKED_RUN and runs == sorted(runs), runs
+    for _ in range(24):
+        score = scored(score, True)
+    assert scored(score, False) >= LOW_SCORE  # a row mostly admitted keeps guessing through one refusal
+    assert score >= LOW_SCORE and masked_run(score, 3) == 1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("loop", LOOPS)
+async def test_cuda_greedy_tokens_equal_masking_first(loop):
+    """On CUDA (float32, graphs, the fused multi-step launch at its default tiers): greedy
+    rows sampling first and rewound on refusals give the tokens of masking first, beside
+    seeded free rows; outputs valid; no request holds KV after."""
+    free = [SamplingParams(max_new_tokens=24, temperature=0.7, seed=i, ignore_eos=True) for i in range(4)]
+    params = [greedy(i) for i in range(N)] + free
+    limits = dict(device="cuda", dtype="float32", kv_capacity_tokens=8192)
+
+    async def outputs(optimistic: bool, loop: str) -> tuple[list, dict]:
+        async with Engine.from_pretrained("tiny", loop=loop, optimistic_grammar=optimistic, **limits) as engine:
+            results = await asyncio.gather(*[engine.generate(prompt=f"code {i}:", sampling=sp) for i, sp in enumerate(params)])
+            info = engine.scheduler.info()
+            assert engine.scheduler.core.kv_is_fully_free()
+        valid(results[:N])
+        return [r.output_ids for r in results], info
+
+    reference, _ = await outputs(False, "normal")
+    tokens, info = await outputs(True, loop)
+    assert tokens == reference
+    assert info["grammar_optimistic_refused"] > 0 and info["grammar_optimistic_tokens"] > 0, info
