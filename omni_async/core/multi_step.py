@@ -156,18 +156,20 @@ def process_multi_step(
             if logprobs is not None:
                 lps = [float(lp) for lp in logprobs[i:end:size][: len(kept)]]
                 req.output_logprobs.extend(lps)
+        elif req.matcher is not None and not masked_row:  # sampled before its mask (structured.optimistic)
+            kept, reason = _take_guessed(req, row, limit, stop_ids)
+            lps = None
+            if reason == "rewind":
+                if rewound is not None:
+                    rewound.append(req)
+                outcomes.append(StepOutcome(req, kept[-1], tokens=kept) if kept else StepOutcome(req, None))
+                continue
         else:
             first = i
             if masked_row:  # one token sampled, by its last forward (the others fed forced tokens)
                 row, first = row[-1:], end - size
             kept, lps, reason = _walk_row(req, row, None if logprobs is None else logprobs[first:end:size], ctx,
                                            accepted)
-            if reason == "rewind":  # a token sampled before its mask was refused (structured.optimistic)
-                if rewound is not None:
-                    rewound.append(req)
-                outcomes.append(StepOutcome(req, kept[-1], lps[-1] if lps else None, tokens=kept, logprobs=lps)
-                                if kept else StepOutcome(req, None))
-                continue
         if reason == "error":  # its grammar failed: no token; the stage ends it with an error
             finishes.append((req, reason))
             outcomes.append(StepOutcome(req, None, finished=True))
@@ -181,18 +183,14 @@ def process_multi_step(
 
 def _walk_row(req: Request, row: Sequence[int], row_lps: Sequence[float] | None, ctx: int,
               accepted: list[Any] | None = None):
-    """A row holding a stop id or under a grammar, token by token: what it keeps, their
-    logprobs, and why it ended (None: it runs on; "error": its grammar failed; "rewind":
-    its grammar refused a token sampled before the mask, which and whose followers are
-    not kept). The checks are those of a one-forward step (``core.step_results``), in the
-    same order."""
+    """A row holding a stop id or under a grammar's mask, token by token: what it keeps,
+    their logprobs, and why it ended (None: it runs on; "error": its grammar failed). The
+    checks are those of a one-forward step (``core.step_results``), in the same order."""
     out, sp, stop_ids, matcher = req.output_ids, req.sampling, req.stop_ids(), req.matcher
     kept: list[int] = []
     lps: list[float] | None = [] if row_lps is not None else None
     for j, t in enumerate(row):
         token = int(t)
-        if matcher is not None and matcher.refuses(token, len(out)):
-            return kept, lps, "rewind"
         out.append(token)
         kept.append(token)
         if lps is not None:
@@ -205,6 +203,36 @@ def _walk_row(req: Request, row: Sequence[int], row_lps: Sequence[float] | None,
         if req.tokens_left(ctx, scheduling=False) <= 0:
             return kept, lps, "length"
     return kept, lps, None
+
+
+def _take_guessed(req: Request, row: list[int], limit: int, stop_ids: frozenset[int]) -> tuple[list[int], str | None]:
+    """A row that sampled before its mask (``structured.optimistic``): its grammar takes
+    the admissible prefix of its tokens in one call, then what it keeps ends at the first
+    of a stop id (past ``min_new_tokens``), the grammar's completion, its length limit
+    (``limit``: tokens left before this step) and the refused token ("rewind": neither it
+    nor its followers are kept), whichever comes first, as :func:`_walk_row` would find
+    token by token ("error": the grammar failed; nothing kept)."""
+    matcher = req.matcher
+    n = matcher.take(row)
+    if matcher.failed:
+        return [], "error"
+    cut, reason = n, None
+    if n and matcher.complete:
+        reason = "stop"  # it completed at the last token it took
+    elif n < len(row):
+        reason = "rewind"
+    if stop_ids and not stop_ids.isdisjoint(row[:cut]):
+        base, least = len(req.output_ids), req.sampling.min_new_tokens
+        for j in range(cut):
+            if row[j] in stop_ids and base + j + 1 > least:
+                cut, reason = j + 1, "stop"
+                break
+    last = limit if limit > 1 else 1
+    if last < cut or (last == cut and reason != "stop"):
+        cut, reason = last, "length"
+    kept = row[:cut] if cut < len(row) else row
+    req.output_ids.extend(kept)
+    return kept, reason
 
 
 # ---------------------------------------------------------------- jump-forward

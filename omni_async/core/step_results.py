@@ -44,7 +44,8 @@ def process_one_forward(
         token = int(token)
         out = req.output_ids
         matcher = req.matcher
-        if matcher is not None and matcher.refuses(token, len(out)):
+        guessed = matcher is not None and len(out) >= matcher.masked_until  # sampled first (structured.optimistic)
+        if guessed and not matcher.take([token]) and matcher.failed is None:  # refused
             if rewound is not None:
                 rewound.append(req)
             add(StepOutcome(req, None))
@@ -59,7 +60,8 @@ def process_one_forward(
         if stops is None:
             stops = req.stop_ids()
         reason = None
-        if (token in stops and n > sp.min_new_tokens) or (matcher is not None and matcher.accept(token, later=accepted, index=n - 1)):
+        if (token in stops and n > sp.min_new_tokens) or (matcher is not None and (
+                (matcher.failed is not None or matcher.complete) if guessed else matcher.accept(token, later=accepted, index=n - 1))):
             reason = "stop"  # a stop token, or the grammar is complete
             if matcher is not None and matcher.failed:  # the grammar failed, not complete:
                 finishes.append((req, "error"))  # no token; the stage ends it with an error

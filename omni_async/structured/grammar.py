@@ -21,7 +21,7 @@ from collections import OrderedDict
 from typing import Any, Callable
 
 from ..errors import InvalidRequestError
-from .optimistic import FIRST_SCORE, LOW_SCORE, NEVER, masked_run, scored
+from .optimistic import FIRST_SCORE, LOW_SCORE, NEVER, masked_run, optimistic_score
 from .prefetch import MaskTicket, MaskWorker
 from .vocab import TokenVocab, token_vocab
 
@@ -87,23 +87,23 @@ class GrammarMatcher:
             self.prefetch()
         return False
 
-    def refuses(self, token: int, index: int) -> bool:
-        """Whether ``token``, sampled first at generation ``index`` (:mod:`.optimistic`),
-        is one the grammar does not admit now (the matcher is left as it was); False for a
-        token sampled under the mask. Counted in ``info()``."""
-        if index < self.masked_until:
-            return False
+    def take(self, tokens: list[int]) -> int:
+        """Advance by the longest prefix of ``tokens`` (sampled before their masks,
+        :mod:`.optimistic`) that the grammar admits, in one library call: how many it
+        took (fewer than all: the next one was refused, and the matcher stands after the
+        ones taken). The admission score and ``info()``'s counters follow."""
         self._settle()
-        admitted = bool(self._m.validate_tokens([int(token)]))
-        self._score = scored(self._score, admitted)
+        self._ticket = None
+        self._valid = False
+        n = self._m.try_consume_tokens(tokens)
+        refused = n < len(tokens) and not self._m.is_stopped()  # (tokens after a completed grammar are the caller's)
+        self._score = optimistic_score(self._score, n, refused)
         if self._score >= LOW_SCORE:
             self._low_refusals = 0
         if self._worker is not None:
-            if admitted:
-                self._worker.guessed += 1
-            else:
-                self._worker.refused += 1
-        return not admitted
+            self._worker.guessed += n
+            self._worker.refused += refused
+        return n
 
     def refused_at(self, index: int) -> None:
         """The guess at generation ``index`` was refused and the request rewound to the

@@ -6,9 +6,9 @@ a 49k vocabulary), and a step needs every mask before it samples, so with every 
 constrained the masks, not the forward, set the pace (bench/RESULTS.md, issue 41). A
 model asked for JSON mostly picks tokens the grammar admits; checking one token costs
 ~2 us. So a row that may (``eligible``) samples unmasked, inside the fused multi-step
-launch and the lookahead loops like any free row; processing checks each of its tokens in
-order (``GrammarMatcher.refuses``). At the first refused token the row is rewound
-(``core.step_results.rewind``): that token and the row's later ones are dropped, and the
+launch and the lookahead loops like any free row; processing has its grammar take its
+tokens in order (``GrammarMatcher.take``, one library call for a step's tokens). At the
+first refused token the row is rewound (``core.step_results.rewind``): that token and the row's later ones are dropped, and the
 position is sampled again, under its mask, in the row's next step. llama.cpp's sampler
 does the same by default (the grammar checks the sampled token, and the full mask is
 applied only when it is refused).
@@ -66,6 +66,13 @@ def eligible(sampling: Any, conditioning: Any = None) -> bool:
 def scored(score: float, admitted: bool) -> float:
     """A row's admission score after one more guess (``FIRST_SCORE`` before any)."""
     return score * SCORE_KEEP + (1.0 - SCORE_KEEP if admitted else 0.0)
+
+
+def optimistic_score(score: float, admitted: int, refused: bool) -> float:
+    """The score after ``admitted`` guesses admitted in a row, then one refused if
+    ``refused``: :func:`scored` applied to each, in closed form."""
+    score = 1.0 - (1.0 - score) * SCORE_KEEP ** admitted
+    return score * SCORE_KEEP if refused else score
 
 
 def masked_run(score: float, low_refusals: int) -> int:
