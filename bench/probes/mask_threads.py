@@ -12,7 +12,9 @@ grammar share its lexer behind one mutex held for a whole mask (``Parser::with_s
 so rows of one grammar cannot overlap: ``--compilers N`` gives row j a matcher of grammar
 copy j % N (compiled apart, its own lexer), and with N = K each slice thread's rows share
 one lexer and no two threads do. ``--compilers 1,8`` runs both. Per way: ms a step, and
-CPU seconds over wall seconds (1.0: the threads did not overlap).
+CPU seconds over wall seconds (1.0: the threads did not overlap); then the time inside the
+library calls per thread against one thread's share (the lock shows as a ratio near k
+with one grammar copy and near 1 with k, on a host with k idle CPUs).
 
     python bench/probes/mask_threads.py --rows 256 --threads 2,4,8 --compilers 1,8 --repeats 15
     python bench/probes/mask_threads.py --smoke          # byte vocabulary, seconds
@@ -25,6 +27,7 @@ import json
 import os
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -57,6 +60,38 @@ def spread_handles(tok, vocab: int, rows: int, compilers: int, walk: int) -> tup
         for _ in range(int(rng.integers(0, walk + 1))):
             m.accept(pick(m.next_mask(), vocab, rng))
     return [m.handle for m in matchers], copies
+
+
+def in_call_ms(handles: list, words: int, k: int, repeats: int) -> dict[str, float]:
+    """Time spent inside the library calls, summed per thread, ``k`` threads over strided
+    rows (started per round; the starts are outside the sums) against one thread's sum / k:
+    a ratio well above 1 on a host with k idle CPUs means the calls waited for each other
+    (one grammar's lexer lock) or for a CPU (a loaded host: look at the load)."""
+    masks = np.empty((len(handles), words), dtype=np.int32)
+    base, stride = masks.ctypes.data, words * 4
+
+    def timed(first: int, step: int, out: list[float]) -> None:
+        pc, total = time.perf_counter, 0.0
+        for j in range(first, len(handles), step):
+            t0 = pc()
+            handles[j].unsafe_compute_mask_ptr(base + j * stride, stride)
+            total += pc() - t0
+        out.append(total)
+
+    alone, per_thread = [], []
+    for _ in range(repeats):
+        out: list[float] = []
+        timed(0, 1, out)
+        alone.append(out[0] / k)
+        sums: list[float] = []
+        threads = [threading.Thread(target=timed, args=(i, k, sums)) for i in range(k)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        per_thread.append(statistics.median(sums))
+    a, p = statistics.median(alone), statistics.median(per_thread)
+    return {"alone_ms_per_share": 1e3 * a, "per_thread_ms": 1e3 * p, "ratio": p / a}
 
 
 def measure(handles: list, vocab: int, ks: list[int], repeats: int) -> dict[str, dict[str, float]]:
@@ -120,6 +155,7 @@ def main() -> int:
     for n in [int(c) for c in str(args.compilers).split(",") if c]:
         handles, copies = spread_handles(tok, vocab, args.rows, n, args.walk)
         summary = measure(handles, vocab, ks, args.repeats)
+        calls = {k: in_call_ms(handles, (vocab + 31) // 32, k, args.repeats) for k in ks}
         for compiler in copies:
             compiler.close()
         print(f"{len(handles)} rows from {n} grammar cop{'y' if n == 1 else 'ies'}, vocabulary {vocab}, "
@@ -127,7 +163,10 @@ def main() -> int:
         for way, f in summary.items():
             print(f"  {way:20s} {f['ms']:7.2f} [{f['min_ms']:.2f}-{f['max_ms']:.2f}]  {f['us_per_row']:6.1f} us a row  "
                   f"{f['speedup']:5.2f}x  cpu/wall {f['cpu_over_wall']:.2f}")
-        results[str(n)] = summary
+        for k, c in calls.items():
+            print(f"  in the library calls, {k} threads: {c['per_thread_ms']:.2f} ms a thread against "
+                  f"{c['alone_ms_per_share']:.2f} ms for its share alone ({c['ratio']:.2f}x)")
+        results[str(n)] = dict(summary, in_calls={str(k): c for k, c in calls.items()})
     out = args.out or ("mask_threads_smoke.json" if args.smoke else "mask_threads.json")
     payload = {"machine": machine_facts(), "load": os.getloadavg(), "args": vars(args), "vocab": vocab,
                "by_compilers": results}

@@ -52,27 +52,34 @@ def host_cpus() -> int:
 def mask_threads(cpus: int | None = None) -> tuple[str, int]:
     """How the mask worker computes a ticket's rows, from ``OMNI_ASYNC_GRAMMAR_THREADS``:
     ``("one", 1)`` (unset, below 2, or not understood: the default), ``("slices", N)`` for
-    ``N`` or ``slices:N`` (N threads of the worker's own, each taking every N-th row; at most ``cpus``, the
-    host's by default), ``("pool", N)`` for ``pool:N`` (llguidance's pool of N threads, one
-    call a ticket; at most every CPU but one, as before).
+    ``N`` or ``slices:N`` (N threads of the worker's own, each taking every N-th row; at
+    most ``cpus``, the host's by default), ``("pool", N)`` for ``pool:N`` (llguidance's pool
+    of N threads, one call a ticket; at most every CPU but one, as before).
 
     Why slices replace the pool behind the plain number: the pool lost to one thread on
-    every host measured (H200 host: 128 rows 5.8 ms on one thread, 7.8 with a pool of 4,
-    10.4 with 15; this VM: a pool of ONE thread 4.1 ms against 2.7 for the plain loop at 256
-    rows, so its cost is per row, not only thread scaling); a slice is the worker's own
+    every host measured (H200 host, bench/probes/grammar_batch.py: 128 rows 5.8 ms on one
+    thread, 7.8 with a pool of 4, 10.4 with 15, bench/results/h200_2026-12-04_evening/gb_t*;
+    this VM: a pool of ONE thread 4.1 ms against 2.7 for the plain loop at 256 rows, so its
+    cost is per row, not only thread scaling); a slice is the worker's own
     loop, so a row the library refuses fails that row alone (a pool call that raises fails
     the ticket), and it needs no hand-over wait in ``submit``. ``pool:N`` keeps the pool
     reachable for comparison. Slices may use every CPU: where they pay (the masks bound the
     step), the loop thread is waiting for them at the fill.
 
-    Why off by default, on any host: llguidance's copies of one compiled grammar share the
-    grammar's lexer (its lazily built automaton) behind one mutex, held for a whole mask
-    computation (``Parser::with_shared`` in llguidance's earley/parser.rs; a matcher's
-    ``deep_copy`` clones the handle to it). The engine gives every request with one grammar
-    a copy of one template (``structured.grammar``), so the rows of one schema are computed
-    one at a time whatever the threads, the pool's included; threads can only overlap rows
-    of different grammars. Whether that pays where grammars differ is for the H200 run of
-    ``bench/probes/mask_threads.py --compilers N`` (bench/RESULTS.md) to say."""
+    Why off by default: no host measured shows a gain. And for the usual case, every
+    request under one schema, the library's own work cannot overlap on any host:
+    llguidance's copies of one compiled grammar share the grammar's lexer (its lazily built
+    automaton) behind one mutex, held for a whole mask computation (``Parser::with_shared``
+    in llguidance's earley/parser.rs; a matcher's ``deep_copy`` clones the handle to it),
+    and the engine gives every request with one grammar a copy of one template
+    (``structured.grammar``), so the pool's threads and the slices alike compute the rows
+    of one schema one at a time. What slices may still overlap: rows of different
+    grammars, and each row's wait for the GIL after its call, which in the engine is most
+    of the worker's time (~150 us a row against ~10 us of library time on the 2-core VM;
+    there two slices made the worker 1.4x slower, median of four interleaved pairs,
+    0.91-1.55x, on a loaded CPU). The H200 runs that would decide it are in
+    bench/RESULTS.md (``bench/probes/mask_threads.py --compilers 1,8``;
+    ``bench/constrained.py --mask-threads 8 [--schemas 8]``)."""
     raw = os.environ.get("OMNI_ASYNC_GRAMMAR_THREADS", "").strip().lower()
     way, _, count = raw.rpartition(":")
     try:
@@ -195,7 +202,8 @@ class MaskTicket:
 
 
 class MaskWorker:
-    """One daemon thread computing queued tickets' masks (``words`` int32 each)."""
+    """One daemon thread computing queued tickets' masks (``words`` int32 each), alone or
+    with its slice helpers (:func:`mask_threads`)."""
 
     def __init__(self, words: int) -> None:
         self.words = words
