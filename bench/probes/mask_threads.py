@@ -14,7 +14,9 @@ copy j % N (compiled apart, its own lexer), and with N = K each slice thread's r
 one lexer and no two threads do. ``--compilers 1,8`` runs both. Per way: ms a step, and
 CPU seconds over wall seconds (1.0: the threads did not overlap); then the time inside the
 library calls per thread against one thread's share (the lock shows as a ratio near k
-with one grammar copy and near 1 with k, on a host with k idle CPUs).
+with one grammar copy and near 1 with k, on a host with k idle CPUs); then the mask worker
+itself, one thread or slices, beside ``--busy-ms`` of pure Python on the calling thread
+(the loop thread's part in the engine: each row's return needs the GIL it holds).
 
     python bench/probes/mask_threads.py --rows 256 --threads 2,4,8 --compilers 1,8 --repeats 15
     python bench/probes/mask_threads.py --smoke          # byte vocabulary, seconds
@@ -38,10 +40,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent))
 
 from _common import machine_facts, save_json  # noqa: E402
 from constrained import SCHEMA  # noqa: E402
-from grammar_batch import pick, tokenizer  # noqa: E402
+from grammar_batch import busy, pick, tokenizer  # noqa: E402
 
 from omni_async.structured.grammar import GrammarCompiler  # noqa: E402
-from omni_async.structured.prefetch import SlicePool, compute_slice  # noqa: E402
+from omni_async.structured.prefetch import MaskWorker, SlicePool, compute_slice  # noqa: E402
 
 
 def one_thread(handles, masks: np.ndarray, words: int) -> None:
@@ -94,6 +96,43 @@ def in_call_ms(handles: list, words: int, k: int, repeats: int) -> dict[str, flo
     return {"alone_ms_per_share": 1e3 * a, "per_thread_ms": 1e3 * p, "ratio": p / a}
 
 
+def beside_python(handles: list, words: int, ks: list[int], busy_ms: float,
+                  repeats: int) -> dict[str, dict[str, float]]:
+    """The engine's case: the mask worker (``MaskWorker``, one thread or ``k`` slices) gets
+    the rows as one ticket while this thread, standing in for the loop, runs pure Python
+    for ``busy_ms`` and then waits for the masks. Each row's return from the library needs
+    the GIL that the busy thread holds (handed over every switch interval or when it
+    blocks), so the worker's time here is mostly waiting; slices wait side by side."""
+    workers = {"one thread": MaskWorker(words)}
+    workers["one thread"].slices = None
+    workers["one thread"].threads = 0
+    for k in ks:
+        w = MaskWorker(words)
+        w.threads, w.slices = 0, SlicePool(k)
+        workers[f"{k} threads, slices"] = w
+    busy(20)
+    alone = statistics.median(busy(busy_ms) for _ in range(10))
+    runs: dict[str, list[tuple[float, float, float]]] = {name: [] for name in workers}
+    for r in range(repeats + 1):
+        order = list(workers) if r % 2 == 0 else list(reversed(workers))
+        for name in order:
+            w = workers[name]
+            secs = w.seconds
+            ticket = w.submit(handles)
+            iters = busy(busy_ms)
+            t0 = time.perf_counter()
+            ticket.done.wait()
+            wait = time.perf_counter() - t0
+            if r:
+                runs[name].append((1e3 * (w.seconds - secs), 1e3 * wait, iters / alone))
+    for w in workers.values():
+        w.close()
+    return {name: {"worker_ms": statistics.median(x[0] for x in rs), "worker_min_ms": min(x[0] for x in rs),
+                   "worker_max_ms": max(x[0] for x in rs),
+                   "wait_after_busy_ms": statistics.median(x[1] for x in rs),
+                   "busy_share": statistics.median(x[2] for x in rs)} for name, rs in runs.items()}
+
+
 def measure(handles: list, vocab: int, ks: list[int], repeats: int) -> dict[str, dict[str, float]]:
     """Every way over ``repeats`` interleaved rounds after a warm-up round; masks checked
     equal to one thread's."""
@@ -143,6 +182,8 @@ def main() -> int:
     p.add_argument("--compilers", default="1",
                    help="comma-separated grammar copies: row j's matcher from copy j %% N (thread slices take rows "
                         "i, i+k, ...: with N = k each thread's rows share one compiled grammar, and no two threads do)")
+    p.add_argument("--busy-ms", type=float, default=3.0,
+                   help="the worker beside this much pure Python on the calling thread (0: skip that part)")
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--tokenizer-dir", default=None, help="a folder with tokenizer.json (default: SmolLM2's GGUF)")
     p.add_argument("--out", default=None)
@@ -156,6 +197,7 @@ def main() -> int:
         handles, copies = spread_handles(tok, vocab, args.rows, n, args.walk)
         summary = measure(handles, vocab, ks, args.repeats)
         calls = {k: in_call_ms(handles, (vocab + 31) // 32, k, args.repeats) for k in ks}
+        beside = beside_python(handles, (vocab + 31) // 32, ks, args.busy_ms, args.repeats) if args.busy_ms else {}
         for compiler in copies:
             compiler.close()
         print(f"{len(handles)} rows from {n} grammar cop{'y' if n == 1 else 'ies'}, vocabulary {vocab}, "
@@ -166,7 +208,14 @@ def main() -> int:
         for k, c in calls.items():
             print(f"  in the library calls, {k} threads: {c['per_thread_ms']:.2f} ms a thread against "
                   f"{c['alone_ms_per_share']:.2f} ms for its share alone ({c['ratio']:.2f}x)")
-        results[str(n)] = dict(summary, in_calls={str(k): c for k, c in calls.items()})
+        if beside:
+            print(f"  the worker beside {args.busy_ms} ms of pure Python on this thread (the loop), then the wait:")
+        for name, b in beside.items():
+            print(f"    {name:20s} worker {b['worker_ms']:6.2f} "
+                  f"[{b['worker_min_ms']:.2f}-{b['worker_max_ms']:.2f}] ms, "
+                  f"wait after the Python {b['wait_after_busy_ms']:.2f} ms, the Python's share of its work alone "
+                  f"{b['busy_share']:.2f}")
+        results[str(n)] = dict(summary, in_calls={str(k): c for k, c in calls.items()}, beside_python=beside)
     out = args.out or ("mask_threads_smoke.json" if args.smoke else "mask_threads.json")
     payload = {"machine": machine_facts(), "load": os.getloadavg(), "args": vars(args), "vocab": vocab,
                "by_compilers": results}
