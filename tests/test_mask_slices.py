@@ -147,6 +147,7 @@ def test_worker_tickets_from_several_submitters_over_slices(compiler, monkeypatc
         t.start()
     for t in threads:
         t.join(timeout=60)
+        assert not t.is_alive(), "a submitter was left waiting for its masks"
     assert not failures, failures
     stats = compiler.masks.stats()
     assert stats["grammar_mask_slices"] == 3 and stats["grammar_mask_sliced_calls"] > 0
@@ -172,7 +173,8 @@ def test_close_while_busy_finishes_every_queued_ticket(compiler):
     compiler.close()  # while the worker has tickets queued or in flight
     for later in tickets:
         for m in later:
-            got = m.next_mask()  # waits for its ticket: never left waiting
+            assert m._ticket is not None and m._ticket.done.wait(timeout=30), "a queued ticket was dropped"
+            got = m.next_mask()
             assert got is not None and np.array_equal(got, inline_mask(m.handle, words))
     assert compiler.masks.submit([batches[0][0].handle]) is None  # closed: no new work
     compiler.masks._thread.join(timeout=30)
