@@ -37,6 +37,7 @@ random weights) with SmolLM2's vocabulary and tokenizer, a grammar needing a tok
     python bench/constrained.py --smoke                     # CPU, tiny, a few minutes (all loops)
     python bench/constrained.py --device cuda               # the H200 run (overlap loop)
     python bench/constrained.py --device cuda --arms free,all [--mask-pool on]   # all-constrained only, ~3 min
+    python bench/constrained.py --device cuda --arms free,all --mask-threads 8 [--schemas 8]  # 8 slice threads
 """
 
 from __future__ import annotations
@@ -80,6 +81,7 @@ COUNTERS = ("grammar_mask_steps", "grammar_mask_rows", "grammar_mask_s", "gramma
             "decode_steps", "lookahead_steps", "fused_decode_launches", "fused_decode_beside_grammar",
             "fused_decode_with_grammar", "grammar_jumps", "grammar_forced_skipped", "grammar_jump_steps",
             "grammar_mask_worker_calls", "grammar_mask_fused_steps", "grammar_mask_fused_s",
+            "grammar_mask_sliced_calls",
             "fused_decode_late_captures", "grammar_late_mask_steps", "grammar_late_mask_s",
             "grammar_optimistic_tokens", "grammar_optimistic_refused")
 
@@ -140,9 +142,12 @@ class GrammarReplay:
         self._compiler.close()
 
 
-def workload(n: int, vocab: int, smoke: bool, seed: int = 0) -> list[tuple[list[int], int]]:
+def workload(n: int, vocab: int, smoke: bool, seed: int = 0,
+             lengths: tuple[int, int] | None = None) -> list[tuple[list[int], int]]:
+    """``n`` (prompt ids, max_new_tokens), both lengths drawn from ``lengths`` (NV256's
+    100-1024 by default, 16-48 with ``smoke``)."""
     rng = random.Random(seed)
-    lo, hi = (16, 48) if smoke else (100, 1024)
+    lo, hi = lengths or ((16, 48) if smoke else (100, 1024))
     prompts = [[rng.randint(0, 10000) % vocab for _ in range(rng.randint(lo, hi))] for _ in range(n)]
     return [(p, rng.randint(lo, hi)) for p in prompts]
 
@@ -151,16 +156,25 @@ def constrained(arm: str, i: int) -> bool:
     return arm == "all" or (arm == "quarter" and i % 4 == 3)
 
 
-def requests(work, arm: str) -> list[SamplingParams]:
+def schema_for(i: int, schemas: int) -> dict[str, Any]:
+    """Request ``i``'s schema: SCHEMA itself, or with ``schemas`` > 1 one of that many
+    variants (minItems apart, never reached: the same outputs are valid) compiled apart. The
+    engine gives the requests of one schema copies of one compiled grammar, whose masks
+    llguidance computes one at a time (a lock on the grammar's lexer): variants are what
+    the mask worker's threads could overlap (structured/prefetch.py, ``mask_threads``)."""
+    return SCHEMA if schemas <= 1 else dict(SCHEMA, minItems=SCHEMA["minItems"] + i % schemas)
+
+
+def requests(work, arm: str, schemas: int = 1) -> list[SamplingParams]:
     return [
         SamplingParams(max_new_tokens=new, temperature=0.6, seed=i, ignore_eos=True,
-                       json_schema=SCHEMA if constrained(arm, i) else None)
+                       json_schema=schema_for(i, schemas) if constrained(arm, i) else None)
         for i, (_, new) in enumerate(work)
     ]
 
 
-async def run_arm(engine: Engine, work, arm: str, replay: GrammarReplay) -> dict[str, Any]:
-    reqs = requests(work, arm)
+async def run_arm(engine: Engine, work, arm: str, replay: GrammarReplay, schemas: int = 1) -> dict[str, Any]:
+    reqs = requests(work, arm, schemas)
     await engine.flush_cache()  # every run prefills its prompts (repeats would hit the cache)
     info0 = engine.scheduler.info()
     t0 = time.perf_counter()
@@ -214,6 +228,8 @@ async def run_arm(engine: Engine, work, arm: str, replay: GrammarReplay) -> dict
         "late_fill_ms": (1e3 * d["grammar_late_mask_s"] / d["grammar_late_mask_steps"]
                          if d["grammar_late_mask_steps"] else None),
         "mask_threads": info1.get("grammar_mask_threads"),
+        "mask_slices": info1.get("grammar_mask_slices"),  # the worker's slice threads (0: none)
+        "sliced_calls": d["grammar_mask_sliced_calls"],  # worker calls split over its slice threads
         "inline_rows": d["grammar_mask_inline_rows"],
         # forced masks over the constrained rows' tokens (a jump-forward computes some masks
         # on the loop thread, so the worker's rows are no longer every position)
@@ -251,7 +267,10 @@ def qwen05_smol(folder: Path) -> Path:
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     model = args.model or ("qwen05-smol" if args.device == "cuda" else "tiny")
     if args.mask_pool != "default":  # llguidance's pool for the masks (structured/prefetch.py; off by default)
-        os.environ["OMNI_ASYNC_GRAMMAR_THREADS"] = "0" if args.mask_pool == "off" else str(max(2, (os.cpu_count() or 2) - 1))
+        pool = f"pool:{max(2, (os.cpu_count() or 2) - 1)}"
+        os.environ["OMNI_ASYNC_GRAMMAR_THREADS"] = "0" if args.mask_pool == "off" else pool
+    if args.mask_threads is not None:  # the variable's value as given (prefetch.mask_threads: N slices, pool:N)
+        os.environ["OMNI_ASYNC_GRAMMAR_THREADS"] = args.mask_threads
     path = str(qwen05_smol(Path(args.checkpoint_dir) / "qwen05-smol")) if model == "qwen05-smol" else model
     kwargs: dict[str, Any] = {"device": args.device}
     if args.device == "cuda":
@@ -268,14 +287,15 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         runs = []
         replay = GrammarReplay(engine.tokenizer)
         async with engine:
-            work = workload(args.requests, engine.tokenizer.vocab_size, args.smoke, args.seed)
+            lengths = tuple(C.parse_int_list(args.lengths)) if args.lengths else None
+            work = workload(args.requests, engine.tokenizer.vocab_size, args.smoke, args.seed, lengths)
             arms = args.arms
             for arm in arms:  # warm-up: each arm once, not recorded
-                await run_arm(engine, work, arm, replay)
+                await run_arm(engine, work, arm, replay, args.schemas)
             for rep in range(args.repeats):
                 order = arms[rep % len(arms):] + arms[:rep % len(arms)]
                 for arm in order:
-                    run = dict(await run_arm(engine, work, arm, replay), repeat=rep)
+                    run = dict(await run_arm(engine, work, arm, replay, args.schemas), repeat=rep)
                     runs.append(run)
                     print(f"{loop} rep {rep} {arm:8s} total {run['total_tok_s']:8.0f} tok/s"
                           + (f", free rows {run['free_tok_s']:8.0f} tok/s" if run["free_tok_s"] else "")
@@ -326,7 +346,7 @@ def print_table(result: dict[str, Any]) -> None:
                       f"{sum(r['inline_rows'] for r in rs)}; worker calls per masked step "
                       f"{span([r['worker_calls_per_step'] for r in rs if r['worker_calls_per_step'] is not None], '{:.2f}')} "
                       f"({span([r['worker_rows_per_call'] for r in rs if r['worker_rows_per_call'] is not None], '{:.1f}')} rows a call, "
-                      f"pool threads {rs[0]['mask_threads']}); fill per fused launch "
+                      f"pool threads {rs[0]['mask_threads']}, slice threads {rs[0]['mask_slices']}); fill per fused launch "
                       f"{span([r['fused_fill_ms'] for r in rs if r['fused_fill_ms'] is not None], '{:.3f}')} ms; "
                       f"fused launches with grammar rows "
                       f"{sum(r['counters']['fused_decode_with_grammar'] for r in rs)} (beside, split off: "
@@ -359,6 +379,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "OMNI_ASYNC_GRAMMAR_THREADS), off (one thread), or on (every CPU but one)")
     p.add_argument("--optimistic", choices=("default", "off", "on"), default="default",
                    help="optimistic_grammar: constrained rows sample first and the grammar checks after (default: on CUDA)")
+    p.add_argument("--mask-threads", default=None,
+                   help="OMNI_ASYNC_GRAMMAR_THREADS for this run: N (the mask worker's N slice threads), pool:N, or 0")
+    p.add_argument("--lengths", default=None, help="LO,HI: prompt and output lengths drawn from LO-HI (default 100,1024; "
+                        "shorter keeps a CPU run of a real vocabulary's model within minutes)")
+    p.add_argument("--schemas", type=int, default=1,
+                   help="constrained requests spread over this many variants of the schema, compiled apart (default 1)")
     p.add_argument("--no-jump-forward", action="store_true", help="decode forced tokens one by one (jump_forward=False)")
     p.add_argument("--checkpoint-dir", default="/tmp/omni-bench-checkpoints")
     p.add_argument("--smoke", action="store_true", help="8 short requests (16-48 tokens), one repeat unless --repeats, "

@@ -110,7 +110,7 @@ async def test_engine_queues_a_steps_masks_as_one(loop, threads, monkeypatch):
     and the admissions (one ticket each), not by the rows; also through llguidance's pool
     and the hand-over (the engine's choice on 8+ CPUs, forced here)."""
     if threads is not None:
-        monkeypatch.setattr(prefetch, "pool_threads", lambda cpus=None: threads)
+        monkeypatch.setattr(prefetch, "mask_threads", lambda cpus=None: ("pool", threads))
     n = 8
     sps = [SamplingParams(max_new_tokens=16, regex=REGEX, temperature=1.0, seed=s) for s in range(n)]
     async with Engine.from_pretrained("tiny", optimistic_grammar=False, device="cpu", loop=loop) as engine:
@@ -148,9 +148,10 @@ def test_a_failed_computation_leaves_its_rows_to_the_fill_and_the_worker_running
 
 def test_the_mask_pool_is_off_unless_asked_for(monkeypatch):
     """One thread computes the masks by default (a pool was slower on both hosts measured);
-    OMNI_ASYNC_GRAMMAR_THREADS asks for a pool, at most every CPU but one."""
+    OMNI_ASYNC_GRAMMAR_THREADS=pool:N asks for a pool, at most every CPU but one (a plain N
+    asks for the worker's slices, tests/test_mask_slices.py)."""
     monkeypatch.delenv("OMNI_ASYNC_GRAMMAR_THREADS", raising=False)
     assert prefetch.pool_threads(16) == 0
-    for asked, want in (("4", 4), ("64", 15), ("1", 0), ("x", 0)):
+    for asked, want in (("pool:4", 4), ("pool:64", 15), ("pool:1", 0), ("pool:x", 0), ("4", 0)):
         monkeypatch.setenv("OMNI_ASYNC_GRAMMAR_THREADS", asked)
         assert prefetch.pool_threads(16) == want

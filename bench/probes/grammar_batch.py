@@ -15,7 +15,8 @@ scheduling of the step) and waits for every mask (the fill). Per step: the loop
 thread's accept time, its wait at the fill, the worker's library calls and seconds, and
 how much Python the busy spell got through (the GIL's share the worker left the loop).
 ``--threads N`` sizes llguidance's pool for the ticket (0: one thread; the engine uses
-the pool only where OMNI_ASYNC_GRAMMAR_THREADS asks for one, ``prefetch.pool_threads``).
+the pool only where OMNI_ASYNC_GRAMMAR_THREADS=pool:N asks for one, ``prefetch.pool_threads``;
+the worker's own slice threads are ``bench/probes/mask_threads.py``'s).
 
     python bench/probes/grammar_batch.py --rows 128 --steps 40          # SmolLM2's vocabulary
     python bench/probes/grammar_batch.py --smoke                         # byte vocabulary, seconds

@@ -17,9 +17,11 @@ of 2026-12-04 saw 112 us a row, serially, on a 16-core host, with the rows of a 
 arriving one by one (each accept woke the worker for one row, so llguidance's pool, for
 16+ rows, was rarely taken). By default the worker computes a ticket's rows one by one,
 one wake-up per step: on both hosts measured, llguidance's pool was slower than that (see
-``pool_threads``). Where ``OMNI_ASYNC_GRAMMAR_THREADS`` asks for a pool, a ticket goes to
-it in one call that holds no GIL for any of its rows (``grammar_mask_threads`` in
-``info()``), and ``submit`` hands it over to the worker (see there).
+``mask_threads``). ``OMNI_ASYNC_GRAMMAR_THREADS`` can split a ticket's rows (those of every
+ticket queued together) over threads of the worker's own (:class:`SlicePool`,
+``grammar_mask_slices`` in ``info()``), or hand them to llguidance's pool in one call that
+holds no GIL for any of its rows (``grammar_mask_threads``; ``submit`` then hands the
+ticket over to the worker, see there).
 """
 
 from __future__ import annotations
@@ -31,12 +33,8 @@ from typing import Any
 
 import numpy as np
 
-# llguidance's pool for a ticket: off unless OMNI_ASYNC_GRAMMAR_THREADS=N asks for N threads.
-# Measured (bench/probes/grammar_batch.py, 128 rows a ticket): on the H200's host (16 CPUs, a
-# sandboxed VM) one thread took 5.8 ms a ticket, a pool of 4 7.8 ms, of 15 10.4 ms
-# (bench/results/h200_2026-12-04_evening/gb_t*.json); on the 2-core dev VM its threads lost
-# to one at 4-64 rows (bench/probes/grammar_libraries.py). Where a pool is asked for, a fill
-# computing rows itself (batch_mask.compute_rows) uses it from PARALLEL_MIN_ROWS rows.
+# llguidance's pool, where asked for: a fill computing rows itself (batch_mask.compute_rows)
+# uses it from PARALLEL_MIN_ROWS rows.
 PARALLEL_MIN_ROWS = 16
 # The longest a submit waits for an idle worker to take its ticket (a safety bound: the
 # hand-over takes one thread wake-up).
@@ -51,16 +49,135 @@ def host_cpus() -> int:
         return os.cpu_count() or 1
 
 
-def pool_threads(cpus: int | None = None) -> int:
-    """llguidance's pool for the mask worker: ``OMNI_ASYNC_GRAMMAR_THREADS`` threads (at most
-    every CPU but one, ``cpus``: the host's by default); 0 (no pool: one thread computes)
-    when it is unset, below 2, or not a number."""
+def mask_threads(cpus: int | None = None) -> tuple[str, int]:
+    """How the mask worker computes a ticket's rows, from ``OMNI_ASYNC_GRAMMAR_THREADS``:
+    ``("one", 1)`` (unset, below 2, or not understood: the default), ``("slices", N)`` for
+    ``N`` or ``slices:N`` (N threads of the worker's own, each taking every N-th row; at
+    most ``cpus``, the host's by default), ``("pool", N)`` for ``pool:N`` (llguidance's pool
+    of N threads, one call a ticket; at most every CPU but one, as before).
+
+    Why slices replace the pool behind the plain number: the pool lost to one thread on
+    every host measured (H200 host, bench/probes/grammar_batch.py: 128 rows 5.8 ms on one
+    thread, 7.8 with a pool of 4, 10.4 with 15, bench/results/h200_2026-12-04_evening/gb_t*;
+    this VM: a pool of ONE thread 4.1 ms against 2.7 for the plain loop at 256 rows, so its
+    cost is per row, not only thread scaling); a slice is the worker's own
+    loop, so a row the library refuses fails that row alone (a pool call that raises fails
+    the ticket), and it needs no hand-over wait in ``submit``. ``pool:N`` keeps the pool
+    reachable for comparison. Slices may use every CPU: where they pay (the masks bound the
+    step), the loop thread is waiting for them at the fill.
+
+    Why off by default: no host measured shows a gain. And for the usual case, every
+    request under one schema, the library's own work cannot overlap on any host:
+    llguidance's copies of one compiled grammar share the grammar's lexer (its lazily built
+    automaton) behind one mutex, held for a whole mask computation (``Parser::with_shared``
+    in llguidance's earley/parser.rs; a matcher's ``deep_copy`` clones the handle to it),
+    and the engine gives every request with one grammar a copy of one template
+    (``structured.grammar``), so the pool's threads and the slices alike compute the rows
+    of one schema one at a time. What slices may still overlap: rows of different
+    grammars, and each row's wait for the GIL after its call, which in the engine is most
+    of the worker's time (~150 us a row against ~10 us of library time on the 2-core VM;
+    there two slices made the worker 1.4x slower, median of four interleaved pairs,
+    0.91-1.55x, on a loaded CPU). The H200 runs that would decide it are in
+    bench/RESULTS.md (``bench/probes/mask_threads.py --compilers 1,8``;
+    ``bench/constrained.py --mask-threads 8 [--schemas 8]``)."""
+    raw = os.environ.get("OMNI_ASYNC_GRAMMAR_THREADS", "").strip().lower()
+    way, _, count = raw.rpartition(":")
     try:
-        asked = int(os.environ.get("OMNI_ASYNC_GRAMMAR_THREADS", "0"))
+        asked = int(count)
     except ValueError:
-        return 0
+        return ("one", 1)
+    if asked < 2 or way not in ("", "slices", "pool"):
+        return ("one", 1)
     cpus = host_cpus() if cpus is None else cpus
-    return min(asked, max(1, cpus - 1)) if asked >= 2 else 0
+    if way == "pool":
+        return ("pool", min(asked, max(1, cpus - 1)))
+    return ("slices", min(asked, max(1, cpus))) if cpus >= 2 else ("one", 1)
+
+
+def pool_threads(cpus: int | None = None) -> int:
+    """llguidance's pool (``OMNI_ASYNC_GRAMMAR_THREADS=pool:N``, see :func:`mask_threads`):
+    its threads, or 0 (no pool)."""
+    way, n = mask_threads(cpus)
+    return n if way == "pool" else 0
+
+
+def compute_slice(handles: list[Any], masks: np.ndarray, ok: np.ndarray, first: int, step: int) -> None:
+    """Rows ``first, first + step, ...`` of ``handles`` into ``masks`` (C-contiguous int32);
+    a row the library refuses is marked in ``ok`` (the step's fill computes it again and
+    meets the error there) and the others carry on."""
+    stride = masks.shape[1] * 4
+    base = masks.ctypes.data
+    for j in range(first, len(handles), step):
+        try:
+            handles[j].unsafe_compute_mask_ptr(base + j * stride, stride)
+        except Exception:
+            ok[j] = False
+
+
+class SlicePool:
+    """``threads - 1`` helper threads that, with the calling thread, compute one job's rows:
+    thread i takes rows i, i + k, ... (k = min(threads, rows)). Started on the first job and
+    woken per job (a start per ticket would cost a thread creation a step); ``run`` returns
+    once every slice is done, so each matcher is touched by one thread, and only while its
+    owner waits on the ticket. Each row's library call releases the GIL."""
+
+    def __init__(self, threads: int) -> None:
+        self.threads = threads
+        self._cond = threading.Condition(threading.Lock())
+        self._job: tuple[list[Any], np.ndarray, np.ndarray, int] | None = None
+        self._generation = 0
+        self._left = 0  # helpers still computing the current job
+        self._stopped = False
+        self._helpers: list[threading.Thread] = []
+        self.jobs = 0  # jobs split over two threads or more (info(): grammar_mask_sliced_calls)
+
+    def run(self, handles: list[Any], masks: np.ndarray, ok: np.ndarray) -> None:
+        """Every row of ``handles`` into ``masks`` (marking refused rows in ``ok``)."""
+        k = min(self.threads, len(handles))
+        if k < 2 or self._stopped:
+            compute_slice(handles, masks, ok, 0, 1)
+            return
+        if not self._helpers:
+            self._helpers = [threading.Thread(target=self._helper, args=(i,), name=f"omni-grammar-slice-{i}",
+                                              daemon=True) for i in range(1, self.threads)]
+            for t in self._helpers:
+                t.start()
+        self.jobs += 1
+        with self._cond:
+            self._job, self._left = (handles, masks, ok, k), k - 1
+            self._generation += 1
+            self._cond.notify_all()
+        try:
+            compute_slice(handles, masks, ok, 0, k)
+        finally:  # the helpers' rows are theirs until they are done: wait for them even on an error here
+            with self._cond:
+                self._cond.wait_for(lambda: self._left == 0)
+                self._job = None
+
+    def close(self) -> None:
+        """Let the helpers end (after their current slice)."""
+        with self._cond:
+            self._stopped = True
+            self._cond.notify_all()
+
+    def _helper(self, i: int) -> None:
+        seen = 0
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._stopped or (self._job is not None and self._generation != seen))
+                if self._job is None or self._generation == seen:  # stopped, nothing new to do
+                    return
+                seen = self._generation
+                handles, masks, ok, k = self._job
+            if i >= k:  # a job of fewer rows than threads: not counted in _left
+                continue
+            try:
+                compute_slice(handles, masks, ok, i, k)
+            finally:
+                with self._cond:
+                    self._left -= 1
+                    if self._left == 0:
+                        self._cond.notify_all()
 
 
 class MaskTicket:
@@ -85,7 +202,8 @@ class MaskTicket:
 
 
 class MaskWorker:
-    """One daemon thread computing queued tickets' masks (``words`` int32 each)."""
+    """One daemon thread computing queued tickets' masks (``words`` int32 each), alone or
+    with its slice helpers (:func:`mask_threads`)."""
 
     def __init__(self, words: int) -> None:
         self.words = words
@@ -95,7 +213,9 @@ class MaskWorker:
         self._closed = False
         self._idle = False  # the worker waits for work (a submit then hands its ticket over)
         self._executor: Any = None
-        self.threads = pool_threads()
+        way, n = mask_threads()
+        self.threads = n if way == "pool" else 0  # llguidance's pool (0: none)
+        self.slices = SlicePool(n) if way == "slices" else None  # the worker's own threads (None: one)
         # Counters for info(): masks computed here, their seconds, the library calls (one
         # per wake-up) and the forced masks (exactly one token admissible: a forward the
         # grammar decided alone).
@@ -145,6 +265,8 @@ class MaskWorker:
     def stats(self) -> dict[str, float]:
         return {"grammar_mask_prefetched_rows": self.rows, "grammar_mask_worker_s": self.seconds,
                 "grammar_mask_worker_calls": self.calls, "grammar_mask_threads": self.threads,
+                "grammar_mask_slices": self.slices.threads if self.slices is not None else 0,
+                "grammar_mask_sliced_calls": self.slices.jobs if self.slices is not None else 0,
                 "grammar_forced_masks": self.forced + self.forced_inline, "grammar_jumps": self.jumps,
                 "grammar_forced_skipped": self.jumped, "grammar_optimistic_tokens": self.guessed,
                 "grammar_optimistic_refused": self.refused}
@@ -166,6 +288,8 @@ class MaskWorker:
                     self._cond.wait()
                 self._idle = False
                 if not self._queue:
+                    if self.slices is not None:
+                        self.slices.close()
                     return
                 todo, self._queue = self._queue, []
                 self._cond.notify_all()  # a submitter waiting for the hand-over
@@ -180,20 +304,19 @@ class MaskWorker:
             self.seconds += time.perf_counter() - t0
 
     def _compute(self, todo: list[MaskTicket]) -> None:
-        """Every queued ticket's rows in one array, by one library call where a pool
-        pays (else a loop here), then each ticket given its slice."""
+        """Every queued ticket's rows in one array (by llguidance's pool, the worker's
+        slice threads, or a loop here: :func:`mask_threads`), then each ticket given its
+        part."""
         handles = [h for ticket in todo for h in ticket.handles]
         n = len(handles)
         masks = np.empty((n, self.words), dtype=np.int32)
         ok = np.ones(n, dtype=bool)
         if self.threads and n > 1:  # one library call: the GIL is released for all the rows
             self._compute_parallel(handles, masks, ok)
+        elif self.slices is not None:  # every queued ticket's rows, over the worker's threads
+            self.slices.run(handles, masks, ok)
         else:
-            for j, handle in enumerate(handles):
-                try:
-                    handle.unsafe_compute_mask_ptr(masks[j].ctypes.data, self.words * 4)
-                except Exception:  # the step's fill computes it again and meets the error there
-                    ok[j] = False
+            compute_slice(handles, masks, ok, 0, 1)
         start = 0
         for ticket in todo:
             end = start + len(ticket.handles)
