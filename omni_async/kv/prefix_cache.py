@@ -213,21 +213,26 @@ class PrefixCache:
         self._refs[page] = count + 1
 
     def _evict(self, num_pages: int) -> None:
-        """Free ``num_pages`` cached pages nobody holds, least recently used first."""
-        evicted, victims = 0, []
-        while evicted < num_pages and self._evictable:
-            victim = next((p for p in self._evictable if not self._children.get(p)), None)
-            if victim is None:
-                break
-            del self._evictable[victim]
-            key = self._key_of.pop(victim)
-            del self._page_of[key]
-            del self._children[victim]
+        """Free ``num_pages`` cached pages nobody holds, least recently used first. Once
+        the KV is full of finished requests' prefixes this runs for every page a prompt
+        or a decode step takes, so the oldest page (a leaf, see the module's docstring)
+        is taken without a scan; the scan for a leaf is the fallback."""
+        evictable, children, key_of, page_of = self._evictable, self._children, self._key_of, self._page_of
+        victims: list[int] = []
+        while len(victims) < num_pages and evictable:
+            victim = next(iter(evictable))
+            if children.get(victim):
+                victim = next((p for p in evictable if not children.get(p)), None)
+                if victim is None:
+                    break
+            del evictable[victim]
+            key = key_of.pop(victim)
+            del page_of[key]
+            del children[victim]
             parent = key[0]
-            if parent != ROOT and parent in self._children:
-                self._children[parent] -= 1
+            if parent != ROOT and parent in children:
+                children[parent] -= 1
             victims.append(victim)
-            evicted += 1
         if victims:
             self.allocator.free(victims)  # in eviction order, in one call
-        self.evicted_pages += evicted
+        self.evicted_pages += len(victims)
