@@ -55,11 +55,13 @@ LOOPS = ("normal", "overlap", "async_decode")
 # ------------------------------------------------------------------ the null device
 
 
-def install_null_device(engine, device_s: float = 0.0, fused: bool = False) -> None:
+def install_null_device(engine, device_s: float = 0.0, fused: bool = False, prefill_s_per_token: float = 0.0) -> None:
     """Swap the engine's device work for a null step: decode through a stand-in for the
     captured graphs, prefill without a forward, decode launches inline on the loop.
     ``fused``: a multi-step decode goes through the fused launch's host path as on the
-    GPU (one stand-in replay for its k forwards), not k one-forward replays."""
+    GPU (one stand-in replay for its k forwards), not k one-forward replays.
+    ``device_s``: the modelled device's time per decode forward; ``prefill_s_per_token``:
+    its time per token of a prefill step (0: a prefill step costs one decode forward)."""
     import torch
 
     from omni_async.stage.executor import InlineStepExecutor
@@ -94,6 +96,11 @@ def install_null_device(engine, device_s: float = 0.0, fused: bool = False) -> N
             self.counted = 0  # replays already charged to a step's device time
             self.device_s_total = 0.0  # the modelled device's busy time, all steps
             self.free_at = 0.0  # when the modelled device finishes what is queued
+            self.prefill_tokens = 0  # extend tokens launched since the last completion event
+            # The modelled device's idle time before each step, by the kind of the step
+            # that ran before the gap (True: decode): where the host made it wait.
+            self.idle_after = {True: 0.0, False: 0.0}
+            self.last_decode = True
 
         def bucket_for(self, bs: int) -> int | None:
             return bs if bs <= cap else None
@@ -113,33 +120,43 @@ def install_null_device(engine, device_s: float = 0.0, fused: bool = False) -> N
 
     class NullEvent:
         """A CUDA event stand-in: done ``device_s`` per forward after the later of its
-        launch and the step before it (one queue, as on a device), and never at the
-        first two queries, so the loop's cooperative wait yields once per step as it
-        does while a real step runs."""
+        launch and the step before it (one queue, as on a device). With no modelled
+        device time it is never done at the first two queries, so the loop's cooperative
+        wait yields once per step as it does while a real step runs; with a modelled
+        device it is done when its time has come, as a CUDA event is (a query that says
+        "not yet" for a step already done would send the loop's event waiter to sleep
+        for a whole step's expected time, an idle device that a real one does not see)."""
 
         def __init__(self) -> None:
-            forwards = max(1, graphs.replays - graphs.counted)
+            forwards = graphs.replays - graphs.counted
+            tokens, graphs.prefill_tokens = graphs.prefill_tokens, 0
             graphs.counted = graphs.replays
-            busy = device_s * forwards
+            busy = device_s * forwards + prefill_s_per_token * tokens if prefill_s_per_token and tokens else device_s * max(1, forwards)
             graphs.device_s_total += busy
-            graphs.free_at = self.done_at = max(time.perf_counter(), graphs.free_at) + busy
+            now = time.perf_counter()
+            if graphs.free_at and now > graphs.free_at:
+                graphs.idle_after[graphs.last_decode] += now - graphs.free_at
+            graphs.last_decode = not tokens
+            graphs.free_at = self.done_at = max(now, graphs.free_at) + busy
             self.queries = 0
 
         def query(self) -> bool:
             self.queries += 1
-            return self.queries > 2 and time.perf_counter() >= self.done_at
+            return (modelled or self.queries > 2) and time.perf_counter() >= self.done_at
 
         def synchronize(self) -> None:
             while not self.query():
                 pass
 
     graphs = NullGraphs()
+    modelled = bool(device_s or prefill_s_per_token)
     base_cls = type(runner)
 
     class NullDeviceRunner(base_cls):  # type: ignore[misc, valid-type]
         def forward(self, fb):
             if fb.block_tables is not None and self.graphs is not None:
                 return super().forward(fb)
+            graphs.prefill_tokens += fb.input_ids.shape[0]
             rows = fb.ctx.logits_rows
             tokens = fake_tokens(fb.input_ids.index_select(0, rows), fb.positions.index_select(0, rows))
             n = tokens.shape[0]
@@ -305,6 +322,8 @@ async def run_workload(engine, reqs: list[list[int]], new: int | list[int]) -> t
     steps0, all0 = engine.scheduler.stats.decode_steps, engine.scheduler.stats.steps
     graphs = engine.scheduler.runner.graphs
     busy0 = graphs.device_s_total
+    idle0 = dict(graphs.idle_after)
+    graphs.free_at = 0.0  # nothing is in flight between runs: the wait before this run is not idle time
     with GcWatch() as gcw:
         cpu0, t0 = time.process_time(), time.perf_counter()
         clock = getattr(engine.scheduler.stepper.next_batch, "take", None)
@@ -327,6 +346,8 @@ async def run_workload(engine, reqs: list[list[int]], new: int | list[int]) -> t
         "steps": engine.scheduler.stats.steps - all0,
         # With --device-us: the modelled device's busy fraction of the wall (GPU busy).
         "device_busy": (graphs.device_s_total - busy0) / wall,
+        "device_idle_after_decode_ms": 1e3 * (graphs.idle_after[True] - idle0[True]),
+        "device_idle_after_prefill_ms": 1e3 * (graphs.idle_after[False] - idle0[False]),
         "ticker_p50_ms": 1e3 * pct(lags, 50),
         "ticker_p99_ms": 1e3 * pct(lags, 99),
         "ticker_max_ms": 1e3 * max(lags, default=0.0),
@@ -337,7 +358,8 @@ async def run_workload(engine, reqs: list[list[int]], new: int | list[int]) -> t
     }, outs
 
 
-def make_engine(loop: str, batch: int, device_s: float, decode_steps: int = 1, fused: bool = False, kv_per_row: int = 700):
+def make_engine(loop: str, batch: int, device_s: float, decode_steps: int = 1, fused: bool = False, kv_per_row: int = 700,
+                prefill_s_per_token: float = 0.0):
     from omni_async import Engine
 
     eng = Engine.from_pretrained(
@@ -345,7 +367,7 @@ def make_engine(loop: str, batch: int, device_s: float, decode_steps: int = 1, f
         max_prefill_tokens=8192, chunked_prefill_size=8192, max_queued_requests=8192, decode_steps=decode_steps,
     )
     eng.tokenizer = None  # as in the GPU workload (a random checkpoint has no tokenizer)
-    install_null_device(eng, device_s, fused)
+    install_null_device(eng, device_s, fused, prefill_s_per_token)
     StepClock(eng.scheduler.stepper)
     return eng
 
@@ -379,7 +401,7 @@ async def child_main(args) -> dict:
         ks = [int(k) for k in args.decode_steps.split(",")]
         # NV shape: --max-running rows at most, KV for each of them at its longest
         running, kv_row = (args.max_running, 1024 + nv_new[1]) if nv else (batch, 700)
-        engines = {(loop if len(ks) == 1 else f"{loop}/k{k}"): make_engine(loop, running, args.device_us * 1e-6, k, args.fused, kv_row)
+        engines = {(loop if len(ks) == 1 else f"{loop}/k{k}"): make_engine(loop, running, args.device_us * 1e-6, k, args.fused, kv_row, args.prefill_us_per_token * 1e-6)
                    for k in ks for loop in loops}
         reqs, new = nv_workload(batch, batch, 250, nv_new) if nv else (workload(batch, seed=batch, vocab=250), args.new)
         for eng in engines.values():
@@ -436,7 +458,7 @@ def run_child(code: str, args) -> dict:
     cmd = [
         sys.executable, str(BENCH / "host_overhead.py"), "--child", "--batches", args.batches, "--loops", args.loops,
         "--new", str(args.new), "--child-repeats", "1",
-        "--device-us", str(args.device_us), "--decode-steps", args.decode_steps,
+        "--device-us", str(args.device_us), "--prefill-us-per-token", str(args.prefill_us_per_token), "--decode-steps", args.decode_steps,
         "--requests", args.requests, "--nv-new", args.nv_new, "--max-running", str(args.max_running),
     ] + (["--fused"] if args.fused else [])
     cmd += ["--gc", args.gc]
@@ -462,6 +484,7 @@ def main() -> int:
     ap.add_argument("--nv-new", default="25,256", help="with --requests: new tokens per request, lo,hi (NV256: 100,1024)")
     ap.add_argument("--max-running", type=int, default=512, help="with --requests: max_running_requests")
     ap.add_argument("--device-us", type=float, default=0.0, help="null device's time per forward (0: none)")
+    ap.add_argument("--prefill-us-per-token", type=float, default=0.0, help="null device's time per prefill token (0: a prefill step is one forward)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--fused", action="store_true", help="multi-step decodes through the fused launch's host path (the GPU's)")
     ap.add_argument("--decode-steps", default="1", help="decode_steps values, side by side (variants loop/kN)")
@@ -512,7 +535,8 @@ def main() -> int:
                     "device_busy": summary([x.get("device_busy", 0.0) for x in runs]),
                     # The modelled device's idle time per step (prefill and decode): the host's
                     # share of a step where nothing overlaps it (the normal loop).
-                    **{k: summary([x.get(k, 0.0) for x in runs]) for k in ("decode_step_ms", "prefill_step_ms", "prefill_us_per_prompt_token")},
+                    **{k: summary([x.get(k, 0.0) for x in runs]) for k in ("decode_step_ms", "prefill_step_ms", "prefill_us_per_prompt_token",
+                                                                        "device_idle_after_decode_ms", "device_idle_after_prefill_ms")},
                     "steps_decode_prefill": [(x.get("clock_decode_steps"), x.get("clock_prefill_steps")) for x in runs],
                     "host_ms_per_step": summary([1e3 * max(0.0, x["wall_s"] * (1 - x.get("device_busy", 0.0))) / max(1, x.get("steps", x["decode_steps"])) for x in runs]),
                 }
@@ -527,6 +551,11 @@ def main() -> int:
                       f"{sm['decode_step_ms']['max']:.3f}), per prefill step {sm['prefill_step_ms']['median']:.3f} ({sm['prefill_step_ms']['min']:.3f}-"
                       f"{sm['prefill_step_ms']['max']:.3f}), us per prompt token {sm['prefill_us_per_prompt_token']['median']:.3f}, "
                       f"steps (decode, prefill) {sm['steps_decode_prefill'][0]}")
+                if args.device_us or args.prefill_us_per_token:
+                    print(f"{'':>8} {'':>5} {'':>20}   modelled device idle after decode steps {sm['device_idle_after_decode_ms']['median']:.1f} ms "
+                          f"({sm['device_idle_after_decode_ms']['min']:.1f}-{sm['device_idle_after_decode_ms']['max']:.1f}), after prefill steps "
+                          f"{sm['device_idle_after_prefill_ms']['median']:.1f} ms ({sm['device_idle_after_prefill_ms']['min']:.1f}-"
+                          f"{sm['device_idle_after_prefill_ms']['max']:.1f})")
     digests = {label: {b: br["token_digest"] for b, br in per[label][0]["batches"].items()} for label in labels}
     result["token_digests"] = digests
     print("token digests (equal across checkouts when the tokens are):", digests)
