@@ -21,8 +21,8 @@ passes and pauses, under each GC mode (``--gc default,tuned``: Python's own, and
 Tokens of every loop are checked equal. ``--profile`` adds a cProfile top list.
 
 ``--requests 256,1024`` runs NV256's shape instead (issue 42): that many requests submitted
-at once, prompts of 100-1,024 ids, ``--nv-new`` new tokens each (NV256's 100-1,024 scaled
-down), at most ``--max-running`` running (512, the H200's default at the 0.5B shape), so at
+at once, prompts of 100-1,024 ids, ``--nv-new`` new tokens each (NV256's 100-1,024 by
+default: a few seconds a run on the null device), at most ``--max-running`` running (512, the H200's default at the 0.5B shape), so at
 1,024 the rest wait and prefill steps come between decode steps as requests finish. Per
 run it also reports the host's milliseconds per decode step and per prefill step (wall time
 from scheduling a step to scheduling the next, by the kind of the first: exact in the
@@ -220,7 +220,7 @@ def workload(n: int, seed: int, vocab: int) -> list[list[int]]:
 
 def nv_workload(n: int, seed: int, vocab: int, new: tuple[int, int]) -> tuple[list[list[int]], list[int]]:
     """NV256's shape: prompts of 100-1,024 ids, then each request's new tokens drawn from
-    ``new`` (NV256's 100-1,024, scaled down so a CPU run takes seconds)."""
+    ``new`` (NV256's 100-1,024 by default)."""
     rng = random.Random(seed)
     prompts = [[rng.randrange(3, vocab) for _ in range(rng.randint(100, 1024))] for _ in range(n)]
     return prompts, [rng.randint(*new) for _ in range(n)]
@@ -481,7 +481,7 @@ def main() -> int:
     ap.add_argument("--loops", default=",".join(LOOPS))
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--requests", default="", help="NV256-shaped runs of these many requests instead of --batches (e.g. 256,1024)")
-    ap.add_argument("--nv-new", default="25,256", help="with --requests: new tokens per request, lo,hi (NV256: 100,1024)")
+    ap.add_argument("--nv-new", default="100,1024", help="with --requests: new tokens per request, lo,hi (NV256's)")
     ap.add_argument("--max-running", type=int, default=512, help="with --requests: max_running_requests")
     ap.add_argument("--device-us", type=float, default=0.0, help="null device's time per forward (0: none)")
     ap.add_argument("--prefill-us-per-token", type=float, default=0.0, help="null device's time per prefill token (0: a prefill step is one forward)")

@@ -110,8 +110,8 @@ def refill_due(core: "NativeBatchCore") -> bool:
     ms while the host's processing of the decode step before it, at hundreds of rows,
     takes longer: the device waited after each one (NV256 at 1,024 requests on the null
     device with a modelled device, bench/RESULTS.md 2026-12-04 night: ~120 prefill
-    steps, 0.30-0.48 s of device idle after them a run). Below 64 running slots, and
-    for a request partway through its prefill, nothing is deferred."""
+    steps, most of one to a few prompts, and the device idle after them). With 32 slots
+    or fewer, and for a request partway through its prefill, nothing is deferred."""
     limit = core.config.max_running_requests
     free = limit - len(core.running)
     if core.chunked is not None or free * PREFILL_FREE_SHARE >= limit or core.prefill_deferrals >= PREFILL_MAX_DEFERRALS:
