@@ -20,7 +20,16 @@ passes and pauses, under each GC mode (``--gc default,tuned``: Python's own, and
 ``gc_freeze=True, gc_gen0_threshold=10000`` do), switched per run in one process.
 Tokens of every loop are checked equal. ``--profile`` adds a cProfile top list.
 
+``--requests 256,1024`` runs NV256's shape instead (issue 42): that many requests submitted
+at once, prompts of 100-1,024 ids, ``--nv-new`` new tokens each (NV256's 100-1,024 by
+default: a few seconds a run on the null device), at most ``--max-running`` running (512, the H200's default at the 0.5B shape), so at
+1,024 the rest wait and prefill steps come between decode steps as requests finish. Per
+run it also reports the host's milliseconds per decode step and per prefill step (wall time
+from scheduling a step to scheduling the next, by the kind of the first: exact in the
+normal loop) and per prompt token of the prefill steps.
+
     python bench/host_overhead.py --batches 256,64 --repeats 3
+    python bench/host_overhead.py --requests 256,1024 --loops overlap --decode-steps 8 --fused --gc tuned --profile
     python bench/host_overhead.py --code /tmp/before --code . --labels before,after
 """
 
@@ -46,11 +55,13 @@ LOOPS = ("normal", "overlap", "async_decode")
 # ------------------------------------------------------------------ the null device
 
 
-def install_null_device(engine, device_s: float = 0.0, fused: bool = False) -> None:
+def install_null_device(engine, device_s: float = 0.0, fused: bool = False, prefill_s_per_token: float = 0.0) -> None:
     """Swap the engine's device work for a null step: decode through a stand-in for the
     captured graphs, prefill without a forward, decode launches inline on the loop.
     ``fused``: a multi-step decode goes through the fused launch's host path as on the
-    GPU (one stand-in replay for its k forwards), not k one-forward replays."""
+    GPU (one stand-in replay for its k forwards), not k one-forward replays.
+    ``device_s``: the modelled device's time per decode forward; ``prefill_s_per_token``:
+    its time per token of a prefill step (0: a prefill step costs one decode forward)."""
     import torch
 
     from omni_async.stage.executor import InlineStepExecutor
@@ -85,6 +96,11 @@ def install_null_device(engine, device_s: float = 0.0, fused: bool = False) -> N
             self.counted = 0  # replays already charged to a step's device time
             self.device_s_total = 0.0  # the modelled device's busy time, all steps
             self.free_at = 0.0  # when the modelled device finishes what is queued
+            self.prefill_tokens = 0  # extend tokens launched since the last completion event
+            # The modelled device's idle time before each step, by the kind of the step
+            # that ran before the gap (True: decode): where the host made it wait.
+            self.idle_after = {True: 0.0, False: 0.0}
+            self.last_decode = True
 
         def bucket_for(self, bs: int) -> int | None:
             return bs if bs <= cap else None
@@ -104,33 +120,43 @@ def install_null_device(engine, device_s: float = 0.0, fused: bool = False) -> N
 
     class NullEvent:
         """A CUDA event stand-in: done ``device_s`` per forward after the later of its
-        launch and the step before it (one queue, as on a device), and never at the
-        first two queries, so the loop's cooperative wait yields once per step as it
-        does while a real step runs."""
+        launch and the step before it (one queue, as on a device). With no modelled
+        device time it is never done at the first two queries, so the loop's cooperative
+        wait yields once per step as it does while a real step runs; with a modelled
+        device it is done when its time has come, as a CUDA event is (a query that says
+        "not yet" for a step already done would send the loop's event waiter to sleep
+        for a whole step's expected time, an idle device that a real one does not see)."""
 
         def __init__(self) -> None:
-            forwards = max(1, graphs.replays - graphs.counted)
+            forwards = graphs.replays - graphs.counted
+            tokens, graphs.prefill_tokens = graphs.prefill_tokens, 0
             graphs.counted = graphs.replays
-            busy = device_s * forwards
+            busy = device_s * forwards + prefill_s_per_token * tokens if prefill_s_per_token and tokens else device_s * max(1, forwards)
             graphs.device_s_total += busy
-            graphs.free_at = self.done_at = max(time.perf_counter(), graphs.free_at) + busy
+            now = time.perf_counter()
+            if graphs.free_at and now > graphs.free_at:
+                graphs.idle_after[graphs.last_decode] += now - graphs.free_at
+            graphs.last_decode = not tokens
+            graphs.free_at = self.done_at = max(now, graphs.free_at) + busy
             self.queries = 0
 
         def query(self) -> bool:
             self.queries += 1
-            return self.queries > 2 and time.perf_counter() >= self.done_at
+            return (modelled or self.queries > 2) and time.perf_counter() >= self.done_at
 
         def synchronize(self) -> None:
             while not self.query():
                 pass
 
     graphs = NullGraphs()
+    modelled = bool(device_s or prefill_s_per_token)
     base_cls = type(runner)
 
     class NullDeviceRunner(base_cls):  # type: ignore[misc, valid-type]
         def forward(self, fb):
             if fb.block_tables is not None and self.graphs is not None:
                 return super().forward(fb)
+            graphs.prefill_tokens += fb.input_ids.shape[0]
             rows = fb.ctx.logits_rows
             tokens = fake_tokens(fb.input_ids.index_select(0, rows), fb.positions.index_select(0, rows))
             n = tokens.shape[0]
@@ -192,6 +218,53 @@ def workload(n: int, seed: int, vocab: int) -> list[list[int]]:
     return [[rng.randrange(3, vocab) for _ in range(rng.randint(64, 512))] for _ in range(n)]
 
 
+def nv_workload(n: int, seed: int, vocab: int, new: tuple[int, int]) -> tuple[list[list[int]], list[int]]:
+    """NV256's shape: prompts of 100-1,024 ids, then each request's new tokens drawn from
+    ``new`` (NV256's 100-1,024 by default)."""
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(3, vocab) for _ in range(rng.randint(100, 1024))] for _ in range(n)]
+    return prompts, [rng.randint(*new) for _ in range(n)]
+
+
+class StepClock:
+    """Wall time from scheduling one step to scheduling the next, charged to the kind of
+    the first (prefill or decode), and the prompt tokens of the prefill steps: with the
+    null device that interval is the host's work for the step (exact in the normal loop,
+    where nothing overlaps; in the lookahead loops the next step is scheduled before
+    this one is processed, so the split between kinds is approximate)."""
+
+    def __init__(self, stepper) -> None:
+        self.stepper, self.inner = stepper, stepper.next_batch
+        self._reset()
+        stepper.next_batch = self
+
+    def __call__(self):
+        batch = self.inner()
+        if batch is not None:
+            now = time.perf_counter()
+            if self.last is not None:
+                t, decode = self.last
+                self.s[decode] += now - t
+                self.n[decode] += 1
+            self.last = (now, batch.is_decode)
+            if not batch.is_decode:
+                self.prompt_tokens += sum(n for n, kept in zip(batch.extend_lens, batch.samples_kept) if n > 1 or not kept)
+        return batch
+
+    def take(self) -> dict:
+        """This run's figures; the clock restarts."""
+        out = {"decode_step_ms": 1e3 * self.s[True] / max(1, self.n[True]),
+               "prefill_step_ms": 1e3 * self.s[False] / max(1, self.n[False]),
+               "prefill_us_per_prompt_token": 1e6 * self.s[False] / max(1, self.prompt_tokens),
+               "clock_decode_steps": self.n[True], "clock_prefill_steps": self.n[False]}
+        self._reset()
+        return out
+
+    def _reset(self) -> None:
+        self.last: tuple[float, bool] | None = None
+        self.s, self.n, self.prompt_tokens = {True: 0.0, False: 0.0}, {True: 0, False: 0}, 0
+
+
 class GcWatch:
     """Passes of the cyclic GC during a run, with their pauses, by generation."""
 
@@ -231,27 +304,31 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))] if xs else 0.0
 
 
-async def run_workload(engine, reqs: list[list[int]], new: int) -> tuple[dict, list[list[int]]]:
+async def run_workload(engine, reqs: list[list[int]], new: int | list[int]) -> tuple[dict, list[list[int]]]:
     from omni_async import SamplingParams
 
-    sp = SamplingParams(max_new_tokens=new, ignore_eos=True)
+    news = new if isinstance(new, list) else [new] * len(reqs)
     assert (await engine.flush_cache())["success"]  # repeats send the same prompts: start cold
     lags: list[float] = []
     stop = asyncio.Event()
     tick = asyncio.create_task(ticker(stop, lags))
 
-    async def one(p: list[int]) -> list[int]:
+    async def one(p: list[int], n: int) -> list[int]:
         out: list[int] = []
-        async for d in engine.stream(input_ids=p, sampling=sp):
+        async for d in engine.stream(input_ids=p, sampling=SamplingParams(max_new_tokens=n, ignore_eos=True)):
             out.extend(d.token_ids)
         return out
 
     steps0, all0 = engine.scheduler.stats.decode_steps, engine.scheduler.stats.steps
     graphs = engine.scheduler.runner.graphs
     busy0 = graphs.device_s_total
+    idle0 = dict(graphs.idle_after)
+    graphs.free_at = 0.0  # nothing is in flight between runs: the wait before this run is not idle time
     with GcWatch() as gcw:
         cpu0, t0 = time.process_time(), time.perf_counter()
-        outs = await asyncio.gather(*(one(p) for p in reqs))
+        clock = getattr(engine.scheduler.stepper.next_batch, "take", None)
+        clock and clock()  # the steps before this run are not its own
+        outs = await asyncio.gather(*(one(p, n) for p, n in zip(reqs, news)))
         wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     stop.set()
     await tick
@@ -269,24 +346,29 @@ async def run_workload(engine, reqs: list[list[int]], new: int) -> tuple[dict, l
         "steps": engine.scheduler.stats.steps - all0,
         # With --device-us: the modelled device's busy fraction of the wall (GPU busy).
         "device_busy": (graphs.device_s_total - busy0) / wall,
+        "device_idle_after_decode_ms": 1e3 * (graphs.idle_after[True] - idle0[True]),
+        "device_idle_after_prefill_ms": 1e3 * (graphs.idle_after[False] - idle0[False]),
         "ticker_p50_ms": 1e3 * pct(lags, 50),
         "ticker_p99_ms": 1e3 * pct(lags, 99),
         "ticker_max_ms": 1e3 * max(lags, default=0.0),
         "gc_passes": gcw.passes,
         "gc_pause_ms": [round(1e3 * s, 3) for s in gcw.pause_s],
         "gc_max_pause_ms": 1e3 * gcw.max_pause_s,
+        **(clock() if clock else {}),
     }, outs
 
 
-def make_engine(loop: str, batch: int, device_s: float, decode_steps: int = 1, fused: bool = False):
+def make_engine(loop: str, batch: int, device_s: float, decode_steps: int = 1, fused: bool = False, kv_per_row: int = 700,
+                prefill_s_per_token: float = 0.0):
     from omni_async import Engine
 
     eng = Engine.from_pretrained(
-        "tiny", loop=loop, max_running_requests=batch, kv_capacity_tokens=batch * 700,
+        "tiny", loop=loop, max_running_requests=batch, kv_capacity_tokens=batch * kv_per_row,
         max_prefill_tokens=8192, chunked_prefill_size=8192, max_queued_requests=8192, decode_steps=decode_steps,
     )
     eng.tokenizer = None  # as in the GPU workload (a random checkpoint has no tokenizer)
-    install_null_device(eng, device_s, fused)
+    install_null_device(eng, device_s, fused, prefill_s_per_token)
+    StepClock(eng.scheduler.stepper)
     return eng
 
 
@@ -313,11 +395,15 @@ async def child_main(args) -> dict:
 
     loops = args.loops.split(",")
     out: dict = {"package": str(Path(omni_async.__file__).parent), "batches": {}}
-    for batch in [int(b) for b in args.batches.split(",")]:
+    nv = bool(args.requests)
+    nv_new = tuple(int(x) for x in args.nv_new.split(","))
+    for batch in [int(b) for b in (args.requests or args.batches).split(",")]:
         ks = [int(k) for k in args.decode_steps.split(",")]
-        engines = {(loop if len(ks) == 1 else f"{loop}/k{k}"): make_engine(loop, batch, args.device_us * 1e-6, k, args.fused)
+        # NV shape: --max-running rows at most, KV for each of them at its longest
+        running, kv_row = (args.max_running, 1024 + nv_new[1]) if nv else (batch, 700)
+        engines = {(loop if len(ks) == 1 else f"{loop}/k{k}"): make_engine(loop, running, args.device_us * 1e-6, k, args.fused, kv_row, args.prefill_us_per_token * 1e-6)
                    for k in ks for loop in loops}
-        reqs = workload(batch, seed=batch, vocab=250)
+        reqs, new = nv_workload(batch, batch, 250, nv_new) if nv else (workload(batch, seed=batch, vocab=250), args.new)
         for eng in engines.values():
             await eng.start()
             await run_workload(eng, workload(min(batch, 64), seed=9, vocab=250), 16)
@@ -329,7 +415,7 @@ async def child_main(args) -> dict:
                 for loop in engines:
                     key = f"{loop}/{mode}" if len(gcs) > 1 else loop
                     apply_gc_mode(mode)
-                    r, toks = await run_workload(engines[loop], reqs, args.new)
+                    r, toks = await run_workload(engines[loop], reqs, new)
                     runs.setdefault(key, []).append(r)
                     tokens.setdefault(key, toks)
         apply_gc_mode("default")
@@ -341,14 +427,14 @@ async def child_main(args) -> dict:
         }
         if args.profile:
             apply_gc_mode(gcs[-1])
-            out["batches"][str(batch)]["profile"] = await profile_runs(engines, reqs, args.new, args.profile_top)
+            out["batches"][str(batch)]["profile"] = await profile_runs(engines, reqs, new, args.profile_top, args.profile_sort)
             apply_gc_mode("default")
         for eng in engines.values():
             await eng.aclose()
     return out
 
 
-async def profile_runs(engines: dict, reqs: list[list[int]], new: int, top: int) -> dict[str, str]:
+async def profile_runs(engines: dict, reqs: list[list[int]], new: int | list[int], top: int, sort: str = "tottime") -> dict[str, str]:
     import cProfile
     import io
     import pstats
@@ -360,7 +446,7 @@ async def profile_runs(engines: dict, reqs: list[list[int]], new: int, top: int)
         await run_workload(eng, reqs, new)
         prof.disable()
         s = io.StringIO()
-        pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(top)
+        pstats.Stats(prof, stream=s).sort_stats(sort).print_stats(top)
         texts[loop] = s.getvalue()
     return texts
 
@@ -372,7 +458,8 @@ def run_child(code: str, args) -> dict:
     cmd = [
         sys.executable, str(BENCH / "host_overhead.py"), "--child", "--batches", args.batches, "--loops", args.loops,
         "--new", str(args.new), "--child-repeats", "1",
-        "--device-us", str(args.device_us), "--decode-steps", args.decode_steps,
+        "--device-us", str(args.device_us), "--prefill-us-per-token", str(args.prefill_us_per_token), "--decode-steps", args.decode_steps,
+        "--requests", args.requests, "--nv-new", args.nv_new, "--max-running", str(args.max_running),
     ] + (["--fused"] if args.fused else [])
     cmd += ["--gc", args.gc]
     env = dict(os.environ, PYTHONPATH=str(Path(code).resolve()))
@@ -393,7 +480,11 @@ def main() -> int:
     ap.add_argument("--batches", default="256,64")
     ap.add_argument("--loops", default=",".join(LOOPS))
     ap.add_argument("--new", type=int, default=128)
+    ap.add_argument("--requests", default="", help="NV256-shaped runs of these many requests instead of --batches (e.g. 256,1024)")
+    ap.add_argument("--nv-new", default="100,1024", help="with --requests: new tokens per request, lo,hi (NV256's)")
+    ap.add_argument("--max-running", type=int, default=512, help="with --requests: max_running_requests")
     ap.add_argument("--device-us", type=float, default=0.0, help="null device's time per forward (0: none)")
+    ap.add_argument("--prefill-us-per-token", type=float, default=0.0, help="null device's time per prefill token (0: a prefill step is one forward)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--fused", action="store_true", help="multi-step decodes through the fused launch's host path (the GPU's)")
     ap.add_argument("--decode-steps", default="1", help="decode_steps values, side by side (variants loop/kN)")
@@ -402,6 +493,7 @@ def main() -> int:
     ap.add_argument("--gc", default="default,tuned", help="GC modes side by side (default: Python's; tuned: frozen heap, gen0 threshold 10000)")
     ap.add_argument("--profile", action="store_true", help="one more cProfile'd run per loop (first checkout, one process)")
     ap.add_argument("--profile-top", type=int, default=30)
+    ap.add_argument("--profile-sort", default="tottime", help="pstats sort key (tottime, cumulative)")
     ap.add_argument("--out", default="host_overhead.json")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--child-repeats", type=int, default=1, help=argparse.SUPPRESS)
@@ -443,6 +535,9 @@ def main() -> int:
                     "device_busy": summary([x.get("device_busy", 0.0) for x in runs]),
                     # The modelled device's idle time per step (prefill and decode): the host's
                     # share of a step where nothing overlaps it (the normal loop).
+                    **{k: summary([x.get(k, 0.0) for x in runs]) for k in ("decode_step_ms", "prefill_step_ms", "prefill_us_per_prompt_token",
+                                                                        "device_idle_after_decode_ms", "device_idle_after_prefill_ms")},
+                    "steps_decode_prefill": [(x.get("clock_decode_steps"), x.get("clock_prefill_steps")) for x in runs],
                     "host_ms_per_step": summary([1e3 * max(0.0, x["wall_s"] * (1 - x.get("device_busy", 0.0))) / max(1, x.get("steps", x["decode_steps"])) for x in runs]),
                 }
                 print(f"{label:>8} {b:>5} {loop:>20} {s['median']:>10.2f} ({s['min']:.2f}-{s['max']:.2f}) "
@@ -451,6 +546,16 @@ def main() -> int:
                       f"{max(x['gc_max_pause_ms'] for x in runs):>9.2f} "
                       f"{result['summary'][f'{label}/{b}/{loop}']['device_busy']['median']:>5.2f} "
                       f"{result['summary'][f'{label}/{b}/{loop}']['host_ms_per_step']['median']:>12.3f}")
+                sm = result["summary"][f"{label}/{b}/{loop}"]
+                print(f"{'':>8} {'':>5} {'':>20}   ms per decode step {sm['decode_step_ms']['median']:.3f} ({sm['decode_step_ms']['min']:.3f}-"
+                      f"{sm['decode_step_ms']['max']:.3f}), per prefill step {sm['prefill_step_ms']['median']:.3f} ({sm['prefill_step_ms']['min']:.3f}-"
+                      f"{sm['prefill_step_ms']['max']:.3f}), us per prompt token {sm['prefill_us_per_prompt_token']['median']:.3f}, "
+                      f"steps (decode, prefill) {sm['steps_decode_prefill'][0]}")
+                if args.device_us or args.prefill_us_per_token:
+                    print(f"{'':>8} {'':>5} {'':>20}   modelled device idle after decode steps {sm['device_idle_after_decode_ms']['median']:.1f} ms "
+                          f"({sm['device_idle_after_decode_ms']['min']:.1f}-{sm['device_idle_after_decode_ms']['max']:.1f}), after prefill steps "
+                          f"{sm['device_idle_after_prefill_ms']['median']:.1f} ms ({sm['device_idle_after_prefill_ms']['min']:.1f}-"
+                          f"{sm['device_idle_after_prefill_ms']['max']:.1f})")
     digests = {label: {b: br["token_digest"] for b, br in per[label][0]["batches"].items()} for label in labels}
     result["token_digests"] = digests
     print("token digests (equal across checkouts when the tokens are):", digests)

@@ -1,7 +1,8 @@
 """How prefill and decode steps share the device while prompts arrive
 (``core.mixed_prefill.prefill_turn``): without mixing, running requests sit out one
 prefill step at most, then decode; prompts still start; tokens are the same as with
-mixing, in every loop."""
+mixing, in every loop. While the running set is nearly full, finished requests are
+replaced a few at a time (``core.mixed_prefill.refill_due``)."""
 
 from __future__ import annotations
 
@@ -53,6 +54,48 @@ def test_running_requests_wait_for_one_prefill_step_at_most():
     assert all(r.finish_reason == "length" for r in running + burst)
     assert [len(r.output_ids) for r in burst] == [4] * 4
     assert engine.stack.core.kv_is_fully_free()
+
+
+def _refill_steps(finish_every: int) -> tuple[list[tuple[str, int, int, int]], list[Request]]:
+    """64 running requests (64 slots) of which one finishes every ``finish_every`` decode
+    steps, and 8 waiting: each step as (kind, rows, free slots and waiting requests before it)."""
+    engine = Engine.from_pretrained("tiny", max_running_requests=64, page_size=8, decode_steps=1)
+    core, runner = engine.stack.core, engine.stack.runner
+    reqs = [_request(f"r{i}", 6, 2 + finish_every * (i + 1)) for i in range(64)] + [_request(f"w{i}", 6, 3) for i in range(8)]
+    for req in reqs:
+        core.add_request(req)
+    steps = []
+    while core.has_work():
+        free = 64 - len([r for r in core.running if not r.finished()])
+        batch = core.get_next_batch()
+        steps.append(("prefill" if batch.mode.is_extend() else "decode", batch.size, free, len(core.waiting)))
+        out = runner.collect(runner.launch(SchedulerOutput([SchedulerRequest(r.rid, r.data) for r in batch.reqs], batch)))
+        core.process_result(batch, out.token_ids, out.logprobs)
+    assert all(r.finish_reason == "length" for r in reqs)
+    assert [len(r.output_ids) for r in reqs[64:]] == [3] * 8
+    assert core.kv_is_fully_free()
+    return steps, reqs
+
+
+def test_a_nearly_full_running_set_is_refilled_a_few_prompts_at_a_time():
+    """One request ends each decode step: the waiting prompts start two or more per
+    prefill step (two slots are 1/32 of 64), not one per step after each finish."""
+    steps, _ = _refill_steps(finish_every=1)
+    refills = [rows for kind, rows, _, _ in steps[1:] if kind == "prefill"]
+    assert refills and all(rows >= 2 for rows in refills) and sum(refills) == 8, steps
+
+
+def test_a_deferred_refill_waits_a_few_decode_steps_at_most():
+    """One request ends every 8 decode steps: a free slot waits at most
+    ``PREFILL_MAX_DEFERRALS`` decode steps for another, then is refilled alone."""
+    from omni_async.core.mixed_prefill import PREFILL_MAX_DEFERRALS
+
+    steps, _ = _refill_steps(finish_every=8)
+    assert 1 in [rows for kind, rows, _, _ in steps[1:] if kind == "prefill"], steps  # refilled alone
+    run = 0  # decode steps in a row taken while a slot was free and prompts waited
+    for kind, _, free, waiting in steps:
+        run = run + 1 if kind == "decode" and free and waiting else 0
+        assert run <= PREFILL_MAX_DEFERRALS, steps
 
 
 def test_mixed_prefill_steps_may_follow_each_other():

@@ -97,6 +97,36 @@ def test_invalidate_keeps_held_pages_with_their_holder():
     assert alloc.is_fully_free()
 
 
+def test_a_bad_free_takes_no_page_back():
+    """The pages of a release go back in one call (one per finished request): a double
+    free in that call, or a page never handed out, raises before any page of it is
+    freed, so the allocator's books stay as they were."""
+    alloc = PageAllocator(8, PS)
+    a, b = alloc.allocate(2)
+    for bad in ([a, b, a], [a, 7]):
+        with pytest.raises(errors.KVAllocationError):
+            alloc.free(bad)
+        assert alloc.used_pages == 2 and alloc.free_pages == 6
+    alloc.free([b, a])
+    assert alloc.is_fully_free()
+    assert alloc.allocate(2) == [a, b]  # freed in order: the last freed is handed out first
+
+
+def test_release_frees_in_the_order_of_one_page_at_a_time():
+    """Releasing a request's private pages in one call leaves the allocator handing out
+    the same page ids, in the same order, as releasing them leaf first one by one."""
+    one, batched = PageAllocator(16, PS), PageAllocator(16, PS)
+    for alloc, by_page in ((one, True), (batched, False)):
+        cache = PrefixCache(alloc, enabled=False)
+        pages = cache.allocate(5)
+        if by_page:
+            for page in reversed(pages):
+                alloc.free([page])
+        else:
+            cache.release(pages)
+    assert one.allocate(16) == batched.allocate(16)
+
+
 ops = st.lists(
     st.tuples(st.sampled_from(["start", "grow", "finish", "evict", "invalidate"]), st.integers(0, 7), st.integers(1, 14)),
     min_size=1,

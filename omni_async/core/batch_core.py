@@ -64,12 +64,12 @@ class NativeBatchCore(BatchCore):
         self.num_retractions = 0
         self.mixed_decode_rows = 0  # decode rows carried by prefill steps (mixed_prefill)
         self.decodes_waited = False  # the last step was a prefill step without the running decodes
+        self.prefill_deferrals = 0  # decode steps run since a prefill turn was deferred (.mixed_prefill.prefill_turn)
         # Requests whose grammar's forced tokens wait for their KV (structured.jump), with
         # their epochs; the next decode step computes them. And the one-forward steps that did.
         self.jump_due: list[tuple[Request, int]] = []
         self.jump_steps = 0
-        self._step_id = 0
-        self._arrivals = 0
+        self._step_id = self._arrivals = 0
 
     # ------------------------------------------------------------------ queues
 

@@ -10,6 +10,11 @@ from typing import TYPE_CHECKING
 from .multi_step import still_due
 from .request import Request
 
+# A prefill turn while the running set is full waits for 1/PREFILL_FREE_SHARE of its
+# slots to be free, or PREFILL_MAX_DEFERRALS decode steps (refill_due).
+PREFILL_FREE_SHARE = 32
+PREFILL_MAX_DEFERRALS = 4
+
 if TYPE_CHECKING:
     from .batch import ScheduledBatch
     from .batch_core import NativeBatchCore
@@ -88,5 +93,29 @@ def prefill_turn(core: "NativeBatchCore") -> bool:
     run gives its turn back. Without mixing this is how prompts and decodes share the
     device: the decodes keep their fused multi-step launches (a mixed step is one eager
     forward for every running row; at 512 running rows on the H200 that cost NV256's
-    1,024-request run 27%, bench/RESULTS.md)."""
-    return bool(core.waiting or core.chunked) and not (core.decodes_waited and core.running)
+    1,024-request run 27%, bench/RESULTS.md).
+
+    While the running set is nearly full, a turn also waits for a few free slots
+    (:func:`refill_due`), so that requests finishing one or two a step are replaced by one
+    prefill step of several prompts rather than a prefill step of one each."""
+    if not (core.waiting or core.chunked) or (core.decodes_waited and core.running):
+        return False
+    return refill_due(core)
+
+
+def refill_due(core: "NativeBatchCore") -> bool:
+    """A prefill turn while the running set is full but for fewer than 1/32 of its slots
+    (16 of 512) is deferred, for at most ``PREFILL_MAX_DEFERRALS`` decode steps, so that
+    it takes several prompts. A prefill step of one or two prompts costs the device a few
+    ms while the host's processing of the decode step before it, at hundreds of rows,
+    takes longer: the device waited after each one (NV256 at 1,024 requests on the null
+    device with a modelled device, bench/RESULTS.md 2026-12-04 night: ~120 prefill
+    steps, most of one to a few prompts, and the device idle after them). With 32 slots
+    or fewer, and for a request partway through its prefill, nothing is deferred."""
+    limit = core.config.max_running_requests
+    free = limit - len(core.running)
+    if core.chunked is not None or free * PREFILL_FREE_SHARE >= limit or core.prefill_deferrals >= PREFILL_MAX_DEFERRALS:
+        core.prefill_deferrals = 0
+        return True
+    core.prefill_deferrals += 1
+    return False
