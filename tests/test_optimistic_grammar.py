@@ -13,6 +13,7 @@ import asyncio
 import collections
 import re
 
+import anyio
 import pytest
 
 pytest.importorskip("llguidance")
@@ -188,3 +189,54 @@ async def test_cuda_greedy_tokens_equal_masking_first(loop):
     tokens, info = await outputs(True, loop)
     assert tokens == reference
     assert info["grammar_optimistic_refused"] > 0 and info["grammar_optimistic_tokens"] > 0, info
+
+
+async def test_a_pause_with_retraction_between_rewinds_keeps_the_tokens():
+    """A pause in retract mode sends rows that sample first back to waiting mid-stream
+    (their matchers where their kept tokens left them); after resume each re-prefill's
+    token masks first and the rows go on: the tokens of a run without the pause."""
+    params = [seeded(i) for i in range(N)]
+
+    async def go(pause: bool) -> list:
+        async with Engine.from_pretrained("tiny", device="cpu", loop="overlap", decode_steps=4,
+                                          optimistic_grammar=True) as engine:
+            core = engine.scheduler.core
+            task = asyncio.ensure_future(asyncio.gather(*[engine.generate(prompt=f"code {i}:", sampling=sp)
+                                                          for i, sp in enumerate(params)]))
+            if pause:
+                with anyio.fail_after(60):
+                    while not core.running or min(len(r.output_ids) for r in core.running) < 8:
+                        await asyncio.sleep(0.002)
+                await engine.pause(mode="retract")
+                assert core.num_retractions >= 1
+                await engine.resume()
+            results = await task
+            assert engine.scheduler.info()["grammar_optimistic_refused"] > 0
+            assert core.kv_is_fully_free()
+        valid(results)
+        return [r.output_ids for r in results]
+
+    assert await go(True) == await go(False)
+
+
+async def test_one_terminal_each_when_rows_sampling_first_abort_mid_stream():
+    """Aborts of rows that sample first, with steps in flight and rewinds around them:
+    exactly one terminal message per request, the others complete, no KV held after."""
+    async with Engine.from_pretrained("tiny", device="cpu", loop="async_decode", decode_steps=4,
+                                      optimistic_grammar=True) as engine:
+        core = engine.scheduler.core
+        ids = [f"r{i}" for i in range(N)]
+        tasks = [asyncio.ensure_future(engine.generate(prompt=f"code {i}:", sampling=seeded(i), request_id=rid))
+                 for i, rid in enumerate(ids)]
+        with anyio.fail_after(60):
+            while not core.running or min(len(r.output_ids) for r in core.running) < 4:
+                await asyncio.sleep(0.002)
+        await engine.abort(ids[1])
+        await engine.abort(ids[4])
+        outcomes = await asyncio.gather(*tasks, return_exceptions=True)
+        assert core.kv_is_fully_free()
+    for i, out in enumerate(outcomes):
+        if i in (1, 4):
+            assert isinstance(out, BaseException) or out.finish_reason == "abort", out
+        else:
+            assert not isinstance(out, BaseException) and out.finish_reason == "stop", out
