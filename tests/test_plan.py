@@ -48,7 +48,8 @@ def test_a_05b_model_on_an_h200():
     assert (plan.graph_max_len, plan.graph_max_batch) == (32768, 512)  # the paged kernel spans the context
     assert plan.own_stream and plan.dtype == "bfloat16"
     assert (plan.config.max_running_requests, plan.config.max_prefill_tokens) == (512, 16384)
-    assert plan.config.optimistic_grammar is True  # grammar rows sample first on CUDA
+    assert plan.config.optimistic_grammar is True and plan.optimistic_grammar  # grammar rows sample first on CUDA
+    assert not plan_stage(SchedulerConfig(jump_forward=True), DeviceFacts(**H200), QWEN_05B).optimistic_grammar
 
 
 def test_an_8b_model_on_an_h200_with_a_fixed_kv():

@@ -45,6 +45,7 @@ from ..config import SchedulerConfig
 from ..errors import ConfigError, InvalidRequestError, ModelLoadError
 from ..memory_budget import MemoryPlan, activation_reserve_bytes, plan_memory
 from .cpu_choices import _dtype_name, _kernel_options, load_dtype
+from ..structured.optimistic import enabled as optimistic_enabled
 from .multi_step import DecodeSteps
 
 
@@ -132,6 +133,7 @@ class StagePlan:
     max_running_requests: int
     decode_steps: DecodeSteps
     fuse_decode_steps: bool
+    optimistic_grammar: bool  # constrained rows sample first, the grammar checks after
     kv_pages: int | None  # None: the backend sizes its own pools (SGLang on CUDA)
     kv_tokens: int | None
     page_size: int
@@ -317,10 +319,10 @@ def plan_stage(
         buckets = [b for b in device.graph_buckets if b <= config.cuda_graph_max_batch] or [config.cuda_graph_max_batch]
         running = running_limit(device.type, pages * config.page_size, buckets)
     graphs = device.type == "cuda" and config.cuda_graphs
-    optimistic = config.optimistic_grammar
+    optimistic = device.type == "cuda" if config.optimistic_grammar is None else config.optimistic_grammar
     settled = dataclasses.replace(
         config, max_running_requests=running, max_prefill_tokens=max_prefill, chunked_prefill_size=chunked,
-        optimistic_grammar=device.type == "cuda" if optimistic is None else optimistic,
+        optimistic_grammar=optimistic,
         **{name: on for name, on in kernels.items() if getattr(config, name) is None},
     )
     on_cpu = device.type == "cpu"
@@ -337,6 +339,7 @@ def plan_stage(
         max_running_requests=running,
         decode_steps=resolve_decode_steps(config.decode_steps, device.type, config.tensor_parallel_size, config.page_size),
         fuse_decode_steps=config.fuse_decode_steps,
+        optimistic_grammar=optimistic_enabled(settled),
         kv_pages=pages,
         kv_tokens=pages * config.page_size,
         page_size=config.page_size,
@@ -385,6 +388,7 @@ def _plan_sglang(config: SchedulerConfig, device: DeviceFacts, checkpoint: Check
         max_running_requests=running,
         decode_steps=DecodeSteps(),
         fuse_decode_steps=False,
+        optimistic_grammar=False,  # (SGLang's grammar backend masks every token)
         kv_pages=None if kv_tokens is None else kv_tokens // config.page_size,
         kv_tokens=kv_tokens,
         page_size=config.page_size,

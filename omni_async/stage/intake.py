@@ -20,6 +20,7 @@ from ..core.protocol import BatchCore
 from ..core.request import RequestData
 from ..logs import debug_enabled, log
 from ..messages import IncomingMessage, RequestPayload
+from ..structured.optimistic import enabled as optimistic_enabled
 from .channels import WakeSignal
 from .request_checks import RequestDoor, metadata_of, refuse_unknown_fields, sampling_of
 from .prompt_embeds import payload_prompt_len
@@ -68,7 +69,7 @@ class Intake:
         # Ids aborted before they arrived (False) or whose abort was already answered (True).
         self.tombstones: IdWindow[bool] = IdWindow(config.aborted_id_cap, config.aborted_id_keep)
         self.grammars = GrammarGate(door.limits.grammar_compiler, wake.set_threadsafe,
-                                    optimistic=bool(config.optimistic_grammar) and not config.jump_forward)
+                                    optimistic=optimistic_enabled(config))
         self.admission = Admission(
             config,
             is_ready=_with_grammar(self.grammars, _guarded_ready(request_build_ready) if request_build_ready else None),

@@ -53,6 +53,13 @@ LOW_SCORE = 0.75
 FIRST_SCORE = 0.8
 
 
+def enabled(config: Any) -> bool:
+    """Whether a stage's eligible requests sample first: ``optimistic_grammar`` (as the plan
+    settled it: on CUDA unless given), never with ``jump_forward``, which reads every next
+    mask to find forced tokens."""
+    return bool(config.optimistic_grammar) and not config.jump_forward
+
+
 def eligible(sampling: Any, conditioning: Any = None) -> bool:
     """Whether a request under a grammar may sample first and check after: greedy, or
     sampled at temperature alone; no logprobs or hidden states read off its rows; not a
