@@ -32,11 +32,11 @@ def one_run(batch: int, k: int, steps: int) -> dict[str, float]:
     core = NativeBatchCore(config, PageAllocator(batch * (new + 256) // 8, 16), 4096, decode_steps=tiers)
     for i in range(batch):
         core.add_request(Request(rid=f"r{i}", prompt_ids=[3] * (64 + i % 64), sampling=SamplingParams(max_new_tokens=new, ignore_eos=True)))
-    while True:  # the prompts' prefill, untimed
+    while True:  # the prompts' prefill, untimed (decode steps of the first admitted alternate with it)
         b = core.get_next_batch()
-        if b.is_decode:
+        if b.is_decode and b.size == batch and not core.waiting:
             break
-        core.process_result(b, [5] * b.size)
+        core.process_result(b, [5] * (b.size * max(b.row_steps or [1])))
     assert b.size == batch and not core.waiting, "every request decodes in every step"
     sched = proc = 0.0
     for _ in range(steps):
