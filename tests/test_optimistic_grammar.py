@@ -20,6 +20,8 @@ pytest.importorskip("llguidance")
 
 import torch  # noqa: E402
 
+from .test_late_masks import FailsAt  # noqa: E402
+
 from omni_async import Engine, SamplingParams  # noqa: E402
 from omni_async.runners.sampling import RowSampling, row_uniforms, stream_seed  # noqa: E402
 from omni_async.structured.optimistic import FIRST_SCORE, LONGEST_MASKED_RUN, LOW_SCORE, eligible, masked_run, scored  # noqa: E402
@@ -240,3 +242,78 @@ async def test_one_terminal_each_when_rows_sampling_first_abort_mid_stream():
             assert isinstance(out, BaseException) or out.finish_reason == "abort", out
         else:
             assert not isinstance(out, BaseException) and out.finish_reason == "stop", out
+
+
+class FailsWhenTaken(FailsAt):
+    """The library's matcher failing at the n-th token it admits, through ``try_consume_tokens``."""
+
+    def try_consume_tokens(self, tokens: list[int]) -> int:
+        taken = 0
+        for t in tokens:  # the n-th token the grammar admits breaks it (a refused one is not taken)
+            if self.real.validate_tokens([t]) != 1:
+                return taken
+            self.seen += 1
+            if self.seen >= self.n:
+                self.broken = True
+                return taken
+            self.real.try_consume_tokens([t])
+            taken += 1
+        return taken
+
+
+
+async def test_a_grammar_failing_while_its_row_samples_first_ends_that_request_alone(monkeypatch):
+    """llguidance's lazy compilation failing at the 4th token a row's grammar admits (taken
+    after sampling, or under the mask after a refusal): that request alone ends with a
+    typed error after its first three tokens, the others complete, no request holds KV,
+    and the grammar is refused at admission from then on."""
+    from omni_async import errors
+    from omni_async.structured.grammar import GrammarCompiler
+
+    failing = ("regex", "(.|\\n){4,40}")
+    real_matcher = GrammarCompiler.matcher
+
+    def matcher(self, key):
+        m = real_matcher(self, key)
+        if key == failing:
+            m.handle  # its first mask computed (queued at creation), then the library's matcher wrapped
+            m._m = FailsWhenTaken(m._m, 4)
+        return m
+
+    monkeypatch.setattr(GrammarCompiler, "matcher", matcher)
+    async with Engine.from_pretrained("tiny", device="cpu", loop="overlap", decode_steps=4,
+                                      optimistic_grammar=True) as engine:
+        others = asyncio.gather(*[engine.generate(prompt=f"code {i}:", sampling=seeded(i)) for i in range(3)])
+        streamed: list[int] = []
+
+        async def fails():
+            with pytest.raises(errors.InvalidRequestError, match="failed during generation"):
+                async for delta in engine.stream(prompt="x", sampling=SamplingParams(max_new_tokens=32, regex=failing[1])):
+                    streamed.extend(delta.token_ids)
+
+        results, _ = await asyncio.gather(others, fails())
+        with pytest.raises(errors.InvalidRequestError, match="invalid regex"):  # refused at admission now
+            await engine.generate(prompt="y", sampling=SamplingParams(max_new_tokens=8, regex=failing[1]))
+        assert engine.scheduler.info()["grammar_optimistic_tokens"] > 0
+        assert engine.scheduler.core.kv_is_fully_free()
+    assert len(streamed) == 3, streamed
+    valid(results)
+
+
+def test_a_failure_met_while_taking_tokens_refuses_the_grammar_from_then_on():
+    """``GrammarMatcher.take`` meeting the library's lazy failure tells the compiler, which
+    then refuses the grammar at admission."""
+    from omni_async import errors
+    from omni_async.structured.grammar import GrammarCompiler
+    from omni_async.text.tokenizer import ByteTokenizer
+
+    tok = ByteTokenizer()
+    compiler = GrammarCompiler(tok, tok.vocab_size)
+    key = ("regex", "[a-z]{4,40}")
+    m = compiler.matcher(key)
+    m.handle  # its first mask computed, then the library's matcher wrapped
+    m._m = FailsWhenTaken(m._m, 2)
+    assert m.take(list(b"abc")) == 1 and m.failed  # (byte tokens: their ids are the bytes)
+    with pytest.raises(errors.InvalidRequestError, match="invalid regex"):
+        compiler.matcher(key)
+    compiler.close()

@@ -73,9 +73,7 @@ class GrammarMatcher:
         self._valid = False
         ok = self._m.consume_token(int(token))
         if self._m.is_error():
-            if self._on_fail is not None:
-                self._on_fail(self.failed or "the grammar failed")
-                self._on_fail = None
+            self._tell_failure()
             return True
         if not ok or self._m.is_stopped():
             return True
@@ -96,6 +94,9 @@ class GrammarMatcher:
         self._ticket = None
         self._valid = False
         n = self._m.try_consume_tokens(tokens)
+        if self._m.is_error():  # (the library's lazy work failed: the caller meets ``failed``)
+            self._tell_failure()
+            return n
         refused = n < len(tokens) and not self._m.is_stopped()  # (tokens after a completed grammar are the caller's)
         self._score = optimistic_score(self._score, n, refused)
         if self._score >= LOW_SCORE:
@@ -105,9 +106,16 @@ class GrammarMatcher:
             self._worker.refused += refused
         return n
 
+    def _tell_failure(self) -> None:
+        """Tell the compiler, once, that this grammar failed while in use (it then refuses
+        the grammar at admission)."""
+        if self._on_fail is not None:
+            self._on_fail(self.failed or "the grammar failed")
+            self._on_fail = None
+
     def refused_at(self, index: int) -> None:
         """The guess at generation ``index`` was refused and the request rewound to the
-        token before it: mask first from there (:func:`.optimistic.after_refusal`), and
+        token before it: mask first from there (:func:`.optimistic.masked_run`), and
         queue that position's mask now."""
         if self._score < LOW_SCORE:
             self._low_refusals += 1
