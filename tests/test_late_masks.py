@@ -138,20 +138,26 @@ class FailsAt:
         self.real.unsafe_compute_mask_ptr(ptr, size)
 
 
-async def test_a_grammar_failing_mid_stream_ends_its_request_alone(monkeypatch):
+def fail_grammar_at(monkeypatch, key: tuple[str, str], n: int, wrapper: type = FailsAt) -> None:
+    """Every matcher the engine makes for ``key`` fails at its ``n``-th token (``wrapper``
+    around the library's matcher, once its first mask is computed)."""
     from omni_async.structured.grammar import GrammarCompiler
 
-    failing = ("regex", "[a-z]{4,40}")
     real_matcher = GrammarCompiler.matcher
 
-    def matcher(self, key):
-        m = real_matcher(self, key)
-        if key == failing:
+    def matcher(self, k):
+        m = real_matcher(self, k)
+        if k == key:
             m.handle  # its first mask computed (queued at creation), then the library's matcher wrapped
-            m._m = FailsAt(m._m, 4)
+            m._m = wrapper(m._m, n)
         return m
 
     monkeypatch.setattr(GrammarCompiler, "matcher", matcher)
+
+
+async def test_a_grammar_failing_mid_stream_ends_its_request_alone(monkeypatch):
+    failing = ("regex", "[a-z]{4,40}")
+    fail_grammar_at(monkeypatch, failing, 4)
     async with Engine.from_pretrained("tiny", optimistic_grammar=False, device="cpu", loop="overlap", decode_steps=1) as engine:
         others = run(engine, [SamplingParams(max_new_tokens=200, json_schema=ENDLESS) for _ in range(N - 1)])
         streamed: list[int] = []

@@ -20,7 +20,7 @@ pytest.importorskip("llguidance")
 
 import torch  # noqa: E402
 
-from .test_late_masks import FailsAt  # noqa: E402
+from .test_late_masks import FailsAt, fail_grammar_at  # noqa: E402
 
 from omni_async import Engine, SamplingParams  # noqa: E402
 from omni_async.runners.sampling import RowSampling, row_uniforms, stream_seed  # noqa: E402
@@ -268,19 +268,9 @@ async def test_a_grammar_failing_while_its_row_samples_first_ends_that_request_a
     typed error after its first three tokens, the others complete, no request holds KV,
     and the grammar is refused at admission from then on."""
     from omni_async import errors
-    from omni_async.structured.grammar import GrammarCompiler
 
     failing = ("regex", "(.|\\n){4,40}")
-    real_matcher = GrammarCompiler.matcher
-
-    def matcher(self, key):
-        m = real_matcher(self, key)
-        if key == failing:
-            m.handle  # its first mask computed (queued at creation), then the library's matcher wrapped
-            m._m = FailsWhenTaken(m._m, 4)
-        return m
-
-    monkeypatch.setattr(GrammarCompiler, "matcher", matcher)
+    fail_grammar_at(monkeypatch, failing, 4, FailsWhenTaken)
     async with Engine.from_pretrained("tiny", device="cpu", loop="overlap", decode_steps=4,
                                       optimistic_grammar=True) as engine:
         others = asyncio.gather(*[engine.generate(prompt=f"code {i}:", sampling=seeded(i)) for i in range(3)])
