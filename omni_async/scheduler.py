@@ -211,6 +211,7 @@ class AsyncOmniScheduler:
 
     async def _close_everything(self) -> None:
         self.state.lifecycle = "closing"
+        self.emission.deliver()  # what the last synchronous step sent
         for msg in take_buffered(self._inbox_rx):
             self.intake.put(msg)
         await self.executor.aclose(self.stepper.watchdog.close_wait_s())
@@ -268,6 +269,8 @@ class AsyncOmniScheduler:
         self.stats.iterations += 1
         await anyio.lowlevel.checkpoint()
         self._wake.clear()
+        if self.admin_channel.pending:  # an action may wait (a drain, a weight update): nothing held behind it
+            self.emission.deliver()
         with self.emission.coalesced():
             await self.admin_channel.serve(self._background)
             await self.intake.receive_and_admit()

@@ -269,3 +269,23 @@ async def test_no_stall_when_the_step_in_flight_frees_the_kv_waiting_requests_ne
         results = await asyncio.wait_for(asyncio.gather(*reqs), 60)
     assert [len(r.output_ids) for r in results] == lengths + [12] * 4
     assert_kv_free(engine)
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+async def test_a_step_reaches_its_reader_once_the_next_step_runs(loop):
+    """A synchronous step's deltas are handed to the readers after the next step is
+    launched (and a lookahead step's are processed after it anyway), so the readers' work
+    overlaps the device rather than delaying the launch; the last step's go out when the
+    loop goes idle. One token a step: when the reader sees its t-th token, step t + 1
+    (the prefill is step 1) has been launched, except after the last."""
+    engine = Engine.from_pretrained("tiny", loop=loop, decode_steps=1)
+    async with engine:
+        handle = await engine.submit(input_ids=[5, 6, 7], sampling=SamplingParams(max_new_tokens=6, ignore_eos=True))
+        seen: list[tuple[int, int]] = []
+        async for delta in handle:
+            seen.append((len(delta.token_ids), engine.scheduler.info()["steps"]))
+    assert sum(n for n, _ in seen) == 6
+    got = 0
+    for n, launched in seen:
+        got += n
+        assert launched == min(got + 1, 6), seen

@@ -30,6 +30,11 @@ class AdminChannel:
             return False
         return True
 
+    @property
+    def pending(self) -> bool:
+        """Whether a request waits to be served."""
+        return self._rx.statistics().current_buffer_used > 0
+
     async def serve(self, background: anyio.abc.TaskGroup | None) -> None:
         """Answer what is queued; background actions go to ``background`` when given."""
         for request in take_buffered(self._rx):

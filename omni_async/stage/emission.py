@@ -65,6 +65,9 @@ class Emission:
         self.columns_sink: ColumnsSink | None = None
         self._tokens = _no_tokens()
         self._coalescing = 0
+        # True from a synchronous step's processing until the next step is launched
+        # (``defer`` / ``deliver``): its messages wait in ``_pending`` meanwhile.
+        self._deferred = False
         self._first_emitted: set[str] = set()
         # SchedulerConfig.stream_interval: above 1, a request's plain deltas are held
         # here (tokens, logprobs) until it has that many unsent tokens or finishes.
@@ -84,11 +87,29 @@ class Emission:
             yield
         finally:
             self._coalescing -= 1
-            if not self._coalescing:
+            if not self._coalescing and not self._deferred:
                 self.flush()
 
     def send(self, msg: OutgoingMessage) -> None:
         self._pending.append(msg)
+        if not self._coalescing and not self._deferred:
+            self.flush()
+
+    def defer(self) -> None:
+        """Hold every delivery until ``deliver``. The stepper defers a synchronous step's
+        messages until the next step is launched, so that handing them to the readers
+        (and the readers' own work, which runs at the loop's next await) overlaps the
+        device instead of delaying the launch: in the normal loop that was a third of the
+        host's work between two steps. Order is kept: later messages queue behind."""
+        self._deferred = True
+
+    @property
+    def deferred(self) -> bool:
+        return self._deferred
+
+    def deliver(self) -> None:
+        """End a ``defer``: what is held goes now (at the end of an enclosing block)."""
+        self._deferred = False
         if not self._coalescing:
             self.flush()
 

@@ -75,6 +75,10 @@ class StepSink(Protocol):
 
     def on_step_output(self, batch: Any, out: ModelRunnerOutput) -> None: ...
     def on_step_failed(self, batch: Any, exc: BaseException) -> None: ...
+    def defer(self) -> None: ...
+    def deliver(self) -> None: ...
+    @property
+    def deferred(self) -> bool: ...
 
 
 class SteppedStage(Protocol):
@@ -174,6 +178,7 @@ class Stepper:
             if batch is None:
                 return
         if batch is None:
+            self.sink.deliver()  # nothing launches: what the last step sent goes now
             self.core.on_idle()
             if self.state.serving:  # idle: await the channels
                 await self.wake.wait()
@@ -182,6 +187,7 @@ class Stepper:
         step = self._inflight.popleft()
         if step.masks_due:
             await self._sample_late(step)
+        self.sink.defer()  # delivered once the next step runs (see ``_launch``)
         await self._complete(step, trace=None)
 
     async def drain(self) -> None:
@@ -211,9 +217,21 @@ class Stepper:
             fut = self.executor.launch(self._launch_on_worker, sched_output, lookahead, inline=inline)
         except Exception as exc:
             self._inflight.append(InflightStep(batch, sched_output, None, lookahead, exc))
+            self.sink.deliver()
             return
         self._inflight.append(InflightStep(batch, sched_output, fut, lookahead, launched_at=time.perf_counter(),
                                            masks_due=getattr(batch, "late_masks", False)))
+        if self.sink.deferred:
+            await self._deliver_after_launch(self._inflight[-1], inline)
+
+    async def _deliver_after_launch(self, step: InflightStep, inline: bool) -> None:
+        """Deliver what the last synchronous step sent, now that this step runs. A launch
+        on the worker feeding a GPU (a prefill) is awaited first: delivering beside it
+        would take the GIL from it in switch-interval turns. On CPU the worker's launch is
+        the forward itself, which releases the GIL: delivery overlaps it at once."""
+        if self.executor.launches_inline and not inline:
+            await self._launched(step)
+        self.sink.deliver()
 
     async def _until_enqueued(self) -> None:
         """Before launching on the loop thread: every step launched on the worker before
