@@ -353,3 +353,53 @@ def test_generated_mixes_equal_one_step_decode(soak):
         assert same(many, one)
 
     inner()
+
+
+WORDS = r"[a-z]{2,6}( [a-z]{1,5}){0,4}\."
+
+
+async def _outputs(loop: str, decode_steps: int, reqs, **kw) -> list[list[int]]:
+    engine = Engine.from_pretrained("tiny", loop=loop, decode_steps=decode_steps, page_size=8, **kw)
+    async with engine:
+        results = await asyncio.gather(*(engine.generate(input_ids=p, sampling=sp) for p, sp in reqs))
+    assert_kv_free(engine)
+    return [r.output_ids for r in results]
+
+
+@pytest.mark.parametrize("optimistic", [False, True])
+async def test_a_row_that_samples_fewer_forwards_keeps_its_penalties(optimistic):
+    """A step of several forwards where one row samples fewer than the others (a row
+    under a grammar samples one token under its mask; the step runs on for its
+    neighbour): the forwards it does not use must not count as its tokens. They had
+    been published to its slot's penalty counts and seen-mask, so a constrained row
+    with OpenAI and repetition penalties beside a row with a logit bias drew different
+    greedy tokens at four forwards a step than at one."""
+    reqs = [([109, 217], SamplingParams(max_new_tokens=30, regex=WORDS, repetition_penalty=1.3, frequency_penalty=0.5)),
+            ([175, 232, 113, 154, 52, 129, 29, 243, 173, 102, 78, 132, 130, 7, 86, 159, 226, 105, 233, 75, 7, 43, 54],
+             SamplingParams(max_new_tokens=40, ignore_eos=True, logit_bias={71: 5.0}))]
+    ref = await _outputs("normal", 1, reqs, optimistic_grammar=False)
+    for loop in LOOPS:
+        assert await _outputs(loop, 4, reqs, optimistic_grammar=optimistic) == ref, loop
+
+
+async def test_constrained_rows_with_penalties_beside_free_rows_equal_one_step_decode():
+    """A seeded mix: rows under grammars (sampling first and masked) with OpenAI and
+    repetition penalties, min_new_tokens and seeds, beside free rows with logit biases,
+    at four forwards a step against one, in every loop (greedy and seeded tokens alike)."""
+    rng = random.Random(11)
+    reqs = []
+    for i in range(10):
+        prompt = [rng.randrange(3, 250) for _ in range(rng.randint(2, 30))]
+        kw = dict(max_new_tokens=rng.randint(4, 28), repetition_penalty=rng.choice([1.0, 1.3]),
+                  frequency_penalty=rng.choice([0.0, 0.5]), presence_penalty=rng.choice([0.0, 0.4]))
+        if i % 3 == 2:
+            kw.update(temperature=0.8, seed=50 + i)
+        if i % 2:
+            kw.update(regex=WORDS, min_new_tokens=rng.randint(0, 3))
+        else:
+            kw.update(ignore_eos=True, logit_bias={rng.randrange(3, 250): 5.0, rng.randrange(3, 250): -5.0})
+        reqs.append((prompt, SamplingParams(**kw)))
+    for optimistic in (False, True):  # (a sampled row sampling first draws other tokens than masking first)
+        ref = await _outputs("normal", 1, reqs, optimistic_grammar=optimistic)
+        for loop in LOOPS:
+            assert await _outputs(loop, 4, reqs, optimistic_grammar=optimistic) == ref, (loop, optimistic)

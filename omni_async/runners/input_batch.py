@@ -273,6 +273,30 @@ class InputBatch:
             seen[rows_dev, tokens] = True
         self.controls.publish(rows_dev, tokens)
 
+    def publish_forward(self, rows_dev: torch.Tensor, tokens: torch.Tensor, j: int, steps: Sequence[int]) -> None:
+        """``publish`` after forward ``j`` of a multi-step decode's ``[k, B]`` ``tokens``,
+        whose rows run ``steps`` forwards each: a row publishes the tokens of its own
+        forwards only. One that runs fewer (a row under a grammar's mask, one at its length
+        limit) and goes on next step must not count its discarded forwards' samples as
+        seen or generated: its penalties would be wrong from then on. Later forwards read
+        the tokens before them directly, so without penalties (which read every token as
+        it is sampled) one publish at the last forward records each row's last own token."""
+        k = tokens.shape[0]
+        run = np.asarray(steps)
+        if "seen" in self.masks or self.controls.counts is not None:
+            live = np.flatnonzero(run > j)
+            if len(live) == len(run):
+                self.publish(rows_dev, tokens[j])
+            elif len(live):
+                idx = torch.from_numpy(live).to(self.device, non_blocking=True)
+                self.publish(rows_dev.index_select(0, idx), tokens[j].index_select(0, idx))
+        elif j == k - 1:
+            if run.min() >= k:
+                self.publish(rows_dev, tokens[j])
+            else:
+                last = torch.from_numpy(np.minimum(run, k) - 1).to(self.device, non_blocking=True)
+                self.publish(rows_dev, tokens.gather(0, last[None, :]).squeeze(0))
+
     def publish_steps(self, rows_dev: torch.Tensor, tokens: torch.Tensor) -> None:
         """``publish`` for a multi-step decode's ``[k, B]`` tokens at once: the last
         forward's are the newest, all of them are seen."""

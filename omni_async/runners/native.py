@@ -221,9 +221,6 @@ class NativeModelRunner(ModelRunner):
         logprobs: torch.Tensor | None = None
         hidden: torch.Tensor | None = None
         sub, last = fb, None
-        # Later forwards read the tokens before them directly; the slots' record is for the
-        # next step, so one publish at the end does, unless penalties mark every token seen.
-        every_forward = "seen" in self.inputs.masks or self.inputs.controls.counts is not None
         for j in range(k):
             if j:
                 sub = self._next_forward(fb, j, tokens[j - 1])
@@ -241,8 +238,7 @@ class NativeModelRunner(ModelRunner):
                 if hidden is None:
                     hidden = last.hidden_states.new_empty((k,) + tuple(last.hidden_states.shape))
                 hidden[j].copy_(last.hidden_states)
-            if every_forward or j == k - 1:
-                self.inputs.publish(fb.rows.slots_dev, tokens[j])
+            self.inputs.publish_forward(fb.rows.slots_dev, tokens, j, batch.row_steps)
         assert last is not None
         merged = BatchResult(
             logits=last.logits, next_token_ids=tokens, next_token_logprobs=logprobs, hidden_states=hidden,
