@@ -36,8 +36,10 @@ TEMP, TOP_P, MIN_P, PENALTY, RAW = range(5)
 TOP_K, SEED, MIN_NEW = range(3)
 # Steps with more slots than rows between two sweeps for finished requests.
 SWEEP_EVERY = 8
-# Host-only flags per slot.
-WANT_LP, HAS_SUPPRESS, HAS_STOP = range(3)
+# Host-only flags per slot: what its request asks of sampling, set when it joins, so a
+# step's sampling mode is one reduction over its rows' flags (fused_sampling.sampling_mode).
+WANT_LP, HAS_SUPPRESS, HAS_STOP, SAMPLED, SORTS, MIN_P_ON, PENALISED = range(7)
+FLAGS = 7
 
 
 @dataclass
@@ -69,7 +71,7 @@ class InputBatch:
         self.slot_epoch = np.zeros(0, dtype=np.int64)  # the epoch of the request holding each slot
         self.fp = np.zeros((0, 5), dtype=np.float32)
         self.ip = np.zeros((0, 3), dtype=np.int64)
-        self.flags = np.zeros((0, 3), dtype=bool)
+        self.flags = np.zeros((0, FLAGS), dtype=bool)
         self.want_hidden = np.zeros(0, dtype=bool)  # the slot's request asked for its hidden states
         self.table_dev = torch.zeros((0, 0), dtype=torch.long, device=device)
         self.fp_dev = torch.zeros((0, 5), dtype=torch.float32, device=device)
@@ -249,7 +251,11 @@ class InputBatch:
         self.fp[slot] = (sp.temperature, sp.top_p, sp.min_p, sp.repetition_penalty, sp.logprobs_mode == "raw")
         self.ip[slot] = (sp.top_k, seed or 0, sp.min_new_tokens)
         stop = sorted(req.stop_ids()) if sp.min_new_tokens > 0 else []
-        self.flags[slot] = (sp.return_logprob, bool(sp.suppress_tokens), bool(stop))
+        f, i = self.fp[slot], self.ip[slot]  # read back as stored (float32), as the device sees them
+        sampled = bool(f[TEMP] != 0)
+        self.flags[slot] = (sp.return_logprob, bool(sp.suppress_tokens), bool(stop), sampled,
+                            sampled and bool(0 < i[TOP_K] < self.vocab or f[TOP_P] < 1), sampled and bool(f[MIN_P] > 0),
+                            bool(f[PENALTY] != 1))
         self.want_hidden[slot] = sp.return_hidden_states
         self._dirty_params.append(slot)
         self.controls.join(slot, sp, req.output_ids)
