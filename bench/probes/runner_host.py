@@ -19,6 +19,9 @@ time per row, for a steady batch (every row decodes every step) and one with chu
 each checkout runs in its own process, interleaved per repeat (before/after):
 
     python bench/probes/runner_host.py --launch --batches 64,256 --k 8 --code /work/main --code . --labels main,branch
+
+With ``--device cuda`` the launch is the real one on the GPU (the tiny model, its fused
+graphs replayed) and the figures are the host's CPU time around it.
 """
 
 from __future__ import annotations
@@ -180,9 +183,11 @@ def _null_runner(runner) -> None:
     runner._fused_batch = fused_batch
 
 
-def launch_costs(bs: int, k: int, steps: int, churn: bool) -> dict:
+def launch_costs(bs: int, k: int, steps: int, churn: bool, device: str = "cpu") -> dict:
     """Thread CPU ns per row of a decode step's launch (and its parts) and collect, over
-    ``steps`` decode steps of about ``bs`` rows, k forwards each, on the null device."""
+    ``steps`` decode steps of about ``bs`` rows, k forwards each: on the null device on
+    CPU; on CUDA the tiny model's real fused launch (its graphs replayed), the wait for
+    the step's completion left out of both figures."""
     import torch
 
     from omni_async.backends.native.builder import build_native_stack
@@ -195,9 +200,10 @@ def launch_costs(bs: int, k: int, steps: int, churn: bool) -> dict:
     n_req = 2 * bs if churn else bs
     config = SchedulerConfig(max_running_requests=bs, kv_capacity_tokens=n_req * (512 + new + 64), max_prefill_tokens=1 << 16,
                              chunked_prefill_size=1 << 16, decode_steps=k)
-    stack = build_native_stack("tiny", config, device="cpu")
+    stack = build_native_stack("tiny", config, device=device)
     core, runner = stack.core, stack.runner
-    _null_runner(runner)
+    if device == "cpu":
+        _null_runner(runner)
     for i in range(n_req):
         # churn: new tokens spread so that rows finish through the run and waiting ones join
         max_new = (k * (1 + i * steps // bs) + 3) if churn else new
@@ -237,12 +243,15 @@ def launch_costs(bs: int, k: int, steps: int, churn: bool) -> dict:
             t0 = time.thread_time()
             pending = runner.launch(so)
             t1 = time.thread_time()
-            out = runner.collect(pending)
+            if pending.event is not None:  # CUDA: the device's time is not the host's
+                pending.event.synchronize()
             t2 = time.thread_time()
+            out = runner.collect(pending)
+            t3 = time.thread_time()
             core.process_result(batch, out.token_ids, out.logprobs)
             if measured:
                 launch += t1 - t0
-                collect += t2 - t1
+                collect += t3 - t2
                 rows += batch.size
                 decode_steps += 1
             else:
@@ -272,7 +281,7 @@ def launch_main(args) -> int:
         for code, label in zip(codes, labels):
             env = {**__import__("os").environ, "PYTHONPATH": str(Path(code).resolve())}
             cmd = [sys.executable, str(here), "--launch-child", "--batches", args.batches, "--k", str(args.k),
-                   "--steps", str(args.steps), "--threads", str(args.threads)]
+                   "--steps", str(args.steps), "--threads", str(args.threads), "--device", args.device]
             out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True, cwd=str(Path(code).resolve()))
             r = json.loads(out.stdout.strip().splitlines()[-1])
             runs[label].append(r)
@@ -307,6 +316,7 @@ def main() -> int:
     ap.add_argument("--launch", action="store_true", help="the fused decode launch and collect on the null device")
     ap.add_argument("--launch-child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--k", type=int, default=8, help="with --launch: forwards per decode step")
+    ap.add_argument("--device", default="cpu", help="with --launch: cpu (the null device) or cuda (the real fused launch)")
     ap.add_argument("--repeats", type=int, default=5, help="with --launch: runs per checkout")
     ap.add_argument("--labels", default="", help="with --launch: labels of the --code checkouts")
     ap.add_argument("--smoke", action="store_true", help="with --launch: a few steps of 16 rows, one repeat")
@@ -327,8 +337,8 @@ def main() -> int:
         torch.set_num_threads(args.threads)
         res = {}
         for bs in (int(b) for b in args.batches.split(",")):
-            res[f"steady_b{bs}"] = launch_costs(bs, args.k, args.steps, churn=False)
-            res[f"churn_b{bs}"] = launch_costs(bs, args.k, args.steps, churn=True)
+            res[f"steady_b{bs}"] = launch_costs(bs, args.k, args.steps, churn=False, device=args.device)
+            res[f"churn_b{bs}"] = launch_costs(bs, args.k, args.steps, churn=True, device=args.device)
         print(json.dumps(res))
         return 0
     if args.launch:
