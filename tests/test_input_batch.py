@@ -172,3 +172,62 @@ def test_shared_page_list_growth_after_scheduling_is_ignored():
     assert ib.block_tables(rows).tolist() == [[7]]
     rows = ib.assign([req], [0], [req.pages], [3], lambda r: 1)
     assert ib.block_tables(rows).tolist() == [[7, 8, 9]]
+
+
+def test_repeated_rows_keep_their_slots_through_growth_retraction_and_a_reused_list():
+    """The same rows step after step (the previous step's slots reused), pages grown one
+    at a time and several at once, a retraction among them, and the caller's row list
+    mutated in place between steps (as the core reuses its lists): tables and slots
+    stay those of a rebuild."""
+    ib = InputBatch(PAGE, VOCAB, torch.device("cpu"), slots=2, pages=1)
+    reqs = [Request(rid=f"s{i}", prompt_ids=[1], sampling=SamplingParams(), pages=[10 * i]) for i in range(5)]
+    rows = list(reqs)  # one list object, as the core hands it out
+    slots_seen: dict[str, int] = {}
+    for step in range(12):
+        if step == 4:  # a retraction: new epoch, a fresh page list
+            reqs[2].epoch += 1
+            reqs[2].pages = [500]
+        if step == 7:  # the list mutated in place: a row leaves, another takes its place
+            rows[1] = Request(rid="late", prompt_ids=[1], sampling=SamplingParams(), pages=[700])
+        for j, r in enumerate(rows):
+            if (step + j) % 3 == 0:
+                r.pages.append(1000 + 10 * step + j)
+            if step == 9 and j == 0:
+                r.pages.extend([2000, 2001, 2002])
+        counts = [len(r.pages) for r in rows]
+        got = ib.assign(rows, [r.epoch for r in rows], [r.pages for r in rows], counts, lambda r: 1)
+        assert len(set(got.slots.tolist())) == len(rows), step
+        assert np.array_equal(ib.block_tables(got).numpy(), expected_tables(rows, counts, ib.pad_page)), step
+        for r, slot in zip(rows, got.slots.tolist()):
+            if r.rid in slots_seen and not (step == 4 and r is reqs[2]):
+                assert slots_seen[r.rid] == slot, (step, r.rid)  # a row that stays keeps its slot
+            slots_seen[r.rid] = slot
+
+
+def test_a_steps_sampling_mode_is_the_union_of_what_its_rows_ask():
+    """The mode from the slots' join-time flags equals the one computed from their
+    settings (the fused launch's graph key)."""
+    from omni_async.runners.fused_sampling import SamplingMode, sampling_mode
+    from omni_async.runners.input_batch import MIN_NEW, MIN_P, PENALTY, TEMP, TOP_K, TOP_P, HAS_STOP, HAS_SUPPRESS
+
+    rng = random.Random(7)
+    ib = InputBatch(PAGE, VOCAB, torch.device("cpu"), slots=2, pages=1)
+    reqs = [Request(rid=f"m{i}", prompt_ids=[1], sampling=random_params(rng), pages=[i], eos_token_ids=(VOCAB - 1,))
+            for i in range(40)]
+    rows = ib.assign(reqs, [0] * len(reqs), [r.pages for r in reqs], [1] * len(reqs), lambda r: 1)
+    modes = set()
+    for trial in range(200):
+        pick = np.array(sorted(rng.sample(range(len(reqs)), rng.randint(1, 4))))
+        s = rows.slots[pick]
+        sidx = np.array([rng.randrange(10) for _ in pick], dtype=np.int64)
+        fp, ip, flags = ib.fp[s], ib.ip[s], ib.flags[s]
+        sampled = fp[:, TEMP] != 0
+        want = SamplingMode(
+            sampled=bool(sampled.any()),
+            sort=bool((sampled & (((ip[:, TOP_K] > 0) & (ip[:, TOP_K] < VOCAB)) | (fp[:, TOP_P] < 1))).any()),
+            min_p=bool((sampled & (fp[:, MIN_P] > 0)).any()), penalty=bool((fp[:, PENALTY] != 1).any()),
+            suppress=bool(flags[:, HAS_SUPPRESS].any()), stop=bool((flags[:, HAS_STOP] & (sidx < ip[:, MIN_NEW])).any()),
+        )
+        assert sampling_mode(flags, ib.ip, s, sidx) == want, trial
+        modes.add(want)
+    assert len(modes) > 8, "the trials cover many modes"

@@ -293,3 +293,24 @@ async def test_cpu_keeps_the_reference_ops_whatever_fused_kernels_says(fused, de
         ops = engine.stack.loaded.model.ops
     assert len(out.output_ids) == 4
     assert engine.stack.runner.fused is False and type(ops) is ReferenceOps
+
+
+def test_live_rows_and_ok_flags_of_a_collected_step():
+    """``live_rows`` picks the rows whose sample is kept and whose request neither
+    finished nor moved epoch (all of them as a range in the usual step); ``host_values``
+    gives None for the ok flags only when every one is set."""
+    from omni_async.runners.host_copy import host_values, live_rows
+
+    reqs = [Request(rid=f"l{i}", prompt_ids=[1], sampling=SamplingParams()) for i in range(5)]
+    epochs = [r.epoch for r in reqs]
+    assert live_rows([True] * 5, reqs, epochs) == [0, 1, 2, 3, 4]
+    reqs[1].finish_reason = "stop"
+    reqs[3].epoch += 1  # retracted after the step was scheduled
+    assert live_rows([True] * 5, reqs, epochs) == [0, 2, 4]
+    assert live_rows([True, True, False, True, True], reqs, epochs) == [0, 4]
+    every = torch.tensor([[5, 6, 7], [1, 1, 1]])
+    assert host_values(every, 3) == ([5, 6, 7], None, None)
+    one_failed = torch.tensor([[5, 0, 7], [1, 0, 1]])
+    assert host_values(one_failed, 3) == ([5, 0, 7], [1, 0, 1], None)
+    fused = torch.tensor([[[5, 6, 9], [7, 8, 9]], [[1, 1, 0], [1, 1, 0]]])  # [2, k=2, bucket 3], one padding row
+    assert host_values(fused, 2) == ([5, 6, 7, 8], None, None)

@@ -27,7 +27,7 @@ import torch
 from .sampling import RowSampling, SampleResult, SamplingBatch, SeedSource, batch_from_rows, sample
 from ..core.runner_io import ModelRunnerOutput, RequestOutput, SchedulerOutput
 from .hooks import RunnerHooks
-from .host_copy import copy_to_host, host_values, rows_ok
+from .host_copy import copy_to_host, host_values, live_rows, rows_ok
 from .streams import STREAMS
 from .types import BatchResult
 from ..structured.batch_mask import GrammarMasks
@@ -301,15 +301,13 @@ class ModelRunner(RunnerHooks):
         host = pending.host
         if host is None or result.next_token_ids is not pending.copied:
             host = copy_to_host(result, wait=True)  # a hook replaced the tokens
-        token_ids, ok, logprobs = host_values(host, batch.size)
+        token_ids, ok, logprobs = host_values(host, batch.size)  # ok: None when every row sampled
         steps = getattr(batch, "row_steps", None)  # a multi-step decode: tokens forward-major
-        if steps is not None and not all(ok):
+        if steps is not None and ok is not None:
             ok = rows_ok(ok, steps)
-        kept, epochs, reqs = batch.samples_kept, batch.epochs, batch.reqs
-        # Live rows: not finished or retracted since the step was scheduled.
-        live = [i for i, (k, r, e) in enumerate(zip(kept, reqs, epochs)) if k and r.finish_reason is None and r.epoch == e]
-        taken = live if all(ok) else [i for i in live if ok[i]]
-        row_errors = {} if taken is live else {i: NO_TOKEN_MESSAGE for i in live if not ok[i]}
+        live = live_rows(batch.samples_kept, batch.reqs, batch.epochs)  # not finished or retracted since scheduled
+        taken = live if ok is None else [i for i in live if ok[i]]
+        row_errors = {} if ok is None else {i: NO_TOKEN_MESSAGE for i in live if not ok[i]}
         hidden = result.hidden_states
         if hidden is not None and (hidden.dim() < 2 or hidden.shape[-2] != batch.size):
             hidden = None  # not one row per sampled row (e.g. a hook's capture of every position)
@@ -371,8 +369,8 @@ class ModelRunner(RunnerHooks):
         skip = self.finalize_skip_rids(so)
         requests = so.requests
         if not outputs and not skip and steps is not None:  # a plain multi-step decode: one pass
-            for i in rows:
-                requests[i].data.generation_steps += steps[i]
+            for sr, k in zip(requests, steps) if len(rows) == len(requests) else ((requests[i], steps[i]) for i in rows):
+                sr.data.generation_steps += k
             return
         if steps is not None:  # a multi-step decode: each row advanced by its forwards
             for i in rows:

@@ -30,7 +30,8 @@ import torch
 
 from .logit_controls import apply_token_bitmask
 from .sampling import SamplingBatch, _draw, _filtered, _penalised, greedy, kernel_sample
-from .input_batch import HAS_STOP, HAS_SUPPRESS, MIN_NEW, MIN_P, PENALTY, SEED, TEMP, TOP_K, TOP_P, WANT_LP
+from .input_batch import (HAS_STOP, HAS_SUPPRESS, MIN_NEW, MIN_P, MIN_P_ON, PENALISED, PENALTY, SAMPLED, SEED, SORTS, TEMP, TOP_K,
+                          TOP_P, WANT_LP)
 
 
 @dataclass(frozen=True)
@@ -69,22 +70,16 @@ def fallback_rows(flags: np.ndarray) -> np.ndarray:
     return flags[:, WANT_LP]
 
 
-def sampling_mode(fp: np.ndarray, ip: np.ndarray, flags: np.ndarray, sample_indices: np.ndarray, vocab: int,
+def sampling_mode(flags: np.ndarray, ip: np.ndarray, slots: np.ndarray, sample_indices: np.ndarray,
                   grammar: bool = False) -> SamplingMode:
-    """The mode serving every row of a launch, from the host mirror of their slots'
-    float and int settings and flags (see ``InputBatch``); ``grammar``: some row samples
-    under a grammar's mask."""
-    sampled = fp[:, TEMP] != 0
-    top_k = ip[:, TOP_K]
-    return SamplingMode(
-        sampled=bool(sampled.any()),
-        sort=bool((sampled & (((top_k > 0) & (top_k < vocab)) | (fp[:, TOP_P] < 1))).any()),
-        min_p=bool((sampled & (fp[:, MIN_P] > 0)).any()),
-        penalty=bool((fp[:, PENALTY] != 1).any()),
-        suppress=bool(flags[:, HAS_SUPPRESS].any()),
-        stop=bool((flags[:, HAS_STOP] & (sample_indices < ip[:, MIN_NEW])).any()),
-        grammar=grammar,
-    )
+    """The mode serving every row of a launch: the union of what its rows' slots ask
+    (``flags``, their host flags, see ``InputBatch``: one reduction), and the stop-id ban
+    where a row with stop ids is still short of ``min_new_tokens`` (``ip``: the slots' int
+    settings, ``slots``: the rows'); ``grammar``: some row samples under a grammar's mask."""
+    on = flags.any(axis=0)
+    stop = bool(on[HAS_STOP]) and bool((flags[:, HAS_STOP] & (sample_indices < ip[slots, MIN_NEW])).any())
+    return SamplingMode(sampled=bool(on[SAMPLED]), sort=bool(on[SORTS]), min_p=bool(on[MIN_P_ON]), penalty=bool(on[PENALISED]),
+                        suppress=bool(on[HAS_SUPPRESS]), stop=stop, grammar=grammar)
 
 
 @dataclass

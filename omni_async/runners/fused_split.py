@@ -50,9 +50,10 @@ def plan_fused(fused: FusedDecode, inputs: InputBatch, batch: ScheduledBatch, ro
     # which applies them from the running token counts.
     # Rows under a grammar run in the launch (one forward of theirs kept, sampled under
     # their masks), unless they need one of those too.
-    fall = fallback_rows(inputs.flags[rows.slots]) | inputs.controls.active[rows.slots]
+    flags = inputs.flags[rows.slots]
+    fall = fallback_rows(flags) | inputs.controls.active[rows.slots]
     if not fall.any():
-        return _fused(fused, inputs, batch, rows, sidx, graphs_on)
+        return _fused(fused, inputs, batch, rows, sidx, graphs_on, flags)
     if fall.all():
         return None
     keep, other = np.flatnonzero(~fall), np.flatnonzero(fall)
@@ -67,7 +68,8 @@ def plan_fused(fused: FusedDecode, inputs: InputBatch, batch: ScheduledBatch, ro
 
 
 def _fused(fused: FusedDecode, inputs: InputBatch, batch: ScheduledBatch, rows: SlotRows, sidx: np.ndarray,
-           graphs_on: bool) -> FusedBatch | None:
+           graphs_on: bool, flags: np.ndarray | None = None) -> FusedBatch | None:
+    """``flags``: the rows' host flags when the caller has them."""
     steps = max(batch.row_steps or (1,))
     bucket = None
     if graphs_on:
@@ -78,7 +80,7 @@ def _fused(fused: FusedDecode, inputs: InputBatch, batch: ScheduledBatch, rows: 
         if bucket is None:
             return None
     s = rows.slots
-    mode = sampling_mode(inputs.fp[s], inputs.ip[s], inputs.flags[s], sidx, inputs.vocab, grammar=bool(batch.grammar_rows))
+    mode = sampling_mode(inputs.flags[s] if flags is None else flags, inputs.ip, s, sidx, grammar=bool(batch.grammar_rows))
     return fused.batch(batch, rows, sidx, steps, bucket, mode)
 
 

@@ -5,6 +5,9 @@ the step completed (``runners.base``'s launch and collect)."""
 
 from __future__ import annotations
 
+from operator import attrgetter
+from typing import Any, Sequence
+
 import numpy as np
 import torch
 
@@ -39,11 +42,25 @@ def to_host(packed: torch.Tensor, wait: bool) -> torch.Tensor:
     return host
 
 
-def host_values(host: torch.Tensor, rows: int) -> tuple[list[int], list[int], list[float] | None]:
+def host_values(host: torch.Tensor, rows: int) -> tuple[list[int], list[int] | None, list[float] | None]:
     """Token ids, ok flags and logprobs (or None) as Python lists; a fused multi-step
-    decode's ``[2, k, B]`` less its padding rows, forward-major."""
+    decode's ``[2, k, B]`` less its padding rows, forward-major. The ok flags are None
+    when every one is set (the usual step: checked in numpy, no list made)."""
     arr = host.numpy()
     if arr.ndim == 3:
         arr = arr[:, :, :rows].reshape(arr.shape[0], -1)
     logprobs = arr[2].astype(np.int32).view(np.float32).astype(np.float64).tolist() if arr.shape[0] > 2 else None
-    return arr[0].tolist(), arr[1].tolist(), logprobs
+    return arr[0].tolist(), None if arr[1].all() else arr[1].tolist(), logprobs
+
+
+_FINISH_REASON, _EPOCH = attrgetter("finish_reason"), attrgetter("epoch")
+
+
+def live_rows(kept: Sequence[bool], reqs: Sequence[Any], epochs: Sequence[int]) -> list[int]:
+    """The rows whose sample the step keeps and whose request neither finished nor was
+    retracted since the step was scheduled. When that is every row (the usual decode
+    step) three C-level passes over the rows say so; else one Python pass picks them."""
+    n = len(reqs)
+    if all(kept) and list(map(_FINISH_REASON, reqs)).count(None) == n and list(map(_EPOCH, reqs)) == epochs:
+        return list(range(n))
+    return [i for i, (k, r, e) in enumerate(zip(kept, reqs, epochs)) if k and r.finish_reason is None and r.epoch == e]

@@ -22,6 +22,7 @@ join finds no free slot, skipping those the current step still names.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import repeat
 from typing import Any, Sequence
 
 import numpy as np
@@ -35,8 +36,10 @@ TEMP, TOP_P, MIN_P, PENALTY, RAW = range(5)
 TOP_K, SEED, MIN_NEW = range(3)
 # Steps with more slots than rows between two sweeps for finished requests.
 SWEEP_EVERY = 8
-# Host-only flags per slot.
-WANT_LP, HAS_SUPPRESS, HAS_STOP = range(3)
+# Host-only flags per slot: what its request asks of sampling, set when it joins, so a
+# step's sampling mode is one reduction over its rows' flags (fused_sampling.sampling_mode).
+WANT_LP, HAS_SUPPRESS, HAS_STOP, SAMPLED, SORTS, MIN_P_ON, PENALISED = range(7)
+FLAGS = 7
 
 
 @dataclass
@@ -56,16 +59,19 @@ class InputBatch:
         self.vocab = vocab
         self.device = device
         self.pad_page = 0  # what unused page-table entries hold (a scratch page under graphs)
-        self._slot_of: dict[Any, tuple[int, int, list[int]]] = {}  # req -> (slot, epoch, pages)
+        self._slot_of: dict[Any, int] = {}  # req -> its slot (the slot's epoch in slot_epoch)
+        # The previous step's rows, epochs and slots (copies: the core reuses its lists).
+        self._last: tuple[list[Any], list[int], np.ndarray] = ([], [], np.zeros(0, dtype=np.int64))
         self._free: list[int] = []
         self._idle_sweeps = 0
         self._cap = 0
         self._pages_cap = 0
         self.table = np.zeros((0, 0), dtype=np.int64)
         self.num_pages = np.zeros(0, dtype=np.int64)
+        self.slot_epoch = np.zeros(0, dtype=np.int64)  # the epoch of the request holding each slot
         self.fp = np.zeros((0, 5), dtype=np.float32)
         self.ip = np.zeros((0, 3), dtype=np.int64)
-        self.flags = np.zeros((0, 3), dtype=bool)
+        self.flags = np.zeros((0, FLAGS), dtype=bool)
         self.want_hidden = np.zeros(0, dtype=bool)  # the slot's request asked for its hidden states
         self.table_dev = torch.zeros((0, 0), dtype=torch.long, device=device)
         self.fp_dev = torch.zeros((0, 5), dtype=torch.float32, device=device)
@@ -88,6 +94,7 @@ class InputBatch:
         table[:old_s, :old_p] = self.table
         self.table = table
         self.num_pages = _grown(self.num_pages, slots)
+        self.slot_epoch = _grown(self.slot_epoch, slots)
         self.fp, self.ip, self.flags = _grown(self.fp, slots), _grown(self.ip, slots), _grown(self.flags, slots)
         self.want_hidden = _grown(self.want_hidden, slots)
         table_dev = torch.full((slots, pages), self.pad_page, dtype=torch.long, device=self.device)
@@ -123,7 +130,8 @@ class InputBatch:
 
     def _reset_pending(self) -> None:
         self._dirty_params: list[int] = []
-        self._table_writes: tuple[list[int], list[int], list[int]] = ([], [], [])
+        self._table_writes: tuple[list[int], list[int], list[int]] = ([], [], [])  # joins' pages, entry by entry
+        self._table_chunks: list[np.ndarray] = []  # [3, n] rows, columns, pages of one-page growth
         self._row_resets: list[int] = []
         self._mask_sets: dict[str, tuple[list[int], list[int]]] = {}
 
@@ -131,19 +139,11 @@ class InputBatch:
                page_counts: Sequence[int], base_seed) -> SlotRows:
         """Slots of one step's rows: existing ones grow their page rows; new requests
         (or new epochs) join. Pushes the resulting changes to the device."""
-        # One dict lookup per row; everything else on whole columns: the page-count check
-        # is one numpy comparison, and only the rows that grew a page are touched.
-        joins: list[int] = []
-        found: list[int] = []
-        get = self._slot_of.get
-        for i, (req, epoch) in enumerate(zip(reqs, epochs)):
-            entry = get(req)
-            if entry is None or entry[1] != epoch:
-                joins.append(i)
-                found.append(0)
-            else:
-                found.append(entry[0])
-        slots = np.array(found, dtype=np.int64)
+        # No Python per row for a row that keeps its slot: the slots come from one C-level
+        # pass over the rows (or are the previous step's when the rows are the same), the
+        # epoch and page-count checks are numpy comparisons, and the rows that grew one
+        # page (about one in page_size / k per decode step) are patched together.
+        slots, joins = self._lookup(reqs, epochs)
         counts = np.asarray(page_counts, dtype=np.int64)
         widest = int(counts.max()) if len(counts) else 0
         if joins:
@@ -156,14 +156,27 @@ class InputBatch:
             if self._idle_sweeps >= SWEEP_EVERY:
                 self._idle_sweeps = 0
                 self._reclaim({id(r) for r in reqs})
-        # Rows whose request grew pages since its slot last saw them (joined rows are
-        # up to date): about one row in page_size per decode step.
-        for i in np.flatnonzero(counts > self.num_pages[slots]).tolist():
-            slot = int(slots[i])
-            self._add_pages(slot, page_lists[i], int(self.num_pages[slot]), int(counts[i]))
+        self._grow_rows(slots, counts, page_lists)
         self._flush()
+        self._last = (list(reqs), list(epochs), slots)
         slots_dev = torch.from_numpy(slots).to(self.device, non_blocking=True)
         return SlotRows(slots=slots, slots_dev=slots_dev, widest=max(widest, 1))
+
+    def _lookup(self, reqs: Sequence[Any], epochs: Sequence[int]) -> tuple[np.ndarray, list[int]]:
+        """Each row's slot (0 for a row that joins) and the rows that join (no slot, or
+        one of an older epoch). The previous step's slots when its rows and epochs were
+        these (two C-level list comparisons): no slot was taken from them since, as only
+        ``assign`` reclaims and it keeps the rows it names."""
+        last_reqs, last_epochs, last_slots = self._last
+        if len(reqs) == len(last_reqs) and reqs == last_reqs and epochs == last_epochs:
+            return last_slots.copy(), []
+        slots = np.array(list(map(self._slot_of.get, reqs, repeat(-1))), dtype=np.int64)
+        stale = slots < 0
+        stale |= self.slot_epoch[slots] != np.asarray(epochs, dtype=np.int64)  # (-1 reads the last slot: already stale)
+        if not stale.any():
+            return slots, []
+        slots[stale] = 0
+        return slots, np.flatnonzero(stale).tolist()
 
     def _join_rows(self, reqs, epochs, page_lists, page_counts, joins, slots, base_seed) -> None:
         if len(joins) > len(self._free):
@@ -174,10 +187,11 @@ class InputBatch:
             req = reqs[i]
             old = self._slot_of.get(req)
             if old is not None:
-                self._free.append(old[0])
+                self._free.append(old)
             slot = self._free.pop()
             slots[i] = slot
-            self._slot_of[req] = (slot, epochs[i], page_lists[i])
+            self._slot_of[req] = slot
+            self.slot_epoch[slot] = epochs[i]
             self._write_request(slot, req, base_seed(req))
             self.num_pages[slot] = 0
             self._row_resets.append(slot)
@@ -187,12 +201,36 @@ class InputBatch:
     def _reclaim(self, keep: set[int]) -> None:
         """Free the slots of requests that finished or were retracted (their epoch moved
         on), except those the current step names."""
-        for req, (slot, epoch, _pages) in list(self._slot_of.items()):
+        for req, slot in list(self._slot_of.items()):
             if id(req) in keep:
                 continue
-            if req.finished() or req.epoch != epoch:
+            if req.finished() or req.epoch != self.slot_epoch[slot]:
                 del self._slot_of[req]
                 self._free.append(slot)
+
+    def _grow_rows(self, slots: np.ndarray, counts: np.ndarray, page_lists: Sequence[list[int]]) -> None:
+        """Rows whose request grew pages since its slot last saw them (joined rows are
+        up to date). Those that grew one page, every decode step's case (k <= page_size),
+        take it in one comprehension and three numpy writes; others page by page."""
+        grown = np.flatnonzero(counts > self.num_pages[slots])
+        if not len(grown):
+            return
+        at, new = slots[grown], counts[grown]
+        old = self.num_pages[at]
+        if int(new.max()) > self._pages_cap:
+            self._grow(self._cap, max(2 * self._pages_cap, int(new.max())))
+        one = new - old == 1
+        if not one.all():
+            for i in grown[~one].tolist():
+                slot = int(slots[i])
+                self._add_pages(slot, page_lists[i], int(self.num_pages[slot]), int(counts[i]))
+            grown, at, old = grown[one], at[one], old[one]
+            if not len(grown):
+                return
+        vals = np.array([page_lists[i][o] for i, o in zip(grown.tolist(), old.tolist())], dtype=np.int64)
+        self.table[at, old] = vals
+        self.num_pages[at] = old + 1
+        self._table_chunks.append(np.array([at, old, vals]))
 
     def _add_pages(self, slot: int, pages: list[int], start: int, end: int) -> None:
         if end > self._pages_cap:
@@ -213,7 +251,11 @@ class InputBatch:
         self.fp[slot] = (sp.temperature, sp.top_p, sp.min_p, sp.repetition_penalty, sp.logprobs_mode == "raw")
         self.ip[slot] = (sp.top_k, seed or 0, sp.min_new_tokens)
         stop = sorted(req.stop_ids()) if sp.min_new_tokens > 0 else []
-        self.flags[slot] = (sp.return_logprob, bool(sp.suppress_tokens), bool(stop))
+        f, i = self.fp[slot], self.ip[slot]  # read back as stored (float32), as the device sees them
+        sampled = bool(f[TEMP] != 0)
+        self.flags[slot] = (sp.return_logprob, bool(sp.suppress_tokens), bool(stop), sampled,
+                            sampled and bool(0 < i[TOP_K] < self.vocab or f[TOP_P] < 1), sampled and bool(f[MIN_P] > 0),
+                            bool(f[PENALTY] != 1))
         self.want_hidden[slot] = sp.return_hidden_states
         self._dirty_params.append(slot)
         self.controls.join(slot, sp, req.output_ids)
@@ -240,8 +282,10 @@ class InputBatch:
             for mask in self.masks.values():
                 mask.index_fill_(0, resets, False)
         rows, cols, vals = self._table_writes
-        if rows:
-            w = torch.from_numpy(np.array([rows, cols, vals], dtype=np.int64)).to(dev, non_blocking=True)
+        chunks = ([np.array([rows, cols, vals], dtype=np.int64)] if rows else []) + self._table_chunks
+        if chunks:
+            host = chunks[0] if len(chunks) == 1 else np.concatenate(chunks, axis=1)
+            w = torch.from_numpy(host).to(dev, non_blocking=True)
             self.table_dev[w[0], w[1]] = w[2]
         for name, (mrows, mcols) in self._mask_sets.items():
             if mrows:
