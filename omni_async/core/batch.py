@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import Callable
 
 from .request import Request
+
+_epoch, _cached, _inflight, _pages = (attrgetter(a) for a in ("epoch", "num_cached", "num_inflight", "pages"))
 
 
 class ForwardMode(enum.Enum):
@@ -91,22 +94,27 @@ class ScheduledBatch(StepShape):
         n = len(decoding)
         ks = steps or [1] * n
         self.reqs, self.extend_lens, self.samples_kept = decoding, [1] * n, [True] * n
-        self.epochs = [r.epoch for r in decoding]
-        cached = self.prefix_lens = [r.num_cached for r in decoding]
-        pending = [r.num_inflight for r in decoding]
+        self.epochs = list(map(_epoch, decoding))  # (attribute maps run in C: no Python frame per row)
+        cached = self.prefix_lens = list(map(_cached, decoding))
+        pending = list(map(_inflight, decoding))
         self.sample_indices = [len(r.output_ids) + p for r, p in zip(decoding, pending)]
-        self.input_ids = [-1 if p else (r.output_ids or r.prompt_ids)[-1] for r, p in zip(decoding, pending)]
-        self.inflight_inputs = [(i, r) for i, (r, p) in enumerate(zip(decoding, pending)) if p]
-        tables = self.page_tables = [r.pages for r in decoding]  # shared: see page_tables
-        needs = [-(-(c + k) // page_size) - len(pages) for pages, c, k in zip(tables, cached, ks)]
-        total = sum(n for n in needs if n > 0)
-        if total:  # one allocation for the step, handed out in row order (the same pages as one per row)
-            fresh, at = allocate(total), 0
-            for pages, need in zip(tables, needs):
-                if need > 0:
-                    pages.extend(fresh[at : at + need])
-                    at += need
-        self.page_counts = [len(pages) for pages in tables]
+        if 0 not in pending:  # every input still in flight (the lookahead loops' usual step)
+            self.input_ids, self.inflight_inputs = [-1] * n, list(enumerate(decoding))
+        elif not any(pending):  # none (the normal loop's)
+            self.input_ids = [(r.output_ids or r.prompt_ids)[-1] for r in decoding]
+        else:
+            self.input_ids = [-1 if p else (r.output_ids or r.prompt_ids)[-1] for r, p in zip(decoding, pending)]
+            self.inflight_inputs = [(i, r) for i, (r, p) in enumerate(zip(decoding, pending)) if p]
+        tables = self.page_tables = list(map(_pages, decoding))  # shared: see page_tables
+        counts = self.page_counts = list(map(len, tables))
+        grow = [(i, need) for i, need in enumerate([-(-(c + k) // page_size) - m for c, k, m in zip(cached, ks, counts)])
+                if need > 0]
+        if grow:  # one allocation for the step, handed out in row order (the same pages as one per row)
+            fresh, at = allocate(sum(need for _, need in grow)), 0
+            for i, need in grow:
+                tables[i].extend(fresh[at : at + need])
+                counts[i] += need
+                at += need
         for r, c, p, k in zip(decoding, cached, pending, ks):
             r.num_cached = c + k
             r.num_inflight = p + k
