@@ -10,12 +10,9 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from operator import attrgetter
 from typing import Callable
 
 from .request import Request
-
-_epoch, _cached, _inflight, _pages = (attrgetter(a) for a in ("epoch", "num_cached", "num_inflight", "pages"))
 
 
 class ForwardMode(enum.Enum):
@@ -94,9 +91,9 @@ class ScheduledBatch(StepShape):
         n = len(decoding)
         ks = steps or [1] * n
         self.reqs, self.extend_lens, self.samples_kept = decoding, [1] * n, [True] * n
-        self.epochs = list(map(_epoch, decoding))  # (attribute maps run in C: no Python frame per row)
-        cached = self.prefix_lens = list(map(_cached, decoding))
-        pending = list(map(_inflight, decoding))
+        self.epochs = [r.epoch for r in decoding]
+        cached = self.prefix_lens = [r.num_cached for r in decoding]
+        pending = [r.num_inflight for r in decoding]
         self.sample_indices = [len(r.output_ids) + p for r, p in zip(decoding, pending)]
         if 0 not in pending:  # every input still in flight (the lookahead loops' usual step)
             self.input_ids, self.inflight_inputs = [-1] * n, list(enumerate(decoding))
@@ -105,13 +102,13 @@ class ScheduledBatch(StepShape):
         else:
             self.input_ids = [-1 if p else (r.output_ids or r.prompt_ids)[-1] for r, p in zip(decoding, pending)]
             self.inflight_inputs = [(i, r) for i, (r, p) in enumerate(zip(decoding, pending)) if p]
-        tables = self.page_tables = list(map(_pages, decoding))  # shared: see page_tables
+        tables = self.page_tables = [r.pages for r in decoding]  # shared: see page_tables
         counts = self.page_counts = list(map(len, tables))
-        grow = [(i, need) for i, need in enumerate([-(-(c + k) // page_size) - m for c, k, m in zip(cached, ks, counts)])
-                if need > 0]
+        grow = [i for i, (c, k, m) in enumerate(zip(cached, ks, counts)) if c + k > m * page_size]  # crossing a page
         if grow:  # one allocation for the step, handed out in row order (the same pages as one per row)
-            fresh, at = allocate(sum(need for _, need in grow)), 0
-            for i, need in grow:
+            needs = [-(-(cached[i] + ks[i]) // page_size) - counts[i] for i in grow]
+            fresh, at = allocate(sum(needs)), 0
+            for i, need in zip(grow, needs):
                 tables[i].extend(fresh[at : at + need])
                 counts[i] += need
                 at += need
