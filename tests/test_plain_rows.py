@@ -3,8 +3,9 @@ path equal to the per-row rule it skips, over random request states (tokens in f
 prompts near the context's end, stop ids, ``min_new_tokens``, aborts, stale rows).
 
 - processing: ``multi_step.process_multi_step`` appends a plain row's tokens with two
-  comparisons for its length limit; the reference walks every row token by token with
-  ``Request.tokens_left`` and the stop ids, as a one-forward step does;
+  comparisons for its length limit, and ``step_results.process_one_forward`` checks the
+  limit with the same comparisons; the reference walks every row token by token with
+  ``Request.tokens_left`` and the stop ids;
 - scheduling: with every running request free (``request.all_free``) the decode rows and
   their forwards come from the limits alone; the reference is the per-row path."""
 
@@ -19,6 +20,7 @@ from omni_async.config import SamplingParams
 from omni_async.core.batch import ForwardMode, ScheduledBatch
 from omni_async.core.multi_step import decoding_rows, process_multi_step, row_steps
 from omni_async.core.request import Request, all_free
+from omni_async.core.step_results import process_one_forward
 
 EOS = 2
 
@@ -102,6 +104,29 @@ def test_a_multi_step_decode_keeps_what_a_token_by_token_walk_keeps(with_logprob
             want_outcomes, want_finishes = reference(reqs, epochs, steps, tokens, logprobs, ctx)
             got = [(oc.req.rid, oc.token, oc.finished, oc.tokens, oc.logprobs) for oc in outcomes]
             assert got == want_outcomes
+            assert [(r.rid, why) for r, why in finishes] == want_finishes
+            for a, b in zip(mine, reqs):
+                assert (a.output_ids, a.output_logprobs, a.num_inflight) == (b.output_ids, b.output_logprobs, b.num_inflight)
+
+
+@pytest.mark.parametrize("with_logprobs", [False, True])
+def test_a_one_forward_step_keeps_what_a_token_by_token_walk_keeps(with_logprobs):
+    rng = random.Random(11)
+    for ctx in (64, 128, 4096):
+        for _ in range(20):
+            reqs, epochs, _ = random_rows(rng, 64, ctx)
+            steps = [1] * len(reqs)
+            for r in reqs:
+                r.num_inflight = rng.choice([1, 1, 2])  # this step's token, maybe a later step's
+            tokens = [rng.choice([4, 5, 6, EOS, 9]) if rng.random() < 0.2 else 5 for _ in reqs]
+            logprobs = [-rng.random() for _ in tokens] if with_logprobs else None
+            mine = copy.deepcopy(reqs)
+            batch = ScheduledBatch(mode=ForwardMode.DECODE, reqs=mine, epochs=list(epochs), prefix_lens=[0] * len(mine),
+                                   extend_lens=[1] * len(mine), samples_kept=[True] * len(mine), input_ids=[])
+            outcomes, finishes = process_one_forward(batch, tokens, logprobs, ctx)
+            want_outcomes, want_finishes = reference(reqs, epochs, steps, tokens, logprobs, ctx)
+            got = [(oc.req.rid, oc.token, oc.finished) for oc in outcomes]
+            assert got == [(rid, token, fin) for rid, token, fin, _, _ in want_outcomes]
             assert [(r.rid, why) for r, why in finishes] == want_finishes
             for a, b in zip(mine, reqs):
                 assert (a.output_ids, a.output_logprobs, a.num_inflight) == (b.output_ids, b.output_logprobs, b.num_inflight)

@@ -163,7 +163,7 @@ def process_multi_step(
     finishes: list[tuple[Request, str]] = []
     size, ctx = batch.size, context_length
     assert batch.row_steps is not None
-    if tokens and type(tokens[0]) is not int:  # a runner's own values: Python ints once per step
+    if len(tokens) and type(tokens[0]) is not int:  # a runner's own values: Python ints once per step
         tokens = [int(t) for t in tokens]
     if logprobs is not None and len(logprobs) and type(logprobs[0]) is not float:
         logprobs = [float(lp) for lp in logprobs]
