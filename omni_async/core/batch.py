@@ -95,18 +95,23 @@ class ScheduledBatch(StepShape):
         cached = self.prefix_lens = [r.num_cached for r in decoding]
         pending = [r.num_inflight for r in decoding]
         self.sample_indices = [len(r.output_ids) + p for r, p in zip(decoding, pending)]
-        self.input_ids = [-1 if p else (r.output_ids or r.prompt_ids)[-1] for r, p in zip(decoding, pending)]
-        self.inflight_inputs = [(i, r) for i, (r, p) in enumerate(zip(decoding, pending)) if p]
+        if 0 not in pending:  # every input still in flight (the lookahead loops' usual step)
+            self.input_ids, self.inflight_inputs = [-1] * n, list(enumerate(decoding))
+        elif not any(pending):  # none (the normal loop's)
+            self.input_ids = [(r.output_ids or r.prompt_ids)[-1] for r in decoding]
+        else:
+            self.input_ids = [-1 if p else (r.output_ids or r.prompt_ids)[-1] for r, p in zip(decoding, pending)]
+            self.inflight_inputs = [(i, r) for i, (r, p) in enumerate(zip(decoding, pending)) if p]
         tables = self.page_tables = [r.pages for r in decoding]  # shared: see page_tables
-        needs = [-(-(c + k) // page_size) - len(pages) for pages, c, k in zip(tables, cached, ks)]
-        total = sum(n for n in needs if n > 0)
-        if total:  # one allocation for the step, handed out in row order (the same pages as one per row)
-            fresh, at = allocate(total), 0
-            for pages, need in zip(tables, needs):
-                if need > 0:
-                    pages.extend(fresh[at : at + need])
-                    at += need
-        self.page_counts = [len(pages) for pages in tables]
+        counts = self.page_counts = list(map(len, tables))
+        grow = [i for i, (c, k, m) in enumerate(zip(cached, ks, counts)) if c + k > m * page_size]  # crossing a page
+        if grow:  # one allocation for the step, handed out in row order (the same pages as one per row)
+            needs = [-(-(cached[i] + ks[i]) // page_size) - counts[i] for i in grow]
+            fresh, at = allocate(sum(needs)), 0
+            for i, need in zip(grow, needs):
+                tables[i].extend(fresh[at : at + need])
+                counts[i] += need
+                at += need
         for r, c, p, k in zip(decoding, cached, pending, ks):
             r.num_cached = c + k
             r.num_inflight = p + k

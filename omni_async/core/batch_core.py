@@ -18,13 +18,13 @@ from ..config import SchedulerConfig
 from ..kv.allocator import PageAllocator
 from ..kv.prefix_cache import PrefixCache
 from .batch import ForwardMode, ScheduledBatch
-from .multi_step import DecodeSteps, feed_rows, jump_most, jump_rows, late_mask_rows, process_multi_step, take_due
+from .multi_step import DecodeSteps, decoding_rows, feed_rows, jump_most, jump_rows, late_mask_rows, process_multi_step, take_due
 from .mixed_prefill import add_decode_rows, jump_step, mixed_decodes, prefill_turn
 from .step_results import end_unsampled, process_one_forward, rewind
 from .conditioning import ready_positions
 from .prefix_reuse import computing_key, drop_prefix, index_pages, reuse_prefix
 from .protocol import BatchCore, StepOutcome
-from .request import Request, decode_limits, mask_ready, reserved_tokens
+from .request import Request, all_free, reserved_tokens
 
 __all__ = ["BatchCore", "NativeBatchCore", "StepOutcome"]
 
@@ -218,8 +218,9 @@ class NativeBatchCore(BatchCore):
         """A decode step of every running request that still needs one: it runs every step
         for every running request, so the columns are built in one pass over the rows."""
         self.running = [r for r in self.running if r.finish_reason is None]
-        decoding, limits = self._retract_until_decode_fits(*self._decoding_limits(late=True), late=True)
-        decoding, limits, steps, grammar_rows, late = late_mask_rows(self, decoding, limits)
+        free = all_free(self.running)  # (then no per-row check beyond the length limit, request.all_free)
+        decoding, limits = self._retract_until_decode_fits(*decoding_rows(self.running, self.context_length, True, free), late=True, free=free)
+        decoding, limits, steps, grammar_rows, late = late_mask_rows(self, decoding, limits, free)
         if not decoding:
             return None
         due = take_due(self, decoding)
@@ -233,18 +234,6 @@ class NativeBatchCore(BatchCore):
         self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
         return batch
 
-    def _decoding_limits(self, late: bool = False) -> tuple[list[Request], list[int]]:
-        """Running requests that still need a decode step, and their ``decode_limits``:
-        not once the tokens sampled (in flight too) reach the length limit, so a
-        lookahead loop spends no step on them; not while a conditioned request's next
-        position has no row yet (it waits in running; the stream chunk that brings the
-        row wakes the loop); not while a constrained request's last token is in flight
-        (its mask needs it), unless ``late`` (:func:`.request.mask_ready`)."""
-        running = self.running  # (one pass: the step's forwards per row are cut to the limits)
-        pairs = [(r, left) for r, left in zip(running, decode_limits(running, self.context_length))
-                 if left > 0 and (r.conditioning is None or ready_positions(r, 1)) and (r.matcher is None or mask_ready(r, late))]
-        return [r for r, _ in pairs], [left for _, left in pairs]
-
     def _decode_fits(self, decoding: list[Request]) -> bool:
         """A request holds the pages of its cached tokens, so one more token needs at most
         one more page: the per-request count runs only when that bound does not fit."""
@@ -252,7 +241,8 @@ class NativeBatchCore(BatchCore):
         k = self.decode_plan.most  # <= page_size: still at most one more page per row
         return len(decoding) <= free or sum(max(0, -(-(r.num_cached + k) // ps) - len(r.pages)) for r in decoding) <= free
 
-    def _retract_until_decode_fits(self, decoding: list[Request], limits: list[int], late: bool = False) -> tuple[list[Request], list[int]]:
+    def _retract_until_decode_fits(self, decoding: list[Request], limits: list[int], late: bool = False,
+                                   free: bool = False) -> tuple[list[Request], list[int]]:
         """Retract the newest requests until the next decode step of ``decoding`` fits in
         KV; the requests that still decode, with their ``limits``. Empty when nothing
         decodes, or when only requests about to finish hold the KV it needs."""
@@ -271,7 +261,7 @@ class NativeBatchCore(BatchCore):
                 )
             self._retract(victim)
             self.new_token_ratio = 1.0
-            decoding, limits = self._decoding_limits(late)
+            decoding, limits = decoding_rows(self.running, self.context_length, late, free)
         return decoding, limits
 
     def _retract(self, req: Request) -> None:

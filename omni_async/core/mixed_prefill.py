@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .multi_step import still_due
+from .multi_step import decoding_rows, still_due
 from .request import Request
 
 # A prefill turn while the running set is full waits for 1/PREFILL_FREE_SHARE of its
@@ -32,7 +32,7 @@ def mixed_decodes(core: "NativeBatchCore", rows: list[tuple[Request, int]]) -> l
     if not core.mixed_allowed() or still_due(core.jump_due):
         return []  # (a row with forced tokens to compute is not one token: its decode step takes it)
     core.running = [r for r in core.running if r.finish_reason is None]
-    decoding = core._decoding_limits()[0]
+    decoding = decoding_rows(core.running, core.context_length)[0]
     ps = core.page_size
     need = sum(max(0, -(-(r.num_cached + 1) // ps) - len(r.pages)) for r in decoding)
     return decoding if need <= core.kv.available_pages else []

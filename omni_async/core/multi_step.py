@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 from .conditioning import ready_positions
 from .protocol import StepOutcome
-from .request import Request, decode_limits, landing_limits, masked
+from .request import Request, decode_limits, mask_ready, masked
 
 if TYPE_CHECKING:
     from .batch import ScheduledBatch
@@ -46,19 +46,37 @@ class DecodeSteps:
         return max((k for _, k in self.tiers), default=1)
 
 
-def steps_for(core: "NativeBatchCore", decoding: list[Request], limits: list[int] | None = None) -> tuple[list[int] | None, list[int]]:
+def decoding_rows(running: list[Request], context_length: int, late: bool = False, free: bool = False
+                  ) -> tuple[list[Request], list[int]]:
+    """The running requests that still need a decode step, and their ``decode_limits``:
+    not once the tokens sampled (in flight too) reach the length limit, so a lookahead
+    loop spends no step on them; not while a conditioned request's next position has no
+    row yet (it waits in running; the stream chunk that brings the row wakes the loop);
+    not while a constrained request's last token is in flight (its mask needs it), unless
+    ``late`` (:func:`.request.mask_ready`). ``free``: every running request is
+    :func:`.request.all_free` (the caller checked), so only the limits decide."""
+    limits = decode_limits(running, context_length)  # (one pass: the step's forwards per row are cut to them)
+    if free and (not limits or min(limits) > 0):
+        return list(running), limits
+    pairs = [(r, left) for r, left in zip(running, limits)
+             if left > 0 and (r.conditioning is None or ready_positions(r, 1)) and (r.matcher is None or mask_ready(r, late))]
+    return [r for r, _ in pairs], [left for _, left in pairs]
+
+
+def steps_for(core: "NativeBatchCore", decoding: list[Request], limits: list[int] | None = None,
+              free: bool = False) -> tuple[list[int] | None, list[int]]:
     """Forwards per row of the next decode step (None for one forward: a small batch
     under the automatic choice, or a runner that hands out per-step hidden states), and
     the rows under a grammar (they run one forward, beside the others). ``limits``: the
-    rows' ``decode_limits`` when the caller has them."""
+    rows' ``decode_limits`` when the caller has them; ``free``: as in :func:`row_steps`."""
     k = core.decode_plan.for_batch(len(decoding))
     if k <= 1 or not core.multi_step_allowed():
         return None, []
-    return row_steps(decoding, k, core.context_length, limits)
+    return row_steps(decoding, k, core.context_length, limits, free)
 
 
 def row_steps(decoding: list[Request], k: int, context_length: int,
-              limits: list[int] | None = None) -> tuple[list[int] | None, list[int]]:
+              limits: list[int] | None = None, free: bool = False) -> tuple[list[int] | None, list[int]]:
     """Forwards per row: k, or fewer where the row's token or context limit comes first
     (counting tokens still in flight) or a conditioned row's rows run out; and the rows
     under a grammar's mask, which sample one token (their next mask needs the host to have
@@ -67,13 +85,17 @@ def row_steps(decoding: list[Request], k: int, context_length: int,
     or one per token without KV when a jump-forward appended forced tokens (fed in, the
     last forward samples). None (one forward for every row) while a row asks for top
     logprobs, which are read per forward, when no row runs more than one, or when a
-    row's forced tokens need more than k forwards (a jump step takes them)."""
+    row's forced tokens need more than k forwards (a jump step takes them). ``free``:
+    every row is :func:`.request.all_free` (the caller checked), so each runs
+    ``min(k, its limit)``, with no per-row check."""
+    if limits is None:
+        limits = decode_limits(decoding, context_length)
+    if free:
+        return ([k] * len(limits) if min(limits, default=k) >= k else [k if left >= k else left for left in limits]), []
     if any(r.sampling.top_logprobs for r in decoding):
         return None, []
     steps: list[int] = []
     constrained: list[int] = []
-    if limits is None:
-        limits = decode_limits(decoding, context_length)
     for i, (r, left) in enumerate(zip(decoding, limits)):
         if r.matcher is not None and masked(r, r.num_generated):
             constrained.append(i)
@@ -89,7 +111,7 @@ def row_steps(decoding: list[Request], k: int, context_length: int,
     return steps, constrained
 
 
-def late_mask_rows(core: "NativeBatchCore", decoding: list[Request], limits: list[int]
+def late_mask_rows(core: "NativeBatchCore", decoding: list[Request], limits: list[int], free: bool = False
                    ) -> tuple[list[Request], list[int], list[int] | None, list[int], bool]:
     """The rows of the next decode step (``decoding`` may hold constrained rows with their
     last token in flight, :func:`.request.mask_ready` with ``late``) and their ``limits``,
@@ -107,7 +129,10 @@ def late_mask_rows(core: "NativeBatchCore", decoding: list[Request], limits: lis
     read those tokens), such a row waits for the next step and the free rows keep their
     k forwards (one :func:`steps_for` per step either way). Not with
     jump_forward: processing a step may append forced tokens to a row, which would move
-    the position its launched forward computed; late masks apply only with it off."""
+    the position its launched forward computed; late masks apply only with it off.
+    ``free``: no row is under a grammar (:func:`.request.all_free`)."""
+    if free:
+        return (decoding, limits, *steps_for(core, decoding, limits, True), False)
     keep = [i for i, r in enumerate(decoding) if r.matcher is None or not r.num_inflight or not masked(r, r.num_generated)]
     if len(keep) == len(decoding):
         return (decoding, limits, *steps_for(core, decoding, limits), False)
@@ -126,59 +151,97 @@ def process_multi_step(
     that end with it and why (the batch core finishes those: their KV is its to free).
     ``tokens`` (and ``logprobs``) are forward-major: row i's j-th token is at
     ``j * batch.size + i``. ``accepted`` and ``rewound``: as in
-    ``step_results.process_one_forward``."""
+    ``step_results.process_one_forward``.
+
+    A plain row (live, free of a grammar, no abort pending, no stop id among its tokens,
+    short of its length limit) costs a slice, an extend and its outcome: at 256 rows and
+    8 forwards that is most rows of most steps. The length test is ``landing_limits``'
+    rule written as two comparisons (the limit is above the row's forwards when its kept
+    tokens and forwards stay below ``max_new_tokens`` and everything it has sampled stays
+    below the context); every other row takes :func:`_process_row`, the full checks."""
     outcomes: list[StepOutcome] = []
     finishes: list[tuple[Request, str]] = []
     size, ctx = batch.size, context_length
     assert batch.row_steps is not None
-    if tokens and type(tokens[0]) is not int:  # a runner's own values: Python ints once per step
+    if len(tokens) and type(tokens[0]) is not int:  # a runner's own values: Python ints once per step
         tokens = [int(t) for t in tokens]
-    limits = landing_limits(batch.reqs, batch.row_steps, ctx)  # the length rule, one pass
+    if logprobs is not None and len(logprobs) and type(logprobs[0]) is not float:
+        logprobs = [float(lp) for lp in logprobs]
+    add = outcomes.append
     under_mask = set(batch.grammar_rows)  # rows sampling one token under their mask
-    for i, (req, epoch, steps, limit) in enumerate(zip(batch.reqs, batch.epochs, batch.row_steps, limits)):
+    for i, (req, epoch, steps) in enumerate(zip(batch.reqs, batch.epochs, batch.row_steps)):
         if req.finish_reason is not None or req.epoch != epoch:
             continue  # finished or retracted after this step was scheduled
-        masked_row = i in under_mask
-        req.num_inflight -= 1 if masked_row else steps  # a masked row samples one (see feed_rows)
-        if req.to_finish is not None:
-            finishes.append((req, req.to_finish))
-            outcomes.append(StepOutcome(req, None, finished=True))
-            continue
-        out, stop_ids = req.output_ids, req._stop_ids
-        if stop_ids is None:
-            stop_ids = req.stop_ids()
-        end = i + steps * size
-        row = tokens[i:end:size]  # the row's tokens, forward by forward
-        if req.matcher is None and (not stop_ids or stop_ids.isdisjoint(row)):  # only limits can end it
-            kept, reason = (row, None) if limit > steps else (row[: max(1, limit)], "length")
-            out.extend(kept)
-            lps = None
-            if logprobs is not None:
-                lps = [float(lp) for lp in logprobs[i:end:size][: len(kept)]]
-                req.output_logprobs.extend(lps)
-        elif req.matcher is not None and not masked_row:  # sampled before its mask (structured.optimistic)
-            kept, reason = _take_guessed(req, row, limit, stop_ids)
-            lps = None
-            if reason == "rewind":
-                if rewound is not None:
-                    rewound.append(req)
-                outcomes.append(StepOutcome(req, kept[-1], tokens=kept) if kept else StepOutcome(req, None))
+        out, inflight = req.output_ids, req.num_inflight
+        kept = len(out)
+        if (req.matcher is None and req.to_finish is None and kept + steps < req.sampling.max_new_tokens
+                and kept + inflight < ctx - len(req.prompt_ids)):
+            end = i + steps * size
+            row = tokens[i:end:size]  # the row's tokens, forward by forward
+            stop_ids = req._stop_ids
+            if stop_ids is None:
+                stop_ids = req.stop_ids()
+            if not stop_ids or stop_ids.isdisjoint(row):
+                req.num_inflight = inflight - steps
+                out.extend(row)
+                if logprobs is None:
+                    add(StepOutcome(req, row[-1], None, False, row))
+                else:
+                    lps = logprobs[i:end:size]
+                    req.output_logprobs.extend(lps)
+                    add(StepOutcome(req, row[-1], lps[-1], False, row, lps))
                 continue
-        else:
-            first = i
-            if masked_row:  # one token sampled, by its last forward (the others fed forced tokens)
-                row, first = row[-1:], end - size
-            kept, lps, reason = _walk_row(req, row, None if logprobs is None else logprobs[first:end:size], ctx,
-                                           accepted)
-        if reason == "error":  # its grammar failed: no token; the stage ends it with an error
-            finishes.append((req, reason))
-            outcomes.append(StepOutcome(req, None, finished=True))
-            continue
-        if reason is not None:
-            finishes.append((req, reason))
-        last_lp = lps[-1] if lps else None
-        outcomes.append(StepOutcome(req, kept[-1], last_lp, finished=reason is not None, tokens=kept, logprobs=lps))
+        by_count = req.sampling.max_new_tokens - kept  # the row's landing limit (request.landing_limits)
+        by_context = ctx - len(req.prompt_ids) - kept - (inflight - steps)
+        limit = by_count if by_count < by_context else by_context
+        _process_row(req, i, steps, limit, i in under_mask, batch, tokens, logprobs, ctx, outcomes, finishes,
+                     accepted, rewound)
     return outcomes, finishes
+
+
+def _process_row(req: Request, i: int, steps: int, limit: int, masked_row: bool, batch: "ScheduledBatch",
+                 tokens: Sequence[int], logprobs: Sequence[float] | None, ctx: int, outcomes: list[StepOutcome],
+                 finishes: list[tuple[Request, str]], accepted: list[Any] | None, rewound: list[Request] | None) -> None:
+    """A live row of a multi-step decode that may end or is under a grammar, with every
+    check: its abort, its stop ids (past ``min_new_tokens``), its length ``limit``
+    (tokens left before this step, ``request.landing_limits``), its grammar."""
+    size = batch.size
+    req.num_inflight -= 1 if masked_row else steps  # a masked row samples one (see feed_rows)
+    if req.to_finish is not None:
+        finishes.append((req, req.to_finish))
+        outcomes.append(StepOutcome(req, None, finished=True))
+        return
+    stop_ids = req.stop_ids()
+    end = i + steps * size
+    row = tokens[i:end:size]  # the row's tokens, forward by forward
+    if req.matcher is None and (not stop_ids or stop_ids.isdisjoint(row)):  # only limits can end it
+        kept, reason = (row, None) if limit > steps else (row[: max(1, limit)], "length")
+        req.output_ids.extend(kept)
+        lps = None
+        if logprobs is not None:
+            lps = [float(lp) for lp in logprobs[i:end:size][: len(kept)]]
+            req.output_logprobs.extend(lps)
+    elif req.matcher is not None and not masked_row:  # sampled before its mask (structured.optimistic)
+        kept, reason = _take_guessed(req, row, limit, stop_ids)
+        lps = None
+        if reason == "rewind":
+            if rewound is not None:
+                rewound.append(req)
+            outcomes.append(StepOutcome(req, kept[-1], tokens=kept) if kept else StepOutcome(req, None))
+            return
+    else:
+        first = i
+        if masked_row:  # one token sampled, by its last forward (the others fed forced tokens)
+            row, first = row[-1:], end - size
+        kept, lps, reason = _walk_row(req, row, None if logprobs is None else logprobs[first:end:size], ctx, accepted)
+    if reason == "error":  # its grammar failed: no token; the stage ends it with an error
+        finishes.append((req, reason))
+        outcomes.append(StepOutcome(req, None, finished=True))
+        return
+    if reason is not None:
+        finishes.append((req, reason))
+    last_lp = lps[-1] if lps else None
+    outcomes.append(StepOutcome(req, kept[-1], last_lp, finished=reason is not None, tokens=kept, logprobs=lps))
 
 
 def _walk_row(req: Request, row: Sequence[int], row_lps: Sequence[float] | None, ctx: int,

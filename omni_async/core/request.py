@@ -101,14 +101,20 @@ def decode_limits(reqs: list[Request], context_length: int) -> list[int]:
     pass: the same rule written for a column, so that choosing a step's rows and their
     forwards costs no method call per row (the scheduler runs it for every running
     request on every step; tests/test_host_columns.py holds the two equal)."""
-    out: list[int] = []
-    add = out.append
-    for r in reqs:
-        gen = len(r.output_ids) + r.num_inflight
-        by_count = r.sampling.max_new_tokens - gen
-        by_context = context_length - len(r.prompt_ids) - gen
-        add(by_count if by_count < by_context else by_context)
-    return out
+    # min(max_new_tokens - gen, context - prompt - gen) as min(max_new_tokens, context -
+    # prompt) - gen, in one comprehension (gen: the tokens sampled, kept or in flight).
+    return [(most if (most := r.sampling.max_new_tokens) < (room := context_length - len(r.prompt_ids)) else room)
+            - len(r.output_ids) - r.num_inflight for r in reqs]
+
+
+def all_free(reqs: list[Request]) -> bool:
+    """Whether no row of a decode step needs a per-row decision beyond its length limit:
+    none under a grammar, none conditioned, none asking for top logprobs. Then every
+    row decodes whenever a token is left to it and runs ``min(k, tokens left)`` forwards,
+    and scheduling skips its per-row checks (``multi_step.decoding_rows``,
+    ``multi_step.late_mask_rows``, ``multi_step.row_steps``): one pass of three
+    attribute reads a row instead of three passes with calls."""
+    return not any(r.matcher is not None or r.conditioning is not None or r.sampling.top_logprobs for r in reqs)
 
 
 def landing_limits(reqs: list[Request], landing: list[int], context_length: int) -> list[int]:

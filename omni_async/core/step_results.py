@@ -30,6 +30,8 @@ def process_one_forward(
     add = outcomes.append
     ctx = context_length
     lps = logprobs if logprobs is not None else repeat(None)
+    if len(tokens) and type(tokens[0]) is not int:  # a runner's own values: Python ints once per step
+        tokens = [int(t) for t in tokens]
     for req, epoch, keep, token, logprob in zip(batch.reqs, batch.epochs, batch.samples_kept, tokens, lps):
         if req.finish_reason is not None or req.epoch != epoch:
             continue  # finished or retracted after this step was scheduled
@@ -41,7 +43,6 @@ def process_one_forward(
             finishes.append((req, req.to_finish))
             add(StepOutcome(req, None, finished=True))
             continue
-        token = int(token)
         out = req.output_ids
         matcher = req.matcher
         guessed = matcher is not None and len(out) >= matcher.masked_until  # sampled first (structured.optimistic)
@@ -67,8 +68,8 @@ def process_one_forward(
                 finishes.append((req, "error"))  # no token; the stage ends it with an error
                 add(StepOutcome(req, None, finished=True))
                 continue
-        elif req.tokens_left(ctx, scheduling=False) <= 0:
-            reason = "length"
+        elif n >= sp.max_new_tokens or n + req.num_inflight >= ctx - len(req.prompt_ids):
+            reason = "length"  # Request.tokens_left(ctx, scheduling=False) <= 0, without the call
         if reason is not None:
             finishes.append((req, reason))
             add(StepOutcome(req, token, logprob, finished=True))

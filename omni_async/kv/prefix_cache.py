@@ -39,10 +39,14 @@ class PrefixCache:
         self.allocator = allocator
         self.page_size = allocator.page_size
         self.enabled = enabled
+        # Per page id (the allocator's ids are 0 .. num_pages-1), lists rather than dicts:
+        # every page of every prompt and finished request passes through ``insert`` and
+        # ``release``, and a list index costs a fraction of a dict's hash and probe.
         self._page_of: dict[Key, int] = {}
-        self._key_of: dict[int, Key] = {}
-        self._children: dict[int, int] = {}  # indexed page -> indexed children
-        self._refs: dict[int, int] = {}  # shared pages (indexed, or indexed once) -> holders
+        self._key_of: list[Key | None] = [None] * allocator.num_pages  # an indexed page's key
+        self._children: list[int] = [0] * allocator.num_pages  # indexed page -> indexed children
+        self._refs: list[int] = [0] * allocator.num_pages  # shared pages (indexed, or indexed once) -> holders; 0: none
+        self._cached = 0  # indexed pages
         self._evictable: OrderedDict[int, None] = OrderedDict()
         # Grows on every invalidation: a request indexes its pages only in the epoch
         # it was admitted in, since KV computed before new weights must not be shared.
@@ -60,7 +64,7 @@ class PrefixCache:
 
     @property
     def cached_pages(self) -> int:
-        return len(self._key_of)
+        return self._cached
 
     @property
     def held_pages(self) -> int:
@@ -102,14 +106,14 @@ class PrefixCache:
         refs, key_of, evictable = self._refs, self._key_of, self._evictable
         freed: list[int] = []
         for page in reversed(pages):
-            count = refs.get(page)
-            if count is None:
+            count = refs[page]
+            if not count:
                 freed.append(page)
             elif count > 1:
                 refs[page] = count - 1
             else:
-                del refs[page]
-                if page in key_of:
+                refs[page] = 0
+                if key_of[page] is not None:
                     evictable[page] = None
                 else:
                     freed.append(page)
@@ -159,7 +163,7 @@ class PrefixCache:
         end = min(num_tokens, len(tokens)) // ps
         i = start_page
         parent = pages[i - 1] if i else ROOT
-        if i >= end or (parent != ROOT and parent not in self._key_of):
+        if i >= end or (parent != ROOT and self._key_of[parent] is None):
             return i
         # Runs for every page of every prompt (and of every finished output), so the key
         # (a tuple of page_size ids, whose hash is not cached) is hashed once: a page is
@@ -167,23 +171,25 @@ class PrefixCache:
         # Each page indexed here is indexed when the loop moves on, so only the first
         # parent needs the check above.
         page_of, key_of, children, refs = self._page_of, self._key_of, self._children, self._refs
-        at = i * ps
+        at, new = i * ps, 0
         while i < end:
             key = (parent, tuple(tokens[at : at + ps]))
             page = pages[i]
             owner = page_of.setdefault(key, page)
             if owner != page:
                 break  # computed twice: this copy stays private
-            if page not in key_of:
+            if key_of[page] is None:
                 key_of[page] = key
+                new += 1
                 children[page] = 0
                 if parent != ROOT:
                     children[parent] += 1
-                if page not in refs:
+                if not refs[page]:
                     refs[page] = 1  # the caller's hold; a page already shared keeps its count
             parent = page
             i += 1
             at += ps
+        self._cached += new
         return i
 
     def invalidate(self) -> None:
@@ -194,8 +200,8 @@ class PrefixCache:
             self.allocator.free(list(self._evictable))
         self._evictable.clear()
         self._page_of.clear()
-        self._key_of.clear()
-        self._children.clear()
+        n = self.allocator.num_pages
+        self._key_of, self._children, self._cached = [None] * n, [0] * n, 0
 
     def flush(self) -> bool:
         """Empty the cache; refused (False) while any request holds KV."""
@@ -207,7 +213,7 @@ class PrefixCache:
     # ------------------------------------------------------------------ internals
 
     def _hold(self, page: int) -> None:
-        count = self._refs.get(page, 0)
+        count = self._refs[page]
         if count == 0:
             self._evictable.pop(page, None)
         self._refs[page] = count + 1
@@ -221,18 +227,21 @@ class PrefixCache:
         victims: list[int] = []
         while len(victims) < num_pages and evictable:
             victim = next(iter(evictable))
-            if children.get(victim):
-                victim = next((p for p in evictable if not children.get(p)), None)
+            if children[victim]:
+                victim = next((p for p in evictable if not children[p]), None)
                 if victim is None:
                     break
             del evictable[victim]
-            key = key_of.pop(victim)
+            key = key_of[victim]
+            assert key is not None  # (only indexed pages are evictable)
+            key_of[victim] = None
             del page_of[key]
-            del children[victim]
+            children[victim] = 0
             parent = key[0]
-            if parent != ROOT and parent in children:
+            if parent != ROOT and key_of[parent] is not None:
                 children[parent] -= 1
             victims.append(victim)
         if victims:
             self.allocator.free(victims)  # in eviction order, in one call
+        self._cached -= len(victims)
         self.evicted_pages += len(victims)
