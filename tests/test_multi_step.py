@@ -326,14 +326,18 @@ _mix = st.lists(
         "min_new_tokens": st.integers(0, 3),
         "return_logprob": st.booleans(),
         "n": st.sampled_from([1, 1, 2]),
+        "regex": st.sampled_from([None, None, r"[a-z]{2,6}( [a-z]{1,5}){0,4}\.", r"(yes|no)(, (yes|no)){0,6}"]),
+        "frequency_penalty": st.sampled_from([0.0, 0.4]),
+        "logit_bias": st.sampled_from([{}, {71: 5.0, 13: -5.0}]),
     }),
     min_size=1, max_size=6,
 )
 
 
 def test_generated_mixes_equal_one_step_decode(soak):
-    """Generated request mixes (sampling, stops, min tokens, logprobs, n) under several k
-    and every loop: tokens equal one forward per step's. ``--soak`` runs many more."""
+    """Generated request mixes (sampling, stops, min tokens, logprobs, n, grammars,
+    penalties, biases) under several k and every loop: tokens equal one forward per
+    step's. ``--soak`` runs many more."""
 
     @settings(max_examples=200 if soak else 10, deadline=None, suppress_health_check=list(HealthCheck))
     @given(mix=_mix, k=st.sampled_from([2, 3, 4, 8]), loop=st.sampled_from(LOOPS))
