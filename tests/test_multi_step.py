@@ -78,6 +78,8 @@ async def run(reqs, *, retract_at: int | None = None, abort: set[int] = frozense
                         await engine.resume()
             except errors.RequestAbortedError:
                 return ("aborted",)
+            except errors.RequestFailedError as exc:  # e.g. a grammar needing a stop id min_new_tokens bans
+                return ("failed", str(exc))
             res = await handle.result()
             assert res.output_ids == got  # the deltas add up to the result
             assert [c.output_ids for c in res.outputs] == [per_completion.get(c.index, []) for c in res.outputs]
