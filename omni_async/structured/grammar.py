@@ -98,9 +98,17 @@ class GrammarMatcher:
             self._tell_failure()
             return n
         refused = n < len(tokens) and not self._m.is_stopped()  # (tokens after a completed grammar are the caller's)
-        self._score = optimistic_score(self._score, n, refused)
+        # Token by token, whatever the step's size: the score rises with each admitted
+        # guess (a run back above LOW_SCORE ends the low refusals' count), then falls at
+        # the refused one. Checking only after both made a step of several forwards
+        # mask other positions than one forward a step, and so draw other tokens.
+        self._score = optimistic_score(self._score, n, False)
         if self._score >= LOW_SCORE:
             self._low_refusals = 0
+        if refused:
+            self._score = optimistic_score(self._score, 0, True)
+            if self._score >= LOW_SCORE:
+                self._low_refusals = 0
         if self._worker is not None:
             self._worker.guessed += n
             self._worker.refused += refused
