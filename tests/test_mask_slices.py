@@ -23,13 +23,7 @@ from omni_async.text.tokenizer import ByteTokenizer  # noqa: E402
 
 from .conftest import assert_kv_free  # noqa: E402
 from .test_constrained import validate  # noqa: E402
-
-SCHEMA = {
-    "type": "object",
-    "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 999}, "ok": {"type": "boolean"}},
-    "required": ["id", "ok"],
-    "additionalProperties": False,
-}
+from .test_late_masks import SCHEMA  # noqa: E402
 REGEX = r"[a-c]{2}-x[0-9]{1,3}"
 # Two grammars: rows of one share a lexer (a lock in llguidance), rows of the other do not.
 KEYS = [("json_schema", json.dumps(SCHEMA)), ("regex", REGEX)]
