@@ -1,0 +1,349 @@
+"""Where the GPU sits idle in NV256, and what the host was doing then (issue 42).
+
+Per loop: an engine (defaults), one warm NV256 run (graphs and kernels built), one plain run
+(tok/s and NVML busy, no profiler), then one run under ``torch.profiler`` (CPU and CUDA
+activity, no shapes or stacks) with the stepper's, stage's, runner's and emission's step
+functions wrapped from here in ``record_function`` ranges (named ``oa.*``; nothing in
+``omni_async`` changes). The ranges are also logged by this probe with their thread, because
+the profiler records CPU ranges only on the thread that started it (the loop's): the
+prefill launches on the worker thread come from this log, aligned to the profiler's clock
+by the loop thread's ranges, which are in both.
+
+Analysis (``gap_analysis.py``): device busy = the union of kernels, copies and sets over the
+run (first submission to last token); every idle gap >= ``--min-gap-us`` attributed to the
+innermost loop-thread range at its start and end (and split over the ranges during it), to
+the run's phase, to the kind of step that ended it; decode steps' device time against
+their host time (launch to launch) by rows; prefill steps. Each device op is tied to its
+step through the CUDA runtime / driver call that launched it (CUPTI correlation id) and
+the launch range that call fell in. With ``--smoke`` (CPU, tiny model) the "device" is the
+worker thread's forwards (the CPU runner's launch).
+
+    python bench/probes/gpu_gaps.py [--loops overlap,normal] [--mode sampled[,greedy]]
+        [--requests 256] [--out $OUT/gpu_gaps.json] [--trace-dir DIR] [--smoke]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import bisect
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent))
+
+from _common import LOOPS, save_json  # noqa: E402
+from gap_analysis import analyse  # noqa: E402
+from nv256 import QWEN05, SMOKE_SHAPE, Workload, facts, free_device, make_checkpoint, run_nv  # noqa: E402
+
+from omni_async import Engine, SamplingParams  # noqa: E402
+from omni_async.backends.native.builder import build_off_this_thread  # noqa: E402
+
+DEVICE_OPS = {"kernel", "gpu_memcpy", "gpu_memset"}
+LAUNCH_CALLS = {"cuda_runtime", "cuda_driver"}
+SYNC_RANGES = {  # (object path from the engine, attribute): range name
+    ("scheduler.stepper", "next_batch"): "schedule",
+    ("scheduler.stepper", "_launch_on_worker"): None,  # named by the step's kind (launch_range)
+    ("scheduler.stepper.runner", "collect"): "collect",
+    ("scheduler.stepper.sink", "on_step_output"): "process",
+    ("scheduler.stepper.sink", "deliver"): "deliver",
+}
+ASYNC_RANGES = {
+    ("scheduler", "begin_iteration"): "iteration",
+    ("scheduler.intake", "receive_and_admit"): "admit",
+    ("scheduler.stepper", "step_ahead"): "step.ahead",
+    ("scheduler.stepper", "step_in_sync"): "step.sync",
+    ("scheduler.stepper", "_launch"): "step.launch",
+    ("scheduler.stepper", "_launched"): "wait.launched",
+    ("scheduler.stepper", "_complete"): "complete",
+    ("scheduler.stepper.executor", "wait"): "wait.launch_future",
+    ("scheduler.stepper.executor", "completion"): "wait.device",
+    ("scheduler.stepper.wake", "wait"): "idle",
+}
+
+
+_ABSENT = object()
+
+
+def log(*a: Any) -> None:
+    print(*a, flush=True)
+
+
+def _owner(eng: Engine, path: str) -> Any:
+    obj: Any = eng
+    for part in path.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+class RangeLog:
+    """The probe's ranges: (start_ns, end_ns, name) per thread on ``perf_counter_ns``, and one
+    dict per launched step. Installed on one engine's objects (instance attributes, so nothing
+    else is patched); on the loop thread each range is also a ``record_function``."""
+
+    def __init__(self) -> None:
+        self.loop_ident = threading.get_ident()
+        self.loop: list[tuple[int, int, str]] = []
+        self.worker: list[tuple[int, int, str]] = []
+        self.steps: list[dict[str, Any]] = []
+        self.marks: dict[str, int] = {}
+
+    def _record(self, name: str, t0: int, t1: int) -> None:
+        (self.loop if threading.get_ident() == self.loop_ident else self.worker).append((t0, t1, name))
+
+    def _sync(self, fn: Callable[..., Any], name: str | None) -> Callable[..., Any]:
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            label = name or self._launch_step(args[0])
+            on_loop = threading.get_ident() == self.loop_ident
+            rf = torch.autograd.profiler.record_function("oa." + label) if on_loop else None
+            if rf is not None:
+                rf.__enter__()
+            t0 = time.perf_counter_ns()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                t1 = time.perf_counter_ns()
+                if rf is not None:
+                    rf.__exit__(None, None, None)
+                self._record(label, t0, t1)
+                if name is None:
+                    self.steps[-1]["launch"] = (t0, t1)
+        return wrapped
+
+    def _async(self, fn: Callable[..., Any], name: str) -> Callable[..., Any]:
+        async def wrapped(*args: Any, **kwargs: Any) -> Any:
+            with torch.autograd.profiler.record_function("oa." + name):
+                t0 = time.perf_counter_ns()
+                try:
+                    return await fn(*args, **kwargs)
+                finally:
+                    self._record(name, t0, time.perf_counter_ns())
+        return wrapped
+
+    def _launch_step(self, sched_output: Any) -> str:
+        batch = sched_output.batch_data
+        kind = "decode" if batch.is_decode else "prefill"
+        steps = getattr(batch, "row_steps", None)
+        self.steps.append({"kind": kind, "rows": batch.size, "k": max(steps) if steps else 1,
+                           "tokens": sum(getattr(batch, "extend_lens", None) or [batch.size]), "launch": (0, 0)})
+        return "launch." + kind
+
+    def install(self, eng: Engine) -> None:
+        """Wrap the engine's step functions (instance attributes); ``uninstall`` puts them back."""
+        self._undo: list[tuple[Any, str, Any]] = []
+        wraps = [(k, self._sync, n) for k, n in SYNC_RANGES.items()] + [(k, self._async, n) for k, n in ASYNC_RANGES.items()]
+        for (path, attr), wrap, name in wraps:
+            owner = _owner(eng, path)
+            self._undo.append((owner, attr, owner.__dict__.get(attr, _ABSENT)))
+            setattr(owner, attr, wrap(getattr(owner, attr), name))
+        flush = eng.flush_cache
+
+        async def flushed() -> Any:  # run_nv flushes, then submits: the run starts here
+            out = await flush()
+            self.marks["submit"] = time.perf_counter_ns()
+            return out
+        self._undo.append((eng, "flush_cache", eng.__dict__.get("flush_cache", _ABSENT)))
+        eng.flush_cache = flushed  # type: ignore[method-assign]
+
+    def uninstall(self) -> None:
+        for owner, attr, before in reversed(self._undo):
+            if before is _ABSENT:
+                delattr(owner, attr)
+            else:
+                setattr(owner, attr, before)
+
+
+def clock_offset(ann: list[tuple[int, str]], mine: list[tuple[int, int, str]]) -> tuple[int, int]:
+    """The profiler's clock minus ``perf_counter_ns``: the median over the loop thread's ranges,
+    paired in start order by name (a range the profiler has and the log lacks, one still open
+    when the profiler stopped, is skipped)."""
+    diffs, i = [], 0
+    for t, name in ann:
+        if i < len(mine) and mine[i][2] == name:
+            diffs.append(t - mine[i][0])
+            i += 1
+    return (int(statistics.median(diffs)) if diffs else 0), len(diffs)
+
+
+def kineto_view(prof: Any, rl: RangeLog, cuda: bool) -> tuple[list[tuple[int, int, int]], dict[str, Any]]:
+    """Device ops tied to steps, and the log's ranges moved onto the profiler's clock."""
+    t0 = time.perf_counter()
+    ann: list[tuple[int, str]] = []
+    launches: dict[int, int] = {}
+    raw: list[tuple[int, int, int]] = []
+    types: dict[str, int] = {}
+    for ev in prof.profiler.kineto_results.events():
+        at = ev.activity_type()
+        types[at] = types.get(at, 0) + 1
+        if at in DEVICE_OPS:
+            s = ev.start_ns()
+            raw.append((s, s + ev.duration_ns(), ev.correlation_id()))
+        elif at in LAUNCH_CALLS:
+            launches[ev.correlation_id()] = ev.start_ns()
+        elif at == "user_annotation":
+            name = ev.name()
+            if name.startswith("oa."):
+                ann.append((ev.start_ns(), name[3:]))
+    offset, pairs = clock_offset(sorted(ann), sorted(rl.loop))
+    shift = lambda rs: [(s + offset, e + offset, name) for s, e, name in rs]  # noqa: E731
+    rl.loop, rl.worker = shift(rl.loop), shift(rl.worker)
+    for st in rl.steps:
+        st["launch"] = (st["launch"][0] + offset, st["launch"][1] + offset)
+    rl.marks = {k: v + offset for k, v in rl.marks.items()}
+    starts = sorted((st["launch"][0], st["launch"][1], i) for i, st in enumerate(rl.steps))
+    keys = [s for s, _, _ in starts]
+
+    def step_of(t: int | None) -> int:
+        j = bisect.bisect_right(keys, t) - 1 if t is not None else -1
+        return starts[j][2] if j >= 0 and t <= starts[j][1] else -1
+
+    ops = [(s, e, step_of(launches.get(c))) for s, e, c in raw]
+    if not cuda:  # CPU: the worker's forwards are the device
+        ops = [(st["launch"][0], st["launch"][1], i) for i, st in enumerate(rl.steps)]
+    meta = {"activity_types": types, "annotations_profiler": len(ann), "annotations_logged": len(rl.loop), "annotations_paired": pairs,
+            "clock_offset_ns": offset, "device_ops": len(ops), "device_ops_tied_to_a_step": sum(1 for o in ops if o[2] >= 0),
+            "device_source": "CUDA kernels, copies, sets" if cuda else "CPU smoke: the worker's forwards",
+            "extract_s": time.perf_counter() - t0}
+    return ops, meta
+
+
+def run_window(rl: RangeLog, ops: list[tuple[int, int, int]]) -> tuple[int, int]:
+    """First submission to the last token: the flush's end to the last processing or delivery."""
+    ends = [e for _, e, name in rl.loop if name in ("process", "deliver")] or [e for _, e, _ in ops]
+    submit = rl.marks.get("submit", min(s for s, _, _ in rl.loop))
+    return submit, max(ends)
+
+
+async def profile_loop(args: argparse.Namespace, path: str, loop: str, wl: Workload) -> dict[str, Any]:
+    eng = Engine.from_pretrained(path, loop=loop, device=args.device, dtype=args.dtype)
+    cuda = args.device == "cuda"
+    out: dict[str, Any] = {}
+    async with eng:
+        await eng.generate(input_ids=wl.prompts[0][:32], sampling=SamplingParams(max_new_tokens=8))
+        for mode in args.modes:
+            temp = 0.6 if mode == "sampled" else 0.0
+            warm = await run_nv(eng, wl, temp) if mode == args.modes[0] else None
+            plain = await run_nv(eng, wl, temp)
+            rl = RangeLog()
+            rl.install(eng)
+            acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+            prof = torch.profiler.profile(activities=acts, record_shapes=False, with_stack=False, profile_memory=False)
+            prof.__enter__()
+            profiled = await run_nv(eng, wl, temp)
+            rl.uninstall()
+            t0 = time.perf_counter()
+            prof.__exit__(None, None, None)
+            stop_s = time.perf_counter() - t0
+            ops, meta = kineto_view(prof, rl, cuda)
+            if args.trace_dir:
+                t1 = time.perf_counter()
+                Path(args.trace_dir).mkdir(parents=True, exist_ok=True)
+                prof.export_chrome_trace(str(Path(args.trace_dir) / f"trace_{loop}_{mode}.json"))
+                meta["export_s"] = time.perf_counter() - t1
+            t1 = time.perf_counter()
+            window = run_window(rl, ops)
+            res = analyse(ops, rl.loop, rl.worker, rl.steps, window, min_gap_ns=int(args.min_gap_us * 1000))
+            meta.update(profiler_stop_s=stop_s, analyse_s=time.perf_counter() - t1, loop_ranges=len(rl.loop),
+                        worker_ranges=len(rl.worker))
+            keep = ("tok_s", "wall_s", "gpu_busy_mean", "cpu_over_wall", "ttft_median_s", "decode_steps", "fused_decode_launches")
+            out[mode] = {"warm": {k: warm[k] for k in keep} if warm else None, "plain": {k: plain[k] for k in keep},
+                         "profiled": {k: profiled[k] for k in keep}, "profile": meta, "gaps": res}
+            print_loop(loop, mode, out[mode])
+            del prof
+    del eng
+    free_device()
+    return out
+
+
+def _row(name: str, g: dict[str, Any], width: int = 44) -> str:
+    return (f"    {name[:width]:{width}s} {g['idle_ms']:9.2f} ms {100 * (g['share_of_run'] or 0):6.2f}%  n={g['count']:6d}"
+            f"  med {g['median_us']:8.1f} us  p90 {g['p90_us']:8.1f} us")
+
+
+def print_loop(loop: str, mode: str, r: dict[str, Any], top: int = 14) -> None:
+    g, p, q = r["gaps"], r["plain"], r["profiled"]
+    log(f"\n== {loop} {mode}: plain {p['tok_s']:.0f} tok/s (NVML busy {p['gpu_busy_mean']}), profiled {q['tok_s']:.0f} tok/s"
+        f" (NVML {q['gpu_busy_mean']}); profiler stop {r['profile']['profiler_stop_s']:.1f} s, extract"
+        f" {r['profile']['extract_s']:.1f} s, analyse {r['profile']['analyse_s']:.1f} s")
+    log(f"  run {g['wall_ms']:.1f} ms, device busy {g['busy_ms']:.1f} ms = {100 * (g['busy_fraction'] or 0):.1f}%;"
+        f" idle {g['idle_ms']:.1f} ms ({g['gaps']['count']} gaps >= {g['min_gap_us']:g} us: {g['gaps']['idle_ms']:.1f} ms,"
+        f" median {g['gaps']['median_us']:.1f} us, p90 {g['gaps']['p90_us']:.1f} us; smaller gaps {g['idle_below_min_gap_ms']:.1f} ms)")
+    for title, key in (("idle by the loop's innermost range when the device ran dry", "by_start"),
+                       ("idle by range at start -> range at end", "by_start_end"),
+                       ("idle by the kind of step that ended it", "by_next_step"),
+                       ("idle by the worker's range when the device resumed", "by_worker_at_end")):
+        log(f"  {title}:")
+        for name, row in list(g[key].items())[:top]:
+            log(_row(name, row))
+    log("  idle split over the loop's innermost ranges during the gaps (ms): "
+        + ", ".join(f"{k} {v:.1f}" for k, v in list(g["during_ms"].items())[:top]))
+    log("  by phase: " + "; ".join(f"{k}: wall {v['wall_ms']:.1f} ms, idle {v['idle_ms']:.1f} ms"
+                                    f" ({100 * (v['idle_share_of_phase'] or 0):.1f}%)" for k, v in g["by_phase"].items()))
+    log("  decode steps by rows (medians, ms): steps  device  host(launch->launch)  launch  gap-after | totals device / host / gap-after")
+    for key, d in g["decode_steps"].items():
+        log(f"    {key:14s} {d['steps']:5d} {d['device_ms_median']:8.3f} {d['host_ms_median']:8.3f} {d['launch_ms_median']:8.3f}"
+            f" {d['gap_after_ms_median']:8.3f} | {d['device_ms_total']:8.1f} {d['host_ms_total']:8.1f} {d['gap_after_ms_total']:7.1f}")
+    pf = g["prefill_steps"]
+    if pf:
+        tot = {k: sum(x[k] for x in pf) for k in ("device_ms", "host_ms", "launch_ms", "gap_after_ms")}
+        log(f"  prefill steps: {len(pf)}, rows {sum(x['rows'] for x in pf)}, tokens {sum(x['tokens'] or 0 for x in pf)};"
+            f" device {tot['device_ms']:.1f} ms, host (launch->launch) {tot['host_ms']:.1f} ms, launch {tot['launch_ms']:.1f} ms,"
+            f" gap after {tot['gap_after_ms']:.1f} ms")
+        for x in pf[:8]:
+            log(f"    step {x['step']:5d} rows {x['rows']:4d} tokens {x['tokens']:6d} device {x['device_ms']:7.2f}"
+                f" host {x['host_ms']:7.2f} launch {x['launch_ms']:7.2f} gap after {x['gap_after_ms']:6.2f} ms")
+
+
+async def main_async(args: argparse.Namespace) -> dict[str, Any]:
+    shape, name = (SMOKE_SHAPE, "nv-qwen2-smoke") if args.smoke else (QWEN05, "nv-qwen2-05b-bf16")
+    folder = Path(tempfile.gettempdir()) / name
+    path = str(build_off_this_thread(lambda: make_checkpoint(folder, shape, getattr(torch, args.dtype), args.device)))
+    wl = (Workload(args.requests, 0, prompt_len=(10, 40), id_max=1000, new_tokens=(5, 24)) if args.smoke
+          else Workload(args.requests, 0))
+    result: dict[str, Any] = {"bench": "gpu_gaps", "args": vars(args), "workload": wl.describe(), **facts(), "loops": {}}
+    for loop in args.loops:
+        t0 = time.perf_counter()
+        result["loops"][loop] = await profile_loop(args, path, loop, wl)
+        result["loops"][loop]["probe_s"] = time.perf_counter() - t0
+        log(f"  ({loop}: {result['loops'][loop]['probe_s']:.1f} s in all)")
+        save_json(args.out, result)
+    return result
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--loops", default="overlap,normal")
+    ap.add_argument("--mode", default="sampled", help="sampled, greedy or both (comma list)")
+    ap.add_argument("--requests", type=int, default=None, help="default 256 (16 with --smoke)")
+    ap.add_argument("--min-gap-us", type=float, default=5.0)
+    ap.add_argument("--trace-dir", default=None, help="also export each profiled run's chrome trace there (slow, large)")
+    ap.add_argument("--out", default=None, help="JSON (default bench/results/gpu_gaps.json; gpu_gaps_smoke.json with --smoke)")
+    ap.add_argument("--smoke", action="store_true", help="CPU, tiny random Qwen2, 16 requests: checks the probe end to end")
+    args = ap.parse_args()
+    args.loops = [x for x in args.loops.split(",") if x]
+    assert all(x in LOOPS for x in args.loops), args.loops
+    args.modes = [x for x in args.mode.split(",") if x]
+    assert all(x in ("sampled", "greedy") for x in args.modes), args.modes
+    args.requests = args.requests or (16 if args.smoke else 256)
+    args.device, args.dtype = ("cpu", "float32") if args.smoke else ("cuda", "bfloat16")
+    args.out = args.out or ("gpu_gaps_smoke.json" if args.smoke else "gpu_gaps.json")
+    if args.smoke:
+        torch.set_num_threads(1)
+    t0 = time.perf_counter()
+    result = asyncio.run(main_async(args))
+    result["probe_s"] = time.perf_counter() - t0
+    log(f"\nsaved {save_json(args.out, result)} ({result['probe_s']:.1f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
