@@ -188,6 +188,15 @@ def _step_tables(steps: list[dict[str, Any]], device_ops: list[tuple[int, int, i
     return table, prefill
 
 
+def _crossing(before: int, after: int | None, kinds: dict[int, str], at_start: bool) -> str:
+    """Whether a gap lies inside one step's device work or between two steps (and their kinds)."""
+    a = "run start" if at_start else kinds.get(before, "unattributed")
+    b = "end of run" if after is None else kinds.get(after, "unattributed")
+    if before == after and before >= 0:
+        return f"inside a {a} step"
+    return f"{a} -> {b}"
+
+
 def analyse(device_ops: list[tuple[int, int, int]], loop_ranges: list[tuple[int, int, str]],
             worker_ranges: list[tuple[int, int, str]], steps: list[dict[str, Any]], window: tuple[int, int],
             *, min_gap_ns: int = 5_000, tail_rows: int = 64) -> dict[str, Any]:
@@ -200,9 +209,10 @@ def analyse(device_ops: list[tuple[int, int, int]], loop_ranges: list[tuple[int,
     all_gaps = idle_gaps(busy, lo, hi)
     gaps = [(s, e) for s, e in all_gaps if e - s >= min_gap_ns]
     loop, worker, phases = Innermost(loop_ranges), Innermost(worker_ranges), Phases(steps, tail_rows)
-    op_step = {s: step for s, _, step in device_ops}
+    op_step = {s: step for s, _, step in device_ops}  # the op that ends a gap, by its start
+    end_step = {e: step for _, e, step in device_ops}  # the op that opens one, by its end
     kinds = {i: st["kind"] for i, st in enumerate(steps)}
-    by_start, by_pair, by_phase, by_next, by_worker = [], [], [], [], []
+    by_start, by_pair, by_phase, by_next, by_worker, by_rows, by_cross = [], [], [], [], [], [], []
     during: dict[str, int] = {}
     for s, e in gaps:
         n = e - s
@@ -210,7 +220,11 @@ def analyse(device_ops: list[tuple[int, int, int]], loop_ranges: list[tuple[int,
         by_start.append((a, n))
         by_pair.append((f"{a} -> {b}", n))
         by_phase.append((phases.at(s), n))
-        by_next.append((kinds.get(op_step.get(e, -1), "unattributed") if e < hi else "end of run", n))
+        rows = phases.rows_at(s)
+        by_rows.append(("startup" if rows is None else rows_bucket(rows), n))
+        before, after = end_step.get(s, -1), op_step.get(e, -1) if e < hi else None
+        by_next.append((kinds.get(after, "unattributed") if after is not None else "end of run", n))
+        by_cross.append((_crossing(before, after, kinds, s == lo), n))
         by_worker.append((worker.at(e), n))
         for name, ov in loop.split(s, e).items():
             during[name] = during.get(name, 0) + ov
@@ -232,7 +246,8 @@ def analyse(device_ops: list[tuple[int, int, int]], loop_ranges: list[tuple[int,
         "by_phase": {p: {"wall_ms": phase_wall.get(p, 0) / 1e6, "idle_ms": phase_idle.get(p, 0.0),
                          "idle_share_of_phase": phase_idle.get(p, 0.0) * 1e6 / phase_wall[p] if phase_wall.get(p) else None}
                      for p in ("startup", "steady", "tail") if p in phase_wall or p in phase_idle},
-        "by_next_step": _grouped(by_next, wall), "by_worker_at_end": _grouped(by_worker, wall),
+        "by_next_step": _grouped(by_next, wall), "by_rows": _grouped(by_rows, wall),
+        "by_crossing": _grouped(by_cross, wall), "by_worker_at_end": _grouped(by_worker, wall),
         "decode_steps": decode_table, "prefill_steps": prefill,
         "steps": {"decode": sum(1 for st in steps if st["kind"] == "decode"), "prefill": len(prefill)},
     }

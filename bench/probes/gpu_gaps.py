@@ -32,6 +32,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 from pathlib import Path
 from typing import Any, Callable
 
@@ -96,13 +97,16 @@ class RangeLog:
         self.worker: list[tuple[int, int, str]] = []
         self.steps: list[dict[str, Any]] = []
         self.marks: dict[str, int] = {}
+        # The profiler's clock is Unix time: the fallback when no range of ours is in its trace.
+        self.epoch_offset = time.time_ns() - time.perf_counter_ns()
 
     def _record(self, name: str, t0: int, t1: int) -> None:
         (self.loop if threading.get_ident() == self.loop_ident else self.worker).append((t0, t1, name))
 
     def _sync(self, fn: Callable[..., Any], name: str | None) -> Callable[..., Any]:
         def wrapped(*args: Any, **kwargs: Any) -> Any:
-            label = name or self._launch_step(args[0])
+            step = None if name else self._launch_step(args[0])
+            label = name or "launch." + step["kind"]  # type: ignore[index]
             on_loop = threading.get_ident() == self.loop_ident
             rf = torch.autograd.profiler.record_function("oa." + label) if on_loop else None
             if rf is not None:
@@ -115,8 +119,8 @@ class RangeLog:
                 if rf is not None:
                     rf.__exit__(None, None, None)
                 self._record(label, t0, t1)
-                if name is None:
-                    self.steps[-1]["launch"] = (t0, t1)
+                if step is not None:
+                    step["launch"] = (t0, t1)
         return wrapped
 
     def _async(self, fn: Callable[..., Any], name: str) -> Callable[..., Any]:
@@ -129,13 +133,13 @@ class RangeLog:
                     self._record(name, t0, time.perf_counter_ns())
         return wrapped
 
-    def _launch_step(self, sched_output: Any) -> str:
+    def _launch_step(self, sched_output: Any) -> dict[str, Any]:
         batch = sched_output.batch_data
-        kind = "decode" if batch.is_decode else "prefill"
         steps = getattr(batch, "row_steps", None)
-        self.steps.append({"kind": kind, "rows": batch.size, "k": max(steps) if steps else 1,
-                           "tokens": sum(getattr(batch, "extend_lens", None) or [batch.size]), "launch": (0, 0)})
-        return "launch." + kind
+        step = {"kind": "decode" if batch.is_decode else "prefill", "rows": batch.size, "k": max(steps) if steps else 1,
+                "tokens": sum(getattr(batch, "extend_lens", None) or [batch.size]), "launch": (0, 0)}
+        self.steps.append(step)
+        return step
 
     def install(self, eng: Engine) -> None:
         """Wrap the engine's step functions (instance attributes); ``uninstall`` puts them back."""
@@ -194,6 +198,8 @@ def kineto_view(prof: Any, rl: RangeLog, cuda: bool) -> tuple[list[tuple[int, in
             if name.startswith("oa."):
                 ann.append((ev.start_ns(), name[3:]))
     offset, pairs = clock_offset(sorted(ann), sorted(rl.loop))
+    unix_vs_pairs_us = (offset - rl.epoch_offset) / 1e3 if pairs else None
+    offset = offset if pairs else rl.epoch_offset
     shift = lambda rs: [(s + offset, e + offset, name) for s, e, name in rs]  # noqa: E731
     rl.loop, rl.worker = shift(rl.loop), shift(rl.worker)
     for st in rl.steps:
@@ -210,7 +216,7 @@ def kineto_view(prof: Any, rl: RangeLog, cuda: bool) -> tuple[list[tuple[int, in
     if not cuda:  # CPU: the worker's forwards are the device
         ops = [(st["launch"][0], st["launch"][1], i) for i, st in enumerate(rl.steps)]
     meta = {"activity_types": types, "annotations_profiler": len(ann), "annotations_logged": len(rl.loop), "annotations_paired": pairs,
-            "clock_offset_ns": offset, "device_ops": len(ops), "device_ops_tied_to_a_step": sum(1 for o in ops if o[2] >= 0),
+            "clock_offset_ns": offset, "unix_clock_minus_paired_us": unix_vs_pairs_us, "device_ops": len(ops), "device_ops_tied_to_a_step": sum(1 for o in ops if o[2] >= 0),
             "device_source": "CUDA kernels, copies, sets" if cuda else "CPU smoke: the worker's forwards",
             "extract_s": time.perf_counter() - t0}
     return ops, meta
@@ -223,42 +229,59 @@ def run_window(rl: RangeLog, ops: list[tuple[int, int, int]]) -> tuple[int, int]
     return submit, max(ends)
 
 
-async def profile_loop(args: argparse.Namespace, path: str, loop: str, wl: Workload) -> dict[str, Any]:
-    eng = Engine.from_pretrained(path, loop=loop, device=args.device, dtype=args.dtype)
+KEEP = ("tok_s", "wall_s", "gpu_busy_mean", "cpu_over_wall", "ttft_median_s", "decode_steps", "fused_decode_launches")
+
+
+async def profile_mode(args: argparse.Namespace, eng: Engine, loop: str, mode: str, wl: Workload, warm_up: bool) -> dict[str, Any]:
+    """(A warm run,) a plain run, a profiled run with the ranges, and its analysis."""
     cuda = args.device == "cuda"
+    temp = 0.6 if mode == "sampled" else 0.0
+    warm = await run_nv(eng, wl, temp) if warm_up else None
+    plain = await run_nv(eng, wl, temp)
+    rl = RangeLog()
+    rl.install(eng)
+    acts = [getattr(torch.profiler.ProfilerActivity, a.upper()) for a in args.activities if cuda or a == "cpu"]
+    acts = acts or [torch.profiler.ProfilerActivity.CPU]
+    prof = torch.profiler.profile(activities=acts, record_shapes=False, with_stack=False, profile_memory=False)
+    prof.__enter__()
+    try:
+        profiled = await run_nv(eng, wl, temp)
+    finally:
+        rl.uninstall()
+        t0 = time.perf_counter()
+        prof.__exit__(None, None, None)
+        stop_s = time.perf_counter() - t0
+    ops, meta = kineto_view(prof, rl, cuda)
+    if cuda and not meta["device_ops"]:
+        log(f"  no device ops in the trace (activity types seen: {meta['activity_types']})")
+    if args.trace_dir:
+        t1 = time.perf_counter()
+        Path(args.trace_dir).mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(str(Path(args.trace_dir) / f"trace_{loop}_{mode}.json"))
+        meta["export_s"] = time.perf_counter() - t1
+    t1 = time.perf_counter()
+    res = analyse(ops, rl.loop, rl.worker, rl.steps, run_window(rl, ops), min_gap_ns=int(args.min_gap_us * 1000))
+    meta.update(profiler_stop_s=stop_s, analyse_s=time.perf_counter() - t1, loop_ranges=len(rl.loop),
+                worker_ranges=len(rl.worker))
+    return {"warm": {k: warm[k] for k in KEEP} if warm else None, "plain": {k: plain[k] for k in KEEP},
+            "profiled": {k: profiled[k] for k in KEEP}, "profile": meta, "gaps": res}
+
+
+async def profile_loop(args: argparse.Namespace, path: str, loop: str, wl: Workload) -> dict[str, Any]:
+    """One engine; per mode a warm run (the first mode only), plain, profiled. A mode that
+    fails is recorded as its error and the probe goes on (one run on the GPU must answer)."""
+    eng = Engine.from_pretrained(path, loop=loop, device=args.device, dtype=args.dtype)
     out: dict[str, Any] = {}
     async with eng:
         await eng.generate(input_ids=wl.prompts[0][:32], sampling=SamplingParams(max_new_tokens=8))
         for mode in args.modes:
-            temp = 0.6 if mode == "sampled" else 0.0
-            warm = await run_nv(eng, wl, temp) if mode == args.modes[0] else None
-            plain = await run_nv(eng, wl, temp)
-            rl = RangeLog()
-            rl.install(eng)
-            acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
-            prof = torch.profiler.profile(activities=acts, record_shapes=False, with_stack=False, profile_memory=False)
-            prof.__enter__()
-            profiled = await run_nv(eng, wl, temp)
-            rl.uninstall()
-            t0 = time.perf_counter()
-            prof.__exit__(None, None, None)
-            stop_s = time.perf_counter() - t0
-            ops, meta = kineto_view(prof, rl, cuda)
-            if args.trace_dir:
-                t1 = time.perf_counter()
-                Path(args.trace_dir).mkdir(parents=True, exist_ok=True)
-                prof.export_chrome_trace(str(Path(args.trace_dir) / f"trace_{loop}_{mode}.json"))
-                meta["export_s"] = time.perf_counter() - t1
-            t1 = time.perf_counter()
-            window = run_window(rl, ops)
-            res = analyse(ops, rl.loop, rl.worker, rl.steps, window, min_gap_ns=int(args.min_gap_us * 1000))
-            meta.update(profiler_stop_s=stop_s, analyse_s=time.perf_counter() - t1, loop_ranges=len(rl.loop),
-                        worker_ranges=len(rl.worker))
-            keep = ("tok_s", "wall_s", "gpu_busy_mean", "cpu_over_wall", "ttft_median_s", "decode_steps", "fused_decode_launches")
-            out[mode] = {"warm": {k: warm[k] for k in keep} if warm else None, "plain": {k: plain[k] for k in keep},
-                         "profiled": {k: profiled[k] for k in keep}, "profile": meta, "gaps": res}
+            try:
+                out[mode] = await profile_mode(args, eng, loop, mode, wl, warm_up=mode == args.modes[0])
+            except Exception as exc:  # keep the other loops' answers
+                traceback.print_exc()
+                out[mode] = {"error": repr(exc)}
+                continue
             print_loop(loop, mode, out[mode])
-            del prof
     del eng
     free_device()
     return out
@@ -279,7 +302,8 @@ def print_loop(loop: str, mode: str, r: dict[str, Any], top: int = 14) -> None:
         f" median {g['gaps']['median_us']:.1f} us, p90 {g['gaps']['p90_us']:.1f} us; smaller gaps {g['idle_below_min_gap_ms']:.1f} ms)")
     for title, key in (("idle by the loop's innermost range when the device ran dry", "by_start"),
                        ("idle by range at start -> range at end", "by_start_end"),
-                       ("idle by the kind of step that ended it", "by_next_step"),
+                       ("idle inside a step or between steps (kinds)", "by_crossing"),
+                       ("idle by the rows of the last decode step launched", "by_rows"),
                        ("idle by the worker's range when the device resumed", "by_worker_at_end")):
         log(f"  {title}:")
         for name, row in list(g[key].items())[:top]:
@@ -303,6 +327,19 @@ def print_loop(loop: str, mode: str, r: dict[str, Any], top: int = 14) -> None:
                 f" host {x['host_ms']:7.2f} launch {x['launch_ms']:7.2f} gap after {x['gap_after_ms']:6.2f} ms")
 
 
+def print_summary(result: dict[str, Any], top: int = 3) -> None:
+    log("\nsummary: loop/mode, tok/s plain [NVML busy] / profiled [NVML], device busy in the trace, top idle (start -> end range;"
+        " inside or between steps)")
+    for loop, per in result["loops"].items():
+        for mode, r in per.items():
+            if not isinstance(r, dict) or "gaps" not in r:
+                continue
+            g, p, q = r["gaps"], r["plain"], r["profiled"]
+            heads = lambda key: "; ".join(f"{k} {v['idle_ms']:.0f} ms" for k, v in list(g[key].items())[:top])  # noqa: E731
+            log(f"  {loop}/{mode}: {p['tok_s']:.0f} [{p['gpu_busy_mean']}] / {q['tok_s']:.0f} [{q['gpu_busy_mean']}],"
+                f" busy {100 * (g['busy_fraction'] or 0):.1f}% of {g['wall_ms']:.0f} ms | {heads('by_start_end')} | {heads('by_crossing')}")
+
+
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     shape, name = (SMOKE_SHAPE, "nv-qwen2-smoke") if args.smoke else (QWEN05, "nv-qwen2-05b-bf16")
     folder = Path(tempfile.gettempdir()) / name
@@ -310,9 +347,15 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     wl = (Workload(args.requests, 0, prompt_len=(10, 40), id_max=1000, new_tokens=(5, 24)) if args.smoke
           else Workload(args.requests, 0))
     result: dict[str, Any] = {"bench": "gpu_gaps", "args": vars(args), "workload": wl.describe(), **facts(), "loops": {}}
+    began, longest = time.perf_counter(), 0.0
     for loop in args.loops:
         t0 = time.perf_counter()
+        if t0 - began + longest > args.budget_s:
+            log(f"  {loop}: skipped, the loops before it took {t0 - began:.0f} s of --budget-s {args.budget_s:g}")
+            result["loops"][loop] = {"skipped": "budget"}
+            continue
         result["loops"][loop] = await profile_loop(args, path, loop, wl)
+        longest = max(longest, time.perf_counter() - t0)
         result["loops"][loop]["probe_s"] = time.perf_counter() - t0
         log(f"  ({loop}: {result['loops'][loop]['probe_s']:.1f} s in all)")
         save_json(args.out, result)
@@ -325,6 +368,10 @@ def main() -> int:
     ap.add_argument("--mode", default="sampled", help="sampled, greedy or both (comma list)")
     ap.add_argument("--requests", type=int, default=None, help="default 256 (16 with --smoke)")
     ap.add_argument("--min-gap-us", type=float, default=5.0)
+    ap.add_argument("--activities", default="cpu,cuda",
+                    help="profiler activities; 'cuda' alone records no CPU ops (less overhead; ranges aligned by the Unix clock)")
+    ap.add_argument("--budget-s", type=float, default=420.0,
+                    help="skip a loop when the time so far plus the longest loop's would pass this")
     ap.add_argument("--trace-dir", default=None, help="also export each profiled run's chrome trace there (slow, large)")
     ap.add_argument("--out", default=None, help="JSON (default bench/results/gpu_gaps.json; gpu_gaps_smoke.json with --smoke)")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny random Qwen2, 16 requests: checks the probe end to end")
@@ -332,6 +379,7 @@ def main() -> int:
     args.loops = [x for x in args.loops.split(",") if x]
     assert all(x in LOOPS for x in args.loops), args.loops
     args.modes = [x for x in args.mode.split(",") if x]
+    args.activities = [x for x in args.activities.split(",") if x in ("cpu", "cuda")]
     assert all(x in ("sampled", "greedy") for x in args.modes), args.modes
     args.requests = args.requests or (16 if args.smoke else 256)
     args.device, args.dtype = ("cpu", "float32") if args.smoke else ("cuda", "bfloat16")
@@ -341,6 +389,7 @@ def main() -> int:
     t0 = time.perf_counter()
     result = asyncio.run(main_async(args))
     result["probe_s"] = time.perf_counter() - t0
+    print_summary(result)
     log(f"\nsaved {save_json(args.out, result)} ({result['probe_s']:.1f} s)")
     return 0
 
