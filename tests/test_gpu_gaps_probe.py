@@ -118,3 +118,55 @@ def test_clock_offset_pairs_ranges_by_name_in_order():
     # The profiler saw one more range (still open when it stopped), and its clock is 1,000 ahead.
     ann = [(1100, "iteration"), (1150, "idle"), (1161, "schedule"), (1180, "process")]
     assert probe.clock_offset(ann, mine) == (1000, 3)
+
+
+class _Ev:
+    def __init__(self, kind: str, start: int, dur: int = 0, corr: int = 0, name: str = "") -> None:
+        self._k, self._s, self._d, self._c, self._n = kind, start, dur, corr, name
+
+    def activity_type(self) -> str:
+        return self._k
+
+    def start_ns(self) -> int:
+        return self._s
+
+    def duration_ns(self) -> int:
+        return self._d
+
+    def correlation_id(self) -> int:
+        return self._c
+
+    def name(self) -> str:
+        return self._n
+
+
+class _Prof:
+    def __init__(self, events: list[_Ev]) -> None:
+        results = type("R", (), {"events": lambda _self: events})()
+        self.profiler = type("P", (), {"kineto_results": results})()
+
+
+def test_device_ops_are_tied_to_the_launch_their_runtime_call_fell_in():
+    probe = _load("gpu_gaps")
+    rl = probe.RangeLog()
+    # Our log (perf_counter): a decode launch on the loop thread, a prefill launch on the worker.
+    rl.loop = [(100 * U, 200 * U, "launch.decode")]
+    rl.worker = [(300 * U, 400 * U, "launch.prefill")]
+    rl.steps = [{"kind": "decode", "rows": 5, "k": 1, "tokens": 5, "launch": (100 * U, 200 * U)},
+                {"kind": "prefill", "rows": 1, "k": 1, "tokens": 50, "launch": (300 * U, 400 * U)}]
+    off = 7_000 * U  # the profiler's clock ahead of perf_counter
+    events = [
+        _Ev("user_annotation", 100 * U + off, 100 * U, name="oa.launch.decode"),
+        _Ev("cuda_runtime", 150 * U + off, U, corr=11),   # in the decode launch
+        _Ev("cuda_driver", 350 * U + off, U, corr=12),    # in the prefill launch (worker thread)
+        _Ev("cuda_runtime", 250 * U + off, U, corr=13),   # between launches (a copy in collect)
+        _Ev("kernel", 160 * U + off, 30 * U, corr=11), _Ev("gpu_memcpy", 190 * U + off, 5 * U, corr=11),
+        _Ev("kernel", 360 * U + off, 50 * U, corr=12), _Ev("gpu_memset", 260 * U + off, 2 * U, corr=13),
+        _Ev("gpu_user_annotation", 100 * U + off, 400 * U, corr=11),  # not device work
+    ]
+    ops, meta = probe.kineto_view(_Prof(events), rl, cuda=True)
+    assert sorted(ops) == [(160 * U + off, 190 * U + off, 0), (190 * U + off, 195 * U + off, 0),
+                           (260 * U + off, 262 * U + off, -1), (360 * U + off, 410 * U + off, 1)]
+    assert meta["annotations_paired"] == 1 and meta["clock_offset_ns"] == off
+    assert meta["device_ops_tied_to_a_step"] == 3
+    assert rl.worker == [(300 * U + off, 400 * U + off, "launch.prefill")]  # moved onto the profiler's clock

@@ -51,6 +51,7 @@ from omni_async.backends.native.builder import build_off_this_thread  # noqa: E4
 
 DEVICE_OPS = {"kernel", "gpu_memcpy", "gpu_memset"}
 LAUNCH_CALLS = {"cuda_runtime", "cuda_driver"}
+LAUNCH_SLACK_NS = 20_000
 SYNC_RANGES = {  # (object path from the engine, attribute): range name
     ("scheduler.stepper", "next_batch"): "schedule",
     ("scheduler.stepper", "_launch_on_worker"): None,  # named by the step's kind (launch_range)
@@ -208,15 +209,22 @@ def kineto_view(prof: Any, rl: RangeLog, cuda: bool) -> tuple[list[tuple[int, in
     starts = sorted((st["launch"][0], st["launch"][1], i) for i, st in enumerate(rl.steps))
     keys = [s for s, _, _ in starts]
 
-    def step_of(t: int | None) -> int:
-        j = bisect.bisect_right(keys, t) - 1 if t is not None else -1
-        return starts[j][2] if j >= 0 and t <= starts[j][1] else -1
+    def step_of(t: int | None) -> int:  # the launch range a runtime call fell in (a little slack for the clocks)
+        j = bisect.bisect_right(keys, t + LAUNCH_SLACK_NS) - 1 if t is not None else -1
+        return starts[j][2] if j >= 0 and t <= starts[j][1] + LAUNCH_SLACK_NS else -1
 
     ops = [(s, e, step_of(launches.get(c))) for s, e, c in raw]
     if not cuda:  # CPU: the worker's forwards are the device
         ops = [(st["launch"][0], st["launch"][1], i) for i, st in enumerate(rl.steps)]
-    meta = {"activity_types": types, "annotations_profiler": len(ann), "annotations_logged": len(rl.loop), "annotations_paired": pairs,
-            "clock_offset_ns": offset, "unix_clock_minus_paired_us": unix_vs_pairs_us, "device_ops": len(ops), "device_ops_tied_to_a_step": sum(1 for o in ops if o[2] >= 0),
+    first: dict[int, int] = {}
+    for s, _, i in ops:
+        if i >= 0 and s < first.get(i, s + 1):
+            first[i] = s
+    lead = sorted((s - rl.steps[i]["launch"][0]) / 1e3 for i, s in first.items())  # < 0: the clocks disagree
+    meta = {"activity_types": types, "annotations_profiler": len(ann), "annotations_logged": len(rl.loop),
+            "annotations_paired": pairs, "clock_offset_ns": offset, "unix_clock_minus_paired_us": unix_vs_pairs_us,
+            "device_ops": len(ops), "device_ops_tied_to_a_step": sum(1 for o in ops if o[2] >= 0),
+            "first_op_after_launch_us": {q: lead[int(q * (len(lead) - 1))] for q in (0.0, 0.1, 0.5)} if lead else None,
             "device_source": "CUDA kernels, copies, sets" if cuda else "CPU smoke: the worker's forwards",
             "extract_s": time.perf_counter() - t0}
     return ops, meta
