@@ -170,3 +170,42 @@ def test_device_ops_are_tied_to_the_launch_their_runtime_call_fell_in():
     assert meta["annotations_paired"] == 1 and meta["clock_offset_ns"] == off
     assert meta["device_ops_tied_to_a_step"] == 3
     assert rl.worker == [(300 * U + off, 400 * U + off, "launch.prefill")]  # moved onto the profiler's clock
+
+
+class _OldEv:
+    """An event from a torch whose events do not name their activity type."""
+
+    def __init__(self, on_device: bool, start: int, dur: int, corr: int, name: str) -> None:
+        self._dev, self._s, self._d, self._c, self._n = on_device, start, dur, corr, name
+
+    def device_type(self):
+        import torch
+
+        return torch.profiler.DeviceType.CUDA if self._dev else torch.profiler.DeviceType.CPU
+
+    def start_ns(self) -> int:
+        return self._s
+
+    def duration_ns(self) -> int:
+        return self._d
+
+    def correlation_id(self) -> int:
+        return self._c
+
+    def name(self) -> str:
+        return self._n
+
+
+def test_events_without_activity_types_are_told_apart_by_device_and_name():
+    probe = _load("gpu_gaps")
+    rl = probe.RangeLog()
+    rl.loop = [(100 * U, 200 * U, "launch.decode")]
+    rl.steps = [{"kind": "decode", "rows": 5, "k": 1, "tokens": 5, "launch": (100 * U, 200 * U)}]
+    events = [_OldEv(False, 100 * U, 100 * U, 1, "oa.launch.decode"),  # our range (its id: the op's)
+              _OldEv(False, 120 * U, 5 * U, 2, "aten::copy_"),
+              _OldEv(False, 150 * U, U, 2, "cudaGraphLaunch"),  # CUPTI's id 2: an op's id may collide
+              _OldEv(True, 160 * U, 30 * U, 2, "void gemm_kernel"),
+              _OldEv(True, 100 * U, 100 * U, 2, "oa.launch.decode")]  # the annotation's GPU mirror
+    ops, meta = probe.kineto_view(_Prof(events), rl, cuda=True)
+    assert ops == [(160 * U, 190 * U, 0)]
+    assert meta["annotations_paired"] == 1

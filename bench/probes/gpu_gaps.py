@@ -167,6 +167,18 @@ class RangeLog:
                 setattr(owner, attr, before)
 
 
+def activity(ev: Any) -> str:
+    """An event's kineto activity type ("kernel", "cuda_runtime", ...). A torch whose events do
+    not name it: "device?" for device work or a GPU annotation (told apart by name later),
+    "cuda_runtime" for a CPU event named like a CUDA call, "cpu?" for the rest."""
+    at = ev.activity_type() if hasattr(ev, "activity_type") else None
+    if isinstance(at, str):
+        return at
+    if ev.device_type() == torch.profiler.DeviceType.CUDA:
+        return "device?"
+    return "cuda_runtime" if ev.name().startswith("cu") else "cpu?"
+
+
 def clock_offset(ann: list[tuple[int, str]], mine: list[tuple[int, int, str]]) -> tuple[int, int]:
     """The profiler's clock minus ``perf_counter_ns``: the median over the loop thread's ranges,
     paired in start order by name (a range the profiler has and the log lacks, one still open
@@ -186,18 +198,25 @@ def kineto_view(prof: Any, rl: RangeLog, cuda: bool) -> tuple[list[tuple[int, in
     launches: dict[int, int] = {}
     raw: list[tuple[int, int, int]] = []
     types: dict[str, int] = {}
+    device_named: list[tuple[int, int, int, str]] = []
+    cpu_names: set[str] = set()
     for ev in prof.profiler.kineto_results.events():
-        at = ev.activity_type()
+        at = activity(ev)
         types[at] = types.get(at, 0) + 1
         if at in DEVICE_OPS:
             s = ev.start_ns()
             raw.append((s, s + ev.duration_ns(), ev.correlation_id()))
+        elif at == "device?":  # no activity type from this torch: an annotation's mirror is dropped below
+            s = ev.start_ns()
+            device_named.append((s, s + ev.duration_ns(), ev.correlation_id(), ev.name()))
         elif at in LAUNCH_CALLS:
             launches[ev.correlation_id()] = ev.start_ns()
-        elif at == "user_annotation":
+        elif at in ("user_annotation", "cpu?"):
             name = ev.name()
+            cpu_names.add(name)
             if name.startswith("oa."):
                 ann.append((ev.start_ns(), name[3:]))
+    raw += [(s, e, c) for s, e, c, name in device_named if name not in cpu_names]
     offset, pairs = clock_offset(sorted(ann), sorted(rl.loop))
     unix_vs_pairs_us = (offset - rl.epoch_offset) / 1e3 if pairs else None
     offset = offset if pairs else rl.epoch_offset
