@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent))
 
 from _common import LOOPS, save_json  # noqa: E402
-from gap_analysis import analyse  # noqa: E402
+from gap_analysis import analyse, print_loop, print_summary  # noqa: E402
 from nv256 import QWEN05, SMOKE_SHAPE, Workload, facts, free_device, make_checkpoint, run_nv  # noqa: E402
 
 from omni_async import Engine, SamplingParams  # noqa: E402
@@ -271,6 +271,9 @@ async def profile_mode(args: argparse.Namespace, eng: Engine, loop: str, mode: s
     acts = acts or [torch.profiler.ProfilerActivity.CPU]
     prof = torch.profiler.profile(activities=acts, record_shapes=False, with_stack=False, profile_memory=False)
     prof.__enter__()
+    # Our analysis reads kineto's events; a torch that turns them all into FunctionEvents when
+    # the profiler stops (older ones do, newer ones lazily) would spend seconds per 10^5 events.
+    prof.profiler._parse_kineto_results = lambda *a, **k: []
     try:
         profiled = await run_nv(eng, wl, temp)
     finally:
@@ -312,59 +315,6 @@ async def profile_loop(args: argparse.Namespace, path: str, loop: str, wl: Workl
     del eng
     free_device()
     return out
-
-
-def _row(name: str, g: dict[str, Any], width: int = 44) -> str:
-    return (f"    {name[:width]:{width}s} {g['idle_ms']:9.2f} ms {100 * (g['share_of_run'] or 0):6.2f}%  n={g['count']:6d}"
-            f"  med {g['median_us']:8.1f} us  p90 {g['p90_us']:8.1f} us")
-
-
-def print_loop(loop: str, mode: str, r: dict[str, Any], top: int = 14) -> None:
-    g, p, q = r["gaps"], r["plain"], r["profiled"]
-    log(f"\n== {loop} {mode}: plain {p['tok_s']:.0f} tok/s (NVML busy {p['gpu_busy_mean']}), profiled {q['tok_s']:.0f} tok/s"
-        f" (NVML {q['gpu_busy_mean']}); profiler stop {r['profile']['profiler_stop_s']:.1f} s, extract"
-        f" {r['profile']['extract_s']:.1f} s, analyse {r['profile']['analyse_s']:.1f} s")
-    log(f"  run {g['wall_ms']:.1f} ms, device busy {g['busy_ms']:.1f} ms = {100 * (g['busy_fraction'] or 0):.1f}%;"
-        f" idle {g['idle_ms']:.1f} ms ({g['gaps']['count']} gaps >= {g['min_gap_us']:g} us: {g['gaps']['idle_ms']:.1f} ms,"
-        f" median {g['gaps']['median_us']:.1f} us, p90 {g['gaps']['p90_us']:.1f} us; smaller gaps {g['idle_below_min_gap_ms']:.1f} ms)")
-    for title, key in (("idle by the loop's innermost range when the device ran dry", "by_start"),
-                       ("idle by range at start -> range at end", "by_start_end"),
-                       ("idle inside a step or between steps (kinds)", "by_crossing"),
-                       ("idle by the rows of the last decode step launched", "by_rows"),
-                       ("idle by the worker's range when the device resumed", "by_worker_at_end")):
-        log(f"  {title}:")
-        for name, row in list(g[key].items())[:top]:
-            log(_row(name, row))
-    log("  idle split over the loop's innermost ranges during the gaps (ms): "
-        + ", ".join(f"{k} {v:.1f}" for k, v in list(g["during_ms"].items())[:top]))
-    log("  by phase: " + "; ".join(f"{k}: wall {v['wall_ms']:.1f} ms, idle {v['idle_ms']:.1f} ms"
-                                    f" ({100 * (v['idle_share_of_phase'] or 0):.1f}%)" for k, v in g["by_phase"].items()))
-    log("  decode steps by rows (medians, ms): steps  device  host(launch->launch)  launch  gap-after | totals device / host / gap-after")
-    for key, d in g["decode_steps"].items():
-        log(f"    {key:14s} {d['steps']:5d} {d['device_ms_median']:8.3f} {d['host_ms_median']:8.3f} {d['launch_ms_median']:8.3f}"
-            f" {d['gap_after_ms_median']:8.3f} | {d['device_ms_total']:8.1f} {d['host_ms_total']:8.1f} {d['gap_after_ms_total']:7.1f}")
-    pf = g["prefill_steps"]
-    if pf:
-        tot = {k: sum(x[k] for x in pf) for k in ("device_ms", "host_ms", "launch_ms", "gap_after_ms")}
-        log(f"  prefill steps: {len(pf)}, rows {sum(x['rows'] for x in pf)}, tokens {sum(x['tokens'] or 0 for x in pf)};"
-            f" device {tot['device_ms']:.1f} ms, host (launch->launch) {tot['host_ms']:.1f} ms, launch {tot['launch_ms']:.1f} ms,"
-            f" gap after {tot['gap_after_ms']:.1f} ms")
-        for x in pf[:8]:
-            log(f"    step {x['step']:5d} rows {x['rows']:4d} tokens {x['tokens']:6d} device {x['device_ms']:7.2f}"
-                f" host {x['host_ms']:7.2f} launch {x['launch_ms']:7.2f} gap after {x['gap_after_ms']:6.2f} ms")
-
-
-def print_summary(result: dict[str, Any], top: int = 3) -> None:
-    log("\nsummary: loop/mode, tok/s plain [NVML busy] / profiled [NVML], device busy in the trace, top idle (start -> end range;"
-        " inside or between steps)")
-    for loop, per in result["loops"].items():
-        for mode, r in per.items():
-            if not isinstance(r, dict) or "gaps" not in r:
-                continue
-            g, p, q = r["gaps"], r["plain"], r["profiled"]
-            heads = lambda key: "; ".join(f"{k} {v['idle_ms']:.0f} ms" for k, v in list(g[key].items())[:top])  # noqa: E731
-            log(f"  {loop}/{mode}: {p['tok_s']:.0f} [{p['gpu_busy_mean']}] / {q['tok_s']:.0f} [{q['gpu_busy_mean']}],"
-                f" busy {100 * (g['busy_fraction'] or 0):.1f}% of {g['wall_ms']:.0f} ms | {heads('by_start_end')} | {heads('by_crossing')}")
 
 
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
