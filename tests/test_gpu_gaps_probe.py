@@ -163,6 +163,7 @@ def test_device_ops_are_tied_to_the_launch_their_runtime_call_fell_in():
         _Ev("kernel", 160 * U + off, 30 * U, corr=11), _Ev("gpu_memcpy", 190 * U + off, 5 * U, corr=11),
         _Ev("kernel", 360 * U + off, 50 * U, corr=12), _Ev("gpu_memset", 260 * U + off, 2 * U, corr=13),
         _Ev("gpu_user_annotation", 100 * U + off, 400 * U, corr=11),  # not device work
+        _Ev("cuda_runtime", 500 * U + off, 10 * U, corr=14, name="cudaStreamSynchronize"),
     ]
     ops, meta = probe.kineto_view(_Prof(events), rl, cuda=True)
     assert sorted(ops) == [(160 * U + off, 190 * U + off, 0), (190 * U + off, 195 * U + off, 0),
@@ -170,6 +171,8 @@ def test_device_ops_are_tied_to_the_launch_their_runtime_call_fell_in():
     assert meta["annotations_paired"] == 1 and meta["clock_offset_ns"] == off
     assert meta["device_ops_tied_to_a_step"] == 3
     assert rl.worker == [(300 * U + off, 400 * U + off, "launch.prefill")]  # moved onto the profiler's clock
+    assert rl.syncs == [(500 * U + off, 510 * U + off, "cudaStreamSynchronize")]
+    assert meta["runtime_calls"]["cudaStreamSynchronize"] == {"count": 1, "ms": 0.01}
 
 
 class _OldEv:
@@ -209,3 +212,10 @@ def test_events_without_activity_types_are_told_apart_by_device_and_name():
     ops, meta = probe.kineto_view(_Prof(events), rl, cuda=True)
     assert ops == [(160 * U, 190 * U, 0)]
     assert meta["annotations_paired"] == 1
+
+
+def test_a_gap_that_opens_while_the_host_blocks_in_a_sync_goes_to_that_call(ga):
+    r = ga.analyse(DEVICE, LOOP, WORKER, STEPS, (0, 1000 * U), min_gap_ns=5 * U,
+                   syncs=[(395 * U, 405 * U, "cudaStreamSynchronize"), (690 * U, 699 * U, "cudaEventSynchronize")])
+    assert {k: round(v["idle_ms"] * 1000) for k, v in r["by_blocking_call_at_start"].items()} == {
+        "cudaStreamSynchronize": 200, "-": 10 + 50 + 20 + 100}

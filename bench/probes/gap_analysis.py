@@ -199,7 +199,8 @@ def _crossing(before: int, after: int | None, kinds: dict[int, str], at_start: b
 
 def analyse(device_ops: list[tuple[int, int, int]], loop_ranges: list[tuple[int, int, str]],
             worker_ranges: list[tuple[int, int, str]], steps: list[dict[str, Any]], window: tuple[int, int],
-            *, min_gap_ns: int = 5_000, tail_rows: int = 64) -> dict[str, Any]:
+            *, min_gap_ns: int = 5_000, tail_rows: int = 64,
+            syncs: list[tuple[int, int, str]] | None = None) -> dict[str, Any]:
     """Busy fraction, every idle gap of at least ``min_gap_ns`` attributed (see the module's
     docstring), and the per-step tables."""
     lo, hi = window
@@ -209,10 +210,11 @@ def analyse(device_ops: list[tuple[int, int, int]], loop_ranges: list[tuple[int,
     all_gaps = idle_gaps(busy, lo, hi)
     gaps = [(s, e) for s, e in all_gaps if e - s >= min_gap_ns]
     loop, worker, phases = Innermost(loop_ranges), Innermost(worker_ranges), Phases(steps, tail_rows)
+    sync = Innermost(syncs or [])
     op_step = {s: step for s, _, step in device_ops}  # the op that ends a gap, by its start
     end_step = {e: step for _, e, step in device_ops}  # the op that opens one, by its end
     kinds = {i: st["kind"] for i, st in enumerate(steps)}
-    by_start, by_pair, by_phase, by_next, by_worker, by_rows, by_cross = [], [], [], [], [], [], []
+    by_start, by_pair, by_phase, by_next, by_worker, by_rows, by_cross, by_sync = [], [], [], [], [], [], [], []
     during: dict[str, int] = {}
     for s, e in gaps:
         n = e - s
@@ -226,6 +228,7 @@ def analyse(device_ops: list[tuple[int, int, int]], loop_ranges: list[tuple[int,
         by_next.append((kinds.get(after, "unattributed") if after is not None else "end of run", n))
         by_cross.append((_crossing(before, after, kinds, s == lo), n))
         by_worker.append((worker.at(e), n))
+        by_sync.append((sync.at(s), n))
         for name, ov in loop.split(s, e).items():
             during[name] = during.get(name, 0) + ov
     phase_wall: dict[str, int] = {}
@@ -248,6 +251,7 @@ def analyse(device_ops: list[tuple[int, int, int]], loop_ranges: list[tuple[int,
                      for p in ("startup", "steady", "tail") if p in phase_wall or p in phase_idle},
         "by_next_step": _grouped(by_next, wall), "by_rows": _grouped(by_rows, wall),
         "by_crossing": _grouped(by_cross, wall), "by_worker_at_end": _grouped(by_worker, wall),
+        "by_blocking_call_at_start": _grouped(by_sync, wall),
         "decode_steps": decode_table, "prefill_steps": prefill,
         "steps": {"decode": sum(1 for st in steps if st["kind"] == "decode"), "prefill": len(prefill)},
     }
@@ -273,7 +277,8 @@ def print_loop(loop: str, mode: str, r: dict[str, Any], top: int = 14) -> None:
                        ("idle by range at start -> range at end", "by_start_end"),
                        ("idle inside a step or between steps (kinds)", "by_crossing"),
                        ("idle by the rows of the last decode step launched", "by_rows"),
-                       ("idle by the worker's range when the device resumed", "by_worker_at_end")):
+                       ("idle by the worker's range when the device resumed", "by_worker_at_end"),
+                       ("idle by the blocking CUDA call (sync) the host was in when the device ran dry", "by_blocking_call_at_start")):
         print(f"  {title}:")
         for name, row in list(g[key].items())[:top]:
             print(_row(name, row))
@@ -281,6 +286,9 @@ def print_loop(loop: str, mode: str, r: dict[str, Any], top: int = 14) -> None:
           + ", ".join(f"{k} {v:.1f}" for k, v in list(g["during_ms"].items())[:top]))
     print("  by phase: " + "; ".join(f"{k}: wall {v['wall_ms']:.1f} ms, idle {v['idle_ms']:.1f} ms"
                                       f" ({100 * (v['idle_share_of_phase'] or 0):.1f}%)" for k, v in g["by_phase"].items()))
+    calls = r["profile"].get("runtime_calls") or {}
+    if calls:
+        print("  CUDA calls by host time: " + ", ".join(f"{k} {v['count']}x {v['ms']:.1f} ms" for k, v in list(calls.items())[:10]))
     print("  decode steps by rows (medians, ms): steps  device  host(launch->launch)  launch  gap-after | totals device / host / gap-after")
     for key, d in g["decode_steps"].items():
         print(f"    {key:14s} {d['steps']:5d} {d['device_ms_median']:8.3f} {d['host_ms_median']:8.3f} {d['launch_ms_median']:8.3f}"

@@ -52,6 +52,7 @@ from omni_async.backends.native.builder import build_off_this_thread  # noqa: E4
 DEVICE_OPS = {"kernel", "gpu_memcpy", "gpu_memset"}
 LAUNCH_CALLS = {"cuda_runtime", "cuda_driver"}
 LAUNCH_SLACK_NS = 20_000
+BLOCKING_CALLS = {"cudaMemcpy", "cudaMemset", "cuMemcpyDtoH_v2", "cuMemcpyHtoD_v2"}  # and every *Synchronize
 SYNC_RANGES = {  # (object path from the engine, attribute): range name
     ("scheduler.stepper", "next_batch"): "schedule",
     ("scheduler.stepper", "_launch_on_worker"): None,  # named by the step's kind (launch_range)
@@ -98,6 +99,7 @@ class RangeLog:
         self.worker: list[tuple[int, int, str]] = []
         self.steps: list[dict[str, Any]] = []
         self.marks: dict[str, int] = {}
+        self.syncs: list[tuple[int, int, str]] = []  # blocking CUDA calls (from the trace, its clock)
         # The profiler's clock is Unix time: the fallback when no range of ours is in its trace.
         self.epoch_offset = time.time_ns() - time.perf_counter_ns()
 
@@ -198,6 +200,7 @@ def kineto_view(prof: Any, rl: RangeLog, cuda: bool) -> tuple[list[tuple[int, in
     launches: dict[int, int] = {}
     raw: list[tuple[int, int, int]] = []
     types: dict[str, int] = {}
+    runtime: dict[str, list[int]] = {}  # CUDA runtime / driver call: [count, ns]
     device_named: list[tuple[int, int, int, str]] = []
     cpu_names: set[str] = set()
     for ev in prof.profiler.kineto_results.events():
@@ -210,7 +213,13 @@ def kineto_view(prof: Any, rl: RangeLog, cuda: bool) -> tuple[list[tuple[int, in
             s = ev.start_ns()
             device_named.append((s, s + ev.duration_ns(), ev.correlation_id(), ev.name()))
         elif at in LAUNCH_CALLS:
-            launches[ev.correlation_id()] = ev.start_ns()
+            s, name = ev.start_ns(), ev.name()
+            launches[ev.correlation_id()] = s
+            calls = runtime.setdefault(name, [0, 0])
+            calls[0] += 1
+            calls[1] += ev.duration_ns()
+            if "ynchronize" in name or name in BLOCKING_CALLS:
+                rl.syncs.append((s, s + ev.duration_ns(), name))
         elif at in ("user_annotation", "cpu?"):
             name = ev.name()
             cpu_names.add(name)
@@ -244,6 +253,8 @@ def kineto_view(prof: Any, rl: RangeLog, cuda: bool) -> tuple[list[tuple[int, in
             "annotations_paired": pairs, "clock_offset_ns": offset, "unix_clock_minus_paired_us": unix_vs_pairs_us,
             "device_ops": len(ops), "device_ops_tied_to_a_step": sum(1 for o in ops if o[2] >= 0),
             "first_op_after_launch_us": {q: lead[int(q * (len(lead) - 1))] for q in (0.0, 0.1, 0.5)} if lead else None,
+            "runtime_calls": {k: {"count": c, "ms": ns / 1e6} for k, (c, ns) in
+                              sorted(runtime.items(), key=lambda kv: -kv[1][1])[:16]},
             "device_source": "CUDA kernels, copies, sets" if cuda else "CPU smoke: the worker's forwards",
             "extract_s": time.perf_counter() - t0}
     return ops, meta
@@ -290,7 +301,8 @@ async def profile_mode(args: argparse.Namespace, eng: Engine, loop: str, mode: s
         prof.export_chrome_trace(str(Path(args.trace_dir) / f"trace_{loop}_{mode}.json"))
         meta["export_s"] = time.perf_counter() - t1
     t1 = time.perf_counter()
-    res = analyse(ops, rl.loop, rl.worker, rl.steps, run_window(rl, ops), min_gap_ns=int(args.min_gap_us * 1000))
+    res = analyse(ops, rl.loop, rl.worker, rl.steps, run_window(rl, ops), min_gap_ns=int(args.min_gap_us * 1000),
+                  syncs=rl.syncs)
     meta.update(profiler_stop_s=stop_s, analyse_s=time.perf_counter() - t1, loop_ranges=len(rl.loop),
                 worker_ranges=len(rl.worker))
     return {"warm": {k: warm[k] for k in KEEP} if warm else None, "plain": {k: plain[k] for k in KEEP},
