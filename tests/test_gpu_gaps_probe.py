@@ -120,12 +120,11 @@ def test_clock_offset_pairs_ranges_by_name_in_order():
     assert probe.clock_offset(ann, mine) == (1000, 3)
 
 
-class _Ev:
-    def __init__(self, kind: str, start: int, dur: int = 0, corr: int = 0, name: str = "") -> None:
-        self._k, self._s, self._d, self._c, self._n = kind, start, dur, corr, name
+class _FakeEvent:
+    """What both kinds of profiler event answer: times, correlation id, name."""
 
-    def activity_type(self) -> str:
-        return self._k
+    def __init__(self, start: int, dur: int, corr: int, name: str) -> None:
+        self._s, self._d, self._c, self._n = start, dur, corr, name
 
     def start_ns(self) -> int:
         return self._s
@@ -138,6 +137,15 @@ class _Ev:
 
     def name(self) -> str:
         return self._n
+
+
+class _Ev(_FakeEvent):
+    def __init__(self, kind: str, start: int, dur: int = 0, corr: int = 0, name: str = "") -> None:
+        super().__init__(start, dur, corr, name)
+        self._k = kind
+
+    def activity_type(self) -> str:
+        return self._k
 
 
 class _Prof:
@@ -175,28 +183,17 @@ def test_device_ops_are_tied_to_the_launch_their_runtime_call_fell_in():
     assert meta["runtime_calls"]["cudaStreamSynchronize"] == {"count": 1, "ms": 0.01}
 
 
-class _OldEv:
+class _OldEv(_FakeEvent):
     """An event from a torch whose events do not name their activity type."""
 
     def __init__(self, on_device: bool, start: int, dur: int, corr: int, name: str) -> None:
-        self._dev, self._s, self._d, self._c, self._n = on_device, start, dur, corr, name
+        super().__init__(start, dur, corr, name)
+        self._dev = on_device
 
     def device_type(self):
         import torch
 
         return torch.profiler.DeviceType.CUDA if self._dev else torch.profiler.DeviceType.CPU
-
-    def start_ns(self) -> int:
-        return self._s
-
-    def duration_ns(self) -> int:
-        return self._d
-
-    def correlation_id(self) -> int:
-        return self._c
-
-    def name(self) -> str:
-        return self._n
 
 
 def test_events_without_activity_types_are_told_apart_by_device_and_name():
