@@ -13,12 +13,12 @@ from contextlib import contextmanager
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
 from .. import errors
-from ..core.protocol import BatchCore
+from ..core.protocol import BatchCore, StepOutcomes
 from ..core.request import Request, RequestData
 from ..logs import debug_enabled, log
 from ..messages import OutgoingMessage, StepTokens, StreamDelta
 from ..core.runner_io import ModelRunnerOutput, RequestOutput
-from .outputs import HiddenRows, default_result_adapter, default_stream_output_builder, stream_message
+from .outputs import HiddenRows, default_result_adapter, default_stream_output_builder, plain_columns, stream_message
 from .state import IdWindow, call_user
 
 OutputSink = Callable[[list[OutgoingMessage]], None]
@@ -236,6 +236,9 @@ class Emission:
                     columns.request_ids, columns.token_ids, columns.logprobs, columns.finish_reasons)
             emitted = 0
             hidden = HiddenRows(batch, out) if out.hidden_states is not None or out.prompt_hidden is not None else None
+            if columns is not None and inline and hidden is None and not outputs and type(outcomes) is StepOutcomes:
+                emitted += plain_columns(outcomes, columns)  # the plain rows' columns, as they are
+                outcomes = outcomes.rest
             for oc in outcomes:
                 req = oc.req
                 token = oc.token
