@@ -165,7 +165,7 @@ def plain_columns(outcomes: StepOutcomes, columns: StepTokens) -> int:
         add = columns.logprobs.append
         for req, row, row_lps in zip(reqs, toks, lps):
             if req.sampling.return_logprob:
-                req.data.output_token_logprobs.extend([lp, t] for lp, t in zip(row_lps, row))
+                req.data.output_token_logprobs.extend(zip(row_lps, row))
                 add(row_lps)
             else:
                 add(None)
