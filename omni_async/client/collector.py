@@ -85,7 +85,9 @@ class OutputCollector:
         pending one takes the ids without a delta made for them."""
         cur = self._pending.get(index)
         if cur is None:
-            self._pending[index] = StreamDelta(sub_id, token_ids, logprobs, index=index)
+            # Positional up to ``index`` with the ``extra`` dict given: ~260 ns against
+            # ~350 with keywords and the default factory (once per row per step).
+            self._pending[index] = StreamDelta(sub_id, token_ids, logprobs, False, None, None, {}, index)
             return
         if index not in self._texts:
             self._own(cur, index)
