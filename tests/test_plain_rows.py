@@ -3,7 +3,7 @@ path equal to the per-row rule it skips, over random request states (tokens in f
 prompts near the context's end, stop ids, ``min_new_tokens``, aborts, stale rows).
 
 - processing: ``multi_step.process_multi_step`` appends a plain row's tokens with two
-  comparisons for its length limit, and ``step_results.process_one_forward`` checks the
+  comparisons for its length limit (and hands the rows that run on as columns), and ``step_results.process_one_forward`` checks the
   limit with the same comparisons; the reference walks every row token by token with
   ``Request.tokens_left`` and the stop ids;
 - scheduling: with every running request free (``request.all_free``) the decode rows and
@@ -101,9 +101,18 @@ def test_a_multi_step_decode_keeps_what_a_token_by_token_walk_keeps(with_logprob
                                    extend_lens=[1] * len(mine), samples_kept=[True] * len(mine), input_ids=[],
                                    row_steps=list(steps))
             outcomes, finishes = process_multi_step(batch, tokens, logprobs, ctx)
+            s_of = {r.rid: s for r, s in zip(reqs, steps)}
+            stops_of = {r.rid: r.stop_ids() for r in reqs}
             want_outcomes, want_finishes = reference(reqs, epochs, steps, tokens, logprobs, ctx)
             got = [(oc.req.rid, oc.token, oc.finished, oc.tokens, oc.logprobs) for oc in outcomes]
             assert got == want_outcomes
+            # The rows that ran on with every token kept and no stop id among them (below
+            # min_new_tokens) come as columns, not outcome objects.
+            ran_on = [(rid, toks, lps) for rid, _, fin, toks, lps in want_outcomes
+                      if not fin and len(toks or ()) == s_of[rid] and stops_of[rid].isdisjoint(toks)]
+            assert [(r.rid, t) for r, t in zip(outcomes.plain_reqs, outcomes.plain_tokens)] == [(rid, t) for rid, t, _ in ran_on]
+            assert outcomes.plain_logprobs == ([lps for *_, lps in ran_on] if with_logprobs else None)
+            assert not any(oc.req.rid in {rid for rid, *_ in ran_on} for oc in outcomes.rest)
             assert [(r.rid, why) for r, why in finishes] == want_finishes
             for a, b in zip(mine, reqs):
                 assert (a.output_ids, a.output_logprobs, a.num_inflight) == (b.output_ids, b.output_logprobs, b.num_inflight)

@@ -67,11 +67,35 @@ class OutputCollector:
             return
         texts = self._texts.get(delta.index)
         if texts is None:
-            texts = self._texts[delta.index] = [cur.text] if cur.text else []
-            cur.token_ids = list(cur.token_ids)  # owned from here on: extended in place
-            cur.logprobs = list(cur.logprobs) if cur.logprobs is not None else None
-            cur.top_logprobs = list(cur.top_logprobs) if cur.top_logprobs is not None else None
+            texts = self._own(cur, delta.index)
         merge_into(cur, delta, texts)
+
+    def _own(self, cur: StreamDelta, index: int) -> list[str]:
+        """The pending delta's lists copied when a second delta merges into it: owned
+        from here on, extended in place. Returns its text parts' list."""
+        texts = self._texts[index] = [cur.text] if cur.text else []
+        cur.token_ids = list(cur.token_ids)
+        cur.logprobs = list(cur.logprobs) if cur.logprobs is not None else None
+        cur.top_logprobs = list(cur.top_logprobs) if cur.top_logprobs is not None else None
+        return texts
+
+    def put_ids(self, sub_id: str, index: int, token_ids: list[int], logprobs: list[float] | None) -> None:
+        """``put`` of a plain delta (ids, maybe logprobs, nothing else): a reader that
+        keeps up finds nothing pending and gets one new delta; a lagging reader's
+        pending one takes the ids without a delta made for them."""
+        cur = self._pending.get(index)
+        if cur is None:
+            # Positional up to ``index`` with the ``extra`` dict given: ~260 ns against
+            # ~350 with keywords and the default factory (once per row per step).
+            self._pending[index] = StreamDelta(sub_id, token_ids, logprobs, False, None, None, {}, index)
+            return
+        if index not in self._texts:
+            self._own(cur, index)
+        cur.token_ids.extend(token_ids)
+        if logprobs is not None:
+            if cur.logprobs is None:
+                cur.logprobs = []
+            cur.logprobs.extend(logprobs)
 
     def close(self) -> None:
         """No more deltas will come (the handle ended)."""

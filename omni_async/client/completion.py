@@ -33,6 +33,9 @@ class Completion:
         self._tokenizer = tokenizer
         self._skip_special = sampling.skip_special_tokens
         self._decoder = tokenizer.decode_stream(sampling.skip_special_tokens) if tokenizer is not None else None
+        # No text and no stop strings: a plain row's delta needs only its ids and
+        # logprobs appended (``RequestHandle.on_tokens`` does that itself).
+        self.ids_only = self._decoder is None
         self._stops = StopMatcher(sampling.stop, sampling.include_stop_str_in_output)
         self._flushed = False
         self._want_hidden = sampling.return_hidden_states

@@ -134,10 +134,19 @@ class RequestHandle:
 
     def on_tokens(self, sub_id: str, token_ids: list[int], logprobs: list[float] | None, finish_reason: str | None) -> None:
         """One row of a step's columns for one of this handle's completions: a stream
-        delta of ``token_ids`` (ending the completion when ``finish_reason`` is set)."""
+        delta of ``token_ids`` (ending the completion when ``finish_reason`` is set). A
+        row that runs on, of a completion without a tokenizer (what ``on_delta`` would
+        do is append the ids and scores), goes straight into the completion and the
+        reader's pending delta: this runs for every row of every step."""
         comp = self._by_sub.get(sub_id)
         if comp is None or comp.done or self._ended:
             return  # e.g. the abort that follows a stop string
+        if finish_reason is None and comp.ids_only:  # most rows of most steps: no text, no end
+            comp.output_ids.extend(token_ids)
+            if logprobs is not None:
+                comp.logprobs.extend(logprobs)
+            self._collector.put_ids(sub_id, comp.index, token_ids, logprobs)
+            return
         final = finish_reason is not None
         self._on_stream(comp, StreamDelta(sub_id, token_ids, logprobs, final, finish_reason), final)
 

@@ -321,10 +321,10 @@ class NativeBatchCore(BatchCore):
 
     def process_result(
         self, batch: ScheduledBatch, tokens: Sequence[int], logprobs: Sequence[float] | None = None
-    ) -> list[StepOutcome]:
+    ) -> Sequence[StepOutcome]:
         """Complete a step: each live row's tokens appended and its finish checked (one
         flat pass, :mod:`.step_results`), then the rows that ended are finished here,
-        where their KV is freed."""
+        where their KV is freed. A multi-step decode's plain rows come as columns."""
         process = process_one_forward if batch.row_steps is None else process_multi_step
         accepted: list[Any] = []  # constrained rows that run on: their next masks, queued as one
         rewound: list[Request] = []  # rows whose grammar refused a token sampled before its mask

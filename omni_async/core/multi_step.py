@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
 
 from .conditioning import ready_positions
-from .protocol import StepOutcome
+from .protocol import StepOutcome, StepOutcomes
 from .request import Request, decode_limits, mask_ready, masked
 
 if TYPE_CHECKING:
@@ -146,7 +146,7 @@ def late_mask_rows(core: "NativeBatchCore", decoding: list[Request], limits: lis
 def process_multi_step(
     batch: "ScheduledBatch", tokens: Sequence[int], logprobs: Sequence[float] | None, context_length: int,
     accepted: list[Any] | None = None, rewound: list[Request] | None = None,
-) -> tuple[list[StepOutcome], list[tuple[Request, str]]]:
+) -> tuple[StepOutcomes, list[tuple[Request, str]]]:
     """``process_result`` of a multi-step decode: each live row's outcome, and the rows
     that end with it and why (the batch core finishes those: their KV is its to free).
     ``tokens`` (and ``logprobs``) are forward-major: row i's j-th token is at
@@ -154,8 +154,9 @@ def process_multi_step(
     ``step_results.process_one_forward``.
 
     A plain row (live, free of a grammar, no abort pending, no stop id among its tokens,
-    short of its length limit) costs a slice, an extend and its outcome: at 256 rows and
-    8 forwards that is most rows of most steps. The length test is ``landing_limits``'
+    short of its length limit) costs a slice, an extend and two appends to the step's
+    columns (:class:`.protocol.StepOutcomes`; no outcome object): at 256 rows and 8
+    forwards that is most rows of most steps. The length test is ``landing_limits``'
     rule written as two comparisons (the limit is above the row's forwards when its kept
     tokens and forwards stay below ``max_new_tokens`` and everything it has sampled stays
     below the context); every other row takes :func:`_process_row`, the full checks."""
@@ -167,7 +168,10 @@ def process_multi_step(
         tokens = [int(t) for t in tokens]
     if logprobs is not None and len(logprobs) and type(logprobs[0]) is not float:
         logprobs = [float(lp) for lp in logprobs]
-    add = outcomes.append
+    plain_reqs: list[Request] = []
+    plain_tokens: list[list[int]] = []
+    plain_lps: list[list[float]] | None = None if logprobs is None else []
+    add_req, add_tokens = plain_reqs.append, plain_tokens.append
     under_mask = set(batch.grammar_rows)  # rows sampling one token under their mask
     for i, (req, epoch, steps) in enumerate(zip(batch.reqs, batch.epochs, batch.row_steps)):
         if req.finish_reason is not None or req.epoch != epoch:
@@ -184,19 +188,19 @@ def process_multi_step(
             if not stop_ids or stop_ids.isdisjoint(row):
                 req.num_inflight = inflight - steps
                 out.extend(row)
-                if logprobs is None:
-                    add(StepOutcome(req, row[-1], None, False, row))
-                else:
+                add_req(req)
+                add_tokens(row)
+                if plain_lps is not None:
                     lps = logprobs[i:end:size]
                     req.output_logprobs.extend(lps)
-                    add(StepOutcome(req, row[-1], lps[-1], False, row, lps))
+                    plain_lps.append(lps)
                 continue
         by_count = req.sampling.max_new_tokens - kept  # the row's landing limit (request.landing_limits)
         by_context = ctx - len(req.prompt_ids) - kept - (inflight - steps)
         limit = by_count if by_count < by_context else by_context
         _process_row(req, i, steps, limit, i in under_mask, batch, tokens, logprobs, ctx, outcomes, finishes,
                      accepted, rewound)
-    return outcomes, finishes
+    return StepOutcomes(batch.reqs, outcomes, plain_reqs, plain_tokens, plain_lps), finishes
 
 
 def _process_row(req: Request, i: int, steps: int, limit: int, masked_row: bool, batch: "ScheduledBatch",
@@ -301,7 +305,7 @@ def _take_guessed(req: Request, row: list[int], limit: int, stop_ids: frozenset[
 # ---------------------------------------------------------------- jump-forward
 
 
-def jump_rows(outcomes: list[StepOutcome], finishes: list[tuple[Request, str]], context_length: int, most: int,
+def jump_rows(outcomes: Sequence[StepOutcome], finishes: list[tuple[Request, str]], context_length: int, most: int,
               due: list[tuple[Request, int]]) -> None:
     """After a step's processing: each live row under a grammar that may jump
     (:func:`omni_async.structured.jump.can_jump`) takes the tokens its grammar now forces,
@@ -310,7 +314,7 @@ def jump_rows(outcomes: list[StepOutcome], finishes: list[tuple[Request, str]], 
     computes them (:func:`feed_rows`, or :func:`omni_async.core.mixed_prefill.jump_step`)."""
     from ..structured.jump import can_jump, jump_forward
 
-    for oc in outcomes:
+    for oc in (outcomes.rest if type(outcomes) is StepOutcomes else outcomes):  # a plain row has no grammar
         req = oc.req
         if req.matcher is None or oc.finished or oc.token is None or not can_jump(req):
             continue

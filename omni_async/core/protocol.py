@@ -6,7 +6,7 @@ the SGLang backend's core. Pure scheduling state: no asyncio, no torch here.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, Sequence, runtime_checkable
+from typing import TYPE_CHECKING, Any, Iterator, Protocol, Sequence, runtime_checkable
 
 from .request import Request
 
@@ -26,6 +26,47 @@ class StepOutcome:
     # and their logprobs when asked. None for a one-token row.
     tokens: list[int] | None = None
     logprobs: list[float] | None = None
+
+
+class StepOutcomes(Sequence[StepOutcome]):
+    """A step's outcomes with its plain rows as columns: a core may return this instead
+    of a list (the native core does for a multi-step decode). A plain row kept all its
+    tokens, runs on and carries nothing else (no grammar, no finish), which at batch
+    256 is most rows of most steps; its request is ``plain_reqs[j]``, its tokens
+    ``plain_tokens[j]`` (oldest first) and their logprobs ``plain_logprobs[j]`` (None
+    for all when the step computed none). ``rest`` holds every other live row's
+    ``StepOutcome``. The emission reads the columns directly, so no outcome object is
+    made or read per plain row; anything else iterating gets every row's
+    ``StepOutcome`` in row order, made on first use (``reqs``: the batch's rows)."""
+
+    __slots__ = ("rest", "plain_reqs", "plain_tokens", "plain_logprobs", "_reqs", "_all")
+
+    def __init__(self, reqs: Sequence[Request], rest: list[StepOutcome], plain_reqs: list[Request],
+                 plain_tokens: list[list[int]], plain_logprobs: list[list[float]] | None) -> None:
+        self._reqs = reqs
+        self.rest = rest
+        self.plain_reqs = plain_reqs
+        self.plain_tokens = plain_tokens
+        self.plain_logprobs = plain_logprobs
+        self._all: list[StepOutcome] | None = None
+
+    def _outcomes(self) -> list[StepOutcome]:
+        if self._all is None:
+            lps = self.plain_logprobs
+            made = [StepOutcome(r, t[-1], None if lps is None else lps[j][-1], False, t, None if lps is None else lps[j])
+                    for j, (r, t) in enumerate(zip(self.plain_reqs, self.plain_tokens))]
+            row_of = {id(r): i for i, r in enumerate(self._reqs)}
+            self._all = sorted(made + self.rest, key=lambda oc: row_of[id(oc.req)])
+        return self._all
+
+    def __len__(self) -> int:
+        return len(self.plain_reqs) + len(self.rest)
+
+    def __getitem__(self, i: Any) -> Any:
+        return self._outcomes()[i]
+
+    def __iter__(self) -> Iterator[StepOutcome]:
+        return iter(self._outcomes())
 
 
 @runtime_checkable
@@ -71,7 +112,7 @@ class BatchCore(Protocol):
     def get_next_batch(self) -> Any: ...
     def process_result(
         self, batch: Any, tokens: Sequence[int], logprobs: Sequence[float] | None
-    ) -> list[StepOutcome]: ...
+    ) -> Sequence[StepOutcome]: ...  # a list, or a StepOutcomes
     def abort(self, rid: str) -> Request | None: ...
     def reap_aborted(self) -> list[Request]: ...
     def abort_all(self) -> list[Request]: ...

@@ -143,7 +143,7 @@ class RequestData:
     stream_chunks: list[Any] = field(default_factory=list)
     stream_done: bool = False
     output_ids: list[int] = field(default_factory=list)
-    output_token_logprobs: list[list[float]] = field(default_factory=list)
+    output_token_logprobs: list[tuple[float, int]] = field(default_factory=list)  # (logprob, token id)
     finish_reason: str | None = None
     weight_version: str | None = None
     enforce_request_limits: bool = True

@@ -13,13 +13,13 @@ from contextlib import contextmanager
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
 from .. import errors
-from ..core.protocol import BatchCore
+from ..core.protocol import BatchCore, StepOutcomes
 from ..core.request import Request, RequestData
 from ..logs import debug_enabled, log
 from ..messages import OutgoingMessage, StepTokens, StreamDelta
 from ..core.runner_io import ModelRunnerOutput, RequestOutput
-from .outputs import HiddenRows, default_result_adapter, default_stream_output_builder, stream_message
-from .state import IdWindow, call_user
+from .outputs import HiddenRows, default_result_adapter, default_stream_output_builder, plain_columns, stream_message
+from .state import IdWindow, StageState, call_user
 
 OutputSink = Callable[[list[OutgoingMessage]], None]
 
@@ -236,6 +236,9 @@ class Emission:
                     columns.request_ids, columns.token_ids, columns.logprobs, columns.finish_reasons)
             emitted = 0
             hidden = HiddenRows(batch, out) if out.hidden_states is not None or out.prompt_hidden is not None else None
+            if columns is not None and inline and hidden is None and not outputs and type(outcomes) is StepOutcomes:
+                emitted += plain_columns(outcomes, columns)  # the plain rows' columns, as they are
+                outcomes = outcomes.rest
             for oc in outcomes:
                 req = oc.req
                 token = oc.token
@@ -251,11 +254,11 @@ class Emission:
                     if tokens is None:
                         emitted += 1
                         if want_lp:
-                            req.data.output_token_logprobs.append([logprob, token])
+                            req.data.output_token_logprobs.append((logprob, token))
                     else:
                         emitted += len(tokens)
                         if want_lp:
-                            req.data.output_token_logprobs.extend([lp, t] for lp, t in zip(oc.logprobs or (), tokens))
+                            req.data.output_token_logprobs.extend(zip(oc.logprobs or (), tokens))
                     req_output = outputs.get(req.rid) if outputs else None
                     if req_output is None and inline:  # the common step: the message, directly
                         rid, fin = req.rid, oc.finished
@@ -329,7 +332,7 @@ class Emission:
         tokens = [oc.token] if oc.tokens is None else oc.tokens
         lps = ([oc.logprob] if oc.tokens is None else oc.logprobs) if req.sampling.return_logprob else None
         if lps is not None and lps[0] is not None:
-            req.data.output_token_logprobs.extend([lp, t] for lp, t in zip(lps, tokens))
+            req.data.output_token_logprobs.extend(zip(lps, tokens))
         else:
             lps = None
         if self.stats is not None:

@@ -3,11 +3,13 @@ message builder, and a step's hidden states sorted out by row."""
 
 from __future__ import annotations
 
+from itertools import repeat
 from typing import Any
 
+from ..core.protocol import StepOutcomes
 from ..core.request import Request, RequestData
 from ..core.runner_io import ModelRunnerOutput, RequestOutput
-from ..messages import GenerationResult, OutgoingMessage, StreamDelta, join_rows
+from ..messages import GenerationResult, OutgoingMessage, StepTokens, StreamDelta, join_rows
 
 
 class HiddenRows:
@@ -144,3 +146,27 @@ def stream_message(req: Request, out: RequestOutput) -> OutgoingMessage:
 # (read by the stepper, intake and control too)
 
 LIFECYCLE = ("new", "running", "closing", "closed")
+
+
+def plain_columns(outcomes: StepOutcomes, columns: StepTokens) -> int:
+    """A step's plain rows (:class:`~omni_async.core.protocol.StepOutcomes`: each runs on
+    and kept all its tokens) appended to the router's columns with a few list operations,
+    not a read of each row's outcome: at batch 256 the rows of most steps are plain, and
+    the columns are what the engine's router takes. Logprobs go per row only where the
+    step computed them. Returns the tokens emitted."""
+    reqs, toks, lps = outcomes.plain_reqs, outcomes.plain_tokens, outcomes.plain_logprobs
+    n = len(reqs)
+    columns.request_ids.extend([r.rid for r in reqs])
+    columns.token_ids.extend(toks)
+    columns.finish_reasons.extend(repeat(None, n))
+    if lps is None:
+        columns.logprobs.extend(repeat(None, n))
+    else:
+        add = columns.logprobs.append
+        for req, row, row_lps in zip(reqs, toks, lps):
+            if req.sampling.return_logprob:
+                req.data.output_token_logprobs.extend(zip(row_lps, row))
+                add(row_lps)
+            else:
+                add(None)
+    return sum(map(len, toks))
