@@ -1,0 +1,172 @@
+"""A decode step's scheduling as column work while the running set stays free (issue 42).
+
+Between two decode steps of free rows (:func:`.request.all_free`: no grammar, no
+conditioning, no top logprobs) processing changes a running request only in ways that
+leave its scheduling state where the step left it: tokens move from in flight to kept
+(``len(output_ids) + num_inflight`` unchanged), its KV and pages stay, its epoch stays.
+Rows leave the running set when they finish and join it at the end after a prefill. So
+the state a step reads (length limit, cached tokens, pages held, next generation index,
+epoch, page list) can be kept per running row in arrays advanced by each step (limits
+minus the forwards taken, cached positions plus them) instead of recomputed from every
+request, and the rows that cross a page found with numpy.
+
+:class:`DecodeSlots` holds those columns. The core asks it first for each decode step
+(:meth:`DecodeSlots.schedule`); it answers None, and the core takes its per-request
+path, whenever anything it does not follow happened: a retraction, a prefill step that
+carried decode rows, a jump step, forced tokens due, a constrained or conditioned row,
+rows at their length limit, a step that needs a retraction to fit. That path's step
+seeds the columns again (:meth:`DecodeSlots.remember`), so both build the same batch
+(tests/test_decode_slots.py runs them side by side). The length rule stays
+``Request.tokens_left``'s: the columns start from ``decode_limits`` and only subtract.
+"""
+
+from __future__ import annotations
+
+from itertools import compress
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from .batch import ForwardMode, decode_inputs
+from .request import Request, all_free, decode_limits
+
+if TYPE_CHECKING:
+    from .batch import ScheduledBatch
+    from .batch_core import NativeBatchCore
+
+
+def _ints(values: list[int]) -> np.ndarray:
+    return np.fromiter(values, np.int64, len(values))
+
+
+def _key(core: "NativeBatchCore") -> tuple[int, int, int]:
+    """What moves when running requests' scheduling state changes outside decode steps:
+    retractions (epochs, KV), decode rows carried by prefill or jump steps."""
+    return core.num_retractions, core.mixed_decode_rows, core.jump_steps
+
+
+class DecodeSlots:
+    """The running rows' scheduling columns, in ``core.running``'s order (see module)."""
+
+    def __init__(self, enabled: bool = True) -> None:
+        self.enabled = enabled  # False: every step takes the per-request path (tests compare the two)
+        self.reqs: list[Request] | None = None
+        self.key: tuple[int, int, int] = (0, 0, 0)
+        self.epochs: list[int] = []
+        self.tables: list[list[int]] = []
+        self.limits = self.cached = self.counts = self.generated = np.zeros(0, np.int64)
+        self.hits = 0  # decode steps scheduled from the columns (stats, tests)
+
+    def drop(self) -> None:
+        self.reqs = None
+
+    def remember(self, core: "NativeBatchCore", batch: "ScheduledBatch", limits: list[int], free: bool) -> None:
+        """Seed the columns from a decode step the per-request path built: only when every
+        running request is free and in it (else the next step takes that path again)."""
+        if not (self.enabled and free and batch.size == len(core.running) and not batch.grammar_rows):
+            self.drop()
+            return
+        steps = _ints(batch.row_steps) if batch.row_steps is not None else 1
+        self.reqs, self.key = list(batch.reqs), _key(core)
+        self.epochs, self.tables = list(batch.epochs), list(batch.page_tables)
+        self.limits = _ints(limits) - steps
+        self.cached = _ints(batch.prefix_lens) + steps
+        self.counts = _ints(batch.page_counts)
+        self.generated = _ints(batch.sample_indices) + steps
+
+    def _follow_running(self, core: "NativeBatchCore") -> bool:
+        """Bring the columns to ``core.running``: rows that finished dropped, rows that
+        joined after a prefill appended; False when the running set changed otherwise."""
+        running, reqs = core.running, self.reqs
+        assert reqs is not None
+        n = len(reqs)
+        if running[:n] != reqs:
+            alive = [r.finish_reason is None for r in reqs]
+            kept = list(compress(reqs, alive))
+            if running[: len(kept)] != kept:
+                return False
+            keep = np.fromiter(alive, bool, n)
+            self.reqs, n = kept, len(kept)
+            self.epochs, self.tables = list(compress(self.epochs, alive)), list(compress(self.tables, alive))
+            self.limits, self.cached = self.limits[keep], self.cached[keep]
+            self.counts, self.generated = self.counts[keep], self.generated[keep]
+        if len(running) > n:  # joined after a prefill step
+            tail = running[n:]
+            if not all_free(tail):
+                return False
+            self.reqs = self.reqs + tail
+            self.epochs = self.epochs + [r.epoch for r in tail]
+            self.tables = self.tables + [r.pages for r in tail]
+            self.limits = np.concatenate((self.limits, _ints(decode_limits(tail, core.context_length))))
+            self.cached = np.concatenate((self.cached, _ints([r.num_cached for r in tail])))
+            self.counts = np.concatenate((self.counts, _ints([len(r.pages) for r in tail])))
+            self.generated = np.concatenate((self.generated, _ints([r.num_generated for r in tail])))
+        return True
+
+    def schedule(self, core: "NativeBatchCore") -> "ScheduledBatch | None":
+        """The next decode step from the columns, or None for the per-request path."""
+        if self.reqs is None or not self.enabled or core.jump_due or self.key != _key(core) or not core.running:
+            self.drop()
+            return None
+        if not self._follow_running(core):
+            self.drop()
+            return None
+        limits = self.limits
+        if int(limits.min()) <= 0:  # rows at their limit sit out: the per-request path
+            self.drop()
+            return None
+        n, ps = len(limits), core.page_size
+        cached, counts = self.cached, self.counts
+        if n > core.kv.available_pages:  # the bound of _decode_fits did not hold: its exact count
+            most = core.decode_plan.most
+            if int(np.maximum(0, -(-(cached + most) // ps) - counts).sum()) > core.kv.available_pages:
+                self.drop()
+                return None  # (the per-request path retracts)
+        k = core.decode_plan.for_batch(n)
+        multi = k > 1 and core.multi_step_allowed()
+        if not multi:
+            k = 1
+        steps: Any = k if int(limits.min()) >= k else np.minimum(limits, k)
+        return self._fill(core, n, k if multi else None, steps)
+
+    def _fill(self, core: "NativeBatchCore", n: int, k: int | None, steps: Any) -> "ScheduledBatch":
+        """The batch's columns as ``ScheduledBatch.fill_decode`` makes them, from the
+        arrays; the requests' cached and in-flight counts written in one pass (processing
+        and the per-request path read them); the columns advanced by the step."""
+        batch = core._new_batch(ForwardMode.DECODE)
+        reqs = batch.reqs = list(self.reqs)  # type: ignore[arg-type]
+        batch.extend_lens, batch.samples_kept = [1] * n, [True] * n
+        batch.epochs, tables = list(self.epochs), list(self.tables)
+        batch.page_tables = tables
+        cached, counts, ps = self.cached, self.counts, core.page_size
+        batch.prefix_lens = cached.tolist()
+        batch.sample_indices = self.generated.tolist()
+        after = cached + steps
+        need = -(-after // ps) - counts
+        grow = np.flatnonzero(need > 0)
+        if len(grow):  # one allocation, handed out in row order (as fill_decode)
+            needs = need[grow]
+            fresh, at = core.kv.allocate(int(needs.sum())), 0
+            for i, m in zip(grow.tolist(), needs.tolist()):
+                tables[i].extend(fresh[at : at + m])
+                at += m
+            counts[grow] += needs
+        batch.page_counts = counts.tolist()
+        pending = [r.num_inflight for r in reqs]
+        decode_inputs(batch, reqs, pending)
+        if type(steps) is int:
+            for r, c, p in zip(reqs, after.tolist(), pending):
+                r.num_cached = c
+                r.num_inflight = p + steps
+            batch.row_steps = None if k is None else [steps] * n
+        else:
+            row_steps = steps.tolist()
+            for r, c, p, s in zip(reqs, after.tolist(), pending, row_steps):
+                r.num_cached = c
+                r.num_inflight = p + s
+            batch.row_steps = row_steps
+        self.cached = after
+        self.limits = self.limits - steps
+        self.generated = self.generated + steps
+        self.hits += 1
+        return batch
