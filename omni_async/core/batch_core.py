@@ -217,19 +217,15 @@ class NativeBatchCore(BatchCore):
         return batch
 
     def _schedule_decode(self) -> ScheduledBatch | None:
-        """A decode step of every running request that still needs one: it runs every step
-        for every running request, so the columns are built in one pass over the rows."""
+        """A decode step of every running request that still needs one: from the running
+        rows' columns when they can follow it (.decode_slots), else from the requests."""
         self.running = [r for r in self.running if r.finish_reason is None]
-        batch = self.slots.schedule(self)
-        if batch is None:
-            batch = self._schedule_decode_rows()
+        batch = self.slots.schedule(self) or self._schedule_decode_rows()
         if batch is not None and batch.mode is ForwardMode.DECODE:
             self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
         return batch
 
-    def _schedule_decode_rows(self) -> ScheduledBatch | None:
-        """The per-request path (any running set; :class:`.decode_slots.DecodeSlots` takes
-        the steps it can follow as columns, this one seeds them)."""
+    def _schedule_decode_rows(self) -> ScheduledBatch | None:  # (any running set; it seeds the columns)
         free = all_free(self.running)  # (then no per-row check beyond the length limit, request.all_free)
         decoding, limits = self._retract_until_decode_fits(*decoding_rows(self.running, self.context_length, True, free), late=True, free=free)
         decoding, limits, steps, grammar_rows, late = late_mask_rows(self, decoding, limits, free)
@@ -341,6 +337,7 @@ class NativeBatchCore(BatchCore):
         accepted: list[Any] = []  # constrained rows that run on: their next masks, queued as one
         rewound: list[Request] = []  # rows whose grammar refused a token sampled before its mask
         outcomes, finishes = process(batch, tokens, logprobs, self.context_length, accepted, rewound)
+        self.slots.landed(batch, tokens)
         for req in rewound:  # (structured.optimistic)
             rewind(req)
         if accepted:

@@ -56,6 +56,10 @@ class DecodeSlots:
         self.tables: list[list[int]] = []
         self.limits = self.cached = self.counts = self.generated = np.zeros(0, np.int64)
         self.hits = 0  # decode steps scheduled from the columns (stats, tests)
+        self.step_id = 0  # the step the columns were last advanced by
+        # That step's last token of each row once it was processed with no row ending
+        # (:meth:`landed`): the next step's inputs, with nothing in flight (the normal loop).
+        self.last_tokens: list[int] | None = None
 
     def drop(self) -> None:
         self.reqs = None
@@ -73,6 +77,18 @@ class DecodeSlots:
         self.cached = _ints(batch.prefix_lens) + steps
         self.counts = _ints(batch.page_counts)
         self.generated = _ints(batch.sample_indices) + steps
+        self.step_id, self.last_tokens = batch.step_id, None
+
+    def landed(self, batch: "ScheduledBatch", tokens: Any) -> None:
+        """``batch`` was processed with ``tokens`` (forward-major, Python ints). When it is
+        the step the columns follow and every row ran the same forwards, each row's last
+        token is one slice of them: the next step's inputs if no row ended meanwhile."""
+        if batch.step_id != self.step_id or self.reqs is None or batch.size != len(self.reqs):
+            return
+        steps, n = batch.row_steps, batch.size
+        k = 1 if steps is None else steps[0]
+        if type(tokens) is list and len(tokens) >= k * n and (steps is None or steps.count(k) == n):
+            self.last_tokens = tokens[(k - 1) * n : k * n] if n and type(tokens[0]) is int else None
 
     def _follow_running(self, core: "NativeBatchCore") -> bool:
         """Bring the columns to ``core.running``: rows that finished dropped, rows that
@@ -86,11 +102,13 @@ class DecodeSlots:
             if running[: len(kept)] != kept:
                 return False
             keep = np.fromiter(alive, bool, n)
+            self.last_tokens = None
             self.reqs, n = kept, len(kept)
             self.epochs, self.tables = list(compress(self.epochs, alive)), list(compress(self.tables, alive))
             self.limits, self.cached = self.limits[keep], self.cached[keep]
             self.counts, self.generated = self.counts[keep], self.generated[keep]
         if len(running) > n:  # joined after a prefill step
+            self.last_tokens = None
             tail = running[n:]
             if not all_free(tail):
                 return False
@@ -146,14 +164,24 @@ class DecodeSlots:
         grow = np.flatnonzero(need > 0)
         if len(grow):  # one allocation, handed out in row order (as fill_decode)
             needs = need[grow]
-            fresh, at = core.kv.allocate(int(needs.sum())), 0
-            for i, m in zip(grow.tolist(), needs.tolist()):
-                tables[i].extend(fresh[at : at + m])
-                at += m
+            total = int(needs.sum())
+            fresh, growing = core.kv.allocate(total), [tables[i] for i in grow.tolist()]
+            if total == len(grow):  # a page each (every row while k <= page_size)
+                for pages, page in zip(growing, fresh):
+                    pages.append(page)
+            else:
+                at = 0
+                for pages, m in zip(growing, needs.tolist()):
+                    pages.extend(fresh[at : at + m])
+                    at += m
             counts[grow] += needs
         batch.page_counts = counts.tolist()
-        pending = [r.num_inflight for r in reqs]
-        decode_inputs(batch, reqs, pending)
+        last, self.last_tokens = self.last_tokens, None
+        if last is not None and core._step_id == self.step_id + 1:  # the step before landed, none since
+            pending, batch.input_ids = [0] * n, last  # (its rows' tokens are kept: nothing in flight)
+        else:
+            pending = [r.num_inflight for r in reqs]
+            decode_inputs(batch, reqs, pending)
         if type(steps) is int:
             for r, c, p in zip(reqs, after.tolist(), pending):
                 r.num_cached = c
@@ -169,4 +197,5 @@ class DecodeSlots:
         self.limits = self.limits - steps
         self.generated = self.generated + steps
         self.hits += 1
+        self.step_id = batch.step_id
         return batch
