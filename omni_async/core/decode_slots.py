@@ -122,19 +122,25 @@ class DecodeSlots:
         return True
 
     def schedule(self, core: "NativeBatchCore") -> "ScheduledBatch | None":
-        """The next decode step from the columns, or None for the per-request path."""
+        """The next decode step from the columns, or None for the per-request path. Rows
+        whose tokens left are all sampled (in flight, the lookahead loops) sit it out, as
+        ``multi_step.decoding_rows`` leaves them out."""
         if self.reqs is None or not self.enabled or core.jump_due or self.key != _key(core) or not core.running:
             self.drop()
             return None
         if not self._follow_running(core):
             self.drop()
             return None
-        limits = self.limits
-        if int(limits.min()) <= 0:  # rows at their limit sit out: the per-request path
-            self.drop()
-            return None
+        limits, cached, counts, sel = self.limits, self.cached, self.counts, None
+        low = int(limits.min())
+        if low <= 0:
+            sel = np.flatnonzero(limits > 0)
+            if not len(sel):
+                self.drop()
+                return None
+            limits, cached, counts = limits[sel], cached[sel], counts[sel]
+            low = int(limits.min())
         n, ps = len(limits), core.page_size
-        cached, counts = self.cached, self.counts
         if n > core.kv.available_pages:  # the bound of _decode_fits did not hold: its exact count
             most = core.decode_plan.most
             if int(np.maximum(0, -(-(cached + most) // ps) - counts).sum()) > core.kv.available_pages:
@@ -144,22 +150,31 @@ class DecodeSlots:
         multi = k > 1 and core.multi_step_allowed()
         if not multi:
             k = 1
-        steps: Any = k if int(limits.min()) >= k else np.minimum(limits, k)
-        return self._fill(core, n, k if multi else None, steps)
+        steps: Any = k if low >= k else np.minimum(limits, k)
+        return self._fill(core, sel, cached, counts, k if multi else None, steps)
 
-    def _fill(self, core: "NativeBatchCore", n: int, k: int | None, steps: Any) -> "ScheduledBatch":
+    def _fill(self, core: "NativeBatchCore", sel: np.ndarray | None, cached: np.ndarray, counts: np.ndarray,
+              k: int | None, steps: Any) -> "ScheduledBatch":
         """The batch's columns as ``ScheduledBatch.fill_decode`` makes them, from the
-        arrays; the requests' cached and in-flight counts written in one pass (processing
-        and the per-request path read them); the columns advanced by the step."""
+        arrays (``sel``: the rows that decode, None for all; ``cached``, ``counts``: theirs);
+        the requests' cached and in-flight counts written in one pass (processing and the
+        per-request path read them); the columns advanced by the step."""
         batch = core._new_batch(ForwardMode.DECODE)
-        reqs = batch.reqs = list(self.reqs)  # type: ignore[arg-type]
+        n = len(cached)
+        if sel is None:
+            reqs, epochs, tables = list(self.reqs), list(self.epochs), list(self.tables)  # type: ignore[arg-type]
+            generated = self.generated
+        else:
+            rows = sel.tolist()
+            reqs = [self.reqs[i] for i in rows]  # type: ignore[index]
+            epochs, tables = [self.epochs[i] for i in rows], [self.tables[i] for i in rows]
+            generated = self.generated[sel]
+        batch.reqs, batch.epochs, batch.page_tables = reqs, epochs, tables
         batch.extend_lens, batch.samples_kept = [1] * n, [True] * n
-        batch.epochs, tables = list(self.epochs), list(self.tables)
-        batch.page_tables = tables
-        cached, counts, ps = self.cached, self.counts, core.page_size
         batch.prefix_lens = cached.tolist()
-        batch.sample_indices = self.generated.tolist()
+        batch.sample_indices = generated.tolist()
         after = cached + steps
+        ps = core.page_size
         need = -(-after // ps) - counts
         grow = np.flatnonzero(need > 0)
         if len(grow):  # one allocation, handed out in row order (as fill_decode)
@@ -174,10 +189,10 @@ class DecodeSlots:
                 for pages, m in zip(growing, needs.tolist()):
                     pages.extend(fresh[at : at + m])
                     at += m
-            counts[grow] += needs
+            counts = counts + np.where(need > 0, need, 0)
         batch.page_counts = counts.tolist()
         last, self.last_tokens = self.last_tokens, None
-        if last is not None and core._step_id == self.step_id + 1:  # the step before landed, none since
+        if last is not None and sel is None and core._step_id == self.step_id + 1:  # the step before landed, none since
             pending, batch.input_ids = [0] * n, last  # (its rows' tokens are kept: nothing in flight)
         else:
             pending = [r.num_inflight for r in reqs]
@@ -193,9 +208,20 @@ class DecodeSlots:
                 r.num_cached = c
                 r.num_inflight = p + s
             batch.row_steps = row_steps
-        self.cached = after
-        self.limits = self.limits - steps
-        self.generated = self.generated + steps
-        self.hits += 1
+        self._advance(sel, after, counts, steps)
         self.step_id = batch.step_id
         return batch
+
+    def _advance(self, sel: np.ndarray | None, cached: np.ndarray, counts: np.ndarray, steps: Any) -> None:
+        """The columns after a step: the decoding rows' (``sel``) cached tokens, pages held,
+        limits and generation indices; the rows that sat out keep theirs."""
+        self.hits += 1
+        if sel is None:
+            self.cached, self.counts = cached, counts
+            self.limits, self.generated = self.limits - steps, self.generated + steps
+            return
+        self.cached, self.counts = self.cached.copy(), self.counts.copy()
+        self.limits, self.generated = self.limits.copy(), self.generated.copy()
+        self.cached[sel], self.counts[sel] = cached, counts
+        self.limits[sel] -= steps
+        self.generated[sel] += steps
