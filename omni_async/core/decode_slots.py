@@ -13,8 +13,9 @@ request, and the rows that cross a page found with numpy.
 :class:`DecodeSlots` holds those columns. The core asks it first for each decode step
 (:meth:`DecodeSlots.schedule`); it answers None, and the core takes its per-request
 path, whenever anything it does not follow happened: a retraction, a prefill step that
-carried decode rows, a jump step, forced tokens due, a constrained or conditioned row,
-rows at their length limit, a step that needs a retraction to fit. That path's step
+carried decode rows, a jump step, forced tokens due, a constrained or conditioned row, a
+step that needs a retraction to fit (rows whose tokens left are all in flight just sit a
+step out, as on that path). That path's step
 seeds the columns again (:meth:`DecodeSlots.remember`), so both build the same batch
 (tests/test_decode_slots.py runs them side by side). The length rule stays
 ``Request.tokens_left``'s: the columns start from ``decode_limits`` and only subtract.
