@@ -18,7 +18,9 @@ import time
 from pathlib import Path
 
 
-def one_run(batch: int, k: int, steps: int) -> dict[str, float]:
+def one_run(batch: int, k: int, steps: int, lookahead: bool = False) -> dict[str, float]:
+    """``lookahead``: the overlap and async-decode loops' order (the next step scheduled
+    while the one before is in flight, then that one processed); else the normal loop's."""
     from omni_async.config import SamplingParams, SchedulerConfig
     from omni_async.core.batch_core import NativeBatchCore
     from omni_async.core.multi_step import DecodeSteps
@@ -41,6 +43,16 @@ def one_run(batch: int, k: int, steps: int) -> dict[str, float]:
     sched = proc = 0.0
     for _ in range(steps):
         tokens = [7] * (b.size * max(b.row_steps or [1]))
+        if lookahead:
+            t0 = time.thread_time()
+            nxt = core.get_next_batch()
+            t1 = time.thread_time()
+            core.process_result(b, tokens)
+            t2 = time.thread_time()
+            b = nxt
+            sched += t1 - t0
+            proc += t2 - t1
+            continue
         t0 = time.thread_time()
         core.process_result(b, tokens)
         t1 = time.thread_time()
@@ -61,13 +73,14 @@ def main() -> int:
     ap.add_argument("--code", action="append")
     ap.add_argument("--labels", default="")
     ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--lookahead", action="store_true", help="schedule each step before processing the one in flight")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", default="core_decode_step.json")
     args = ap.parse_args()
     if args.smoke:
         args.batch, args.steps, args.repeats = 16, 5, 1
     if args.child:
-        print(json.dumps(one_run(args.batch, args.k, args.steps)))
+        print(json.dumps(one_run(args.batch, args.k, args.steps, args.lookahead)))
         return 0
     here = Path(__file__).resolve()
     sys.path.insert(0, str(here.parents[1]))
@@ -79,6 +92,7 @@ def main() -> int:
     for _ in range(args.repeats):
         for code, label in zip(codes, labels):
             cmd = [sys.executable, str(here), "--child", "--batch", str(args.batch), "--k", str(args.k), "--steps", str(args.steps)]
+            cmd += ["--lookahead"] if args.lookahead else []
             env = dict(os.environ, PYTHONPATH=str(Path(code).resolve()))
             out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True, cwd=str(Path(code).resolve()))
             runs[label].append(json.loads(out.stdout.strip().splitlines()[-1]))

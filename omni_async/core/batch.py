@@ -95,13 +95,7 @@ class ScheduledBatch(StepShape):
         cached = self.prefix_lens = [r.num_cached for r in decoding]
         pending = [r.num_inflight for r in decoding]
         self.sample_indices = [len(r.output_ids) + p for r, p in zip(decoding, pending)]
-        if 0 not in pending:  # every input still in flight (the lookahead loops' usual step)
-            self.input_ids, self.inflight_inputs = [-1] * n, list(enumerate(decoding))
-        elif not any(pending):  # none (the normal loop's)
-            self.input_ids = [(r.output_ids or r.prompt_ids)[-1] for r in decoding]
-        else:
-            self.input_ids = [-1 if p else (r.output_ids or r.prompt_ids)[-1] for r, p in zip(decoding, pending)]
-            self.inflight_inputs = [(i, r) for i, (r, p) in enumerate(zip(decoding, pending)) if p]
+        decode_inputs(self, decoding, pending)
         tables = self.page_tables = [r.pages for r in decoding]  # shared: see page_tables
         counts = self.page_counts = list(map(len, tables))
         grow = [i for i, (c, k, m) in enumerate(zip(cached, ks, counts)) if c + k > m * page_size]  # crossing a page
@@ -166,3 +160,16 @@ class ScheduledBatch(StepShape):
             out.grammar_rows = [j for j, i in enumerate(keep) if i in grammar]
         out.ends_unsampled = [(r, e) for r, e in self.ends_unsampled if not r.finished() and r.epoch == e]
         return out
+
+
+def decode_inputs(batch: ScheduledBatch, decoding: list[Request], pending: list[int]) -> None:
+    """A decode step's inputs: each row's last token, or -1 where it is still in flight
+    (``pending``: the rows' in-flight counts), read on the device from the step before."""
+    n = len(decoding)
+    if 0 not in pending:  # every input still in flight (the lookahead loops' usual step)
+        batch.input_ids, batch.inflight_inputs = [-1] * n, list(enumerate(decoding))
+    elif not any(pending):  # none (the normal loop's)
+        batch.input_ids = [(r.output_ids or r.prompt_ids)[-1] for r in decoding]
+    else:
+        batch.input_ids = [-1 if p else (r.output_ids or r.prompt_ids)[-1] for r, p in zip(decoding, pending)]
+        batch.inflight_inputs = [(i, r) for i, (r, p) in enumerate(zip(decoding, pending)) if p]

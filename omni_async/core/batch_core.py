@@ -22,6 +22,7 @@ from .multi_step import DecodeSteps, decoding_rows, feed_rows, jump_most, jump_r
 from .mixed_prefill import add_decode_rows, jump_step, mixed_decodes, prefill_turn
 from .step_results import end_unsampled, process_one_forward, rewind
 from .conditioning import ready_positions
+from .decode_slots import DecodeSlots
 from .prefix_reuse import computing_key, drop_prefix, index_pages, reuse_prefix
 from .protocol import BatchCore, StepOutcome
 from .request import Request, all_free, reserved_tokens
@@ -70,6 +71,7 @@ class NativeBatchCore(BatchCore):
         self.jump_due: list[tuple[Request, int]] = []
         self.jump_steps = 0
         self._step_id = self._arrivals = 0
+        self.slots = DecodeSlots()  # the running rows' columns while they stay free (.decode_slots)
 
     # ------------------------------------------------------------------ queues
 
@@ -215,9 +217,15 @@ class NativeBatchCore(BatchCore):
         return batch
 
     def _schedule_decode(self) -> ScheduledBatch | None:
-        """A decode step of every running request that still needs one: it runs every step
-        for every running request, so the columns are built in one pass over the rows."""
+        """A decode step of every running request that still needs one: from the running
+        rows' columns when they can follow it (.decode_slots), else from the requests."""
         self.running = [r for r in self.running if r.finish_reason is None]
+        batch = self.slots.schedule(self) or self._schedule_decode_rows()
+        if batch is not None and batch.mode is ForwardMode.DECODE:
+            self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
+        return batch
+
+    def _schedule_decode_rows(self) -> ScheduledBatch | None:  # (any running set; it seeds the columns)
         free = all_free(self.running)  # (then no per-row check beyond the length limit, request.all_free)
         decoding, limits = self._retract_until_decode_fits(*decoding_rows(self.running, self.context_length, True, free), late=True, free=free)
         decoding, limits, steps, grammar_rows, late = late_mask_rows(self, decoding, limits, free)
@@ -231,7 +239,7 @@ class NativeBatchCore(BatchCore):
         batch.fill_decode(decoding, steps, self.page_size, self.kv.allocate)
         if steps is not None and grammar_rows:
             feed_rows(batch)
-        self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
+        self.slots.remember(self, batch, limits, free)
         return batch
 
     def _decode_fits(self, decoding: list[Request]) -> bool:
@@ -329,6 +337,7 @@ class NativeBatchCore(BatchCore):
         accepted: list[Any] = []  # constrained rows that run on: their next masks, queued as one
         rewound: list[Request] = []  # rows whose grammar refused a token sampled before its mask
         outcomes, finishes = process(batch, tokens, logprobs, self.context_length, accepted, rewound)
+        self.slots.landed(batch, tokens)
         for req in rewound:  # (structured.optimistic)
             rewind(req)
         if accepted:

@@ -43,7 +43,9 @@ class PageAllocator:
     def allocate(self, num_pages: int) -> list[int]:
         if num_pages > len(self._free):
             raise KVAllocationError(f"asked for {num_pages} pages, {len(self._free)} free")
-        pages = [self._free.pop() for _ in range(num_pages)]
+        free = self._free
+        pages = free[len(free) - num_pages :][::-1]  # popped from the end, last first: in C rather than a pop a page
+        del free[len(free) - num_pages :]
         self._in_use.update(pages)
         return pages
 
