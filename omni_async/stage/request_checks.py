@@ -23,6 +23,7 @@ from typing import Any, Callable
 
 from .. import errors
 from ..config import SamplingParams
+from ..sampling_controls import validate_if_changed
 from ..core.request import Request, RequestData
 from ..logs import debug_enabled, log
 from ..messages import RequestPayload
@@ -83,7 +84,7 @@ def check_request(input_ids: Any, sampling: SamplingParams, limits: ModelLimits,
             check_capacity(len(input_ids), sampling.max_new_tokens, limits.context_length, limits.kv_capacity_tokens)
         embeds = None
         ids = check_input_ids(input_ids, limits.vocab_size)
-    sampling.validate()
+    validate_if_changed(sampling)  # validated when made: again only if changed since
     if embeds is not None and sampling.prompt_logprobs is not None:  # no token ids to score
         raise errors.InvalidRequestError("prompt_logprobs needs a prompt of token ids, not input_embeds")
     check_sampling_vocab(sampling, limits.vocab_size)
