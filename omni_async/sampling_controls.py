@@ -5,6 +5,7 @@ Kept apart from :mod:`omni_async.config` so that the grammar fields (``json_sche
 ``logit_bias``) are checked in one place, before anything reaches the loop: a bad value is an
 :class:`~omni_async.errors.InvalidRequestError` on that request alone. Whether a grammar
 *compiles* is only known to the grammar library; that check runs in the request-build pool.
+:func:`validate_if_changed` is how params already validated are checked again at the door.
 """
 
 from __future__ import annotations
