@@ -487,3 +487,26 @@ def test_check_request_sees_every_change_since_validation(mutate, field):
         check_request([1, 2, 3], sp, limits)
     with pytest.raises(InvalidRequestError, match=field):  # and at every door after
         check_request([1, 2, 3], sp, limits)
+
+
+@pytest.mark.parametrize("length", [5, 300])  # both sides of check_input_ids' numpy range check
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        (TINY_VOCAB, r"input_ids\[{at}\] = 320 is outside the vocabulary \[0, 320\)"),
+        (-1, r"input_ids\[{at}\] = -1 is outside"),
+        (1 << 70, r"input_ids\[{at}\] = 1180591620717411303424 is outside"),  # past int64
+        (True, r"input_ids\[{at}\] is True, not an int"),
+        (2.0, r"input_ids\[{at}\] is 2.0, not an int"),
+    ],
+)
+def test_check_input_ids_names_the_first_bad_position(length, bad, message):
+    from omni_async.stage.request_checks import check_input_ids
+
+    ids = _ids(length, seed=length)
+    ids[0], ids[1] = TINY_VOCAB - 1, 0  # the bounds are in
+    assert check_input_ids(ids, TINY_VOCAB) == ids
+    at = length - 2
+    ids[at] = bad
+    with pytest.raises(InvalidRequestError, match=message.format(at=at)):
+        check_input_ids(ids, TINY_VOCAB)
