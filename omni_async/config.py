@@ -14,7 +14,7 @@ from typing import Any, Literal, Mapping
 from .errors import ConfigError, InvalidRequestError
 from .memory_budget import check_budget
 from .stage.watchdog import check_step_timeout
-from .sampling_controls import check_grammar_fields, check_penalties, normalize_json_schema, normalize_logit_bias  # noqa: F401
+from .sampling_controls import check_grammar_fields, check_penalties, normalize_json_schema, normalize_logit_bias, validate_if_changed  # noqa: F401
 
 LoopKind = Literal["normal", "overlap", "async_decode"]
 LOOP_KINDS: tuple[str, ...] = ("normal", "overlap", "async_decode")
@@ -94,9 +94,10 @@ class SamplingParams:
     # a noticeable time to serialise, and ``grammar`` is read several times per request).
     _schema_text: str | None = field(default=None, init=False, repr=False, compare=False)
     _schema_of: Any = field(default=None, init=False, repr=False, compare=False)  # the object it was made from
+    _valid_as: Any = field(default=None, init=False, repr=False, compare=False)  # see validate_if_changed
 
     def __post_init__(self) -> None:
-        self.validate()
+        validate_if_changed(self)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any] | None) -> "SamplingParams":

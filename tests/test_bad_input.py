@@ -457,3 +457,56 @@ async def test_raw_inbox_dict_with_mismatched_request_id():
     assert msg.type == "error" and isinstance(msg.data, InvalidRequestError)
     assert "differs from message id" in str(msg.data)
     assert stack.allocator.is_fully_free()
+
+
+@pytest.mark.parametrize(
+    "mutate, field",
+    [
+        (lambda sp: sp.stop_token_ids.append(-1), "stop_token_ids"),  # in place
+        (lambda sp: sp.suppress_tokens.append(True), "suppress_tokens"),  # True == 1, not an id
+        (lambda sp: setattr(sp, "ignore_eos", 1), "ignore_eos"),  # 1 == True, not a bool
+        (lambda sp: setattr(sp, "max_new_tokens", 4.0), "max_new_tokens"),  # 4.0 == 4
+        (lambda sp: sp.stop.append(""), "stop"),
+        (lambda sp: sp.logit_bias.update({5: 1000.0}), "logit_bias"),
+        (lambda sp: sp.json_schema.update({"x": {1, 2}}), "json_schema"),  # inside a dict: not JSON
+    ],
+)
+def test_check_request_sees_every_change_since_validation(mutate, field):
+    """Params validated once are not validated again at the door unless something they
+    hold changed (``validate_if_changed``); any change, an equal value of another type
+    or an edit in place included, is validated and refused with the same error as ever."""
+    from omni_async.stage.request_checks import ModelLimits, check_request
+
+    limits = ModelLimits(vocab_size=TINY_VOCAB, context_length=TINY_CONTEXT, kv_capacity_tokens=1 << 16)
+    sp = SamplingParams(max_new_tokens=4, suppress_tokens=[3], stop_token_ids=[4], stop=["x"], logit_bias={2: 1.0},
+                        json_schema={"type": "object"} if field == "json_schema" else None)
+    check_request([1, 2, 3], sp, limits)  # passes, twice
+    check_request([1, 2, 3], sp, limits)
+    mutate(sp)
+    with pytest.raises(InvalidRequestError, match=field):
+        check_request([1, 2, 3], sp, limits)
+    with pytest.raises(InvalidRequestError, match=field):  # and at every door after
+        check_request([1, 2, 3], sp, limits)
+
+
+@pytest.mark.parametrize("length", [5, 300])  # both sides of check_input_ids' numpy range check
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        (TINY_VOCAB, r"input_ids\[{at}\] = 320 is outside the vocabulary \[0, 320\)"),
+        (-1, r"input_ids\[{at}\] = -1 is outside"),
+        (1 << 70, r"input_ids\[{at}\] = 1180591620717411303424 is outside"),  # past int64
+        (True, r"input_ids\[{at}\] is True, not an int"),
+        (2.0, r"input_ids\[{at}\] is 2.0, not an int"),
+    ],
+)
+def test_check_input_ids_names_the_first_bad_position(length, bad, message):
+    from omni_async.stage.request_checks import check_input_ids
+
+    ids = _ids(length, seed=length)
+    ids[0], ids[1] = TINY_VOCAB - 1, 0  # the bounds are in
+    assert check_input_ids(ids, TINY_VOCAB) == ids
+    at = length - 2
+    ids[at] = bad
+    with pytest.raises(InvalidRequestError, match=message.format(at=at)):
+        check_input_ids(ids, TINY_VOCAB)

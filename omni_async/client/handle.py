@@ -38,7 +38,9 @@ class RequestHandle:
         # Let the stream reader take what the collector holds (the router calls it once
         # per step for every handle it touched): the collector's own method, no hop.
         self.wake = self._collector.wake
-        self._finished = anyio.Event()
+        # Made by the first result() that waits (a stream reader never does): an anyio
+        # Event asks which async library runs, ~2 us, each of a burst's submissions paid.
+        self._finished: anyio.Event | None = None
         self._result: Any = None
         self._error: BaseException | None = None
         self._stage_result: Any = None  # the stage's result for completion 0
@@ -62,6 +64,8 @@ class RequestHandle:
 
     async def _result_here(self) -> GenerationResult:
         if not self.done:
+            if self._finished is None:
+                self._finished = anyio.Event()
             try:
                 await self._finished.wait()
             except BaseException:
@@ -196,7 +200,8 @@ class RequestHandle:
         self._result = result
         self._ended = True
         self._collector.close()
-        self._finished.set()
+        if self._finished is not None:
+            self._finished.set()
         self._hooks.done(self)
 
     def _build_result(self) -> Any:

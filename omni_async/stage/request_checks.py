@@ -21,8 +21,11 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import numpy as np
+
 from .. import errors
 from ..config import SamplingParams
+from ..sampling_controls import validate_if_changed
 from ..core.request import Request, RequestData
 from ..logs import debug_enabled, log
 from ..messages import RequestPayload
@@ -83,7 +86,7 @@ def check_request(input_ids: Any, sampling: SamplingParams, limits: ModelLimits,
             check_capacity(len(input_ids), sampling.max_new_tokens, limits.context_length, limits.kv_capacity_tokens)
         embeds = None
         ids = check_input_ids(input_ids, limits.vocab_size)
-    sampling.validate()
+    validate_if_changed(sampling)  # validated when made: again only if changed since
     if embeds is not None and sampling.prompt_logprobs is not None:  # no token ids to score
         raise errors.InvalidRequestError("prompt_logprobs needs a prompt of token ids, not input_embeds")
     check_sampling_vocab(sampling, limits.vocab_size)
@@ -173,8 +176,9 @@ def check_input_ids(input_ids: Any, vocab_size: int) -> list[int]:
     if len(input_ids) == 0:
         raise errors.InvalidRequestError("empty prompt: input_ids has no tokens")
     ids = list(input_ids)
-    # Fast path, C speed for long prompts: every element an int and all in range.
-    if set(map(type, ids)) == {int} and min(ids) >= 0 and max(ids) < vocab_size:
+    # Fast path, C speed for long prompts: every element an int and all in range. The
+    # types as a list counted (``count`` compares by identity first): ~0.6x a set of them.
+    if list(map(type, ids)).count(int) == len(ids) and _in_range(ids, vocab_size):
         return ids
     for i, t in enumerate(ids):
         if isinstance(t, bool) or not isinstance(t, int):
@@ -182,6 +186,20 @@ def check_input_ids(input_ids: Any, vocab_size: int) -> list[int]:
         if not 0 <= t < vocab_size:
             raise errors.InvalidRequestError(f"input_ids[{i}] = {t} is outside the vocabulary [0, {vocab_size})")
     return [int(t) for t in ids]
+
+
+def _in_range(ids: list[int], vocab_size: int) -> bool:
+    """Whether Python ints all lie in ``[0, vocab_size)``. From 256 ids on, numpy's min and
+    max over one int64 copy beat two passes over the ints (~0.7x at 560 ids, 0.6x at
+    1,024: a burst's submissions spend most of their check here); an int past int64 is
+    out of every vocabulary."""
+    if len(ids) < 256:
+        return min(ids) >= 0 and max(ids) < vocab_size
+    try:
+        arr = np.fromiter(ids, np.int64, len(ids))
+    except OverflowError:
+        return False
+    return bool(arr.min() >= 0) and bool(arr.max() < vocab_size)
 
 
 def check_sampling_vocab(sampling: SamplingParams, vocab_size: int) -> None:
