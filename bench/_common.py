@@ -401,3 +401,38 @@ TINY_DESC = {
     "intermediate_size": 384,
     "vocab_size": 320,
 }
+
+
+def run_child(script: Path, code: str, child_args: Sequence[str]) -> dict[str, Any]:
+    """``script --child ...`` in a fresh process whose ``omni_async`` is ``code``'s checkout
+    (first on the path, run from its root); the JSON object the child printed last. The
+    probes that compare checkouts (``--code A --code B``) call it once per checkout per
+    repeat, interleaved, so load drifts hit every checkout alike."""
+    root = str(Path(code).resolve())
+    out = subprocess.run([sys.executable, str(script), "--child", *child_args], env=dict(os.environ, PYTHONPATH=root),
+                         capture_output=True, text=True, check=True, cwd=root)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def spread_summary(series: dict[str, list[float]], digits: int = 1, unit: str = "") -> dict[str, dict[str, float]]:
+    """Median, min and max of each named series, printed one line each and returned."""
+    summary = {}
+    for key, xs in series.items():
+        summary[key] = {"median": round(statistics.median(xs), digits), "min": round(min(xs), digits), "max": round(max(xs), digits)}
+        print(f"{key:>36}{unit}: median {statistics.median(xs):9.{digits}f}  [{min(xs):.{digits}f}, {max(xs):.{digits}f}]")
+    return summary
+
+
+def add_checkout_options(ap: Any, out: str) -> None:
+    """The options of a probe that compares checkouts: ``--code`` (repeatable; default
+    this checkout), ``--labels``, ``--smoke`` and ``--out``."""
+    ap.add_argument("--code", action="append", help="a checkout to measure (repeat for several; default: this one)")
+    ap.add_argument("--labels", default="", help="comma-separated names of the checkouts (default: their folder names)")
+    ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--out", default=out)
+
+
+def checkouts(args: Any, script: Path) -> tuple[list[str], list[str]]:
+    """``--code`` and ``--labels`` resolved: the checkouts (this one by default) and their names."""
+    codes = args.code or [str(script.parents[2])]
+    return codes, args.labels.split(",") if args.labels else [Path(c).resolve().name for c in codes]

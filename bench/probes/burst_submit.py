@@ -17,12 +17,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from _common import add_checkout_options, checkouts, machine_facts, run_child, save_json, spread_summary  # noqa: E402
 
 KEYS = ("last_submit_ms", "first_launch_ms", "first_token_ms", "submit_cpu_us_per_req")
 
@@ -90,11 +91,8 @@ def main() -> int:
     ap.add_argument("--new", type=int, default=8)
     ap.add_argument("--bursts", type=int, default=3, help="measured bursts per process (their median)")
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--code", action="append")
-    ap.add_argument("--labels", default="")
-    ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--out", default="burst_submit.json")
+    add_checkout_options(ap, "burst_submit.json")
     args = ap.parse_args()
     if args.smoke:
         args.requests, args.new, args.bursts, args.repeats = 16, 2, 1, 1
@@ -102,24 +100,14 @@ def main() -> int:
         print(json.dumps(asyncio.run(child(args.requests, args.new, args.bursts))))
         return 0
     here = Path(__file__).resolve()
-    sys.path.insert(0, str(here.parents[1]))
-    from _common import machine_facts, save_json
 
-    codes = args.code or [str(here.parents[2])]
-    labels = args.labels.split(",") if args.labels else [Path(c).resolve().name for c in codes]
+    codes, labels = checkouts(args, here)
     runs: dict[str, list[dict]] = {label: [] for label in labels}
+    child_args = ["--requests", str(args.requests), "--new", str(args.new), "--bursts", str(args.bursts)]
     for _ in range(args.repeats):
         for code, label in zip(codes, labels):
-            cmd = [sys.executable, str(here), "--child", "--requests", str(args.requests), "--new", str(args.new), "--bursts", str(args.bursts)]
-            env = dict(os.environ, PYTHONPATH=str(Path(code).resolve()))
-            out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True, cwd=str(Path(code).resolve()))
-            runs[label].append(json.loads(out.stdout.strip().splitlines()[-1]))
-    summary = {}
-    for label, rs in runs.items():
-        for key in KEYS:
-            xs = [r[key] for r in rs]
-            summary[f"{label}/{key}"] = {"median": round(statistics.median(xs), 2), "min": round(min(xs), 2), "max": round(max(xs), 2)}
-            print(f"{label:>10} {key:>22}: median {statistics.median(xs):9.2f}  [{min(xs):.2f}, {max(xs):.2f}]")
+            runs[label].append(run_child(here, code, child_args))
+    summary = spread_summary({f"{label}/{key}": [r[key] for r in rs] for label, rs in runs.items() for key in KEYS}, digits=2)
     path = save_json(args.out, {"config": vars(args), "runs": runs, "summary": summary, "machine": machine_facts()})
     print(f"saved {path}")
     return 0

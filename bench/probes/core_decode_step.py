@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from _common import add_checkout_options, checkouts, machine_facts, run_child, save_json, spread_summary  # noqa: E402
 
 def one_run(batch: int, k: int, steps: int, lookahead: bool = False) -> dict[str, float]:
     """``lookahead``: the overlap and async-decode loops' order (the next step scheduled
@@ -70,12 +70,9 @@ def main() -> int:
     ap.add_argument("--k", type=int, default=8)
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--repeats", type=int, default=7)
-    ap.add_argument("--code", action="append")
-    ap.add_argument("--labels", default="")
-    ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--lookahead", action="store_true", help="schedule each step before processing the one in flight")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--out", default="core_decode_step.json")
+    add_checkout_options(ap, "core_decode_step.json")
     args = ap.parse_args()
     if args.smoke:
         args.batch, args.steps, args.repeats = 16, 5, 1
@@ -83,25 +80,15 @@ def main() -> int:
         print(json.dumps(one_run(args.batch, args.k, args.steps, args.lookahead)))
         return 0
     here = Path(__file__).resolve()
-    sys.path.insert(0, str(here.parents[1]))
-    from _common import machine_facts, save_json
 
-    codes = args.code or [str(here.parents[2])]
-    labels = args.labels.split(",") if args.labels else [Path(c).resolve().name for c in codes]
+    codes, labels = checkouts(args, here)
     runs: dict[str, list[dict]] = {label: [] for label in labels}
+    child_args = ["--batch", str(args.batch), "--k", str(args.k), "--steps", str(args.steps)] + (["--lookahead"] if args.lookahead else [])
     for _ in range(args.repeats):
         for code, label in zip(codes, labels):
-            cmd = [sys.executable, str(here), "--child", "--batch", str(args.batch), "--k", str(args.k), "--steps", str(args.steps)]
-            cmd += ["--lookahead"] if args.lookahead else []
-            env = dict(os.environ, PYTHONPATH=str(Path(code).resolve()))
-            out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True, cwd=str(Path(code).resolve()))
-            runs[label].append(json.loads(out.stdout.strip().splitlines()[-1]))
-    summary = {}
-    for label, rs in runs.items():
-        for key in ("schedule_ns_per_row", "process_ns_per_row"):
-            xs = [r[key] for r in rs]
-            summary[f"{label}/{key}"] = {"median": round(statistics.median(xs), 1), "min": round(min(xs), 1), "max": round(max(xs), 1)}
-            print(f"{label:>10} {key:>22}: median {statistics.median(xs):8.1f}  [{min(xs):.1f}, {max(xs):.1f}]")
+            runs[label].append(run_child(here, code, child_args))
+    summary = spread_summary({f"{label}/{key}": [r[key] for r in rs] for label, rs in runs.items()
+                              for key in ("schedule_ns_per_row", "process_ns_per_row")})
     path = save_json(args.out, {"config": vars(args), "runs": runs, "summary": summary, "machine": machine_facts()})
     print(f"saved {path}")
     return 0

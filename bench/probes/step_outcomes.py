@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from _common import add_checkout_options, checkouts, machine_facts, run_child, save_json, spread_summary  # noqa: E402
 
 def one_run(batch: int, k: int, steps: int, lag: bool, logprobs: bool) -> dict[str, float]:
     from omni_async.client.completion import Completion
@@ -85,11 +86,8 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--cases", default="keep_up,lag,keep_up_logprobs", help="keep_up, lag, keep_up_logprobs, lag_logprobs")
-    ap.add_argument("--code", action="append")
-    ap.add_argument("--labels", default="")
-    ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--child", default="", help=argparse.SUPPRESS)
-    ap.add_argument("--out", default="step_outcomes.json")
+    add_checkout_options(ap, "step_outcomes.json")
     args = ap.parse_args()
     if args.smoke:
         args.batch, args.steps, args.repeats = 16, 4, 1
@@ -97,25 +95,16 @@ def main() -> int:
         print(json.dumps(one_run(args.batch, args.k, args.steps, "lag" in args.child, "logprobs" in args.child)))
         return 0
     here = Path(__file__).resolve()
-    sys.path.insert(0, str(here.parents[1]))
-    from _common import machine_facts, save_json
 
-    codes = args.code or [str(here.parents[2])]
-    labels = args.labels.split(",") if args.labels else [Path(c).resolve().name for c in codes]
+    codes, labels = checkouts(args, here)
     cases = args.cases.split(",")
     runs: dict[str, list[float]] = {}
+    child_args = ["--batch", str(args.batch), "--k", str(args.k), "--steps", str(args.steps)]
     for _ in range(args.repeats):
         for case in cases:
             for code, label in zip(codes, labels):
-                cmd = [sys.executable, str(here), "--child", case, "--batch", str(args.batch), "--k", str(args.k),
-                       "--steps", str(args.steps)]
-                env = dict(os.environ, PYTHONPATH=str(Path(code).resolve()))
-                out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True, cwd=str(Path(code).resolve()))
-                runs.setdefault(f"{case}/{label}", []).append(json.loads(out.stdout.strip().splitlines()[-1])["ns_per_row"])
-    summary = {}
-    for key, xs in runs.items():
-        summary[key] = {"median": round(statistics.median(xs), 1), "min": round(min(xs), 1), "max": round(max(xs), 1)}
-        print(f"{key:>32} ns/row: median {statistics.median(xs):8.1f}  [{min(xs):.1f}, {max(xs):.1f}]")
+                runs.setdefault(f"{case}/{label}", []).append(run_child(here, code, [case, *child_args])["ns_per_row"])
+    summary = spread_summary(runs, unit=" ns/row")
     if len(labels) == 2:  # paired ratios, repeat by repeat
         for case in cases:
             a, b = runs[f"{case}/{labels[0]}"], runs[f"{case}/{labels[1]}"]
