@@ -181,7 +181,6 @@ def install_null_fused(runner, graphs, fake_tokens, cap: int) -> None:
     import torch
 
     from omni_async.runners.fused_decode import POSITION, SLOT
-    from omni_async.runners.fused_split import plan_fused
 
     fused = runner.fused_decode
     static = torch.zeros((cap, 5), dtype=torch.long)
@@ -200,13 +199,22 @@ def install_null_fused(runner, graphs, fake_tokens, cap: int) -> None:
         fb.inputs_dev = inputs
         return out, None
 
+    fused.run = null_run
+    route_fused_launches(runner)
+
+
+def route_fused_launches(runner) -> None:
+    """Send the runner's multi-step decodes through the fused launch's planning, as on
+    CUDA (a runner whose forward a probe replaced would otherwise count as overriding a
+    hook, which keeps multi-step decodes off the fused launch)."""
+    from omni_async.runners.fused_split import plan_fused
+
     def fused_batch(batch, rows, sidx, capture=False):
         def rest(sub, sub_rows, sub_sidx):
             return runner._unfused_decode(sub, sub_rows, sub_sidx, capture)
 
-        return plan_fused(fused, runner.inputs, batch, rows, sidx, False, rest)
+        return plan_fused(runner.fused_decode, runner.inputs, batch, rows, sidx, False, rest)
 
-    fused.run = null_run
     runner._fused_batch = fused_batch
 
 

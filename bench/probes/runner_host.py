@@ -136,8 +136,8 @@ def _null_runner(runner) -> None:
     newest tokens' gather and k elementwise ops (``bench/host_overhead.py``'s null device)."""
     import torch
 
+    from host_overhead import route_fused_launches
     from omni_async.runners.fused_decode import SLOT
-    from omni_async.runners.fused_split import plan_fused
     from omni_async.runners.types import BatchResult
 
     vocab = runner.model.config.vocab_size
@@ -170,17 +170,9 @@ def _null_runner(runner) -> None:
         fb.inputs_dev = inputs
         return out, None
 
-    def fused_batch(batch, rows, sidx, capture=False):
-        # The fused launch as on CUDA (the null forward above would otherwise count as a
-        # hook override that keeps multi-step decodes off it).
-        def rest(sub, sub_rows, sub_sidx):
-            return runner._unfused_decode(sub, sub_rows, sub_sidx, capture)
-
-        return plan_fused(fused, runner.inputs, batch, rows, sidx, False, rest)
-
     runner.__class__ = NullRunner
     fused.run = null_run
-    runner._fused_batch = fused_batch
+    route_fused_launches(runner)
 
 
 def launch_costs(bs: int, k: int, steps: int, churn: bool, device: str = "cpu") -> dict:
