@@ -8,8 +8,8 @@ runs), pauses that retract, and small KV; one takes the early order whenever
 ``schedule_early`` answers, the other never. Every step, every outcome and every request's
 state must be equal, and the early order must have been taken. Through the engine: the
 normal loop with and without the early launch and the two lookahead loops give the same
-tokens and finish reasons (stop ids, EOS, ``min_new_tokens``, multi-step decodes, small KV
-with retractions), one terminal per request under aborts mid-run, and KV freed."""
+tokens and finish reasons (stop ids, EOS, ``min_new_tokens``, penalties, multi-step decodes,
+small KV with retractions), one terminal per request under aborts mid-run, and KV freed."""
 
 from __future__ import annotations
 
@@ -228,6 +228,8 @@ def engine_mix(seed: int, n: int, stops: list[int]) -> list[tuple[list[int], Sam
             kw.update(stop_token_ids=stops, min_new_tokens=min(kw["max_new_tokens"], rng.choice([0, 3, 8])))
         if i % 5 == 4:
             kw.update(temperature=0.9, top_k=50, seed=rng.randrange(1 << 31))
+        if i % 7 == 3:  # penalties read the tokens before: the step launched early must see them
+            kw.update(repetition_penalty=1.4, presence_penalty=0.6, frequency_penalty=0.4, logit_bias={5: 2.0})
         mix.append((prompt, SamplingParams(**kw)))
     return mix
 
