@@ -115,8 +115,7 @@ def split_gaps(rec: Ranges, min_rows: int) -> list[dict]:
         for label, t0, t1 in rec.ranges:
             if t1 > done and t0 < q1:
                 gap[label] = gap.get(label, 0.0) + overlap(done, q1, t0, t1)
-        gaps_named = gap.get("completion", 0.0)
-        gap["wake"] = gaps_named
+        gap["wake"] = gap.get("completion", 0.0)  # the completion await's part after the device was done
         gap["emission"] = gap.get("on_step_output", 0.0) - gap.get("process_result", 0.0)
         gap["other"] = gap["gap"] - sum(gap.get(p, 0.0) for p in PHASES)
         out.append(gap)
