@@ -238,16 +238,22 @@ class StepClock:
     """Wall time from scheduling one step to scheduling the next, charged to the kind of
     the first (prefill or decode), and the prompt tokens of the prefill steps: with the
     null device that interval is the host's work for the step (exact in the normal loop,
-    where nothing overlaps; in the lookahead loops the next step is scheduled before
-    this one is processed, so the split between kinds is approximate)."""
+    where nothing overlaps; in the lookahead loops, and for the normal loop's steps
+    launched early (``BatchCore.schedule_early``, counted when scheduled), the next step is
+    scheduled before this one is processed, so the split between kinds is approximate)."""
 
     def __init__(self, stepper) -> None:
         self.stepper, self.inner = stepper, stepper.next_batch
         self._reset()
         stepper.next_batch = self
+        early = getattr(stepper.core, "schedule_early", None)
+        if early is not None:  # the normal loop's steps launched before the step ahead is processed
+            stepper.core.schedule_early = lambda batch, tokens: self.seen(early(batch, tokens))
 
     def __call__(self):
-        batch = self.inner()
+        return self.seen(self.inner())
+
+    def seen(self, batch):
         if batch is not None:
             now = time.perf_counter()
             if self.last is not None:

@@ -55,6 +55,7 @@ LAUNCH_SLACK_NS = 20_000
 BLOCKING_CALLS = {"cudaMemcpy", "cudaMemset", "cuMemcpyDtoH_v2", "cuMemcpyHtoD_v2"}  # and every *Synchronize
 SYNC_RANGES = {  # (object path from the engine, attribute): range name
     ("scheduler.stepper", "next_batch"): "schedule",
+    ("scheduler.stepper.core", "schedule_early"): "schedule.early",  # the normal loop's early launch (absent before it)
     ("scheduler.stepper", "_launch_on_worker"): None,  # named by the step's kind (launch_range)
     ("scheduler.stepper.runner", "collect"): "collect",
     ("scheduler.stepper.sink", "on_step_output"): "process",
@@ -150,6 +151,8 @@ class RangeLog:
         wraps = [(k, self._sync, n) for k, n in SYNC_RANGES.items()] + [(k, self._async, n) for k, n in ASYNC_RANGES.items()]
         for (path, attr), wrap, name in wraps:
             owner = _owner(eng, path)
+            if not hasattr(owner, attr):
+                continue
             self._undo.append((owner, attr, owner.__dict__.get(attr, _ABSENT)))
             setattr(owner, attr, wrap(getattr(owner, attr), name))
         flush = eng.flush_cache

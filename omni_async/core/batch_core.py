@@ -23,18 +23,12 @@ from .mixed_prefill import add_decode_rows, jump_step, mixed_decodes, prefill_tu
 from .step_results import end_unsampled, process_one_forward, rewind
 from .conditioning import ready_positions
 from .decode_slots import DecodeSlots
+from .early_launch import schedule_early
 from .prefix_reuse import computing_key, drop_prefix, index_pages, reuse_prefix
 from .protocol import BatchCore, StepOutcome
-from .request import Request, all_free, reserved_tokens
+from .request import INIT_NEW_TOKEN_RATIO, Request, all_free, decayed_ratio, reserved_tokens
 
 __all__ = ["BatchCore", "NativeBatchCore", "StepOutcome"]
-
-# Admission keeps room for running requests' future tokens, estimated as this ratio of
-# what they may still generate. A retraction resets it to 1 (fully conservative); it
-# then decays towards the minimum as decode steps succeed.
-INIT_NEW_TOKEN_RATIO = 0.7
-MIN_NEW_TOKEN_RATIO = 0.1
-NEW_TOKEN_RATIO_DECAY = (INIT_NEW_TOKEN_RATIO - MIN_NEW_TOKEN_RATIO) / 600
 
 
 class NativeBatchCore(BatchCore):
@@ -190,7 +184,7 @@ class NativeBatchCore(BatchCore):
         batch = self._new_batch(ForwardMode.EXTEND)
         if decoding:
             add_decode_rows(self, batch, list(decoding))
-            self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
+            self.new_token_ratio = decayed_ratio(self.new_token_ratio)
         for req, n in rows:
             if req is self.chunked:
                 self.chunked = None
@@ -222,8 +216,11 @@ class NativeBatchCore(BatchCore):
         self.running = [r for r in self.running if r.finish_reason is None]
         batch = self.slots.schedule(self) or self._schedule_decode_rows()
         if batch is not None and batch.mode is ForwardMode.DECODE:
-            self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
+            self.new_token_ratio = decayed_ratio(self.new_token_ratio)
         return batch
+
+    def schedule_early(self, batch: ScheduledBatch, tokens: Sequence[int]) -> ScheduledBatch | None:
+        return schedule_early(self, batch, tokens)  # (BatchCore.schedule_early; the rules: .early_launch)
 
     def _schedule_decode_rows(self) -> ScheduledBatch | None:  # (any running set; it seeds the columns)
         free = all_free(self.running)  # (then no per-row check beyond the length limit, request.all_free)

@@ -61,6 +61,10 @@ class DecodeSlots:
         # That step's last token of each row once it was processed with no row ending
         # (:meth:`landed`): the next step's inputs, with nothing in flight (the normal loop).
         self.last_tokens: list[int] | None = None
+        # Tokens each of those rows still has in flight besides the next step's: 0 once
+        # the step was processed, its forwards when the next step launches before its
+        # processing (.early_launch).
+        self.last_pending = 0
 
     def drop(self) -> None:
         self.reqs = None
@@ -90,6 +94,24 @@ class DecodeSlots:
         k = 1 if steps is None else steps[0]
         if type(tokens) is list and len(tokens) >= k * n and (steps is None or steps.count(k) == n):
             self.last_tokens = tokens[(k - 1) * n : k * n] if n and type(tokens[0]) is int else None
+            self.last_pending = 0
+
+    def following(self, core: "NativeBatchCore", batch: "ScheduledBatch") -> bool:
+        """Whether the columns follow ``batch`` as the last step scheduled, every running
+        row in it (none sat out), nothing having changed the running set since."""
+        return (self.reqs is not None and self.enabled and batch.step_id == self.step_id == core._step_id
+                and not core.jump_due and self.key == _key(core) and batch.size == len(self.reqs)
+                and core.running == self.reqs)
+
+    def schedule_after(self, core: "NativeBatchCore", keep: list[bool] | None, last: list[int],
+                       pending: int) -> "ScheduledBatch | None":
+        """The step after the one the columns follow (:meth:`following`), before that one
+        is processed: its rows that end (``keep`` False) dropped, ``last`` (each kept row's
+        last token) as the inputs, ``pending`` tokens of each kept row still in flight."""
+        if keep is not None:
+            self._keep(keep)
+        self.last_tokens, self.last_pending = last, pending
+        return self._next(core)
 
     def _follow_running(self, core: "NativeBatchCore") -> bool:
         """Bring the columns to ``core.running``: rows that finished dropped, rows that
@@ -99,15 +121,11 @@ class DecodeSlots:
         n = len(reqs)
         if running[:n] != reqs:
             alive = [r.finish_reason is None for r in reqs]
-            kept = list(compress(reqs, alive))
-            if running[: len(kept)] != kept:
+            if running[: alive.count(True)] != list(compress(reqs, alive)):
                 return False
-            keep = np.fromiter(alive, bool, n)
+            self._keep(alive)
             self.last_tokens = None
-            self.reqs, n = kept, len(kept)
-            self.epochs, self.tables = list(compress(self.epochs, alive)), list(compress(self.tables, alive))
-            self.limits, self.cached = self.limits[keep], self.cached[keep]
-            self.counts, self.generated = self.counts[keep], self.generated[keep]
+            n = len(self.reqs)
         if len(running) > n:  # joined after a prefill step
             self.last_tokens = None
             tail = running[n:]
@@ -122,6 +140,15 @@ class DecodeSlots:
             self.generated = np.concatenate((self.generated, _ints([r.num_generated for r in tail])))
         return True
 
+    def _keep(self, alive: list[bool]) -> None:
+        """Drop the rows whose ``alive`` is False from every column."""
+        assert self.reqs is not None
+        keep = np.fromiter(alive, bool, len(alive))
+        self.reqs = list(compress(self.reqs, alive))
+        self.epochs, self.tables = list(compress(self.epochs, alive)), list(compress(self.tables, alive))
+        self.limits, self.cached = self.limits[keep], self.cached[keep]
+        self.counts, self.generated = self.counts[keep], self.generated[keep]
+
     def schedule(self, core: "NativeBatchCore") -> "ScheduledBatch | None":
         """The next decode step from the columns, or None for the per-request path. Rows
         whose tokens left are all sampled (in flight, the lookahead loops) sit it out, as
@@ -132,6 +159,10 @@ class DecodeSlots:
         if not self._follow_running(core):
             self.drop()
             return None
+        return self._next(core)
+
+    def _next(self, core: "NativeBatchCore") -> "ScheduledBatch | None":
+        """The step of the rows the columns hold now (see :meth:`schedule`)."""
         limits, cached, counts, sel = self.limits, self.cached, self.counts, None
         low = int(limits.min())
         if low <= 0:
@@ -194,7 +225,7 @@ class DecodeSlots:
         batch.page_counts = counts.tolist()
         last, self.last_tokens = self.last_tokens, None
         if last is not None and sel is None and core._step_id == self.step_id + 1:  # the step before landed, none since
-            pending, batch.input_ids = [0] * n, last  # (its rows' tokens are kept: nothing in flight)
+            pending, batch.input_ids = [self.last_pending] * n, last  # (0: its rows' tokens are kept)
         else:
             pending = [r.num_inflight for r in reqs]
             decode_inputs(batch, reqs, pending)

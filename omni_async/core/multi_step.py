@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 from .conditioning import ready_positions
 from .protocol import StepOutcome, StepOutcomes
-from .request import Request, decode_limits, mask_ready, masked
+from .request import Request, decode_limits, mask_ready, masked, stop_index
 
 if TYPE_CHECKING:
     from .batch import ScheduledBatch
@@ -288,12 +288,9 @@ def _take_guessed(req: Request, row: list[int], limit: int, stop_ids: frozenset[
         reason = "stop"  # it completed at the last token it took
     elif n < len(row):
         reason = "rewind"
-    if stop_ids and not stop_ids.isdisjoint(row[:cut]):
-        base, least = len(req.output_ids), req.sampling.min_new_tokens
-        for j in range(cut):
-            if row[j] in stop_ids and base + j + 1 > least:
-                cut, reason = j + 1, "stop"
-                break
+    j = stop_index(row[:cut], stop_ids, len(req.output_ids), req.sampling.min_new_tokens) if stop_ids else None
+    if j is not None:
+        cut, reason = j + 1, "stop"
     last = limit if limit > 1 else 1
     if last < cut or (last == cut and reason != "stop"):
         cut, reason = last, "length"

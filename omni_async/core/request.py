@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 from ..config import SamplingParams
 
@@ -94,6 +94,21 @@ class Request:
                 found.update(self.eos_token_ids)
             ids = self._stop_ids = frozenset(found)
         return ids
+
+
+def stop_index(row: Sequence[int], stop_ids: frozenset[int], kept: int, min_new_tokens: int) -> int | None:
+    """Where a request's stop rule ends ``row``, the tokens that follow its ``kept`` ones:
+    the index of the first of its ``stop_ids`` that comes after ``min_new_tokens`` tokens
+    (counting itself), or None. Used where a row's tokens are judged together (a sample-first
+    row, ``multi_step._take_guessed``; the early launch's ending rows, ``early_launch``); the
+    token-by-token checks (``step_results``, ``multi_step._walk_row``) apply it to one token,
+    and tests/test_early_launch.py holds the early launch's verdicts equal to processing's."""
+    if stop_ids.isdisjoint(row):
+        return None
+    for j, token in enumerate(row):
+        if token in stop_ids and kept + j + 1 > min_new_tokens:
+            return j
+    return None
 
 
 def decode_limits(reqs: list[Request], context_length: int) -> list[int]:
@@ -215,6 +230,19 @@ def waits_for_host(reqs: list[Request], late: bool = False) -> bool:
     (Called right after scheduling: a row's last token in flight is this step's.)"""
     most = 2 if late else 1
     return any(r.matcher is not None and r.num_inflight > most and masked(r, r.num_generated - 1) for r in reqs)
+
+
+# Admission keeps room for running requests' future tokens, estimated as this ratio of
+# what they may still generate. A retraction resets it to 1 (fully conservative); it
+# then decays towards the minimum as decode steps succeed.
+INIT_NEW_TOKEN_RATIO = 0.7
+MIN_NEW_TOKEN_RATIO = 0.1
+NEW_TOKEN_RATIO_DECAY = (INIT_NEW_TOKEN_RATIO - MIN_NEW_TOKEN_RATIO) / 600
+
+
+def decayed_ratio(ratio: float) -> float:
+    """The new-token ratio after a step that carried decode rows ran (see above)."""
+    return max(MIN_NEW_TOKEN_RATIO, ratio - NEW_TOKEN_RATIO_DECAY)
 
 
 def reserved_tokens(running: list[Request], new_token_ratio: float) -> int:

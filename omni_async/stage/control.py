@@ -116,6 +116,7 @@ class StageControl:
                 "prefill_steps": st.prefill_steps,
                 "decode_steps": st.decode_steps,
                 "lookahead_steps": st.lookahead_steps,
+                "early_steps": st.early_steps,
                 "failed_steps": st.failed_steps,
                 "tokens_out": st.tokens_out,
                 "steps_in_flight": self.stepper.in_flight,

@@ -40,6 +40,7 @@ class StepStats:
     tokens_out: int = 0
     failed_steps: int = 0
     lookahead_steps: int = 0
+    early_steps: int = 0  # steps launched before the step ahead of them was processed (normal loop)
     trace: list[str] = field(default_factory=list)  # filled only while tracing
 
 
@@ -166,10 +167,10 @@ class Stepper:
         if self._inflight[-1].masks_due:
             await self._sample_late(self._inflight[-1])
 
-    async def step_in_sync(self, batch: ScheduledBatchLike | None) -> None:
+    async def step_in_sync(self, batch: ScheduledBatchLike | None, *, early: bool = False) -> None:
         """Drain what is in flight, then run ``batch`` to completion. Draining may free
         KV the waiting requests need, so with nothing to run after a drain the loop
-        looks again instead of idling."""
+        looks again instead of idling. ``early``: see :meth:`finish_in_sync`."""
         if self._inflight:
             await self.drain()
             if batch is None:
@@ -184,11 +185,19 @@ class Stepper:
                 await self.wake.wait()
             return
         await self._launch(batch, lookahead=False, trace="sync")
+        await self.finish_in_sync(early=early)
+
+    async def finish_in_sync(self, *, early: bool = False) -> None:
+        """Run the step in flight to completion and process it. ``early`` (the normal
+        loop): once its tokens are on the host, the step after it is launched before it is
+        processed when the core can decide that step from them (``BatchCore.schedule_early``,
+        ``core.early_launch``), so the device runs it while the host processes; it stays in
+        flight for the loop's next turn."""
         step = self._inflight.popleft()
         if step.masks_due:
             await self._sample_late(step)
         self.sink.defer()  # delivered once the next step runs (see ``_launch``)
-        await self._complete(step, trace=None)
+        await self._complete(step, trace=None, early=early)
 
     async def drain(self) -> None:
         """Process every step in flight (pause, weight updates, shutdown), in launch
@@ -279,7 +288,7 @@ class Stepper:
         pending = launched.result()  # done: the executor runs in order (a failed launch raises here)
         return None if pending is None else self.runner.sample_pending(pending)
 
-    async def _complete(self, step: InflightStep, *, trace: str | None) -> None:
+    async def _complete(self, step: InflightStep, *, trace: str | None, early: bool = False) -> None:
         if trace is not None:
             self._trace(trace, step.batch)
         try:
@@ -288,6 +297,8 @@ class Stepper:
             self.stats.failed_steps += 1
             self.sink.on_step_failed(step.batch, exc)
             return
+        if early:
+            await self._launch_early(step.batch, out)
         self.sink.on_step_output(step.batch, out)
         if self.step_observers:
             took = time.perf_counter() - step.launched_at
@@ -296,6 +307,18 @@ class Stepper:
                     observe(took)
                 except Exception as obs_exc:  # an observer must not break the step path
                     log.error("scheduler_step_observer_failed", error=repr(obs_exc))
+
+    async def _launch_early(self, batch: ScheduledBatchLike, out: ModelRunnerOutput) -> None:
+        """Launch the step after ``batch`` before ``batch`` is processed, when nothing the
+        head of the next iteration would see is waiting (an arrival, an abort, an admin
+        action, a build: they set ``wake``), generation runs, no row failed its sampling,
+        and the core decides that step from ``out``'s tokens."""
+        if self.wake.is_set() or self.state.paused or not self.state.serving or out.row_errors:
+            return
+        nxt = self.core.schedule_early(batch, out.token_ids)
+        if nxt is not None:
+            self.stats.early_steps += 1
+            await self._launch(nxt, lookahead=False, trace="early")
 
     async def _await_output(self, step: InflightStep) -> ModelRunnerOutput:
         if step.future is None:
