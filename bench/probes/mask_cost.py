@@ -40,6 +40,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, os.environ.get("MASK_COST_CODE") or str(Path(__file__).resolve().parent.parent.parent))
 
+import omni_async  # noqa: E402  (first: the checkout asked for, before constrained.py puts this one on the path)
 from _common import HostLoad, machine_facts, save_json  # noqa: E402
 from constrained import SCHEMA, GrammarReplay  # noqa: E402
 
@@ -117,8 +118,21 @@ class WorkerClock:
         prefetch.MaskWorker.submit = submit
         prefetch.MaskWorker._compute = compute
 
+        from omni_async.core import batch_core
+
+        inner_jump = batch_core.jump_rows
+
+        def jump_rows(*args, **kwargs):  # the loop thread's jump-forward pass (reads masks or runs, accepts)
+            t0 = time.perf_counter()
+            try:
+                return inner_jump(*args, **kwargs)
+            finally:
+                clock.jump_s += time.perf_counter() - t0
+
+        batch_core.jump_rows = jump_rows
+
     def reset(self) -> None:
-        self.in_calls = self.queue_s = self.cpu_s = self.again_s = 0.0
+        self.in_calls = self.queue_s = self.cpu_s = self.again_s = self.jump_s = 0.0
         self.tickets = self.calls = self.again_rows = 0
 
 
@@ -163,7 +177,9 @@ async def one_run(engine, work, clock: WorkerClock, replay: GrammarReplay, tempe
         "mask_pct_of_step": 100 * (d.get("grammar_mask_s", 0.0) / masked) / (wall / max(d.get("steps", 1), 1)),
         "forced_pct": 100 * d.get("grammar_forced_masks", 0) / max(tokens, 1),
         "skipped": d.get("grammar_forced_skipped", 0), "jumps": d.get("grammar_jumps", 0),
+        "jump_pass_us_per_token": 1e6 * clock.jump_s / max(tokens, 1),  # the loop thread's, per generated token
         "inline_rows": d.get("grammar_mask_inline_rows", 0),
+        "code": str(Path(omni_async.__file__).parent.parent), "jump_forward": bool(engine.scheduler.config.jump_forward),
         "own_cores": host["own_cores"], "others_cores": host["others_cores"],
     }
 
@@ -235,7 +251,8 @@ def main() -> int:
     p.add_argument("--switch-ms", type=float, default=None, help="sys.setswitchinterval for the run (default Python's 5 ms)")
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--out", default=None)
-    p.add_argument("--code", action="append", help="a checkout to measure, in a process of its own (repeat: alternated)")
+    p.add_argument("--code", action="append", help="a checkout to measure, in a process of its own (repeat: alternated); "
+                   "PATH::--jump adds options for that one (e.g. the same checkout with and without jump-forward)")
     p.add_argument("--labels", default="")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -261,7 +278,7 @@ def main() -> int:
 def compare(args) -> int:
     """Each checkout in its own process, one measured run (after a warm-up run) a process,
     the checkouts alternated ``--repeats`` times, so load drifts hit them alike."""
-    labels = args.labels.split(",") if args.labels else [Path(c).resolve().name for c in args.code]
+    labels = args.labels.split(",") if args.labels else [Path(c.split("::")[0]).resolve().name for c in args.code]
     skip = {"--code", "--labels", "--repeats", "--out"}
     argv, it = [], iter(sys.argv[1:])
     for a in it:
@@ -273,14 +290,16 @@ def compare(args) -> int:
     for rep in range(args.repeats):
         order = list(zip(args.code, labels)) if rep % 2 == 0 else list(reversed(list(zip(args.code, labels))))
         for code, label in order:
-            env = dict(os.environ, MASK_COST_CODE=str(Path(code).resolve()))
-            out = subprocess.run([sys.executable, __file__, *argv, "--repeats", "1", "--child"], env=env,
+            path, _, extra = code.partition("::")
+            env = dict(os.environ, MASK_COST_CODE=str(Path(path).resolve()))
+            out = subprocess.run([sys.executable, __file__, *argv, *extra.split(), "--repeats", "1", "--child"], env=env,
                                  capture_output=True, text=True, check=True)
             r = json.loads(out.stdout.strip().splitlines()[-1])
             runs[label].append(r)
             print(f"{label:8s} rep {rep}: {r['tok_s']:.0f} tok/s, worker {r['worker_us_per_row']:.1f} us a masked row "
                   f"(cpu {r['worker_cpu_us_per_row']:.1f}), fill {r['fill_ms_per_masked_step']:.3f} ms = "
-                  f"{r['mask_pct_of_step']:.1f}% of a step, valid {r['valid']}/{r['requests']}", flush=True)
+                  f"{r['mask_pct_of_step']:.1f}% of a step, jump pass {r['jump_pass_us_per_token']:.1f} us a token, "
+                  f"{r['steps']} steps, valid {r['valid']}/{r['requests']}", flush=True)
     summary = {label: summarize(rs) for label, rs in runs.items()}
     base = labels[0]
     for label in labels[1:]:
@@ -292,7 +311,8 @@ def compare(args) -> int:
         print(label, {k: f"{v['median']:.3g} [{v['min']:.3g}-{v['max']:.3g}]" for k, v in sm.items()
                       if k in ("tok_s", "worker_us_per_row", "worker_cpu_us_per_row", "in_calls_us_per_row",
                                "fill_ms_per_masked_step", "mask_pct_of_step", "step_ms", "paired_tok_s_ratio",
-                               "paired_worker_ratio", "forced_pct", "queue_us_per_ticket", "valid")})
+                               "paired_worker_ratio", "forced_pct", "queue_us_per_ticket", "valid", "jump_pass_us_per_token",
+                               "steps")})
     payload = {"labels": labels, "codes": args.code, "runs": runs, "summary": summary, "args": vars(args),
                "machine": machine_facts(), "load": os.getloadavg()}
     print(f"saved {save_json(args.out or 'mask_cost_ab.json', payload)}")

@@ -205,6 +205,26 @@ class GrammarMatcher:
             self._worker.forced_known += 1
         return self._buf
 
+    def forced(self) -> tuple[int, ...]:
+        """The tokens the grammar forces from the current position (empty: none, or the
+        library failed): the rest of a run known already, the worker's run for this
+        position, else the library's forced-token query (``compute_ff_tokens``, from the
+        parser state, no mask) on this thread. Call it with no mask of this position queued."""
+        if not self._forced:
+            ticket = self._ticket
+            if ticket is not None:  # the worker's run, or its mask's one token (llguidance's pool finds no runs)
+                from .jump import single_token
+
+                mask = ticket.mask(self._row)  # (waits for it)
+                one = single_token(mask) if mask is not None else None
+                self._forced = tuple(ticket.run(self._row) or (() if one is None else (one,)))
+            else:
+                try:
+                    self._forced = tuple(self._m.compute_ff_tokens())
+                except Exception:  # the step's fill computes the mask and meets the error there
+                    return ()
+        return self._forced
+
     def count_jump(self, tokens: int) -> None:
         """Count a jump-forward of ``tokens`` forced tokens (:mod:`.jump`) in ``info()``."""
         if self._worker is not None:
