@@ -22,6 +22,7 @@ every process saved).
 
     python bench/probes/mask_cost.py --requests 128 --tokens 64 --repeats 5
     python bench/probes/mask_cost.py --code /tmp/before --code . --labels before,after --repeats 5
+    python bench/probes/mask_cost.py --library --requests 128 --tokens 48   # the library alone, first masks vs again
     python bench/probes/mask_cost.py --smoke
 """
 
@@ -229,6 +230,47 @@ async def main_async(args) -> dict:
     return {"runs": runs}
 
 
+def library_walk(rows: int, steps: int, seed: int = 0) -> dict:
+    """The library alone on the kind of rows the engine masks: ``rows`` matchers of SCHEMA
+    walking ``steps`` random admissible tokens; at each new state the first mask, the same
+    mask again (what ``mask_threads.py`` times: states it has computed before), and the
+    forced-token query on a copy made before either, us a row."""
+    import numpy as np
+
+    from grammar_batch import tokenizer
+
+    from omni_async.structured.grammar import GrammarCompiler
+
+    tok, vocab = tokenizer(False, str(tiny_smol()))
+    words = (vocab + 31) // 32
+    compiler = GrammarCompiler(tok, vocab)
+    key = ("json_schema", json.dumps(SCHEMA))
+    handles = [compiler.matcher(key).handle for _ in range(rows)]
+    rng = np.random.default_rng(seed)
+    buf = np.empty(words, dtype=np.int32)
+    pc = time.perf_counter
+    first, again, ff, forced = [], [], [], 0
+    for _ in range(steps):
+        for h in handles:
+            c = h.deep_copy()
+            t0 = pc()
+            h.unsafe_compute_mask_ptr(buf.ctypes.data, buf.nbytes)
+            t1 = pc()
+            h.unsafe_compute_mask_ptr(buf.ctypes.data, buf.nbytes)
+            t2 = pc()
+            forced += bool(c.compute_ff_tokens())
+            ff.append(pc() - t2)
+            first.append(t1 - t0)
+            again.append(t2 - t1)
+            allowed = np.flatnonzero(np.unpackbits(buf.view(np.uint8), bitorder="little")[:vocab])
+            h.consume_token(int(rng.choice(allowed)))
+    compiler.close()
+    stat = lambda xs: {"mean_us": 1e6 * statistics.mean(xs), "median_us": 1e6 * statistics.median(xs),
+                       "p99_us": 1e6 * sorted(xs)[int(0.99 * (len(xs) - 1))]}
+    return {"first_mask": stat(first), "same_mask_again": stat(again), "forced_query_on_a_copy": stat(ff),
+            "forced_pct": 100 * forced / len(first), "positions": len(first)}
+
+
 def summarize(runs: list[dict]) -> dict:
     keys = [k for k, v in runs[0].items() if isinstance(v, (int, float)) and not isinstance(v, bool)]
     return {k: {"median": statistics.median(r[k] for r in runs), "min": min(r[k] for r in runs),
@@ -255,11 +297,17 @@ def main() -> int:
                    "PATH::--jump adds options for that one (e.g. the same checkout with and without jump-forward)")
     p.add_argument("--labels", default="")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--library", action="store_true", help="the library alone on a walk of --requests rows, --tokens steps")
     args = p.parse_args()
     if args.smoke:
         args.requests, args.tokens, args.prompt, args.repeats = 8, 16, 16, 1
     if args.code:
         return compare(args)
+    if args.library:
+        res = library_walk(args.requests, args.tokens)
+        print(json.dumps(res, indent=1))
+        print(f"saved {save_json(args.out or 'mask_cost_library.json', {'walk': res, 'args': vars(args), 'machine': machine_facts(), 'load': os.getloadavg()})}")
+        return 0
     if args.switch_ms:
         sys.setswitchinterval(args.switch_ms / 1e3)
     t0 = time.perf_counter()

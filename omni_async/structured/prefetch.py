@@ -74,10 +74,10 @@ def mask_threads(cpus: int | None = None) -> tuple[str, int]:
     and the engine gives every request with one grammar a copy of one template
     (``structured.grammar``), so the pool's threads and the slices alike compute the rows
     of one schema one at a time. What slices may still overlap: rows of different
-    grammars, and each row's wait for the GIL after its call, which in the engine is most
-    of the worker's time (~150 us a row against ~10 us of library time on the 2-core VM;
-    there two slices made the worker 1.4x slower, median of four interleaved pairs,
-    0.91-1.55x, on a loaded CPU). The H200 runs that would decide it are in
+    grammars (on the 2-core VM two slices made the worker 1.4x slower, median of four
+    interleaved pairs, 0.91-1.55x, on a loaded CPU). The worker's time per row in the
+    engine is not GIL waits: it is the library's price for a mask at a parser state not
+    computed before, ~3.5x a repeated one (``bench/probes/mask_cost.py``). The H200 runs are in
     bench/RESULTS.md (``bench/probes/mask_threads.py --compilers 1,8``;
     ``bench/constrained.py --mask-threads 8 [--schemas 8]``)."""
     raw = os.environ.get("OMNI_ASYNC_GRAMMAR_THREADS", "").strip().lower()
