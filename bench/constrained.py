@@ -38,6 +38,7 @@ random weights) with SmolLM2's vocabulary and tokenizer, a grammar needing a tok
     python bench/constrained.py --device cuda               # the H200 run (overlap loop)
     python bench/constrained.py --device cuda --arms free,all [--mask-pool on]   # all-constrained only, ~3 min
     python bench/constrained.py --device cuda --arms free,all --mask-threads 8 [--schemas 8]  # 8 slice threads
+    python bench/constrained.py --device cuda --arms free,quarter,all --jump-forward   # forced runs appended, ~5 min
 """
 
 from __future__ import annotations
@@ -277,8 +278,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         kwargs.update(dtype="bfloat16", max_running_requests=args.max_running)
     if args.decode_steps is not None:
         kwargs["decode_steps"] = args.decode_steps
-    if args.no_jump_forward:
-        kwargs["jump_forward"] = False
+    if args.no_jump_forward or args.jump_forward:
+        kwargs["jump_forward"] = bool(args.jump_forward)
     if args.optimistic != "default":  # rows sampling first, checked after (structured/optimistic.py; on by default)
         kwargs["optimistic_grammar"] = args.optimistic == "on"
     result: dict[str, Any] = {"machine": C.machine_facts(), "args": vars(args), "model": model, "runs": {}}
@@ -386,6 +387,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--schemas", type=int, default=1,
                    help="constrained requests spread over this many variants of the schema, compiled apart (default 1)")
     p.add_argument("--no-jump-forward", action="store_true", help="decode forced tokens one by one (jump_forward=False)")
+    p.add_argument("--jump-forward", action="store_true", help="append forced runs without a step each (jump_forward=True; "
+                   "constrained rows then mask first: optimistic rows need it off)")
     p.add_argument("--checkpoint-dir", default="/tmp/omni-bench-checkpoints")
     p.add_argument("--smoke", action="store_true", help="8 short requests (16-48 tokens), one repeat unless --repeats, "
                    "4 forwards per decode step unless --decode-steps (CPU)")

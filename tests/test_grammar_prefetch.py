@@ -46,8 +46,11 @@ def test_worker_masks_equal_masks_computed_on_the_spot():
             assert here.accept(ch) == ended
         assert ended and ahead.complete
         stats = compiler.masks.stats()
-        assert stats["grammar_mask_prefetched_rows"] == 5
-        assert stats["grammar_forced_masks"] == 2  # '-' and 'x' are the grammar's alone
+        # '-' and 'x' are the grammar's alone: the worker found them as one forced run at '-',
+        # so the mask at 'x' was known without it (4 rows computed for 5 positions).
+        assert stats["grammar_mask_prefetched_rows"] == 4
+        assert stats["grammar_forced_masks"] == 2
+        assert stats["grammar_forced_from_runs"] == 1
     finally:
         compiler.close()
 
@@ -73,7 +76,9 @@ async def test_engine_masks_come_from_the_worker(loop):
     # Every position is masked, or forced and skipped by a jump-forward (no mask fill).
     assert info["grammar_mask_rows"] + info["grammar_forced_skipped"] >= 4 * 5
     assert info["grammar_mask_inline_rows"] == 0
-    assert info["grammar_mask_prefetched_rows"] >= info["grammar_mask_rows"]
+    # ... by the worker, or known from a forced run it found (the 'x' after '-')
+    assert info["grammar_mask_prefetched_rows"] + info["grammar_forced_from_runs"] >= info["grammar_mask_rows"]
+    assert info["grammar_forced_from_runs"] >= 4
     assert info["grammar_forced_masks"] >= 4 * 2
 
 
@@ -81,7 +86,9 @@ async def test_engine_masks_come_from_the_worker(loop):
 def test_a_steps_rows_go_to_the_worker_as_one_call(threads):
     """The rows a processed step accepted are queued together (``prefetch_all``, what the
     batch core does): one library call on the worker per step, through llguidance's pool
-    or row by row, each row's mask equal to the one computed on the spot."""
+    or row by row, each row's mask equal to the one computed on the spot. Row by row the
+    worker also asks for the forced run at '-' ('-', 'x'): the rows accepting '-' then know
+    their next mask (one bit, 'x') and queue nothing; the pool computes masks only."""
     tok = ByteTokenizer()
     compiler = GrammarCompiler(tok, tok.vocab_size)
     compiler.masks.threads = threads  # the pool is the engine's choice on 8+ CPUs only
@@ -94,12 +101,13 @@ def test_a_steps_rows_go_to_the_worker_as_one_call(threads):
             later: list[GrammarMatcher] = []
             for m, h in zip(ahead, here):
                 assert not m.accept(ch, later=later) and not h.accept(ch)
-            assert later == ahead
+            known = ch == ord("-") and not threads
+            assert later == ([] if known else ahead)
             prefetch_all(later)
             for j, (m, h) in enumerate(zip(ahead, here)):
                 got = m.next_mask()
                 assert got is not None and np.array_equal(got, inline_mask(h, words)), f"position {i + 1}, row {j}"
-            assert compiler.masks.stats()["grammar_mask_worker_calls"] == calls + 1
+            assert compiler.masks.stats()["grammar_mask_worker_calls"] == calls + (not known)
     finally:
         compiler.close()
 
@@ -117,7 +125,7 @@ async def test_engine_queues_a_steps_masks_as_one(loop, threads, monkeypatch):
         results = await asyncio.gather(*[engine.generate(prompt="id:", sampling=sp) for sp in sps])
         info = engine.scheduler.info()
     assert all(r.finish_reason == "stop" and re.fullmatch(REGEX, r.text) for r in results)
-    assert info["grammar_mask_prefetched_rows"] >= n * 5
+    assert info["grammar_mask_prefetched_rows"] + info["grammar_forced_from_runs"] >= n * 5
     assert info["grammar_mask_worker_calls"] <= info["steps"] + n
     assert info["grammar_mask_threads"] == (threads or prefetch.pool_threads())
 
@@ -155,3 +163,40 @@ def test_the_mask_pool_is_off_unless_asked_for(monkeypatch):
     for asked, want in (("pool:4", 4), ("pool:64", 15), ("pool:1", 0), ("pool:x", 0), ("4", 0)):
         monkeypatch.setenv("OMNI_ASYNC_GRAMMAR_THREADS", asked)
         assert prefetch.pool_threads(16) == want
+
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
+                                           "role": {"enum": ["admin", "guest"]}, "n": {"type": "integer"}},
+          "required": ["name", "role", "n"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_masks_known_from_forced_runs_equal_the_librarys(seed):
+    """Along random admissible walks of a JSON schema (keys, punctuation and enum tails are
+    forced runs), every mask the matcher hands out (the worker's, or one bit known from a
+    run without the library) equals the library's mask computed on the spot, and most
+    forced positions need no library call."""
+    import json
+
+    tok = ByteTokenizer()
+    compiler = GrammarCompiler(tok, tok.vocab_size)
+    words = (tok.vocab_size + 31) // 32
+    rng = np.random.default_rng(seed)
+    try:
+        ahead = compiler.matcher(("json_schema", json.dumps(SCHEMA)))
+        here = GrammarMatcher(ahead.handle.deep_copy())
+        for i in range(200):
+            got = ahead.next_mask()
+            want = inline_mask(here, words)
+            assert got is not None and np.array_equal(got, want), f"position {i}"
+            allowed = np.flatnonzero(np.unpackbits(want.view(np.uint8), bitorder="little")[:tok.vocab_size])
+            token = int(rng.choice(allowed))
+            if ahead.accept(token):
+                break
+            assert not here.accept(token)
+        assert ahead.complete
+        stats = compiler.masks.stats()
+        assert stats["grammar_forced_from_runs"] >= 10  # '"name": "' alone is a run of 9
+        assert stats["grammar_forced_masks"] > stats["grammar_forced_from_runs"]
+    finally:
+        compiler.close()

@@ -88,3 +88,47 @@ def test_single_token_reads_a_one_bit_mask():
     mask[:] = 0
     mask[1] = 0b1010
     assert single_token(mask) is None
+
+
+def test_a_jump_takes_its_run_from_the_parser_state_without_the_mask_worker():
+    """A jump-forward asks the library for the forced run (one query, no mask per
+    position) on the processing thread: it neither waits for the mask worker (stalled
+    here) nor needs a mask queued. The run's tokens are the ones the masks force, the
+    request's next mask is queued after the run and equals the library's."""
+    import threading
+    from types import SimpleNamespace
+
+    from omni_async.structured.grammar import GrammarCompiler, GrammarMatcher, prefetch_all
+    from omni_async.structured.jump import jump_forward
+    from omni_async.text.tokenizer import ByteTokenizer
+
+    tok = ByteTokenizer()
+    compiler = GrammarCompiler(tok, tok.vocab_size)
+    words = (tok.vocab_size + 31) // 32
+    release = threading.Event()
+    real = compiler.masks._compute
+
+    def stalled(todo):
+        release.wait(timeout=60)
+        real(todo)
+
+    try:
+        m = compiler.matcher(("regex", r"[a-c]{2}-x[0-9]"))
+        assert m.next_mask() is not None  # the first mask, queued at creation
+        compiler.masks._compute = stalled
+        later: list[GrammarMatcher] = []
+        assert not m.accept(ord("a"), later=later) and not m.accept(ord("b"), later=later)  # not queued yet
+        req = SimpleNamespace(matcher=m, output_ids=[ord("a"), ord("b")], stop_ids=lambda: (),
+                              tokens_left=lambda ctx, scheduling=True: 10)
+        run, reason = jump_forward(req, 100, most=8)
+        assert run == [ord("-"), ord("x")] and reason is None and req.output_ids[-2:] == run
+        prefetch_all([m])  # what process_result does after the jump
+        release.set()
+        here = GrammarMatcher(m.handle.deep_copy())
+        want = np.empty(words, dtype=np.int32)
+        here.handle.unsafe_compute_mask_ptr(want.ctypes.data, want.nbytes)
+        assert np.array_equal(m.next_mask(), want)  # the digits
+        assert single_token(want) is None
+    finally:
+        release.set()
+        compiler.close()

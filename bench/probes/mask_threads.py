@@ -18,6 +18,10 @@ with one grammar copy and near 1 with k, on a host with k idle CPUs); then the m
 itself, one thread or slices, beside ``--busy-ms`` of pure Python on the calling thread
 (the loop thread's part in the engine: each row's return needs the GIL it holds).
 
+Its rows are the same states computed again and again: llguidance's mask at a state it has computed
+before costs ~3.5x less than at a new one, the only kind the engine masks (``mask_cost.py --library``),
+so its us a row are not the engine's (17 against 64 on the H200 host, 2026-12-05).
+
     python bench/probes/mask_threads.py --rows 256 --threads 2,4,8 --compilers 1,8 --repeats 15
     python bench/probes/mask_threads.py --smoke          # byte vocabulary, seconds
 """

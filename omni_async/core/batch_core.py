@@ -337,11 +337,11 @@ class NativeBatchCore(BatchCore):
         self.slots.landed(batch, tokens)
         for req in rewound:  # (structured.optimistic)
             rewind(req)
-        if accepted:
-            from ..structured.grammar import prefetch_all  # here: a core without grammars imports no tokenizer
-            prefetch_all(accepted)
-        if self.config.jump_forward and (batch.grammar_rows or batch.row_steps is None):
+        if self.config.jump_forward and (batch.grammar_rows or batch.row_steps is None):  # before the masks are queued:
             jump_rows(outcomes, finishes, self.context_length, jump_most(self.decode_plan, self.page_size), self.jump_due)
+        if accepted:  # (a row that jumped is queued at the end of its run; a finished one is not queued)
+            from ..structured.grammar import prefetch_all  # here: a core without grammars imports no tokenizer
+            prefetch_all([m for m in accepted if not m.complete] if self.config.jump_forward else accepted)
         if batch.ends_unsampled:
             end_unsampled(batch, outcomes, finishes)
         for req, reason in finishes:

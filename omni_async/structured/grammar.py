@@ -40,10 +40,15 @@ class GrammarMatcher:
     computed ahead on the worker (queued by :func:`prefetch_all` for a processed step's
     rows, by ``accept`` or ``prefetch`` alone) and the step's fill takes it from
     :meth:`next_mask`. The library's matcher is never touched by two threads at once:
-    every method here first waits for a computation in flight."""
+    every method here first waits for a computation in flight.
 
-    __slots__ = ("_m", "_on_fail", "_worker", "_ticket", "_row", "_buf", "_valid", "masked_until", "_score",
-                 "_low_refusals")
+    Where the grammar forces a run of tokens (the worker asks the library for them,
+    :func:`.prefetch.compute_slice`), the matcher keeps the rest of the run (``_forced``):
+    the masks of the run's next positions are one bit each, known without the library
+    or the worker, as long as the tokens accepted are the run's."""
+
+    __slots__ = ("_m", "_on_fail", "_worker", "_ticket", "_row", "_buf", "_valid", "_forced", "masked_until",
+                 "_score", "_low_refusals")
 
     def __init__(self, matcher: Any, on_fail: Callable[[str], None] | None = None, worker: Any = None) -> None:
         self._m = matcher
@@ -53,6 +58,7 @@ class GrammarMatcher:
         self._row = 0  # this matcher's row in it
         self._buf: Any = None  # a mask computed on this thread (mask_now), while _valid
         self._valid = False
+        self._forced: tuple[int, ...] = ()  # tokens the grammar forces from this position on (known so far)
         # Generation indices from here on sample first and are checked after
         # (:mod:`.optimistic`); below it, under the mask. NEVER: every one masked.
         self.masked_until = NEVER
@@ -67,16 +73,22 @@ class GrammarMatcher:
         Otherwise the next mask is queued on the worker: now, or, given ``later``, by the
         caller with the rest of its step (this matcher appended; :func:`prefetch_all`);
         not at all when ``prefetch`` is False (the caller computes it, :meth:`mask_now`)
-        or when the token is generation ``index`` and the next one samples first."""
+        or when the token is generation ``index`` and the next one samples first, or when
+        ``token`` was the first of a forced run (the next mask is the run's next token)."""
         self._settle()
+        run = self._forced or (self._ticket.run(self._row) if self._ticket is not None else None)
         self._ticket = None
         self._valid = False
+        self._forced = ()
         ok = self._m.consume_token(int(token))
         if self._m.is_error():
             self._tell_failure()
             return True
         if not ok or self._m.is_stopped():
             return True
+        if run and len(run) > 1 and run[0] == token:
+            self._forced = tuple(run[1:])
+            return False  # the next mask is known (:meth:`next_mask`)
         if index is not None and index + 1 >= self.masked_until:
             return False  # the next token samples first: no mask needed
         if later is not None:
@@ -93,6 +105,7 @@ class GrammarMatcher:
         self._settle()
         self._ticket = None
         self._valid = False
+        self._forced = ()
         n = self._m.try_consume_tokens(tokens)
         if self._m.is_error():  # (the library's lazy work failed: the caller meets ``failed``)
             self._tell_failure()
@@ -159,18 +172,58 @@ class GrammarMatcher:
         ahead = self._ahead()
         if ahead is not None:
             return ahead
-        if not self._valid:
-            if self._buf is None:
-                import numpy as np
+        if self._valid:
+            return self._buf
+        try:  # a forced run first (one query for the whole run), else the mask
+            if not self._forced:
+                self._forced = tuple(self._m.compute_ff_tokens())
+            if self._forced:
+                return self._one_bit()
+            buf = self._new_buf()
+            self._m.unsafe_compute_mask_ptr(buf.ctypes.data, buf.nbytes)
+        except Exception:  # the step's fill computes it again and meets the error there
+            return None
+        self._valid = True
+        worker.count_inline(buf)
+        return buf
 
-                self._buf = np.empty(worker.words, dtype=np.int32)
-            try:
-                self._m.unsafe_compute_mask_ptr(self._buf.ctypes.data, self._buf.nbytes)
-            except Exception:  # the step's fill computes it again and meets the error there
-                return None
-            self._valid = True
-            worker.count_inline(self._buf)
+    def _new_buf(self) -> Any:
+        if self._buf is None:
+            import numpy as np
+
+            self._buf = np.empty(self._worker.words, dtype=np.int32)
         return self._buf
+
+    def _one_bit(self) -> Any:
+        """The current position's mask when the grammar forces ``_forced``: its first token alone."""
+        if not self._valid:
+            buf = self._new_buf()
+            t = self._forced[0]
+            buf.fill(0)
+            buf.view("uint32")[t >> 5] = 1 << (t & 31)
+            self._valid = True
+            self._worker.forced_known += 1
+        return self._buf
+
+    def forced(self) -> tuple[int, ...]:
+        """The tokens the grammar forces from the current position (empty: none, or the
+        library failed): the rest of a run known already, the worker's run for this
+        position, else the library's forced-token query (``compute_ff_tokens``, from the
+        parser state, no mask) on this thread. Call it with no mask of this position queued."""
+        if not self._forced:
+            ticket = self._ticket
+            if ticket is not None:  # the worker's run, or its mask's one token (llguidance's pool finds no runs)
+                from .jump import single_token
+
+                mask = ticket.mask(self._row)  # (waits for it)
+                one = single_token(mask) if mask is not None else None
+                self._forced = tuple(ticket.run(self._row) or (() if one is None else (one,)))
+            else:
+                try:
+                    self._forced = tuple(self._m.compute_ff_tokens())
+                except Exception:  # the step's fill computes the mask and meets the error there
+                    return ()
+        return self._forced
 
     def count_jump(self, tokens: int) -> None:
         """Count a jump-forward of ``tokens`` forced tokens (:mod:`.jump`) in ``info()``."""
@@ -184,6 +237,8 @@ class GrammarMatcher:
         ahead = self._ahead()
         if ahead is not None:
             return ahead
+        if self._forced and self._worker is not None:
+            return self._one_bit()
         return self._buf if self._valid else None
 
     @property
@@ -213,7 +268,7 @@ def prefetch_all(matchers: list[GrammarMatcher]) -> None:
     worker = None
     todo: list[GrammarMatcher] = []
     for m in matchers:
-        if m._worker is None or m._ticket is not None or m._valid:
+        if m._worker is None or m._ticket is not None or m._valid or m._forced:
             continue
         if worker is not None and m._worker is not worker:  # another compiler's worker: its own ticket
             prefetch_all([m])

@@ -47,15 +47,22 @@ def jump_forward(req: Any, context_length: int, most: int) -> tuple[list[int], s
     """Append the run of tokens ``req``'s grammar forces now (at most ``most``), each
     accepted by its matcher as a sampled one would be: the tokens, and why the request
     ends with them (None: it runs on; "stop": the grammar completed; "error": it failed;
-    "length": its limit). The caller has just appended the request's sampled token."""
+    "length": its limit). The caller has just appended the request's sampled token, and
+    queues the row's next mask after this (the batch core's ``process_result``).
+
+    The run comes from the library's forced-token query on the parser state
+    (``GrammarMatcher.forced``: one call for the whole run, no mask), not from a mask per
+    position: reading masks made the loop thread wait for the mask worker's whole ticket
+    at every step and compute the mask after each forced token itself (bench/RESULTS.md,
+    2026-12-05, issue 41). Each token of the run is the one token its position's mask
+    admits (``tests/test_grammar_prefetch.py`` checks runs against the library's masks),
+    so the tokens equal those of sampling under the masks."""
     matcher, out = req.matcher, req.output_ids
     stops = req.stop_ids()
     run: list[int] = []
     reason = None
-    mask = matcher.next_mask()  # the worker's, queued when the sampled token was accepted
-    while len(run) < most:
-        token = None if mask is None else single_token(mask)
-        if token is None or token in stops:
+    for token in matcher.forced():
+        if len(run) >= most or token in stops:
             break
         out.append(token)
         run.append(token)
@@ -65,7 +72,6 @@ def jump_forward(req: Any, context_length: int, most: int) -> tuple[list[int], s
         if req.tokens_left(context_length, scheduling=False) <= 0:
             reason = "length"
             break
-        mask = matcher.mask_now()  # here: the next step's fill then finds it ready
     if run:
         matcher.count_jump(len(run))
     return run, reason

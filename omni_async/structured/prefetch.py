@@ -74,10 +74,10 @@ def mask_threads(cpus: int | None = None) -> tuple[str, int]:
     and the engine gives every request with one grammar a copy of one template
     (``structured.grammar``), so the pool's threads and the slices alike compute the rows
     of one schema one at a time. What slices may still overlap: rows of different
-    grammars, and each row's wait for the GIL after its call, which in the engine is most
-    of the worker's time (~150 us a row against ~10 us of library time on the 2-core VM;
-    there two slices made the worker 1.4x slower, median of four interleaved pairs,
-    0.91-1.55x, on a loaded CPU). The H200 runs that would decide it are in
+    grammars (on the 2-core VM two slices made the worker 1.4x slower, median of four
+    interleaved pairs, 0.91-1.55x, on a loaded CPU). The worker's time per row in the
+    engine is not GIL waits: it is the library's price for a mask at a parser state not
+    computed before, ~3.5x a repeated one (``bench/probes/mask_cost.py``). The H200 runs are in
     bench/RESULTS.md (``bench/probes/mask_threads.py --compilers 1,8``;
     ``bench/constrained.py --mask-threads 8 [--schemas 8]``)."""
     raw = os.environ.get("OMNI_ASYNC_GRAMMAR_THREADS", "").strip().lower()
@@ -101,14 +101,33 @@ def pool_threads(cpus: int | None = None) -> int:
     return n if way == "pool" else 0
 
 
-def compute_slice(handles: list[Any], masks: np.ndarray, ok: np.ndarray, first: int, step: int) -> None:
+def compute_slice(handles: list[Any], masks: np.ndarray, ok: np.ndarray, first: int, step: int,
+                  runs: list[Any] | None = None) -> None:
     """Rows ``first, first + step, ...`` of ``handles`` into ``masks`` (C-contiguous int32);
     a row the library refuses is marked in ``ok`` (the step's fill computes it again and
-    meets the error there) and the others carry on."""
+    meets the error there) and the others carry on.
+
+    Given ``runs`` (one entry per row), each row first asks the library for the tokens its
+    grammar forces from here (``compute_ff_tokens``, from the parser state): where there
+    are some, the first is the one admissible token, its mask is that one bit (no mask
+    computed) and ``runs[j]`` keeps the run, so the matcher knows the masks of the run's
+    next positions without the library (:meth:`.grammar.GrammarMatcher.accept`). Why: 72%
+    of a JSON schema's positions admit one token, most of them inside runs of several
+    (``{"``, ``name``, ``":``), and a mask at a new parser state costs the library ~20-40
+    us (bench/probes/mask_cost.py); one forced-token query covers the whole run."""
     stride = masks.shape[1] * 4
     base = masks.ctypes.data
+    bits = masks.view(np.uint32)
     for j in range(first, len(handles), step):
         try:
+            if runs is not None:
+                run = handles[j].compute_ff_tokens()
+                if run:
+                    t = run[0]
+                    bits[j] = 0
+                    bits[j, t >> 5] = 1 << (t & 31)
+                    runs[j] = run
+                    continue
             handles[j].unsafe_compute_mask_ptr(base + j * stride, stride)
         except Exception:
             ok[j] = False
@@ -124,18 +143,19 @@ class SlicePool:
     def __init__(self, threads: int) -> None:
         self.threads = threads
         self._cond = threading.Condition(threading.Lock())
-        self._job: tuple[list[Any], np.ndarray, np.ndarray, int] | None = None
+        self._job: tuple[list[Any], np.ndarray, np.ndarray, int, list[Any] | None] | None = None
         self._generation = 0
         self._left = 0  # helpers still computing the current job
         self._stopped = False
         self._helpers: list[threading.Thread] = []
         self.jobs = 0  # jobs split over two threads or more (info(): grammar_mask_sliced_calls)
 
-    def run(self, handles: list[Any], masks: np.ndarray, ok: np.ndarray) -> None:
-        """Every row of ``handles`` into ``masks`` (marking refused rows in ``ok``)."""
+    def run(self, handles: list[Any], masks: np.ndarray, ok: np.ndarray, runs: list[Any] | None = None) -> None:
+        """Every row of ``handles`` into ``masks`` (marking refused rows in ``ok``; forced
+        runs into ``runs``, see :func:`compute_slice`)."""
         k = min(self.threads, len(handles))
         if k < 2 or self._stopped:
-            compute_slice(handles, masks, ok, 0, 1)
+            compute_slice(handles, masks, ok, 0, 1, runs)
             return
         if not self._helpers:
             self._helpers = [threading.Thread(target=self._helper, args=(i,), name=f"omni-grammar-slice-{i}",
@@ -144,11 +164,11 @@ class SlicePool:
                 t.start()
         self.jobs += 1
         with self._cond:
-            self._job, self._left = (handles, masks, ok, k), k - 1
+            self._job, self._left = (handles, masks, ok, k, runs), k - 1
             self._generation += 1
             self._cond.notify_all()
         try:
-            compute_slice(handles, masks, ok, 0, k)
+            compute_slice(handles, masks, ok, 0, k, runs)
         finally:  # the helpers' rows are theirs until they are done: wait for them even on an error here
             with self._cond:
                 self._cond.wait_for(lambda: self._left == 0)
@@ -168,11 +188,11 @@ class SlicePool:
                 if self._job is None or self._generation == seen:  # stopped, nothing new to do
                     return
                 seen = self._generation
-                handles, masks, ok, k = self._job
+                handles, masks, ok, k, runs = self._job
             if i >= k:  # a job of fewer rows than threads: not counted in _left
                 continue
             try:
-                compute_slice(handles, masks, ok, i, k)
+                compute_slice(handles, masks, ok, i, k, runs)
             finally:
                 with self._cond:
                     self._left -= 1
@@ -183,14 +203,17 @@ class SlicePool:
 class MaskTicket:
     """The next masks of matchers queued together: ``masks[j]`` (``[words]`` int32) is
     the j-th handle's once ``done`` is set and ``ok[j]`` is true (false: the library
-    refused; the fill computes that row itself and meets the error there)."""
+    refused; the fill computes that row itself and meets the error there); ``runs[j]``:
+    the tokens its grammar forces from there, where it forces some (else None; no runs
+    at all from llguidance's pool)."""
 
-    __slots__ = ("handles", "masks", "ok", "done")
+    __slots__ = ("handles", "masks", "ok", "runs", "done")
 
     def __init__(self, handles: list[Any]) -> None:
         self.handles = handles
         self.masks: np.ndarray | None = None
         self.ok: np.ndarray | None = None
+        self.runs: list[Any] | None = None
         self.done = threading.Event()
 
     def mask(self, j: int) -> np.ndarray | None:
@@ -199,6 +222,12 @@ class MaskTicket:
             self.done.wait()
         ok = self.ok
         return self.masks[j] if ok is not None and ok[j] and self.masks is not None else None
+
+    def run(self, j: int) -> Any:
+        """Row ``j``'s forced tokens (the first is its mask's one token), or None: not
+        forced, or not known (call after :meth:`mask`)."""
+        runs, ok = self.runs, self.ok
+        return runs[j] if runs is not None and ok is not None and ok[j] else None
 
 
 class MaskWorker:
@@ -227,6 +256,7 @@ class MaskWorker:
         self.jumps = 0
         self.jumped = 0
         self.forced_inline = 0  # forced masks a jump-forward computed on the loop thread
+        self.forced_known = 0  # forced masks known from a run found earlier: no library call at all
         # Optimistic rows (structured.optimistic, on the loop thread): tokens sampled before
         # their mask and admitted, and those refused (each a rewind).
         self.guessed = 0
@@ -267,7 +297,8 @@ class MaskWorker:
                 "grammar_mask_worker_calls": self.calls, "grammar_mask_threads": self.threads,
                 "grammar_mask_slices": self.slices.threads if self.slices is not None else 0,
                 "grammar_mask_sliced_calls": self.slices.jobs if self.slices is not None else 0,
-                "grammar_forced_masks": self.forced + self.forced_inline, "grammar_jumps": self.jumps,
+                "grammar_forced_masks": self.forced + self.forced_inline + self.forced_known,
+                "grammar_forced_from_runs": self.forced_known, "grammar_jumps": self.jumps,
                 "grammar_forced_skipped": self.jumped, "grammar_optimistic_tokens": self.guessed,
                 "grammar_optimistic_refused": self.refused}
 
@@ -311,20 +342,26 @@ class MaskWorker:
         n = len(handles)
         masks = np.empty((n, self.words), dtype=np.int32)
         ok = np.ones(n, dtype=bool)
+        runs: list[Any] | None = [None] * n
         if self.threads and n > 1:  # one library call: the GIL is released for all the rows
+            runs = None
             self._compute_parallel(handles, masks, ok)
         elif self.slices is not None:  # every queued ticket's rows, over the worker's threads
-            self.slices.run(handles, masks, ok)
+            self.slices.run(handles, masks, ok, runs)
         else:
-            compute_slice(handles, masks, ok, 0, 1)
+            compute_slice(handles, masks, ok, 0, 1, runs)
         start = 0
         for ticket in todo:
             end = start + len(ticket.handles)
             ticket.masks, ticket.ok = masks[start:end], ok[start:end]
+            ticket.runs = runs[start:end] if runs is not None else None
             start = end
         self.calls += 1
         self.rows += n
-        self.forced += int(np.count_nonzero((np.bitwise_count(masks.view(np.uint32)).sum(axis=1) == 1) & ok))
+        if runs is None:
+            self.forced += int(np.count_nonzero((np.bitwise_count(masks.view(np.uint32)).sum(axis=1) == 1) & ok))
+        else:  # a run's first token is its row's one admissible token
+            self.forced += sum(1 for j, run in enumerate(runs) if run and ok[j])
 
     def _compute_parallel(self, handles: list[Any], masks: np.ndarray, ok: np.ndarray) -> None:
         if self._executor is None:
