@@ -292,8 +292,8 @@ class InputBatch:
         chunks = ([np.array([rows, cols, vals], dtype=np.int64)] if rows else []) + self._table_chunks
         if chunks:
             host = chunks[0] if len(chunks) == 1 else np.concatenate(chunks, axis=1)
-            w = torch.from_numpy(host).to(dev, non_blocking=True)
-            self.table_dev[w[0], w[1]] = w[2]
+            rows_dev, cols_dev, vals_dev = torch.from_numpy(host).to(dev, non_blocking=True)  # (one unbind, not three indexings)
+            self.table_dev.index_put_((rows_dev, cols_dev), vals_dev)
         for name, (mrows, mcols) in self._mask_sets.items():
             if mrows:
                 rc = torch.from_numpy(np.array([mrows, mcols], dtype=np.int64)).to(dev, non_blocking=True)
