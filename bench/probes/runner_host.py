@@ -222,6 +222,7 @@ def launch_costs(bs: int, k: int, steps: int, churn: bool, device: str = "cpu") 
             (runner.fused_decode, "run", "replay"), (runner.inputs, "publish_steps", "publish"),
             (base_mod, "copy_to_host", "copy_to_host"), (runner, "record_completion", "record_completion"),
             (base_mod, "host_values", "host_values"), (base_mod, "live_rows", "live_rows"), (runner, "_advance", "advance")]
+    module_attrs = {name: getattr(base_mod, name) for obj, name, _ in fine if obj is base_mod}  # put back after the run
     for obj, name, key in fine:
         if obj is not None and hasattr(obj, name):
             parts[key] = 0.0
@@ -255,6 +256,8 @@ def launch_costs(bs: int, k: int, steps: int, churn: bool, device: str = "cpu") 
                 decode_steps += 1
             else:
                 parts.update(kept)
+    for name, fn in module_attrs.items():
+        setattr(base_mod, name, fn)
     if not rows:
         return {}
     ns = 1e9 / rows
