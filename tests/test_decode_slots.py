@@ -62,6 +62,7 @@ def drive(seed: int, k: int, pages: int, lookahead: bool, mixed: bool, chunk: in
     reqs: list[list[Request]] = [[], []]
     inflight: list = [None, None]
     arrivals = steps = 0
+    scheduled: dict[int, object] = {}  # the columns' core's steps by id (ScheduledBatch.carried names one)
     for _ in range(400):
         if rng.random() < 0.25 and arrivals < 60:
             for _ in range(rng.randint(1, 4)):
@@ -93,6 +94,8 @@ def drive(seed: int, k: int, pages: int, lookahead: bool, mixed: bool, chunk: in
                 views.append([(o.req.rid, o.token, o.tokens, o.finished) for o in c.process_result(prev, tokens_for(prev))])
             inflight[i] = batch
             views.append(None if batch is None else step_view(batch))
+            if i == 0 and batch is not None:
+                check_carried(batch, scheduled)
             if batch is not None and batch.is_decode and c.slots.reqs is not None:  # the columns' limits: the length rule's
                 live = [j for j, r in enumerate(c.slots.reqs) if r.finish_reason is None]
                 assert [c.slots.limits[j] for j in live] == decode_limits([c.slots.reqs[j] for j in live], CTX)
@@ -100,7 +103,22 @@ def drive(seed: int, k: int, pages: int, lookahead: bool, mixed: bool, chunk: in
         assert [request_view(r) for r in reqs[0]] == [request_view(r) for r in reqs[1]]
         steps += inflight[0] is not None
     assert [r.finish_reason for r in reqs[0]] == [r.finish_reason for r in reqs[1]]
+    assert sum(b.carried is not None for b in scheduled.values()) >= cores[0].slots.hits // 2 or not cores[0].slots.hits
     return cores[0].slots.hits, cores[0].num_retractions
+
+
+def check_carried(batch, scheduled: dict) -> None:
+    """A step that says its rows are an earlier step's at an index array (the runner then
+    takes their slots by that mask, ``InputBatch._lookup``) has exactly those rows, in
+    those epochs; only a decode step from the columns says so."""
+    scheduled[batch.step_id] = batch
+    if batch.carried is None:
+        return
+    assert batch.is_decode
+    prev = scheduled[batch.carried[0]]
+    idx = batch.carried[1].tolist()
+    assert all(a is b for a, b in zip(batch.reqs, [prev.reqs[j] for j in idx])) and len(idx) == batch.size
+    assert batch.epochs == [prev.epochs[j] for j in idx]
 
 
 @pytest.mark.parametrize("lookahead", [False, True])

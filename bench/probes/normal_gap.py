@@ -12,6 +12,7 @@ after decode steps of ``--min-rows`` rows or more and followed by a decode step 
 
     python bench/probes/normal_gap.py --device-us 1400 --decode-steps 8 --repeats 3
     python bench/probes/normal_gap.py --smoke
+    python bench/probes/normal_gap.py --code /work/main --code . --labels main,branch --processes 5 --repeats 3
 
 Prints a table (median per gap, ms) and saves ``bench/results/normal_gap_<label>.json``.
 Imports ``omni_async`` from ``--code`` (default: this checkout).
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import statistics
 import sys
 import time
@@ -30,6 +32,10 @@ BENCH = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(BENCH))
 
 PHASES = ("wake", "collect", "process_result", "emission", "head", "schedule", "launch", "deliver")
+# The launch's parts (inside ``launch``, not added to ``other``): the input batch's slots,
+# the fused launch's plan and its [B, 5] host array, the stand-in replay (the CUDA path's
+# host calls around a graph replay), the slots' newest tokens, the host copy, the event.
+LAUNCH_PARTS = ("l_assign", "l_plan", "l_host_array", "l_replay", "l_publish", "l_copy", "l_event")
 
 
 class Ranges:
@@ -81,6 +87,13 @@ def instrument(engine, rec: Ranges) -> None:
         rec.wrap(sched.core, "schedule_early", "schedule")
     rec.wrap(st.executor, "launch", "launch")
     rec.wrap(em, "deliver", "deliver")
+    import omni_async.runners.base as base_mod
+
+    for obj, name, label in ((runner.inputs, "assign", "l_assign"), (runner, "_fused_batch", "l_plan"),
+                             (runner.fused_decode, "batch", "l_host_array"), (runner.fused_decode, "run", "l_replay"),
+                             (runner.inputs, "publish_steps", "l_publish"), (base_mod, "copy_to_host", "l_copy")):
+        if obj is not None and hasattr(obj, name):
+            rec.wrap(obj, name, label)
     make_event = runner.record_completion
     current = {"rows": 0, "decode": True}
     inner_launch = runner.launch
@@ -91,7 +104,9 @@ def instrument(engine, rec: Ranges) -> None:
         return inner_launch(sched_output, *a, **kw)
 
     def record():
+        t0 = time.perf_counter()
         ev = make_event()
+        rec.ranges.append(("l_event", t0, time.perf_counter()))
         rec.events.append((time.perf_counter(), ev.done_at, current["decode"], current["rows"]))
         return ev
 
@@ -142,7 +157,7 @@ async def run(args) -> dict:
         rec.events.clear()
         r, _ = await ho.run_workload(eng, reqs, new)
         gaps = split_gaps(rec, args.min_rows)
-        cols = ("gap", *PHASES, "other")
+        cols = ("gap", *PHASES, "other", *LAUNCH_PARTS)
         runs.append({"run": {k: r[k] for k in ("us_per_token", "device_busy", "decode_steps", "device_idle_after_decode_ms")},
                      "gaps": len(gaps),
                      "median_ms": {k: 1e3 * statistics.median(g.get(k, 0.0) for g in gaps) for k in cols} if gaps else {},
@@ -163,12 +178,20 @@ def main() -> int:
     ap.add_argument("--nv-hi", type=int, default=1024)
     ap.add_argument("--min-rows", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--code", default=str(BENCH.parent))
+    ap.add_argument("--code", action="append", help="import omni_async from this checkout; twice or more: "
+                    "before/after, each in --processes processes per checkout, alternating")
+    ap.add_argument("--labels", default="", help="with several --code: their labels")
+    ap.add_argument("--processes", type=int, default=5, help="with several --code: processes per checkout")
+    ap.add_argument("--child-out", default="", help=argparse.SUPPRESS)
     ap.add_argument("--label", default="")
     ap.add_argument("--smoke", action="store_true", help="a short run (64 requests, 40-120 new tokens, one repeat)")
     args = ap.parse_args()
     if args.smoke:
         args.requests, args.nv_lo, args.nv_hi, args.repeats, args.min_rows = 64, 40, 120, 1, 16
+    codes = args.code or [str(BENCH.parent)]
+    if len(codes) > 1:
+        return compare(args, codes)
+    args.code = codes[0]
     sys.path.insert(0, str(Path(args.code).resolve()))
     import _common
 
@@ -176,13 +199,67 @@ def main() -> int:
 
     result = _common.run_async(run(args))
     result.update(config=vars(args), package=str(Path(omni_async.__file__).parent), machine=_common.machine_facts())
-    cols = ("gap", *PHASES, "other")
-    print(f"{'repeat':>6} {'gaps':>5} " + " ".join(f"{c:>14}" for c in cols) + "   (median ms per gap)")
+    if args.child_out:
+        Path(args.child_out).write_text(json.dumps(result))
+        return 0
+    cols = ("gap", *PHASES, "other", *LAUNCH_PARTS)
+    print(f"{'repeat':>6} {'gaps':>5} " + " ".join(f"{c:>8}" for c in cols) + "   (median ms per gap)")
     for i, r in enumerate(result["runs"]):
-        print(f"{i:>6} {r['gaps']:>5} " + " ".join(f"{r['median_ms'].get(c, 0.0):>14.3f}" for c in cols)
+        print(f"{i:>6} {r['gaps']:>5} " + " ".join(f"{r['median_ms'].get(c, 0.0):>8.3f}" for c in cols)
               + f"   busy {r['run']['device_busy']:.3f} us/token {r['run']['us_per_token']:.2f}")
     name = f"normal_gap{'_' + args.label if args.label else ''}{'_smoke' if args.smoke else ''}.json"
     print("saved", _common.save_json(name, result))
+    return 0
+
+
+def compare(args, codes: list[str]) -> int:
+    """Each checkout in ``--processes`` processes, alternating; per checkout the median
+    [min-max] over processes of each process's median gap and phases, and per process pair
+    the gap's ratio to the first checkout's."""
+    import subprocess
+    import tempfile
+
+    import _common
+
+    labels = args.labels.split(",") if args.labels else [Path(c).resolve().name for c in codes]
+    here = Path(__file__).resolve()
+    base, skip = [], False  # this command's arguments less --code and --labels
+    for a in sys.argv[1:]:
+        if skip or a.startswith(("--code=", "--labels=")):
+            skip = False
+            continue
+        skip = a in ("--code", "--labels", "--label")
+        if not skip:
+            base.append(a)
+    cols = ("gap", *PHASES, "other", *LAUNCH_PARTS)
+    per: dict[str, list[dict]] = {label: [] for label in labels}
+    for p in range(args.processes):
+        for code, label in zip(codes, labels):
+            with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as tmp:
+                out = tmp.name
+            cmd = [sys.executable, str(here), *base, "--code", str(Path(code).resolve()), "--child-out", out]
+            subprocess.run(cmd, check=True, cwd=str(BENCH.parent), stdout=subprocess.DEVNULL)
+            r = json.loads(Path(out).read_text())
+            Path(out).unlink()
+            med = {c: statistics.median(run["median_ms"].get(c, 0.0) for run in r["runs"]) for c in cols}
+            med["busy"] = statistics.median(run["run"]["device_busy"] for run in r["runs"])
+            per[label].append(med)
+            print(f"process {p} {label:>12}: gap {med['gap']:.3f} launch {med['launch']:.3f} busy {med['busy']:.3f}", flush=True)
+    summary: dict = {}
+    print(f"{'label':>12} " + " ".join(f"{c:>8}" for c in (*cols, "busy")) + "   (median of the processes' medians, ms per gap)")
+    for label in labels:
+        summary[label] = {c: {"median": statistics.median(m[c] for m in per[label]), "min": min(m[c] for m in per[label]),
+                              "max": max(m[c] for m in per[label])} for c in (*cols, "busy")}
+        print(f"{label:>12} " + " ".join(f"{summary[label][c]['median']:>8.3f}" for c in (*cols, "busy")))
+    for label in labels[1:]:
+        for c in ("gap", "launch", "l_assign", "l_replay"):
+            ratios = [b[c] / a[c] for a, b in zip(per[labels[0]], per[label]) if a[c]]
+            if ratios:
+                summary[f"{label}/{labels[0]}/{c}"] = {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
+                print(f"paired {label}/{labels[0]} {c}: {statistics.median(ratios):.3f} [{min(ratios):.3f}-{max(ratios):.3f}]")
+    name = f"normal_gap_{args.label or 'ab'}{'_smoke' if args.smoke else ''}.json"
+    print("saved", _common.save_json(name, {"config": vars(args), "labels": labels, "codes": codes, "processes": per,
+                                            "summary": summary, "machine": _common.machine_facts()}))
     return 0
 
 

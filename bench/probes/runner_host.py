@@ -132,12 +132,11 @@ def sampler_costs(bs: int, vocab: int, kind: str, reps: int = 5) -> float:
 
 def _null_runner(runner) -> None:
     """The runner's device work replaced by what the CUDA path costs the host around it:
-    prefill without a forward, a fused decode's replay as one static-buffer copy, the
-    newest tokens' gather and k elementwise ops (``bench/host_overhead.py``'s null device)."""
+    prefill without a forward, a fused decode's replay as the host calls around a graph
+    replay (``bench/host_overhead.py``'s null device) and one op for its tokens."""
     import torch
 
-    from host_overhead import route_fused_launches
-    from omni_async.runners.fused_decode import SLOT
+    from host_overhead import StaticInputs, replay_host_calls, route_fused_launches
     from omni_async.runners.types import BatchResult
 
     vocab = runner.model.config.vocab_size
@@ -153,19 +152,16 @@ def _null_runner(runner) -> None:
             return BatchResult(logits=torch.zeros((tokens.shape[0], 1)), graph_greedy=(tokens, ok[: tokens.shape[0]]))
 
     fused = runner.fused_decode
-    static = torch.zeros((4096, 5), dtype=torch.long)
-
+    static = StaticInputs(4096)
     later = torch.arange(64)[:, None]
 
     def null_run(fb, slots, eager_ctx):
-        # What a replay costs the host: the inputs into a static buffer, the rows' newest
-        # tokens gathered, and the k forwards' tokens as one op (the next ids in turn).
+        # What a replay costs the host (host_overhead.replay_host_calls: the inputs into a
+        # static buffer, the rows' tables, newest tokens and settings gathered), and the
+        # k forwards' tokens as one op (the next ids in turn).
         fused.launches += 1
-        n = fb.host.shape[0]
-        inputs = static[:n]
-        inputs.copy_(torch.from_numpy(fb.host))
-        token = slots.last_token.index_select(0, inputs[:, SLOT])
-        out = torch.ones((2, fb.steps, n), dtype=torch.long)
+        inputs, token = replay_host_calls(static, fb, slots)
+        out = torch.ones((2, fb.steps, inputs.shape[0]), dtype=torch.long)
         torch.remainder(token + later[1 : fb.steps + 1], vocab, out=out[0])
         fb.inputs_dev = inputs
         return out, None
@@ -219,6 +215,18 @@ def launch_costs(bs: int, k: int, steps: int, churn: bool, device: str = "cpu") 
 
     timed(runner.inputs, "assign", "assign")
     timed(runner, "build_forward_batch", "build_forward_batch")
+    # The launch and collect split finer (each part once per step, where it exists in the checkout).
+    import omni_async.runners.base as base_mod
+
+    fine = [(runner, "_fused_batch", "plan_and_host_array"), (runner.fused_decode, "batch", "host_array"),
+            (runner.fused_decode, "run", "replay"), (runner.inputs, "publish_steps", "publish"),
+            (base_mod, "copy_to_host", "copy_to_host"), (runner, "record_completion", "record_completion"),
+            (base_mod, "host_values", "host_values"), (base_mod, "live_rows", "live_rows"), (runner, "_advance", "advance")]
+    module_attrs = {name: getattr(base_mod, name) for obj, name, _ in fine if obj is base_mod}  # put back after the run
+    for obj, name, key in fine:
+        if obj is not None and hasattr(obj, name):
+            parts[key] = 0.0
+            timed(obj, name, key)
     launch = collect = 0.0
     rows = decode_steps = 0
     warm = 3  # decode steps not counted (first calls)
@@ -248,12 +256,16 @@ def launch_costs(bs: int, k: int, steps: int, churn: bool, device: str = "cpu") 
                 decode_steps += 1
             else:
                 parts.update(kept)
+    for name, fn in module_attrs.items():
+        setattr(base_mod, name, fn)
     if not rows:
         return {}
     ns = 1e9 / rows
     res = {"launch_ns_per_row": launch * ns, "collect_ns_per_row": collect * ns, "rows_per_step": rows / decode_steps,
            "assign_ns_per_row": parts["assign"] * ns, "build_ns_per_row": parts["build_forward_batch"] * ns}
     res["launch_us_per_step"] = launch * 1e6 / decode_steps
+    for key, t in parts.items():  # every part in us per step (copy_to_host also counts prefill steps' copies: none here)
+        res[f"{key}_us_per_step"] = t * 1e6 / decode_steps
     res["collect_us_per_step"] = collect * 1e6 / decode_steps
     return {key: round(v, 1) for key, v in res.items()}
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 from .request import Request
 
@@ -74,6 +74,10 @@ class ScheduledBatch(StepShape):
     # launches the forward, the stepper has it sample later (core.multi_step.late_mask_rows).
     late_masks: bool = False
     step_id: int = 0
+    # A decode step whose rows are those of step ``carried[0]`` at ``carried[1]`` (an
+    # index array, in order), in the same epochs: the running set's columns say so
+    # (.decode_slots), so the runner takes their slots from that step's by one mask.
+    carried: tuple[int, Any] | None = None
     # Rows that complete the prefill of a request scoring its prompt with
     # max_new_tokens=0 (their ``samples_kept`` is False): (request, epoch). They end
     # when this step is processed, with no token.

@@ -65,6 +65,10 @@ class DecodeSlots:
         # the step was processed, its forwards when the next step launches before its
         # processing (.early_launch).
         self.last_pending = 0
+        # Where each row of the columns sat in the step they last followed (``step_id``),
+        # while they hold only that step's rows (some dropped): the next step's
+        # ``ScheduledBatch.carried``, so the runner takes its rows' slots by that mask.
+        self.origin: np.ndarray | None = None
 
     def drop(self) -> None:
         self.reqs = None
@@ -83,6 +87,7 @@ class DecodeSlots:
         self.counts = _ints(batch.page_counts)
         self.generated = _ints(batch.sample_indices) + steps
         self.step_id, self.last_tokens = batch.step_id, None
+        self.origin = np.arange(batch.size)
 
     def landed(self, batch: "ScheduledBatch", tokens: Any) -> None:
         """``batch`` was processed with ``tokens`` (forward-major, Python ints). When it is
@@ -127,7 +132,7 @@ class DecodeSlots:
             self.last_tokens = None
             n = len(self.reqs)
         if len(running) > n:  # joined after a prefill step
-            self.last_tokens = None
+            self.last_tokens, self.origin = None, None
             tail = running[n:]
             if not all_free(tail):
                 return False
@@ -148,6 +153,8 @@ class DecodeSlots:
         self.epochs, self.tables = list(compress(self.epochs, alive)), list(compress(self.tables, alive))
         self.limits, self.cached = self.limits[keep], self.cached[keep]
         self.counts, self.generated = self.counts[keep], self.generated[keep]
+        if self.origin is not None:
+            self.origin = self.origin[keep]
 
     def schedule(self, core: "NativeBatchCore") -> "ScheduledBatch | None":
         """The next decode step from the columns, or None for the per-request path. Rows
@@ -202,6 +209,8 @@ class DecodeSlots:
             epochs, tables = [self.epochs[i] for i in rows], [self.tables[i] for i in rows]
             generated = self.generated[sel]
         batch.reqs, batch.epochs, batch.page_tables = reqs, epochs, tables
+        if self.origin is not None:  # the rows of the step the columns followed, by a mask
+            batch.carried = (self.step_id, self.origin if sel is None else self.origin[sel])
         batch.extend_lens, batch.samples_kept = [1] * n, [True] * n
         batch.prefix_lens = cached.tolist()
         batch.sample_indices = generated.tolist()
@@ -241,7 +250,7 @@ class DecodeSlots:
                 r.num_inflight = p + s
             batch.row_steps = row_steps
         self._advance(sel, after, counts, steps)
-        self.step_id = batch.step_id
+        self.step_id, self.origin = batch.step_id, np.arange(n) if sel is None else None
         return batch
 
     def _advance(self, sel: np.ndarray | None, cached: np.ndarray, counts: np.ndarray, steps: Any) -> None:

@@ -96,7 +96,7 @@ def sub_batch(batch: ScheduledBatch, idx: np.ndarray) -> ScheduledBatch:
         extend_lens=take(batch.extend_lens), samples_kept=take(batch.samples_kept), input_ids=take(batch.input_ids),
         inflight_inputs=[], sample_indices=take(batch.sample_indices), page_tables=take(batch.page_tables),
         page_counts=[batch.row_page_count(i) for i in pick], row_steps=take(batch.row_steps) if batch.row_steps else None,
-        grammar_rows=_picked(pick, batch.grammar_rows),
+        grammar_rows=_picked(pick, batch.grammar_rows), carried=None,
     )
 
 

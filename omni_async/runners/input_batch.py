@@ -60,8 +60,9 @@ class InputBatch:
         self.device = device
         self.pad_page = 0  # what unused page-table entries hold (a scratch page under graphs)
         self._slot_of: dict[Any, int] = {}  # req -> its slot (the slot's epoch in slot_epoch)
-        # The previous step's rows, epochs and slots (copies: the core reuses its lists).
-        self._last: tuple[list[Any], list[int], np.ndarray] = ([], [], np.zeros(0, dtype=np.int64))
+        # The previous step's rows, epochs, slots (copies: the core reuses its lists) and id.
+        self._last: tuple[list[Any], list[int], np.ndarray, int] = ([], [], np.zeros(0, dtype=np.int64), -1)
+        self.carried_steps = 0  # steps whose slots were the previous step's by a mask (stats, tests)
         self._free: list[int] = []
         self._idle_sweeps = 0
         self._cap = 0
@@ -136,14 +137,16 @@ class InputBatch:
         self._mask_sets: dict[str, tuple[list[int], list[int]]] = {}
 
     def assign(self, reqs: Sequence[Any], epochs: Sequence[int], page_lists: Sequence[list[int]],
-               page_counts: Sequence[int], base_seed) -> SlotRows:
+               page_counts: Sequence[int], base_seed, step: tuple[int, Any] = (-1, None)) -> SlotRows:
         """Slots of one step's rows: existing ones grow their page rows; new requests
-        (or new epochs) join. Pushes the resulting changes to the device."""
+        (or new epochs) join. Pushes the resulting changes to the device. ``step``: the
+        step's id and its ``ScheduledBatch.carried`` (its rows as the previous step's
+        at an index array, or None)."""
         # No Python per row for a row that keeps its slot: the slots come from one C-level
         # pass over the rows (or are the previous step's when the rows are the same), the
         # epoch and page-count checks are numpy comparisons, and the rows that grew one
         # page (about one in page_size / k per decode step) are patched together.
-        slots, joins = self._lookup(reqs, epochs)
+        slots, joins = self._lookup(reqs, epochs, step[1])
         counts = np.asarray(page_counts, dtype=np.int64)
         widest = int(counts.max()) if len(counts) else 0
         if joins:
@@ -158,16 +161,20 @@ class InputBatch:
                 self._reclaim({id(r) for r in reqs})
         self._grow_rows(slots, counts, page_lists)
         self._flush()
-        self._last = (list(reqs), list(epochs), slots)
+        self._last = (list(reqs), list(epochs), slots, step[0])
         slots_dev = torch.from_numpy(slots).to(self.device, non_blocking=True)
         return SlotRows(slots=slots, slots_dev=slots_dev, widest=max(widest, 1))
 
-    def _lookup(self, reqs: Sequence[Any], epochs: Sequence[int]) -> tuple[np.ndarray, list[int]]:
+    def _lookup(self, reqs: Sequence[Any], epochs: Sequence[int], carried: Any = None) -> tuple[np.ndarray, list[int]]:
         """Each row's slot (0 for a row that joins) and the rows that join (no slot, or
         one of an older epoch). The previous step's slots when its rows and epochs were
-        these (two C-level list comparisons): no slot was taken from them since, as only
-        ``assign`` reclaims and it keeps the rows it names."""
-        last_reqs, last_epochs, last_slots = self._last
+        these (two C-level list comparisons), or its rows' at ``carried[1]`` when
+        ``carried`` names it (steady decode, rows ending: one numpy gather): no slot
+        was taken from them since, as only ``assign`` reclaims, keeping the rows it names."""
+        last_reqs, last_epochs, last_slots, last_step = self._last
+        if carried is not None and carried[0] == last_step and _carries(carried[1], reqs, last_reqs):
+            self.carried_steps += 1
+            return last_slots[carried[1]], []
         if len(reqs) == len(last_reqs) and reqs == last_reqs and epochs == last_epochs:
             return last_slots.copy(), []
         slots = np.array(list(map(self._slot_of.get, reqs, repeat(-1))), dtype=np.int64)
@@ -285,8 +292,8 @@ class InputBatch:
         chunks = ([np.array([rows, cols, vals], dtype=np.int64)] if rows else []) + self._table_chunks
         if chunks:
             host = chunks[0] if len(chunks) == 1 else np.concatenate(chunks, axis=1)
-            w = torch.from_numpy(host).to(dev, non_blocking=True)
-            self.table_dev[w[0], w[1]] = w[2]
+            rows_dev, cols_dev, vals_dev = torch.from_numpy(host).to(dev, non_blocking=True)  # (one unbind, not three indexings)
+            self.table_dev.index_put_((rows_dev, cols_dev), vals_dev)
         for name, (mrows, mcols) in self._mask_sets.items():
             if mrows:
                 rc = torch.from_numpy(np.array([mrows, mcols], dtype=np.int64)).to(dev, non_blocking=True)
@@ -386,6 +393,12 @@ class InputBatch:
             stop = self.masks["stop"].index_select(0, rows.slots_dev) & _to_dev(early, self.device)[:, None]
             ban = stop if ban is None else ban | stop
         return ban
+
+
+def _carries(idx: np.ndarray, reqs: Sequence[Any], last: Sequence[Any]) -> bool:
+    """Whether ``reqs`` can be ``last`` at ``idx``: as many, the same ends (``ScheduledBatch.carried`` vouches for the rest)."""
+    n, end = len(reqs), int(idx[-1]) if len(idx) else -1
+    return n == len(idx) > 0 and end < len(last) and reqs[0] is last[int(idx[0])] and reqs[-1] is last[end]
 
 
 def _to_dev(values: Any, device: torch.device) -> torch.Tensor:

@@ -71,7 +71,7 @@ class NativeModelRunner(ModelRunner):
         batch = scheduler_output.batch_data
         assert batch is not None
         counts = batch.page_counts or [len(t) for t in batch.page_tables]
-        rows = self.inputs.assign(batch.reqs, batch.epochs, batch.page_tables, counts, self.base_seed)
+        rows = self.inputs.assign(batch.reqs, batch.epochs, batch.page_tables, counts, self.base_seed, (batch.step_id, batch.carried))
         sidx = np.asarray(batch.sample_indices, dtype=np.int64)
         capture = self.capture_hidden or capture_hidden_mode is not None or self.inputs.wants_hidden(rows)
         if batch.is_decode:
