@@ -160,3 +160,17 @@ def pytest_addoption(parser):
 @pytest.fixture
 def soak(request) -> bool:
     return bool(request.config.getoption("--soak"))
+
+
+@pytest.fixture
+def one_intra_op_thread():
+    """Torch on one intra-op thread for tests that run thousands of tiny steps while the
+    loop thread processes the one before: with torch's default team (one OpenMP thread per
+    core) beside the loop thread, a loaded 2-core machine made each step wait on spinning
+    OpenMP barriers, and the same 753 steps took 1 to 75 s (tokens equal; 1-4 s with one
+    thread or a passive wait policy, docs/host-path.md). Such tests check tokens and
+    terminals, not threading."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -31,15 +31,7 @@ from .conftest import LOOPS, assert_kv_free
 CTX = 160
 
 
-@pytest.fixture(autouse=True)
-def one_intra_op_thread():
-    """As tests/test_loops.py: many tiny steps beside the loop thread (tokens, not threads)."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")  # conftest: tiny steps beside the loop thread
 
 
 # ---------------------------------------------------------------- the core, side by side

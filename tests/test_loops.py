@@ -16,19 +16,7 @@ from omni_async.runners.native import NativeModelRunner
 from .conftest import LOOPS, assert_kv_free
 
 
-@pytest.fixture(autouse=True)
-def one_intra_op_thread():
-    """These tests run thousands of tiny steps while the loop thread processes the one
-    before: with torch's default team (one OpenMP thread per core) beside the loop thread,
-    a loaded 2-core machine made each step wait on spinning OpenMP barriers, and the same
-    753 steps took 1 to 75 s (tokens equal; 1-4 s with one thread or a passive wait
-    policy, docs/host-path.md). The tests check tokens and terminals, not threading."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")  # conftest: tiny steps beside the loop thread
 
 
 def request_mix(seed: int, n: int, vocab: int = 256) -> list[tuple[list[int], SamplingParams]]:
