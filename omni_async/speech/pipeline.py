@@ -109,6 +109,20 @@ class SpeechPipeline:
                                    "frame_rate": FRAME_RATE, "codec_calls": self.codec.calls,
                                    "codec_frames": self.codec.frames_decoded, "codec_streams": self.codec.active()}}
 
+    async def decode(self, codes: torch.Tensor) -> np.ndarray:
+        """PCM of ``codes`` ``[frames, 16]`` decoded in one call (the codec's one-shot
+        decode, which streamed chunks reproduce exactly), off the event loop."""
+        codes = torch.as_tensor(codes, dtype=torch.long)
+        if codes.ndim != 2 or codes.shape[1] != self.config.num_code_groups:
+            raise errors.InvalidRequestError(f"codes must be [frames, {self.config.num_code_groups}], got {tuple(codes.shape)}")
+        decoder = self.codec.decoder
+
+        def run() -> np.ndarray:
+            with torch.inference_mode():
+                return decoder.decode(codes[None].to(decoder.device))[0].float().cpu().numpy()
+
+        return await anyio.to_thread.run_sync(run)
+
     # ------------------------------------------------------------ requests
 
     def _prompt(self, text: Any, voice: str | None, language: str | None, params: SpeechParams) -> tuple[torch.Tensor, Any, dict]:
