@@ -20,7 +20,7 @@ from .codec_stage import AudioChunk, CodecStage, CodecStream
 from .config import FRAME_RATE
 from .params import SpeechParams
 from .prompt import prefill_rows, resolve_voice
-from .stage import SpeechStage, build_speech_stage
+from .stage import SpeechStage, build_speech_stage, builtin_name
 
 __all__ = ["SpeechPipeline", "SpeechResult", "AudioChunk", "SpeechParams"]
 
@@ -67,7 +67,7 @@ class SpeechPipeline:
         if stage.folder is not None:
             codec = CodecDecoder.from_folder(stage.folder / "speech_tokenizer", device=dev, dtype=torch.float32 if dev.type == "cpu" else dt)
         else:
-            codec = CodecDecoder.random(_codec_config(str(path_or_name)), device=dev, dtype=torch.float32 if dev.type == "cpu" else dt,
+            codec = CodecDecoder.random(_codec_config(builtin_name(path_or_name) or ""), device=dev, dtype=torch.float32 if dev.type == "cpu" else dt,
                                         seed=seed)
         return cls(stage, codec, first_chunk_frames=first_chunk_frames, max_chunk_frames=max_chunk_frames)
 

@@ -29,9 +29,17 @@ from .model import SpeechModel, load_speech_model, random_speech_model
 from .prompt import ByteSpeechTokenizer, SpeechTokenizer
 from .runner import SpeechRunner
 
-__all__ = ["SpeechStage", "build_speech_stage", "BUILTIN_NAMES"]
+__all__ = ["SpeechStage", "build_speech_stage", "BUILTIN_NAMES", "builtin_name", "is_speech_checkpoint"]
 
 BUILTIN_NAMES = ("tiny", "0.6b", "1.7b")
+# The same built-ins as named where a model name could also be a text model's ("serve").
+ALIASES = {"tts-" + name: name for name in BUILTIN_NAMES}
+
+
+def builtin_name(path_or_name: str) -> str | None:
+    """The built-in speech model ``path_or_name`` names (``"tiny"`` or ``"tts-tiny"``...), or None."""
+    name = ALIASES.get(str(path_or_name), str(path_or_name))
+    return name if name in BUILTIN_NAMES else None
 
 
 @dataclass
@@ -44,14 +52,31 @@ class SpeechStage:
 
 
 def _model(path_or_name: str, device: torch.device, dtype: Any, seed: int) -> tuple[SpeechModel, Any, Path | None]:
-    if str(path_or_name) in BUILTIN_NAMES:
-        cfg = named_config(str(path_or_name))
+    builtin = builtin_name(path_or_name)
+    if builtin is not None:
+        cfg = named_config(builtin)
         return random_speech_model(cfg, device=device, dtype=dtype, seed=seed), ByteSpeechTokenizer(), None
     folder = Path(path_or_name)
     if not folder.is_dir():
         raise ModelLoadError(f"{folder}: no such folder; give a Qwen3-TTS checkpoint folder or one of {', '.join(BUILTIN_NAMES)}")
     cfg = TTSConfig.from_folder(folder)
     return load_speech_model(folder, cfg, device=device, dtype=dtype), SpeechTokenizer(folder, cfg), folder
+
+
+def is_speech_checkpoint(path_or_name: str) -> bool:
+    """Whether ``path_or_name`` is a speech model: a built-in speech name, or a folder
+    whose config.json is a Qwen3-TTS one (``model_type: qwen3_tts``)."""
+    if builtin_name(path_or_name) is not None and str(path_or_name).startswith("tts-"):
+        return True
+    config = Path(str(path_or_name)) / "config.json"
+    if not config.is_file():
+        return False
+    try:
+        import json
+
+        return json.loads(config.read_text(encoding="utf-8")).get("model_type") == "qwen3_tts"
+    except (OSError, ValueError):
+        return False
 
 
 def build_speech_stage(path_or_name: str, *, device: str = "cpu", loop: str = "overlap", dtype: Any = None, seed: int = 0,
