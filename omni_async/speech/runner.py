@@ -34,9 +34,11 @@ import numpy as np
 import torch
 
 from ..runners.native import NativeModelRunner
-from ..runners.sampling import SamplingBatch, derive_seed, sample
+from ..runners.sampling import derive_seed
 from ..runners.types import BatchResult
+from .graphs import FrameGraphs
 from .model import SpeechModel
+from .sampling import PredictorSampling, draw_codes
 
 __all__ = ["SpeechRunner", "PREDICTOR_KEY", "predictor_settings"]
 
@@ -56,7 +58,9 @@ class SpeechRunner(NativeModelRunner):
         self.groups = speech.config.num_code_groups
         hidden = speech.config.talker.hidden_size
         self._hidden = torch.zeros((64, hidden), dtype=speech.dtype, device=device)  # per slot, grown
-        self._rows: weakref.WeakKeyDictionary[Any, tuple[float, int, float, int]] = weakref.WeakKeyDictionary()
+        self._rows: weakref.WeakKeyDictionary[Any, tuple[float, int, float]] = weakref.WeakKeyDictionary()
+        self._seeds: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+        self.frame_graphs: FrameGraphs | None = None
         self._cols: dict[int, torch.Tensor] = {}
         self.frames_written = 0
 
@@ -74,61 +78,62 @@ class SpeechRunner(NativeModelRunner):
     def custom_decode_forward(self, fb: Any, batch: Any, requests: list) -> BatchResult:
         slots = fb.rows.slots_dev
         g0 = fb.input_ids
-        codes = self._frame(g0, slots, fb.positions, batch)
-        size = g0.shape[0]
-        embeds = self.speech.frame_input(codes)
-        logits, hidden = self.model(g0, fb.positions, self.kv, fb.ctx, return_hidden=True, input_embeds=(self._arange(size), embeds))
-        self._store_hidden(slots, hidden)
-        self.frames_written += size
-        return BatchResult(logits=logits, hidden_states=codes.to(torch.float32))
-
-    def _frame(self, g0: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, batch: Any) -> torch.Tensor:
-        """``[B, 16]``: the input tokens (codebook 0) and the predictor's 15 codes."""
         past = self._hidden.index_select(0, slots)
+        sampling = self._predictor_sampling(batch)
+        graphs = self.frame_graphs
+        if fb.block_tables is not None and graphs is not None:
+            out = graphs.replay(g0, past, fb.positions, fb.ctx, fb.block_tables, sampling)
+            logits, hidden, codes = out.logits, out.hidden, out.codes.clone()  # the graph's buffers: copied out
+        else:
+            logits, hidden, codes = self.frame_forward(g0, past, fb.positions, fb.ctx, sampling)
+        self._store_hidden(slots, hidden)
+        self.frames_written += g0.shape[0]
+        return BatchResult(logits=logits, hidden_states=codes.to(torch.float32), can_run_cuda_graph=fb.block_tables is not None)
+
+    def frame_forward(self, g0: torch.Tensor, past: torch.Tensor, positions: torch.Tensor, ctx: Any,
+                      sampling: PredictorSampling) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One frame for each row: the predictor's codes after ``g0`` (the row's input,
+        codebook 0) from ``past`` (the talker's hidden state that produced it), then the
+        talker's forward on the frame's summed embedding. Fixed shapes, no host reads (a
+        frame graph captures this). Returns float32 logits, the talker's hidden states
+        and the frame's codes ``[B, 16]``."""
         first = self.speech.talker.model.embed_tokens(g0)
-        sb = self._predictor_batch(batch, positions)
         base = positions * self.groups
+        rest = self.speech.predictor.frame(past, first, lambda logits, group: draw_codes(logits, sampling, base + group))
+        codes = torch.cat((g0[:, None], rest), dim=1)
+        embeds = self.speech.frame_input(codes)
+        logits, hidden = self.model(g0, positions, self.kv, ctx, return_hidden=True, input_embeds=(self._arange(g0.shape[0]), embeds))
+        return logits.float(), hidden, codes
 
-        def draw(logits: torch.Tensor, group: int) -> torch.Tensor:
-            sb.sample_indices = base + group
-            return sample(logits, sb).tokens
-
-        rest = self.speech.predictor.frame(past, first, draw)
-        return torch.cat((g0[:, None], rest), dim=1)
-
-    def _predictor_batch(self, batch: Any, positions: torch.Tensor) -> SamplingBatch:
-        """Per-row predictor settings (one host pass, cached per request)."""
-        rows = [self._settings(r) for r in batch.reqs]
-        arr = np.array(rows, dtype=np.float64)
-        temp, top_k, top_p = arr[:, 0], arr[:, 1].astype(np.int64), arr[:, 2]
-        seeds = np.array([r[3] for r in rows], dtype=np.int64)
-        sampled = np.flatnonzero(temp != 0)
+    def _predictor_sampling(self, batch: Any) -> PredictorSampling:
+        """Per-row predictor settings (one host pass over rows, cached per request)."""
+        rows = np.array([self._settings(r) for r in batch.reqs], dtype=np.float64)
+        seeds = np.array([self._seed(r) for r in batch.reqs], dtype=np.int64)
         dev = self.device
-        vocab = self.speech.config.codebook_size
-        return SamplingBatch(
-            temperature=torch.from_numpy(temp.astype(np.float32)).to(dev, non_blocking=True),
-            top_k=torch.from_numpy(top_k).to(dev, non_blocking=True),
-            top_p=torch.from_numpy(top_p.astype(np.float32)).to(dev, non_blocking=True),
-            min_p=torch.zeros(len(rows), dtype=torch.float32, device=dev),
+        return PredictorSampling(
+            temperature=torch.from_numpy(rows[:, 0].astype(np.float32)).to(dev, non_blocking=True),
+            top_k=torch.from_numpy(rows[:, 1].astype(np.int64)).to(dev, non_blocking=True),
+            top_p=torch.from_numpy(rows[:, 2].astype(np.float32)).to(dev, non_blocking=True),
             seeds=torch.from_numpy(seeds).to(dev, non_blocking=True),
-            sample_indices=positions,
-            sampled_rows=torch.from_numpy(sampled).to(dev, non_blocking=True) if 0 < len(sampled) < len(rows) else None,
-            num_sampled=len(sampled),
-            use_top_k=bool(((top_k[sampled] > 0) & (top_k[sampled] < vocab)).any()),
-            use_top_p=bool((top_p[sampled] < 1).any()),
+            sampled=bool((rows[:, 0] > 0).any()),
         )
 
-    def _settings(self, req: Any) -> tuple[float, int, float, int]:
+    def _settings(self, req: Any) -> tuple[float, int, float]:
         found = self._rows.get(req)
         if found is None:
             payload = getattr(req.data, "payload", None)
             meta = getattr(payload, "metadata", None) or {}
             s = meta.get(PREDICTOR_KEY) or {}
-            seed = req.sampling.seed if req.sampling.seed is not None else self.base_seed(req)
-            found = (float(s.get("temperature", 0.0)), int(s.get("top_k", 0)), float(s.get("top_p", 1.0)),
-                     derive_seed("speech-predictor", seed))
+            found = (float(s.get("temperature", 0.0)), int(s.get("top_k", 0)), float(s.get("top_p", 1.0)))
             self._rows[req] = found
         return found
+
+    def _seed(self, req: Any) -> int:
+        seed = self._seeds.get(req)
+        if seed is None:
+            base = req.sampling.seed if req.sampling.seed is not None else self.base_seed(req)
+            seed = self._seeds[req] = derive_seed("speech-predictor", base)
+        return seed
 
     def _store_hidden(self, slots: torch.Tensor, hidden: torch.Tensor) -> None:
         need = int(self.inputs.table.shape[0])  # the slots the input batch holds
@@ -149,11 +154,18 @@ class SpeechRunner(NativeModelRunner):
 
     # ------------------------------------------------------------ what does not apply
 
-    def _graph_tables(self, batch: Any, rows: Any, tables: torch.Tensor) -> None:
-        return None  # the text decode graphs do not hold the frame step
+    def _graph_tables(self, batch: Any, rows: Any, tables: torch.Tensor) -> torch.Tensor | None:
+        """Page tables for a decode step that fits a captured frame graph, else None."""
+        graphs = self.frame_graphs
+        return tables if graphs is not None and graphs.fits(batch.size, rows.widest) else None
 
     def enable_cuda_graphs(self, *, scratch_page: int, max_len: int, max_batch: int) -> None:
+        """Capture the frame graphs (CUDA only); unused page-table entries point at the
+        scratch page, which padding rows write to."""
         self.inputs.set_pad_page(scratch_page)
+        self.frame_graphs = FrameGraphs(self, scratch_page=scratch_page, max_pages_per_seq=-(-max_len // self.page_size),
+                                        max_batch=max_batch)
+        self.frame_graphs.capture_all()
 
     def stats(self) -> dict[str, int]:
         return {**super().stats(), "speech_frames": self.frames_written}
