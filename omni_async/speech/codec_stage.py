@@ -8,10 +8,11 @@ one call, and choosing the chunk sizes by what each listener has already receive
 scheduling decision, made here. The codec's state per stream (the decoder's carried
 context, :class:`CodecState`) makes chunked decoding exactly the one-shot decode.
 
-Chunks grow: a stream's first chunk is ``first_chunk_frames`` (a short wait for the first
-sound), each later one as long as the audio already sent, up to ``max_chunk_frames``, so
-a listener's buffer grows ahead of the playback while the number of decoder calls stays
-logarithmic in the first second and linear after.
+Chunks follow the listener: a stream's first chunk is ``first_chunk_frames`` (a short
+wait for the first sound); each later one is at most half of the audio the listener has
+buffered and not yet played, so it is written and decoded before that audio runs out
+whenever the talker is faster than real time, and chunks grow (fewer decoder calls) as
+the buffer does, up to ``max_chunk_frames``.
 
 Where the decoder runs: on CUDA its kernels are launched from the loop thread and the
 completion awaited cooperatively (the talker's steps and the codec's calls interleave on
@@ -80,6 +81,7 @@ class CodecStage:
         self.decoder, self.device = decoder, device
         self.first_chunk_frames, self.max_chunk_frames = first_chunk_frames, max_chunk_frames
         self.sample_rate: int = decoder.sample_rate
+        self.frame_seconds = decoder.samples_per_frame / decoder.sample_rate
         self._streams: dict[int, CodecStream] = {}
         self._wake = anyio.Event()
         self._waiter = EventWaiter(event_wait) if device.type == "cuda" else None
@@ -138,9 +140,15 @@ class CodecStage:
                 self._waiter.close()
 
     def _target(self, stream: CodecStream) -> int:
-        if stream.frames_sent == 0:
+        """Frames of the stream's next chunk: the first is short; later ones at most half
+        the audio the listener still has buffered (estimated from when its first chunk
+        went out), so the frames of a chunk are written while the audio before it plays,
+        at any speed faster than real time; up to ``max_chunk_frames``."""
+        if stream.first_audio_at is None:
             return self.first_chunk_frames
-        return min(self.max_chunk_frames, max(self.first_chunk_frames, stream.frames_sent))
+        played = (time.perf_counter() - stream.first_audio_at) / self.frame_seconds
+        buffered = stream.frames_sent - played
+        return int(min(self.max_chunk_frames, max(self.first_chunk_frames, buffered // 2)))
 
     def _ready(self) -> list[tuple[CodecStream, int]]:
         """Streams with a chunk to decode now, and how many frames each takes."""

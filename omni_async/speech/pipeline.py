@@ -104,8 +104,8 @@ class SpeechPipeline:
         return ["auto", *sorted(self.config.languages)]
 
     def info(self) -> dict[str, Any]:
-        info = self.engine.info() if hasattr(self.engine, "info") else {}
-        return {**info, "speech": {"model_size": self.config.model_size, "voices": self.voices(), "sample_rate": self.sample_rate,
+        """The talker stage's info (loop, steps, KV pages, ...) and the speech side's."""
+        return {**self.engine.scheduler.info(), "speech": {"model_size": self.config.model_size, "voices": self.voices(), "sample_rate": self.sample_rate,
                                    "frame_rate": FRAME_RATE, "codec_calls": self.codec.calls,
                                    "codec_frames": self.codec.frames_decoded, "codec_streams": self.codec.active()}}
 

@@ -168,4 +168,6 @@ class SpeechRunner(NativeModelRunner):
         self.frame_graphs.capture_all()
 
     def stats(self) -> dict[str, int]:
-        return {**super().stats(), "speech_frames": self.frames_written}
+        graphs = self.frame_graphs
+        return {**super().stats(), "speech_frames": self.frames_written,
+                "speech_frame_graph_replays": 0 if graphs is None else graphs.replays}
