@@ -86,6 +86,9 @@ def build_speech_stage(path_or_name: str, *, device: str = "cpu", loop: str = "o
     dev = torch.device(device)
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
+    # Frame graphs hold a whole frame (16 forwards): buckets up to 128 streams keep their
+    # capture in seconds; larger steps run eagerly.
+    limits.setdefault("cuda_graph_max_batch", 128)
     config = SchedulerConfig.from_kwargs(loop=loop, **limits)
 
     def build() -> SpeechStage:
