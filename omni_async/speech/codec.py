@@ -31,7 +31,8 @@ from torch import nn
 
 from ..errors import InvalidRequestError, ModelLoadError
 from .codec_config import CodecConfig
-from .codec_layers import Carry, CausalConv, Quantizer, SnakeBeta, Stateful, Transformer, Upsample, VocoderBlock
+from .codec_layers import (Carry, CausalConv, Quantizer, SnakeBeta, Stateful, Transformer, Upsample, VocoderBlock,
+                           rope_frequencies)
 
 # Tensors of the checkpoint's decoder this decoder does not use: the RVQ's input projections
 # serve the encoder side.
@@ -100,7 +101,7 @@ class CodecDecoder(nn.Module):
         if missing or unexpected:
             raise ModelLoadError(f"speech tokenizer: {weights} does not match its config: missing "
                                  f"{sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
-        return model.to(device=device, dtype=dtype).eval()
+        return model._placed(device, dtype)
 
     @classmethod
     def random(cls, config: CodecConfig, *, device: str | torch.device = "cpu",
@@ -111,7 +112,14 @@ class CodecDecoder(nn.Module):
 
         model = cls(config)
         randomize(model, seed)
-        return model.to(device=device, dtype=dtype).eval()
+        return model._placed(device, dtype)
+
+    def _placed(self, device: str | torch.device, dtype: torch.dtype) -> "CodecDecoder":
+        """On its device and dtype for inference: no gradients (streamed states are inference
+        tensors), RoPE frequencies kept in float32 whatever the dtype."""
+        self.to(device=device, dtype=dtype).eval().requires_grad_(False)
+        self.pre_transformer.inv_freq = rope_frequencies(self.config).to(self.device)
+        return self
 
     @property
     def device(self) -> torch.device:
