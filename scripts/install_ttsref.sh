@@ -47,9 +47,20 @@ fi
 "$REF/bin/python" -m pip install -q --no-deps "$REFERENCE"
 echo "install_ttsref: packages in $((SECONDS - start)) s"
 
+# Each builder's output goes to its log (the reference prints a warning per generate call);
+# a failure shows the log's end.
+run_logged() {
+  local log=$1
+  shift
+  if ! "$@" > "$log" 2>&1; then
+    echo "install_ttsref: failed: $*" >&2
+    tail -n 40 "$log" >&2
+    exit 1
+  fi
+}
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 rm -rf "$REF/tiny-tts" "$REF/tiny-ref" "$REF/stamp"
-"$REF/bin/python" "$SCRIPTS/make_tiny_qwen3_tts.py" "$REF/tiny-tts" --seed 0 > "$REF/make_tiny.log"
-"$REF/bin/python" "$SCRIPTS/reference_outputs.py" "$REF/tiny-tts" --out "$REF/tiny-ref" > "$REF/reference.log"
+run_logged "$REF/make_tiny.log" "$REF/bin/python" "$SCRIPTS/make_tiny_qwen3_tts.py" "$REF/tiny-tts" --seed 0
+run_logged "$REF/reference.log" "$REF/bin/python" "$SCRIPTS/reference_outputs.py" "$REF/tiny-tts" --out "$REF/tiny-ref"
 echo "$STAMP" > "$REF/stamp"
 echo "install_ttsref: reference environment and oracle outputs in $ROOT/$REF ($((SECONDS - start)) s)"

@@ -226,3 +226,14 @@ def test_random_weights_follow_the_seed():
     codes = random_codes(4, seed=18, batch=1)
     one = CodecDecoder.random(CodecConfig.tiny(), seed=3).decode(codes)
     assert torch.equal(one, CodecDecoder.random(CodecConfig.tiny(), seed=3).decode(codes))
+
+
+def test_bfloat16_weights_give_float32_audio_close_to_float32_weights():
+    codes = random_codes(30, seed=19, batch=1)
+    f32 = CodecDecoder.random(CodecConfig.tiny(), seed=0).decode(codes)
+    codec = CodecDecoder.random(CodecConfig.tiny(), seed=0, dtype=torch.bfloat16)
+    bf16 = codec.decode(codes)
+    assert bf16.dtype == torch.float32 and bf16.shape == f32.shape
+    assert float((bf16 - f32).abs().mean()) < 0.1 * float(f32.abs().mean())
+    streamed = stream(codec, codes[0], [4, 26])
+    assert float((streamed - bf16[0]).abs().mean()) < 0.1 * float(f32.abs().mean())

@@ -31,7 +31,8 @@ from torch import nn
 
 from ..errors import InvalidRequestError, ModelLoadError
 from .codec_config import CodecConfig
-from .codec_layers import Carry, CausalConv, Quantizer, SnakeBeta, Stateful, Transformer, Upsample, VocoderBlock
+from .codec_layers import (Carry, CausalConv, Quantizer, SnakeBeta, Stateful, Transformer, Upsample, VocoderBlock,
+                           rope_frequencies)
 
 # Tensors of the checkpoint's decoder this decoder does not use: the RVQ's input projections
 # serve the encoder side.
@@ -100,7 +101,7 @@ class CodecDecoder(nn.Module):
         if missing or unexpected:
             raise ModelLoadError(f"speech tokenizer: {weights} does not match its config: missing "
                                  f"{sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
-        return model.to(device=device, dtype=dtype).eval()
+        return model._placed(device, dtype)
 
     @classmethod
     def random(cls, config: CodecConfig, *, device: str | torch.device = "cpu",
@@ -111,7 +112,14 @@ class CodecDecoder(nn.Module):
 
         model = cls(config)
         randomize(model, seed)
-        return model.to(device=device, dtype=dtype).eval()
+        return model._placed(device, dtype)
+
+    def _placed(self, device: str | torch.device, dtype: torch.dtype) -> "CodecDecoder":
+        """On its device and dtype for inference: no gradients (streamed states are inference
+        tensors), RoPE frequencies kept in float32 whatever the dtype."""
+        self.to(device=device, dtype=dtype).eval().requires_grad_(False)
+        self.pre_transformer.inv_freq = rope_frequencies(self.config).to(self.device)
+        return self
 
     @property
     def device(self) -> torch.device:
@@ -138,7 +146,10 @@ class CodecDecoder(nn.Module):
             h = layer(h, carry)
         return h[:, 0].clamp(-1.0, 1.0).float(), carry.next  # type: ignore[return-value]
 
-    def _empty_past(self, batch: int) -> list[torch.Tensor]:
+    def empty_past(self, batch: int) -> list[torch.Tensor]:
+        """The pasts of ``batch`` new streams, stacked as ``forward`` takes them (zeros: a new
+        stream's past reads as the one-shot decode's zero padding). A graphed caller keeps
+        such tensors as its static inputs."""
         return [torch.zeros((batch, *m.past_shape()), device=self.device, dtype=self.dtype) for m in self._stateful]
 
     # ---------------------------------------------------------------- one-shot
@@ -152,7 +163,7 @@ class CodecDecoder(nn.Module):
         codes = codes.to(self.device)
         real = (codes[..., 0] >= 0).sum(dim=1) * self.samples_per_frame
         batch, frames = codes.shape[0], codes.shape[1]
-        past, position = self._empty_past(batch), torch.zeros(batch, dtype=torch.long, device=self.device)
+        past, position = self.empty_past(batch), torch.zeros(batch, dtype=torch.long, device=self.device)
         pieces = []
         for start in range(0, frames, self.max_frames_per_call):
             piece = codes[:, start:start + self.max_frames_per_call]
@@ -167,7 +178,7 @@ class CodecDecoder(nn.Module):
     # ---------------------------------------------------------------- streamed
     def new_state(self) -> CodecState:
         """A stream's state before its first frame (its past reads as the zero padding)."""
-        return CodecState(past=self._empty_past(1), position=torch.zeros(1, dtype=torch.long, device=self.device))
+        return CodecState(past=self.empty_past(1), position=torch.zeros(1, dtype=torch.long, device=self.device))
 
     @torch.inference_mode()
     def decode_chunk(self, codes: torch.Tensor, state: CodecState) -> torch.Tensor:

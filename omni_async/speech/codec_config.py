@@ -57,8 +57,8 @@ class CodecConfig:
             raise ModelLoadError("speech tokenizer: num_attention_heads must be a multiple of num_key_value_heads")
         if self.decoder_dim % 2 ** len(self.upsample_rates):
             raise ModelLoadError("speech tokenizer: decoder_dim must halve cleanly at every vocoder stage")
-        if self.sliding_window < 1:
-            raise ModelLoadError("speech tokenizer: sliding_window must be at least 1")
+        if self.sliding_window < 2:
+            raise ModelLoadError("speech tokenizer: sliding_window must be at least 2 (a frame and one before it)")
 
     @property
     def samples_per_frame(self) -> int:

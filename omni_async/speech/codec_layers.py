@@ -261,6 +261,13 @@ class TransformerLayer(nn.Module):
         return x + self.mlp_layer_scale(self.mlp(self.post_attention_layernorm(x)))
 
 
+def rope_frequencies(config: CodecConfig) -> torch.Tensor:
+    """RoPE's inverse frequencies, float32 (a module cast to bf16 casts its buffers: the
+    decoder sets these back after any cast)."""
+    exponents = torch.arange(0, config.head_dim, 2, dtype=torch.int64).float() / config.head_dim
+    return 1.0 / config.rope_theta ** exponents
+
+
 class Transformer(nn.Module):
     """``pre_transformer``: input_proj, sliding-window layers, final norm, output_proj, over
     ``[B, T, latent]``. Positions are absolute (the stream's frame index), as in a one-shot
@@ -273,9 +280,7 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.output_proj = nn.Linear(config.hidden_size, config.latent_dim)
         self.window = config.sliding_window
-        inv_freq = 1.0 / config.rope_theta ** (torch.arange(0, config.head_dim, 2, dtype=torch.int64).float()
-                                               / config.head_dim)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.register_buffer("inv_freq", rope_frequencies(config), persistent=False)
 
     def forward(self, x: torch.Tensor, carry: Carry) -> torch.Tensor:
         t = x.shape[1]
