@@ -208,7 +208,4 @@ class SpeechPipeline:
 def _codec_config(name: str) -> CodecConfig:
     """The codec of a built-in model: the released decoder's shapes for a released size,
     a small one (the shapes of the test checkpoint's decoder) for ``tiny``."""
-    if name == "tiny":
-        return CodecConfig(codebook_dim=32, hidden_size=32, latent_dim=32, intermediate_size=64, num_hidden_layers=2,
-                           num_attention_heads=2, num_key_value_heads=2, head_dim=16, decoder_dim=64)
-    return CodecConfig.qwen3_tts_12hz()
+    return CodecConfig.tiny() if name == "tiny" else CodecConfig.qwen3_tts_12hz()
