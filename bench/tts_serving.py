@@ -237,7 +237,7 @@ async def run_http(tts, args, texts, offset, sampler) -> dict:
 
     from omni_async.server.speech import create_speech_app
 
-    app = create_speech_app(tts, model_name="tts")
+    app = create_speech_app(tts, model_name="tts", close_engine=False)
     port = args.port
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", loop="none"))
     task = asyncio.create_task(server.serve())
