@@ -18,7 +18,7 @@ Why these defaults (measurements in bench/RESULTS.md):
   size, so 512-token chunks left the GPU idle most of a prefill phase (W256 on the H200:
   13-15k output tok/s against 67-71k with 8192-token chunks). CPU keeps 4096 / 512.
 - Decode tiers on CUDA (``decode_steps=None``): 4 forwards per step below 64 decoding
-  requests, 8 from 64 (at most ``page_size``). NV256 on the H200 (bench/probes/
+  requests, 8 from 64 (at most ``page_size``). NV256 on the H200 (tools/
   nv256_profile.py): one forward per step below 64 rows spent 0.89 s of a 3.8 s run on
   its tail, 4 or 8 forwards 0.50 s (34.9k -> 39.1-39.9k tok/s); from 64 rows 4 and 8 take
   the same device time and 8 half the host's. One forward elsewhere.
@@ -30,7 +30,7 @@ Why these defaults (measurements in bench/RESULTS.md):
 - Optimistic grammar rows on CUDA only (``optimistic_grammar=None``). A grammar mask costs
   ~45 us of host time a row on the H200's host, so 256 constrained rows' masks take
   longer than the step's forward; sampling first skips ~94% of them for a real model asked
-  for JSON (SmolLM2 on the dev VM, bench/optimistic_grammar.py). On CPU the forward of a
+  for JSON (SmolLM2 on the dev VM, 7166a36:bench/optimistic_grammar.py). On CPU the forward of a
   step is ~100x its masks: the same run there showed no gain (CPU time per token +3%, the
   refused positions' extra steps), so CPU masks first.
 """
