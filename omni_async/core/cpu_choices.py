@@ -4,18 +4,12 @@ of the stage plan (:mod:`.plan`)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..config import SchedulerConfig
-
-if TYPE_CHECKING:
-    from .plan import CheckpointFacts, DeviceFacts
+from .facts import CheckpointFacts, DeviceFacts, dtype_name
 
 _BF16 = ("bfloat16", "bf16")
-
-
-def _dtype_name(dtype: Any) -> str:
-    return str(dtype).replace("torch.", "")
 
 
 def default_quantization(config: SchedulerConfig, device: DeviceFacts, checkpoint: CheckpointFacts, dtype: Any = None) -> str | None:
@@ -47,11 +41,11 @@ def wants_cpu_kernels(config: SchedulerConfig, device_type: str, dtype: Any) -> 
     kernel option left open."""
     if device_type != "cpu" or config.tensor_parallel_size > 1:
         return False
-    inexact = config.quantization is not None or (dtype is not None and _dtype_name(dtype) in _BF16)
+    inexact = config.quantization is not None or (dtype is not None and dtype_name(dtype) in _BF16)
     return inexact and (config.cpu_attention_kernel is None or config.cpu_fused_ops is None)
 
 
-def _kernel_options(config: SchedulerConfig, device: DeviceFacts, dtype: Any) -> dict[str, bool]:
+def kernel_options(config: SchedulerConfig, device: DeviceFacts, dtype: Any) -> dict[str, bool]:
     """Each CPU kernel option, as given or decided (open: on where wanted and built)."""
     on = wants_cpu_kernels(config, device.type, dtype) and device.cpu_kernels_build
     return {name: (on if getattr(config, name) is None else bool(getattr(config, name))) for name in ("cpu_attention_kernel", "cpu_fused_ops")}

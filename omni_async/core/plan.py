@@ -44,9 +44,10 @@ from typing import Any, Sequence
 from ..config import SchedulerConfig
 from ..errors import ConfigError, InvalidRequestError, ModelLoadError
 from ..memory_budget import MemoryPlan, activation_reserve_bytes, plan_memory
-from .cpu_choices import _dtype_name, _kernel_options, load_dtype
+from .cpu_choices import kernel_options, load_dtype
+from .facts import CheckpointFacts, DeviceFacts, dtype_name
 from ..structured.optimistic import enabled as optimistic_enabled
-from .multi_step import DecodeSteps
+from .core_state import DecodeSteps
 
 
 CPU_MAX_RUNNING = 64
@@ -70,50 +71,6 @@ CPU_KV_MAX_TOKENS = 65536
 # SGLang on CPU when kv_capacity_tokens is not given (on CUDA SGLang sizes its pools).
 SGLANG_CPU_KV_TOKENS = 32768
 
-_ITEMSIZE = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2, "float64": 8, "int8": 1}
-
-
-@dataclass(frozen=True)
-class DeviceFacts:
-    """What the plan needs to know about the device, as plain values."""
-
-    type: str = "cpu"  # "cpu" | "cuda"
-    total_bytes: int | None = None  # the device's memory (RAM on CPU)
-    # Memory free for the KV: on CUDA after the weights are loaded; on CPU the RAM
-    # available then. None: unknown.
-    free_bytes: int | None = None
-    native_bf16: bool = False  # the CPU has bfloat16 dot-product instructions
-    # Both C++ CPU kernel sets build here (only probed when the plan would use them:
-    # :func:`wants_cpu_kernels`).
-    cpu_kernels_build: bool = False
-    paged_kernel: bool = False  # Triton's paged decode attention runs here (CUDA)
-    graph_buckets: tuple[int, ...] = ()  # batch sizes the decode graphs can capture
-
-
-@dataclass(frozen=True)
-class CheckpointFacts:
-    """What the plan needs to know about the checkpoint (the local shard's KV heads under
-    tensor parallelism). Before loading only ``reduced_precision`` is needed."""
-
-    reduced_precision: bool = False  # stored in 16 bits or fewer (GGUF, a bf16/fp16 folder)
-    gguf: bool = False  # a GGUF file (``smollm2`` included): its blocks can be read as they are
-    num_layers: int = 0
-    num_kv_heads: int = 0
-    head_dim: int = 0
-    hidden_size: int = 0
-    intermediate_size: int = 0
-    vocab_size: int = 0
-    max_position_embeddings: int = 0
-    dtype: str = "float32"  # the loaded weights'
-    weights_bytes: int = 0
-
-    @property
-    def itemsize(self) -> int:
-        return _ITEMSIZE[_dtype_name(self.dtype)]
-
-    @property
-    def kv_bytes_per_token(self) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.itemsize
 
 
 @dataclass(frozen=True)
@@ -309,7 +266,7 @@ def plan_stage(
     if backend == "sglang":
         return _plan_sglang(config, device, checkpoint, dtype)
     chosen = load_dtype(config, device, checkpoint, dtype)
-    kernels = _kernel_options(config, device, chosen)
+    kernels = kernel_options(config, device, chosen)
     max_prefill, chunked = prefill_budget(config, device.type)
     budget = memory_plan(config, device, checkpoint) if config.memory_budget is not None else None
     pages = agreed_kv_pages if agreed_kv_pages is not None else kv_pages(config, device, checkpoint, budget)
@@ -329,7 +286,7 @@ def plan_stage(
     return StagePlan(
         backend=backend,
         device=device.type,
-        dtype=checkpoint.dtype if chosen is None else _dtype_name(chosen),
+        dtype=checkpoint.dtype if chosen is None else dtype_name(chosen),
         quantization=config.quantization,
         cpu_attention_kernel=kernels["cpu_attention_kernel"] and on_cpu,
         cpu_fused_ops=kernels["cpu_fused_ops"] and on_cpu,
@@ -361,7 +318,7 @@ def _plan_sglang(config: SchedulerConfig, device: DeviceFacts, checkpoint: Check
     default) and runs its own kernels; the running limit defaults to the CPU one."""
     if dtype is None:
         dtype = "float32" if device.type == "cpu" else "auto"
-    name = _dtype_name(dtype)
+    name = dtype_name(dtype)
     if name not in ("float32", "bfloat16", "float16", "auto"):
         raise ModelLoadError(f"unsupported dtype {dtype!r}; use float32, bfloat16 or float16")
     max_prefill, chunked = prefill_budget(config, device.type)

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from ...core.plan import CheckpointFacts, DeviceFacts
+from ...core.facts import CheckpointFacts, DeviceFacts
 from ...errors import ConfigError
 from ...kernels import triton_available
 from ...logs import log
