@@ -231,7 +231,7 @@ class SchedulerConfig:
     reserve (or, with ``kv_capacity_tokens`` too, that KV is checked to fit).
     """
 
-    loop: LoopKind = "normal"
+    loop: LoopKind | None = None  # None: the plan picks the fastest measured for the device (core/plan.py)
     async_decode_min_batch_size: int = 2
     # None: 64 on CPU; on CUDA derived from the KV capacity and the decode graphs'
     # batch buckets (omni_async/core/plan.py): 512 on an H200 for a 0.5B model.
@@ -350,9 +350,9 @@ class SchedulerConfig:
     stream_interval: int = 1
 
     def __post_init__(self) -> None:
-        if self.loop not in LOOP_KINDS:
+        if self.loop is not None and self.loop not in LOOP_KINDS:
             raise ConfigError(
-                f"unknown loop {self.loop!r}; choose one of {', '.join(LOOP_KINDS)}"
+                f"unknown loop {self.loop!r}; choose one of {', '.join(LOOP_KINDS)} (or None: the stage plan picks)"
             )
         if self.max_running_requests is not None and (not _is_int(self.max_running_requests) or self.max_running_requests < 1):
             raise ConfigError(f"max_running_requests must be None or an integer >= 1, got {self.max_running_requests!r}")

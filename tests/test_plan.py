@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from omni_async import Engine, errors
+from omni_async import Engine, SamplingParams, errors
 from omni_async.config import SchedulerConfig
 from omni_async.core.plan import CheckpointFacts, DeviceFacts, plan_stage
 from omni_async.memory_budget import plan_memory
@@ -106,6 +106,34 @@ def test_the_sglang_plan():
     assert (cuda.dtype, cuda.kv_tokens, cuda.max_prefill_tokens) == ("auto", None, 16384)
     with pytest.raises(errors.ModelLoadError):
         plan_stage(SchedulerConfig(), DeviceFacts(), TINY_CPU, dtype="int4", backend="sglang")
+
+
+def test_the_loop_is_the_fastest_measured_for_the_device_unless_given():
+    """Open, the loop is overlap on CUDA (it beat normal on every H200 figure) and normal on
+    CPU (the three equal within the spread) and under SGLang; a given loop is kept."""
+    assert SchedulerConfig().loop is None
+    cuda = plan_stage(SchedulerConfig(), DeviceFacts(**H200), QWEN_05B)
+    assert (cuda.loop, cuda.config.loop) == ("overlap", "overlap")
+    cpu = plan_stage(SchedulerConfig(), DeviceFacts(type="cpu"), TINY_CPU)
+    assert (cpu.loop, cpu.config.loop) == ("normal", "normal")
+    assert plan_stage(SchedulerConfig(), DeviceFacts(**H200), QWEN_05B, backend="sglang").loop == "normal"
+    for loop in ("normal", "overlap", "async_decode"):
+        assert plan_stage(SchedulerConfig(loop=loop), DeviceFacts(**H200), QWEN_05B).config.loop == loop
+        assert plan_stage(SchedulerConfig(loop=loop), DeviceFacts(type="cpu"), TINY_CPU).loop == loop
+    assert cuda.as_dict()["loop"] == "overlap" and cuda.made_from(SchedulerConfig())
+    with pytest.raises(errors.ConfigError, match="unknown loop"):
+        SchedulerConfig(loop="fast")
+
+
+@pytest.mark.parametrize("given", [None, "overlap", "async_decode"])
+async def test_the_loop_an_engine_runs_is_the_one_it_reports(given):
+    kwargs = {} if given is None else {"loop": given}
+    async with Engine.from_pretrained("tiny", kv_capacity_tokens=1024, **kwargs) as engine:
+        expected = given or "normal"  # open on CPU: the plan's normal
+        info = (await engine.model_info())["data"]
+        assert (engine.scheduler.config.loop, info["loop"], info["plan"]["loop"]) == (expected, expected, expected)
+        result = await engine.generate(input_ids=[1, 2, 3], sampling=SamplingParams(max_new_tokens=3, ignore_eos=True))
+        assert len(result.output_ids) == 3
 
 
 async def test_a_built_engine_runs_its_plan():
