@@ -158,3 +158,31 @@ def test_the_scheduler_runs_the_config_its_stack_was_built_from():
     assert build_scheduler(stack, config).config == stack.plan.config
     with pytest.raises(errors.ConfigError, match="built from"):
         build_scheduler(stack, SchedulerConfig(kv_capacity_tokens=1024))
+
+
+def test_the_builder_reads_each_fact_once(monkeypatch):
+    """The plan's facts are read at its entry and handed down: the device, the CPU and the
+    checkpoint's storage once each; the free memory once more after loading (the KV gets
+    what the weights leave), nothing else again."""
+    import collections
+
+    from omni_async.backends.native import facts
+    from omni_async.backends.native.builder import build_native_stack
+
+    reads: collections.Counter[str] = collections.Counter()
+
+    def counted(name):
+        real = getattr(facts, name)
+
+        def read(*args, **kwargs):
+            reads[name] += 1
+            return real(*args, **kwargs)
+        return read
+
+    names = ("device_facts", "stored_in_reduced_precision", "is_gguf_source", "available_memory_bytes", "cpu_has_native_bf16")
+    for name in names:
+        monkeypatch.setattr(facts, name, counted(name))
+    stack = build_native_stack("tiny", SchedulerConfig(kv_capacity_tokens=512))
+    assert dict(reads) == {"device_facts": 1, "stored_in_reduced_precision": 1, "is_gguf_source": 1,
+                           "available_memory_bytes": 2, "cpu_has_native_bf16": 1}
+    assert stack.plan is not None and stack.plan.kv_tokens == 512 and stack.plan.loop == "normal"

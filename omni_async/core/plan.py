@@ -51,7 +51,7 @@ from typing import Any, Sequence
 from ..config import SchedulerConfig
 from ..errors import ConfigError, InvalidRequestError, ModelLoadError
 from ..memory_budget import MemoryPlan, activation_reserve_bytes, plan_memory
-from .cpu_choices import kernel_options, load_dtype
+from .cpu_choices import LoadPlan, kernel_options, plan_load
 from .facts import CheckpointFacts, DeviceFacts, dtype_name
 from ..structured.optimistic import enabled as optimistic_enabled
 from .core_state import DecodeSteps
@@ -90,7 +90,7 @@ class StagePlan:
     backend: str
     device: str
     loop: str  # the stage's loop (:func:`resolve_loop`)
-    dtype: str  # the weights' (the loader is asked for :func:`load_dtype`'s choice)
+    dtype: str  # the weights' (the loader is asked for :func:`.cpu_choices.plan_load`'s choice)
     quantization: str | None
     cpu_attention_kernel: bool
     cpu_fused_ops: bool
@@ -278,13 +278,18 @@ def plan_stage(
     dtype: Any = None,
     backend: str = "native",
     agreed_kv_pages: int | None = None,
+    load: LoadPlan | None = None,
 ) -> StagePlan:
     """Every choice for one stage (see the module docstring). ``dtype`` is the caller's
     (None: open); ``agreed_kv_pages``: the pages tensor-parallel ranks agreed on (the
-    fewest any rank holds), in place of this rank's sizing."""
+    fewest any rank holds), in place of this rank's sizing; ``load``: the decisions made
+    before loading (:func:`.cpu_choices.plan_load`), taken as made (decided here when
+    None)."""
     if backend == "sglang":
         return _plan_sglang(config, device, checkpoint, dtype)
-    chosen = load_dtype(config, device, checkpoint, dtype)
+    if load is None:
+        load = plan_load(config, device, checkpoint, dtype)
+    config, chosen = load.config, load.dtype
     kernels = kernel_options(config, device, chosen)
     max_prefill, chunked = prefill_budget(config, device.type)
     budget = memory_plan(config, device, checkpoint) if config.memory_budget is not None else None
