@@ -71,7 +71,7 @@ def build_native_stack(
         load_cpu_kernels(plan)
         runner = NativeModelRunner(
             loaded.model, kv_cache(loaded, plan.page_size, device, plan.kv_pages), device, seed=seed,
-            capture_hidden=capture_hidden, **runner_options(plan),
+            capture_hidden=capture_hidden, **runner_options(plan, plan.config.fused_kernels),
         )
         return assemble_stack(loaded, plan, device, runner)
 

@@ -74,10 +74,11 @@ def load_cpu_kernels(plan: StagePlan) -> None:
         load_fused()
 
 
-def runner_options(plan: StagePlan) -> dict[str, Any]:
-    """The runner's constructor options, as the plan holds them."""
+def runner_options(plan: StagePlan, fused_kernels: bool) -> dict[str, Any]:
+    """The runner's constructor options the plan decides (``fused_kernels``: the plan's
+    ``config.fused_kernels``)."""
     return dict(
-        fused_kernels=plan.config.fused_kernels,
+        fused_kernels=fused_kernels,
         cpu_attention_kernel=plan.cpu_attention_kernel,
         cpu_fused_ops=plan.cpu_fused_ops,
         decode_steps=plan.decode_steps,

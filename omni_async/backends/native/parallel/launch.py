@@ -226,7 +226,7 @@ def build_parallel_stack(path_or_name: str, load: LoadPlan, machine: DeviceFacts
                           load=load)
         runner = TensorParallelRunner(
             loaded.model, kv_cache(loaded, plan.page_size, device, num_pages), device, group=group, seed=seed,
-            **runner_options(plan),
+            **runner_options(plan, plan.config.fused_kernels),
         )
         return assemble_stack(loaded, plan, device, runner, tensor_parallel=group)
     except BaseException:
