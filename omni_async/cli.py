@@ -172,7 +172,7 @@ async def _demo(args: argparse.Namespace) -> int:
     ttfts = sorted(t for t in first_token_at if t is not None)
     ttft = f"median time to first token {1000 * ttfts[len(ttfts) // 2]:.1f} ms" if ttfts else "no tokens"
     print(
-        f"\n{len(prompts)} concurrent requests on {args.model} ({args.device}, loop={args.loop}): "
+        f"\n{len(prompts)} concurrent requests on {args.model} ({args.device}, loop={engine.scheduler.config.loop}): "
         f"{total} tokens in {elapsed:.2f} s = {total / elapsed:.1f} tokens/s; {ttft}"
     )
     return 0

@@ -172,7 +172,8 @@ def add_model_flags(p: argparse.ArgumentParser, default_model: str = DEFAULT_MOD
 def add_device_flags(p: argparse.ArgumentParser) -> None:
     """Where and how a stage runs, and the log level: also what ``pipeline-demo`` takes."""
     p.add_argument("--device", default=env_default("device", "cpu"), help="cpu, cuda or cuda:N [env OMNI_ASYNC_DEVICE]")
-    p.add_argument("--loop", default=env_default("loop", "normal"), choices=LOOP_KINDS, help="the stage's loop [env OMNI_ASYNC_LOOP]")
+    p.add_argument("--loop", default=env_default("loop", None), choices=LOOP_KINDS,
+                   help="the stage's loop (default: the plan's for the device: overlap on CUDA, normal on CPU) [env OMNI_ASYNC_LOOP]")
     p.add_argument("--dtype", default=env_default("dtype", None), choices=DTYPE_CHOICES, help=f"{DTYPE_HELP} [env OMNI_ASYNC_DTYPE]")
     p.add_argument(
         "--log-level", type=log_level, default=env_default("log_level", "WARNING", log_level), metavar="{" + ",".join(LOG_LEVELS) + "}",

@@ -92,13 +92,14 @@ class Engine:
         path_or_name: str,
         *,
         device: str = "cpu",
-        loop: str = "normal",
+        loop: str | None = None,
         backend: str = "native",
         dtype: Any = None,
         seed: int = 0,
         **limits: Any,
     ) -> "Engine":
-        """Load a Hugging Face style folder or ``"tiny"``. ``limits`` are SchedulerConfig fields."""
+        """Load a Hugging Face style folder or ``"tiny"``. ``limits`` are SchedulerConfig fields;
+        ``loop=None`` leaves the loop to the stage plan (the fastest measured for the device)."""
         check_device(device)
         config = SchedulerConfig.from_kwargs(loop=loop, **limits)
         started = time.perf_counter()
@@ -110,7 +111,7 @@ class Engine:
             model=str(path_or_name),
             backend=backend,
             device=str(device),
-            loop=loop,
+            loop=built.scheduler.config.loop,
             load_seconds=round(time.perf_counter() - started, 4),
             kv_capacity_tokens=built.scheduler.limits.kv_capacity_tokens,
             context_length=built.scheduler.limits.context_length,
@@ -119,7 +120,7 @@ class Engine:
 
     @classmethod
     async def load(
-        cls, path_or_name: str, *, device: str = "cpu", loop: str = "normal", backend: str = "native",
+        cls, path_or_name: str, *, device: str = "cpu", loop: str | None = None, backend: str = "native",
         dtype: Any = None, seed: int = 0, **limits: Any,
     ) -> "Engine":
         """``from_pretrained`` in a worker thread: reading and building a checkpoint takes

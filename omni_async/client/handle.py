@@ -9,8 +9,10 @@ early.
 
 from __future__ import annotations
 
+import asyncio
 import copy
-from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, NoReturn
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Awaitable, Callable, NoReturn
 
 import anyio
 
@@ -20,15 +22,23 @@ from .completion import Completion
 from .loopbridge import call_soon_on, foreign_loop, maybe_marshal
 from ..messages import GenerationResult, OutgoingMessage, StreamDelta
 
-if TYPE_CHECKING:
-    from .router import HandleHooks
+
+@dataclass(frozen=True)
+class HandleHooks:
+    """What a handle may ask of whoever routes its messages (the engine's router
+    builds them; the handle reaches back through nothing else)."""
+
+    event_loop: Callable[[], "asyncio.AbstractEventLoop | None"]  # the loop it is served on
+    abort: Callable[["RequestHandle"], None]  # end every completion of the request
+    end_completion: Callable[[str], None]  # end one stage request (a stop string, a failed sibling)
+    done: Callable[["RequestHandle"], None]  # the request ended: forget it
 
 
 class RequestHandle:
     """One submitted request (``n`` completions): iterate it for stream deltas, or await
     ``result()``."""
 
-    def __init__(self, request_id: str, completions: list[Completion], prompt_ids: list[int], hooks: "HandleHooks") -> None:
+    def __init__(self, request_id: str, completions: list[Completion], prompt_ids: list[int], hooks: HandleHooks) -> None:
         self.request_id = request_id
         self._hooks = hooks
         self._completions = completions

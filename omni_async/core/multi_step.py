@@ -15,35 +15,16 @@ so the tokens equal those of k = 1. Their KV writes land beyond the finished seq
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
 
 from .conditioning import ready_positions
+from .core_state import DecodeSteps
 from .protocol import StepOutcome, StepOutcomes
 from .request import Request, decode_limits, mask_ready, masked, stop_index
 
 if TYPE_CHECKING:
     from .batch import ScheduledBatch
-    from .batch_core import NativeBatchCore
-
-
-@dataclass(frozen=True)
-class DecodeSteps:
-    """Forwards per decode step by the number of decoding requests: ``tiers`` are
-    ``(fewest requests, forwards)`` pairs in ascending order; below the first, one."""
-
-    tiers: tuple[tuple[int, int], ...] = ()
-
-    def for_batch(self, decoding: int) -> int:
-        k = 1
-        for least, steps in self.tiers:
-            if decoding >= least:
-                k = steps
-        return k
-
-    @property
-    def most(self) -> int:
-        return max((k for _, k in self.tiers), default=1)
+    from .core_state import CoreState
 
 
 def decoding_rows(running: list[Request], context_length: int, late: bool = False, free: bool = False
@@ -63,7 +44,7 @@ def decoding_rows(running: list[Request], context_length: int, late: bool = Fals
     return [r for r, _ in pairs], [left for _, left in pairs]
 
 
-def steps_for(core: "NativeBatchCore", decoding: list[Request], limits: list[int] | None = None,
+def steps_for(core: "CoreState", decoding: list[Request], limits: list[int] | None = None,
               free: bool = False) -> tuple[list[int] | None, list[int]]:
     """Forwards per row of the next decode step (None for one forward: a small batch
     under the automatic choice, or a runner that hands out per-step hidden states), and
@@ -111,7 +92,7 @@ def row_steps(decoding: list[Request], k: int, context_length: int,
     return steps, constrained
 
 
-def late_mask_rows(core: "NativeBatchCore", decoding: list[Request], limits: list[int], free: bool = False
+def late_mask_rows(core: "CoreState", decoding: list[Request], limits: list[int], free: bool = False
                    ) -> tuple[list[Request], list[int], list[int] | None, list[int], bool]:
     """The rows of the next decode step (``decoding`` may hold constrained rows with their
     last token in flight, :func:`.request.mask_ready` with ``late``) and their ``limits``,
@@ -374,7 +355,7 @@ def _token_at(req: Request, position: int) -> int:
     return req.prompt_ids[position] if position < prompt else req.output_ids[position - prompt]
 
 
-def take_due(core: "NativeBatchCore", decoding: list[Request]) -> dict[int, Request] | None:
+def take_due(core: "CoreState", decoding: list[Request]) -> dict[int, Request] | None:
     """The requests whose forced tokens wait for their KV and are still due (None for
     none); one not decoding in this step keeps its place for a later one."""
     due = still_due(core.jump_due) if core.jump_due else None

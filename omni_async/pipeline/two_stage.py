@@ -165,7 +165,7 @@ class TwoStagePipeline:
         *,
         device: str = "cpu",
         devices: tuple[str, str] | None = None,
-        loop: str = "normal",
+        loop: str | None = None,
         shares: tuple[float | int | None, float | int | None] = (None, None),
         dtype: Any = None,
         seeds: tuple[int, int] = (0, 1),

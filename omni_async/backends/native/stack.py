@@ -75,7 +75,8 @@ def load_cpu_kernels(plan: StagePlan) -> None:
 
 
 def runner_options(plan: StagePlan, fused_kernels: bool) -> dict[str, Any]:
-    """The runner's constructor options the plan decides."""
+    """The runner's constructor options the plan decides (``fused_kernels``: the plan's
+    ``config.fused_kernels``)."""
     return dict(
         fused_kernels=fused_kernels,
         cpu_attention_kernel=plan.cpu_attention_kernel,

@@ -1,4 +1,4 @@
-"""The analysis of bench/probes/gpu_gaps.py on synthetic events whose gaps are known: device
+"""The analysis of tools/gpu_gaps.py on synthetic events whose gaps are known: device
 busy, every idle gap attributed to the loop thread's innermost range at its start and end, its
 phase and the step that ended it, and the per-step tables."""
 
@@ -10,19 +10,19 @@ from pathlib import Path
 
 import pytest
 
-_PROBES = Path(__file__).resolve().parent.parent / "bench" / "probes"
+_TOOLS = Path(__file__).resolve().parent.parent / "tools"
 U = 1_000  # one microsecond in ns
 
 
 def _load(name: str):
-    sys.path.insert(0, str(_PROBES))
+    sys.path.insert(0, str(_TOOLS))
     try:
-        spec = importlib.util.spec_from_file_location(f"probe_{name}", _PROBES / f"{name}.py")
+        spec = importlib.util.spec_from_file_location(f"tool_{name}", _TOOLS / f"{name}.py")
         mod = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(mod)
         return mod
     finally:
-        sys.path.remove(str(_PROBES))
+        sys.path.remove(str(_TOOLS))
 
 
 @pytest.fixture(scope="module")
@@ -113,11 +113,11 @@ def test_no_device_work_is_one_gap(ga):
 
 
 def test_clock_offset_pairs_ranges_by_name_in_order():
-    probe = _load("gpu_gaps")
+    gaps = _load("gpu_gaps")
     mine = [(100, 150, "iteration"), (160, 170, "schedule"), (180, 200, "process")]
     # The profiler saw one more range (still open when it stopped), and its clock is 1,000 ahead.
     ann = [(1100, "iteration"), (1150, "idle"), (1161, "schedule"), (1180, "process")]
-    assert probe.clock_offset(ann, mine) == (1000, 3)
+    assert gaps.clock_offset(ann, mine) == (1000, 3)
 
 
 class _FakeEvent:
@@ -155,8 +155,8 @@ class _Prof:
 
 
 def test_device_ops_are_tied_to_the_launch_their_runtime_call_fell_in():
-    probe = _load("gpu_gaps")
-    rl = probe.RangeLog()
+    gaps = _load("gpu_gaps")
+    rl = gaps.RangeLog()
     # Our log (perf_counter): a decode launch on the loop thread, a prefill launch on the worker.
     rl.loop = [(100 * U, 200 * U, "launch.decode")]
     rl.worker = [(300 * U, 400 * U, "launch.prefill")]
@@ -173,7 +173,7 @@ def test_device_ops_are_tied_to_the_launch_their_runtime_call_fell_in():
         _Ev("gpu_user_annotation", 100 * U + off, 400 * U, corr=11),  # not device work
         _Ev("cuda_runtime", 500 * U + off, 10 * U, corr=14, name="cudaStreamSynchronize"),
     ]
-    ops, meta = probe.kineto_view(_Prof(events), rl, cuda=True)
+    ops, meta = gaps.kineto_view(_Prof(events), rl, cuda=True)
     assert sorted(ops) == [(160 * U + off, 190 * U + off, 0), (190 * U + off, 195 * U + off, 0),
                            (260 * U + off, 262 * U + off, -1), (360 * U + off, 410 * U + off, 1)]
     assert meta["annotations_paired"] == 1 and meta["clock_offset_ns"] == off
@@ -197,8 +197,8 @@ class _OldEv(_FakeEvent):
 
 
 def test_events_without_activity_types_are_told_apart_by_device_and_name():
-    probe = _load("gpu_gaps")
-    rl = probe.RangeLog()
+    gaps = _load("gpu_gaps")
+    rl = gaps.RangeLog()
     rl.loop = [(100 * U, 200 * U, "launch.decode")]
     rl.steps = [{"kind": "decode", "rows": 5, "k": 1, "tokens": 5, "launch": (100 * U, 200 * U)}]
     events = [_OldEv(False, 100 * U, 100 * U, 1, "oa.launch.decode"),  # our range (its id: the op's)
@@ -206,7 +206,7 @@ def test_events_without_activity_types_are_told_apart_by_device_and_name():
               _OldEv(False, 150 * U, U, 2, "cudaGraphLaunch"),  # CUPTI's id 2: an op's id may collide
               _OldEv(True, 160 * U, 30 * U, 2, "void gemm_kernel"),
               _OldEv(True, 100 * U, 100 * U, 2, "oa.launch.decode")]  # the annotation's GPU mirror
-    ops, meta = probe.kineto_view(_Prof(events), rl, cuda=True)
+    ops, meta = gaps.kineto_view(_Prof(events), rl, cuda=True)
     assert ops == [(160 * U, 190 * U, 0)]
     assert meta["annotations_paired"] == 1
 

@@ -1,7 +1,7 @@
 """Where the device sits idle, and what the host was doing then (``gpu_gaps.py``'s analysis).
 
 Pure Python over plain tuples, so it is tested on synthetic events
-(``tests/test_gpu_gaps_probe.py``) and runs on whatever the profiler gave:
+(``tests/test_gpu_gaps_tool.py``) and runs on whatever the profiler gave:
 
 - ``device_ops``: ``(start_ns, end_ns, step)`` per kernel / copy / set on the device, ``step``
   the index of the step whose launch enqueued it (-1 when unknown);

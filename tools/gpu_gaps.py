@@ -18,7 +18,7 @@ step through the CUDA runtime / driver call that launched it (CUPTI correlation 
 the launch range that call fell in. With ``--smoke`` (CPU, tiny model) the "device" is the
 worker thread's forwards (the CPU runner's launch).
 
-    python bench/probes/gpu_gaps.py [--loops overlap,normal] [--mode sampled[,greedy]]
+    python tools/gpu_gaps.py [--loops overlap,normal] [--mode sampled[,greedy]]
         [--requests 256] [--out $OUT/gpu_gaps.json] [--trace-dir DIR] [--smoke]
 """
 
@@ -38,9 +38,8 @@ from typing import Any, Callable
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))  # _common and the benchmarks
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's omni_async
 
 from _common import LOOPS, save_json  # noqa: E402
 from gap_analysis import analyse, print_loop, print_summary  # noqa: E402

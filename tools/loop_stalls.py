@@ -14,8 +14,8 @@ Two scenarios, each with the cyclic GC on (as in production):
 
 Results: bench/results/loop_stalls.json (or --out). ``--device cuda`` runs on the GPU.
 
-    python bench/loop_stalls.py                     # both scenarios, tiny on CPU
-    python bench/loop_stalls.py --scenarios burst --device cuda --requests 2000
+    python tools/loop_stalls.py                     # both scenarios, tiny on CPU
+    python tools/loop_stalls.py --scenarios burst --device cuda --requests 2000
 """
 
 from __future__ import annotations
@@ -23,10 +23,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
-import _common as C
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))  # _common and the benchmarks
+import _common as C  # noqa: E402
 
 from omni_async import Engine, SamplingParams, errors
 

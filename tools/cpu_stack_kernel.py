@@ -12,7 +12,7 @@ sets it (``OMNI_ASYNC_CPU_ROW_SPLIT``: rows per thread from which a step splits 
 checkouts, alternating, for an A/B (each builds its own extension).
 Results: bench/results/cpu_stack_kernel.json (``--out`` to rename).
 
-    python bench/cpu_stack_kernel.py --rows 1,16 --threads 2 --repeats 5
+    python tools/cpu_stack_kernel.py --rows 1,16 --threads 2 --repeats 5
 """
 
 from __future__ import annotations
@@ -21,8 +21,10 @@ import argparse
 import statistics
 import sys
 import time
+from pathlib import Path
 
-import _common as C
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))  # _common and the benchmarks
+import _common as C  # noqa: E402
 
 import torch
 

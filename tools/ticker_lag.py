@@ -7,7 +7,7 @@ For each (loop, GIL switch interval, step launch) variant, one warmed-up W256 ru
   where the loop thread and the forward worker are (innermost frames), so the long turns
   name their call sites.
 
-    python bench/probes/ticker_lag.py --loops overlap,normal --switch 0.005,0.0005 --out $OUT/ticker.json
+    python tools/ticker_lag.py --loops overlap,normal --switch 0.005,0.0005 --out $OUT/ticker.json
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: _common and the benchmarks
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))  # _common and the benchmarks
 from gpu_saturation import StepTimeline, apply_gc_mode, engine, warm_up  # noqa: E402
 from gpu_suite import QWEN05, make_checkpoint, pct, workload  # noqa: E402
 

@@ -18,10 +18,10 @@ same layers, today's (the elementwise kernel, then cuBLAS) against the fused one
 default tiling and at each tiling of a small sweep. ``fused_tuned`` is the layer with the
 best tiling found for each GEMM. Stops sweeping at ``--budget-s`` and saves what it has.
 
-    python bench/probes/small_m_layer.py --out bench/results/small_m_layer_h200.json
+    python tools/small_m_layer.py --out bench/results/small_m_layer_h200.json
         # meant to take < 3 min on the H200 (not yet run there): mostly Triton compiles
         # (~200 variants), bounded by --budget-s; a second run hits Triton's cache
-    python bench/probes/small_m_layer.py --smoke     # CPU, Triton's interpreter, tiny shapes
+    python tools/small_m_layer.py --smoke     # CPU, Triton's interpreter, tiny shapes
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ if "--smoke" in sys.argv:  # the interpreter is chosen when Triton is first impo
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))  # _common and the benchmarks
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's omni_async
 
 from _common import machine_facts, save_json  # noqa: E402
 from graph_timer import graph_timer  # noqa: E402

@@ -16,7 +16,7 @@ call per op), each run in a process of its own, the repeats interleaved, the spr
 shown; the machine's load average is recorded with every run.
 Results: bench/results/cpu_decode_profile_<config>.json.
 
-    python bench/cpu_decode_profile.py --config default --tokens 64 --paths stack,per-op --repeats 3
+    python tools/cpu_decode_profile.py --config default --tokens 64 --paths stack,per-op --repeats 3
 """
 
 from __future__ import annotations
@@ -29,12 +29,12 @@ import os
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
-import _common as C
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))  # _common and the benchmarks
+import _common as C  # noqa: E402
 
 import torch
 

@@ -7,7 +7,7 @@ under cProfile and torch.profiler (CPU and CUDA activity). Writes, under ``--out
 ``b1_torch.txt`` (kernel and op table) and ``summary.json`` (tok/s with and without the
 profiler, steps, calls per token).
 
-    python bench/probes/nv256_profile.py --out-dir $OUT/profile [--loop overlap] [--requests 256]
+    python tools/nv256_profile.py --out-dir $OUT/profile [--loop overlap] [--requests 256]
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))  # _common and the benchmarks
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's omni_async
 
 from nv256 import QWEN05, SMOKE_SHAPE, Workload, make_checkpoint, run_nv  # noqa: E402
 

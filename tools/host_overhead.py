@@ -28,9 +28,9 @@ run it also reports the host's milliseconds per decode step and per prefill step
 from scheduling a step to scheduling the next, by the kind of the first: exact in the
 normal loop) and per prompt token of the prefill steps.
 
-    python bench/host_overhead.py --batches 256,64 --repeats 3
-    python bench/host_overhead.py --requests 256,1024 --loops overlap --decode-steps 8 --fused --gc tuned --profile
-    python bench/host_overhead.py --code /tmp/before --code . --labels before,after
+    python tools/host_overhead.py --batches 256,64 --repeats 3
+    python tools/host_overhead.py --requests 256,1024 --loops overlap --decode-steps 8 --fused --gc tuned --profile
+    python tools/host_overhead.py --code /tmp/before --code . --labels before,after
 """
 
 from __future__ import annotations
@@ -50,7 +50,8 @@ from pathlib import Path
 
 import numpy as np
 
-BENCH = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parent
+BENCH = HERE.parent / "bench"  # _common
 LOOPS = ("normal", "overlap", "async_decode")
 
 
@@ -528,7 +529,7 @@ async def profile_runs(engines: dict, reqs: list[list[int]], new: int | list[int
 
 def run_child(code: str, args) -> dict:
     cmd = [
-        sys.executable, str(BENCH / "host_overhead.py"), "--child", "--batches", args.batches, "--loops", args.loops,
+        sys.executable, str(HERE / "host_overhead.py"), "--child", "--batches", args.batches, "--loops", args.loops,
         "--new", str(args.new), "--child-repeats", "1",
         "--device-us", str(args.device_us), "--prefill-us-per-token", str(args.prefill_us_per_token), "--decode-steps", args.decode_steps,
         "--requests", args.requests, "--nv-new", args.nv_new, "--max-running", str(args.max_running),
@@ -576,7 +577,7 @@ def main() -> int:
     if args.child:
         print(json.dumps(run_async(child_main(args))))
         return 0
-    codes = args.code or [str(BENCH.parent)]
+    codes = args.code or [str(HERE.parent)]
     labels = args.labels.split(",") if args.labels else [Path(c).resolve().name for c in codes]
     per: dict[str, list[dict]] = {label: [] for label in labels}
     for rep in range(args.repeats):

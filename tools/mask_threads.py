@@ -22,8 +22,8 @@ Its rows are the same states computed again and again: llguidance's mask at a st
 before costs ~3.5x less than at a new one, the only kind the engine masks (``mask_cost.py --library``),
 so its us a row are not the engine's (17 against 64 on the H200 host, 2026-12-05).
 
-    python bench/probes/mask_threads.py --rows 256 --threads 2,4,8 --compilers 1,8 --repeats 15
-    python bench/probes/mask_threads.py --smoke          # byte vocabulary, seconds
+    python tools/mask_threads.py --rows 256 --threads 2,4,8 --compilers 1,8 --repeats 15
+    python tools/mask_threads.py --smoke          # byte vocabulary, seconds
 """
 
 from __future__ import annotations
@@ -39,8 +39,8 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))  # _common and the benchmarks
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's omni_async
 
 from _common import machine_facts, save_json  # noqa: E402
 from constrained import SCHEMA  # noqa: E402

@@ -16,11 +16,11 @@ thread's accept time, its wait at the fill, the worker's library calls and secon
 how much Python the busy spell got through (the GIL's share the worker left the loop).
 ``--threads N`` sizes llguidance's pool for the ticket (0: one thread; the engine uses
 the pool only where OMNI_ASYNC_GRAMMAR_THREADS=pool:N asks for one, ``prefetch.pool_threads``;
-the worker's own slice threads are ``bench/probes/mask_threads.py``'s).
+the worker's own slice threads are ``tools/mask_threads.py``'s).
 
-    python bench/probes/grammar_batch.py --rows 128 --steps 40          # SmolLM2's vocabulary
-    python bench/probes/grammar_batch.py --smoke                         # byte vocabulary, seconds
-    python bench/probes/grammar_batch.py --tokenizer-dir /tmp/omni-bench-checkpoints/qwen05-smol
+    python tools/grammar_batch.py --rows 128 --steps 40          # SmolLM2's vocabulary
+    python tools/grammar_batch.py --smoke                         # byte vocabulary, seconds
+    python tools/grammar_batch.py --tokenizer-dir /tmp/omni-bench-checkpoints/qwen05-smol
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))  # _common and the benchmarks
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's omni_async
 
 from _common import machine_facts, save_json  # noqa: E402
 from constrained import SCHEMA  # noqa: E402

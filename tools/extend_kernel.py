@@ -10,7 +10,7 @@ Each launch shape is checked against a float32 torch reference, then timed with 
 events (20 launches per sample, repeats interleaved across shapes). The fastest shape
 over both cases is what ``omni_async.kernels.paged_extend.TUNING`` should hold.
 
-    python bench/probes/extend_kernel.py --out results.json [--repeats 3]
+    python tools/extend_kernel.py --out results.json [--repeats 3]
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))  # _common and the benchmarks
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's omni_async
 
 from omni_async.kernels.paged_extend import TUNING, paged_extend_attention  # noqa: E402
 

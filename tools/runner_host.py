@@ -7,18 +7,18 @@ package (for a before/after comparison: both write JSON under bench/results/).
 The script speaks both runner contracts (``launch``/``collect`` and the older
 ``launch_step``/``finish_step``).
 
-    python bench/probes/runner_host.py --batches 64,256 --steps 30
-    python bench/probes/runner_host.py --code /path/to/older/checkout --label before
+    python tools/runner_host.py --batches 64,256 --steps 30
+    python tools/runner_host.py --code /path/to/older/checkout --label before
 
 ``--launch`` measures the decode launch and collect alone as the CUDA path runs them
 (issue 42): k forwards a step through the fused launch's host path (``assign``,
 ``plan_fused``, the ``[B, 5]`` inputs, ``publish_steps``, the host copy) with the
-replay replaced by a null one (as ``bench/host_overhead.py --fused`` does), thread CPU
+replay replaced by a null one (as ``tools/host_overhead.py --fused`` does), thread CPU
 time per row, for a steady batch (every row decodes every step) and one with churn
 (rows finish and others join between decode steps). With ``--code`` given more than once
 each checkout runs in its own process, interleaved per repeat (before/after):
 
-    python bench/probes/runner_host.py --launch --batches 64,256 --k 8 --code /work/main --code . --labels main,branch
+    python tools/runner_host.py --launch --batches 64,256 --k 8 --code /work/main --code . --labels main,branch
 
 With ``--device cuda`` the launch is the real one on the GPU (the tiny model, its fused
 graphs replayed) and the figures are the host's CPU time around it.
@@ -33,7 +33,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: _common and the benchmarks
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))  # _common and the benchmarks
 
 
 def _timed(fn, *args, **kw):
@@ -133,7 +133,7 @@ def sampler_costs(bs: int, vocab: int, kind: str, reps: int = 5) -> float:
 def _null_runner(runner) -> None:
     """The runner's device work replaced by what the CUDA path costs the host around it:
     prefill without a forward, a fused decode's replay as the host calls around a graph
-    replay (``bench/host_overhead.py``'s null device) and one op for its tokens."""
+    replay (``tools/host_overhead.py``'s null device) and one op for its tokens."""
     import torch
 
     from host_overhead import StaticInputs, replay_host_calls, route_fused_launches
@@ -278,7 +278,7 @@ def launch_main(args) -> int:
     here = Path(__file__).resolve()
     from _common import machine_facts, save_json
 
-    codes = args.code_list or [str(here.parents[2])]
+    codes = args.code_list or [str(here.parents[1])]
     labels = args.labels.split(",") if args.labels else [Path(c).resolve().name for c in codes]
     runs: dict[str, list[dict]] = {label: [] for label in labels}
     for rep in range(args.repeats):
@@ -347,7 +347,7 @@ def main() -> int:
         return 0
     if args.launch:
         return launch_main(args)
-    args.code = (args.code_list or [str(Path(__file__).resolve().parents[2])])[0]
+    args.code = (args.code_list or [str(Path(__file__).resolve().parents[1])])[0]
     sys.path.insert(0, str(Path(args.code).resolve()))
     import torch
 

@@ -3,7 +3,7 @@
 forwards a step, thread CPU time, no model, no runner. With ``--code`` given more than
 once each checkout runs in its own process, interleaved per repeat (before/after).
 
-    python bench/probes/core_decode_step.py --code /tmp/before --code . --labels before,after
+    python tools/core_decode_step.py --code /tmp/before --code . --labels before,after
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))  # _common and the benchmarks
 from _common import add_checkout_options, checkouts, machine_facts, run_child, save_json, spread_summary  # noqa: E402
 
 def one_run(batch: int, k: int, steps: int, lookahead: bool = False) -> dict[str, float]:
