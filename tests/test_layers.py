@@ -173,6 +173,13 @@ FORBIDDEN: list[tuple[str, tuple[str, ...]]] = [
 ]
 
 
+# Speech (a pipeline of stages over the native backend) sits above every layer it uses:
+# nothing below it imports it; the server and the command line may.
+FORBIDDEN += [(P + layer, (P + "speech",)) for layer in
+              ("core", "stage", "scheduler", "loops", "runners", "models", "kv", "kernels", "backends", "client", "text",
+               "structured", "engine", "pipeline")]
+
+
 def _graph(module_level_only: bool, checker: _Imports = _DEFAULT, type_level: bool = False) -> dict[str, set[str]]:
     """Module -> the modules of the package it imports (``type_level``: the ``if
     TYPE_CHECKING:`` imports too). A package's ``__init__`` counts like any module: a
