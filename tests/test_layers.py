@@ -175,9 +175,11 @@ FORBIDDEN: list[tuple[str, tuple[str, ...]]] = [
 
 # Speech (a pipeline of stages over the native backend) sits above every layer it uses:
 # nothing below it imports it; the server and the command line may.
-FORBIDDEN += [(P + layer, (P + "speech",)) for layer in
-              ("core", "stage", "scheduler", "loops", "runners", "models", "kv", "kernels", "backends", "client", "text",
-               "structured", "engine", "pipeline")]
+_BELOW_SPEECH = ("core", "stage", "scheduler", "loops", "runners", "models", "kv", "kernels", "backends", "client", "text",
+                 "structured", "engine", "pipeline")
+FORBIDDEN = [(prefix, banned + ((P + "speech",) if prefix.removeprefix(P).split(".")[0] in _BELOW_SPEECH else ()))
+             for prefix, banned in FORBIDDEN]
+FORBIDDEN += [(P + layer, (P + "speech",)) for layer in _BELOW_SPEECH if P + layer not in dict(FORBIDDEN)]
 
 
 def _graph(module_level_only: bool, checker: _Imports = _DEFAULT, type_level: bool = False) -> dict[str, set[str]]:
