@@ -16,10 +16,11 @@ from typing import Any
 import torch
 
 from ..backends.native.builder import build_scheduler, log_plan
-from ..backends.native.facts import checkpoint_facts, device_facts
+from ..backends.native.facts import entry_facts, loaded_facts
 from ..backends.native.kv_sizing import kv_cache
 from ..backends.native.stack import assemble_stack, build_off_this_thread, load_cpu_kernels, runner_options
 from ..config import SchedulerConfig
+from ..core.cpu_choices import plan_load
 from ..core.plan import plan_stage
 from ..engine import Engine, check_device
 from ..errors import ModelLoadError
@@ -91,12 +92,17 @@ def build_speech_stage(path_or_name: str, *, device: str = "cpu", loop: str = "o
     limits.setdefault("cuda_graph_max_batch", 128)
     config = SchedulerConfig.from_kwargs(loop=loop, **limits)
 
+    # The facts read once at the plan's entry; the weights stay as the caller asked (None:
+    # float32 on the CPU, reference-exact, and the checkpoint's dtype elsewhere).
+    machine, stored = entry_facts(path_or_name, dev, config, dtype)
+    load = plan_load(config, machine, stored, dtype)
+
     def build() -> SpeechStage:
         model, tokenizer, folder = _model(path_or_name, dev, dtype, seed)
         name = str(folder) if folder is not None else str(path_or_name)
         loaded = LoadedModel(model.talker, model.config.talker, None, name, "safetensors" if folder else "builtin",
                              name=None if folder else str(path_or_name))
-        plan = plan_stage(config, device_facts(dev), checkpoint_facts(name, loaded), dtype=dtype)
+        plan = plan_stage(load.config, *loaded_facts(machine, stored, dev, loaded), dtype=dtype, load=load)
         log_plan(plan)
         load_cpu_kernels(plan)
         runner = SpeechRunner(model, kv_cache(loaded, plan.page_size, dev, plan.kv_pages), dev, seed=seed,
