@@ -99,6 +99,7 @@ def assemble_stack(
         eos_token_ids=cfg.eos_token_ids,
         grammar_compiler=GrammarCompiler(loaded.tokenizer, cfg.vocab_size) if loaded.tokenizer is not None else None,
         hidden_size=cfg.hidden_size if tensor_parallel is None else None,  # other ranks get no embeddings
+        embeds_dtype=loaded.model.model.embed_tokens.weight.dtype,
     )
     if plan.own_stream:
         runner.use_own_stream(device)
