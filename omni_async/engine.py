@@ -246,6 +246,7 @@ class Engine:
         return await maybe_marshal(
             self._loop,
             lambda: self._submit_here(prompt, input_ids, messages, sampling, request_id, metadata, add_special_tokens, input_embeds),
+            self._router.abort,  # a caller on another loop cancelled after the request was sent
         )
 
     async def _submit_here(

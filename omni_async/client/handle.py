@@ -9,6 +9,7 @@ early.
 
 from __future__ import annotations
 
+import asyncio
 import copy
 from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, NoReturn
 
@@ -60,7 +61,20 @@ class RequestHandle:
     # ------------------------------------------------------------ readers
 
     async def result(self) -> GenerationResult:
-        return await maybe_marshal(self._hooks.event_loop(), self._result_here)
+        own = self._hooks.event_loop()
+        if not foreign_loop(own):
+            return await self._result_here()
+        try:
+            return await maybe_marshal(own, self._result_here)
+        except asyncio.CancelledError:
+            # Cancelled on the caller's loop: ``_result_here`` may never have started on
+            # the engine's loop (cancelled before its first step), so abort from here.
+            call_soon_on(own, self._abort_unless_done)
+            raise
+
+    def _abort_unless_done(self) -> None:
+        if not self.done:
+            self._hooks.abort(self)
 
     async def _result_here(self) -> GenerationResult:
         if not self.done:
