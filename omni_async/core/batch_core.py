@@ -40,11 +40,16 @@ class NativeBatchCore(BatchCore):
         decode_steps: DecodeSteps = DecodeSteps(),
         multi_step_allowed: Callable[[], bool] = lambda: True,
         mixed_allowed: Callable[[], bool] = lambda: True,
+        hidden_for_all: bool = False,
     ) -> None:
         """``decode_steps``: forwards per decode step by batch size (the stage's plan);
         ``multi_step_allowed`` / ``mixed_allowed``: the runner's say, asked before each
-        multi-step decode / each prefill step that would carry the running decodes."""
+        multi-step decode / each prefill step that would carry the running decodes;
+        ``hidden_for_all``: every row's hidden states go out with its tokens (a stage
+        built with ``capture_hidden``), so no row may take tokens without their forwards
+        (jump-forward)."""
         self.config = config
+        self.hidden_for_all = hidden_for_all
         self.allocator = allocator
         self.kv = PrefixCache(allocator, enabled=config.enable_prefix_cache)
         self.page_size = allocator.page_size
@@ -338,7 +343,8 @@ class NativeBatchCore(BatchCore):
         for req in rewound:  # (structured.optimistic)
             rewind(req)
         if self.config.jump_forward and (batch.grammar_rows or batch.row_steps is None):  # before the masks are queued:
-            jump_rows(outcomes, finishes, self.context_length, jump_most(self.decode_plan, self.page_size), self.jump_due)
+            jump_rows(outcomes, finishes, self.context_length, jump_most(self.decode_plan, self.page_size), self.jump_due,
+                      hidden_for_all=self.hidden_for_all)
         if accepted:  # (a row that jumped is queued at the end of its run; a finished one is not queued)
             from ..structured.grammar import prefetch_all  # here: a core without grammars imports no tokenizer
             prefetch_all([m for m in accepted if not m.complete] if self.config.jump_forward else accepted)

@@ -106,5 +106,5 @@ def assemble_stack(
     if plan.graph_max_len is not None:
         runner.enable_cuda_graphs(scratch_page=plan.kv_pages, max_len=plan.graph_max_len, max_batch=plan.graph_max_batch)
     core = NativeBatchCore(plan.config, allocator, plan.context_length, decode_steps=plan.decode_steps, multi_step_allowed=runner.multi_step_allowed,
-                           mixed_allowed=runner.mixed_prefill_allowed)
+                           mixed_allowed=runner.mixed_prefill_allowed, hidden_for_all=runner.capture_hidden)
     return NativeStack(loaded, runner.kv, allocator, runner, core, limits, device, tensor_parallel, plan)
