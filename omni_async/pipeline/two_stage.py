@@ -13,7 +13,8 @@ only its own conversation, never the routing of the others. A conversation held 
 with no read for ``stall_timeout`` seconds, or holding more than ``max_held`` events, is
 aborted in both stages and its reader gets :class:`~omni_async.errors.ConsumerStalledError`.
 A conversation leaves the pipeline (its id free again) once both stages' terminal
-messages reached the router, read or not. Aborting a request (or a failure in either
+messages reached the router, read or not; from then on its handle (a late reader's)
+acts on nothing in the pipeline, whatever conversation reuses the id. Aborting a request (or a failure in either
 stage) aborts it in both; the caller sees the error.
 """
 
@@ -103,14 +104,14 @@ class PipelineHandle:
                     if event.kind in ("result", "error"):
                         self._open.discard(event.stage)
                     if event.kind == "error":
-                        self._pipeline.abort(self.request_id)
+                        self._pipeline._abort_own(self)
                         err = event.data
                         raise err if isinstance(err, BaseException) else errors.RequestFailedError(str(err))
                     yield event
         finally:
             if self._open:  # the reader left early: nothing more is kept for it
                 self._pipeline._drop(self)
-                self._pipeline.abort(self.request_id)
+                self._pipeline._abort_own(self)
 
     async def results(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
@@ -273,6 +274,18 @@ class TwoStagePipeline:
         self.first.abort(request_id)
         self.second.abort(request_id)
 
+    def _owns(self, handle: PipelineHandle) -> bool:
+        """Whether ``handle``'s conversation is the one its id names in the pipeline now:
+        once it has left, the id may belong to a new conversation, which a late reader
+        of the old handle must never touch."""
+        return self._handles.get(handle.request_id) is handle
+
+    def _abort_own(self, handle: PipelineHandle) -> None:
+        """Abort ``handle``'s conversation in both stages, if it is still in the pipeline
+        (one that left has ended in both already)."""
+        if self._owns(handle):
+            self.abort(handle.request_id)
+
     # ------------------------------------------------------------ routing
 
     async def _route(self, stage: int) -> None:
@@ -337,9 +350,11 @@ class TwoStagePipeline:
         while held and len(handle._events) < handle._buffer:
             stage, msg = held.popleft()
             self._hand_over(handle, stage, msg)
+        if not self._owns(handle):  # it left: the stall entry under its id is another's
+            return
         rid = handle.request_id
         self._stalled.pop(rid, None)
-        if held and not handle._left:
+        if held:
             self._stalled[rid] = anyio.current_time()  # a read: its deadline starts again
 
     def _on_held(self, handle: PipelineHandle) -> None:
@@ -354,7 +369,8 @@ class TwoStagePipeline:
         """Keep nothing more for this conversation (its terminals still take it out)."""
         handle._dropped = True
         handle._held.clear()
-        self._stalled.pop(handle.request_id, None)
+        if self._owns(handle):
+            self._stalled.pop(handle.request_id, None)
 
     def _give_up(self, handle: PipelineHandle, why: str) -> None:
         rid = handle.request_id
