@@ -29,6 +29,7 @@ import anyio
 from .. import errors
 from ..messages import IncomingMessage, OutgoingMessage
 from ..scheduler import AsyncOmniScheduler
+from .step_queue import StepQueue
 
 
 @dataclass
@@ -400,36 +401,3 @@ class TwoStagePipeline:
                 if handle is not None:
                     self._give_up(handle, f"its reader read nothing for {self.stall_timeout:g} s "
                                   f"with {len(handle._held)} events held back (stall_timeout={self.stall_timeout:g})")
-
-
-class StepQueue:
-    """A stage's output sink for the router: each step's messages appended in one call
-    (on the loop thread, inside the stage's step), read back one by one by the router
-    task, which is woken once per batch of steps rather than once per message."""
-
-    def __init__(self) -> None:
-        self._messages: deque[OutgoingMessage] = deque()
-        self._ready = anyio.Event()
-        self._closed = False
-
-    @property
-    def pending(self) -> int:
-        return len(self._messages)
-
-    def put(self, messages: list[OutgoingMessage]) -> None:
-        self._messages.extend(messages)
-        self._ready.set()
-
-    def close(self) -> None:
-        self._closed = True
-        self._ready.set()
-
-    async def __aiter__(self) -> AsyncIterator[OutgoingMessage]:
-        messages = self._messages
-        while True:
-            while messages:
-                yield messages.popleft()
-            if self._closed:
-                return
-            self._ready = anyio.Event()
-            await self._ready.wait()
