@@ -39,17 +39,13 @@ class NativeBatchCore(BatchCore):
         context_length: int,
         decode_steps: DecodeSteps = DecodeSteps(),
         multi_step_allowed: Callable[[], bool] = lambda: True,
-        mixed_allowed: Callable[[], bool] = lambda: True,
-        hidden_for_all: bool = False,
+        mixed_allowed: Callable[[], bool] = lambda: True, hidden_for_all: bool = False,
     ) -> None:
         """``decode_steps``: forwards per decode step by batch size (the stage's plan);
         ``multi_step_allowed`` / ``mixed_allowed``: the runner's say, asked before each
         multi-step decode / each prefill step that would carry the running decodes;
-        ``hidden_for_all``: every row's hidden states go out with its tokens (a stage
-        built with ``capture_hidden``), so no row may take tokens without their forwards
-        (jump-forward)."""
-        self.config = config
-        self.hidden_for_all = hidden_for_all
+        ``hidden_for_all``: every row's hidden states go out (``capture_hidden``): no jump-forward."""
+        self.config, self.hidden_for_all = config, hidden_for_all
         self.allocator = allocator
         self.kv = PrefixCache(allocator, enabled=config.enable_prefix_cache)
         self.page_size = allocator.page_size
@@ -69,6 +65,7 @@ class NativeBatchCore(BatchCore):
         # their epochs; the next decode step computes them. And the one-forward steps that did.
         self.jump_due: list[tuple[Request, int]] = []
         self.jump_steps = 0
+        self.prefill_tokens = 0  # positions prefill steps computed (not those from the prefix cache)
         self._step_id = self._arrivals = 0
         self.slots = DecodeSlots()  # the running rows' columns while they stay free (.decode_slots)
 
@@ -115,6 +112,7 @@ class NativeBatchCore(BatchCore):
             "num_retractions": self.num_retractions,
             "mixed_decode_rows": self.mixed_decode_rows,
             "grammar_jump_steps": self.jump_steps,
+            "prefill_tokens": self.prefill_tokens,
             **self.kv.stats(),
         }
 
@@ -203,6 +201,7 @@ class NativeBatchCore(BatchCore):
             if kept and req.matcher is not None:  # a prefill's token samples under the mask (structured.optimistic)
                 req.matcher.mask_first(req.num_generated)
             self._add_row(batch, req, n, kept and not unsampled)
+            self.prefill_tokens += n
             req.num_cached += n
             index_pages(self.kv, req)
             if kept:
@@ -343,8 +342,7 @@ class NativeBatchCore(BatchCore):
         for req in rewound:  # (structured.optimistic)
             rewind(req)
         if self.config.jump_forward and (batch.grammar_rows or batch.row_steps is None):  # before the masks are queued:
-            jump_rows(outcomes, finishes, self.context_length, jump_most(self.decode_plan, self.page_size), self.jump_due,
-                      hidden_for_all=self.hidden_for_all)
+            jump_rows(outcomes, finishes, self.context_length, jump_most(self.decode_plan, self.page_size), self.jump_due, self.hidden_for_all)
         if accepted:  # (a row that jumped is queued at the end of its run; a finished one is not queued)
             from ..structured.grammar import prefetch_all  # here: a core without grammars imports no tokenizer
             prefetch_all([m for m in accepted if not m.complete] if self.config.jump_forward else accepted)
