@@ -185,6 +185,16 @@ async def test_echo_with_n_choices(served, prompt):
         mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == index]
         assert mine[0].text.startswith(prompt)
         assert mine[0].logprobs.token_logprobs[: len(ids)] == first["logprobs"]["token_logprobs"][: len(ids)]
+    # Nothing generated: n alike choices, each echoing the prompt and its scores.
+    only = {"model": "m", "prompt": prompt, "echo": True, "logprobs": 1, "max_tokens": 0, "n": 2}
+    status, whole = await http(url, only)
+    assert status == 200, whole
+    assert [(c["index"], c["text"], c["finish_reason"]) for c in whole["choices"]] == [(0, prompt, "length"), (1, prompt, "length")]
+    zero, one = (c["logprobs"]["token_logprobs"] for c in whole["choices"])
+    assert zero == one and zero[0] is None and zero[1:] == pytest.approx(expected[1:], abs=1e-5)
+    chunks = [c async for c in await client.completions.create(stream=True, **only)]
+    for index in range(2):
+        assert "".join(c.choices[0].text for c in chunks if c.choices and c.choices[0].index == index) == prompt
 
 
 @pytest.mark.parametrize("body", [
