@@ -41,9 +41,9 @@ class NativeBatchCore(CoreState, BatchCore):
         context_length: int,
         decode_steps: DecodeSteps = DecodeSteps(),
         multi_step_allowed: Callable[[], bool] = lambda: True,
-        mixed_allowed: Callable[[], bool] = lambda: True,
+        mixed_allowed: Callable[[], bool] = lambda: True, hidden_for_all: bool = False,
     ) -> None:
-        super().__init__(config, allocator, context_length, decode_steps, multi_step_allowed, mixed_allowed)
+        super().__init__(config, allocator, context_length, decode_steps, multi_step_allowed, mixed_allowed, hidden_for_all)
         self._arrivals = 0
         self.slots = DecodeSlots()  # the running rows' columns while they stay free (.decode_slots)
 
@@ -90,6 +90,7 @@ class NativeBatchCore(CoreState, BatchCore):
             "num_retractions": self.num_retractions,
             "mixed_decode_rows": self.mixed_decode_rows,
             "grammar_jump_steps": self.jump_steps,
+            "prefill_tokens": self.prefill_tokens,
             **self.kv.stats(),
         }
 
@@ -178,6 +179,7 @@ class NativeBatchCore(CoreState, BatchCore):
             if kept and req.matcher is not None:  # a prefill's token samples under the mask (structured.optimistic)
                 req.matcher.mask_first(req.num_generated)
             self.add_row(batch, req, n, kept and not unsampled)
+            self.prefill_tokens += n
             req.num_cached += n
             index_pages(self.kv, req)
             if kept:
@@ -300,7 +302,7 @@ class NativeBatchCore(CoreState, BatchCore):
         for req in rewound:  # (structured.optimistic)
             rewind(req)
         if self.config.jump_forward and (batch.grammar_rows or batch.row_steps is None):  # before the masks are queued:
-            jump_rows(outcomes, finishes, self.context_length, jump_most(self.decode_plan, self.page_size), self.jump_due)
+            jump_rows(outcomes, finishes, self.context_length, jump_most(self.decode_plan, self.page_size), self.jump_due, self.hidden_for_all)
         if accepted:  # (a row that jumped is queued at the end of its run; a finished one is not queued)
             from ..structured.grammar import prefetch_all  # here: a core without grammars imports no tokenizer
             prefetch_all([m for m in accepted if not m.complete] if self.config.jump_forward else accepted)

@@ -52,11 +52,13 @@ class CoreState:
         decode_steps: DecodeSteps = DecodeSteps(),
         multi_step_allowed: Callable[[], bool] = lambda: True,
         mixed_allowed: Callable[[], bool] = lambda: True,
+        hidden_for_all: bool = False,
     ) -> None:
         """``decode_steps``: forwards per decode step by batch size (the stage's plan);
         ``multi_step_allowed`` / ``mixed_allowed``: the runner's say, asked before each
-        multi-step decode / each prefill step that would carry the running decodes."""
-        self.config = config
+        multi-step decode / each prefill step that would carry the running decodes;
+        ``hidden_for_all``: every row's hidden states go out (``capture_hidden``): no jump-forward."""
+        self.config, self.hidden_for_all = config, hidden_for_all
         self.allocator = allocator
         self.kv = PrefixCache(allocator, enabled=config.enable_prefix_cache)
         self.page_size = allocator.page_size
@@ -69,6 +71,7 @@ class CoreState:
         self.chunked: Request | None = None
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
         self.num_retractions = 0
+        self.prefill_tokens = 0  # positions prefill steps computed (not those from the prefix cache)
         self.mixed_decode_rows = 0  # decode rows carried by prefill steps (mixed_prefill)
         self.decodes_waited = False  # the last step was a prefill step without the running decodes
         self.prefill_deferrals = 0  # decode steps run since a prefill turn was deferred (.mixed_prefill.prefill_turn)

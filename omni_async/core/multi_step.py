@@ -284,9 +284,10 @@ def _take_guessed(req: Request, row: list[int], limit: int, stop_ids: frozenset[
 
 
 def jump_rows(outcomes: Sequence[StepOutcome], finishes: list[tuple[Request, str]], context_length: int, most: int,
-              due: list[tuple[Request, int]]) -> None:
+              due: list[tuple[Request, int]], hidden_for_all: bool = False) -> None:
     """After a step's processing: each live row under a grammar that may jump
-    (:func:`omni_async.structured.jump.can_jump`) takes the tokens its grammar now forces,
+    (:func:`omni_async.structured.jump.can_jump`; none where ``hidden_for_all``: the
+    stage hands every row's hidden states on) takes the tokens its grammar now forces,
     at most ``most`` (its outcome carries them; it ends if they end it). The requests
     left with tokens to compute go into ``due`` with their epoch: their next step
     computes them (:func:`feed_rows`, or :func:`omni_async.core.mixed_prefill.jump_step`)."""
@@ -294,7 +295,7 @@ def jump_rows(outcomes: Sequence[StepOutcome], finishes: list[tuple[Request, str
 
     for oc in (outcomes.rest if type(outcomes) is StepOutcomes else outcomes):  # a plain row has no grammar
         req = oc.req
-        if req.matcher is None or oc.finished or oc.token is None or not can_jump(req):
+        if req.matcher is None or oc.finished or oc.token is None or not can_jump(req, hidden_for_all):
             continue
         run, reason = jump_forward(req, context_length, most)
         if not run:
