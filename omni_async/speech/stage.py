@@ -90,6 +90,11 @@ def build_speech_stage(path_or_name: str, *, device: str = "cpu", loop: str = "o
     # Frame graphs hold a whole frame (16 forwards): buckets up to 128 streams keep their
     # capture in seconds; larger steps run eagerly.
     limits.setdefault("cuda_graph_max_batch", 128)
+    # A stream's KV is its prompt and frames (12.5 a second): 32,768 positions hold 64
+    # streams of 40 s each. Filling the device's free memory, as text stages do, would
+    # leave the codec and the predictor's frames nothing and hold gigabytes no stream uses.
+    if dev.type == "cuda" and "memory_budget" not in limits:
+        limits.setdefault("kv_capacity_tokens", 32768)
     config = SchedulerConfig.from_kwargs(loop=loop, **limits)
 
     # The facts read once at the plan's entry; the weights stay as the caller asked (None:
