@@ -138,6 +138,22 @@ async def test_sse_events_decode_to_the_whole_responses_pcm(served):
                               "usage": {"input_tokens": len(TEXT.encode()), "output_tokens": FRAMES, "total_tokens": len(TEXT.encode()) + FRAMES}}
     greedy = await _speech(client, response_format="pcm", **GREEDY)
     assert greedy != pcm  # the seeded request sampled: the comparison above was not the greedy one twice
+    _, streamed_wav = await _streamed(client, "audio", "wav", **GREEDY)
+    _, body = await _streamed(client, "sse", "wav", **GREEDY)
+    deltas = [base64.b64decode(e["audio"]) for e in _sse(body) if e["type"] == "speech.audio.delta"]
+    assert b"".join(deltas) == streamed_wav and deltas[0][:4] == b"RIFF"  # a wav's deltas: the streamed file's bytes
+
+
+async def test_concurrent_requests_each_get_the_audio_they_get_alone(served):
+    """Three at once, of other lengths, voices and sampling, each as it sounds alone."""
+    _, _, client = served
+    asks = [dict(voice=VOICE, **GREEDY), dict(voice="vivian", input="Another, longer sentence to speak.", **{**GREEDY, "max_frames": 11}),
+            dict(voice="ryan", max_frames=9, seed=3, ignore_eos=True)]
+    alone = [await _speech(client, response_format="pcm", **dict(a)) for a in asks]
+    together = await asyncio.gather(*(_speech(client, response_format="pcm", **dict(a)) for a in asks))
+    assert [len(a) for a in together] == [len(a) for a in alone] == [2 * n * SAMPLES_PER_FRAME for n in (FRAMES, 11, 9)]
+    for mine, own in zip(together, alone):  # the same codes; decoded beside other streams, the floats may differ in the last bit
+        assert np.abs(np.frombuffer(mine, "<i2").astype(int) - np.frombuffer(own, "<i2")).max() <= 1
 
 
 @pytest.mark.parametrize(
@@ -229,3 +245,16 @@ async def test_a_client_leaving_a_whole_response_aborts_its_request(served):
     assert tts.info()["speech"]["codec_frames"] < 3000
     _, text = await _http_get(f"{url}/metrics")
     assert _samples(text)[("omni_async_speech_requests_total", (("finish_reason", "abort"), ("model", "tts-tiny")))] == 1
+
+
+async def test_api_key_and_served_model_name():
+    tts = SpeechPipeline.from_pretrained("tts-tiny", loop="normal")
+    async with running_server(tts, api_key="sesame", model_name="my-voice") as url:
+        async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0) as stranger:
+            with pytest.raises(openai.AuthenticationError):
+                await _speech(stranger, **GREEDY)
+        async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="sesame", max_retries=0) as client:
+            res = await client.audio.speech.create(model="my-voice", input=TEXT, voice=VOICE, response_format="pcm", extra_body=GREEDY)
+            assert len(res.content) == 2 * FRAMES * SAMPLES_PER_FRAME
+            assert [m.id for m in (await client.models.list()).data] == ["my-voice"]
+        assert (await _http_get(f"{url}/health"))[0] == 200  # open without the key

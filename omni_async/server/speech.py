@@ -41,7 +41,7 @@ from .handlers import add_error_handlers
 from .metrics import CONTENT_TYPE_LATEST
 from .options import ApiKeyGuard
 from .speech_metrics import SpeechMetrics, Utterance
-from .speech_protocol import FORMATS, SpeechPlan, SpeechRequest, speech_names
+from .speech_protocol import FORMATS, SPEECH_NAMES, SpeechPlan, SpeechRequest
 from .wire import FastJsonRoute, event
 
 __all__ = ["create_speech_app", "SpeechServer"]
@@ -88,7 +88,7 @@ class SpeechServer:
     # ------------------------------------------------------------ POST /v1/audio/speech
 
     async def speech(self, body: SpeechRequest, request: Request) -> Response:
-        request.state.client_names = speech_names()
+        request.state.client_names = SPEECH_NAMES
         wrong = self.check_model(body.model)
         if wrong is not None:
             return wrong
@@ -103,7 +103,9 @@ class SpeechServer:
                 return Response(status_code=499)  # nobody is listening any more
             data = wav_file(audio, self.pipeline.sample_rate) if plan.response_format == "wav" else pcm16(audio)
             return Response(data, media_type=FORMATS[plan.response_format], headers=headers)
-        first = await anext(chunks)  # a refused request raises here: answered with its status
+        completed, first = await _until_disconnect(request, anext(chunks, None))  # a refused request raises here: its status
+        if not completed:
+            return Response(status_code=499)
         if plan.stream_format == "sse":
             return StreamingResponse(self.events(body.input, chunks, first, plan, tally), media_type="text/event-stream", headers=headers)
         return StreamingResponse(self.audio(chunks, first, plan, tally), media_type=FORMATS[plan.response_format], headers=headers)
@@ -130,7 +132,7 @@ class SpeechServer:
         """What the stream starts with: a WAV header with open sizes, or nothing (pcm)."""
         return wav_header(self.pipeline.sample_rate, None) if plan.response_format == "wav" else b""
 
-    async def audio(self, chunks: AsyncIterator[AudioChunk], first: AudioChunk, plan: SpeechPlan, tally: Utterance) -> AsyncIterator[bytes]:
+    async def audio(self, chunks: AsyncIterator[AudioChunk], first: AudioChunk | None, plan: SpeechPlan, tally: Utterance) -> AsyncIterator[bytes]:
         """The body of ``stream_format: audio``: the bytes as the chunks arrive."""
         reason = None
         pending = self._opening(plan)
@@ -152,7 +154,7 @@ class SpeechServer:
             tally.finish(reason or "abort")
             await chunks.aclose()
 
-    async def events(self, text: str, chunks: AsyncIterator[AudioChunk], first: AudioChunk, plan: SpeechPlan,
+    async def events(self, text: str, chunks: AsyncIterator[AudioChunk], first: AudioChunk | None, plan: SpeechPlan,
                      tally: Utterance) -> AsyncIterator[bytes]:
         """The body of ``stream_format: sse``: a ``speech.audio.delta`` per chunk, then
         ``speech.audio.done`` with the usage; a failure after the headers is an
@@ -175,7 +177,7 @@ class SpeechServer:
             yield event({"type": "speech.audio.done", "usage": usage})
         except errors.OmniAsyncError as exc:
             reason = "error"
-            yield event({"type": "error", **body_of(exc, speech_names())[1]})
+            yield event({"type": "error", **body_of(exc, SPEECH_NAMES)[1]})
         except Exception as exc:  # a bug is still an error event
             reason = "error"
             log.error("speech_stream_failed", error=repr(exc))

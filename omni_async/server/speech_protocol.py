@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict
 from ..speech import SpeechParams
 from .errors import ClientNames, invalid
 
-__all__ = ["SpeechRequest", "SpeechPlan", "FORMATS", "STREAM_FORMATS", "speech_names"]
+__all__ = ["SpeechRequest", "SpeechPlan", "FORMATS", "STREAM_FORMATS", "SPEECH_NAMES"]
 
 FORMATS = {"wav": "audio/wav", "pcm": "audio/pcm"}
 STREAM_FORMATS = ("audio", "sse")
@@ -83,6 +83,5 @@ class SpeechPlan:
     stream_format: str | None
 
 
-def speech_names() -> ClientNames:
-    """The pipeline's errors say "text" where the request says ``input``."""
-    return ClientNames({"text": "input"}, frozenset(SpeechRequest.model_fields) - {"model"})
+# The pipeline's errors say "text" where the request says ``input``.
+SPEECH_NAMES = ClientNames({"text": "input"}, frozenset(SpeechRequest.model_fields) - {"model"})
