@@ -203,8 +203,11 @@ async def test_voices_models_health_and_metrics(served):
     assert await _http_get(f"{url}/health") == (200, json.dumps({"status": "ok"}, separators=(",", ":")))
     await _speech(client, **GREEDY)
     await _streamed(client, "sse", "pcm", **GREEDY)
+    with pytest.raises(openai.BadRequestError):
+        await _speech(client, voice="nobody", **GREEDY)
     _, text = await _http_get(f"{url}/metrics")
     samples = _samples(text)
+    assert not [k for k in samples if k[0] == "omni_async_speech_requests_total" and ("finish_reason", "length") not in k[1]]  # refused: not counted
     assert samples[("omni_async_speech_requests_total", (("finish_reason", "length"), ("model", "tts-tiny")))] == 2
     assert samples[("omni_async_speech_frames_total", (("model", "tts-tiny"),))] == 2 * FRAMES
     assert samples[("omni_async_speech_time_to_first_audio_seconds_count", (("model", "tts-tiny"),))] == 2

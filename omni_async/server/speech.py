@@ -105,53 +105,53 @@ class SpeechServer:
             return Response(data, media_type=FORMATS[plan.response_format], headers=headers)
         completed, first = await _until_disconnect(request, anext(chunks, None))  # a refused request raises here: its status
         if not completed:
+            tally.finish("abort")
             return Response(status_code=499)
         if plan.stream_format == "sse":
             return StreamingResponse(self.events(body.input, chunks, first, plan, tally), media_type="text/event-stream", headers=headers)
         return StreamingResponse(self.audio(chunks, first, plan, tally), media_type=FORMATS[plan.response_format], headers=headers)
 
     async def whole(self, chunks: AsyncIterator[AudioChunk], tally: Utterance) -> np.ndarray:
-        """The utterance's PCM (a refused request raises before anything is counted)."""
+        """The utterance's PCM. A request that fails before its first chunk (a refused
+        one) raises uncounted, as a streamed one does."""
         pieces: list[np.ndarray] = []
-        reason = None
-        started = False
         try:
             async for chunk in chunks:
-                started = True
                 tally.chunk(chunk)
                 pieces.append(chunk.audio)
-                reason = chunk.finish_reason if chunk.finished else reason
         except Exception:
-            if started:
+            if pieces:
                 tally.finish("error")
             raise
-        tally.finish(reason or "stop")
+        tally.finish()
         return np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.float32)
 
-    def _opening(self, plan: SpeechPlan) -> bytes:
-        """What the stream starts with: a WAV header with open sizes, or nothing (pcm)."""
-        return wav_header(self.pipeline.sample_rate, None) if plan.response_format == "wav" else b""
+    async def encoded(self, chunks: AsyncIterator[AudioChunk], first: AudioChunk | None, plan: SpeechPlan,
+                      tally: Utterance) -> AsyncIterator[bytes]:
+        """Each chunk's bytes as it arrives, counted as it passes; a ``wav`` stream's
+        first bytes are its header, sizes left open."""
+        pending = wav_header(self.pipeline.sample_rate, None) if plan.response_format == "wav" else b""
+        chunk = first
+        while chunk is not None:
+            tally.chunk(chunk)
+            data, pending = pending + pcm16(chunk.audio), b""
+            if data:
+                yield data
+            chunk = await anext(chunks, None)
 
-    async def audio(self, chunks: AsyncIterator[AudioChunk], first: AudioChunk | None, plan: SpeechPlan, tally: Utterance) -> AsyncIterator[bytes]:
-        """The body of ``stream_format: audio``: the bytes as the chunks arrive."""
-        reason = None
-        pending = self._opening(plan)
+    async def audio(self, chunks: AsyncIterator[AudioChunk], first: AudioChunk | None, plan: SpeechPlan,
+                    tally: Utterance) -> AsyncIterator[bytes]:
+        """The body of ``stream_format: audio``. A failure after the headers drops the
+        connection, the body left short."""
         try:
-            chunk: AudioChunk | None = first
-            while chunk is not None:
-                tally.chunk(chunk)
-                data = pending + pcm16(chunk.audio)
-                pending = b""
-                if data:
+            async with contextlib.aclosing(self.encoded(chunks, first, plan, tally)) as pieces:
+                async for data in pieces:
                     yield data
-                if chunk.finished:
-                    reason = chunk.finish_reason or "stop"
-                chunk = await anext(chunks, None)
         except Exception:
-            reason = "error"
-            raise  # after the headers: the connection is dropped, the body left short
+            tally.finish("error")
+            raise
         finally:
-            tally.finish(reason or "abort")
+            tally.finish()  # the client left: "abort", unless the utterance ended
             await chunks.aclose()
 
     async def events(self, text: str, chunks: AsyncIterator[AudioChunk], first: AudioChunk | None, plan: SpeechPlan,
@@ -159,31 +159,22 @@ class SpeechServer:
         """The body of ``stream_format: sse``: a ``speech.audio.delta`` per chunk, then
         ``speech.audio.done`` with the usage; a failure after the headers is an
         ``error`` event."""
-        reason = None
-        pending = self._opening(plan)
         try:
-            chunk: AudioChunk | None = first
-            while chunk is not None:
-                tally.chunk(chunk)
-                data = pending + pcm16(chunk.audio)
-                pending = b""
-                if data:
+            async with contextlib.aclosing(self.encoded(chunks, first, plan, tally)) as pieces:
+                async for data in pieces:
                     yield event({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode("ascii")})
-                if chunk.finished:
-                    reason = chunk.finish_reason or "stop"
-                chunk = await anext(chunks, None)
             n_in = self.input_tokens(text)
             usage = {"input_tokens": n_in, "output_tokens": tally.frames, "total_tokens": n_in + tally.frames}
             yield event({"type": "speech.audio.done", "usage": usage})
         except errors.OmniAsyncError as exc:
-            reason = "error"
+            tally.finish("error")
             yield event({"type": "error", **body_of(exc, SPEECH_NAMES)[1]})
         except Exception as exc:  # a bug is still an error event
-            reason = "error"
+            tally.finish("error")
             log.error("speech_stream_failed", error=repr(exc))
             yield event({"type": "error", **error_body(f"internal server error: {type(exc).__name__}", 500)})
         finally:
-            tally.finish(reason or "abort")
+            tally.finish()
             await chunks.aclose()
 
 

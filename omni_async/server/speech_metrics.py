@@ -29,6 +29,7 @@ class Utterance:
         self.frames = 0
         self.samples = 0
         self.first_audio: float | None = None
+        self.reason: str | None = None  # the utterance's finish reason, once its last chunk passed
         self.done = False
 
     def chunk(self, chunk: "AudioChunk") -> None:
@@ -39,12 +40,15 @@ class Utterance:
         self.samples += len(chunk.audio)
         self.metrics.frames.labels(self.metrics.model).inc(int(chunk.codes.shape[0]))
         self.metrics.audio_seconds.labels(self.metrics.model).inc(len(chunk.audio) / chunk.sample_rate)
+        if chunk.finished:
+            self.reason = chunk.finish_reason or "stop"
 
-    def finish(self, reason: str | None) -> None:
-        """Counted once: "stop", "length", "abort" (the client left) or "error"."""
+    def finish(self, reason: str | None = None) -> None:
+        """Counted once, by ``reason`` if given ("error", "abort"), else by how the
+        utterance ended ("stop", "length"), else "abort" (it did not end: the client left)."""
         if not self.done:
             self.done = True
-            self.metrics.requests.labels(self.metrics.model, reason or "error").inc()
+            self.metrics.requests.labels(self.metrics.model, reason or self.reason or "abort").inc()
 
 
 class SpeechMetrics:
