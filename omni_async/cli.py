@@ -1,5 +1,5 @@
-"""The ``omni-async`` command line: ``demo``, ``generate``, ``serve`` and
-``pipeline-demo`` (``DESCRIPTION`` is what ``--help`` says of them).
+"""The ``omni-async`` command line: ``demo``, ``generate``, ``serve``, ``pipeline-demo``
+and ``speak`` (``DESCRIPTION`` is what ``--help`` says of them).
 
 Arguments are checked before anything loads (``cli_options.preflight``), and every
 failure ends as one line on stderr with exit status 2 (usage) or 1 (runtime).
@@ -25,9 +25,11 @@ from .version import __version__
 DESCRIPTION = (
     "An asyncio-native scheduler for autoregressive model stages. Commands: demo (several "
     "requests at once, streamed, with tokens/s), generate (one answer), serve (an "
-    "OpenAI-compatible HTTP server; needs the serve extra) and pipeline-demo (a thinker "
-    "streaming into a talker). demo, generate and serve run SmolLM2-135M-Instruct (smollm2) "
-    "unless --model names another; pipeline-demo runs the built-in tiny models. "
+    "OpenAI-compatible HTTP server; needs the serve extra; a speech model is served at "
+    "/v1/audio/speech), pipeline-demo (a thinker streaming into a talker) and speak (one text "
+    "spoken into a WAV file). demo, generate and serve run SmolLM2-135M-Instruct (smollm2) "
+    "unless --model names another; pipeline-demo runs the built-in tiny models, speak the "
+    "built-in tts-tiny (random weights) unless --model names a Qwen3-TTS checkpoint. "
     "Run 'omni-async COMMAND --help' for a command's flags."
 )
 GENERATE_KV_TOKENS = 8192  # generate's KV cache unless --kv-capacity-tokens says otherwise
@@ -216,13 +218,38 @@ async def _generate(args: argparse.Namespace) -> int:
 
 async def _serve(args: argparse.Namespace) -> int:
     from .server import serve  # preflight checked the serve extra
+    from .speech.stage import is_speech_checkpoint
 
+    if is_speech_checkpoint(args.model):  # the speech app: POST /v1/audio/speech
+        from .speech.speak import load_speech
+
+        pipeline = await load_speech(args, **engine_limits(args))
+        await serve(pipeline, host=args.host, port=args.port, log_level=args.log_level, model_name=args.served_model_name, api_key=args.api_key)
+        return 0
     engine = await _load(args)
     await serve(
         engine, host=args.host, port=args.port, log_level=args.log_level, model_name=args.served_model_name, api_key=args.api_key,
         chat_template=args.chat_template, tool_call_parser=args.tool_call_parser, generation_config=args.generation_config,
     )
     return 0
+
+
+def _add_speak_parser(sub: argparse._SubParsersAction, fmt: type[argparse.HelpFormatter]) -> argparse.ArgumentParser:
+    from .speech.speak import DEFAULT_SPEECH_MODEL, MODEL_KINDS
+
+    p = sub.add_parser("speak", help=f"speak one text into a WAV file (a Qwen3-TTS model; built in: {DEFAULT_SPEECH_MODEL})", formatter_class=fmt)
+    p.add_argument("--model", default=DEFAULT_SPEECH_MODEL, help=f"the speech model: {MODEL_KINDS}")
+    p.add_argument("--text", required=True, help="what to say")
+    p.add_argument("--voice", default=None, help="the speaker (a wrong one is answered with the model's voices)")
+    p.add_argument("--language", default=None, help="the language of the text (none: auto)")
+    p.add_argument("--out", required=True, help="the WAV file to write (16-bit mono PCM)")
+    p.add_argument("--max-frames", type=int, default=None,
+                   help="80 ms frames at most (none: until the model stops; a built-in model, whose random weights never stop, 5 a word of the text)")
+    p.add_argument("--temperature", type=float, default=None, help="0 is greedy (none: the checkpoint's generation config)")
+    p.add_argument("--seed", type=int, default=None, help="the utterance's sampling seed")
+    p.add_argument("--engine-seed", type=int, default=0, help="a built-in model's weights seed")
+    add_device_flags(p)
+    return p
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -275,7 +302,8 @@ def build_parser() -> argparse.ArgumentParser:
             f"--{stage}-share", type=_share, default=None,
             help=f"the {stage}'s memory budget: a fraction of the device's total memory (0.3) or bytes (an integer)",
         )
-    for command in (demo, gen, serve, pipe):  # an unknown flag is reported with its command's usage
+    speak = _add_speak_parser(sub, fmt)
+    for command in (demo, gen, serve, pipe, speak):  # an unknown flag is reported with its command's usage
         command.set_defaults(command_parser=command)
     from .serving.ray_command import add_parser as add_serve_ray  # no Ray import until it runs
 
@@ -321,6 +349,10 @@ def _run(args: argparse.Namespace) -> int:
             return runner(_serve(args))
         except KeyboardInterrupt:  # uvicorn shut down cleanly, then passed Ctrl-C on
             return 0
+    if args.command == "speak":
+        from .speech.speak import speak
+
+        return runner(speak(args))
     if args.command == "serve-ray":
         from .serving.ray_command import run_command
 

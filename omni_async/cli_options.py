@@ -290,6 +290,22 @@ def sampling_of(args: argparse.Namespace) -> SamplingParams:
     )
 
 
+def _speech_model(name: str) -> bool:
+    from .speech.stage import is_speech_checkpoint
+
+    return is_speech_checkpoint(name)
+
+
+def _preflight_speech_model(args: argparse.Namespace) -> None:
+    """``serve`` serves a speech model with the speech app; the text commands refuse one."""
+    from .speech.speak import check_speech_serve, refuse_speech_model
+
+    if args.command != "serve":
+        refuse_speech_model(args)
+    check_speech_serve(args)
+    SchedulerConfig(loop=args.loop, **engine_limits(args))
+
+
 def preflight(args: argparse.Namespace) -> None:
     """Everything the arguments alone decide, checked before anything loads. Each check
     runs where the command has the flags it reads (a command built with
@@ -300,8 +316,16 @@ def preflight(args: argparse.Namespace) -> None:
         check_model(args.thinker, "--thinker")
         check_model(args.talker, "--talker")
         return
+    if args.command == "speak":
+        from .speech.speak import preflight_speak
+
+        preflight_speak(args)
+        return
     if args.command == "serve":
         check_serve_extra()
+    if hasattr(args, "model") and _speech_model(args.model):
+        _preflight_speech_model(args)
+        return
     if hasattr(args, "max_new_tokens"):
         sampling_of(args)
     if hasattr(args, "loop"):

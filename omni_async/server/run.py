@@ -12,7 +12,9 @@ from typing import Any, AsyncIterator
 import uvicorn
 
 from ..engine import Engine
+from ..speech import SpeechPipeline
 from .app import create_app
+from .speech import create_speech_app
 
 
 def http_protocol() -> str:
@@ -23,20 +25,21 @@ def http_protocol() -> str:
     return "httptools" if importlib.util.find_spec("httptools") is not None else "h11"
 
 
-def _config(engine: Engine, *, host: str, port: int, log_level: str, quiet: bool, **app_kw: Any) -> uvicorn.Config:
-    app = create_app(engine, **app_kw)
+def _config(engine: Engine | SpeechPipeline, *, host: str, port: int, log_level: str, quiet: bool, **app_kw: Any) -> uvicorn.Config:
+    app = create_speech_app(engine, **app_kw) if isinstance(engine, SpeechPipeline) else create_app(engine, **app_kw)
     kw: dict[str, Any] = {"log_config": None} if quiet else {}
     return uvicorn.Config(app, host=host, port=port, log_level=log_level.lower(), lifespan="on", http=http_protocol(), **kw)
 
 
-async def serve(engine: Engine, *, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info", **app_kw: Any) -> None:
-    """Serve until interrupted (Ctrl-C / SIGTERM); the engine is closed at the end."""
+async def serve(engine: Engine | SpeechPipeline, *, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info", **app_kw: Any) -> None:
+    """Serve until interrupted (Ctrl-C / SIGTERM); the engine is closed at the end. A
+    :class:`~omni_async.speech.SpeechPipeline` is served by the speech app."""
     server = uvicorn.Server(_config(engine, host=host, port=port, log_level=log_level, quiet=False, **app_kw))
     await server.serve()
 
 
 @contextlib.asynccontextmanager
-async def running_server(engine: Engine, *, host: str = "127.0.0.1", port: int = 0, **app_kw: Any) -> AsyncIterator[str]:
+async def running_server(engine: Engine | SpeechPipeline, *, host: str = "127.0.0.1", port: int = 0, **app_kw: Any) -> AsyncIterator[str]:
     """Serve ``engine`` on ``host`` (a free port unless given) inside this block, in the
     current event loop; yields the base URL (``http://127.0.0.1:PORT``). The server shuts
     down at the end of the block (and closes the engine unless ``close_engine=False``)."""
