@@ -206,7 +206,8 @@ async def run(args) -> dict:
     sampler = GpuSampler()
     out: dict = {"machine": machine(), "args": vars(args), "levels": {}}
     t0 = time.perf_counter()
-    tts = SpeechPipeline.from_pretrained(args.model, device=args.device, loop=args.loop, dtype=args.dtype)
+    limits = {"kv_capacity_tokens": args.kv_tokens} if args.kv_tokens else {}
+    tts = SpeechPipeline.from_pretrained(args.model, device=args.device, loop=args.loop, dtype=args.dtype, **limits)
     out["load_s"] = round(time.perf_counter() - t0, 2)
     async with tts:
         offset = 0
@@ -286,6 +287,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=0, help="requests left out per level (default: one per stream)")
     ap.add_argument("--arms", default="inprocess,http")
     ap.add_argument("--port", type=int, default=8790)
+    ap.add_argument("--kv-tokens", type=int, default=None, help="the talker's KV positions (default: the stage's)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     args.arms = args.arms.split(",")
