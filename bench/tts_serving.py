@@ -190,10 +190,13 @@ def machine() -> dict:
             "cpus": os.cpu_count()}
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name()
+    # The GPU machine gets a copy of the working tree: its git data may be older than the
+    # code, so the caller names the commit there (OMNI_COMMIT).
     try:
-        info["commit"] = subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True).strip()
+        info["commit"] = os.environ.get("OMNI_COMMIT") or subprocess.check_output(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True).strip()
     except Exception:
-        info["commit"] = os.environ.get("OMNI_COMMIT", "unknown")
+        info["commit"] = "unknown"
     return info
 
 
