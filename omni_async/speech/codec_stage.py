@@ -208,7 +208,9 @@ class CodecStage:
         groups: dict[int, list[tuple[CodecStream, torch.Tensor]]] = {}
         for s, n in ready:
             groups.setdefault(n, []).append((s, self._take(s, n)))
-        work = list(groups.values())
+        # Slots read here, on the loop: a stream closed while the call runs gives its slot
+        # up only after the call.
+        work = [([s.slot for s, _ in group], [chunk for _, chunk in group]) for group in groups.values()]
         self._busy = True
         try:
             if self._waiter is None:  # CPU: blocking compute on the codec's own thread
@@ -227,23 +229,23 @@ class CodecStage:
             released, self._released = self._released, []
             for slot in released:
                 self.slots.close(slot)
-        for group, (codes, pcm) in zip(work, done):
+        for group, (codes, pcm) in zip(groups.values(), done):
             for j, (s, _) in enumerate(group):
                 self.frames_decoded += int(codes.shape[1])
                 if not s.closed:
                     self._deliver(s, codes[j], pcm[j])
 
-    def _call(self, group: list[tuple[CodecStream, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """One decoder call for streams whose chunks have one length; its codes and PCM
-        on their way to the host (copied before the next call, which may reuse a graph's
-        output memory)."""
-        codes = torch.stack([chunk for _, chunk in group])
-        slots = [s.slot for s, _ in group]
+    def _call(self, group: tuple[list[int], list[torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """One decoder call for streams (by slot) whose chunks have one length; its codes
+        and PCM on their way to the host (copied before the next call, which may reuse a
+        graph's output memory)."""
+        slots, chunks = group
+        codes = torch.stack(chunks)
         self.calls += 1
-        pcm = self.graphs.run(codes, slots) if self.graphs is not None else self.slots.run(codes, slots)  # type: ignore[arg-type]
+        pcm = self.graphs.run(codes, slots) if self.graphs is not None else self.slots.run(codes, slots)
         return codes.to("cpu", non_blocking=True), pcm.to("cpu", non_blocking=True)
 
-    def _decode_on_host(self, work: list[list[tuple[CodecStream, torch.Tensor]]]) -> list[tuple[torch.Tensor, np.ndarray]]:
+    def _decode_on_host(self, work: list[tuple[list[int], list[torch.Tensor]]]) -> list[tuple[torch.Tensor, np.ndarray]]:
         with torch.inference_mode():
             out = [self._call(group) for group in work]
         return [(codes, pcm.float().numpy()) for codes, pcm in out]
