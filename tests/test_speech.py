@@ -150,3 +150,15 @@ async def test_voices_and_languages_come_from_the_config():
         assert "ryan" in tts.voices() and "vivian" in tts.voices()
         assert tts.languages()[0] == "auto" and "english" in tts.languages()
         assert tts.info()["speech"]["sample_rate"] == 24000
+
+
+async def test_a_rows_codes_do_not_depend_on_the_other_rows_settings():
+    """Top-k rows draw over their top candidates when every sampled row has a small top_k,
+    over the sorted vocabulary otherwise: the same codes either way."""
+    mine = SpeechParams(max_frames=16, temperature=0.9, predictor_top_k=50, top_k=50, seed=21, ignore_eos=True)
+    wide = SpeechParams(max_frames=16, temperature=0.9, predictor_top_k=0, top_k=0, seed=22, ignore_eos=True)
+    async with SpeechPipeline.from_pretrained("tiny") as tts:
+        alone = await tts.synthesize("Mine alone.", voice="ryan", params=mine)
+        beside, _ = await asyncio.gather(tts.synthesize("Mine alone.", voice="ryan", params=mine),
+                                         tts.synthesize("A row with the whole vocabulary.", voice="vivian", params=wide))
+    assert torch.equal(alone.codes, beside.codes)

@@ -9,8 +9,8 @@ arithmetic. Captured, a call is one replay. A graph reads static inputs (the cod
 call copies its streams' codes and slots in, pads the rest of the bucket with zero codes
 and the scratch slot (so padding rows touch only the scratch row), and replays.
 
-Buckets: batches of 1, 2, 4, ... 128 streams and chunks of 1, 2, 4, 8 or 16 frames (the
-codec stage asks only for those lengths). A graph is captured on the first call that needs
+Buckets: batches of 1, 2, 4, ... 128 streams and chunks of 1, 2, 4, 8, 16 or 32 frames
+(the codec stage asks only for those lengths). A graph is captured on the first call that needs
 it (``capture`` takes a set up front); a larger batch runs as several calls, a chunk
 length outside the set eagerly. When the store grows its tensors are new, so every graph
 is dropped and captured again on its next use.
@@ -32,7 +32,7 @@ from .codec_slots import CodecSlots, host_slots
 __all__ = ["CodecGraphs", "BATCH_BUCKETS", "FRAME_BUCKETS"]
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
-FRAME_BUCKETS = (1, 2, 4, 8, 16)
+FRAME_BUCKETS = (1, 2, 4, 8, 16, 32)
 
 
 class CodecGraphs:

@@ -14,7 +14,7 @@ buffered and not yet played, so it is written and decoded before that audio runs
 whenever the talker is faster than real time, and chunks grow (fewer decoder calls) as
 the buffer does, up to ``max_chunk_frames``.
 
-Chunk lengths are powers of two (1, 2, 4, 8, 16 frames by default): each target is
+Chunk lengths are powers of two (1, 2, 4, 8, 16, 32 frames by default): each target is
 rounded down to one, and an ended stream's leftover goes out as its binary pieces (7
 frames as 4, 2, 1) in successive calls, so on CUDA every call is a replay of one of the
 codec's captured graphs (:mod:`~omni_async.speech.codec_graphs`). Streams' pasts live as
@@ -22,15 +22,18 @@ rows of the slot store (:class:`~omni_async.speech.codec_slots.CodecSlots`); a s
 takes its slot when its first chunk is decoded and gives it back when it closes, and
 slots are taken, given back and grown only between calls (never while one is in flight).
 
-Where the decoder runs: on CUDA its kernels are launched from the loop thread and the
-completion awaited cooperatively (the talker's steps and the codec's calls interleave on
-the device, neither holds the GIL while the other computes); on CPU, where a call is
-blocking compute, on one worker thread of its own.
+Where the decoder runs: on a worker thread of its own, so the event loop never waits on
+it (an eager decoder call is hundreds of kernel launches: ~20 ms of host time on the
+H100's host, measured); on CUDA on a stream of its own, beside the talker's steps, its
+PCM copied to the host and waited for on that thread. Slots are opened (their rows
+zeroed, the store grown) and graphs captured on that thread and stream too, so every
+device write to the store is in one stream's order.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import math
 import time
 from dataclasses import dataclass, field
@@ -40,7 +43,7 @@ import anyio
 import numpy as np
 import torch
 
-from ..stage.executor import EventWaiter, await_future
+from ..stage.executor import await_future
 from .codec_graphs import CodecGraphs
 from .codec_slots import CodecSlots
 
@@ -84,26 +87,34 @@ class CodecStream:
 
 
 class CodecStage:
-    def __init__(self, decoder: Any, device: torch.device, *, first_chunk_frames: int = 2, max_chunk_frames: int = 16,
-                 event_wait: str = "auto", cuda_graphs: bool = True, slots: int | None = None) -> None:
+    def __init__(self, decoder: Any, device: torch.device, *, first_chunk_frames: int = 2, max_chunk_frames: int = 32,
+                 cuda_graphs: bool = True, slots: int | None = None) -> None:
         if first_chunk_frames < 1 or max_chunk_frames < first_chunk_frames:
             raise ValueError("chunk sizes: 1 <= first_chunk_frames <= max_chunk_frames")
         self.decoder, self.device = decoder, device
         self.first_chunk_frames, self.max_chunk_frames = first_chunk_frames, max_chunk_frames
         self.sample_rate: int = decoder.sample_rate
         self.frame_seconds = decoder.samples_per_frame / decoder.sample_rate
+        self._cuda_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         # On CUDA room for 64 streams from the start (2.6 MB each at the released size in
-        # bf16): a grow drops the captured graphs.
-        self.slots = CodecSlots(decoder, slots or (64 if device.type == "cuda" else 8))
-        self.graphs = CodecGraphs(self.slots) if device.type == "cuda" and cuda_graphs else None
+        # bf16): a grow drops the captured graphs. The store and the graphs' inputs belong
+        # to the codec's stream (made there, and the stream waits for their zeros), so
+        # their memory is reused only in that stream's order.
+        with self._on_codec_stream():
+            self.slots = CodecSlots(decoder, slots or (64 if device.type == "cuda" else 8))
+            self.graphs = CodecGraphs(self.slots) if device.type == "cuda" and cuda_graphs else None
+        if self._cuda_stream is not None:
+            self._cuda_stream.wait_stream(torch.cuda.current_stream(device))
         self._streams: dict[int, CodecStream] = {}
         self._wake = anyio.Event()
-        self._waiter = EventWaiter(event_wait) if device.type == "cuda" else None
         self._thread: concurrent.futures.ThreadPoolExecutor | None = None
         self._busy = False  # a call is in flight: slots given back wait for its end
         self._released: list[int] = []
         self.calls = 0
         self.frames_decoded = 0
+
+    def _on_codec_stream(self) -> Any:
+        return torch.cuda.stream(self._cuda_stream) if self._cuda_stream is not None else contextlib.nullcontext()
 
     @property
     def graph_replays(self) -> int:
@@ -162,8 +173,6 @@ class CodecStage:
         finally:
             if self._thread is not None:
                 self._thread.shutdown(wait=False, cancel_futures=True)
-            if self._waiter is not None:
-                self._waiter.close()
 
     def _target(self, stream: CodecStream) -> int:
         """Frames of the stream's next chunk: the first is short; later ones at most half
@@ -201,54 +210,73 @@ class CodecStage:
         return chunk.to(torch.long)
 
     async def _decode(self, ready: list[tuple[CodecStream, int]]) -> None:
-        """One round: the ready streams' chunks, one call per chunk length."""
-        for s, _ in ready:
-            if s.slot is None:
-                s.slot = self.slots.open()
+        """One round: the ready streams' chunks, one call per chunk length, on the codec's
+        thread. What the thread needs is read here, on the loop (a stream closed while the
+        call runs gives its slot back only after the call); streams new to the codec get
+        their slots there, in the order of the codec's device work."""
         groups: dict[int, list[tuple[CodecStream, torch.Tensor]]] = {}
         for s, n in ready:
             groups.setdefault(n, []).append((s, self._take(s, n)))
-        # Slots read here, on the loop: a stream closed while the call runs gives its slot
-        # up only after the call.
-        work = [([s.slot for s, _ in group], [chunk for _, chunk in group]) for group in groups.values()]
+        known = {id(s): s.slot for s, _ in ready if s.slot is not None}
+        new = [id(s) for s, _ in ready if s.slot is None]
+        calls = [([id(s) for s, _ in group], [chunk for _, chunk in group]) for group in groups.values()]
+        taken = None
+        if self._cuda_stream is not None:  # the chunks were cut on this thread's stream
+            taken = torch.cuda.Event()
+            taken.record()
+        if self._thread is None:
+            self._thread = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="omni-codec")
         self._busy = True
         try:
-            if self._waiter is None:  # CPU: blocking compute on the codec's own thread
-                if self._thread is None:
-                    self._thread = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="omni-codec")
-                done = await await_future(self._thread.submit(self._decode_on_host, work))
-            else:
-                with torch.inference_mode():
-                    copies = [self._call(group) for group in work]
-                    event = torch.cuda.Event()
-                    event.record()
-                await self._waiter.wait(event)
-                done = [(codes, pcm.numpy()) for codes, pcm in copies]
+            opened, done = await await_future(self._thread.submit(self._decode_off_loop, known, new, calls, taken))
         finally:
             self._busy = False
             released, self._released = self._released, []
             for slot in released:
                 self.slots.close(slot)
+        for s, _ in ready:
+            if id(s) in opened:
+                if s.closed:  # closed during its first call: the slot it was given goes back
+                    self.slots.close(opened[id(s)])
+                else:
+                    s.slot = opened[id(s)]
         for group, (codes, pcm) in zip(groups.values(), done):
             for j, (s, _) in enumerate(group):
                 self.frames_decoded += int(codes.shape[1])
                 if not s.closed:
                     self._deliver(s, codes[j], pcm[j])
 
-    def _call(self, group: tuple[list[int], list[torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _decode_off_loop(self, known: dict[int, int], new: list[int], calls: list[tuple[list[int], list[torch.Tensor]]],
+                         taken: Any) -> tuple[dict[int, int], list[tuple[torch.Tensor, np.ndarray]]]:
+        """A round's calls on the codec's thread (streams by id): slots opened for the new
+        streams, then a call per chunk length; on CUDA on the stage's stream (beside the
+        talker's steps), the PCM copied to the host and waited for here, so the event loop
+        never blocks on the codec's launches or its completion."""
+        with torch.inference_mode(), self._on_codec_stream():
+            if taken is not None:
+                torch.cuda.current_stream(self.device).wait_event(taken)
+            slots = dict(known)
+            for key in new:
+                slots[key] = self.slots.open()
+            out = [self._call([slots[key] for key in keys], chunks) for keys, chunks in calls]
+            if self._cuda_stream is not None:
+                event = torch.cuda.Event(blocking=True)
+                event.record()
+        if self._cuda_stream is not None:
+            event.synchronize()
+        return {key: slots[key] for key in new}, [(codes, pcm.float().numpy()) for codes, pcm in out]
+
+    def _call(self, slots: list[int], chunks: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """One decoder call for streams (by slot) whose chunks have one length; its codes
-        and PCM on their way to the host (copied before the next call, which may reuse a
-        graph's output memory)."""
-        slots, chunks = group
+        and PCM on their way to the host (the copy queued before the next call, which may
+        reuse a graph's output memory)."""
+        if self._cuda_stream is not None:  # made on the loop's stream, read on this one
+            for chunk in chunks:
+                chunk.record_stream(self._cuda_stream)
         codes = torch.stack(chunks)
         self.calls += 1
         pcm = self.graphs.run(codes, slots) if self.graphs is not None else self.slots.run(codes, slots)
         return codes.to("cpu", non_blocking=True), pcm.to("cpu", non_blocking=True)
-
-    def _decode_on_host(self, work: list[tuple[list[int], list[torch.Tensor]]]) -> list[tuple[torch.Tensor, np.ndarray]]:
-        with torch.inference_mode():
-            out = [self._call(group) for group in work]
-        return [(codes, pcm.float().numpy()) for codes, pcm in out]
 
     def _deliver(self, s: CodecStream, codes: torch.Tensor, pcm: np.ndarray) -> None:
         last = s.ended and s.pending_frames == 0

@@ -1,4 +1,5 @@
-"""CUDA graphs of whole frame steps: one per (batch bucket, greedy or sampled predictor).
+"""CUDA graphs of whole frame steps: one per (batch bucket, predictor draw: greedy, sampled
+over the top-k cap, or sampled over the vocabulary).
 
 Eagerly a frame step is launch-bound: the talker's forward, then 15 predictor
 forwards and draws of a few small kernels each, hundreds of launches for a few
@@ -20,7 +21,7 @@ import torch
 from ..kv.attention import AttentionContext
 from ..runners.cuda_graphs import DEFAULT_BUCKETS
 from ..runners.streams import STREAMS
-from .sampling import PredictorSampling
+from .sampling import TOP_K_CAP, PredictorSampling
 
 __all__ = ["FrameGraphs", "FrameOutputs"]
 
@@ -52,7 +53,7 @@ class FrameGraphs:
         self.top_p = torch.ones(n, dtype=torch.float32, device=device)
         self.seeds = torch.zeros(n, dtype=torch.long, device=device)
         self.rows = torch.arange(n, device=device)
-        self.graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, FrameOutputs]] = {}
+        self.graphs: dict[tuple[int, str], tuple[torch.cuda.CUDAGraph, FrameOutputs]] = {}
         self.pool = None
         self.replays = 0
 
@@ -67,8 +68,9 @@ class FrameGraphs:
                                 kv_lens=self.kv_lens[:b], block_tables=self.block_tables[:b], page_size=self.page_size,
                                 use_kernel=True)
 
-    def _captured(self, b: int, sampled: bool) -> FrameOutputs:
-        s = PredictorSampling(self.temperature[:b], self.top_k[:b], self.top_p[:b], self.seeds[:b], sampled)
+    def _captured(self, b: int, kind: str) -> FrameOutputs:
+        s = PredictorSampling(self.temperature[:b], self.top_k[:b], self.top_p[:b], self.seeds[:b], kind != "greedy",
+                              TOP_K_CAP if kind == "sampled-topk" else 0)
         logits, hidden, codes = self.runner.frame_forward(self.input_ids[:b], self.past[:b], self.positions[:b], self._ctx(b), s)
         return FrameOutputs(logits, hidden, codes)
 
@@ -78,15 +80,15 @@ class FrameGraphs:
         device = self.runner.device
         with STREAMS.borrowed(device) as stream, torch.cuda.stream(stream):
             for b in reversed(self.buckets):  # the largest first, so the pool fits all
-                for sampled in (True, False):
+                for kind in ("sampled", "sampled-topk", "greedy"):
                     for _ in range(2):  # warm up outside the graph
-                        self._captured(b, sampled)
+                        self._captured(b, kind)
                     graph = torch.cuda.CUDAGraph()
                     with torch.cuda.graph(graph, pool=self.pool, stream=stream, capture_error_mode="thread_local"):
-                        out = self._captured(b, sampled)
+                        out = self._captured(b, kind)
                     if self.pool is None:
                         self.pool = graph.pool()
-                    self.graphs[(b, sampled)] = (graph, out)
+                    self.graphs[(b, kind)] = (graph, out)
         torch.cuda.synchronize(device)
 
     def _pad(self, start: int, end: int) -> None:
@@ -102,7 +104,7 @@ class FrameGraphs:
         bs = g0.shape[0]
         b = self.bucket_for(bs)
         assert b is not None
-        graph, out = self.graphs[(b, s.sampled)]
+        graph, out = self.graphs[(b, s.kind)]
         self.input_ids[:bs].copy_(g0, non_blocking=True)
         self.positions[:bs].copy_(positions, non_blocking=True)
         self.slot_mapping[:bs].copy_(ctx.slot_mapping, non_blocking=True)

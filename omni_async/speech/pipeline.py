@@ -46,7 +46,7 @@ class SpeechPipeline:
     """Use ``async with``; ``synthesize`` for a whole utterance, ``stream`` for its
     chunks as they are decoded."""
 
-    def __init__(self, stage: SpeechStage, codec: CodecDecoder, *, first_chunk_frames: int = 2, max_chunk_frames: int = 16) -> None:
+    def __init__(self, stage: SpeechStage, codec: CodecDecoder, *, first_chunk_frames: int = 2, max_chunk_frames: int = 32) -> None:
         self.stage = stage
         self.engine = stage.engine
         self.model = stage.model
@@ -60,7 +60,7 @@ class SpeechPipeline:
 
     @classmethod
     def from_pretrained(cls, path_or_name: str, *, device: str = "cpu", loop: str = "overlap", dtype: Any = None, seed: int = 0,
-                        first_chunk_frames: int = 2, max_chunk_frames: int = 16, **limits: Any) -> "SpeechPipeline":
+                        first_chunk_frames: int = 2, max_chunk_frames: int = 32, **limits: Any) -> "SpeechPipeline":
         """A Qwen3-TTS 12 Hz checkpoint folder (the ``qwen-tts`` layout), or a built-in
         random-weight model: ``"tiny"`` (tests, the CPU demo), ``"0.6b"``, ``"1.7b"``
         (the released sizes' shapes, for speed runs). ``limits``: SchedulerConfig fields."""

@@ -38,7 +38,7 @@ from ..runners.sampling import derive_seed
 from ..runners.types import BatchResult
 from .graphs import FrameGraphs
 from .model import SpeechModel
-from .sampling import PredictorSampling, draw_codes
+from .sampling import TOP_K_CAP, PredictorSampling, draw_codes
 
 __all__ = ["SpeechRunner", "PREDICTOR_KEY", "predictor_settings"]
 
@@ -108,6 +108,7 @@ class SpeechRunner(NativeModelRunner):
     def _predictor_sampling(self, batch: Any) -> PredictorSampling:
         """Per-row predictor settings (one host pass over rows, cached per request)."""
         rows = np.array([self._settings(r) for r in batch.reqs], dtype=np.float64)
+        sampled = rows[:, 0] > 0
         seeds = np.array([self._seed(r) for r in batch.reqs], dtype=np.int64)
         dev = self.device
         return PredictorSampling(
@@ -115,7 +116,8 @@ class SpeechRunner(NativeModelRunner):
             top_k=torch.from_numpy(rows[:, 1].astype(np.int64)).to(dev, non_blocking=True),
             top_p=torch.from_numpy(rows[:, 2].astype(np.float32)).to(dev, non_blocking=True),
             seeds=torch.from_numpy(seeds).to(dev, non_blocking=True),
-            sampled=bool((rows[:, 0] > 0).any()),
+            sampled=bool(sampled.any()),
+            top_k_cap=TOP_K_CAP if sampled.any() and bool(((rows[sampled, 1] > 0) & (rows[sampled, 1] <= TOP_K_CAP)).all()) else 0,
         )
 
     def _settings(self, req: Any) -> tuple[float, int, float]:
