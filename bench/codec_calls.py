@@ -6,8 +6,9 @@ interleaved; and what capturing the graphs costs (seconds, device memory).
 Per (streams, frames): ms a call (median of ``--repeats``, the device synchronised around
 each call), audio-s/s (seconds of audio a call makes over its time), and the graphed
 call's audio against the eager slot call's (mean |difference| over mean |audio|). Capture:
-every bucket up to the largest ``--streams`` captured up front, largest first, with the
-seconds and the device memory reserved before and after; the slot store's bytes a stream.
+every bucket up to the largest ``--streams`` and of the ``--frames`` captured up front,
+largest first, with the seconds and the device memory reserved before and after (the
+graphs share one pool, sized by the largest bucket); the slot store's bytes a stream.
 
     python bench/codec_calls.py --config real --device cuda --dtype bfloat16 --out bench/results/codec_calls_h100.json
     python bench/codec_calls.py --config tiny --device cpu --streams 1,4 --frames 1,4   # a smoke run
@@ -47,13 +48,13 @@ def timed(fn: Callable[[], Any], device: torch.device) -> float:
     return 1000 * (time.perf_counter() - start)
 
 
-def capture_cost(graphs: CodecGraphs, batches: tuple[int, ...], device: torch.device) -> dict[str, Any]:
+def capture_cost(graphs: CodecGraphs, batches: tuple[int, ...], frames: tuple[int, ...], device: torch.device) -> dict[str, Any]:
     if not graphs.capture_graphs:
         return {"graphs": 0}
     sync(device)
     reserved = torch.cuda.memory_reserved(device)
     start = time.perf_counter()
-    graphs.capture(batches=batches)
+    graphs.capture(batches=batches, frames=frames)
     seconds = time.perf_counter() - start
     return {"graphs": graphs.captures, "seconds": round(seconds, 3), "seconds_a_graph": round(seconds / max(1, graphs.captures), 4),
             "reserved_mb_before": round(reserved / 2**20, 1),
@@ -67,7 +68,7 @@ def main() -> int:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: bfloat16 on CUDA, float32 on CPU)")
     ap.add_argument("--streams", type=parse_int_list, default=[1, 8, 32, 64, 128])
-    ap.add_argument("--frames", type=parse_int_list, default=[1, 2, 4, 8, 16])
+    ap.add_argument("--frames", type=parse_int_list, default=[1, 2, 4, 8, 16, 32])
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--out", default="codec_calls.json")
     args = ap.parse_args()
@@ -81,7 +82,8 @@ def main() -> int:
     result: dict[str, Any] = {"machine": machine_facts(), "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                               "config": args.config, "dtype": str(dtype), "repeats": args.repeats,
                               "slot_bytes": graphed_store.bytes_per_slot(), "rows": []}
-    result["capture"] = capture_cost(graphs, tuple(b for b in BATCH_BUCKETS if b <= most) or (most,), device)
+    result["capture"] = capture_cost(graphs, tuple(b for b in BATCH_BUCKETS if b <= most) or (most,),
+                                     tuple(f for f in args.frames if f in graphs.frames), device)
     print(f"{result['device_name']} {args.config} {dtype}: {result['slot_bytes'] / 2**20:.2f} MiB a stream's slot; "
           f"capture {result['capture']}")
     eager_slots = [eager_store.open() for _ in range(most)]
