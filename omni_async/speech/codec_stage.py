@@ -6,7 +6,7 @@ for every running stream, while the codec's cost is per call (its convolutions a
 window attention are cheap per frame); batching whole chunks of several streams into
 one call, and choosing the chunk sizes by what each listener has already received, is a
 scheduling decision, made here. The codec's state per stream (the decoder's carried
-context, :class:`CodecState`) makes chunked decoding exactly the one-shot decode.
+context, a row of the slot store) makes chunked decoding exactly the one-shot decode.
 
 Chunks follow the listener: a stream's first chunk is ``first_chunk_frames`` (a short
 wait for the first sound); each later one is at most half of the audio the listener has
@@ -14,15 +14,26 @@ buffered and not yet played, so it is written and decoded before that audio runs
 whenever the talker is faster than real time, and chunks grow (fewer decoder calls) as
 the buffer does, up to ``max_chunk_frames``.
 
+Chunk lengths are powers of two (1, 2, 4, 8, 16, 32 frames by default): each target is
+rounded down to one, and an ended stream's leftover goes out as its binary pieces (7
+frames as 4, 2, 1) in successive calls, so on CUDA every call is a replay of one of the
+codec's captured graphs (:mod:`~omni_async.speech.codec_graphs`). Streams' pasts live as
+rows of the slot store (:class:`~omni_async.speech.codec_slots.CodecSlots`); a stream
+takes its slot when its first chunk is decoded and gives it back when it closes, and
+slots are taken, given back and grown only between calls (never while one is in flight).
+
 Where the decoder runs: on a worker thread of its own, so the event loop never waits on
 it (an eager decoder call is hundreds of kernel launches: ~20 ms of host time on the
 H100's host, measured); on CUDA on a stream of its own, beside the talker's steps, its
-PCM copied to the host and waited for on that thread.
+PCM copied to the host and waited for on that thread. Slots are opened (their rows
+zeroed, the store grown) and graphs captured on that thread and stream too, so every
+device write to the store is in one stream's order.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import math
 import time
 from dataclasses import dataclass, field
@@ -33,6 +44,8 @@ import numpy as np
 import torch
 
 from ..stage.executor import await_future
+from .codec_graphs import CodecGraphs
+from .codec_slots import CodecSlots
 
 __all__ = ["AudioChunk", "CodecStage", "CodecStream"]
 
@@ -60,9 +73,9 @@ class AudioChunk:
 @dataclass(eq=False)
 class CodecStream:
     request_id: str
-    state: Any
     send: Any
     receive: Any
+    slot: int | None = None  # its rows in the slot store, from its first decoded chunk
     pending: list[torch.Tensor] = field(default_factory=list)  # frame rows on the device
     pending_frames: int = 0
     frames_sent: int = 0
@@ -74,25 +87,44 @@ class CodecStream:
 
 
 class CodecStage:
-    def __init__(self, decoder: Any, device: torch.device, *, first_chunk_frames: int = 2, max_chunk_frames: int = 32) -> None:
+    def __init__(self, decoder: Any, device: torch.device, *, first_chunk_frames: int = 2, max_chunk_frames: int = 32,
+                 cuda_graphs: bool = True, slots: int | None = None) -> None:
         if first_chunk_frames < 1 or max_chunk_frames < first_chunk_frames:
             raise ValueError("chunk sizes: 1 <= first_chunk_frames <= max_chunk_frames")
         self.decoder, self.device = decoder, device
         self.first_chunk_frames, self.max_chunk_frames = first_chunk_frames, max_chunk_frames
         self.sample_rate: int = decoder.sample_rate
         self.frame_seconds = decoder.samples_per_frame / decoder.sample_rate
+        self._cuda_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        # On CUDA room for 64 streams from the start (2.6 MB each at the released size in
+        # bf16): a grow drops the captured graphs. The store and the graphs' inputs belong
+        # to the codec's stream (made there, and the stream waits for their zeros), so
+        # their memory is reused only in that stream's order.
+        with self._on_codec_stream():
+            self.slots = CodecSlots(decoder, slots or (64 if device.type == "cuda" else 8))
+            self.graphs = CodecGraphs(self.slots) if device.type == "cuda" and cuda_graphs else None
+        if self._cuda_stream is not None:
+            self._cuda_stream.wait_stream(torch.cuda.current_stream(device))
         self._streams: dict[int, CodecStream] = {}
         self._wake = anyio.Event()
-        self._cuda_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._thread: concurrent.futures.ThreadPoolExecutor | None = None
+        self._busy = False  # a call is in flight: slots given back wait for its end
+        self._released: list[int] = []
         self.calls = 0
         self.frames_decoded = 0
+
+    def _on_codec_stream(self) -> Any:
+        return torch.cuda.stream(self._cuda_stream) if self._cuda_stream is not None else contextlib.nullcontext()
+
+    @property
+    def graph_replays(self) -> int:
+        return 0 if self.graphs is None else self.graphs.replays
 
     # ------------------------------------------------------------ streams
 
     def open(self, request_id: str) -> CodecStream:
         send, receive = anyio.create_memory_object_stream(math.inf)
-        stream = CodecStream(request_id, self.decoder.new_state(), send, receive)
+        stream = CodecStream(request_id, send, receive)
         self._streams[id(stream)] = stream
         return stream
 
@@ -115,6 +147,12 @@ class CodecStage:
         stream.pending.clear()
         self._streams.pop(id(stream), None)
         stream.send.close()
+        if stream.slot is not None:
+            if self._busy:
+                self._released.append(stream.slot)
+            else:
+                self.slots.close(stream.slot)
+            stream.slot = None
 
     def active(self) -> int:
         return len(self._streams)
@@ -140,15 +178,17 @@ class CodecStage:
         """Frames of the stream's next chunk: the first is short; later ones at most half
         the audio the listener still has buffered (estimated from when its first chunk
         went out), so the frames of a chunk are written while the audio before it plays,
-        at any speed faster than real time; up to ``max_chunk_frames``."""
+        at any speed faster than real time; up to ``max_chunk_frames``; rounded down to a
+        power of two (a captured graph's length)."""
         if stream.first_audio_at is None:
-            return self.first_chunk_frames
+            return _power_of_two(self.first_chunk_frames)
         played = (time.perf_counter() - stream.first_audio_at) / self.frame_seconds
         buffered = stream.frames_sent - played
-        return int(min(self.max_chunk_frames, max(self.first_chunk_frames, buffered // 2)))
+        return _power_of_two(int(min(self.max_chunk_frames, max(self.first_chunk_frames, buffered // 2))))
 
     def _ready(self) -> list[tuple[CodecStream, int]]:
-        """Streams with a chunk to decode now, and how many frames each takes."""
+        """Streams with a chunk to decode now, and how many frames each takes (an ended
+        stream's leftover: its largest power of two now, the rest in the next calls)."""
         out = []
         for s in list(self._streams.values()):
             want = self._target(s)
@@ -156,7 +196,7 @@ class CodecStage:
                 out.append((s, want))
             elif s.ended:
                 if s.pending_frames:
-                    out.append((s, s.pending_frames))
+                    out.append((s, _power_of_two(s.pending_frames)))
                 else:  # nothing left: the empty terminal chunk
                     self._deliver(s, torch.zeros((0, 16), dtype=torch.long), np.zeros(0, dtype=np.float32))
         return out
@@ -170,34 +210,73 @@ class CodecStage:
         return chunk.to(torch.long)
 
     async def _decode(self, ready: list[tuple[CodecStream, int]]) -> None:
-        streams = [s for s, _ in ready]
-        chunks = [self._take(s, n) for s, n in ready]
-        states = [s.state for s in streams]
-        self.calls += 1
+        """One round: the ready streams' chunks, one call per chunk length, on the codec's
+        thread. What the thread needs is read here, on the loop (a stream closed while the
+        call runs gives its slot back only after the call); streams new to the codec get
+        their slots there, in the order of the codec's device work."""
+        groups: dict[int, list[tuple[CodecStream, torch.Tensor]]] = {}
+        for s, n in ready:
+            groups.setdefault(n, []).append((s, self._take(s, n)))
+        known = {id(s): s.slot for s, _ in ready if s.slot is not None}
+        new = [id(s) for s, _ in ready if s.slot is None]
+        calls = [([id(s) for s, _ in group], [chunk for _, chunk in group]) for group in groups.values()]
+        taken = None
+        if self._cuda_stream is not None:  # the chunks were cut on this thread's stream
+            taken = torch.cuda.Event()
+            taken.record()
         if self._thread is None:
             self._thread = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="omni-codec")
-        pcm, codes = await await_future(self._thread.submit(self._decode_off_loop, chunks, states))
-        for s, c, p in zip(streams, codes, pcm):
-            self.frames_decoded += int(c.shape[0])
-            if not s.closed:
-                self._deliver(s, c, p)
+        self._busy = True
+        try:
+            opened, done = await await_future(self._thread.submit(self._decode_off_loop, known, new, calls, taken))
+        finally:
+            self._busy = False
+            released, self._released = self._released, []
+            for slot in released:
+                self.slots.close(slot)
+        for s, _ in ready:
+            if id(s) in opened:
+                if s.closed:  # closed during its first call: the slot it was given goes back
+                    self.slots.close(opened[id(s)])
+                else:
+                    s.slot = opened[id(s)]
+        for group, (codes, pcm) in zip(groups.values(), done):
+            for j, (s, _) in enumerate(group):
+                self.frames_decoded += int(codes.shape[1])
+                if not s.closed:
+                    self._deliver(s, codes[j], pcm[j])
 
-    def _decode_off_loop(self, chunks: list[torch.Tensor], states: list[Any]) -> tuple[list[np.ndarray], list[torch.Tensor]]:
-        """One decoder call on the codec's thread: on CUDA on a stream of its own (beside the
+    def _decode_off_loop(self, known: dict[int, int], new: list[int], calls: list[tuple[list[int], list[torch.Tensor]]],
+                         taken: Any) -> tuple[dict[int, int], list[tuple[torch.Tensor, np.ndarray]]]:
+        """A round's calls on the codec's thread (streams by id): slots opened for the new
+        streams, then a call per chunk length; on CUDA on the stage's stream (beside the
         talker's steps), the PCM copied to the host and waited for here, so the event loop
         never blocks on the codec's launches or its completion."""
-        with torch.inference_mode():
-            if self._cuda_stream is None:
-                out = self.decoder.decode_streams(chunks, states)
-                return [p.float().numpy() for p in out], [c.cpu() for c in chunks]
-            with torch.cuda.stream(self._cuda_stream):
-                out = self.decoder.decode_streams(chunks, states)
-                pcm = [p.to("cpu", non_blocking=True) for p in out]
-                codes = [c.to("cpu", non_blocking=True) for c in chunks]
+        with torch.inference_mode(), self._on_codec_stream():
+            if taken is not None:
+                torch.cuda.current_stream(self.device).wait_event(taken)
+            slots = dict(known)
+            for key in new:
+                slots[key] = self.slots.open()
+            out = [self._call([slots[key] for key in keys], chunks) for keys, chunks in calls]
+            if self._cuda_stream is not None:
                 event = torch.cuda.Event(blocking=True)
                 event.record()
+        if self._cuda_stream is not None:
             event.synchronize()
-            return [p.numpy() for p in pcm], codes
+        return {key: slots[key] for key in new}, [(codes, pcm.float().numpy()) for codes, pcm in out]
+
+    def _call(self, slots: list[int], chunks: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """One decoder call for streams (by slot) whose chunks have one length; its codes
+        and PCM on their way to the host (the copy queued before the next call, which may
+        reuse a graph's output memory)."""
+        if self._cuda_stream is not None:  # made on the loop's stream, read on this one
+            for chunk in chunks:
+                chunk.record_stream(self._cuda_stream)
+        codes = torch.stack(chunks)
+        self.calls += 1
+        pcm = self.graphs.run(codes, slots) if self.graphs is not None else self.slots.run(codes, slots)
+        return codes.to("cpu", non_blocking=True), pcm.to("cpu", non_blocking=True)
 
     def _deliver(self, s: CodecStream, codes: torch.Tensor, pcm: np.ndarray) -> None:
         last = s.ended and s.pending_frames == 0
@@ -212,3 +291,8 @@ class CodecStage:
             pass
         if last:
             self.close(s)
+
+
+def _power_of_two(n: int) -> int:
+    """The largest power of two at most ``n`` (``n >= 1``)."""
+    return 1 << (max(1, n).bit_length() - 1)

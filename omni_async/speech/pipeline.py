@@ -51,7 +51,9 @@ class SpeechPipeline:
         self.engine = stage.engine
         self.model = stage.model
         self.config = stage.model.config
-        self.codec = CodecStage(codec, stage.runner.device, first_chunk_frames=first_chunk_frames, max_chunk_frames=max_chunk_frames)
+        # The codec's calls are graphed where the talker's frames are (CUDA, cuda_graphs on).
+        self.codec = CodecStage(codec, stage.runner.device, first_chunk_frames=first_chunk_frames, max_chunk_frames=max_chunk_frames,
+                                cuda_graphs=stage.runner.frame_graphs is not None)
         self.sample_rate = codec.sample_rate
         self._tg: Any = None
         self._ids = itertools.count()
@@ -107,7 +109,8 @@ class SpeechPipeline:
         """The talker stage's info (loop, steps, KV pages, ...) and the speech side's."""
         return {**self.engine.scheduler.info(), "speech": {"model_size": self.config.model_size, "voices": self.voices(), "sample_rate": self.sample_rate,
                                    "frame_rate": FRAME_RATE, "codec_calls": self.codec.calls,
-                                   "codec_frames": self.codec.frames_decoded, "codec_streams": self.codec.active()}}
+                                   "codec_frames": self.codec.frames_decoded, "codec_streams": self.codec.active(),
+                                   "codec_graph_replays": self.codec.graph_replays}}
 
     async def decode(self, codes: torch.Tensor) -> np.ndarray:
         """PCM of ``codes`` ``[frames, 16]`` decoded in one call (the codec's one-shot

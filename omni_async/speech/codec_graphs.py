@@ -1,0 +1,149 @@
+"""CUDA graphs of the codec's slot call: one per (batch bucket, chunk frames).
+
+Eagerly a codec call is launch-bound: hundreds of small kernels (the RVQ's 16 lookups, 29
+stateful layers each gathering and scattering its past, the transformer, the vocoder's
+convolutions and activations) and the Python around each, for a few milliseconds of
+arithmetic. Captured, a call is one replay. A graph reads static inputs (the codes
+``[bucket, frames, 16]`` and the slots ``[bucket]``) and the slot store's tensors
+(:class:`~omni_async.speech.codec_slots.CodecSlots`), and writes a static PCM output; a
+call copies its streams' codes and slots in, pads the rest of the bucket with zero codes
+and the scratch slot (so padding rows touch only the scratch row), and replays.
+
+Buckets: batches of 1, 2, 4, ... 128 streams and chunks of 1, 2, 4, 8, 16 or 32 frames
+(the codec stage asks only for those lengths). A graph is captured on the first call that needs
+it (``capture`` takes a set up front); a larger batch runs as several calls, a chunk
+length outside the set eagerly. When the store grows its tensors are new, so every graph
+is dropped and captured again on its next use.
+
+Without ``capture`` (a CPU device, or graphs turned off) a call takes the same padded path
+eagerly: the bucketing and padding logic, testable without a GPU.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from ..runners.streams import STREAMS
+from .codec_slots import CodecSlots, host_slots
+
+__all__ = ["CodecGraphs", "BATCH_BUCKETS", "FRAME_BUCKETS"]
+
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+FRAME_BUCKETS = (1, 2, 4, 8, 16, 32)
+
+
+class CodecGraphs:
+    def __init__(self, slots: CodecSlots, *, capture: bool | None = None,
+                 batches: tuple[int, ...] = BATCH_BUCKETS, frames: tuple[int, ...] = FRAME_BUCKETS) -> None:
+        self.slots = slots
+        self.device = slots.device
+        self.capture_graphs = self.device.type == "cuda" if capture is None else capture
+        if self.capture_graphs and self.device.type != "cuda":
+            raise ValueError("CodecGraphs: capturing graphs needs a CUDA device")
+        self.batches, self.frames = tuple(sorted(batches)), tuple(sorted(frames))
+        self.max_batch = self.batches[-1]
+        with torch.inference_mode():
+            self.codes = {f: torch.zeros((self.max_batch, f, slots.decoder.num_quantizers), dtype=torch.long,
+                                         device=self.device) for f in self.frames}
+            self.slot_index = torch.full((self.max_batch,), slots.scratch, dtype=torch.long, device=self.device)
+        self.graphs: dict[tuple[int, int], tuple[Any, torch.Tensor]] = {}
+        self.pool: Any = None
+        self._generation = slots.generation
+        self.replays = 0
+        self.eager_calls = 0
+        self.captures = 0
+        self.capture_seconds = 0.0
+
+    def bucket_for(self, batch: int) -> int:
+        return next(b for b in self.batches if b >= batch)
+
+    # ------------------------------------------------------------ calls
+
+    def run(self, codes: torch.Tensor, slots: list[int]) -> torch.Tensor:
+        """``codes [B, F, 16]`` for the open ``slots`` -> float32 PCM ``[B, F * 1920]``.
+        With graphs, the result is the graph's static output, and graphs share one memory
+        pool: enqueue its copy (``.to("cpu", non_blocking=True)``, ``.clone()``) before the
+        next call, which may overwrite it."""
+        self.slots.check(codes, slots)
+        frames = codes.shape[1]
+        if not slots or frames not in self.codes:
+            self.eager_calls += 1
+            return self.slots.run(codes, slots)
+        if len(slots) > self.max_batch:
+            pieces = [self.run(codes[i:i + self.max_batch], slots[i:i + self.max_batch]).clone()
+                      for i in range(0, len(slots), self.max_batch)]
+            return torch.cat(pieces)
+        with torch.inference_mode():
+            return self._padded(codes, slots)
+
+    def _padded(self, codes: torch.Tensor, slots: list[int]) -> torch.Tensor:
+        n, frames = len(slots), codes.shape[1]
+        bucket = self.bucket_for(n)
+        self._inputs(codes, slots, bucket)
+        if not self.capture_graphs:
+            self.eager_calls += 1
+            return self.slots.step(self.codes[frames][:bucket], self.slot_index[:bucket])[:n]
+        if self._generation != self.slots.generation:  # the store grew: its tensors are new
+            self.graphs.clear()
+            self.pool = None
+            self._generation = self.slots.generation
+        entry = self.graphs.get((bucket, frames))
+        if entry is None:
+            entry = self._capture(bucket, frames)
+            self._inputs(codes, slots, bucket)  # the warm-up ran on scratch inputs
+        graph, out = entry
+        graph.replay()
+        self.replays += 1
+        return out[:n]
+
+    def _inputs(self, codes: torch.Tensor, slots: list[int], bucket: int) -> None:
+        """The static inputs of a call: its codes and slots, then zero codes on the scratch
+        slot up to the bucket."""
+        n, frames = len(slots), codes.shape[1]
+        static = self.codes[frames]
+        static[:n].copy_(codes, non_blocking=True)
+        self.slot_index[:n].copy_(host_slots(slots, self.device), non_blocking=True)
+        if bucket > n:
+            static[n:bucket].zero_()
+            self.slot_index[n:bucket] = self.slots.scratch
+
+    # ------------------------------------------------------------ capture
+
+    def capture(self, batches: tuple[int, ...] | None = None, frames: tuple[int, ...] | None = None) -> None:
+        """Capture the graphs of these buckets now (all by default), the largest batch first
+        so the shared memory pool is sized by it. Only while no call is in flight."""
+        if not self.capture_graphs:
+            return
+        with torch.inference_mode():
+            if self._generation != self.slots.generation:
+                self.graphs.clear()
+                self.pool = None
+                self._generation = self.slots.generation
+            for b in sorted(batches or self.batches, reverse=True):
+                for f in frames or self.frames:
+                    if (b, f) not in self.graphs:
+                        self._capture(b, f)
+
+    def _capture(self, bucket: int, frames: int) -> tuple[Any, torch.Tensor]:
+        """Warm up and capture one bucket's call over scratch inputs: every row on the
+        scratch slot, so the warm-up runs write no stream's state."""
+        start = time.perf_counter()
+        codes, index = self.codes[frames][:bucket], self.slot_index[:bucket]
+        codes.zero_()
+        index.fill_(self.slots.scratch)
+        with STREAMS.borrowed(self.device) as stream, torch.cuda.stream(stream):
+            for _ in range(2):
+                self.slots.step(codes, index)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool, stream=stream, capture_error_mode="thread_local"):
+                out = self.slots.step(codes, index)
+            if self.pool is None:
+                self.pool = graph.pool()
+        torch.cuda.synchronize(self.device)
+        self.graphs[(bucket, frames)] = (graph, out)
+        self.captures += 1
+        self.capture_seconds += time.perf_counter() - start
+        return graph, out

@@ -1,0 +1,131 @@
+"""The codec's CUDA graphs (omni_async.speech.codec_graphs): replayed calls give the audio
+of eager calls, float32 and bfloat16, at the tiny and the released decoder's size (random
+weights); graphs are captured once per bucket and replayed after; a grow of the slot store
+captures them again; the speech pipeline's codec stage replays them."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from omni_async.speech import SpeechParams, SpeechPipeline
+from omni_async.speech.codec import CodecDecoder
+from omni_async.speech.codec_config import CodecConfig
+from omni_async.speech.codec_graphs import BATCH_BUCKETS, FRAME_BUCKETS, CodecGraphs
+from omni_async.speech.codec_slots import CodecSlots
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+CONFIGS = {"tiny": CodecConfig.tiny, "real": CodecConfig.qwen3_tts_12hz}
+# Mean |difference| over mean |audio|: the same shapes (graphed against the eager padded
+# call) differ by rounding only; another batch shape (the plain eager call) may choose
+# other kernels (TF32 convolutions, bf16 GEMMs), so a looser bound. A chunk decoded from a
+# wrong state is off by far more (the control below).
+SAME_SHAPES = {torch.float32: 1e-4, torch.bfloat16: 1e-2}
+OTHER_SHAPES = {torch.float32: 1e-2, torch.bfloat16: 5e-2}
+
+# Rounds of (streams, frames): batches that pad (3 -> 4, 5 -> 8) and that fill their
+# bucket, every frame bucket, streams skipping rounds.
+SCHEDULE = [((0, 1, 2, 3, 4), 1), ((0, 1, 2), 2), ((3,), 4), ((0, 1, 2, 3, 4), 8), ((1, 3), 16), ((0, 2, 4), 4),
+            ((0, 1, 2, 3), 1), ((4,), 2)]
+
+
+def relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).abs().mean() / b.float().abs().mean().clamp(min=1e-6))
+
+
+def random_codes(frames: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 2048, (frames, 16), generator=g).cuda()
+
+
+@pytest.fixture(scope="module", params=[("tiny", torch.float32), ("tiny", torch.bfloat16), ("real", torch.float32),
+                                        ("real", torch.bfloat16)], ids=lambda p: f"{p[0]}-{str(p[1])[6:]}")
+def decoder(request) -> CodecDecoder:
+    name, dtype = request.param
+    return CodecDecoder.random(CONFIGS[name](), device="cuda", dtype=dtype, seed=0)
+
+
+def test_graphed_calls_give_the_eager_calls_audio(decoder):
+    graphed_store, padded_store, plain = CodecSlots(decoder, 8), CodecSlots(decoder, 8), CodecSlots(decoder, 8)
+    graphs = CodecGraphs(graphed_store)
+    padded = CodecGraphs(padded_store, capture=False)
+    assert graphs.capture_graphs and not padded.capture_graphs
+    codes = [random_codes(48, seed=i) for i in range(5)]
+    slots = [[store.open() for _ in codes] for store in (graphed_store, padded_store, plain)]
+    at = [0] * len(codes)
+    dtype = decoder.dtype
+    for rows, frames in SCHEDULE:
+        chunk = torch.stack([codes[i][at[i]:at[i] + frames] for i in rows])
+        got = graphs.run(chunk, [slots[0][i] for i in rows]).clone()
+        same = padded.run(chunk, [slots[1][i] for i in rows])
+        other = plain.run(chunk, [slots[2][i] for i in rows])
+        assert got.shape == (len(rows), frames * 1920) and got.dtype == torch.float32
+        assert relative(got, same) < SAME_SHAPES[dtype], (rows, frames)
+        assert relative(got, other) < OTHER_SHAPES[dtype], (rows, frames)
+        for i in rows:
+            at[i] += frames
+    buckets = {(next(b for b in BATCH_BUCKETS if b >= len(rows)), f) for rows, f in SCHEDULE}
+    assert graphs.replays == len(SCHEDULE) and graphs.captures == len(buckets) and graphs.eager_calls == 0
+    # the control: the next chunk of stream 0 from a fresh slot is other audio
+    fresh = plain.open()
+    chunk = codes[0][at[0]:at[0] + 4][None]
+    want = graphs.run(chunk, [slots[0][0]]).clone()
+    assert relative(plain.run(chunk, [fresh]), want) > max(0.1, 3 * OTHER_SHAPES[dtype])
+    assert graphs.captures == len(buckets)  # (1, 4) was captured already: replayed
+
+
+def test_a_grow_captures_the_graphs_again(decoder):
+    store, plain = CodecSlots(decoder, 2), CodecSlots(decoder, 2)
+    graphs = CodecGraphs(store)
+    codes = [random_codes(8, seed=10 + i) for i in range(3)]
+    gs, ps = [store.open(), store.open()], [plain.open(), plain.open()]
+    chunk = torch.stack([c[:4] for c in codes[:2]])
+    graphs.run(chunk, gs)
+    plain.run(chunk, ps)
+    gs.append(store.open())  # the store doubles: its tensors are new
+    ps.append(plain.open())
+    assert store.generation == 1
+    chunk = torch.stack([c[4:8] for c in codes])
+    got = graphs.run(chunk, gs).clone()
+    assert graphs.captures == 2 and graphs.replays == 2
+    assert relative(got, plain.run(chunk, ps)) < OTHER_SHAPES[decoder.dtype]
+
+
+def test_capturing_every_bucket_up_front():
+    decoder = CodecDecoder.random(CodecConfig.tiny(), device="cuda", dtype=torch.float32, seed=1)
+    store = CodecSlots(decoder, 4)
+    graphs = CodecGraphs(store, batches=(1, 2, 4))
+    graphs.capture()
+    assert graphs.captures == 3 * len(FRAME_BUCKETS) and graphs.capture_seconds > 0
+    slot = store.open()
+    codes = random_codes(16, seed=20)
+    pieces = [graphs.run(codes[None, a:b], [slot]).clone() for a, b in ((0, 8), (8, 12), (12, 14), (14, 15), (15, 16))]
+    assert graphs.captures == 3 * len(FRAME_BUCKETS) and graphs.replays == 5
+    whole = decoder.decode(codes[None])[0]
+    assert relative(torch.cat(pieces), whole) < OTHER_SHAPES[torch.float32]
+
+
+async def _stream(graphs: bool) -> tuple[list, np.ndarray, dict]:
+    async with SpeechPipeline.from_pretrained("tiny", device="cuda", dtype="float32", cuda_graphs=graphs,
+                                              first_chunk_frames=1, max_chunk_frames=16) as tts:
+        chunks = [c async for c in tts.stream("Graphed codec calls.", voice="vivian",
+                                             params=SpeechParams(max_frames=30, ignore_eos=True, seed=5))]
+        whole = await tts.decode(torch.cat([c.codes for c in chunks]))
+        info = tts.info()["speech"]
+    return chunks, whole, info
+
+
+async def test_the_pipelines_codec_stage_replays_graphs():
+    chunks, whole, info = await _stream(True)
+    sizes = [len(c.codes) for c in chunks]
+    assert sum(sizes) == 30 and chunks[-1].finished
+    assert all(n in FRAME_BUCKETS for n in sizes), sizes
+    assert info["codec_graph_replays"] == info["codec_calls"] > 0
+    audio = np.concatenate([c.audio for c in chunks])
+    assert audio.shape == whole.shape == (30 * 1920,)
+    assert float(np.abs(audio - whole).mean() / np.abs(whole).mean()) < OTHER_SHAPES[torch.float32]
+    _, _, eager = await _stream(False)
+    assert eager["codec_graph_replays"] == 0 and eager["codec_calls"] > 0
+
