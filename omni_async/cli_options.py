@@ -274,7 +274,7 @@ def check_serve_extra() -> None:
     missing = [m for m in _SERVE_MODULES if importlib.util.find_spec(m) is None]
     if missing:
         raise errors.ConfigError(
-            f"omni-async serve needs the serve extra ({', '.join(missing)} not installed): pip install 'omni-async[serve]'"
+            f"omni-async serve needs the serve extra ({', '.join(missing)} not installed): pip install -e '.[serve]' in the checkout, or bash scripts/setup.sh"
         )
 
 
