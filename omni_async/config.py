@@ -7,6 +7,7 @@ Both are validated on construction so that bad input becomes an
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 from dataclasses import dataclass, field
 from typing import Any, Literal, Mapping
@@ -27,16 +28,18 @@ MAX_PROMPT_LOGPROBS = 20  # as vLLM's default max_logprobs
 
 
 def _fields_of(cls: type) -> set[str]:
-    return {f.name for f in dataclasses.fields(cls)}
+    """The fields a caller may set: public and taken by the constructor (a private
+    field is the class's own bookkeeping, never the caller's)."""
+    return {f.name for f in dataclasses.fields(cls) if f.init and not f.name.startswith("_")}
 
 
 def _check_unknown(cls: type, data: Mapping[str, Any], error: type[Exception] = InvalidRequestError) -> None:
-    unknown = sorted(set(data) - _fields_of(cls))
+    known = _fields_of(cls)
+    unknown = sorted(str(k) for k in set(data) - known)
     if unknown:
-        raise error(
-            f"unknown {cls.__name__} field(s): {', '.join(unknown)}; "
-            f"known fields are {', '.join(sorted(_fields_of(cls)))}"
-        )
+        close = [m for name in unknown for m in difflib.get_close_matches(name, known, n=1)]
+        hint = f" (did you mean {', '.join(close)}?)" if close else ""
+        raise error(f"unknown {cls.__name__} field(s): {', '.join(unknown)}{hint}; known fields are {', '.join(sorted(known))}")
 
 
 @dataclass
@@ -348,6 +351,13 @@ class SchedulerConfig:
     # larger deltas for callers that do not need every token at once (SGLang's
     # stream_interval). 1 (the default) sends each step's tokens as they come.
     stream_interval: int = 1
+    # CPU: the intra-op threads a step's kernels use (torch's pool; process-wide). None
+    # (the default) chooses for the machine's load when the engine is built: every CPU
+    # torch would use on an idle machine, fewer as the load average rises, one when the
+    # CPUs are oversubscribed (a busy 2-core machine ran one stream 1.5-8x slower on two
+    # threads than on one: bench/cpu_threads.py); OMP_NUM_THREADS, when set, is kept
+    # (omni_async/core/cpu_choices.py decides).
+    cpu_threads: int | None = None
 
     def __post_init__(self) -> None:
         if self.loop not in LOOP_KINDS:
@@ -377,6 +387,8 @@ class SchedulerConfig:
         for name in ("cpu_attention_kernel", "cpu_fused_ops"):
             if getattr(self, name) and self.tensor_parallel_size > 1:
                 raise ConfigError(f"{name} is not supported with tensor_parallel_size > 1 yet")
+        if self.cpu_threads is not None and (not _is_int(self.cpu_threads) or self.cpu_threads < 1):
+            raise ConfigError(f"cpu_threads must be None or an integer >= 1, got {self.cpu_threads!r}")
         if self.max_prefill_tokens is not None and (not _is_int(self.max_prefill_tokens) or self.max_prefill_tokens < 1):
             raise ConfigError(f"max_prefill_tokens must be None or an integer >= 1, got {self.max_prefill_tokens!r}")
         if self.chunked_prefill_size is not None and not _is_int(self.chunked_prefill_size):

@@ -27,6 +27,12 @@ Why these defaults (measurements in bench/RESULTS.md):
   kernels add to it at every batch size; float32 (the exact reference path) otherwise.
   The kernels are on by default only in bfloat16 or int8 (paths that are not bit-exact
   anyway) and only where they build.
+- CPU threads (``cpu_threads=None``). torch starts one intra-op thread per core; with
+  other work on the machine those threads wait at every parallel region's barrier for a
+  core the OS gave away: on a busy 2-core machine one stream of the tiny model ran at
+  27-34 tok/s on two threads against 214-227 on one. So the count is the CPUs left idle
+  by the load average (rounded, at least one, never more than torch's own), decided once
+  per process (the threads are process-wide; bench/cpu_threads.py).
 - Optimistic grammar rows on CUDA only (``optimistic_grammar=None``). A grammar mask costs
   ~45 us of host time a row on the H200's host, so 256 constrained rows' masks take
   longer than the step's forward; sampling first skips ~94% of them for a real model asked
@@ -44,7 +50,7 @@ from typing import Any, Sequence
 from ..config import SchedulerConfig
 from ..errors import ConfigError, InvalidRequestError, ModelLoadError
 from ..memory_budget import MemoryPlan, activation_reserve_bytes, plan_memory
-from .cpu_choices import _dtype_name, _kernel_options, load_dtype
+from .cpu_choices import _dtype_name, _kernel_options, cpu_threads, load_dtype
 from ..structured.optimistic import enabled as optimistic_enabled
 from .multi_step import DecodeSteps
 
@@ -88,6 +94,14 @@ class DeviceFacts:
     cpu_kernels_build: bool = False
     paged_kernel: bool = False  # Triton's paged decode attention runs here (CUDA)
     graph_buckets: tuple[int, ...] = ()  # batch sizes the decode graphs can capture
+    # What the CPU thread count is chosen from (:func:`cpu_threads`): the CPUs this
+    # process may run on, the machine's 1-minute load average (None: unknown), torch's
+    # intra-op threads now, and the variable that fixed them ("OMP_NUM_THREADS=2"; None
+    # when none is set).
+    cpus: int = 1
+    load_average: float | None = None
+    intra_op_threads: int = 1
+    threads_env: str | None = None
 
 
 @dataclass(frozen=True)
@@ -145,6 +159,8 @@ class StagePlan:
     step_launch: str
     tensor_parallel_size: int
     config: SchedulerConfig
+    cpu_threads: int | None = None  # the intra-op threads a CPU stage sets; None: left as they are
+    cpu_threads_reason: str = ""  # why that many (info()["cpu_threads_reason"])
 
     @property
     def decode_tiers(self) -> tuple[tuple[int, int], ...]:
@@ -320,9 +336,10 @@ def plan_stage(
         running = running_limit(device.type, pages * config.page_size, buckets)
     graphs = device.type == "cuda" and config.cuda_graphs
     optimistic = device.type == "cuda" if config.optimistic_grammar is None else config.optimistic_grammar
+    threads, threads_reason = cpu_threads(config, device)
     settled = dataclasses.replace(
         config, max_running_requests=running, max_prefill_tokens=max_prefill, chunked_prefill_size=chunked,
-        optimistic_grammar=optimistic,
+        optimistic_grammar=optimistic, cpu_threads=config.cpu_threads if threads is None else threads,
         **{name: on for name, on in kernels.items() if getattr(config, name) is None},
     )
     on_cpu = device.type == "cpu"
@@ -353,6 +370,8 @@ def plan_stage(
         step_launch=config.step_launch,
         tensor_parallel_size=config.tensor_parallel_size,
         config=settled,
+        cpu_threads=threads,
+        cpu_threads_reason=threads_reason,
     )
 
 
