@@ -28,8 +28,7 @@ MAX_PROMPT_LOGPROBS = 20  # as vLLM's default max_logprobs
 
 
 def _fields_of(cls: type) -> set[str]:
-    """The fields a caller may set: public and taken by the constructor (a private
-    field is the class's own bookkeeping, never the caller's)."""
+    """The fields a caller may set (not the class's own bookkeeping: private, init=False)."""
     return {f.name for f in dataclasses.fields(cls) if f.init and not f.name.startswith("_")}
 
 
@@ -351,12 +350,9 @@ class SchedulerConfig:
     # larger deltas for callers that do not need every token at once (SGLang's
     # stream_interval). 1 (the default) sends each step's tokens as they come.
     stream_interval: int = 1
-    # CPU: the intra-op threads a step's kernels use (torch's pool; process-wide). None
-    # (the default) chooses for the machine's load when the engine is built: every CPU
-    # torch would use on an idle machine, fewer as the load average rises, one when the
-    # CPUs are oversubscribed (a busy 2-core machine ran one stream 1.5-8x slower on two
-    # threads than on one: bench/cpu_threads.py); OMP_NUM_THREADS, when set, is kept
-    # (omni_async/core/cpu_choices.py decides).
+    # CPU: a step's intra-op threads (torch's, process-wide). None: the CPUs the load
+    # average leaves idle, one when oversubscribed; OMP_NUM_THREADS, when set, is kept
+    # (core/cpu_choices.py; bench/cpu_threads.py).
     cpu_threads: int | None = None
 
     def __post_init__(self) -> None:
@@ -364,17 +360,11 @@ class SchedulerConfig:
             raise ConfigError(
                 f"unknown loop {self.loop!r}; choose one of {', '.join(LOOP_KINDS)}"
             )
-        if self.max_running_requests is not None and (not _is_int(self.max_running_requests) or self.max_running_requests < 1):
-            raise ConfigError(f"max_running_requests must be None or an integer >= 1, got {self.max_running_requests!r}")
-        positive = (
-            "async_decode_min_batch_size",
-            "max_queued_requests",
-            "page_size",
-            "request_build_max_workers",
-            "aborted_id_cap",
-            "tensor_parallel_size",
-            "stream_interval",
-        )
+        for name in ("max_running_requests", "max_prefill_tokens", "cpu_threads"):
+            if getattr(self, name) is not None and (not _is_int(getattr(self, name)) or getattr(self, name) < 1):
+                raise ConfigError(f"{name} must be None or an integer >= 1, got {getattr(self, name)!r}")
+        positive = ("async_decode_min_batch_size", "max_queued_requests", "page_size", "request_build_max_workers",
+                    "aborted_id_cap", "tensor_parallel_size", "stream_interval")
         for name in positive:
             value = getattr(self, name)
             if not _is_int(value) or value < 1:
@@ -387,10 +377,6 @@ class SchedulerConfig:
         for name in ("cpu_attention_kernel", "cpu_fused_ops"):
             if getattr(self, name) and self.tensor_parallel_size > 1:
                 raise ConfigError(f"{name} is not supported with tensor_parallel_size > 1 yet")
-        if self.cpu_threads is not None and (not _is_int(self.cpu_threads) or self.cpu_threads < 1):
-            raise ConfigError(f"cpu_threads must be None or an integer >= 1, got {self.cpu_threads!r}")
-        if self.max_prefill_tokens is not None and (not _is_int(self.max_prefill_tokens) or self.max_prefill_tokens < 1):
-            raise ConfigError(f"max_prefill_tokens must be None or an integer >= 1, got {self.max_prefill_tokens!r}")
         if self.chunked_prefill_size is not None and not _is_int(self.chunked_prefill_size):
             raise ConfigError("chunked_prefill_size must be None or an integer (<= 0 disables)")
         if self.kv_capacity_tokens is not None and (

@@ -17,6 +17,7 @@ import hashlib
 import itertools
 import time
 import uuid
+import warnings
 from typing import Any, AsyncIterator
 
 import anyio
@@ -265,6 +266,11 @@ class Engine:
             raise errors.InvalidRequestError("stop strings need a tokenizer, and this model has none: use stop_token_ids")
         # The stage's door, here: the stage takes the verdict and does not check again.
         verdict = check_request(ids if input_embeds is None else None, sampling, self.scheduler.limits, input_embeds=input_embeds)
+        if verdict.max_new_tokens is not None and verdict.max_new_tokens < sampling.max_new_tokens:
+            limit = errors.LengthLimitWarning(
+                sampling.max_new_tokens, verdict.max_new_tokens, len(verdict.prompt_ids), self.scheduler.limits.context_length
+            )
+            warnings.warn(limit, stacklevel=3)
         ids, input_embeds = verdict.prompt_ids, verdict.input_embeds  # placeholder ids for embeddings
         per_sub = [sampling] if sampling.n == 1 else [
             dataclasses.replace(sampling, n=1, seed=completion_seed(sampling.seed, i)) for i in range(sampling.n)

@@ -27,12 +27,9 @@ Why these defaults (measurements in bench/RESULTS.md):
   kernels add to it at every batch size; float32 (the exact reference path) otherwise.
   The kernels are on by default only in bfloat16 or int8 (paths that are not bit-exact
   anyway) and only where they build.
-- CPU threads (``cpu_threads=None``). torch starts one intra-op thread per core; with
-  other work on the machine those threads wait at every parallel region's barrier for a
-  core the OS gave away: on a busy 2-core machine one stream of the tiny model ran at
-  27-34 tok/s on two threads against 214-227 on one. So the count is the CPUs left idle
-  by the load average (rounded, at least one, never more than torch's own), decided once
-  per process (the threads are process-wide; bench/cpu_threads.py).
+- CPU threads (``cpu_threads=None``): the CPUs the load average leaves idle (at least one,
+  at most torch's own). Threads past the idle cores wait at each parallel region's barrier
+  for a core another process holds: 8-35x slower on a busy 2-core VM (bench/cpu_threads.py).
 - Optimistic grammar rows on CUDA only (``optimistic_grammar=None``). A grammar mask costs
   ~45 us of host time a row on the H200's host, so 256 constrained rows' masks take
   longer than the step's forward; sampling first skips ~94% of them for a real model asked
@@ -94,10 +91,8 @@ class DeviceFacts:
     cpu_kernels_build: bool = False
     paged_kernel: bool = False  # Triton's paged decode attention runs here (CUDA)
     graph_buckets: tuple[int, ...] = ()  # batch sizes the decode graphs can capture
-    # What the CPU thread count is chosen from (:func:`cpu_threads`): the CPUs this
-    # process may run on, the machine's 1-minute load average (None: unknown), torch's
-    # intra-op threads now, and the variable that fixed them ("OMP_NUM_THREADS=2"; None
-    # when none is set).
+    # For :func:`cpu_threads`: CPUs this process may use, the 1-minute load average (None:
+    # unknown), torch's threads now, the variable that fixed them ("OMP_NUM_THREADS=2").
     cpus: int = 1
     load_average: float | None = None
     intra_op_threads: int = 1
