@@ -6,7 +6,9 @@ An entry holds the built decoder's own parameters (its merged projections, in th
 dtype) and rotary frequencies, the model config and the tokenizer (as ``tokenizers`` JSON),
 in one file in the safetensors layout: an 8-byte header length, a JSON header, then the
 tensor bytes. A start after the first maps the file (copy-on-write) and hands the views to
-the model as its parameters: nothing is copied or converted.
+the model as its parameters; float32 tensors are stored in the smallest form that gives
+back their exact values (:mod:`.gguf_compact`: a Q4_1 file's matrices as q4 blocks, a
+fifth of float32's bytes) and turned back into float32 when read.
 
 - **Where**: ``$OMNI_ASYNC_CACHE_DIR`` (``off`` or ``none`` turns caching off), else
   ``$XDG_CACHE_HOME/omni-async``, else ``~/.cache/omni-async``; entries under ``gguf/``
@@ -52,12 +54,14 @@ import torch
 from ..kernels.cpu_build import user_cache_folder
 from ..logs import log
 from .config import ModelConfig
+from .gguf_compact import compact, expand
 
 # Bump when the conversion's output changes (names, unpermuting, tokenizer shape, layout).
-CONVERSION_VERSION = 2
+CONVERSION_VERSION = 3  # 3: float32 tensors in their smallest exact form (gguf_compact)
 CACHE_ENV = "OMNI_ASYNC_CACHE_DIR"
 _DTYPE_CODES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
-_CODE_DTYPES = {code: dtype for dtype, code in _DTYPE_CODES.items()}
+_STORED_CODES = {**_DTYPE_CODES, torch.uint8: "U8"}  # what an entry's tensors are stored as
+_CODE_DTYPES = {code: dtype for dtype, code in _STORED_CODES.items()}
 _MAX_HEADER = 256 << 20
 _converting = threading.Event()
 
@@ -248,12 +252,13 @@ def _tensor_bytes(t: torch.Tensor) -> memoryview:
 def write_entry(path: Path, converted: ConvertedGGUF, *, source: str) -> None:
     """Write to a temporary file next to ``path``, flush it to disk, rename it into place."""
     # Wider elements first, so that every tensor starts aligned to its element size.
-    tensors = sorted(((name, t.detach().contiguous()) for name, t in converted.tensors), key=lambda nt: -nt[1].element_size())
+    stored = compact((name, t.detach()) for name, t in converted.tensors)
+    tensors = sorted(((name, t.contiguous()) for name, t in stored), key=lambda nt: -nt[1].element_size())
     header: dict[str, Any] = {}
     offset, crc = 0, 0
     for name, t in tensors:
         size = t.numel() * t.element_size()
-        header[name] = {"dtype": _DTYPE_CODES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + size]}
+        header[name] = {"dtype": _STORED_CODES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + size]}
         crc = zlib.crc32(_tensor_bytes(t), crc)
         offset += size
     meta = {
@@ -328,6 +333,10 @@ def read_entry(path: Path) -> ConvertedGGUF:
         flat = torch.frombuffer(mapped, dtype=dtype, count=count, offset=8 + n + start) if count else torch.empty(0, dtype=dtype)
         tensors.append((name, flat.reshape(spec["shape"])))
     data.release()
+    try:
+        tensors = expand(tensors)
+    except (ValueError, RuntimeError) as exc:
+        raise CorruptCacheEntry(f"unreadable compact tensors ({exc})") from None
     return ConvertedGGUF(_config_from_json(meta["config"]), _tokenizer_from_json(meta["tokenizer"]), tensors)
 
 
