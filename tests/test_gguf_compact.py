@@ -25,15 +25,17 @@ def _kinds(stored):
 def test_each_tensor_comes_back_exactly_in_its_smallest_form():
     g = torch.Generator().manual_seed(0)
     q4_source = quantize(torch.randn(64, 96, generator=g), "q4").dequantize()  # a Q4_1 file's values
+    q8_source = quantize(torch.randn(16, 64, generator=g), "q8").dequantize()  # a Q8_0 file's
     half = torch.randn(7, 5, generator=g).half().float()
     brain = torch.tensor([1e30, -3e-30, 2.0]).bfloat16().float()  # out of float16's range
     plain = torch.randn(64, 96, generator=g)  # no short form holds these
     odd = torch.tensor([float("inf"), 1.0])
     ints = torch.arange(6, dtype=torch.int64)
-    named = [("q", q4_source), ("h", half), ("b", brain), ("p", plain), ("o", odd), ("i", ints)]
+    named = [("q", q4_source), ("e", q8_source), ("h", half), ("b", brain), ("p", plain), ("o", odd), ("i", ints)]
     stored = list(compact(named))
     kinds = _kinds(stored)
     assert kinds["q#q4.codes"] == torch.uint8 and "q" not in kinds
+    assert kinds["e#q8.codes"] == torch.uint8 and "e#q4.codes" not in kinds
     assert kinds["h#f16"] == torch.float16 and kinds["b#bf16"] == torch.bfloat16
     assert kinds["p"] == kinds["o"] == torch.float32 and kinds["i"] == torch.int64
     back = dict(expand(stored))
@@ -44,7 +46,7 @@ def test_each_tensor_comes_back_exactly_in_its_smallest_form():
 
 def test_incomplete_blocks_are_refused():
     stored = [(n, t) for n, t in compact([("q", quantize(torch.randn(4, 32), "q4").dequantize())]) if not n.endswith("minimum")]
-    with pytest.raises(ValueError, match="incomplete q4 blocks"):
+    with pytest.raises(ValueError, match="incomplete blocks"):
         expand(stored)
 
 

@@ -5,8 +5,8 @@ file: a 540 MB entry for a 98 MB file), though each holds far fewer distinct val
 Q4_1 block is ``scale * code + minimum`` with a float16 scale and minimum and 4-bit codes,
 which is the q4 block format the CPU kernels run (``kernels.cpu_quant``). So a float32
 tensor is stored as the first of these forms that gives back exactly its values, checked
-when the entry is written: q4 blocks (0.625 bytes a value), float16, bfloat16; else as
-it is. Reading turns each back into float32 (a Q4_1 matrix: its own codes, scales and
+when the entry is written: q4 blocks (0.625 bytes a value), q8 blocks (a Q8_0 file's
+matrices: 1.0625), float16, bfloat16; else as it is. Reading turns each back into float32 (a Q4_1 matrix: its own codes, scales and
 minimums, so the same values the conversion made).
 """
 
@@ -20,6 +20,7 @@ from ..kernels.cpu_quant import BLOCK, quantize
 
 # Stored names: the tensor's name, then one of these suffixes (``#`` is in no parameter name).
 Q4_PARTS = ("#q4.codes", "#q4.scale", "#q4.minimum")
+Q8_PARTS = ("#q8.codes", "#q8.scale")
 HALF = {"#f16": torch.float16, "#bf16": torch.bfloat16}
 
 
@@ -36,6 +37,9 @@ def _compact_one(name: str, t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
         blocks = quantize(t, "q4")
         if torch.equal(q4_values(blocks.codes, blocks.scale, blocks.minimum), t):
             return [(name + Q4_PARTS[0], blocks.codes), (name + Q4_PARTS[1], blocks.scale), (name + Q4_PARTS[2], blocks.minimum)]
+        blocks = quantize(t, "q8")
+        if torch.equal(q8_values(blocks.codes, blocks.scale), t):
+            return [(name + Q8_PARTS[0], blocks.codes), (name + Q8_PARTS[1], blocks.scale)]
     for suffix, dtype in HALF.items():
         half = t.to(dtype)
         if torch.equal(half.to(torch.float32), t):
@@ -56,6 +60,13 @@ def q4_values(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -
     return out.view(n, kb * BLOCK)
 
 
+def q8_values(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``scale * code`` of q8 blocks (int8 codes stored as bytes) as a float32 ``[N, K]``."""
+    n, kb = scale.shape
+    out = codes.view(torch.int8).view(n, kb, BLOCK).to(torch.float32)
+    return out.mul_(scale.to(torch.float32).unsqueeze(-1)).view(n, kb * BLOCK)
+
+
 def expand(stored: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
     """The tensors ``compact`` was given, from what it stored (float32 again)."""
     parts: dict[str, dict[str, torch.Tensor]] = {}
@@ -67,10 +78,14 @@ def expand(stored: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.
         elif "#" + suffix in HALF:
             out.append((base, t.to(torch.float32)))
         else:
-            parts.setdefault(base, {})["#" + suffix] = t
-            if len(parts[base]) == len(Q4_PARTS):
-                p = parts.pop(base)
-                out.append((base, q4_values(p[Q4_PARTS[0]], p[Q4_PARTS[1]], p[Q4_PARTS[2]])))
+            p = parts.setdefault(base, {})
+            p["#" + suffix] = t
+            if all(k in p for k in Q4_PARTS):
+                out.append((base, q4_values(*(p[k] for k in Q4_PARTS))))
+                del parts[base]
+            elif all(k in p for k in Q8_PARTS):
+                out.append((base, q8_values(*(p[k] for k in Q8_PARTS))))
+                del parts[base]
     if parts:
-        raise ValueError(f"incomplete q4 blocks for {sorted(parts)}")
+        raise ValueError(f"incomplete blocks for {sorted(parts)}")
     return out
