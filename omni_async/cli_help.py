@@ -68,5 +68,7 @@ FIELD_HELP: dict[str, str] = {
     "cpu_fused_ops": "CPU: fused C++ kernels between the GEMMs",
     "memory_budget": "the engine's share of the device: a fraction of its total memory (0.5) or bytes; "
     "weights, reserve and KV fit within it whatever the load order (none: kv_memory_fraction of free memory)",
+    "cpu_threads": "CPU: intra-op threads of a step (none: chosen for the machine's load, every CPU when idle, "
+    "one when oversubscribed; OMP_NUM_THREADS, when set, is kept; info() says which and why)",
     "own_cuda_stream": "CUDA: launch this stage's steps on a stream of its own (stages sharing a GPU queue independently)",
 }

@@ -1,4 +1,5 @@
-"""The OpenAI-compatible HTTP server (``pip install 'omni-async[serve]'``).
+"""The OpenAI-compatible HTTP server (the serve extra: ``pip install -e '.[serve]'`` in the checkout,
+or ``bash scripts/setup.sh``).
 
 ``create_app(engine)`` gives the ASGI app; ``serve(engine, host=..., port=...)`` runs it
 on uvicorn; ``running_server(engine)`` serves for the length of an ``async with`` block.

@@ -42,7 +42,7 @@ def run_command(args: argparse.Namespace) -> int:
 
         from .ray_serve import ReplicaOptions, build_app, run
     except ImportError as exc:
-        print(f"error: ConfigError: omni-async serve-ray needs the ray extra (pip install 'omni-async[ray]'): {exc}", file=sys.stderr)
+        print(f"error: ConfigError: omni-async serve-ray needs the ray extra (pip install -e '.[ray]' in the checkout, or bash scripts/install_scale.sh): {exc}", file=sys.stderr)
         return 2
     autoscaling = json.loads(args.autoscaling) if args.autoscaling else None
     options = ReplicaOptions(

@@ -68,6 +68,7 @@ def build_native_stack(
             attach_projection(loaded, conditioning_size, seed=seed)
         plan = plan_stage(load.config, *loaded_facts(machine, stored, device, loaded), dtype=dtype, load=load)
         log_plan(plan)
+        set_cpu_threads(plan)
         load_cpu_kernels(plan)
         runner = NativeModelRunner(
             loaded.model, kv_cache(loaded, plan.page_size, device, plan.kv_pages), device, seed=seed,
@@ -76,6 +77,15 @@ def build_native_stack(
         return assemble_stack(loaded, plan, device, runner)
 
     return build_off_this_thread(build) if device.type == "cpu" else build()
+
+
+def set_cpu_threads(plan: StagePlan) -> None:
+    """torch's intra-op threads as the plan chose: the process-wide count, which each
+    thread takes at its first parallel op (the stage's step thread among them, started
+    after this); a thread that ran one before keeps its own."""
+    if plan.cpu_threads is not None and plan.cpu_threads != torch.get_num_threads():
+        torch.set_num_threads(plan.cpu_threads)
+        log.info("cpu_threads", threads=plan.cpu_threads, reason=plan.cpu_threads_reason)
 
 
 def log_plan(plan: StagePlan) -> None:
@@ -106,7 +116,10 @@ def build_scheduler(stack: NativeStack, config: SchedulerConfig | None = None, *
         "plan": plan.as_dict(),
     }
     if stack.device.type == "cpu":
-        info["cpu_threads"] = torch.get_num_threads()  # the intra-op threads a step's kernels use
+        # The intra-op threads a step's kernels use: the plan's (a thread takes the count
+        # at its first parallel op, so torch.get_num_threads() here may be an older one's).
+        info["cpu_threads"] = plan.cpu_threads or torch.get_num_threads()
+        info["cpu_threads_reason"] = plan.cpu_threads_reason or "left as it is"
     executor = make_step_executor(config.step_launch, stack.device.type, config.event_wait)
     tp = stack.tensor_parallel
     if tp is not None:
