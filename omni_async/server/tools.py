@@ -250,7 +250,12 @@ class StreamParser:
 
 def _open_prefix(text: str) -> int:
     """Length of the longest tail of ``text`` that begins ``<tool_call>``."""
-    for n in range(min(len(OPEN) - 1, len(text)), 0, -1):
-        if text.endswith(OPEN[:n]):
+    return tag_prefix(text, OPEN)
+
+
+def tag_prefix(text: str, tag: str) -> int:
+    """Length of the longest tail of ``text`` that begins ``tag`` (shorter than the tag)."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:n]):
             return n
     return 0
