@@ -54,6 +54,8 @@ def normalize_json_schema(value: Any, bad: Bad) -> str | None:
             parsed = json.loads(value)
         except json.JSONDecodeError as exc:
             raise bad(f"json_schema is not valid JSON: {exc.msg} at position {exc.pos}") from None
+        except RecursionError:  # "[" * 60000 fits the character cap and exhausts the parser's stack
+            raise bad("json_schema is nested too deeply to be read as JSON") from None
     elif isinstance(value, Mapping) or isinstance(value, bool):
         parsed = value
     else:
