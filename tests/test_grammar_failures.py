@@ -92,3 +92,79 @@ def test_the_schema_is_serialised_once(monkeypatch):
     sp.json_schema = {"type": "object"}  # assigned after validation: serialised again, once
     assert sp.grammar == ("json_schema", '{"type":"object"}') and sp.grammar == ("json_schema", '{"type":"object"}')
     assert len(calls) == 2
+
+
+class PanicException(BaseException):
+    """What a Rust panic inside llguidance arrives as (pyo3's ``pyo3_runtime.PanicException``,
+    a BaseException, not an Exception)."""
+
+
+PanicException.__module__ = "pyo3_runtime"
+
+
+async def test_a_panic_in_the_grammar_library_fails_the_request_and_is_cached(monkeypatch):
+    """No input known to make llguidance 1.9 panic was found (the hostile schemas, regexes and
+    Lark grammars tried are refused with its errors), so the panic is raised at the library
+    boundary: ``llguidance.grammar_from``, which compiles a regex. The request fails at once
+    with a typed error, the failure is cached (the library is not asked again: no
+    resubmission loop), and other grammars carry on."""
+    import anyio
+    import llguidance
+
+    calls = []
+    real = llguidance.grammar_from
+
+    class Unforeseen(BaseException):
+        pass
+
+    def grammar_from(kind, text, *rest, **kw):
+        if text == "panic+":
+            calls.append(text)
+            raise PanicException("called `Option::unwrap()` on a `None` value")
+        if text == "other+":  # any other BaseException out of a compile: the gate still caches a failure
+            calls.append(text)
+            raise Unforeseen()
+        return real(kind, text, *rest, **kw)
+
+    monkeypatch.setattr(llguidance, "grammar_from", grammar_from)
+    async with Engine.from_pretrained("tiny", loop="normal") as engine:
+        with anyio.fail_after(60):  # a hang guard: the unfixed gate resubmits the compile for ever
+            for stream in (False, True, False):
+                with pytest.raises(errors.InvalidRequestError, match="invalid regex: the grammar library failed"):
+                    sampling = SamplingParams(max_new_tokens=4, regex="panic+")
+                    if stream:
+                        async for _ in engine.stream(prompt="x", sampling=sampling):
+                            pass
+                    else:
+                        await engine.generate(prompt="x", sampling=sampling)
+            for _ in range(2):
+                with pytest.raises(errors.InvalidRequestError, match="could not be compiled"):
+                    await engine.generate(prompt="x", sampling=SamplingParams(max_new_tokens=4, regex="other+"))
+            ok = await engine.generate(prompt="x", sampling=SamplingParams(max_new_tokens=3, regex="[ab]{3}"))
+    assert calls == ["panic+", "other+"]
+    assert ok.finish_reason == "stop" and len(ok.output_ids) == 3
+
+
+def test_a_panic_while_compiling_is_cached_as_the_grammars_failure(monkeypatch):
+    """GrammarCompiler.compile itself: the panic is this grammar's error, kept in the cache
+    like any other; an interrupt (KeyboardInterrupt, SystemExit) is not swallowed."""
+    import llguidance
+
+    from omni_async.text.tokenizer import ByteTokenizer
+
+    tok = ByteTokenizer()
+    compiler = GrammarCompiler(tok, tok.vocab_size)
+    try:
+        def grammar_from(kind, text, *rest, **kw):
+            raise PanicException("index out of bounds") if text == "p" else KeyboardInterrupt()
+
+        monkeypatch.setattr(llguidance, "grammar_from", grammar_from)
+        compiler.compile(("regex", "p"))
+        assert compiler.cached(("regex", "p"))
+        with pytest.raises(errors.InvalidRequestError, match="PanicException: index out of bounds"):
+            compiler.matcher(("regex", "p"))
+        with pytest.raises(KeyboardInterrupt):
+            compiler.compile(("regex", "q"))
+        assert not compiler.cached(("regex", "q"))
+    finally:
+        compiler.close()

@@ -324,6 +324,21 @@ class GrammarCompiler:
             entry = err.with_traceback(None)  # its frames hold this compiler: no cycle through the cache
         except Exception as exc:  # the library refused it some other way: still this request's error
             entry = InvalidRequestError(f"invalid {key[0]}: {exc}")
+        except BaseException as exc:
+            if not is_library_panic(exc):
+                raise
+            entry = panic_error(key, exc)
+        self._store(key, entry)
+
+    def refuse(self, key: tuple[str, str], error: InvalidRequestError) -> None:
+        """Cache ``error`` as ``key``'s outcome unless the key compiled: the gate's last
+        word when a compile ended without one, so the key is never submitted again."""
+        with self._lock:
+            if key in self._cache:
+                return
+        self._store(key, error)
+
+    def _store(self, key: tuple[str, str], entry: Any) -> None:
         with self._lock:
             self.compiles += 1
             self._cache[key] = entry
@@ -375,6 +390,18 @@ class GrammarCompiler:
         if matcher.is_error():
             raise InvalidRequestError(f"invalid {kind}: {_first_line(matcher.get_error())}")
         return matcher
+
+
+def is_library_panic(exc: BaseException) -> bool:
+    """Whether ``exc`` is a Rust panic inside the grammar library: pyo3 raises it as
+    ``pyo3_runtime.PanicException``, a BaseException (so that ``except Exception`` does not
+    take it), which the library does not export. It fails the grammar it was given, like
+    any error of the library's; interrupts and exits are not panics."""
+    return type(exc).__name__ == "PanicException"
+
+
+def panic_error(key: tuple[str, str], exc: BaseException) -> InvalidRequestError:
+    return InvalidRequestError(f"invalid {key[0]}: the grammar library failed on it ({type(exc).__name__}: {_first_line(str(exc))})")
 
 
 def _grammar_text(llguidance: Any, kind: str, text: str) -> str:
