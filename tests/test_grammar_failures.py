@@ -67,7 +67,7 @@ def test_an_oversize_schema_is_refused_before_any_serialisation(monkeypatch):
     with pytest.raises(errors.InvalidRequestError, match="too large"):
         SamplingParams(json_schema=huge)
     with pytest.raises(errors.InvalidRequestError, match="too large"):
-        SamplingParams(json_schema="{" + " " * 200_000 + "}")
+        SamplingParams(json_schema="{" + " " * (2 << 20) + "}")
     deep: dict = {}
     node = deep
     for _ in range(100_000):  # nested past the recursion limit: counted, not overflowed
@@ -168,3 +168,37 @@ def test_a_panic_while_compiling_is_cached_as_the_grammars_failure(monkeypatch):
         assert not compiler.cached(("regex", "q"))
     finally:
         compiler.close()
+
+
+def flat(n: int, **extra) -> dict:
+    """An object of ``n`` string properties as OpenAI clients write them (strict: all required)."""
+    props = {f"field_{i}": {"type": "string", "description": f"the {i}th field"} for i in range(n)}
+    return {"type": "object", "properties": props, "required": list(props), "additionalProperties": False, **extra}
+
+
+def nested(levels: int) -> dict:
+    node: dict = {"type": "string"}
+    for _ in range(levels):
+        node = {"type": "object", "properties": {"inner": node}, "required": ["inner"]}
+    return node
+
+
+def test_openai_size_schemas_are_accepted_and_past_openais_limits_refused_with_the_reason():
+    """OpenAI's documented limits for structured outputs: 5,000 object properties in all, 10
+    levels of nesting. Schemas within them are accepted (with room for descriptions and
+    the JSON around them); past them, the error says which limit and why."""
+    for body in (flat(1_000), flat(5_000), nested(10), {"type": "object", "properties": {"a": flat(2_499), "b": flat(2_499)}}):
+        assert SamplingParams(json_schema=body).grammar[0] == "json_schema"
+    import json
+
+    assert SamplingParams(json_schema=json.dumps(flat(5_000))).grammar[0] == "json_schema"
+    with pytest.raises(errors.InvalidRequestError, match="more than 5,000 object properties.*OpenAI"):
+        SamplingParams(json_schema={"type": "object", "properties": {"a": flat(2_499), "b": flat(2_500)}})  # 5,001
+    with pytest.raises(errors.InvalidRequestError, match="nested.*OpenAI"):
+        SamplingParams(json_schema=nested(40))
+
+
+async def test_a_1000_property_schema_constrains_a_request():
+    async with Engine.from_pretrained("tiny", loop="normal") as engine:
+        out = await engine.generate(prompt="x", sampling=SamplingParams(max_new_tokens=40, json_schema=flat(1_000)))
+    assert out.text.startswith('{"field_0": "') and out.finish_reason == "length"
