@@ -142,6 +142,24 @@ async def test_two_structured_output_fields_are_refused(served):
     assert "regex" in both.value.message and "guided_choice" in both.value.message
 
 
+@needs_grammar
+async def test_openai_size_schemas_are_accepted_and_past_the_limit_refused_with_the_reason(served):
+    """A strict 1,000-property object (OpenAI accepts 5,000) constrains the answer; 5,001
+    properties are a 400 that names OpenAI's limit."""
+    client, _ = served
+
+    def flat(n: int) -> dict:
+        props = {f"field_{i}": {"type": "string"} for i in range(n)}
+        return {"type": "object", "properties": props, "required": list(props), "additionalProperties": False}
+
+    fmt = {"type": "json_schema", "json_schema": {"name": "wide", "schema": flat(1_000), "strict": True}}
+    out = await client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=24, response_format=fmt)
+    assert out.choices[0].message.content.startswith('{"field_0": "')
+    with pytest.raises(openai.BadRequestError) as over:
+        await client.completions.create(model="tiny", prompt="hi", max_tokens=4, extra_body={"json_schema": flat(5_001)})
+    assert "5,000 object properties" in over.value.message and "OpenAI" in over.value.message
+
+
 async def test_a_bad_prompt_logprobs_is_refused_by_name(served):
     client, _ = served
     with pytest.raises(openai.BadRequestError) as refused:
