@@ -119,7 +119,7 @@ def _template_call(call: ToolCall) -> dict[str, Any]:
     Llama templates write ``arguments | tojson``, so a JSON object goes in as a dict."""
     try:
         arguments: Any = json.loads(call.function.arguments)
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON, or nested past the parser's stack: kept as text
         arguments = call.function.arguments
     function = {"name": call.function.name, "arguments": arguments}
     return {"id": call.id, "type": "function", "function": function}

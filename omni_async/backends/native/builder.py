@@ -13,7 +13,7 @@ from ...config import SchedulerConfig
 from ...errors import ConfigError
 from ...models.conditioning import attach_projection
 from ...models.loader import load_model, resolve_dtype
-from ...models.quantized import check_quantization, quantization_of, quantize_linears
+from ...models.quantized import arithmetic, check_quantization, quantization_of, quantize_linears
 from ...runners.native import NativeModelRunner
 from ...scheduler import AsyncOmniScheduler
 from ...stage.executor import make_step_executor
@@ -101,15 +101,18 @@ def build_scheduler(stack: NativeStack, config: SchedulerConfig | None = None, *
     if config is not None and not plan.made_from(config):
         raise ConfigError("build_scheduler's config differs from the one its stack was built from")
     config = plan.config
+    mode = quantization_of(stack.loaded.model)
+    dtype = str(next(stack.loaded.model.parameters()).dtype).replace("torch.", "")
     info = {
         "model_path": stack.loaded.path,
         "model_name": stack.loaded.name or stack.loaded.path,
         "load_format": stack.loaded.load_format,
         "model_family": stack.loaded.config.family,
         "device": str(stack.device),
-        "dtype": str(next(stack.loaded.model.parameters()).dtype).replace("torch.", ""),
+        "dtype": dtype,
         "weight_version": "initial",
-        "quantization": quantization_of(stack.loaded.model),
+        "quantization": mode,
+        "arithmetic": arithmetic(mode, dtype),  # what computes tokens and what scores prompts
         "cpu_attention_kernel": stack.runner.cpu_attention_kernel,
         "cpu_fused_ops": stack.runner.cpu_fused_ops,
         "num_parameters": sum(p.numel() for p in stack.loaded.model.parameters()),
