@@ -35,7 +35,7 @@ from ..client.handle import RequestHandle
 from ..logs import log
 from .metrics import CONTENT_TYPE_LATEST, EngineMetrics
 from ..version import __version__
-from .chat_messages import ChatMessage, TrackedMessage, check_fields_read, template_messages
+from .chat_messages import ChatMessage, TrackedMessage, check_fields_read, template_messages, tool_turns_as_text
 from .errors import ClientNames, body_of, error_body, single_error
 from .prompt_list import combined_result, merged_deltas
 from .protocol import DEFAULT_COMPLETION_MAX_TOKENS, ChatCompletionRequest, CompletionRequest
@@ -216,12 +216,15 @@ class OpenAIServer:
     ) -> list[int]:
         """The prompt ids of a conversation: tools go to a template that reads ``tools``,
         or else into the system message in the Hermes format (any model can be offered
-        tools); a message field the template ignored is refused."""
-        takes_tools = "tools" in template_names(chat_template_of(self.engine.tokenizer))
+        tools), and tool calls and results to a template that reads ``tool_calls``, or
+        else into the turns as Hermes text; a message field the template ignored is
+        refused."""
+        reads = template_names(chat_template_of(self.engine.tokenizer))
+        takes_tools = "tools" in reads
         tracked = template_messages(messages)
-        rendered = tracked
+        rendered = tracked if "tool_calls" in reads else tool_turns_as_text(tracked)
         if tools and not takes_tools:
-            rendered = with_tools_message(tracked, tools, TrackedMessage)
+            rendered = with_tools_message(rendered, tools, TrackedMessage)
         ids = render_chat_ids(
             self.engine.tokenizer, rendered, add_generation_prompt=add_generation_prompt, tools=tools if takes_tools else None,
             template_kwargs=template_kwargs,
