@@ -215,13 +215,25 @@ async def _generate(args: argparse.Namespace) -> int:
 
 
 async def _serve(args: argparse.Namespace) -> int:
-    from .server import serve  # preflight checked the serve extra
+    """Listen first (a port in use fails before the model loads), load, serve until
+    SIGINT/SIGTERM; one line when ready and one when stopped."""
+    from .server import listening_socket, serve  # preflight checked the serve extra
 
-    engine = await _load(args)
-    await serve(
-        engine, host=args.host, port=args.port, log_level=args.log_level, model_name=args.served_model_name, api_key=args.api_key,
+    sock = listening_socket(args.host, args.port)
+    try:
+        engine = await _load(args)
+    except BaseException:
+        sock.close()
+        raise
+
+    def ready(url: str, model_name: str) -> None:
+        print(f"serving {model_name} at {url}/v1 (Ctrl-C to stop)", file=sys.stderr, flush=True)
+
+    aborted = await serve(
+        engine, sock=sock, log_level=args.log_level, on_ready=ready, model_name=args.served_model_name, api_key=args.api_key,
         chat_template=args.chat_template, tool_call_parser=args.tool_call_parser, generation_config=args.generation_config,
     )
+    print(f"stopped: {aborted} open requests aborted", file=sys.stderr, flush=True)
     return 0
 
 

@@ -91,6 +91,13 @@ class OpenAIServer:
         self.model_name = model_name
         self.tool_call_parser = tool_call_parser
         self.sampling_defaults = dict(sampling_defaults or {})
+        self.stopping = False  # set by the stop on SIGINT/SIGTERM (server.run)
+
+    def answerable(self, exc: errors.OmniAsyncError) -> errors.OmniAsyncError:
+        """The error a client is told: a request the stop aborted says so."""
+        if self.stopping and isinstance(exc, errors.SchedulerClosedError):
+            return errors.SchedulerClosedError("the server is shutting down: this request was aborted")
+        return exc
 
     def check_room(self, n_prompt: int, max_tokens: int, field: str) -> None:
         """A ``max_tokens`` the context cannot hold after the prompt is the client's mistake
@@ -214,11 +221,9 @@ class OpenAIServer:
         self, messages: list[ChatMessage], tools: list[dict[str, Any]] | None, *, add_generation_prompt: bool = True,
         template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
-        """The prompt ids of a conversation: tools go to a template that reads ``tools``,
-        or else into the system message in the Hermes format (any model can be offered
-        tools), and tool calls and results to a template that reads ``tool_calls``, or
-        else into the turns as Hermes text; a message field the template ignored is
-        refused."""
+        """The prompt ids of a conversation: tools and tool turns go to a template that
+        reads them, or else in as Hermes text (any model can use tools); a message field
+        the template ignored is refused."""
         reads = template_names(chat_template_of(self.engine.tokenizer))
         takes_tools = "tools" in reads
         tracked = template_messages(messages)
@@ -297,7 +302,7 @@ class OpenAIServer:
             if include_usage:
                 yield frames.chunk([], usage(result))
         except errors.OmniAsyncError as exc:  # after the headers: reported in the stream
-            yield event(body_of(exc, names)[1])
+            yield event(body_of(self.answerable(exc), names)[1])
         except Exception as exc:  # a bug is still an error event, and the stream still ends with [DONE]
             log.error("server_stream_failed", error=repr(exc))
             yield event(error_body(f"internal server error: {type(exc).__name__}", 500))
@@ -355,12 +360,13 @@ def create_app(
     app.state.engine = engine
     app.state.metrics = metrics
     app.state.model_name = name
+    app.state.server = server
     if api_key:
         app.add_middleware(ApiKeyGuard, api_key=api_key)
 
     @app.exception_handler(errors.OmniAsyncError)
     async def typed_error(request: Request, exc: errors.OmniAsyncError) -> JSONResponse:
-        status, body = body_of(exc, getattr(request.state, "client_names", None))
+        status, body = body_of(server.answerable(exc), getattr(request.state, "client_names", None))
         return JSONResponse(body, status_code=status)
 
     @app.exception_handler(RequestValidationError)
