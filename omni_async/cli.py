@@ -1,5 +1,6 @@
-"""The ``omni-async`` command line: ``demo``, ``generate``, ``serve`` and
-``pipeline-demo`` (``DESCRIPTION`` is what ``--help`` says of them).
+"""The ``omni-async`` command line: ``demo``, ``generate``, ``serve``, ``serve-ray``
+(:mod:`omni_async.serving.ray_command`) and ``pipeline-demo`` (``DESCRIPTION`` is what
+``--help`` says of them).
 
 Arguments are checked before anything loads (``cli_options.preflight``), and every
 failure ends as one line on stderr with exit status 2 (usage) or 1 (runtime).
@@ -25,8 +26,9 @@ from .version import __version__
 DESCRIPTION = (
     "An asyncio-native scheduler for autoregressive model stages. Commands: demo (several "
     "requests at once, streamed, with tokens/s), generate (one answer), serve (an "
-    "OpenAI-compatible HTTP server; needs the serve extra) and pipeline-demo (a thinker "
-    "streaming into a talker). demo, generate and serve run SmolLM2-135M-Instruct (smollm2) "
+    "OpenAI-compatible HTTP server; needs the serve extra), serve-ray (that server as "
+    "replicas on Ray Serve; needs the ray extra) and pipeline-demo (a thinker streaming into "
+    "a talker). demo, generate, serve and serve-ray run SmolLM2-135M-Instruct (smollm2) "
     "unless --model names another; pipeline-demo runs the built-in tiny models. "
     "Run 'omni-async COMMAND --help' for a command's flags."
 )
