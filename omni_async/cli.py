@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import signal
 import sys
 import time
-from typing import Callable
+from typing import Callable, Iterator
 
 from . import errors
 from .cli_options import (
@@ -219,14 +221,20 @@ async def _generate(args: argparse.Namespace) -> int:
 async def _serve(args: argparse.Namespace) -> int:
     """Listen first (a port in use fails before the model loads), load, serve until
     SIGINT/SIGTERM; one line when ready and one when stopped."""
-    from .server import listening_socket, serve  # preflight checked the serve extra
+    with _signals_noted() as interrupted:  # until serving, a signal is kept for after the load (which runs in a thread)
+        from .server import listening_socket, serve  # preflight checked the serve extra
 
-    sock = listening_socket(args.host, args.port)
-    try:
-        engine = await _load(args)
-    except BaseException:
+        sock = listening_socket(args.host, args.port)
+        try:
+            engine = await _load(args)
+        except BaseException:
+            sock.close()
+            raise
+    if interrupted.is_set():
         sock.close()
-        raise
+        await engine.aclose()
+        print("stopped: interrupted while loading", file=sys.stderr, flush=True)
+        return 0
 
     def ready(url: str, model_name: str) -> None:
         print(f"serving {model_name} at {url}/v1 (Ctrl-C to stop)", file=sys.stderr, flush=True)
@@ -237,6 +245,21 @@ async def _serve(args: argparse.Namespace) -> int:
     )
     print(f"stopped: {aborted} open requests aborted", file=sys.stderr, flush=True)
     return 0
+
+
+@contextlib.contextmanager
+def _signals_noted() -> Iterator[asyncio.Event]:
+    """SIGINT and SIGTERM set the event instead of interrupting (asyncio's own Ctrl-C
+    handling would cancel a task that waits for a thread, and that cancellation is lost)."""
+    loop = asyncio.get_running_loop()
+    noted = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, noted.set)
+    try:
+        yield noted
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
 
 
 def build_parser() -> argparse.ArgumentParser:
