@@ -111,6 +111,20 @@ class Reader(threading.Thread):
             time.sleep(0.02)
 
 
+def _wait_for_requests(port: int, n: int, timeout: float = 60) -> None:
+    """Until the engine holds ``n`` requests (``/get_load``)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+        conn.request("GET", "/get_load")
+        held = json.loads(conn.getresponse().read())[0]["num_reqs"]
+        conn.close()
+        if held >= n:
+            return
+        assert time.monotonic() < deadline, f"the engine never held {n} requests"
+        time.sleep(0.05)
+
+
 def _assert_ended_cleanly(served: Served, reader: Reader) -> None:
     reader.join(timeout=10)
     assert reader.error is None, reader.error
@@ -146,7 +160,7 @@ def test_repeated_ctrl_c_while_stopping_a_stream_and_a_whole_request():
     stream.start()
     stream.wait_streaming()
     whole.start()
-    time.sleep(0.5)  # the whole request is running beside the stream
+    _wait_for_requests(served.port, 2)  # the whole request is running beside the stream
     for _ in range(3):
         served.proc.send_signal(signal.SIGINT)
         time.sleep(0.02)

@@ -10,6 +10,7 @@ import urllib.error
 import urllib.request
 
 import anyio
+import pydantic
 import pytest
 
 pytest.importorskip("fastapi")
@@ -158,6 +159,12 @@ async def test_structured_output_through_text_format(served):
     )
     assert isinstance(json.loads(res.output_text)["ok"], bool)
     assert res.text.format.type == "json_schema"
+
+    class Answer(pydantic.BaseModel):
+        ok: bool
+
+    parsed = await client.responses.parse(model="tiny", input="Answer in JSON", max_output_tokens=40, temperature=0, text_format=Answer)
+    assert isinstance(parsed.output_parsed, Answer)
 
 
 async def test_what_cannot_be_served_is_refused_by_name(served):
