@@ -116,8 +116,8 @@ def template_messages(messages: list[ChatMessage]) -> list[TrackedMessage]:
 
 
 def check_fields_read(messages: list[TrackedMessage]) -> None:
-    """After rendering: refuse a ``name``/``tool_calls``/``tool_call_id`` the template never
-    read (the prompt would be the same without it)."""
+    """After rendering: refuse a ``name`` or ``tool_calls`` the template never read (the
+    prompt would be the same without it)."""
     for i, message in enumerate(messages):
         for name in MUST_READ:
             if dict.__contains__(message, name) and name not in message.read:
@@ -162,18 +162,20 @@ def tool_turns_as_text(messages: list[TrackedMessage]) -> list[TrackedMessage]:
     text, and each run of tool results one user turn of ``<tool_response>`` blocks (as
     Qwen's template writes them)."""
     out: list[TrackedMessage] = []
-    responses: list[str] = []
-    first_of_run: TrackedMessage | None = None
+    run: list[TrackedMessage] = []  # the tool results since the last other message
+
+    def end_run() -> None:
+        if run:
+            out.append(run[0].derived({"role": "user", "content": "\n".join(map(_response_block, run))}))
+            run.clear()
+
     for message in messages:
         role = dict.get(message, "role")
         if role == "tool":
             message.read.update(k for k in ("tool_call_id", "name") if dict.__contains__(message, k))
-            first_of_run = first_of_run or message
-            responses.append(_response_block(message))
+            run.append(message)
             continue
-        if responses:
-            out.append(first_of_run.derived({"role": "user", "content": "\n".join(responses)}))  # type: ignore[union-attr]
-            responses, first_of_run = [], None
+        end_run()
         if role == "assistant" and dict.__contains__(message, "tool_calls"):
             message.read.add("tool_calls")
             fields = message.fields()
@@ -182,8 +184,7 @@ def tool_turns_as_text(messages: list[TrackedMessage]) -> list[TrackedMessage]:
             out.append(message.derived(fields))
         else:
             out.append(message)
-    if responses:
-        out.append(first_of_run.derived({"role": "user", "content": "\n".join(responses)}))  # type: ignore[union-attr]
+    end_run()
     return out
 
 
