@@ -22,7 +22,7 @@ from .cli_options import (
     DEFAULT_MODEL, add_device_flags, add_model_flags, engine_limits, env_default, parse_bool, port_number, preflight, report, sampling_of,
 )
 from .engine import Engine
-from .logs import configure_cli_logging
+from .logs import configure_cli_logging, log
 from .version import __version__
 
 DESCRIPTION = (
@@ -110,6 +110,7 @@ async def _load(args: argparse.Namespace, defaults: dict | None = None) -> Engin
             await asyncio.sleep(0.1)
 
     ticker = asyncio.create_task(progress()) if tty else None
+    log.info("cli_model_loading", model=args.model)
     try:
         engine = await Engine.load(
             args.model, device=args.device, loop=args.loop, backend=args.backend, dtype=args.dtype, seed=args.engine_seed, **{**(defaults or {}), **engine_limits(args)}

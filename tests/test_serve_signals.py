@@ -173,6 +173,23 @@ def test_repeated_ctrl_c_while_stopping_a_stream_and_a_whole_request():
     assert served.lines[-1] == "stopped: 2 open requests aborted", served.output()
 
 
+def test_a_signal_while_the_model_loads_stops_after_the_load():
+    """asyncio's own Ctrl-C handling cancels the task that waits for the load's thread,
+    and that cancellation was lost: the server started anyway."""
+    served = Served("--log-level", "INFO")
+    deadline = time.monotonic() + 120
+    while not any("cli_model_loading" in line for line in served.lines):
+        assert served.proc.poll() is None and time.monotonic() < deadline, served.output()
+        time.sleep(0.005)
+    served.proc.send_signal(signal.SIGINT)
+    served.proc.send_signal(signal.SIGINT)
+    served.wait_exit(timeout=15)
+    out = served.output()
+    assert served.proc.returncode == 0 and "Traceback" not in out, out
+    assert served.lines[-1] == "stopped: interrupted while loading", out
+    assert not any(READY.match(line) for line in served.lines), out
+
+
 def test_idle_stop_and_a_port_in_use():
     served = Served()
     served.wait_ready()
