@@ -434,5 +434,5 @@ def add_checkout_options(ap: Any, out: str) -> None:
 
 def checkouts(args: Any, script: Path) -> tuple[list[str], list[str]]:
     """``--code`` and ``--labels`` resolved: the checkouts (this one by default) and their names."""
-    codes = args.code or [str(script.parents[2])]
+    codes = args.code or [str(next(d for d in script.resolve().parents if (d / "omni_async").is_dir()))]
     return codes, args.labels.split(",") if args.labels else [Path(c).resolve().name for c in codes]

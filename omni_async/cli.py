@@ -1,6 +1,6 @@
 """The ``omni-async`` command line: ``demo``, ``generate``, ``serve``, ``serve-ray``
-(:mod:`omni_async.serving.ray_command`) and ``pipeline-demo`` (``DESCRIPTION`` is what
-``--help`` says of them).
+(:mod:`omni_async.serving.ray_command`), ``pipeline-demo`` and ``speak`` (``DESCRIPTION``
+is what ``--help`` says of them).
 
 Arguments are checked before anything loads (``cli_options.preflight``), and every
 failure ends as one line on stderr with exit status 2 (usage) or 1 (runtime).
@@ -15,7 +15,7 @@ import json
 import signal
 import sys
 import time
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 from . import errors
 from .cli_options import (
@@ -28,10 +28,12 @@ from .version import __version__
 DESCRIPTION = (
     "An asyncio-native scheduler for autoregressive model stages. Commands: demo (several "
     "requests at once, streamed, with tokens/s), generate (one answer), serve (an "
-    "OpenAI-compatible HTTP server; needs the serve extra), serve-ray (that server as "
-    "replicas on Ray Serve; needs the ray extra) and pipeline-demo (a thinker streaming into "
-    "a talker). demo, generate, serve and serve-ray run SmolLM2-135M-Instruct (smollm2) "
-    "unless --model names another; pipeline-demo runs the built-in tiny models. "
+    "OpenAI-compatible HTTP server; needs the serve extra; a speech model is served at "
+    "/v1/audio/speech), serve-ray (that server as replicas on Ray Serve; needs the ray "
+    "extra), pipeline-demo (a thinker streaming into a talker) and speak (one text spoken "
+    "into a WAV file). demo, generate, serve and serve-ray run SmolLM2-135M-Instruct "
+    "(smollm2) unless --model names another; pipeline-demo runs the built-in tiny models, "
+    "speak the built-in tts-tiny (random weights) unless --model names a Qwen3-TTS checkpoint. "
     "Run 'omni-async COMMAND --help' for a command's flags."
 )
 GENERATE_KV_TOKENS = 8192  # generate's KV cache unless --kv-capacity-tokens says otherwise
@@ -177,7 +179,7 @@ async def _demo(args: argparse.Namespace) -> int:
     ttfts = sorted(t for t in first_token_at if t is not None)
     ttft = f"median time to first token {1000 * ttfts[len(ttfts) // 2]:.1f} ms" if ttfts else "no tokens"
     print(
-        f"\n{len(prompts)} concurrent requests on {args.model} ({args.device}, loop={args.loop}): "
+        f"\n{len(prompts)} concurrent requests on {args.model} ({args.device}, loop={engine.scheduler.config.loop}): "
         f"{total} tokens in {elapsed:.2f} s = {total / elapsed:.1f} tokens/s; {ttft}"
     )
     return 0
@@ -221,19 +223,29 @@ async def _generate(args: argparse.Namespace) -> int:
 
 async def _serve(args: argparse.Namespace) -> int:
     """Listen first (a port in use fails before the model loads), load, serve until
-    SIGINT/SIGTERM; one line when ready and one when stopped."""
+    SIGINT/SIGTERM; one line when ready and one when stopped. A speech checkpoint is served
+    by the speech app (POST /v1/audio/speech)."""
     with _signals_noted() as interrupted:  # until serving, a signal is kept for after the load (which runs in a thread)
         from .server import listening_socket, serve  # preflight checked the serve extra
+        from .speech.stage import is_speech_checkpoint
 
         sock = listening_socket(args.host, args.port)
         try:
-            engine = await _load(args)
+            if is_speech_checkpoint(args.model):
+                from .speech.speak import load_speech
+
+                served = await load_speech(args, **engine_limits(args))
+                app_kw: dict[str, Any] = {}
+            else:
+                served = await _load(args)
+                app_kw = {"chat_template": args.chat_template, "tool_call_parser": args.tool_call_parser,
+                          "generation_config": args.generation_config}
         except BaseException:
             sock.close()
             raise
     if interrupted.is_set():
         sock.close()
-        await engine.aclose()
+        await served.aclose()
         print("stopped: interrupted while loading", file=sys.stderr, flush=True)
         return 0
 
@@ -241,8 +253,7 @@ async def _serve(args: argparse.Namespace) -> int:
         print(f"serving {model_name} at {url}/v1 (Ctrl-C to stop)", file=sys.stderr, flush=True)
 
     aborted = await serve(
-        engine, sock=sock, log_level=args.log_level, on_ready=ready, model_name=args.served_model_name, api_key=args.api_key,
-        chat_template=args.chat_template, tool_call_parser=args.tool_call_parser, generation_config=args.generation_config,
+        served, sock=sock, log_level=args.log_level, on_ready=ready, model_name=args.served_model_name, api_key=args.api_key, **app_kw,
     )
     print(f"stopped: {aborted} open requests aborted", file=sys.stderr, flush=True)
     return 0
@@ -261,6 +272,24 @@ def _signals_noted() -> Iterator[asyncio.Event]:
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
+
+
+def _add_speak_parser(sub: argparse._SubParsersAction, fmt: type[argparse.HelpFormatter]) -> argparse.ArgumentParser:
+    from .speech.speak import DEFAULT_SPEECH_MODEL, MODEL_KINDS
+
+    p = sub.add_parser("speak", help=f"speak one text into a WAV file (a Qwen3-TTS model; built in: {DEFAULT_SPEECH_MODEL})", formatter_class=fmt)
+    p.add_argument("--model", default=DEFAULT_SPEECH_MODEL, help=f"the speech model: {MODEL_KINDS}")
+    p.add_argument("--text", required=True, help="what to say")
+    p.add_argument("--voice", default=None, help="the speaker (a wrong one is answered with the model's voices)")
+    p.add_argument("--language", default=None, help="the language of the text (none: auto)")
+    p.add_argument("--out", required=True, help="the WAV file to write (16-bit mono PCM)")
+    p.add_argument("--max-frames", type=int, default=None,
+                   help="80 ms frames at most (none: until the model stops; a built-in model, whose random weights never stop, 5 a word of the text)")
+    p.add_argument("--temperature", type=float, default=None, help="0 is greedy (none: the checkpoint's generation config)")
+    p.add_argument("--seed", type=int, default=None, help="the utterance's sampling seed")
+    p.add_argument("--engine-seed", type=int, default=0, help="a built-in model's weights seed")
+    add_device_flags(p)
+    return p
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -313,7 +342,8 @@ def build_parser() -> argparse.ArgumentParser:
             f"--{stage}-share", type=_share, default=None,
             help=f"the {stage}'s memory budget: a fraction of the device's total memory (0.3) or bytes (an integer)",
         )
-    for command in (demo, gen, serve, pipe):  # an unknown flag is reported with its command's usage
+    speak = _add_speak_parser(sub, fmt)
+    for command in (demo, gen, serve, pipe, speak):  # an unknown flag is reported with its command's usage
         command.set_defaults(command_parser=command)
     from .serving.ray_command import add_parser as add_serve_ray  # no Ray import until it runs
 
@@ -359,6 +389,10 @@ def _run(args: argparse.Namespace) -> int:
             return runner(_serve(args))
         except KeyboardInterrupt:  # uvicorn shut down cleanly, then passed Ctrl-C on
             return 0
+    if args.command == "speak":
+        from .speech.speak import speak
+
+        return runner(speak(args))
     if args.command == "serve-ray":
         from .serving.ray_command import run_command
 

@@ -172,7 +172,8 @@ def add_model_flags(p: argparse.ArgumentParser, default_model: str = DEFAULT_MOD
 def add_device_flags(p: argparse.ArgumentParser) -> None:
     """Where and how a stage runs, and the log level: also what ``pipeline-demo`` takes."""
     p.add_argument("--device", default=env_default("device", "cpu"), help="cpu, cuda or cuda:N [env OMNI_ASYNC_DEVICE]")
-    p.add_argument("--loop", default=env_default("loop", "normal"), choices=LOOP_KINDS, help="the stage's loop [env OMNI_ASYNC_LOOP]")
+    p.add_argument("--loop", default=env_default("loop", None), choices=LOOP_KINDS,
+                   help="the stage's loop (default: the plan's for the device: overlap on CUDA, normal on CPU) [env OMNI_ASYNC_LOOP]")
     p.add_argument("--dtype", default=env_default("dtype", None), choices=DTYPE_CHOICES, help=f"{DTYPE_HELP} [env OMNI_ASYNC_DTYPE]")
     p.add_argument(
         "--log-level", type=log_level, default=env_default("log_level", "WARNING", log_level), metavar="{" + ",".join(LOG_LEVELS) + "}",
@@ -289,6 +290,22 @@ def sampling_of(args: argparse.Namespace) -> SamplingParams:
     )
 
 
+def _speech_model(name: str) -> bool:
+    from .speech.stage import is_speech_checkpoint
+
+    return is_speech_checkpoint(name)
+
+
+def _preflight_speech_model(args: argparse.Namespace) -> None:
+    """``serve`` serves a speech model with the speech app; the text commands refuse one."""
+    from .speech.speak import check_speech_serve, refuse_speech_model
+
+    if args.command != "serve":
+        refuse_speech_model(args)
+    check_speech_serve(args)
+    SchedulerConfig(loop=args.loop, **engine_limits(args))
+
+
 def preflight(args: argparse.Namespace) -> None:
     """Everything the arguments alone decide, checked before anything loads. Each check
     runs where the command has the flags it reads (a command built with
@@ -299,8 +316,16 @@ def preflight(args: argparse.Namespace) -> None:
         check_model(args.thinker, "--thinker")
         check_model(args.talker, "--talker")
         return
+    if args.command == "speak":
+        from .speech.speak import preflight_speak
+
+        preflight_speak(args)
+        return
     if args.command == "serve":
         check_serve_extra()
+    if hasattr(args, "model") and _speech_model(args.model):
+        _preflight_speech_model(args)
+        return
     if hasattr(args, "max_new_tokens"):
         sampling_of(args)
     if hasattr(args, "loop"):

@@ -231,7 +231,7 @@ class SchedulerConfig:
     reserve (or, with ``kv_capacity_tokens`` too, that KV is checked to fit).
     """
 
-    loop: LoopKind = "normal"
+    loop: LoopKind | None = None  # None: the plan picks the fastest measured for the device (core/plan.py)
     async_decode_min_batch_size: int = 2
     # None: 64 on CPU; on CUDA derived from the KV capacity and the decode graphs'
     # batch buckets (omni_async/core/plan.py): 512 on an H200 for a 0.5B model.
@@ -291,7 +291,7 @@ class SchedulerConfig:
     # Engine.from_pretrained / load: the cyclic GC's first threshold (gc.set_threshold),
     # None leaves Python's 700. Serving allocates a few container objects per token that
     # live until the readers run, so at 700 a young-generation pass runs every step or
-    # two; 10_000 cuts that to a few per run (bench/host_overhead.py). Process-wide.
+    # two; 10_000 cuts that to a few per run (tools/host_overhead.py). Process-wide.
     gc_gen0_threshold: int | None = None
     # Native backend on CPU: "int8" runs every projection and the output head through
     # int8 GEMMs (weights per channel, activations per step; float32 elsewhere): faster,
@@ -335,8 +335,8 @@ class SchedulerConfig:
     # appended at once and its KV computed in the request's next step, with the tokens
     # after it (omni_async/structured/jump.py). Same tokens. Off by default: finding a
     # forced run reads each next mask on the loop thread (~100-200 us a token, waiting on
-    # the mask worker), which cost more than the steps it saved (bench/probes/
-    # constrained_host.py: 32 rows, 26.8 s against 15.6 s on CPU; on the H200 the
+    # the mask worker), which cost more than the steps it saved (7166a36:bench/
+    # probes/constrained_host.py: 32 rows, 26.8 s against 15.6 s on CPU; on the H200 the
     # constrained arms ran 2-5x slower with it on).
     jump_forward: bool = False
     # Native backend, grammar rows greedy or at temperature alone, without logprobs: sample
@@ -350,9 +350,9 @@ class SchedulerConfig:
     stream_interval: int = 1
 
     def __post_init__(self) -> None:
-        if self.loop not in LOOP_KINDS:
+        if self.loop is not None and self.loop not in LOOP_KINDS:
             raise ConfigError(
-                f"unknown loop {self.loop!r}; choose one of {', '.join(LOOP_KINDS)}"
+                f"unknown loop {self.loop!r}; choose one of {', '.join(LOOP_KINDS)} (or None: the stage plan picks)"
             )
         if self.max_running_requests is not None and (not _is_int(self.max_running_requests) or self.max_running_requests < 1):
             raise ConfigError(f"max_running_requests must be None or an integer >= 1, got {self.max_running_requests!r}")

@@ -50,6 +50,26 @@ def completion_seed(seed: int | None, index: int) -> int | None:
     return int.from_bytes(digest, "little") & SAMPLING_SEED_MASK
 
 
+def completion_sampling(sampling: SamplingParams, index: int) -> SamplingParams:
+    """Completion ``index``'s terms, of ``n``: one completion, its own seed. The prompt
+    is scored by the first completion alone (the request's ``prompt_logprobs`` are its
+    own): a row that scores computes every prompt position, while the others, unscored,
+    start on the pages it computed (the prefix cache) and prefill only the rest. (A
+    request that generates nothing sends its first completion alone,
+    :func:`stage_completions`; the others keep its terms.)"""
+    replace: dict[str, Any] = {"n": 1, "seed": completion_seed(sampling.seed, index)}
+    if index > 0 and sampling.prompt_logprobs is not None and sampling.max_new_tokens > 0:
+        replace["prompt_logprobs"] = None
+    return dataclasses.replace(sampling, **replace)
+
+
+def stage_completions(sampling: SamplingParams) -> int:
+    """How many of the ``n`` completions go to the stage: all, but the first alone for a
+    request that generates nothing (``max_new_tokens=0``, scoring its prompt): its
+    completions are alike, and the others end with the first one's result."""
+    return 1 if sampling.max_new_tokens == 0 else sampling.n
+
+
 def check_device(device: Any) -> None:
     """Refuse a CUDA device this torch cannot use, naming what is missing."""
     dev = torch.device(device)
@@ -92,13 +112,14 @@ class Engine:
         path_or_name: str,
         *,
         device: str = "cpu",
-        loop: str = "normal",
+        loop: str | None = None,
         backend: str = "native",
         dtype: Any = None,
         seed: int = 0,
         **limits: Any,
     ) -> "Engine":
-        """Load a Hugging Face style folder or ``"tiny"``. ``limits`` are SchedulerConfig fields."""
+        """Load a Hugging Face style folder or ``"tiny"``. ``limits`` are SchedulerConfig fields;
+        ``loop=None`` leaves the loop to the stage plan (the fastest measured for the device)."""
         check_device(device)
         config = SchedulerConfig.from_kwargs(loop=loop, **limits)
         started = time.perf_counter()
@@ -110,7 +131,7 @@ class Engine:
             model=str(path_or_name),
             backend=backend,
             device=str(device),
-            loop=loop,
+            loop=built.scheduler.config.loop,
             load_seconds=round(time.perf_counter() - started, 4),
             kv_capacity_tokens=built.scheduler.limits.kv_capacity_tokens,
             context_length=built.scheduler.limits.context_length,
@@ -119,7 +140,7 @@ class Engine:
 
     @classmethod
     async def load(
-        cls, path_or_name: str, *, device: str = "cpu", loop: str = "normal", backend: str = "native",
+        cls, path_or_name: str, *, device: str = "cpu", loop: str | None = None, backend: str = "native",
         dtype: Any = None, seed: int = 0, **limits: Any,
     ) -> "Engine":
         """``from_pretrained`` in a worker thread: reading and building a checkpoint takes
@@ -246,6 +267,7 @@ class Engine:
         return await maybe_marshal(
             self._loop,
             lambda: self._submit_here(prompt, input_ids, messages, sampling, request_id, metadata, add_special_tokens, input_embeds),
+            self._router.abort,  # a caller on another loop cancelled after the request was sent
         )
 
     async def _submit_here(
@@ -266,13 +288,12 @@ class Engine:
         # The stage's door, here: the stage takes the verdict and does not check again.
         verdict = check_request(ids if input_embeds is None else None, sampling, self.scheduler.limits, input_embeds=input_embeds)
         ids, input_embeds = verdict.prompt_ids, verdict.input_embeds  # placeholder ids for embeddings
-        per_sub = [sampling] if sampling.n == 1 else [
-            dataclasses.replace(sampling, n=1, seed=completion_seed(sampling.seed, i)) for i in range(sampling.n)
-        ]
+        per_sub = [sampling] if sampling.n == 1 else [completion_sampling(sampling, i) for i in range(sampling.n)]
         comps = [Completion(i, sub, per_sub[i], self.tokenizer) for i, sub in enumerate(subs)]
-        handle = RequestHandle(rid, comps, ids, self._router.hooks)
+        sent = stage_completions(sampling)
+        handle = RequestHandle(rid, comps, ids, self._router.hooks, followers=len(subs) - sent)
         try:
-            for sub, sp in zip(subs, per_sub):
+            for sub, sp in zip(subs[:sent], per_sub):
                 payload = CheckedPayload(request_id=sub, input_ids=[] if input_embeds is not None else list(ids), sampling=sp,
                                          metadata=dict(metadata), input_embeds=input_embeds, verdict=verdict)
                 self.scheduler.inbox.send_nowait(IncomingMessage(sub, "new_request", payload))

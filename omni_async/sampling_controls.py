@@ -32,7 +32,7 @@ MAX_TOKEN_ID = 2**31 - 1
 # holds the GIL for tens of milliseconds at a stretch while it builds a large schema's
 # grammar (62 ms at 3,000 properties on a 2-core host, 0.9 s for 20,000 before it gives up
 # with "schema too large"), and every such stall is a stall of the event loop.
-# bench/loop_stalls.py --scenarios schema measures it.
+# tools/loop_stalls.py --scenarios schema measures it.
 MAX_SCHEMA_NODES = 4096  # objects, arrays, keys and values, counted as the schema is walked
 MAX_SCHEMA_CHARS = 64 << 10  # of compact JSON text (a schema given as a string: its length)
 

@@ -17,6 +17,6 @@ for b in $BENCHES; do
     prefix) timeout "${PREFIX_TIMEOUT:-260}" python3 bench/prefix_cache.py --out "$OUT/prefix_cache_h200.json" --repeats 3 2>&1 | tail -25 ;;
     saturation) timeout "${SAT_TIMEOUT:-240}" python3 bench/gpu_saturation.py --out "$OUT/gpu_saturation_h200.json" \
       --sections "${SAT_SECTIONS:-w256}" --gc default,tuned --repeats 3 2>&1 | grep -v '^{' | tail -40 ;;
-    extend) timeout 200 python3 bench/probes/extend_kernel.py --out "$OUT/extend_kernel_h200.json" --repeats 3 2>&1 | tail -16 ;;
+    extend) timeout 200 python3 tools/extend_kernel.py --out "$OUT/extend_kernel_h200.json" --repeats 3 2>&1 | tail -16 ;;
   esac
 done

@@ -109,3 +109,21 @@ async def test_bfloat16_engine_gives_the_same_tokens_in_every_loop():
         outputs.append([r.output_ids for r in results])
     assert all(len(ids) == 12 for ids in outputs[0])
     assert outputs[0] == outputs[1] == outputs[2]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_slots_past_the_length_never_reach_the_output(dtype):
+    """Pages come back from the free list holding whatever their last owner wrote (a
+    failed request's NaN, say): the slots past a sequence's length must not reach its
+    output, whatever they hold (NaN times a zero weight is still NaN)."""
+    lens = [2, 7, 12, 4]
+    tables, kv_lens, q = _decode_inputs(lens, dtype)
+    k, v = _cache(int(tables.max()) + 1, dtype)
+    clean = [_by_pages(q, k, v, tables, kv_lens), _by_slots(q, k, v, tables, kv_lens)]
+    used = torch.zeros(k.shape[0], dtype=torch.bool)
+    for i, n in enumerate(lens):
+        used[slots_from_tables(tables[i : i + 1], PS)[0, :n]] = True
+    k[~used], v[~used] = float("nan"), float("nan")
+    for got, expected in zip((_by_pages(q, k, v, tables, kv_lens), _by_slots(q, k, v, tables, kv_lens)), clean):
+        assert bool(torch.isfinite(got).all())
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)

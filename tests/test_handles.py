@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import anyio
 import pytest
@@ -14,6 +15,7 @@ from omni_async import Engine, SamplingParams
 from omni_async.errors import ConfigError, InvalidRequestError, RequestAbortedError, RequestFailedError, RequestRejectedError
 from omni_async.text.tokenizer import ByteTokenizer
 from omni_async.client.loopbridge import EventLoopMismatchError
+from omni_async.testing import BackgroundEngine
 
 from .conftest import assert_kv_free
 
@@ -138,6 +140,92 @@ async def test_engine_serving_on_another_loop_is_marshalled(tiny_engine):
         other.call_soon_threadsafe(other.stop)
         thread.join(30)
         other.close()
+
+
+async def _on_loop(loop: asyncio.AbstractEventLoop, fn):
+    """``fn()`` on ``loop``, after everything already queued there."""
+    async def call():
+        return fn()
+    return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(call(), loop))
+
+
+async def _until_idle(engine: Engine) -> dict:
+    """The stage's info once it holds no request (or after 20 s: the request was orphaned;
+    the engine is paused, so a request that was not aborted never ends on its own)."""
+    deadline = time.monotonic() + 20
+    while True:
+        info = await _on_loop(engine.event_loop, engine.scheduler.info)
+        if info["active_requests"] == 0 or time.monotonic() > deadline:
+            return info
+        await asyncio.sleep(0.02)
+
+
+async def _block(seconds: float) -> None:
+    """Keep this loop busy (its thread asleep) while the engine's loop runs on."""
+    time.sleep(seconds)
+
+
+async def _no_wait() -> None:
+    return None
+
+
+CANCEL_POINTS = {
+    "at once": _no_wait,
+    "after a hop": lambda: asyncio.sleep(0),
+    # The engine's loop finishes its part of the call while this loop is busy: the call's
+    # answer reaches the caller only after the cancellation.
+    "engine side done": lambda: _block(0.05),
+}
+
+
+async def test_a_cancelled_caller_on_another_loop_aborts_its_request():
+    """An engine serving on a loop of its own (a thread): a caller on this loop that is
+    cancelled at any point of ``generate``, ``submit``, a stream or ``result()`` gets
+    CancelledError and its request is aborted, KV freed, whether the engine's side of
+    the call had finished or not when the cancellation came."""
+    background = BackgroundEngine("tiny")
+    engine = background.engine
+    try:
+        await engine.pause(mode="in_place")  # requests wait: only an abort ends them
+        sp = SamplingParams(max_new_tokens=64, ignore_eos=True)
+
+        async def submitted_result():
+            handle = await engine.submit(input_ids=[5, 6, 7], sampling=sp)
+            return await handle.result()
+
+        async def first_delta():
+            async for delta in engine.stream(input_ids=[5, 6, 7], sampling=sp):
+                return delta
+
+        calls = {
+            "generate": lambda: engine.generate(input_ids=[5, 6, 7], sampling=sp),
+            "submit": lambda: engine.submit(input_ids=[5, 6, 7], sampling=sp),
+            "submit then result": submitted_result,
+            "stream": first_delta,
+        }
+        for name, call in calls.items():
+            for point, wait in CANCEL_POINTS.items():
+                for hops in range(4):
+                    task = asyncio.ensure_future(call())
+                    for _ in range(hops):
+                        await asyncio.sleep(0)
+                    await wait()
+                    task.cancel()
+                    try:
+                        got = await task
+                    except asyncio.CancelledError:
+                        got = None
+                    if name == "submit" and got is not None:  # the handle came back first: abort it as its owner
+                        await engine.abort(got.request_id)
+                    info = await _until_idle(engine)
+                    assert info["active_requests"] == 0, f"{name}, cancelled {point} after {hops} hops: request orphaned"
+        await engine.resume()
+        info = await _until_idle(engine)
+        assert info["kv_free_pages"] == info["kv_total_pages"] and engine.open_requests == []
+        res = await engine.generate(input_ids=[5, 6, 7], sampling=SamplingParams(max_new_tokens=4, ignore_eos=True))
+        assert len(res.output_ids) == 4
+    finally:
+        await asyncio.to_thread(background.close)
 
 
 async def test_engine_of_a_stopped_loop_raises_at_once(tiny_engine):

@@ -110,6 +110,28 @@ async def test_prompt_hidden_states_over_chunks(hf_checkpoints):
     check_rows(folder, prompt, res)
 
 
+@pytest.mark.parametrize("loop", LOOPS)
+async def test_prompt_hidden_states_of_a_scoring_only_request(hf_checkpoints, loop):
+    """``max_new_tokens=0`` with ``prompt_logprobs``: no token ever carries the prompt's
+    rows, so the result (and the stream's last delta) must."""
+    folder = hf_checkpoints["llama"]
+    prompt = random_prompts(1, 512, 45, 45, seed=4)[0]
+    sampling = SamplingParams(max_new_tokens=0, prompt_logprobs=1, return_prompt_hidden_states=True)
+    async with Engine.from_pretrained(str(folder), loop=loop, chunked_prefill_size=16, max_prefill_tokens=16) as engine:
+        res = await engine.generate(input_ids=prompt, sampling=sampling)
+        deltas = [d async for d in engine.stream(input_ids=prompt, sampling=sampling)]
+        plain = await engine.generate(input_ids=prompt, sampling=SamplingParams(max_new_tokens=0, prompt_logprobs=1))
+    ref = hf_hidden(folder, prompt, [])
+    assert res.output_ids == [] and len(res.prompt_logprobs) == len(prompt)
+    assert res.prompt_hidden_states is not None
+    torch.testing.assert_close(res.prompt_hidden_states.float(), ref, atol=ATOL, rtol=1e-3)
+    streamed = [d.prompt_hidden_states for d in deltas if d.prompt_hidden_states is not None]
+    assert len(streamed) == 1 and deltas[-1].finished
+    torch.testing.assert_close(streamed[0], res.prompt_hidden_states)
+    assert plain.prompt_hidden_states is None and plain.prompt_logprobs == res.prompt_logprobs
+    assert_kv_free(engine)
+
+
 async def test_stage_wide_capture_sends_rows_for_every_request(tmp_path):
     """A stage that captures for every request (a thinker feeding a talker) streams rows
     for requests that did not ask, and keeps none for their results."""

@@ -187,3 +187,40 @@ async def test_tensor_parallel_refuses_embeddings_at_the_door(hf_checkpoints):
         with pytest.raises(errors.InvalidRequestError, match="input_embeds"):
             await engine.submit(input_embeds=torch.zeros(3, 64))
         assert len((await engine.generate(input_ids=[5, 6, 7], sampling=greedy(4))).output_ids) == 4
+
+
+ODD_TENSORS = {
+    "float8": lambda: torch.zeros(4, 128).to(torch.float8_e4m3fn),
+    "sparse COO": lambda: torch.zeros(4, 128).to_sparse(),
+    "meta": lambda: torch.zeros(4, 128, device="meta"),
+    "complex": lambda: torch.zeros(4, 128, dtype=torch.complex64),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ODD_TENSORS))
+async def test_odd_tensors_are_typed_errors(tiny_engine, case):
+    """Tensors the door cannot read as dense floating rows (no ``isfinite`` for float8,
+    no dense view of a sparse tensor, no data on the meta device) are refused by name."""
+    engine = tiny_engine()
+    async with engine:
+        with pytest.raises(errors.InvalidRequestError, match="input_embeds"):
+            await engine.submit(input_embeds=ODD_TENSORS[case](), sampling=greedy(4))
+        assert len((await engine.generate(input_ids=PROMPTS[0], sampling=greedy(5))).output_ids) == 5
+
+
+async def test_embeddings_past_the_model_dtype_range_are_refused_and_poison_nothing(tiny_engine):
+    """On a float16 stage, rows finite in float32 but past float16's range (65504) would
+    become inf at the prefill and leave NaN in KV pages that go back to the free list:
+    the door checks them in the model's dtype, and the other requests, before and after,
+    keep their tokens."""
+    engine = tiny_engine(dtype="float16", page_size=8)
+    prompts = random_prompts(4, 256, 5, 30, seed=11)
+    async with engine:
+        before = await asyncio.gather(*[engine.generate(input_ids=p, sampling=greedy(24)) for p in prompts])
+        fine = await engine.generate(input_embeds=torch.full((13, 128), 6e4), sampling=greedy(4))  # within range
+        assert len(fine.output_ids) == 4
+        for big in (torch.full((13, 128), 1e5), np.full((5, 128), -7e4, dtype=np.float64)):
+            with pytest.raises(errors.InvalidRequestError, match=r"input_embeds\[0\].*float16"):
+                await engine.submit(input_embeds=big, sampling=greedy(24))
+        after = await asyncio.gather(*[engine.generate(input_ids=p, sampling=greedy(24)) for p in prompts])
+    assert [r.output_ids for r in after] == [r.output_ids for r in before]

@@ -52,14 +52,15 @@ class _Imports:
         self.root = root
         self.names = _modules(root)
         self._exports: dict[str, dict[str, tuple[str, str]]] = {}
-        self._seen: dict[tuple[Path, bool], list[tuple[str, list[str]]]] = {}
+        self._seen: dict[tuple[Path, bool, bool], list[tuple[str, list[str]]]] = {}
 
-    def _raw(self, path: Path, *, module_level_only: bool) -> list[tuple[str, list[str]]]:
+    def _raw(self, path: Path, *, module_level_only: bool, type_level: bool = False) -> list[tuple[str, list[str]]]:
         """``(module, imported names)`` per import statement that can run: ``if
         TYPE_CHECKING:`` bodies left out (their ``else`` kept, ``if not TYPE_CHECKING:``
-        bodies kept); every other statement visited, ``match`` arms, ``try``, ``with``
-        and class bodies included; functions too unless ``module_level_only``."""
-        key = (path, module_level_only)
+        bodies kept) unless ``type_level`` (a reader follows those imports too); every
+        other statement visited, ``match`` arms, ``try``, ``with`` and class bodies
+        included; functions too unless ``module_level_only``."""
+        key = (path, module_level_only, type_level)
         if key in self._seen:
             return self._seen[key]
         tree = ast.parse(path.read_text())
@@ -70,7 +71,7 @@ class _Imports:
         def visit(node: ast.AST) -> None:
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)) and module_level_only:
                 return
-            if isinstance(node, ast.If) and _is_type_checking(node.test):
+            if isinstance(node, ast.If) and _is_type_checking(node.test) and not type_level:
                 for child in node.orelse:  # the body never runs: annotations only
                     visit(child)
                 return
@@ -116,9 +117,9 @@ class _Imports:
             return self._resolve(*source, depth=depth + 1) if source[0] in self.names else source[0]
         return mod
 
-    def of(self, path: Path, *, module_level_only: bool) -> set[str]:
+    def of(self, path: Path, *, module_level_only: bool, type_level: bool = False) -> set[str]:
         found: set[str] = set()
-        for mod, names in self._raw(path, module_level_only=module_level_only):
+        for mod, names in self._raw(path, module_level_only=module_level_only, type_level=type_level):
             if not names or mod not in self.names:
                 found.add(mod)
                 found.update(f"{mod}.{n}" for n in names)
@@ -133,8 +134,8 @@ class _Imports:
 _DEFAULT = _Imports()
 
 
-def _imports(path: Path, *, module_level_only: bool, checker: _Imports = _DEFAULT) -> set[str]:
-    return checker.of(path, module_level_only=module_level_only)
+def _imports(path: Path, *, module_level_only: bool, checker: _Imports = _DEFAULT, type_level: bool = False) -> set[str]:
+    return checker.of(path, module_level_only=module_level_only, type_level=type_level)
 
 
 def _violations(prefix: str, forbidden: tuple[str, ...], checker: _Imports = _DEFAULT) -> list[str]:
@@ -172,14 +173,24 @@ FORBIDDEN: list[tuple[str, tuple[str, ...]]] = [
 ]
 
 
-def _graph(module_level_only: bool, checker: _Imports = _DEFAULT) -> dict[str, set[str]]:
-    """Module -> the modules of the package it imports. A package's ``__init__`` counts
-    like any module: a submodule that takes a name defined there depends on it."""
+# Speech (a pipeline of stages over the native backend) sits above every layer it uses:
+# nothing below it imports it; the server and the command line may.
+_BELOW_SPEECH = ("core", "stage", "scheduler", "loops", "runners", "models", "kv", "kernels", "backends", "client", "text",
+                 "structured", "engine", "pipeline")
+FORBIDDEN = [(prefix, banned + ((P + "speech",) if prefix.removeprefix(P).split(".")[0] in _BELOW_SPEECH else ()))
+             for prefix, banned in FORBIDDEN]
+FORBIDDEN += [(P + layer, (P + "speech",)) for layer in _BELOW_SPEECH if P + layer not in dict(FORBIDDEN)]
+
+
+def _graph(module_level_only: bool, checker: _Imports = _DEFAULT, type_level: bool = False) -> dict[str, set[str]]:
+    """Module -> the modules of the package it imports (``type_level``: the ``if
+    TYPE_CHECKING:`` imports too). A package's ``__init__`` counts like any module: a
+    submodule that takes a name defined there depends on it."""
     names = checker.names
     graph: dict[str, set[str]] = {}
     for name, path in names.items():
         deps = set()
-        for imp in _imports(path, module_level_only=module_level_only, checker=checker):
+        for imp in _imports(path, module_level_only=module_level_only, checker=checker, type_level=type_level):
             while imp and imp not in names:
                 imp = imp.rpartition(".")[0]
             if imp and imp != name:
@@ -237,6 +248,12 @@ def test_no_import_cycle_at_all():
     assert _cycles(_graph(module_level_only=False)) == []
 
 
+def test_no_file_circle_type_level_imports_included():
+    """A reader follows every import, the ``if TYPE_CHECKING:`` ones too: no module may
+    reach itself through them (shared names go where both sides read them)."""
+    assert _cycles(_graph(module_level_only=False, type_level=True)) == []
+
+
 def test_few_modules_at_the_package_root():
     loose = sorted(p.name for p in ROOT.glob("*.py"))
     assert len(loose) <= 14, loose
@@ -259,6 +276,10 @@ _PLANTED = {
     "stage/intake.py": "from . import LIMIT\ndef g(): ...\n",
     "runners/__init__.py": "",
     "runners/native.py": "",
+    # a circle only a reader sees: each names the other under TYPE_CHECKING
+    "kv/__init__.py": "",
+    "kv/pages.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .table import Table\n",
+    "kv/table.py": "import typing\nif typing.TYPE_CHECKING:\n    from omni_async.kv.pages import Page\nclass Table: ...\n",
 }
 
 
@@ -282,6 +303,10 @@ def test_the_checker_sees_a_planted_violation_of_each_kind(tmp_path):
     cycles = _cycles(_graph(module_level_only=False, checker=checker))
     assert [set(c) for c in cycles] == [{"omni_async.stage", "omni_async.stage.intake"}]  # an __init__ and its submodule
     assert _cycles(_graph(module_level_only=True, checker=checker)) == []  # that cycle is deferred
+    typed = [set(c) for c in _cycles(_graph(module_level_only=False, checker=checker, type_level=True))]
+    assert {"omni_async.kv.pages", "omni_async.kv.table"} in typed  # the type-level circle, seen only so
+    assert {"omni_async.stage", "omni_async.stage.intake"} in typed
+    assert len(typed) == 2
     assert _cycles({"a": {"b"}, "b": {"a"}, "c": set()}) == [["a", "b", "a"]]
 
 

@@ -117,3 +117,32 @@ async def test_closing_finishes_with_an_unread_handle():
         with pytest.raises(errors.RequestAbortedError):
             async for _ in unread:
                 pass
+
+
+async def test_a_late_reader_of_an_ended_conversation_leaves_its_successor_alone():
+    """A handle acts on its own conversation only: once that one has ended and its id
+    is taken by a new conversation, reading the old handle (to its error, or leaving it
+    early) must not abort the new one."""
+    async with tiny_pipeline() as pipe:
+        with anyio.fail_after(HANG):
+            failed = await pipe.submit("same", *payloads("same", n_think=200, n_talk=100))
+            await until(lambda: "same" in pipe.first.active_request_ids(), "the thinker started")
+            pipe.abort("same")
+            await until(lambda: idle(pipe), "the aborted conversation ended")
+            finished = None
+            for old, read in ((failed, "to its error"), (None, "and leaves early")):
+                if old is None:  # a conversation that ended well, never read
+                    old = finished = await resubmit(pipe, "same")
+                    await until(lambda: idle(pipe) and finished.buffered > 0, "it finished")
+                new = await resubmit(pipe, "same")
+                await until(lambda: "same" in pipe.first.active_request_ids(), "the new one started")
+                if read == "to its error":
+                    with pytest.raises(errors.RequestAbortedError):
+                        async for _ in old:
+                            pass
+                else:
+                    async for _ in old:
+                        break
+                res = await new.results()  # the new conversation runs to its end
+                assert len(res["thinker"].output_ids) == 10 and len(res["talker"].output_ids) == 6, read
+                await until(lambda: idle(pipe), "the new one left")

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from omni_async import Engine, errors
+from omni_async import Engine, SamplingParams, errors
 from omni_async.config import SchedulerConfig
 from omni_async.core.plan import CheckpointFacts, DeviceFacts, plan_stage
 from omni_async.memory_budget import plan_memory
@@ -108,6 +108,34 @@ def test_the_sglang_plan():
         plan_stage(SchedulerConfig(), DeviceFacts(), TINY_CPU, dtype="int4", backend="sglang")
 
 
+def test_the_loop_is_the_fastest_measured_for_the_device_unless_given():
+    """Open, the loop is overlap on CUDA (it beat normal on every H200 figure) and normal on
+    CPU (the three equal within the spread) and under SGLang; a given loop is kept."""
+    assert SchedulerConfig().loop is None
+    cuda = plan_stage(SchedulerConfig(), DeviceFacts(**H200), QWEN_05B)
+    assert (cuda.loop, cuda.config.loop) == ("overlap", "overlap")
+    cpu = plan_stage(SchedulerConfig(), DeviceFacts(type="cpu"), TINY_CPU)
+    assert (cpu.loop, cpu.config.loop) == ("normal", "normal")
+    assert plan_stage(SchedulerConfig(), DeviceFacts(**H200), QWEN_05B, backend="sglang").loop == "normal"
+    for loop in ("normal", "overlap", "async_decode"):
+        assert plan_stage(SchedulerConfig(loop=loop), DeviceFacts(**H200), QWEN_05B).config.loop == loop
+        assert plan_stage(SchedulerConfig(loop=loop), DeviceFacts(type="cpu"), TINY_CPU).loop == loop
+    assert cuda.as_dict()["loop"] == "overlap" and cuda.made_from(SchedulerConfig())
+    with pytest.raises(errors.ConfigError, match="unknown loop"):
+        SchedulerConfig(loop="fast")
+
+
+@pytest.mark.parametrize("given", [None, "overlap", "async_decode"])
+async def test_the_loop_an_engine_runs_is_the_one_it_reports(given):
+    kwargs = {} if given is None else {"loop": given}
+    async with Engine.from_pretrained("tiny", kv_capacity_tokens=1024, **kwargs) as engine:
+        expected = given or "normal"  # open on CPU: the plan's normal
+        info = (await engine.model_info())["data"]
+        assert (engine.scheduler.config.loop, info["loop"], info["plan"]["loop"]) == (expected, expected, expected)
+        result = await engine.generate(input_ids=[1, 2, 3], sampling=SamplingParams(max_new_tokens=3, ignore_eos=True))
+        assert len(result.output_ids) == 3
+
+
 async def test_a_built_engine_runs_its_plan():
     async with Engine.from_pretrained("tiny", kv_capacity_tokens=1024, max_running_requests=5) as engine:
         plan = engine.plan
@@ -130,3 +158,31 @@ def test_the_scheduler_runs_the_config_its_stack_was_built_from():
     assert build_scheduler(stack, config).config == stack.plan.config
     with pytest.raises(errors.ConfigError, match="built from"):
         build_scheduler(stack, SchedulerConfig(kv_capacity_tokens=1024))
+
+
+def test_the_builder_reads_each_fact_once(monkeypatch):
+    """The plan's facts are read at its entry and handed down: the device, the CPU and the
+    checkpoint's storage once each; the free memory once more after loading (the KV gets
+    what the weights leave), nothing else again."""
+    import collections
+
+    from omni_async.backends.native import facts
+    from omni_async.backends.native.builder import build_native_stack
+
+    reads: collections.Counter[str] = collections.Counter()
+
+    def counted(name):
+        real = getattr(facts, name)
+
+        def read(*args, **kwargs):
+            reads[name] += 1
+            return real(*args, **kwargs)
+        return read
+
+    names = ("device_facts", "stored_in_reduced_precision", "is_gguf_source", "available_memory_bytes", "cpu_has_native_bf16")
+    for name in names:
+        monkeypatch.setattr(facts, name, counted(name))
+    stack = build_native_stack("tiny", SchedulerConfig(kv_capacity_tokens=512))
+    assert dict(reads) == {"device_facts": 1, "stored_in_reduced_precision": 1, "is_gguf_source": 1,
+                           "available_memory_bytes": 2, "cpu_has_native_bf16": 1}
+    assert stack.plan is not None and stack.plan.kv_tokens == 512 and stack.plan.loop == "normal"

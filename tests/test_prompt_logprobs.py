@@ -193,3 +193,56 @@ async def test_cuda_scores_equal_transformers(hf_checkpoints, loop):
         assert len(res.output_ids) == (0, 6)[i % 2]
         check_scores(folder, prompt, res, atol=5e-4)  # CUDA's float32 reductions differ from the CPU's
     assert_kv_free(engine)
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+async def test_n_completions_score_the_prompt_once(hf_checkpoints, loop):
+    """``n`` completions of a scored prompt: the prompt is scored and prefilled once, its
+    pages shared by the other completions (they compute only what lies past its last
+    full page); the scores equal a single scoring and the completions' tokens are those
+    of the same request unscored."""
+    folder = hf_checkpoints["qwen2"]
+    prompt = random_prompts(1, 512, 101, 101, seed=31)[0]
+    n, page = 4, 8
+    sp = dict(max_new_tokens=6, n=n, temperature=0.8, seed=5, ignore_eos=True)
+    engine = Engine.from_pretrained(str(folder), loop=loop, page_size=page, chunked_prefill_size=32)
+    async with engine:
+        single = await engine.generate(input_ids=prompt, sampling=SamplingParams(max_new_tokens=0, prompt_logprobs=2))
+        await engine.flush_cache()
+        unscored = await engine.generate(input_ids=prompt, sampling=SamplingParams(**sp))
+        await engine.flush_cache()
+        before = engine.scheduler.info()["prefill_tokens"]
+        scored = await engine.generate(input_ids=prompt, sampling=SamplingParams(prompt_logprobs=2, **sp))
+        prefilled = engine.scheduler.info()["prefill_tokens"] - before
+        await engine.flush_cache()
+        deltas = [d async for d in engine.stream(input_ids=prompt, sampling=SamplingParams(prompt_logprobs=2, **sp))]
+    assert scored.prompt_logprobs == single.prompt_logprobs
+    assert scored.prompt_logprob_ranks == single.prompt_logprob_ranks
+    check_scores(folder, prompt, scored, k=2)
+    assert [o.output_ids for o in scored.outputs] == [o.output_ids for o in unscored.outputs]
+    shared = (len(prompt) - 1) // page * page  # the full pages before the last prompt token
+    assert prefilled == len(prompt) + (n - 1) * (len(prompt) - shared)
+    assert scored.cached_tokens == (n - 1) * shared
+    carried = [d for d in deltas if d.prompt_logprobs is not None]
+    assert len(carried) == 1 and carried[0].index == 0 and carried[0].prompt_logprobs == single.prompt_logprobs
+    assert_kv_free(engine)
+
+
+async def test_n_scoring_only_completions_prefill_the_prompt_once(hf_checkpoints):
+    """``max_new_tokens=0`` with ``n``: the completions are alike (no token), so the
+    prompt is prefilled and scored once and every completion ends with its scores."""
+    folder = hf_checkpoints["qwen2"]
+    prompt = random_prompts(1, 512, 60, 60, seed=32)[0]
+    sp = SamplingParams(max_new_tokens=0, n=3, prompt_logprobs=1)
+    async with Engine.from_pretrained(str(folder), page_size=8, chunked_prefill_size=16) as engine:
+        single = await engine.generate(input_ids=prompt, sampling=SamplingParams(max_new_tokens=0, prompt_logprobs=1))
+        before = engine.scheduler.info()["prefill_tokens"]
+        res = await engine.generate(input_ids=prompt, sampling=sp)
+        assert engine.scheduler.info()["prefill_tokens"] - before == len(prompt)
+        deltas = [d async for d in engine.stream(input_ids=prompt, sampling=sp)]
+        assert engine.open_requests == []
+    assert res.prompt_logprobs == single.prompt_logprobs
+    assert [(o.index, o.output_ids, o.finish_reason) for o in res.outputs] == [(i, [], single.finish_reason) for i in range(3)]
+    assert sorted(d.index for d in deltas) == [0, 1, 2] and all(d.finished for d in deltas)
+    assert all(d.prompt_logprobs == single.prompt_logprobs for d in deltas)
+    assert_kv_free(engine)

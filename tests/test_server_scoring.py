@@ -159,6 +159,44 @@ async def test_streamed_echo(served):
     assert plain[0].choices[0].text.startswith(PROMPT)
 
 
+@pytest.mark.parametrize("prompt", ["Hi", PROMPT * 3], ids=["within a page", "pages"])
+async def test_echo_with_n_choices(served, prompt):
+    """``n`` choices of one scored prompt (the prompt is scored once, by the first
+    completion): every choice echoes the same scores, whole and streamed."""
+    engine, client, url = served
+    body = {"model": "m", "prompt": prompt, "echo": True, "logprobs": 1, "max_tokens": 3, "n": 3,
+            "temperature": 0.9, "seed": 7, "ignore_eos": True, "prompt_logprobs": 1}
+    status, whole = await http(url, body)
+    assert status == 200, whole
+    ids = engine.tokenizer.encode(prompt)
+    single = await engine.generate(input_ids=ids, sampling=SamplingParams(max_new_tokens=0, prompt_logprobs=1))
+    expected = [None] + [e[t] for t, e in zip(ids[1:], single.prompt_logprobs[1:])]
+    assert [c["index"] for c in whole["choices"]] == [0, 1, 2]
+    first = whole["choices"][0]
+    assert first["logprobs"]["token_logprobs"][0] is None
+    assert first["logprobs"]["token_logprobs"][1 : len(ids)] == pytest.approx(expected[1:], abs=1e-5)
+    for choice in whole["choices"][1:]:
+        assert choice["logprobs"]["token_logprobs"][: len(ids)] == first["logprobs"]["token_logprobs"][: len(ids)]
+        assert choice["prompt_logprobs"] == first["prompt_logprobs"]
+    del body["prompt_logprobs"]
+    chunks = [c async for c in await client.completions.create(stream=True, **{k: v for k, v in body.items() if k not in ("ignore_eos", "seed")},
+                                                                 seed=7, extra_body={"ignore_eos": True})]
+    for index in range(3):
+        mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == index]
+        assert mine[0].text.startswith(prompt)
+        assert mine[0].logprobs.token_logprobs[: len(ids)] == first["logprobs"]["token_logprobs"][: len(ids)]
+    # Nothing generated: n alike choices, each echoing the prompt and its scores.
+    only = {"model": "m", "prompt": prompt, "echo": True, "logprobs": 1, "max_tokens": 0, "n": 2}
+    status, whole = await http(url, only)
+    assert status == 200, whole
+    assert [(c["index"], c["text"], c["finish_reason"]) for c in whole["choices"]] == [(0, prompt, "length"), (1, prompt, "length")]
+    zero, one = (c["logprobs"]["token_logprobs"] for c in whole["choices"])
+    assert zero == one and zero[0] is None and zero[1:] == pytest.approx(expected[1:], abs=1e-5)
+    chunks = [c async for c in await client.completions.create(stream=True, **only)]
+    for index in range(2):
+        assert "".join(c.choices[0].text for c in chunks if c.choices and c.choices[0].index == index) == prompt
+
+
 @pytest.mark.parametrize("body", [
     {"prompt_logprobs": -1}, {"prompt_logprobs": 21}, {"prompt_logprobs": "x"}, {"max_tokens": 0},
     {"max_tokens": -1, "echo": True}, {"echo": True, "logprobs": 21, "max_tokens": 0},

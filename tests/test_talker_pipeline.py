@@ -201,3 +201,39 @@ async def test_a_thinker_shorter_than_the_deferral_still_feeds_the_talker():
         res = results((await converse(pipe, ["s"], n_think=2, n_talk=12))["s"])
     assert res["talker"].prompt_ids == [BOS] * 3 and len(res["talker"].output_ids) == 12
     assert res["talker"].extra[HIDDEN_ROWS] == 2 and record["s"].closed
+
+
+JSON_RECORD = {
+    "type": "object",
+    "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 999}, "ok": {"type": "boolean"},
+                   "name": {"type": "string", "maxLength": 6}},
+    "required": ["id", "ok", "name"],
+    "additionalProperties": False,
+}
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+async def test_a_capturing_thinker_under_jump_forward_streams_one_row_per_token(loop):
+    """``jump_forward`` appends a grammar's forced run to a row without forwards of its
+    own, so no hidden state exists for those tokens when the delta goes out: a stage that
+    hands every row's hidden states on (the thinker) keeps such rows token by token, each
+    delta one row per token, and the hidden-fed talker reads them all."""
+    sp = SamplingParams(max_new_tokens=48, json_schema=JSON_RECORD)
+    prompt = [256, 72, 105]
+    async with Engine.from_pretrained("tiny", loop=loop, jump_forward=True, optimistic_grammar=False) as engine:
+        alone = await engine.generate(input_ids=prompt, sampling=sp)
+        assert engine.scheduler.info()["grammar_jumps"] > 0  # the schema forces runs
+    first, _ = build_stage_scheduler("tiny", loop=loop, seed=0, capture_hidden=True, jump_forward=True, optimistic_grammar=False)
+    second, talker_stack = talker(loop)
+    async with TwoStagePipeline(first, second) as pipe:
+        handle = await pipe.submit("json", RequestPayload("json", prompt, sp),
+                                   RequestPayload("json", [], SamplingParams(max_new_tokens=64, ignore_eos=True)))
+        with anyio.fail_after(60):
+            events = [ev async for ev in handle]
+    think = [ev.data for ev in events if ev.stage == "thinker" and ev.kind == "stream"]
+    for delta in think:
+        assert delta.hidden_states is not None and delta.hidden_states.shape[0] == len(delta.token_ids)
+    res = results(events)
+    assert res["thinker"].output_ids == alone.output_ids  # the same tokens, token by token
+    assert res["talker"].extra[HIDDEN_ROWS] == len(alone.output_ids) and len(res["talker"].output_ids) == 64
+    assert talker_stack.allocator.is_fully_free()

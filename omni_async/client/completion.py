@@ -103,14 +103,19 @@ class Completion:
                 self.logprobs = list(result.output_logprobs)
         self.finish_reason = "stop" if self._stops.stopped else getattr(result, "finish_reason", None)
         text = "".join(parts)
-        # A request that scored its prompt and generated nothing: its scores go out here.
+        # A request that scored its prompt and generated nothing: its scores (and prompt
+        # hidden states, which otherwise ride on the first token's delta) go out here.
         scored = getattr(result, "prompt_logprobs", None) if not self.output_ids else None
-        if already_final and not text and scored is None:
+        prompt_hidden = getattr(result, "prompt_hidden_states", None) if self._prompt_hidden is None else None
+        if prompt_hidden is not None:
+            self._prompt_hidden = prompt_hidden
+        if already_final and not text and scored is None and prompt_hidden is None:
             return None
         return StreamDelta(
             request_id=self.sub_id, token_ids=[], finished=True, finish_reason=self.finish_reason,
             text=text if self._decoder is not None else None, index=self.index,
             prompt_logprobs=scored, prompt_logprob_ranks=getattr(result, "prompt_logprob_ranks", None) if scored else None,
+            prompt_hidden_states=prompt_hidden,
         )
 
     def _take_tokens(self, tokens: list[int], parts: list[str]) -> tuple[int, bool]:

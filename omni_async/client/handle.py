@@ -9,8 +9,10 @@ early.
 
 from __future__ import annotations
 
+import asyncio
 import copy
-from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, NoReturn
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Awaitable, Callable, NoReturn
 
 import anyio
 
@@ -20,18 +22,31 @@ from .completion import Completion
 from .loopbridge import call_soon_on, foreign_loop, maybe_marshal
 from ..messages import GenerationResult, OutgoingMessage, StreamDelta
 
-if TYPE_CHECKING:
-    from .router import HandleHooks
+
+@dataclass(frozen=True)
+class HandleHooks:
+    """What a handle may ask of whoever routes its messages (the engine's router
+    builds them; the handle reaches back through nothing else)."""
+
+    event_loop: Callable[[], "asyncio.AbstractEventLoop | None"]  # the loop it is served on
+    abort: Callable[["RequestHandle"], None]  # end every completion of the request
+    end_completion: Callable[[str], None]  # end one stage request (a stop string, a failed sibling)
+    done: Callable[["RequestHandle"], None]  # the request ended: forget it
 
 
 class RequestHandle:
     """One submitted request (``n`` completions): iterate it for stream deltas, or await
     ``result()``."""
 
-    def __init__(self, request_id: str, completions: list[Completion], prompt_ids: list[int], hooks: "HandleHooks") -> None:
+    def __init__(
+        self, request_id: str, completions: list[Completion], prompt_ids: list[int], hooks: HandleHooks, followers: int = 0
+    ) -> None:
+        """``followers``: the last completions were not sent to the stage and end with the
+        first one's result (``n`` completions that generate nothing are all alike)."""
         self.request_id = request_id
         self._hooks = hooks
         self._completions = completions
+        self._followers = completions[len(completions) - followers:] if followers else []
         self._by_sub = {c.sub_id: c for c in completions}
         self._prompt_ids = prompt_ids
         self._collector = OutputCollector()
@@ -60,7 +75,20 @@ class RequestHandle:
     # ------------------------------------------------------------ readers
 
     async def result(self) -> GenerationResult:
-        return await maybe_marshal(self._hooks.event_loop(), self._result_here)
+        own = self._hooks.event_loop()
+        if not foreign_loop(own):
+            return await self._result_here()
+        try:
+            return await maybe_marshal(own, self._result_here)
+        except asyncio.CancelledError:
+            # Cancelled on the caller's loop: ``_result_here`` may never have started on
+            # the engine's loop (cancelled before its first step), so abort from here.
+            call_soon_on(own, self._abort_unless_done)
+            raise
+
+    def _abort_unless_done(self) -> None:
+        if not self.done:
+            self._hooks.abort(self)
 
     async def _result_here(self) -> GenerationResult:
         if not self.done:
@@ -130,6 +158,11 @@ class RequestHandle:
             delta = comp.on_result(msg.data)
             if delta is not None:
                 self._collector.put(delta)
+            if comp.index == 0:
+                for follower in self._followers:
+                    delta = follower.on_result(msg.data)
+                    if delta is not None:
+                        self._collector.put(delta)
         else:
             self.fail(msg.data)
             return

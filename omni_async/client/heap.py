@@ -3,7 +3,7 @@
 
 A full (generation 2) pass of Python's cyclic GC walks every container object alive,
 and after torch and a model are loaded that is hundreds of thousands of objects: each
-such pass stops the event loop (measured by ``bench/host_overhead.py``: 86-480 ms per
+such pass stops the event loop (measured by ``tools/host_overhead.py``: 86-480 ms per
 pass on the CPU harness, two passes per 256-request run). Serving allocates enough
 short-lived containers per token to trigger full passes regularly. Freezing the heap
 once the model is built moves everything alive then into the permanent generation,

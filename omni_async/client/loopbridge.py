@@ -10,7 +10,7 @@ that cannot answer.
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Callable, Coroutine, TypeVar
+from typing import Any, Callable, Coroutine, Generic, TypeVar
 
 from ..errors import OmniAsyncError
 
@@ -45,22 +45,68 @@ def _check_alive(own: asyncio.AbstractEventLoop) -> None:
         )
 
 
-async def run_on(own: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, T]) -> T:
+async def run_on(
+    own: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, T], orphaned: Callable[[T], Any] | None = None
+) -> T:
     """Run ``coro`` on ``own`` and await it from the caller's loop. Cancelling the caller
-    cancels the coroutine there (which aborts a request awaited by it)."""
+    cancels the coroutine there (which aborts a request awaited by it).
+
+    The coroutine may have returned on ``own`` by the time the caller's cancellation
+    arrives (its answer is then dropped with the caller): ``orphaned`` is called with
+    that answer on ``own``, exactly once, so that what it made (a submitted request) is
+    not left without an owner."""
     try:
         _check_alive(own)
     except EventLoopMismatchError:
         coro.close()
         raise
-    return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, own))
+    handoff: _Handoff[T] = _Handoff(orphaned)
+    future = asyncio.run_coroutine_threadsafe(handoff.run(coro), own)
+    try:
+        return await asyncio.wrap_future(future)
+    except asyncio.CancelledError:
+        if orphaned is not None:
+            call_soon_on(own, handoff.caller_gone)
+        raise
 
 
-async def maybe_marshal(own: asyncio.AbstractEventLoop | None, make: Callable[[], Coroutine[Any, Any, T]]) -> T:
-    """``await make()`` here when this is the engine's loop, on the engine's loop otherwise."""
+class _Handoff(Generic[T]):
+    """A coroutine's answer on the engine's loop and whether its caller is still there;
+    both sides run on the engine's loop, so exactly one of them finds the other done."""
+
+    def __init__(self, orphaned: Callable[[T], Any] | None) -> None:
+        self._orphaned = orphaned
+        self._answered = False
+        self._answer: Any = None
+        self._gone = False
+
+    async def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        answer = await coro
+        self._answered, self._answer = True, answer
+        if self._gone:
+            self._settle()
+        return answer
+
+    def caller_gone(self) -> None:
+        self._gone = True
+        if self._answered:
+            self._settle()
+
+    def _settle(self) -> None:
+        orphaned, self._orphaned = self._orphaned, None
+        if orphaned is not None:
+            orphaned(self._answer)
+
+
+async def maybe_marshal(
+    own: asyncio.AbstractEventLoop | None, make: Callable[[], Coroutine[Any, Any, T]], orphaned: Callable[[T], Any] | None = None
+) -> T:
+    """``await make()`` here when this is the engine's loop, on the engine's loop otherwise
+    (``orphaned``: see :func:`run_on`; on the engine's own loop a cancelled caller never
+    loses an answer the coroutine gave)."""
     if foreign_loop(own):
         assert own is not None
-        return await run_on(own, make())
+        return await run_on(own, make(), orphaned)
     return await make()
 
 

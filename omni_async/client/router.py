@@ -3,30 +3,20 @@
 The stage delivers one step's messages in one call (its output sink). The router owns the
 two tables that call needs: open requests by the caller's id, and stage request ids (one
 per completion) to their handle until each one's terminal message. A handle reaches back
-only through the :class:`HandleHooks` the router gives it, never the engine."""
+only through the :class:`~.handle.HandleHooks` the router gives it, never the engine."""
 
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
 from .. import errors
 from ..messages import OutgoingMessage
-from .handle import RequestHandle
+from .handle import HandleHooks, RequestHandle
 from .wakeups import SlicedWaker
 
 if TYPE_CHECKING:
     from ..messages import StepTokens
-
-@dataclass(frozen=True)
-class HandleHooks:
-    """What a handle may ask of whoever routes its messages."""
-
-    event_loop: Callable[[], "asyncio.AbstractEventLoop | None"]  # the loop it is served on
-    abort: Callable[[RequestHandle], None]  # end every completion of the request
-    end_completion: Callable[[str], None]  # end one stage request (a stop string, a failed sibling)
-    done: Callable[[RequestHandle], None]  # the request ended: forget it
 
 
 class Router:

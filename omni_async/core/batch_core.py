@@ -11,14 +11,13 @@ which is what lets the overlap and async-decode loops run a step ahead safely.
 from __future__ import annotations
 
 import math
-from collections import deque
 from typing import Any, Callable, Sequence
 
 from ..config import SchedulerConfig
 from ..kv.allocator import PageAllocator
-from ..kv.prefix_cache import PrefixCache
 from .batch import ForwardMode, ScheduledBatch
-from .multi_step import DecodeSteps, decoding_rows, feed_rows, jump_most, jump_rows, late_mask_rows, process_multi_step, take_due
+from .core_state import CoreState, DecodeSteps
+from .multi_step import decoding_rows, feed_rows, jump_most, jump_rows, late_mask_rows, process_multi_step, take_due
 from .mixed_prefill import add_decode_rows, jump_step, mixed_decodes, prefill_turn
 from .step_results import end_unsampled, process_one_forward, rewind
 from .conditioning import ready_positions
@@ -31,7 +30,10 @@ from .request import INIT_NEW_TOKEN_RATIO, Request, all_free, decayed_ratio, res
 __all__ = ["BatchCore", "NativeBatchCore", "StepOutcome"]
 
 
-class NativeBatchCore(BatchCore):
+class NativeBatchCore(CoreState, BatchCore):
+    """The scheduling state (:class:`.core_state.CoreState`, which its steps read) and the
+    policy over it: admission, retraction, processing, aborts."""
+
     def __init__(
         self,
         config: SchedulerConfig,
@@ -39,32 +41,10 @@ class NativeBatchCore(BatchCore):
         context_length: int,
         decode_steps: DecodeSteps = DecodeSteps(),
         multi_step_allowed: Callable[[], bool] = lambda: True,
-        mixed_allowed: Callable[[], bool] = lambda: True,
+        mixed_allowed: Callable[[], bool] = lambda: True, hidden_for_all: bool = False,
     ) -> None:
-        """``decode_steps``: forwards per decode step by batch size (the stage's plan);
-        ``multi_step_allowed`` / ``mixed_allowed``: the runner's say, asked before each
-        multi-step decode / each prefill step that would carry the running decodes."""
-        self.config = config
-        self.allocator = allocator
-        self.kv = PrefixCache(allocator, enabled=config.enable_prefix_cache)
-        self.page_size = allocator.page_size
-        self.context_length = context_length
-        self.decode_plan = decode_steps
-        self.multi_step_allowed = multi_step_allowed
-        self.mixed_allowed = mixed_allowed
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
-        self.chunked: Request | None = None
-        self.new_token_ratio = INIT_NEW_TOKEN_RATIO
-        self.num_retractions = 0
-        self.mixed_decode_rows = 0  # decode rows carried by prefill steps (mixed_prefill)
-        self.decodes_waited = False  # the last step was a prefill step without the running decodes
-        self.prefill_deferrals = 0  # decode steps run since a prefill turn was deferred (.mixed_prefill.prefill_turn)
-        # Requests whose grammar's forced tokens wait for their KV (structured.jump), with
-        # their epochs; the next decode step computes them. And the one-forward steps that did.
-        self.jump_due: list[tuple[Request, int]] = []
-        self.jump_steps = 0
-        self._step_id = self._arrivals = 0
+        super().__init__(config, allocator, context_length, decode_steps, multi_step_allowed, mixed_allowed, hidden_for_all)
+        self._arrivals = 0
         self.slots = DecodeSlots()  # the running rows' columns while they stay free (.decode_slots)
 
     # ------------------------------------------------------------------ queues
@@ -110,6 +90,7 @@ class NativeBatchCore(BatchCore):
             "num_retractions": self.num_retractions,
             "mixed_decode_rows": self.mixed_decode_rows,
             "grammar_jump_steps": self.jump_steps,
+            "prefill_tokens": self.prefill_tokens,
             **self.kv.stats(),
         }
 
@@ -181,7 +162,7 @@ class NativeBatchCore(BatchCore):
         return self._build_extend(rows, mixed_decodes(self, rows))
 
     def _build_extend(self, rows: list[tuple[Request, int]], decoding: Sequence[Request] = ()) -> ScheduledBatch:
-        batch = self._new_batch(ForwardMode.EXTEND)
+        batch = self.new_batch(ForwardMode.EXTEND)
         if decoding:
             add_decode_rows(self, batch, list(decoding))
             self.new_token_ratio = decayed_ratio(self.new_token_ratio)
@@ -197,7 +178,8 @@ class NativeBatchCore(BatchCore):
             unsampled = kept and req.sampling.max_new_tokens == 0  # scores its prompt only
             if kept and req.matcher is not None:  # a prefill's token samples under the mask (structured.optimistic)
                 req.matcher.mask_first(req.num_generated)
-            self._add_row(batch, req, n, kept and not unsampled)
+            self.add_row(batch, req, n, kept and not unsampled)
+            self.prefill_tokens += n
             req.num_cached += n
             index_pages(self.kv, req)
             if kept:
@@ -220,7 +202,7 @@ class NativeBatchCore(BatchCore):
         return batch
 
     def schedule_early(self, batch: ScheduledBatch, tokens: Sequence[int]) -> ScheduledBatch | None:
-        return schedule_early(self, batch, tokens)  # (BatchCore.schedule_early; the rules: .early_launch)
+        return schedule_early(self, self.slots, batch, tokens)  # (BatchCore.schedule_early; the rules: .early_launch)
 
     def _schedule_decode_rows(self) -> ScheduledBatch | None:  # (any running set; it seeds the columns)
         free = all_free(self.running)  # (then no per-row check beyond the length limit, request.all_free)
@@ -231,7 +213,7 @@ class NativeBatchCore(BatchCore):
         due = take_due(self, decoding)
         if due and steps is None:  # forced tokens to compute in a step of one forward per row
             return jump_step(self, decoding, due)
-        batch = self._new_batch(ForwardMode.DECODE)
+        batch = self.new_batch(ForwardMode.DECODE)
         batch.grammar_rows, batch.late_masks = grammar_rows, late
         batch.fill_decode(decoding, steps, self.page_size, self.kv.allocate)
         if steps is not None and grammar_rows:
@@ -304,24 +286,6 @@ class NativeBatchCore(BatchCore):
             self._retract(req)
         return victims
 
-    def _new_batch(self, mode: ForwardMode) -> ScheduledBatch:
-        self._step_id += 1
-        return ScheduledBatch(
-            mode=mode, reqs=[], epochs=[], prefix_lens=[], extend_lens=[], samples_kept=[],
-            input_ids=[], step_id=self._step_id,
-        )
-
-    @staticmethod
-    def _add_row(batch: ScheduledBatch, req: Request, n: int, kept: bool) -> None:
-        batch.reqs.append(req)
-        batch.epochs.append(req.epoch)
-        batch.prefix_lens.append(req.num_cached)
-        batch.extend_lens.append(n)
-        batch.samples_kept.append(kept)
-        batch.sample_indices.append(req.num_generated)
-        batch.page_tables.append(req.pages)  # shared: see ScheduledBatch.page_tables
-        batch.page_counts.append(len(req.pages))
-
     # ------------------------------------------------------------------ results
 
     def process_result(
@@ -338,7 +302,7 @@ class NativeBatchCore(BatchCore):
         for req in rewound:  # (structured.optimistic)
             rewind(req)
         if self.config.jump_forward and (batch.grammar_rows or batch.row_steps is None):  # before the masks are queued:
-            jump_rows(outcomes, finishes, self.context_length, jump_most(self.decode_plan, self.page_size), self.jump_due)
+            jump_rows(outcomes, finishes, self.context_length, jump_most(self.decode_plan, self.page_size), self.jump_due, self.hidden_for_all)
         if accepted:  # (a row that jumped is queued at the end of its run; a finished one is not queued)
             from ..structured.grammar import prefetch_all  # here: a core without grammars imports no tokenizer
             prefetch_all([m for m in accepted if not m.complete] if self.config.jump_forward else accepted)

@@ -1,21 +1,18 @@
 """What a CPU stage runs on, decided from the configuration and the facts (pure): the
-weights' layout and dtype, and whether the C++ kernels take over from the torch ops. Part
-of the stage plan (:mod:`.plan`)."""
+weights' layout and dtype (:class:`LoadPlan`, the part of the plan decided before the
+weights load), and whether the C++ kernels take over from the torch ops. Part of the
+stage plan (:mod:`.plan`)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
 
 from ..config import SchedulerConfig
-
-if TYPE_CHECKING:
-    from .plan import CheckpointFacts, DeviceFacts
+from .facts import CheckpointFacts, DeviceFacts, dtype_name
 
 _BF16 = ("bfloat16", "bf16")
-
-
-def _dtype_name(dtype: Any) -> str:
-    return str(dtype).replace("torch.", "")
 
 
 def default_quantization(config: SchedulerConfig, device: DeviceFacts, checkpoint: CheckpointFacts, dtype: Any = None) -> str | None:
@@ -47,11 +44,42 @@ def wants_cpu_kernels(config: SchedulerConfig, device_type: str, dtype: Any) -> 
     kernel option left open."""
     if device_type != "cpu" or config.tensor_parallel_size > 1:
         return False
-    inexact = config.quantization is not None or (dtype is not None and _dtype_name(dtype) in _BF16)
+    inexact = config.quantization is not None or (dtype is not None and dtype_name(dtype) in _BF16)
     return inexact and (config.cpu_attention_kernel is None or config.cpu_fused_ops is None)
 
 
-def _kernel_options(config: SchedulerConfig, device: DeviceFacts, dtype: Any) -> dict[str, bool]:
+def kernel_options(config: SchedulerConfig, device: DeviceFacts, dtype: Any) -> dict[str, bool]:
     """Each CPU kernel option, as given or decided (open: on where wanted and built)."""
     on = wants_cpu_kernels(config, device.type, dtype) and device.cpu_kernels_build
     return {name: (on if getattr(config, name) is None else bool(getattr(config, name))) for name in ("cpu_attention_kernel", "cpu_fused_ops")}
+
+
+@dataclass(frozen=True)
+class LoadPlan:
+    """What is decided before the weights load: their layout (``config.quantization`` as
+    given or decided) and the dtype the loader is asked for (None: its default). The
+    stage plan takes these as made, after loading."""
+
+    config: SchedulerConfig  # the caller's, with the quantization decided
+    dtype: Any
+
+
+def plan_load(config: SchedulerConfig, device: DeviceFacts, checkpoint: CheckpointFacts, dtype: Any = None) -> LoadPlan:
+    """The weights' layout, then the dtype to load them in (:func:`default_quantization`,
+    :func:`load_dtype`), from the facts read at the plan's entry."""
+    quantization = default_quantization(config, device, checkpoint, dtype)
+    if quantization != config.quantization:
+        config = dataclasses.replace(config, quantization=quantization)
+    return LoadPlan(config, load_dtype(config, device, checkpoint, dtype))
+
+
+def kernels_may_matter(config: SchedulerConfig, device: DeviceFacts, checkpoint: CheckpointFacts, dtype: Any = None) -> bool:
+    """Whether any decision could turn on whether the C++ CPU kernels build here, so
+    whether that fact (seconds to learn the first time) must be read: a GGUF file whose
+    blocks could run as they are (:func:`default_quantization`), or a path the kernels
+    would serve (:func:`wants_cpu_kernels`)."""
+    if device.type != "cpu" or config.tensor_parallel_size > 1:
+        return False
+    if checkpoint.gguf and dtype is None and config.quantization is None:
+        return True
+    return wants_cpu_kernels(config, device.type, load_dtype(config, device, checkpoint, dtype))

@@ -33,14 +33,14 @@ from .request import Request, all_free, decode_limits
 
 if TYPE_CHECKING:
     from .batch import ScheduledBatch
-    from .batch_core import NativeBatchCore
+    from .core_state import CoreState
 
 
 def _ints(values: list[int]) -> np.ndarray:
     return np.fromiter(values, np.int64, len(values))
 
 
-def _key(core: "NativeBatchCore") -> tuple[int, int, int]:
+def _key(core: "CoreState") -> tuple[int, int, int]:
     """What moves when running requests' scheduling state changes outside decode steps:
     retractions (epochs, KV), decode rows carried by prefill or jump steps."""
     return core.num_retractions, core.mixed_decode_rows, core.jump_steps
@@ -73,7 +73,7 @@ class DecodeSlots:
     def drop(self) -> None:
         self.reqs = None
 
-    def remember(self, core: "NativeBatchCore", batch: "ScheduledBatch", limits: list[int], free: bool) -> None:
+    def remember(self, core: "CoreState", batch: "ScheduledBatch", limits: list[int], free: bool) -> None:
         """Seed the columns from a decode step the per-request path built: only when every
         running request is free and in it (else the next step takes that path again)."""
         if not (self.enabled and free and batch.size == len(core.running) and not batch.grammar_rows):
@@ -101,14 +101,14 @@ class DecodeSlots:
             self.last_tokens = tokens[(k - 1) * n : k * n] if n and type(tokens[0]) is int else None
             self.last_pending = 0
 
-    def following(self, core: "NativeBatchCore", batch: "ScheduledBatch") -> bool:
+    def following(self, core: "CoreState", batch: "ScheduledBatch") -> bool:
         """Whether the columns follow ``batch`` as the last step scheduled, every running
         row in it (none sat out), nothing having changed the running set since."""
-        return (self.reqs is not None and self.enabled and batch.step_id == self.step_id == core._step_id
+        return (self.reqs is not None and self.enabled and batch.step_id == self.step_id == core.step_id
                 and not core.jump_due and self.key == _key(core) and batch.size == len(self.reqs)
                 and core.running == self.reqs)
 
-    def schedule_after(self, core: "NativeBatchCore", keep: list[bool] | None, last: list[int],
+    def schedule_after(self, core: "CoreState", keep: list[bool] | None, last: list[int],
                        pending: int) -> "ScheduledBatch | None":
         """The step after the one the columns follow (:meth:`following`), before that one
         is processed: its rows that end (``keep`` False) dropped, ``last`` (each kept row's
@@ -118,7 +118,7 @@ class DecodeSlots:
         self.last_tokens, self.last_pending = last, pending
         return self._next(core)
 
-    def _follow_running(self, core: "NativeBatchCore") -> bool:
+    def _follow_running(self, core: "CoreState") -> bool:
         """Bring the columns to ``core.running``: rows that finished dropped, rows that
         joined after a prefill appended; False when the running set changed otherwise."""
         running, reqs = core.running, self.reqs
@@ -156,7 +156,7 @@ class DecodeSlots:
         if self.origin is not None:
             self.origin = self.origin[keep]
 
-    def schedule(self, core: "NativeBatchCore") -> "ScheduledBatch | None":
+    def schedule(self, core: "CoreState") -> "ScheduledBatch | None":
         """The next decode step from the columns, or None for the per-request path. Rows
         whose tokens left are all sampled (in flight, the lookahead loops) sit it out, as
         ``multi_step.decoding_rows`` leaves them out."""
@@ -168,7 +168,7 @@ class DecodeSlots:
             return None
         return self._next(core)
 
-    def _next(self, core: "NativeBatchCore") -> "ScheduledBatch | None":
+    def _next(self, core: "CoreState") -> "ScheduledBatch | None":
         """The step of the rows the columns hold now (see :meth:`schedule`)."""
         limits, cached, counts, sel = self.limits, self.cached, self.counts, None
         low = int(limits.min())
@@ -192,13 +192,13 @@ class DecodeSlots:
         steps: Any = k if low >= k else np.minimum(limits, k)
         return self._fill(core, sel, cached, counts, k if multi else None, steps)
 
-    def _fill(self, core: "NativeBatchCore", sel: np.ndarray | None, cached: np.ndarray, counts: np.ndarray,
+    def _fill(self, core: "CoreState", sel: np.ndarray | None, cached: np.ndarray, counts: np.ndarray,
               k: int | None, steps: Any) -> "ScheduledBatch":
         """The batch's columns as ``ScheduledBatch.fill_decode`` makes them, from the
         arrays (``sel``: the rows that decode, None for all; ``cached``, ``counts``: theirs);
         the requests' cached and in-flight counts written in one pass (processing and the
         per-request path read them); the columns advanced by the step."""
-        batch = core._new_batch(ForwardMode.DECODE)
+        batch = core.new_batch(ForwardMode.DECODE)
         n = len(cached)
         if sel is None:
             reqs, epochs, tables = list(self.reqs), list(self.epochs), list(self.tables)  # type: ignore[arg-type]
@@ -233,7 +233,7 @@ class DecodeSlots:
             counts = counts + np.where(need > 0, need, 0)
         batch.page_counts = counts.tolist()
         last, self.last_tokens = self.last_tokens, None
-        if last is not None and sel is None and core._step_id == self.step_id + 1:  # the step before landed, none since
+        if last is not None and sel is None and core.step_id == self.step_id + 1:  # the step before landed, none since
             pending, batch.input_ids = [self.last_pending] * n, last  # (0: its rows' tokens are kept)
         else:
             pending = [r.num_inflight for r in reqs]

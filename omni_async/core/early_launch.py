@@ -38,14 +38,15 @@ from .request import Request, decayed_ratio, stop_index
 
 if TYPE_CHECKING:
     from .batch import ScheduledBatch
-    from .batch_core import NativeBatchCore
+    from .core_state import CoreState
+    from .decode_slots import DecodeSlots
 
 
-def schedule_early(core: "NativeBatchCore", batch: "ScheduledBatch", tokens: Sequence[int]) -> "ScheduledBatch | None":
+def schedule_early(core: "CoreState", slots: "DecodeSlots", batch: "ScheduledBatch", tokens: Sequence[int]) -> "ScheduledBatch | None":
     """The decode step after ``batch`` (launched, its ``tokens`` collected: forward-major
     Python ints), scheduled before ``batch`` is processed; None when its outcome is not
-    decided as the module says (the caller processes first, as usual)."""
-    slots = core.slots
+    decided as the module says (the caller processes first, as usual). ``slots``: the
+    core's running-row columns, which the step follows."""
     if not batch.is_decode or core.waiting or core.chunked is not None or not slots.following(core, batch):
         return None
     n = batch.size

@@ -17,10 +17,10 @@ PREFILL_MAX_DEFERRALS = 4
 
 if TYPE_CHECKING:
     from .batch import ScheduledBatch
-    from .batch_core import NativeBatchCore
+    from .core_state import CoreState
 
 
-def mixed_decodes(core: "NativeBatchCore", rows: list[tuple[Request, int]]) -> list[Request]:
+def mixed_decodes(core: "CoreState", rows: list[tuple[Request, int]]) -> list[Request]:
     """Running requests that ride in this prefill step as one-token rows
     (``SchedulerConfig.mixed_prefill``), so that their streams keep going while
     prompts arrive instead of waiting behind every prefill step. None when mixing is
@@ -37,7 +37,7 @@ def mixed_decodes(core: "NativeBatchCore", rows: list[tuple[Request, int]]) -> l
     need = sum(max(0, -(-(r.num_cached + 1) // ps) - len(r.pages)) for r in decoding)
     return decoding if need <= core.kv.available_pages else []
 
-def add_decode_rows(core: "NativeBatchCore", batch: "ScheduledBatch", decoding: list[Request]) -> None:
+def add_decode_rows(core: "CoreState", batch: "ScheduledBatch", decoding: list[Request]) -> None:
     """One-token extend rows of running requests, as a decode step schedules them:
     their next page, their in-flight input (-1, read on the device from the step
     before), one more token in flight."""
@@ -53,19 +53,19 @@ def add_decode_rows(core: "NativeBatchCore", batch: "ScheduledBatch", decoding: 
             batch.input_ids.append(-1)
         else:
             batch.input_ids.append((req.output_ids or req.prompt_ids)[-1])
-        core._add_row(batch, req, 1, True)
+        core.add_row(batch, req, 1, True)
         req.num_cached = cached + 1
         req.num_inflight += 1
 
 
-def jump_step(core: "NativeBatchCore", decoding: list[Request], due: dict[int, Request]) -> "ScheduledBatch":
+def jump_step(core: "CoreState", decoding: list[Request], due: dict[int, Request]) -> "ScheduledBatch":
     """A decode step that runs one forward per row, as an extend step: the rows whose
     forced tokens (:mod:`omni_async.structured.jump`) wait for their KV compute them and
     sample after the last, as one extend row each; the other running requests ride in
     it as one-token rows, as in a mixed prefill step."""
     from .batch import ForwardMode
 
-    batch = core._new_batch(ForwardMode.EXTEND)
+    batch = core.new_batch(ForwardMode.EXTEND)
     jumping = [r for r in decoding if id(r) in due]
     others = [r for r in decoding if id(r) not in due]
     if others:
@@ -78,14 +78,14 @@ def jump_step(core: "NativeBatchCore", decoding: list[Request], due: dict[int, R
         if need > 0:
             req.pages.extend(allocate(need))
         batch.input_ids.extend(req.fill_ids()[cached:])
-        core._add_row(batch, req, n, True)
+        core.add_row(batch, req, n, True)
         req.num_cached = cached + n
         req.num_inflight += 1
     core.jump_steps += 1
     return batch
 
 
-def prefill_turn(core: "NativeBatchCore") -> bool:
+def prefill_turn(core: "CoreState") -> bool:
     """Whether the next step may be a prefill step: requests wait, and the step before was
     not a prefill step that the running requests sat out. So a running stream waits for
     one prefill step at most, never a run of them (a burst of long prompts is several
@@ -103,7 +103,7 @@ def prefill_turn(core: "NativeBatchCore") -> bool:
     return refill_due(core)
 
 
-def refill_due(core: "NativeBatchCore") -> bool:
+def refill_due(core: "CoreState") -> bool:
     """A prefill turn while the running set is full but for fewer than 1/32 of its slots
     (16 of 512) is deferred, for at most ``PREFILL_MAX_DEFERRALS`` decode steps, so that
     it takes several prompts. A prefill step of one or two prompts costs the device a few

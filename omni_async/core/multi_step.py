@@ -15,35 +15,16 @@ so the tokens equal those of k = 1. Their KV writes land beyond the finished seq
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
 
 from .conditioning import ready_positions
+from .core_state import DecodeSteps
 from .protocol import StepOutcome, StepOutcomes
 from .request import Request, decode_limits, mask_ready, masked, stop_index
 
 if TYPE_CHECKING:
     from .batch import ScheduledBatch
-    from .batch_core import NativeBatchCore
-
-
-@dataclass(frozen=True)
-class DecodeSteps:
-    """Forwards per decode step by the number of decoding requests: ``tiers`` are
-    ``(fewest requests, forwards)`` pairs in ascending order; below the first, one."""
-
-    tiers: tuple[tuple[int, int], ...] = ()
-
-    def for_batch(self, decoding: int) -> int:
-        k = 1
-        for least, steps in self.tiers:
-            if decoding >= least:
-                k = steps
-        return k
-
-    @property
-    def most(self) -> int:
-        return max((k for _, k in self.tiers), default=1)
+    from .core_state import CoreState
 
 
 def decoding_rows(running: list[Request], context_length: int, late: bool = False, free: bool = False
@@ -63,7 +44,7 @@ def decoding_rows(running: list[Request], context_length: int, late: bool = Fals
     return [r for r, _ in pairs], [left for _, left in pairs]
 
 
-def steps_for(core: "NativeBatchCore", decoding: list[Request], limits: list[int] | None = None,
+def steps_for(core: "CoreState", decoding: list[Request], limits: list[int] | None = None,
               free: bool = False) -> tuple[list[int] | None, list[int]]:
     """Forwards per row of the next decode step (None for one forward: a small batch
     under the automatic choice, or a runner that hands out per-step hidden states), and
@@ -111,7 +92,7 @@ def row_steps(decoding: list[Request], k: int, context_length: int,
     return steps, constrained
 
 
-def late_mask_rows(core: "NativeBatchCore", decoding: list[Request], limits: list[int], free: bool = False
+def late_mask_rows(core: "CoreState", decoding: list[Request], limits: list[int], free: bool = False
                    ) -> tuple[list[Request], list[int], list[int] | None, list[int], bool]:
     """The rows of the next decode step (``decoding`` may hold constrained rows with their
     last token in flight, :func:`.request.mask_ready` with ``late``) and their ``limits``,
@@ -303,9 +284,10 @@ def _take_guessed(req: Request, row: list[int], limit: int, stop_ids: frozenset[
 
 
 def jump_rows(outcomes: Sequence[StepOutcome], finishes: list[tuple[Request, str]], context_length: int, most: int,
-              due: list[tuple[Request, int]]) -> None:
+              due: list[tuple[Request, int]], hidden_for_all: bool = False) -> None:
     """After a step's processing: each live row under a grammar that may jump
-    (:func:`omni_async.structured.jump.can_jump`) takes the tokens its grammar now forces,
+    (:func:`omni_async.structured.jump.can_jump`; none where ``hidden_for_all``: the
+    stage hands every row's hidden states on) takes the tokens its grammar now forces,
     at most ``most`` (its outcome carries them; it ends if they end it). The requests
     left with tokens to compute go into ``due`` with their epoch: their next step
     computes them (:func:`feed_rows`, or :func:`omni_async.core.mixed_prefill.jump_step`)."""
@@ -313,7 +295,7 @@ def jump_rows(outcomes: Sequence[StepOutcome], finishes: list[tuple[Request, str
 
     for oc in (outcomes.rest if type(outcomes) is StepOutcomes else outcomes):  # a plain row has no grammar
         req = oc.req
-        if req.matcher is None or oc.finished or oc.token is None or not can_jump(req):
+        if req.matcher is None or oc.finished or oc.token is None or not can_jump(req, hidden_for_all):
             continue
         run, reason = jump_forward(req, context_length, most)
         if not run:
@@ -374,7 +356,7 @@ def _token_at(req: Request, position: int) -> int:
     return req.prompt_ids[position] if position < prompt else req.output_ids[position - prompt]
 
 
-def take_due(core: "NativeBatchCore", decoding: list[Request]) -> dict[int, Request] | None:
+def take_due(core: "CoreState", decoding: list[Request]) -> dict[int, Request] | None:
     """The requests whose forced tokens wait for their KV and are still due (None for
     none); one not decoding in this step keeps its place for a later one."""
     due = still_due(core.jump_due) if core.jump_due else None

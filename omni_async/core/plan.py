@@ -8,6 +8,13 @@ It is a pure function of plain values (the builders read the facts:
 
 Why these defaults (measurements in bench/RESULTS.md):
 
+- The loop (``loop=None``): ``overlap`` on CUDA, where it beat ``normal`` on every figure
+  measured: NV256 on the H200 57.9k against 47.8k tok/s sampled, 57.4k against 48.5k
+  greedy, batch 1 0.890 against 1.099 ms a token (2026-12-05); W256 68.8k against 51.5k;
+  a co-located thinker and talker 1.92 s against 2.33 s. ``normal`` on CPU, where the
+  three loops were equal within the run-to-run spread (the tiny model at 64 clients:
+  overlap 1.02x, async_decode 1.03x; at one client 0.96x and 1.00x), and under the
+  SGLang backend, whose loops were not compared.
 - Running limit. A fixed 64 left an H200 running a quarter of a 256-request burst while
   the rest queued (NV256: 13.9k output tok/s against 37.0k with 256 running). On CUDA the
   KV cache bounds how many requests decode together and the decode graphs' batch buckets
@@ -18,7 +25,7 @@ Why these defaults (measurements in bench/RESULTS.md):
   size, so 512-token chunks left the GPU idle most of a prefill phase (W256 on the H200:
   13-15k output tok/s against 67-71k with 8192-token chunks). CPU keeps 4096 / 512.
 - Decode tiers on CUDA (``decode_steps=None``): 4 forwards per step below 64 decoding
-  requests, 8 from 64 (at most ``page_size``). NV256 on the H200 (bench/probes/
+  requests, 8 from 64 (at most ``page_size``). NV256 on the H200 (tools/
   nv256_profile.py): one forward per step below 64 rows spent 0.89 s of a 3.8 s run on
   its tail, 4 or 8 forwards 0.50 s (34.9k -> 39.1-39.9k tok/s); from 64 rows 4 and 8 take
   the same device time and 8 half the host's. One forward elsewhere.
@@ -30,7 +37,7 @@ Why these defaults (measurements in bench/RESULTS.md):
 - Optimistic grammar rows on CUDA only (``optimistic_grammar=None``). A grammar mask costs
   ~45 us of host time a row on the H200's host, so 256 constrained rows' masks take
   longer than the step's forward; sampling first skips ~94% of them for a real model asked
-  for JSON (SmolLM2 on the dev VM, bench/optimistic_grammar.py). On CPU the forward of a
+  for JSON (SmolLM2 on the dev VM, 7166a36:bench/optimistic_grammar.py). On CPU the forward of a
   step is ~100x its masks: the same run there showed no gain (CPU time per token +3%, the
   refused positions' extra steps), so CPU masks first.
 """
@@ -44,11 +51,14 @@ from typing import Any, Sequence
 from ..config import SchedulerConfig
 from ..errors import ConfigError, InvalidRequestError, ModelLoadError
 from ..memory_budget import MemoryPlan, activation_reserve_bytes, plan_memory
-from .cpu_choices import _dtype_name, _kernel_options, load_dtype
+from .cpu_choices import LoadPlan, kernel_options, plan_load
+from .facts import CheckpointFacts, DeviceFacts, dtype_name
 from ..structured.optimistic import enabled as optimistic_enabled
-from .multi_step import DecodeSteps
+from .core_state import DecodeSteps
 
 
+CUDA_LOOP = "overlap"  # the loops when SchedulerConfig.loop is None (module docstring)
+CPU_LOOP = "normal"
 CPU_MAX_RUNNING = 64
 CUDA_MIN_RUNNING = 64
 # The KV each running request is budgeted (prompt plus answer, tokens): a request of
@@ -70,50 +80,6 @@ CPU_KV_MAX_TOKENS = 65536
 # SGLang on CPU when kv_capacity_tokens is not given (on CUDA SGLang sizes its pools).
 SGLANG_CPU_KV_TOKENS = 32768
 
-_ITEMSIZE = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2, "float64": 8, "int8": 1}
-
-
-@dataclass(frozen=True)
-class DeviceFacts:
-    """What the plan needs to know about the device, as plain values."""
-
-    type: str = "cpu"  # "cpu" | "cuda"
-    total_bytes: int | None = None  # the device's memory (RAM on CPU)
-    # Memory free for the KV: on CUDA after the weights are loaded; on CPU the RAM
-    # available then. None: unknown.
-    free_bytes: int | None = None
-    native_bf16: bool = False  # the CPU has bfloat16 dot-product instructions
-    # Both C++ CPU kernel sets build here (only probed when the plan would use them:
-    # :func:`wants_cpu_kernels`).
-    cpu_kernels_build: bool = False
-    paged_kernel: bool = False  # Triton's paged decode attention runs here (CUDA)
-    graph_buckets: tuple[int, ...] = ()  # batch sizes the decode graphs can capture
-
-
-@dataclass(frozen=True)
-class CheckpointFacts:
-    """What the plan needs to know about the checkpoint (the local shard's KV heads under
-    tensor parallelism). Before loading only ``reduced_precision`` is needed."""
-
-    reduced_precision: bool = False  # stored in 16 bits or fewer (GGUF, a bf16/fp16 folder)
-    gguf: bool = False  # a GGUF file (``smollm2`` included): its blocks can be read as they are
-    num_layers: int = 0
-    num_kv_heads: int = 0
-    head_dim: int = 0
-    hidden_size: int = 0
-    intermediate_size: int = 0
-    vocab_size: int = 0
-    max_position_embeddings: int = 0
-    dtype: str = "float32"  # the loaded weights'
-    weights_bytes: int = 0
-
-    @property
-    def itemsize(self) -> int:
-        return _ITEMSIZE[_dtype_name(self.dtype)]
-
-    @property
-    def kv_bytes_per_token(self) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.itemsize
 
 
 @dataclass(frozen=True)
@@ -123,7 +89,8 @@ class StagePlan:
 
     backend: str
     device: str
-    dtype: str  # the weights' (the loader is asked for :func:`load_dtype`'s choice)
+    loop: str  # the stage's loop (:func:`resolve_loop`)
+    dtype: str  # the weights' (the loader is asked for :func:`.cpu_choices.plan_load`'s choice)
     quantization: str | None
     cpu_attention_kernel: bool
     cpu_fused_ops: bool
@@ -165,6 +132,14 @@ class StagePlan:
 
 
 # ---------------------------------------------------------------- single decisions
+
+
+def resolve_loop(configured: str | None, device_type: str, backend: str = "native") -> str:
+    """``SchedulerConfig.loop`` on this device: as given, or (None) the fastest measured
+    there: ``overlap`` on CUDA with the native backend, ``normal`` elsewhere."""
+    if configured is not None:
+        return configured
+    return CUDA_LOOP if device_type == "cuda" and backend == "native" else CPU_LOOP
 
 
 def resolve_decode_steps(configured: int | None, device_type: str, tensor_parallel_size: int = 1,
@@ -217,12 +192,13 @@ def prefill_budget(config: SchedulerConfig, device_type: str) -> tuple[int, int]
 
 
 def settle(config: SchedulerConfig, device_type: str = "cpu") -> SchedulerConfig:
-    """``config`` with the prefill budget decided for ``device_type`` where it is open
-    (a stage assembled by hand, without a plan, runs with the CPU budget)."""
+    """``config`` with the prefill budget and the loop decided for ``device_type`` where
+    they are open (a stage assembled by hand, without a plan, runs as on CPU)."""
     mp, cp = prefill_budget(config, device_type)
-    if (mp, cp) == (config.max_prefill_tokens, config.chunked_prefill_size):
+    loop = resolve_loop(config.loop, device_type)
+    if (mp, cp, loop) == (config.max_prefill_tokens, config.chunked_prefill_size, config.loop):
         return config
-    return dataclasses.replace(config, max_prefill_tokens=mp, chunked_prefill_size=cp)
+    return dataclasses.replace(config, max_prefill_tokens=mp, chunked_prefill_size=cp, loop=loop)
 
 
 def _chunk(max_prefill: int, chunked: int) -> int:
@@ -302,14 +278,19 @@ def plan_stage(
     dtype: Any = None,
     backend: str = "native",
     agreed_kv_pages: int | None = None,
+    load: LoadPlan | None = None,
 ) -> StagePlan:
     """Every choice for one stage (see the module docstring). ``dtype`` is the caller's
     (None: open); ``agreed_kv_pages``: the pages tensor-parallel ranks agreed on (the
-    fewest any rank holds), in place of this rank's sizing."""
+    fewest any rank holds), in place of this rank's sizing; ``load``: the decisions made
+    before loading (:func:`.cpu_choices.plan_load`), taken as made (decided here when
+    None)."""
     if backend == "sglang":
         return _plan_sglang(config, device, checkpoint, dtype)
-    chosen = load_dtype(config, device, checkpoint, dtype)
-    kernels = _kernel_options(config, device, chosen)
+    if load is None:
+        load = plan_load(config, device, checkpoint, dtype)
+    config, chosen = load.config, load.dtype
+    kernels = kernel_options(config, device, chosen)
     max_prefill, chunked = prefill_budget(config, device.type)
     budget = memory_plan(config, device, checkpoint) if config.memory_budget is not None else None
     pages = agreed_kv_pages if agreed_kv_pages is not None else kv_pages(config, device, checkpoint, budget)
@@ -320,8 +301,9 @@ def plan_stage(
         running = running_limit(device.type, pages * config.page_size, buckets)
     graphs = device.type == "cuda" and config.cuda_graphs
     optimistic = device.type == "cuda" if config.optimistic_grammar is None else config.optimistic_grammar
+    loop = resolve_loop(config.loop, device.type, backend)
     settled = dataclasses.replace(
-        config, max_running_requests=running, max_prefill_tokens=max_prefill, chunked_prefill_size=chunked,
+        config, loop=loop, max_running_requests=running, max_prefill_tokens=max_prefill, chunked_prefill_size=chunked,
         optimistic_grammar=optimistic,
         **{name: on for name, on in kernels.items() if getattr(config, name) is None},
     )
@@ -329,7 +311,8 @@ def plan_stage(
     return StagePlan(
         backend=backend,
         device=device.type,
-        dtype=checkpoint.dtype if chosen is None else _dtype_name(chosen),
+        loop=loop,
+        dtype=checkpoint.dtype if chosen is None else dtype_name(chosen),
         quantization=config.quantization,
         cpu_attention_kernel=kernels["cpu_attention_kernel"] and on_cpu,
         cpu_fused_ops=kernels["cpu_fused_ops"] and on_cpu,
@@ -361,7 +344,7 @@ def _plan_sglang(config: SchedulerConfig, device: DeviceFacts, checkpoint: Check
     default) and runs its own kernels; the running limit defaults to the CPU one."""
     if dtype is None:
         dtype = "float32" if device.type == "cpu" else "auto"
-    name = _dtype_name(dtype)
+    name = dtype_name(dtype)
     if name not in ("float32", "bfloat16", "float16", "auto"):
         raise ModelLoadError(f"unsupported dtype {dtype!r}; use float32, bfloat16 or float16")
     max_prefill, chunked = prefill_budget(config, device.type)
@@ -374,10 +357,13 @@ def _plan_sglang(config: SchedulerConfig, device: DeviceFacts, checkpoint: Check
             f"context_length {config.context_length} exceeds the model's "
             f"max_position_embeddings {checkpoint.max_position_embeddings}"
         )
-    settled = dataclasses.replace(config, max_running_requests=running, max_prefill_tokens=max_prefill, chunked_prefill_size=chunked)
+    loop = resolve_loop(config.loop, device.type, "sglang")
+    settled = dataclasses.replace(config, loop=loop, max_running_requests=running, max_prefill_tokens=max_prefill,
+                                  chunked_prefill_size=chunked)
     return StagePlan(
         backend="sglang",
         device=device.type,
+        loop=loop,
         dtype=name,
         quantization=config.quantization,
         cpu_attention_kernel=False,

@@ -6,12 +6,12 @@ the SGLang backend's core. Pure scheduling state: no asyncio, no torch here.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterator, Protocol, Sequence, runtime_checkable
+from typing import Any, Iterator, Protocol, Sequence, runtime_checkable
 
 from .request import Request
+from .runner_io import ModelRunnerOutput, ScheduledBatchLike
 
-if TYPE_CHECKING:
-    from .runner_io import ModelRunnerOutput
+__all__ = ["BatchCore", "LaunchedStep", "ScheduledBatchLike", "StepOutcome", "StepOutcomes", "StepRunner"]
 
 
 @dataclass(slots=True)
@@ -67,33 +67,6 @@ class StepOutcomes(Sequence[StepOutcome]):
 
     def __iter__(self) -> Iterator[StepOutcome]:
         return iter(self._outcomes())
-
-
-@runtime_checkable
-class ScheduledBatchLike(Protocol):
-    """One scheduled step as the stage and the runners read it."""
-
-    reqs: list[Request]
-    epochs: list[int]
-    samples_kept: list[bool]
-    sample_indices: list[int]
-    step_id: int
-
-    @property
-    def is_decode(self) -> bool: ...
-    @property
-    def size(self) -> int: ...
-    def row_is_live(self, i: int) -> bool:
-        """False when the row's request finished or was retracted after scheduling:
-        such a row yields no token when the step is processed."""
-        ...
-
-    def runnable_after_drain(self) -> Any:
-        """The batch to forward when it was scheduled while a step was in flight and
-        that step has since been processed (the loop drained before running it
-        synchronously). None when nothing is left to run. Processing skips stale rows
-        either way; a core may keep them in the forward if their KV is committed."""
-        ...
 
 
 @runtime_checkable
@@ -165,7 +138,7 @@ class StepRunner(Protocol):
         """The sampling half of a launch whose batch has ``late_masks`` (its launch
         enqueued the forward only), called once the step before it is processed."""
         ...
-    def collect(self, pending: Any) -> "ModelRunnerOutput": ...
+    def collect(self, pending: Any) -> ModelRunnerOutput: ...
     def lookahead_eligible(self, batch: Any) -> bool: ...
     def overlap_eligible(self, batch: Any) -> bool: ...
     def stats(self) -> dict[str, Any]: ...

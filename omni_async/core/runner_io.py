@@ -1,17 +1,43 @@
 """Typed hand-offs between the stage and a model runner (the reference contract): the
 step handed to the runner and its product as the stage reads it. Host values only, no
-torch, so the stage and the batch cores type against them without importing a runner."""
+torch, so the stage and the batch cores type against them without importing a runner.
+``ScheduledBatchLike`` lives here because the hand-off carries it; ``core.protocol``
+re-exports it with the rest of the batch-core seam."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol, runtime_checkable
 
-from .request import RequestData
+from .request import Request, RequestData
 
-if TYPE_CHECKING:
-    from .protocol import ScheduledBatchLike
+
+@runtime_checkable
+class ScheduledBatchLike(Protocol):
+    """One scheduled step as the stage and the runners read it."""
+
+    reqs: list[Request]
+    epochs: list[int]
+    samples_kept: list[bool]
+    sample_indices: list[int]
+    step_id: int
+
+    @property
+    def is_decode(self) -> bool: ...
+    @property
+    def size(self) -> int: ...
+    def row_is_live(self, i: int) -> bool:
+        """False when the row's request finished or was retracted after scheduling:
+        such a row yields no token when the step is processed."""
+        ...
+
+    def runnable_after_drain(self) -> Any:
+        """The batch to forward when it was scheduled while a step was in flight and
+        that step has since been processed (the loop drained before running it
+        synchronously). None when nothing is left to run. Processing skips stale rows
+        either way; a core may keep them in the forward if their KV is committed."""
+        ...
 
 
 @dataclass(slots=True)
@@ -25,7 +51,7 @@ class SchedulerOutput:
     """One step handed to the runner: its requests (batch order) and the batch."""
 
     requests: list[SchedulerRequest]
-    batch_data: "ScheduledBatchLike | None"
+    batch_data: ScheduledBatchLike | None
 
 
 @dataclass(slots=True)

@@ -41,7 +41,7 @@ DECODE_SPLITS: int | None = None
 # The automatic split count aims for this many programs per SM and never exceeds
 # DECODE_MAX_SPLITS; DECODE_MIN_SPLIT_LEN is the shortest segment worth a program of its
 # own (0: one block).
-# Measured on the H200 (bench/probes/paged_decode_speed.py, bench/results/
+# Measured on the H200 (7166a36:bench/probes/paged_decode_speed.py, bench/results/
 # paged_decode_speed_h200.json, 0.5B heads): 4 splits at 64 rows (33 -> 19 us a call on
 # mixed lengths), one at 180 and 256 rows (two were 5-20% slower there on uniform lengths).
 DECODE_PROGRAMS_PER_SM = 4

@@ -97,7 +97,7 @@ def paged_extend_attention(
     num_stages: int | None = None,
 ) -> torch.Tensor:
     """``q``: ``[T, H, D]`` (all sequences' new tokens); caches ``[slots, KVH, D]``. The
-    block sizes and launch shape default to ``TUNING`` (chosen by ``bench/probes/extend_kernel.py``)."""
+    block sizes and launch shape default to ``TUNING`` (chosen by ``tools/extend_kernel.py``)."""
     _t, heads, dim = q.shape
     kv_heads = k_cache.shape[1]
     q = q.contiguous()

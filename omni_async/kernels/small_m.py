@@ -25,7 +25,7 @@ weight updates through the admin API keep working unchanged.
 The product is GEMV-shaped: programs split N finely (and K, with a deterministic second
 pass summing the splits in order, where N alone gives too few programs), each either a
 ``tl.dot`` with M padded to 16 or a broadcast product summed over K (``dot=False``, for one
-or two rows). :func:`pick_config` chooses; ``bench/probes/small_m_layer.py`` sweeps the
+or two rows). :func:`pick_config` chooses; ``tools/small_m_layer.py`` sweeps the
 alternatives on the GPU.
 
 Imported only when Triton is present (through :mod:`.fused`).
@@ -47,7 +47,7 @@ from .launch import launcher
 SMALL_M_MAX = 1
 """The most rows a step may have for the fused small-M path; above it the layer runs as
 before (the elementwise kernels of :mod:`.fused` and cuBLAS). Measured on the H200
-(``bench/probes/small_m_layer.py``, bench/results/small_m_layer_h200.json, 2026-12-04): at
+(``tools/small_m_layer.py``, bench/results/small_m_layer_h200.json, 2026-12-04): at
 one row the 0.5B shape's layer went from 38.4 to 33.2 us with the best tilings (qkv 5.6 ->
 3.3 us with its norm, o 4.6 -> 2.5, down 9.4 -> 8.0 with its SiLU-and-multiply); from two
 rows on every fused GEMM was slower than today's path (the layer 1.4-2x at M = 2-64)."""

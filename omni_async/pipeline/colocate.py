@@ -50,7 +50,7 @@ def build_stage_scheduler(
     path_or_name: str,
     *,
     device: str = "cpu",
-    loop: str = "normal",
+    loop: str | None = None,
     dtype: Any = None,
     seed: int = 0,
     memory_budget: float | int | None = None,

@@ -19,7 +19,7 @@ def _legend(args: Any, conversations: int) -> None:
     print(
         f"{conversations} conversations, each a thinker ({thinker}) writing {THINKER_TOKENS} tokens and a talker "
         f"({talker}) that starts once {TALKER_MIN_CHUNKS} thinker chunks have arrived and writes {TALKER_TOKENS}; "
-        f"both stages share one event loop on {args.device} (loop={args.loop}); sampled at temperature 0.8."
+        f"both stages share one event loop on {args.device} (loop={args.loop or 'auto'}); sampled at temperature 0.8."
         + (" The built-in tiny models have random weights: their token ids are noise." if "tiny" in (thinker, talker) else "")
     )
     print("Each line: milliseconds since start, conversation, stage, then either '+[ids]' (the tokens that step "

@@ -13,7 +13,8 @@ only its own conversation, never the routing of the others. A conversation held 
 with no read for ``stall_timeout`` seconds, or holding more than ``max_held`` events, is
 aborted in both stages and its reader gets :class:`~omni_async.errors.ConsumerStalledError`.
 A conversation leaves the pipeline (its id free again) once both stages' terminal
-messages reached the router, read or not. Aborting a request (or a failure in either
+messages reached the router, read or not; from then on its handle (a late reader's)
+acts on nothing in the pipeline, whatever conversation reuses the id. Aborting a request (or a failure in either
 stage) aborts it in both; the caller sees the error.
 """
 
@@ -28,6 +29,7 @@ import anyio
 from .. import errors
 from ..messages import IncomingMessage, OutgoingMessage
 from ..scheduler import AsyncOmniScheduler
+from .step_queue import StepQueue
 
 
 @dataclass
@@ -103,14 +105,14 @@ class PipelineHandle:
                     if event.kind in ("result", "error"):
                         self._open.discard(event.stage)
                     if event.kind == "error":
-                        self._pipeline.abort(self.request_id)
+                        self._pipeline._abort_own(self)
                         err = event.data
                         raise err if isinstance(err, BaseException) else errors.RequestFailedError(str(err))
                     yield event
         finally:
             if self._open:  # the reader left early: nothing more is kept for it
                 self._pipeline._drop(self)
-                self._pipeline.abort(self.request_id)
+                self._pipeline._abort_own(self)
 
     async def results(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
@@ -165,7 +167,7 @@ class TwoStagePipeline:
         *,
         device: str = "cpu",
         devices: tuple[str, str] | None = None,
-        loop: str = "normal",
+        loop: str | None = None,
         shares: tuple[float | int | None, float | int | None] = (None, None),
         dtype: Any = None,
         seeds: tuple[int, int] = (0, 1),
@@ -273,6 +275,18 @@ class TwoStagePipeline:
         self.first.abort(request_id)
         self.second.abort(request_id)
 
+    def _owns(self, handle: PipelineHandle) -> bool:
+        """Whether ``handle``'s conversation is the one its id names in the pipeline now:
+        once it has left, the id may belong to a new conversation, which a late reader
+        of the old handle must never touch."""
+        return self._handles.get(handle.request_id) is handle
+
+    def _abort_own(self, handle: PipelineHandle) -> None:
+        """Abort ``handle``'s conversation in both stages, if it is still in the pipeline
+        (one that left has ended in both already)."""
+        if self._owns(handle):
+            self.abort(handle.request_id)
+
     # ------------------------------------------------------------ routing
 
     async def _route(self, stage: int) -> None:
@@ -337,9 +351,11 @@ class TwoStagePipeline:
         while held and len(handle._events) < handle._buffer:
             stage, msg = held.popleft()
             self._hand_over(handle, stage, msg)
+        if not self._owns(handle):  # it left: the stall entry under its id is another's
+            return
         rid = handle.request_id
         self._stalled.pop(rid, None)
-        if held and not handle._left:
+        if held:
             self._stalled[rid] = anyio.current_time()  # a read: its deadline starts again
 
     def _on_held(self, handle: PipelineHandle) -> None:
@@ -354,7 +370,8 @@ class TwoStagePipeline:
         """Keep nothing more for this conversation (its terminals still take it out)."""
         handle._dropped = True
         handle._held.clear()
-        self._stalled.pop(handle.request_id, None)
+        if self._owns(handle):
+            self._stalled.pop(handle.request_id, None)
 
     def _give_up(self, handle: PipelineHandle, why: str) -> None:
         rid = handle.request_id
@@ -384,36 +401,3 @@ class TwoStagePipeline:
                 if handle is not None:
                     self._give_up(handle, f"its reader read nothing for {self.stall_timeout:g} s "
                                   f"with {len(handle._held)} events held back (stall_timeout={self.stall_timeout:g})")
-
-
-class StepQueue:
-    """A stage's output sink for the router: each step's messages appended in one call
-    (on the loop thread, inside the stage's step), read back one by one by the router
-    task, which is woken once per batch of steps rather than once per message."""
-
-    def __init__(self) -> None:
-        self._messages: deque[OutgoingMessage] = deque()
-        self._ready = anyio.Event()
-        self._closed = False
-
-    @property
-    def pending(self) -> int:
-        return len(self._messages)
-
-    def put(self, messages: list[OutgoingMessage]) -> None:
-        self._messages.extend(messages)
-        self._ready.set()
-
-    def close(self) -> None:
-        self._closed = True
-        self._ready.set()
-
-    async def __aiter__(self) -> AsyncIterator[OutgoingMessage]:
-        messages = self._messages
-        while True:
-            while messages:
-                yield messages.popleft()
-            if self._closed:
-                return
-            self._ready = anyio.Event()
-            await self._ready.wait()

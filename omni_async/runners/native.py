@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from ..core.batch import ScheduledBatch
-from ..core.multi_step import DecodeSteps
+from ..core.core_state import DecodeSteps
 from ..kernels import cpu_decode_stack, model_ops, triton_available
 from ..kv.attention import AttentionContext, slots_from_tables
 from ..kv.cache import PagedKVCache

@@ -17,22 +17,39 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import TYPE_CHECKING, Any, AsyncIterator
+from typing import Any, AsyncIterator, Protocol
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from .. import errors
+from ..client.handle import RequestHandle
 from ..logs import log
 from .disconnect import until_disconnect
 from .errors import ClientNames, body_of, error_body
+from .metrics import EngineMetrics
 from .prompt_list import combined_result, merged_deltas
+from .protocol import ChatCompletionRequest
 from .responses import ResponseContext, usage
 from .responses_request import ResponsesRequest, responses_names
 from .wire import dumps
 
-if TYPE_CHECKING:
-    from .app import OpenAIServer
+
+
+class ChatServer(Protocol):
+    """What this route needs of the OpenAI server (``app.OpenAIServer``), so that it never
+    imports the app that mounts it."""
+
+    model_name: str
+    metrics: EngineMetrics
+
+    def check_model(self, model: str) -> JSONResponse | None: ...
+
+    async def submit_chat(self, body: ChatCompletionRequest) -> tuple[RequestHandle, ResponseContext]: ...
+
+    async def results(self, handles: list[RequestHandle]) -> list[Any]: ...
+
+    def answerable(self, exc: errors.OmniAsyncError) -> errors.OmniAsyncError: ...
 
 # ---------------------------------------------------------------- the response
 
@@ -223,7 +240,7 @@ class ResponseEvents:
 # ---------------------------------------------------------------- the route
 
 
-def add_responses_route(app: FastAPI, server: "OpenAIServer") -> None:
+def add_responses_route(app: FastAPI, server: ChatServer) -> None:
     """``POST /v1/responses`` on ``app``, served by ``server``'s chat pipeline."""
 
     async def create(body: ResponsesRequest, request: Request) -> Response:
@@ -253,7 +270,7 @@ def add_responses_route(app: FastAPI, server: "OpenAIServer") -> None:
 
 
 async def _events(
-    server: "OpenAIServer", handle: Any, ctx: ResponseContext, events: ResponseEvents, deltas: AsyncIterator[Any], first: Any,
+    server: ChatServer, handle: Any, ctx: ResponseContext, events: ResponseEvents, deltas: AsyncIterator[Any], first: Any,
     names: ClientNames,
 ) -> AsyncIterator[bytes]:
     """The stream: created, the output's events as the deltas come, completed (or failed)."""

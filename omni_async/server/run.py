@@ -25,7 +25,9 @@ import uvicorn
 from ..engine import Engine
 from ..logs import log
 from ..serving.listen import base_url, listening_socket
+from ..speech import SpeechPipeline
 from .app import create_app
+from .speech import create_speech_app
 
 # How long the stop waits for the engine to close before it gives up on a clean close,
 # and how long uvicorn then waits for connections (a client that reads nothing) to end.
@@ -41,8 +43,8 @@ def http_protocol() -> str:
     return "httptools" if importlib.util.find_spec("httptools") is not None else "h11"
 
 
-def _config(engine: Engine, *, host: str, port: int, log_level: str, quiet: bool, **app_kw: Any) -> uvicorn.Config:
-    app = create_app(engine, **app_kw)
+def _config(engine: Engine | SpeechPipeline, *, host: str, port: int, log_level: str, quiet: bool, **app_kw: Any) -> uvicorn.Config:
+    app = create_speech_app(engine, **app_kw) if isinstance(engine, SpeechPipeline) else create_app(engine, **app_kw)
     kw: dict[str, Any] = {"log_config": None} if quiet else {}
     return uvicorn.Config(app, host=host, port=port, log_level=log_level.lower(), lifespan="on", http=http_protocol(), **kw)
 
@@ -101,7 +103,9 @@ class StoppingServer(uvicorn.Server):
         self._stop = asyncio.get_running_loop().create_task(self._stop_serving(), name="omni-async-stop")
 
     async def _stop_serving(self) -> None:
-        self.config.app.state.server.stopping = True  # type: ignore[union-attr]
+        server = getattr(self.config.app.state, "server", None)  # type: ignore[union-attr]
+        if server is not None:  # the OpenAI app: a request the stop aborted says so
+            server.stopping = True
         self.aborted = len(self.engine.open_requests)
         try:
             await asyncio.wait_for(self.engine.aclose(), STOP_ENGINE_S)
@@ -112,13 +116,14 @@ class StoppingServer(uvicorn.Server):
 
 
 async def serve(
-    engine: Engine, *, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info", sock: socket.socket | None = None,
-    on_ready: Callable[[str, str], None] | None = None, **app_kw: Any,
+    engine: Engine | SpeechPipeline, *, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
+    sock: socket.socket | None = None, on_ready: Callable[[str, str], None] | None = None, **app_kw: Any,
 ) -> int:
     """Serve until SIGINT or SIGTERM, then stop (the module's docstring) and return how many
-    open requests the stop aborted. ``sock``: a socket already bound (``listening_socket``),
-    in place of ``host``/``port``; ``on_ready(url, model_name)`` is called once the server
-    accepts requests."""
+    open requests the stop aborted. A :class:`~omni_async.speech.SpeechPipeline` is served
+    by the speech app (the stop closes its talker's engine first). ``sock``: a socket
+    already bound (``listening_socket``), in place of ``host``/``port``;
+    ``on_ready(url, model_name)`` is called once the server accepts requests."""
     sock = sock if sock is not None else listening_socket(host, port)
     config = _config(engine, host=host, port=sock.getsockname()[1], log_level=log_level, quiet=False, **app_kw)
     config.timeout_graceful_shutdown = STOP_CONNECTIONS_S
@@ -128,7 +133,7 @@ async def serve(
         if on_ready is not None:
             on_ready(base_url(sock), app.state.model_name)  # type: ignore[union-attr]
 
-    server = StoppingServer(config, engine, ready)
+    server = StoppingServer(config, engine.engine if isinstance(engine, SpeechPipeline) else engine, ready)
     try:
         await server.serve(sockets=[sock])
     finally:
@@ -137,7 +142,7 @@ async def serve(
 
 
 @contextlib.asynccontextmanager
-async def running_server(engine: Engine, *, host: str = "127.0.0.1", port: int = 0, **app_kw: Any) -> AsyncIterator[str]:
+async def running_server(engine: Engine | SpeechPipeline, *, host: str = "127.0.0.1", port: int = 0, **app_kw: Any) -> AsyncIterator[str]:
     """Serve ``engine`` on ``host`` (a free port unless given) inside this block, in the
     current event loop; yields the base URL (``http://127.0.0.1:PORT``). The server shuts
     down at the end of the block (and closes the engine unless ``close_engine=False``)."""

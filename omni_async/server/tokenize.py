@@ -21,11 +21,11 @@ from pydantic import BaseModel, ConfigDict
 
 from .. import errors
 from .chat_messages import ChatMessage
+from .served import ServedModel
 from .tools import ToolDefinition, plan_tools
 
 if TYPE_CHECKING:
     from ..text.tokenizer import Tokenizer
-    from .app import OpenAIServer
 
 
 class TokenizeCompletion(BaseModel):
@@ -52,13 +52,13 @@ class Detokenize(BaseModel):
     tokens: list[int]
 
 
-def _tokenizer(server: "OpenAIServer") -> "Tokenizer":
+def _tokenizer(server: ServedModel) -> "Tokenizer":
     if server.engine.tokenizer is None:
         raise errors.InvalidRequestError("this model has no tokenizer (no tokenizer.json in its folder)")
     return server.engine.tokenizer
 
 
-def tokenize_ids(server: "OpenAIServer", body: Union[TokenizeCompletion, TokenizeChat]) -> list[int]:
+def tokenize_ids(server: ServedModel, body: Union[TokenizeCompletion, TokenizeChat]) -> list[int]:
     tokenizer = _tokenizer(server)
     if isinstance(body, TokenizeCompletion):
         return tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
@@ -66,7 +66,7 @@ def tokenize_ids(server: "OpenAIServer", body: Union[TokenizeCompletion, Tokeniz
     return server.render(body.messages, tools, add_generation_prompt=body.add_generation_prompt, template_kwargs=body.chat_template_kwargs)
 
 
-def detokenize_text(server: "OpenAIServer", body: Detokenize) -> str:
+def detokenize_text(server: ServedModel, body: Detokenize) -> str:
     tokenizer = _tokenizer(server)
     vocab = server.engine.scheduler.limits.vocab_size
     bad = [t for t in body.tokens if not 0 <= t < vocab]
@@ -75,7 +75,7 @@ def detokenize_text(server: "OpenAIServer", body: Detokenize) -> str:
     return tokenizer.decode(body.tokens, skip_special_tokens=False)
 
 
-def tokenizer_info(server: "OpenAIServer") -> dict[str, Any]:
+def tokenizer_info(server: ServedModel) -> dict[str, Any]:
     """The tokenizer's configuration, in ``tokenizer_config.json``'s names."""
     tokenizer = _tokenizer(server)
     info: dict[str, Any] = {
@@ -91,7 +91,7 @@ def tokenizer_info(server: "OpenAIServer") -> dict[str, Any]:
     return info
 
 
-def add_tokenize_routes(app: FastAPI, server: "OpenAIServer") -> None:
+def add_tokenize_routes(app: FastAPI, server: ServedModel) -> None:
     """``POST /tokenize``, ``POST /detokenize`` and ``GET /tokenizer_info`` on ``app``."""
 
     def wrong_model(model: str | None) -> Response | None:

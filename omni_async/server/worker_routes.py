@@ -19,7 +19,7 @@ the Prometheus gauges read them.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
@@ -28,14 +28,12 @@ from .. import errors
 from ..config import SamplingParams
 from ..version import __version__
 from .metrics import stage_load
-
-if TYPE_CHECKING:
-    from .app import OpenAIServer
+from .served import ServedModel
 
 __all__ = ["add_worker_routes"]
 
 
-def model_info(server: "OpenAIServer") -> dict[str, Any]:
+def model_info(server: ServedModel) -> dict[str, Any]:
     """SGLang's ``/get_model_info`` fields, filled from the stage's model info."""
     info = server.engine.scheduler.info()
     path = str(info.get("model_path", server.model_name))
@@ -52,7 +50,7 @@ def model_info(server: "OpenAIServer") -> dict[str, Any]:
     }
 
 
-def server_info(server: "OpenAIServer") -> dict[str, Any]:
+def server_info(server: ServedModel) -> dict[str, Any]:
     """Settings a router probes (``dp_size``, context, limits) and the load right now."""
     engine = server.engine
     info = engine.scheduler.info()
@@ -75,7 +73,7 @@ def server_info(server: "OpenAIServer") -> dict[str, Any]:
     }
 
 
-def load_entries(server: "OpenAIServer") -> list[dict[str, Any]]:
+def load_entries(server: ServedModel) -> list[dict[str, Any]]:
     """``/get_load``: one entry per data-parallel rank (one here)."""
     load = stage_load(server.engine.scheduler.info())
     return [
@@ -88,13 +86,13 @@ def load_entries(server: "OpenAIServer") -> list[dict[str, Any]]:
     ]
 
 
-async def flush(server: "OpenAIServer") -> Response:
+async def flush(server: ServedModel) -> Response:
     reply = await server.engine.flush_cache()
     ok = bool(reply.get("success"))
     return JSONResponse({"success": ok, "message": reply.get("message", "")}, status_code=200 if ok else 400)
 
 
-async def health_generate(server: "OpenAIServer") -> Response:
+async def health_generate(server: ServedModel) -> Response:
     """One greedy token from a one-token prompt: the whole request path, end to end."""
     eos = server.engine.scheduler.limits.eos_token_ids
     first = 1 if 1 not in eos else 2
@@ -105,7 +103,7 @@ async def health_generate(server: "OpenAIServer") -> Response:
     return JSONResponse({"status": "ok"})
 
 
-def add_worker_routes(app: FastAPI, server: "OpenAIServer") -> None:
+def add_worker_routes(app: FastAPI, server: ServedModel) -> None:
     """Mount the router-facing endpoints on ``app`` (handlers run on the engine's loop:
     the stage's figures are read where they are written)."""
 

@@ -32,7 +32,7 @@ from .state import IdWindow, call_user
 RequestBuilder = Callable[[Any], RequestData]
 _MESSAGE_TYPES = ("new_request", "stream_chunk", "stream_done")
 # Arrivals handled between two checkpoints: a burst never holds the loop for long (228
-# arrivals in one go held it 13-14 ms on the H200 host, measured with bench/probes/ticker_lag.py).
+# arrivals in one go held it 13-14 ms on the H200 host, measured with tools/ticker_lag.py).
 _ARRIVALS_PER_CHECKPOINT = 32
 # Stream input kept for ids that are neither live nor being admitted (a request that
 # may still arrive): bounded, oldest dropped.

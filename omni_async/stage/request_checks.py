@@ -44,6 +44,9 @@ class ModelLimits:
     # Compiles the grammars of constrained requests (None: the model has no tokenizer).
     grammar_compiler: Any = None
     hidden_size: int | None = None  # the width of input_embeds rows; None: the stage takes none
+    # The dtype input_embeds become at the prefill (a torch dtype): their values are checked
+    # finite in it. None: checked as given.
+    embeds_dtype: Any = None
 
 
 @dataclass(frozen=True)
@@ -78,7 +81,7 @@ def check_request(input_ids: Any, sampling: SamplingParams, limits: ModelLimits,
     if input_embeds is not None:
         if input_ids is not None and len(input_ids):
             raise errors.InvalidRequestError("give either input_ids or input_embeds, not both")
-        embeds = check_input_embeds(input_embeds, getattr(limits, "hidden_size", None))
+        embeds = check_input_embeds(input_embeds, getattr(limits, "hidden_size", None), getattr(limits, "embeds_dtype", None))
         ids = [EMBEDS_PLACEHOLDER_ID] * int(embeds.shape[0])
     else:
         if hasattr(input_ids, "__len__") and len(input_ids) >= limits.context_length:

@@ -1,7 +1,7 @@
 """Grammars through llguidance: compile once per grammar, one matcher per request.
 
 Why llguidance: measured against xgrammar on SmolLM2's 49k vocabulary
-(``bench/probes/grammar_libraries.py``, docs/notes/constrained-decoding.md), it compiles a typical
+(``7166a36:bench/probes/grammar_libraries.py``, docs/notes/constrained-decoding.md), it compiles a typical
 JSON schema in about a millisecond where xgrammar takes hundreds, its per-step batch mask
 time is as low at the median and far lower at the tail, and it installs as one 8 MB wheel
 with no dependencies (xgrammar brings Triton, ~1 GB, on Linux).

@@ -25,10 +25,13 @@ from typing import Any
 import numpy as np
 
 
-def can_jump(req: Any) -> bool:
-    """Whether ``req`` (under a grammar) may take its forced tokens without their forwards."""
+def can_jump(req: Any, hidden_for_all: bool = False) -> bool:
+    """Whether ``req`` (under a grammar) may take its forced tokens without their forwards:
+    not when something is read off each token's forward (logprobs, hidden states: its
+    own ask, or ``hidden_for_all``, a stage that hands every row's hidden states on,
+    one per token, to the next stage)."""
     sp = req.sampling
-    return not (sp.return_logprob or sp.top_logprobs or sp.suppress_tokens or sp.has_logit_controls
+    return not (hidden_for_all or sp.return_logprob or sp.top_logprobs or sp.suppress_tokens or sp.has_logit_controls
                 or sp.return_hidden_states or req.conditioning is not None)
 
 

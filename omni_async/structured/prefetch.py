@@ -57,7 +57,7 @@ def mask_threads(cpus: int | None = None) -> tuple[str, int]:
     of N threads, one call a ticket; at most every CPU but one, as before).
 
     Why slices replace the pool behind the plain number: the pool lost to one thread on
-    every host measured (H200 host, bench/probes/grammar_batch.py: 128 rows 5.8 ms on one
+    every host measured (H200 host, tools/grammar_batch.py: 128 rows 5.8 ms on one
     thread, 7.8 with a pool of 4, 10.4 with 15, bench/results/h200_2026-12-04_evening/gb_t*;
     this VM: a pool of ONE thread 4.1 ms against 2.7 for the plain loop at 256 rows, so its
     cost is per row, not only thread scaling); a slice is the worker's own
@@ -77,8 +77,8 @@ def mask_threads(cpus: int | None = None) -> tuple[str, int]:
     grammars (on the 2-core VM two slices made the worker 1.4x slower, median of four
     interleaved pairs, 0.91-1.55x, on a loaded CPU). The worker's time per row in the
     engine is not GIL waits: it is the library's price for a mask at a parser state not
-    computed before, ~3.5x a repeated one (``bench/probes/mask_cost.py``). The H200 runs are in
-    bench/RESULTS.md (``bench/probes/mask_threads.py --compilers 1,8``;
+    computed before, ~3.5x a repeated one (``7166a36:bench/probes/mask_cost.py``). The H200 runs are in
+    bench/RESULTS.md (``tools/mask_threads.py --compilers 1,8``;
     ``bench/constrained.py --mask-threads 8 [--schemas 8]``)."""
     raw = os.environ.get("OMNI_ASYNC_GRAMMAR_THREADS", "").strip().lower()
     way, _, count = raw.rpartition(":")
@@ -114,7 +114,7 @@ def compute_slice(handles: list[Any], masks: np.ndarray, ok: np.ndarray, first: 
     next positions without the library (:meth:`.grammar.GrammarMatcher.accept`). Why: 72%
     of a JSON schema's positions admit one token, most of them inside runs of several
     (``{"``, ``name``, ``":``), and a mask at a new parser state costs the library ~20-40
-    us (bench/probes/mask_cost.py); one forced-token query covers the whole run."""
+    us (7166a36:bench/probes/mask_cost.py); one forced-token query covers the whole run."""
     stride = masks.shape[1] * 4
     base = masks.ctypes.data
     bits = masks.view(np.uint32)

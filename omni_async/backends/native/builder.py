@@ -4,7 +4,6 @@ core assembled (:mod:`.stack`), and the scheduler around them."""
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import Any
 
@@ -19,10 +18,10 @@ from ...runners.native import NativeModelRunner
 from ...scheduler import AsyncOmniScheduler
 from ...stage.executor import make_step_executor
 from ..base import BuiltStage
-from ...core.cpu_choices import default_quantization, load_dtype, wants_cpu_kernels
+from ...core.cpu_choices import plan_load
 from ...core.plan import StagePlan, plan_stage
 from ...logs import log
-from .facts import checkpoint_facts, device_facts
+from .facts import entry_facts, loaded_facts
 from .kv_sizing import kv_cache
 from .release import device_state_of, release_stage_memory
 from .stack import NativeStack, assemble_stack, build_off_this_thread, load_cpu_kernels, runner_options
@@ -39,42 +38,40 @@ def build_native_stack(
     capture_hidden: bool = False,
     conditioning_size: int | None = None,
 ) -> NativeStack:
-    """The model loaded and everything around it, as :func:`plan_stage` decides from
-    ``config`` and the facts read here. ``capture_hidden``: each sampled row's hidden
-    state goes out with its step (a downstream stage reads it). ``conditioning_size``:
+    """The model loaded and everything around it, as the plan decides from ``config`` and
+    the facts read once at its entry (:func:`.facts.entry_facts`): the load's decisions
+    first (:func:`plan_load`), then, with what loading decided (:func:`.facts.loaded_facts`),
+    the rest (:func:`plan_stage`), handed down to each part's constructor.
+    ``capture_hidden``: each sampled row's hidden state goes out with its step (a
+    downstream stage reads it). ``conditioning_size``:
     the stage takes per-position conditioning rows of that size (a talker fed by a
     thinker's hidden states) through ``thinker_to_talker_proj``
     (:mod:`omni_async.models.conditioning`), attached before CUDA graphs are captured."""
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    before = checkpoint_facts(path_or_name)
-    probe = before.gguf and dtype is None and config.quantization is None and device.type == "cpu"
-    quantization = default_quantization(config, device_facts(device, probe_kernels=probe), before, dtype)
-    if quantization != config.quantization:
-        config = dataclasses.replace(config, quantization=quantization)
-    load_as = load_dtype(config, device_facts(device), before, dtype)
-    requested = None if load_as is None else resolve_dtype(load_as, "float32", device)
-    check_quantization(config.quantization, device, requested, config.tensor_parallel_size)
+    machine, stored = entry_facts(path_or_name, device, config, dtype)
+    load = plan_load(config, machine, stored, dtype)
+    requested = None if load.dtype is None else resolve_dtype(load.dtype, "float32", device)
+    check_quantization(load.config.quantization, device, requested, config.tensor_parallel_size)
     if config.tensor_parallel_size > 1:
         if conditioning_size is not None:
             raise ConfigError("a conditioned stage (conditioning_size) runs on one device; set tensor_parallel_size=1")
         from .parallel.launch import build_parallel_stack
 
-        return build_parallel_stack(path_or_name, config, device=device, dtype=load_as, asked_dtype=dtype, seed=seed)
+        return build_parallel_stack(path_or_name, load, machine, stored, device=device, asked_dtype=dtype, seed=seed)
 
     def build() -> NativeStack:
-        loaded = load_model(path_or_name, dtype=load_as, device=device, seed=seed)
-        quantize_linears(loaded.model, config.quantization)
+        loaded = load_model(path_or_name, dtype=load.dtype, device=device, seed=seed)
+        quantize_linears(loaded.model, load.config.quantization)
         if conditioning_size is not None:
             attach_projection(loaded, conditioning_size, seed=seed)
-        probe = wants_cpu_kernels(config, device.type, load_as)
-        plan = plan_stage(config, device_facts(device, probe_kernels=probe), checkpoint_facts(path_or_name, loaded), dtype=dtype)
+        plan = plan_stage(load.config, *loaded_facts(machine, stored, device, loaded), dtype=dtype, load=load)
         log_plan(plan)
         load_cpu_kernels(plan)
         runner = NativeModelRunner(
             loaded.model, kv_cache(loaded, plan.page_size, device, plan.kv_pages), device, seed=seed,
-            capture_hidden=capture_hidden, **runner_options(plan, config.fused_kernels),
+            capture_hidden=capture_hidden, **runner_options(plan, plan.config.fused_kernels),
         )
         return assemble_stack(loaded, plan, device, runner)
 

@@ -1,9 +1,15 @@
 """The facts a native stage's plan is made from (:mod:`omni_async.core.plan`), read from
-the machine, the device and the loaded checkpoint. Reading is all this module does; the
-decisions are the plan's."""
+the machine, the device and the checkpoint. Reading is all this module does; the
+decisions are the plan's.
+
+Each fact is read once: :func:`entry_facts` at the plan's entry (the machine, the CPU,
+whether the C++ kernels build when a decision could turn on it, the checkpoint's
+storage), then :func:`loaded_facts` adds what loading the weights decides (the memory
+they leave, the loaded model's shape) to those, without reading the rest again."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -13,7 +19,9 @@ from typing import Any
 
 import torch
 
-from ...core.plan import CheckpointFacts, DeviceFacts
+from ...config import SchedulerConfig
+from ...core.cpu_choices import kernels_may_matter
+from ...core.facts import CheckpointFacts, DeviceFacts
 from ...errors import ConfigError
 from ...kernels import triton_available
 from ...logs import log
@@ -97,10 +105,11 @@ def available_memory_bytes() -> int | None:
         return None
 
 
-def device_facts(device: torch.device, *, probe_kernels: bool = False) -> DeviceFacts:
-    """The device as it is now (read after the weights are loaded: the KV gets what they
-    leave). ``probe_kernels``: build the C++ CPU kernels to learn whether they build
-    (seconds the first time; only when the plan would use them)."""
+def device_facts(device: torch.device) -> DeviceFacts:
+    """The device as it is now; whether the C++ CPU kernels build is left False
+    (:func:`entry_facts` learns it when a decision could turn on it: seconds the first
+    time), and the free memory is read again once the weights are loaded
+    (:func:`loaded_facts`: the KV gets what they leave)."""
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         return DeviceFacts(
@@ -112,22 +121,22 @@ def device_facts(device: torch.device, *, probe_kernels: bool = False) -> Device
         total_bytes=device_total_bytes(device),
         free_bytes=available_memory_bytes(),
         native_bf16=cpu_has_native_bf16(),
-        cpu_kernels_build=kernels_build() if probe_kernels else False,
         graph_buckets=DEFAULT_BUCKETS,
     )
 
 
 def checkpoint_facts(path_or_name: Any, loaded: LoadedModel | None = None) -> CheckpointFacts:
-    """The checkpoint's facts: before loading its storage precision only; with the loaded
-    model its shape (the local shard's under tensor parallelism) and weights too."""
-    reduced = stored_in_reduced_precision(path_or_name)
-    gguf = is_gguf_source(path_or_name)
-    if loaded is None:
-        return CheckpointFacts(reduced_precision=reduced, gguf=gguf)
+    """The checkpoint's facts: before loading its storage only; with the loaded model its
+    shape (the local shard's under tensor parallelism) and weights too."""
+    stored = CheckpointFacts(reduced_precision=stored_in_reduced_precision(path_or_name), gguf=is_gguf_source(path_or_name))
+    return stored if loaded is None else with_shape(stored, loaded)
+
+
+def with_shape(checkpoint: CheckpointFacts, loaded: LoadedModel) -> CheckpointFacts:
+    """``checkpoint`` with the loaded model's shape, dtype and weight bytes."""
     cfg = loaded.model.config
-    return CheckpointFacts(
-        reduced_precision=reduced,
-        gguf=gguf,
+    return dataclasses.replace(
+        checkpoint,
         num_layers=cfg.num_layers,
         num_kv_heads=cfg.num_kv_heads,
         head_dim=cfg.head_dim,
@@ -138,3 +147,27 @@ def checkpoint_facts(path_or_name: Any, loaded: LoadedModel | None = None) -> Ch
         dtype=str(next(loaded.model.parameters()).dtype).replace("torch.", ""),
         weights_bytes=model_bytes(loaded.model),
     )
+
+
+def entry_facts(path_or_name: Any, device: torch.device, config: SchedulerConfig, dtype: Any = None
+                ) -> tuple[DeviceFacts, CheckpointFacts]:
+    """The facts the plan starts from, each read once: the device and the CPU, the C++
+    kernels' build only when a decision could turn on it (:func:`kernels_may_matter`),
+    and the checkpoint's storage."""
+    checkpoint = checkpoint_facts(path_or_name)
+    machine = device_facts(device)
+    if kernels_may_matter(config, machine, checkpoint, dtype):
+        machine = dataclasses.replace(machine, cpu_kernels_build=kernels_build())
+    return machine, checkpoint
+
+
+def loaded_facts(machine: DeviceFacts, checkpoint: CheckpointFacts, device: torch.device, loaded: LoadedModel
+                 ) -> tuple[DeviceFacts, CheckpointFacts]:
+    """The entry facts with what loading decided: the memory the weights left free (the
+    KV gets it) and the loaded model's shape (the local shard's under tensor
+    parallelism)."""
+    if device.type == "cuda":
+        free: int | None = int(torch.cuda.mem_get_info(device)[0])
+    else:
+        free = available_memory_bytes()
+    return dataclasses.replace(machine, free_bytes=free), with_shape(checkpoint, loaded)

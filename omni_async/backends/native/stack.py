@@ -75,7 +75,8 @@ def load_cpu_kernels(plan: StagePlan) -> None:
 
 
 def runner_options(plan: StagePlan, fused_kernels: bool) -> dict[str, Any]:
-    """The runner's constructor options the plan decides."""
+    """The runner's constructor options the plan decides (``fused_kernels``: the plan's
+    ``config.fused_kernels``)."""
     return dict(
         fused_kernels=fused_kernels,
         cpu_attention_kernel=plan.cpu_attention_kernel,
@@ -99,11 +100,12 @@ def assemble_stack(
         eos_token_ids=cfg.eos_token_ids,
         grammar_compiler=GrammarCompiler(loaded.tokenizer, cfg.vocab_size) if loaded.tokenizer is not None else None,
         hidden_size=cfg.hidden_size if tensor_parallel is None else None,  # other ranks get no embeddings
+        embeds_dtype=loaded.model.model.embed_tokens.weight.dtype,
     )
     if plan.own_stream:
         runner.use_own_stream(device)
     if plan.graph_max_len is not None:
         runner.enable_cuda_graphs(scratch_page=plan.kv_pages, max_len=plan.graph_max_len, max_batch=plan.graph_max_batch)
     core = NativeBatchCore(plan.config, allocator, plan.context_length, decode_steps=plan.decode_steps, multi_step_allowed=runner.multi_step_allowed,
-                           mixed_allowed=runner.mixed_prefill_allowed)
+                           mixed_allowed=runner.mixed_prefill_allowed, hidden_for_all=runner.capture_hidden)
     return NativeStack(loaded, runner.kv, allocator, runner, core, limits, device, tensor_parallel, plan)

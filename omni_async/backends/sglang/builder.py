@@ -22,7 +22,8 @@ import torch
 from ... import errors
 from ...config import SchedulerConfig
 from ...stage.executor import ThreadStepExecutor
-from ...core.plan import CheckpointFacts, DeviceFacts, StagePlan, plan_stage
+from ...core.facts import CheckpointFacts, DeviceFacts
+from ...core.plan import StagePlan, plan_stage
 from ...models.config import ModelConfig as OmniModelConfig
 from ...scheduler import AsyncOmniScheduler, ModelLimits
 from ..base import BuiltStage

@@ -28,8 +28,10 @@ import torch.distributed as dist
 from ....config import SchedulerConfig
 from ....errors import ConfigError, RankFailedError
 from ....logs import log
+from ....core.cpu_choices import LoadPlan
+from ....core.facts import CheckpointFacts, DeviceFacts
 from ....core.plan import plan_stage
-from ..facts import checkpoint_facts, device_facts
+from ..facts import loaded_facts
 from ..kv_sizing import kv_cache
 from ..stack import assemble_stack, runner_options
 from ....models.config import ModelConfig
@@ -203,11 +205,13 @@ def check_devices(device: torch.device, size: int) -> None:
         raise ConfigError(f"tensor parallelism runs on cuda or cpu, not {device}")
 
 
-def build_parallel_stack(path_or_name: str, config: SchedulerConfig, *, device: torch.device, dtype: Any, seed: int,
-                         asked_dtype: Any = None) -> Any:
+def build_parallel_stack(path_or_name: str, load: LoadPlan, machine: DeviceFacts, stored: CheckpointFacts, *,
+                         device: torch.device, seed: int, asked_dtype: Any = None) -> Any:
     """The native stack on rank 0 with the workers started; every rank has loaded its
-    shard and allocated the same number of KV pages when this returns. ``dtype``: the
-    planned load dtype; ``asked_dtype``: the caller's (what the plan reports)."""
+    shard and allocated the same number of KV pages when this returns. ``load``: the
+    plan's decisions before loading; ``machine`` and ``stored``: the facts read at the
+    plan's entry; ``asked_dtype``: the caller's dtype (what the plan reports)."""
+    config, dtype = load.config, load.dtype
     size = config.tensor_parallel_size
     check_devices(device, size)
     cfg = peek_config(str(path_or_name))
@@ -218,10 +222,11 @@ def build_parallel_stack(path_or_name: str, config: SchedulerConfig, *, device: 
     try:
         spec = group.start(str(path_or_name), config, dtype, seed)
         loaded, group.shard, num_pages = load_rank(spec, group.comm)
-        plan = plan_stage(config, device_facts(device), checkpoint_facts(path_or_name, loaded), dtype=asked_dtype, agreed_kv_pages=num_pages)
+        plan = plan_stage(config, *loaded_facts(machine, stored, device, loaded), dtype=asked_dtype, agreed_kv_pages=num_pages,
+                          load=load)
         runner = TensorParallelRunner(
             loaded.model, kv_cache(loaded, plan.page_size, device, num_pages), device, group=group, seed=seed,
-            **runner_options(plan, config.fused_kernels),
+            **runner_options(plan, plan.config.fused_kernels),
         )
         return assemble_stack(loaded, plan, device, runner, tensor_parallel=group)
     except BaseException:

@@ -1,0 +1,307 @@
+"""Speech serving as omni servers are measured: TTFP, RTF, audio-s/s, playback gaps.
+
+Closed loop: C clients, each sending the next sentence (bench/data/tts_sentences.txt, 200
+English sentences of 7-40 words) as soon as its last one has fully arrived; a level's
+warm-up requests are excluded. Random weights never stop on the codec EOS reliably, so
+every request speaks a fixed number of frames from its text: 12.5 frames a second of
+speech at 2.5 words a second (5 frames a word), ``ignore_eos``. Sampling is the
+checkpoint's default (temperature 0.9, top-k 50, repetition penalty 1.05; the predictor
+the same).
+
+Per request: TTFP (submit to the first audio chunk at the client), RTF (last chunk's
+arrival minus submit, over the audio's length), and a player that plays each chunk in real
+time from the first chunk's arrival and records the stream's worst silent gap (a chunk
+arriving after the audio before it ran out). C50 / C100 / C200: share of streams whose
+worst gap is at most 50 / 100 / 200 ms. Per level: audio-s/s, requests/s, GPU busy
+(NVML, sampled every 10 ms), the process's peak GPU memory (NVML's figure for this
+process: context, weights, KV, graphs and the allocator's pool).
+
+Arms: ``inprocess`` (SpeechPipeline.stream in this event loop) and ``http`` (the same
+model behind ``omni-async serve`` in this process, a client streaming raw PCM from
+``POST /v1/audio/speech``). Results print as a table and go to --out (JSON).
+
+    python bench/tts_serving.py --model tts-1.7b --device cuda --streams 1,4,16,64
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+FRAMES_PER_WORD = 5  # 12.5 frames/s at 2.5 words/s
+FRAME_S = 0.08
+
+
+def sentences() -> list[str]:
+    return [s for s in (ROOT / "bench/data/tts_sentences.txt").read_text().splitlines() if s.strip()]
+
+
+def frames_for(text: str) -> int:
+    return FRAMES_PER_WORD * len(text.split())
+
+
+def worst_gap(arrivals: list[tuple[float, float]]) -> float:
+    """Playback from the first arrival: ``arrivals`` = (time, seconds of audio)."""
+    if not arrivals:
+        return float("inf")
+    play_end, worst = arrivals[0][0], 0.0
+    for t, dur in arrivals:
+        if t > play_end:
+            worst = max(worst, t - play_end)
+            play_end = t
+        play_end += dur
+    return worst
+
+
+class GpuSampler:
+    """NVML utilisation every 10 ms, and this process's peak GPU memory."""
+
+    def __init__(self) -> None:
+        self.samples: list[int] = []
+        self.peak_bytes = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            self.nvml = pynvml
+            self.handle = pynvml.nvmlDeviceGetHandleByIndex(int(os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0] or 0))
+        except Exception:
+            self.nvml = None
+
+    def _run(self) -> None:
+        pid = os.getpid()
+        while not self._stop.is_set():
+            try:
+                self.samples.append(self.nvml.nvmlDeviceGetUtilizationRates(self.handle).gpu)
+                for p in self.nvml.nvmlDeviceGetComputeRunningProcesses(self.handle):
+                    if p.pid == pid and p.usedGpuMemory:
+                        self.peak_bytes = max(self.peak_bytes, int(p.usedGpuMemory))
+            except Exception:
+                pass
+            time.sleep(0.01)
+
+    def __enter__(self) -> "GpuSampler":
+        self.samples.clear()
+        if self.nvml is not None:
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._run, daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def busy(self) -> float | None:
+        return round(float(np.mean(self.samples)), 1) if self.samples else None
+
+
+async def one_inprocess(tts, text: str, frames: int, seed: int) -> dict:
+    from omni_async.speech import SpeechParams
+
+    t0 = time.perf_counter()
+    arrivals, audio = [], 0.0
+    async for chunk in tts.stream(text, voice="ryan", language="English",
+                                  params=SpeechParams(max_frames=frames, ignore_eos=True, seed=seed)):
+        now = time.perf_counter()
+        if len(chunk.audio):
+            arrivals.append((now, chunk.seconds))
+            audio += chunk.seconds
+    return {"t0": t0, "arrivals": arrivals, "audio_s": audio, "end": time.perf_counter()}
+
+
+async def one_http(client, url: str, text: str, frames: int, seed: int, rate: int) -> dict:
+    body = {"model": "tts", "input": text, "voice": "ryan", "language": "English", "response_format": "pcm",
+            "stream_format": "audio", "max_frames": frames, "ignore_eos": True, "seed": seed}
+    t0 = time.perf_counter()
+    arrivals, audio = [], 0.0
+    async with client.stream("POST", url, json=body, timeout=600) as resp:
+        resp.raise_for_status()
+        async for data in resp.aiter_raw():
+            if data:
+                sec = len(data) / 2 / rate
+                arrivals.append((time.perf_counter(), sec))
+                audio += sec
+    return {"t0": t0, "arrivals": arrivals, "audio_s": audio, "end": time.perf_counter()}
+
+
+def summarise(done: list[dict], wall: float) -> dict:
+    ttfp = np.array([r["arrivals"][0][0] - r["t0"] for r in done if r["arrivals"]]) * 1000
+    rtf = np.array([(r["end"] - r["t0"]) / r["audio_s"] for r in done if r["audio_s"]])
+    gaps = np.array([worst_gap(r["arrivals"]) * 1000 for r in done])
+    audio = sum(r["audio_s"] for r in done)
+    pct = lambda a, q: round(float(np.percentile(a, q)), 2) if len(a) else None  # noqa: E731
+    return {
+        "requests": len(done), "wall_s": round(wall, 3), "audio_s": round(audio, 2),
+        "audio_s_per_s": round(audio / wall, 2), "requests_per_s": round(len(done) / wall, 3),
+        "ttfp_ms_p50": pct(ttfp, 50), "ttfp_ms_p99": pct(ttfp, 99), "rtf_p50": pct(rtf, 50), "rtf_p99": pct(rtf, 99),
+        "worst_gap_ms_p50": pct(gaps, 50), "worst_gap_ms_p95": pct(gaps, 95),
+        "C50": round(float((gaps <= 50).mean()), 4), "C100": round(float((gaps <= 100).mean()), 4),
+        "C200": round(float((gaps <= 200).mean()), 4),
+    }
+
+
+async def level(send, streams: int, requests: int, warmup: int, texts: list[str], offset: int) -> tuple[dict, float]:
+    """``streams`` closed-loop clients until ``warmup + requests`` requests are done; the
+    first ``warmup`` to finish are left out, and the clock starts when they are done."""
+    queue = list(range(warmup + requests))
+    done: list[dict] = []
+    started = {"t": None}
+
+    async def client() -> None:
+        while queue:
+            i = queue.pop(0)
+            text = texts[(offset + i) % len(texts)]
+            r = await send(text, frames_for(text), offset + i)
+            r["index"] = i
+            done.append(r)
+            if len(done) == warmup:
+                started["t"] = time.perf_counter()
+
+    t_all = time.perf_counter()
+    await asyncio.gather(*(client() for _ in range(streams)))
+    measured = [r for r in done[warmup:]]
+    start = started["t"] or t_all
+    # Requests that began before the clock started count only for the audio they produced after it.
+    wall = time.perf_counter() - start
+    return summarise(measured, wall), wall
+
+
+def machine() -> dict:
+    import torch
+
+    info = {"python": platform.python_version(), "torch": torch.__version__, "host": platform.node(),
+            "cpus": os.cpu_count()}
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+    try:
+        info["commit"] = subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True).strip()
+    except Exception:
+        info["commit"] = os.environ.get("OMNI_COMMIT", "unknown")
+    return info
+
+
+async def run(args) -> dict:
+    import torch
+
+    from omni_async.speech import SpeechPipeline
+
+    texts = sentences()
+    sampler = GpuSampler()
+    out: dict = {"machine": machine(), "args": vars(args), "levels": {}}
+    t0 = time.perf_counter()
+    tts = SpeechPipeline.from_pretrained(args.model, device=args.device, loop=args.loop, dtype=args.dtype)
+    out["load_s"] = round(time.perf_counter() - t0, 2)
+    async with tts:
+        offset = 0
+        if "inprocess" in args.arms:
+            async def send(text, frames, seed):
+                return await one_inprocess(tts, text, frames, seed)
+
+            for c in args.streams:
+                n = max(args.min_requests, args.requests_per_stream * c)
+                with sampler:
+                    res, _ = await level(send, c, n, args.warmup or c, texts, offset)
+                offset += n + c
+                res["gpu_busy_pct"] = sampler.busy()
+                res["peak_gpu_mem_gib"] = round(sampler.peak_bytes / 2**30, 3) if sampler.peak_bytes else None
+                if torch.cuda.is_available():
+                    res["torch_max_reserved_gib"] = round(torch.cuda.max_memory_reserved() / 2**30, 3)
+                out["levels"][f"inprocess/{c}"] = res
+                print(f"inprocess C={c}", json.dumps(res), flush=True)
+        if "http" in args.arms:
+            out["levels"].update(await run_http(tts, args, texts, offset, sampler))
+        out["stage_info"] = {k: v for k, v in tts.info().get("speech", {}).items()}
+    return out
+
+
+async def run_http(tts, args, texts, offset, sampler) -> dict:
+    import httpx
+    import uvicorn
+
+    from omni_async.server.speech import create_speech_app
+
+    app = create_speech_app(tts, model_name="tts", close_engine=False)
+    port = args.port
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", loop="none"))
+    task = asyncio.create_task(server.serve())
+    while not server.started:
+        await asyncio.sleep(0.05)
+    results = {}
+    url = f"http://127.0.0.1:{port}/v1/audio/speech"
+    try:
+        limits = httpx.Limits(max_connections=max(args.streams) + 8, max_keepalive_connections=max(args.streams) + 8)
+        async with httpx.AsyncClient(limits=limits) as client:
+            async def send(text, frames, seed):
+                return await one_http(client, url, text, frames, seed, tts.sample_rate)
+
+            for c in args.streams:
+                n = max(args.min_requests, args.requests_per_stream * c)
+                with sampler:
+                    res, _ = await level(send, c, n, args.warmup or c, texts, offset)
+                offset += n + c
+                res["gpu_busy_pct"] = sampler.busy()
+                results[f"http/{c}"] = res
+                print(f"http C={c}", json.dumps(res), flush=True)
+    finally:
+        server.should_exit = True
+        await task
+    return results
+
+
+def table(out: dict) -> str:
+    cols = ["audio_s_per_s", "requests_per_s", "ttfp_ms_p50", "ttfp_ms_p99", "rtf_p50", "rtf_p99", "C50", "C100", "C200",
+            "gpu_busy_pct", "peak_gpu_mem_gib"]
+    lines = ["| arm/streams | " + " | ".join(cols) + " |", "|" + "---|" * (len(cols) + 1)]
+    for name, res in out["levels"].items():
+        lines.append(f"| {name} | " + " | ".join(str(res.get(c)) for c in cols) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="tts-tiny")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default=None)
+    ap.add_argument("--loop", default="overlap")
+    ap.add_argument("--streams", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 16, 64])
+    ap.add_argument("--requests-per-stream", type=int, default=2)
+    ap.add_argument("--min-requests", type=int, default=8)
+    ap.add_argument("--warmup", type=int, default=0, help="requests left out per level (default: one per stream)")
+    ap.add_argument("--arms", default="inprocess,http")
+    ap.add_argument("--port", type=int, default=8790)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    args.arms = args.arms.split(",")
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        pass
+    out = asyncio.run(run(args))
+    print(table(out))
+    path = Path(args.out) if args.out else ROOT / "bench/results" / f"tts_serving_{args.model}_{args.device}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=1))
+    print("saved", path)
+
+
+if __name__ == "__main__":
+    main()

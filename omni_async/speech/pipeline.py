@@ -1,0 +1,211 @@
+"""Text in, speech out: the talker stage (frames) and the codec stage (PCM) in one event
+loop, with the API of ``omni_async.speech``."""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import uuid
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
+
+import anyio
+import numpy as np
+import torch
+
+from .. import errors
+from .codec import CodecDecoder
+from .codec_config import CodecConfig
+from .codec_stage import AudioChunk, CodecStage, CodecStream
+from .config import FRAME_RATE
+from .params import SpeechParams
+from .prompt import prefill_rows, resolve_voice
+from .stage import SpeechStage, build_speech_stage, builtin_name
+
+__all__ = ["SpeechPipeline", "SpeechResult", "AudioChunk", "SpeechParams"]
+
+
+@dataclass
+class SpeechResult:
+    """One utterance: ``codes`` ``[frames, 16]`` (codebook 0 first, on the CPU), ``audio``
+    float32 PCM at ``sample_rate``, ``finish_reason`` "stop" (the codec EOS) or
+    "length" (``max_frames``)."""
+
+    request_id: str
+    codes: torch.Tensor
+    audio: np.ndarray
+    sample_rate: int
+    finish_reason: str | None
+
+    @property
+    def seconds(self) -> float:
+        return len(self.audio) / self.sample_rate
+
+
+class SpeechPipeline:
+    """Use ``async with``; ``synthesize`` for a whole utterance, ``stream`` for its
+    chunks as they are decoded."""
+
+    def __init__(self, stage: SpeechStage, codec: CodecDecoder, *, first_chunk_frames: int = 2, max_chunk_frames: int = 16) -> None:
+        self.stage = stage
+        self.engine = stage.engine
+        self.model = stage.model
+        self.config = stage.model.config
+        self.codec = CodecStage(codec, stage.runner.device, first_chunk_frames=first_chunk_frames, max_chunk_frames=max_chunk_frames)
+        self.sample_rate = codec.sample_rate
+        self._tg: Any = None
+        self._ids = itertools.count()
+
+    @classmethod
+    def from_pretrained(cls, path_or_name: str, *, device: str = "cpu", loop: str = "overlap", dtype: Any = None, seed: int = 0,
+                        first_chunk_frames: int = 2, max_chunk_frames: int = 16, **limits: Any) -> "SpeechPipeline":
+        """A Qwen3-TTS 12 Hz checkpoint folder (the ``qwen-tts`` layout), or a built-in
+        random-weight model: ``"tiny"`` (tests, the CPU demo), ``"0.6b"``, ``"1.7b"``
+        (the released sizes' shapes, for speed runs). ``limits``: SchedulerConfig fields."""
+        stage = build_speech_stage(path_or_name, device=device, loop=loop, dtype=dtype, seed=seed, **limits)
+        dev, dt = stage.runner.device, stage.model.dtype
+        if stage.folder is not None:
+            codec = CodecDecoder.from_folder(stage.folder / "speech_tokenizer", device=dev, dtype=torch.float32 if dev.type == "cpu" else dt)
+        else:
+            codec = CodecDecoder.random(_codec_config(builtin_name(path_or_name) or ""), device=dev, dtype=torch.float32 if dev.type == "cpu" else dt,
+                                        seed=seed)
+        return cls(stage, codec, first_chunk_frames=first_chunk_frames, max_chunk_frames=max_chunk_frames)
+
+    @classmethod
+    async def load(cls, path_or_name: str, **kwargs: Any) -> "SpeechPipeline":
+        """``from_pretrained`` in a worker thread (the event loop keeps serving)."""
+        return await anyio.to_thread.run_sync(functools.partial(cls.from_pretrained, path_or_name, **kwargs))
+
+    # ------------------------------------------------------------ lifecycle
+
+    async def __aenter__(self) -> "SpeechPipeline":
+        await self.engine.__aenter__()
+        self._tg = anyio.create_task_group()
+        await self._tg.__aenter__()
+        self._tg.start_soon(self.codec.run)
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        tg, self._tg = self._tg, None
+        if tg is not None:
+            tg.cancel_scope.cancel()
+            await tg.__aexit__(None, None, None)
+        await self.engine.__aexit__(*exc)
+
+    async def aclose(self) -> None:
+        await self.__aexit__(None, None, None)
+
+    # ------------------------------------------------------------ what it knows
+
+    def voices(self) -> list[str]:
+        return sorted(self.config.speakers)
+
+    def languages(self) -> list[str]:
+        return ["auto", *sorted(self.config.languages)]
+
+    def info(self) -> dict[str, Any]:
+        """The talker stage's info (loop, steps, KV pages, ...) and the speech side's."""
+        return {**self.engine.scheduler.info(), "speech": {"model_size": self.config.model_size, "voices": self.voices(), "sample_rate": self.sample_rate,
+                                   "frame_rate": FRAME_RATE, "codec_calls": self.codec.calls,
+                                   "codec_frames": self.codec.frames_decoded, "codec_streams": self.codec.active()}}
+
+    async def decode(self, codes: torch.Tensor) -> np.ndarray:
+        """PCM of ``codes`` ``[frames, 16]`` decoded in one call (the codec's one-shot
+        decode, which streamed chunks reproduce exactly), off the event loop."""
+        codes = torch.as_tensor(codes, dtype=torch.long)
+        if codes.ndim != 2 or codes.shape[1] != self.config.num_code_groups:
+            raise errors.InvalidRequestError(f"codes must be [frames, {self.config.num_code_groups}], got {tuple(codes.shape)}")
+        decoder = self.codec.decoder
+
+        def run() -> np.ndarray:
+            with torch.inference_mode():
+                return decoder.decode(codes[None].to(decoder.device))[0].float().cpu().numpy()
+
+        return await anyio.to_thread.run_sync(run)
+
+    # ------------------------------------------------------------ requests
+
+    def _prompt(self, text: Any, voice: str | None, language: str | None, params: SpeechParams) -> tuple[torch.Tensor, Any, dict]:
+        if not isinstance(text, str):
+            raise errors.InvalidRequestError(f"text must be a string, got {type(text).__name__}")
+        if not text.strip():
+            raise errors.InvalidRequestError("the text is empty: there is nothing to speak")
+        if voice is None and self.config.speakers and self.config.model_type == "custom_voice":
+            raise errors.InvalidRequestError(f"a voice is needed; this model has: {', '.join(self.voices())}")
+        rows = prefill_rows(self.model, self.stage.tokenizer.template_ids(text), resolve_voice(self.config, voice, language))
+        context = self.engine.scheduler.limits.context_length
+        room = min(context - rows.shape[0] - 1, self.config.defaults.max_new_tokens - 1)
+        if room < 1:
+            raise errors.InvalidRequestError(
+                f"the text is too long: its prompt takes {rows.shape[0]} of the talker's {context} positions, leaving no room to speak")
+        if params.max_frames is not None and params.max_frames > room:
+            raise errors.InvalidRequestError(
+                f"max_frames={params.max_frames} does not fit: the prompt takes {rows.shape[0]} of {context} positions "
+                f"({room} frames are left)")
+        sampling, metadata = params.resolve(self.config, room)
+        return rows, sampling, metadata
+
+    async def stream(self, text: str, voice: str | None = None, language: str | None = None, *,
+                     params: SpeechParams | dict[str, Any] | None = None, request_id: str | None = None) -> AsyncIterator[AudioChunk]:
+        """The utterance's audio chunk by chunk; the last has ``finished``. Leaving the
+        loop early (or cancelling) aborts the talker's request and drops the codec's state."""
+        if self._tg is None:
+            raise errors.SchedulerClosedError("the speech pipeline is not running: use `async with`")
+        params = SpeechParams.of(params)
+        rows, sampling, metadata = self._prompt(text, voice, language, params)
+        rid = request_id or f"speech-{uuid.uuid4().hex[:12]}-{next(self._ids)}"
+        handle = await self.engine.submit(input_embeds=rows, sampling=sampling, metadata=metadata, request_id=rid)
+        stream = self.codec.open(rid)
+        self._tg.start_soon(self._feed, handle, stream)
+        done = False
+        try:
+            async with stream.receive:
+                async for chunk in stream.receive:
+                    done = chunk.finished
+                    yield chunk
+            if not done:  # the talker's request failed: its error, typed
+                await handle.result()
+                raise errors.RequestAbortedError(f"speech request {rid!r} ended without its last chunk")
+        finally:
+            if not done:
+                with anyio.CancelScope(shield=True):
+                    await self.engine.abort(rid)
+            self.codec.close(stream)
+
+    async def _feed(self, handle: Any, stream: CodecStream) -> None:
+        """The talker's frames into the codec stage, as deltas arrive. The request's first
+        row is its prefill's (no frame yet)."""
+        skip = 1
+        reason = None
+        try:
+            async for delta in handle:
+                rows = delta.hidden_states
+                if rows is not None and rows.shape[0] > skip:
+                    self.codec.push(stream, rows[skip:])
+                    skip = 0
+                elif rows is not None:
+                    skip -= rows.shape[0]
+                if delta.finished:
+                    reason = delta.finish_reason
+        except Exception:  # the request failed or was aborted: its reader sees the error
+            self.codec.close(stream)
+            return
+        self.codec.end(stream, reason)
+
+    async def synthesize(self, text: str, voice: str | None = None, language: str | None = None, *,
+                         params: SpeechParams | dict[str, Any] | None = None, request_id: str | None = None) -> SpeechResult:
+        """The whole utterance."""
+        audio, codes, reason, rid = [], [], None, request_id
+        async for chunk in self.stream(text, voice, language, params=params, request_id=request_id):
+            audio.append(chunk.audio)
+            codes.append(chunk.codes)
+            reason, rid = chunk.finish_reason, chunk.request_id
+        pcm = np.concatenate(audio) if audio else np.zeros(0, dtype=np.float32)
+        all_codes = torch.cat(codes) if codes else torch.zeros((0, self.config.num_code_groups), dtype=torch.long)
+        return SpeechResult(rid or "", all_codes, pcm, self.sample_rate, reason)
+
+
+def _codec_config(name: str) -> CodecConfig:
+    """The codec of a built-in model: the released decoder's shapes for a released size,
+    a small one (the shapes of the test checkpoint's decoder) for ``tiny``."""
+    return CodecConfig.tiny() if name == "tiny" else CodecConfig.qwen3_tts_12hz()

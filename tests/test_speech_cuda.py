@@ -1,0 +1,51 @@
+"""The speech pipeline on CUDA: graphed frame steps write the codes of eager ones."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from omni_async.speech import SpeechParams, SpeechPipeline
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+TEXTS = ["Hello there.", "A somewhat longer sentence for the talker to speak.", "Short one", "Numbers like 42 and 7.",
+         "Five texts in one batch.", "And a sixth."]
+VOICES = ["ryan", "vivian", "serena", "dylan", "aiden", "eric"]
+
+
+async def _run(graphs: bool, params: SpeechParams, loop: str = "overlap") -> tuple[list[torch.Tensor], dict]:
+    async with SpeechPipeline.from_pretrained("tiny", device="cuda", dtype="float32", loop=loop, cuda_graphs=graphs) as tts:
+        results = await asyncio.gather(*(tts.synthesize(t, voice=v, params=params) for t, v in zip(TEXTS, VOICES)))
+        info = tts.info()
+    return [r.codes for r in results], info
+
+
+@pytest.mark.parametrize("params", [SpeechParams(max_frames=40, temperature=0.0, ignore_eos=True),
+                                    SpeechParams(max_frames=40, temperature=0.9, seed=4, ignore_eos=True)],
+                         ids=["greedy", "seeded"])
+async def test_graphed_frames_write_the_eager_codes(params):
+    graphed, info = await _run(True, params)
+    eager, eager_info = await _run(False, params)
+    assert info["speech_frame_graph_replays"] > 0 and eager_info["speech_frame_graph_replays"] == 0
+    for a, b in zip(graphed, eager):
+        assert a.shape == (40, 16)
+        assert torch.equal(a, b)
+
+
+async def test_the_three_loops_on_cuda():
+    params = SpeechParams(max_frames=24, temperature=0.9, seed=9, ignore_eos=True)
+    base, _ = await _run(True, params, "normal")
+    for loop in ("overlap", "async_decode"):
+        other, _ = await _run(True, params, loop)
+        assert all(torch.equal(a, b) for a, b in zip(base, other)), loop
+
+
+async def test_real_shapes_run_in_bf16_and_stream():
+    async with SpeechPipeline.from_pretrained("0.6b", device="cuda", dtype="bfloat16") as tts:
+        chunks = [c async for c in tts.stream("A real-sized talker on the GPU.", voice="ryan",
+                                             params=SpeechParams(max_frames=30, ignore_eos=True, seed=1))]
+    assert sum(len(c.codes) for c in chunks) == 30 and chunks[-1].finished
+    assert all(c.audio.dtype.name == "float32" for c in chunks)

@@ -1,0 +1,102 @@
+"""Where a speech step's time goes: the talker stage alone (frames/s by batch, no codec),
+the codec alone (ms per decoder call by streams and frames), and a torch.profiler table
+of the talker's steps. A diagnosis tool, not a benchmark (bench/tts_serving.py is).
+
+    python tools/speech_profile.py --model tts-1.7b --device cuda
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from omni_async.speech import SpeechParams, SpeechPipeline  # noqa: E402
+
+
+async def talker_only(tts: SpeechPipeline, batch: int, frames: int) -> dict:
+    """``batch`` requests of ``frames`` frames through the talker stage alone."""
+    params = SpeechParams(max_frames=frames, ignore_eos=True, seed=1)
+    before = tts.info()
+
+    async def one(i: int) -> int:
+        rows, sampling, metadata = tts._prompt(f"Sentence number {i} for the profile.", "ryan", "English", params)
+        n = 0
+        async for delta in tts.engine.stream(input_embeds=rows, sampling=sampling, metadata=metadata):
+            n += len(delta.token_ids)
+        return n
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(one(i) for i in range(batch)))
+    wall = time.perf_counter() - t0
+    after = tts.info()
+    steps = after["decode_steps"] - before["decode_steps"]
+    return {"batch": batch, "frames": frames, "wall_s": round(wall, 3), "ms_per_frame_step": round(1000 * wall / frames, 3),
+            "decode_steps": steps, "graph_replays": after["speech_frame_graph_replays"] - before["speech_frame_graph_replays"],
+            "audio_s_per_s": round(batch * frames * 0.08 / wall, 1)}
+
+
+def codec_calls(tts: SpeechPipeline, device: str) -> list[dict]:
+    dec = tts.codec.decoder
+    out = []
+    for b in (1, 16, 64):
+        for f in (2, 8, 16):
+            states = [dec.new_state() for _ in range(b)]
+            chunks = [torch.randint(0, 2048, (f, 16), device=device) for _ in range(b)]
+            for _ in range(3):
+                dec.decode_streams(chunks, states)
+            if device == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            n = 5
+            for _ in range(n):
+                dec.decode_streams(chunks, states)
+            if device == "cuda":
+                torch.cuda.synchronize()
+            ms = 1000 * (time.perf_counter() - t0) / n
+            out.append({"streams": b, "frames": f, "ms_per_call": round(ms, 3), "audio_s_per_s": round(b * f * 0.08 / (ms / 1000), 1)})
+            print("codec", out[-1], flush=True)
+    return out
+
+
+async def main(args) -> None:
+    tts = SpeechPipeline.from_pretrained(args.model, device=args.device, dtype=args.dtype)
+    res = {"gpu": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "talker": [], "codec": []}
+    async with tts:
+        await talker_only(tts, 2, 8)  # warm-up
+        for b in args.batches:
+            r = await talker_only(tts, b, args.frames)
+            res["talker"].append(r)
+            print("talker", r, flush=True)
+        if args.profile and args.device == "cuda":
+            from torch.profiler import ProfilerActivity, profile
+
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                await talker_only(tts, args.batches[-1], 24)
+            table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
+            print(table)
+            res["profile_table"] = table
+        with torch.inference_mode():
+            res["codec"] = codec_calls(tts, args.device)
+        res["info"] = {k: v for k, v in tts.info().items() if isinstance(v, (int, float, str))}
+    if args.out:
+        Path(args.out).write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="tts-tiny")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default=None)
+    ap.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 16, 64])
+    ap.add_argument("--frames", type=int, default=64)
+    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--out", default=None)
+    asyncio.run(main(ap.parse_args()))
