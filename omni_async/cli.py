@@ -1,5 +1,6 @@
-"""The ``omni-async`` command line: ``demo``, ``generate``, ``serve``, ``serve-ray``,
-``pipeline-demo`` and ``speak`` (``DESCRIPTION`` is what ``--help`` says of them).
+"""The ``omni-async`` command line: ``demo``, ``generate``, ``serve``, ``serve-ray``
+(:mod:`omni_async.serving.ray_command`), ``pipeline-demo`` and ``speak`` (``DESCRIPTION``
+is what ``--help`` says of them).
 
 Arguments are checked before anything loads (``cli_options.preflight``), and every
 failure ends as one line on stderr with exit status 2 (usage) or 1 (runtime).
@@ -14,13 +15,14 @@ import json
 import sys
 import time
 import warnings
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from . import errors
 from .cli_options import (
     DEFAULT_MODEL, CommandParser, add_device_flags, add_model_flags, engine_limits, env_default, parse_bool, port_number, preflight, report, sampling_of,
 )
-from .logs import configure_cli_logging
+from .logs import configure_cli_logging, log
+from .serving.signals import signals_noted
 from .version import __version__
 
 if TYPE_CHECKING:
@@ -30,11 +32,11 @@ DESCRIPTION = (
     "An asyncio-native scheduler for autoregressive model stages. Six commands: demo (several "
     "requests at once, streamed, with tokens/s), generate (one answer), serve (an "
     "OpenAI-compatible HTTP server; needs the serve extra; a speech model is served at "
-    "/v1/audio/speech), serve-ray (replicas of that server on Ray Serve; needs the ray extra), "
-    "pipeline-demo (a thinker streaming into a talker) and speak (one text spoken into a WAV "
-    "file). demo, generate, serve and serve-ray run SmolLM2-135M-Instruct (smollm2) unless "
-    "--model names another; pipeline-demo runs the built-in tiny models, speak the built-in "
-    "tts-tiny (random weights) unless --model names a Qwen3-TTS checkpoint. "
+    "/v1/audio/speech), serve-ray (that server as replicas on Ray Serve; needs the ray "
+    "extra), pipeline-demo (a thinker streaming into a talker) and speak (one text spoken "
+    "into a WAV file). demo, generate, serve and serve-ray run SmolLM2-135M-Instruct "
+    "(smollm2) unless --model names another; pipeline-demo runs the built-in tiny models, "
+    "speak the built-in tts-tiny (random weights) unless --model names a Qwen3-TTS checkpoint. "
     "Run 'omni-async COMMAND --help' for a command's flags."
 )
 GENERATE_KV_TOKENS = 8192  # generate's KV cache unless --kv-capacity-tokens says otherwise
@@ -117,6 +119,7 @@ async def _load(args: argparse.Namespace, defaults: dict | None = None) -> Engin
             await asyncio.sleep(0.1)
 
     ticker = asyncio.create_task(progress()) if tty else None
+    log.info("cli_model_loading", model=args.model)
     try:
         engine = await Engine.load(
             args.model, device=args.device, loop=args.loop, backend=args.backend, dtype=args.dtype, seed=args.engine_seed, **{**(defaults or {}), **engine_limits(args)}
@@ -243,20 +246,40 @@ async def _generate(args: argparse.Namespace) -> int:
 
 
 async def _serve(args: argparse.Namespace) -> int:
-    from .server import serve  # preflight checked the serve extra
-    from .speech.stage import is_speech_checkpoint
+    """Listen first (a port in use fails before the model loads), load, serve until
+    SIGINT/SIGTERM; one line when ready and one when stopped. A speech checkpoint is served
+    by the speech app (POST /v1/audio/speech)."""
+    with signals_noted() as interrupted:  # until serving, a signal is kept for after the load (which runs in a thread)
+        from .server import listening_socket, serve  # preflight checked the serve extra
+        from .speech.stage import is_speech_checkpoint
 
-    if is_speech_checkpoint(args.model):  # the speech app: POST /v1/audio/speech
-        from .speech.speak import load_speech
+        sock = listening_socket(args.host, args.port)
+        try:
+            if is_speech_checkpoint(args.model):
+                from .speech.speak import load_speech
 
-        pipeline = await load_speech(args, **engine_limits(args))
-        await serve(pipeline, host=args.host, port=args.port, log_level=args.log_level, model_name=args.served_model_name, api_key=args.api_key)
+                served = await load_speech(args, **engine_limits(args))
+                app_kw: dict[str, Any] = {}
+            else:
+                served = await _load(args)
+                app_kw = {"chat_template": args.chat_template, "tool_call_parser": args.tool_call_parser,
+                          "generation_config": args.generation_config}
+        except BaseException:
+            sock.close()
+            raise
+    if interrupted.is_set():
+        sock.close()
+        await served.aclose()
+        print("stopped: interrupted while loading", file=sys.stderr, flush=True)
         return 0
-    engine = await _load(args)
-    await serve(
-        engine, host=args.host, port=args.port, log_level=args.log_level, model_name=args.served_model_name, api_key=args.api_key,
-        chat_template=args.chat_template, tool_call_parser=args.tool_call_parser, generation_config=args.generation_config,
+
+    def ready(url: str, model_name: str) -> None:
+        print(f"serving {model_name} at {url}/v1 (Ctrl-C to stop)", file=sys.stderr, flush=True)
+
+    aborted = await serve(
+        served, sock=sock, log_level=args.log_level, on_ready=ready, model_name=args.served_model_name, api_key=args.api_key, **app_kw,
     )
+    print(f"stopped: {aborted} open requests aborted", file=sys.stderr, flush=True)
     return 0
 
 

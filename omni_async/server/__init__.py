@@ -9,6 +9,7 @@ The command line is ``omni-async serve``.
 from __future__ import annotations
 
 from .app import OpenAIServer, create_app, default_model_name
+from ..serving.listen import listening_socket
 from .run import running_server, serve
 
-__all__ = ["OpenAIServer", "create_app", "default_model_name", "running_server", "serve"]
+__all__ = ["OpenAIServer", "create_app", "default_model_name", "listening_socket", "running_server", "serve"]

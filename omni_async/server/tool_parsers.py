@@ -58,12 +58,13 @@ def hermes_system_message(tools: list[dict[str, Any]]) -> str:
 
 
 def with_tools_message(messages: list[Any], tools: list[dict[str, Any]], make: Any) -> list[Any]:
-    """``messages`` with the Hermes tool prompt added to the system message (a new one
-    first when there is none). ``make`` builds a message from a dict."""
+    """``messages`` (TrackedMessage) with the Hermes tool prompt added to the system
+    message (a new one first when there is none). ``make`` builds a message from a dict."""
     prompt = hermes_system_message(tools)
-    if messages and messages[0].get("role") == "system":
-        first = make({**dict.items(messages[0]), "content": f"{messages[0].get('content') or ''}\n\n{prompt}".lstrip()})
-        return [first, *messages[1:]]
+    if messages and dict.get(messages[0], "role") == "system":
+        fields = messages[0].fields()
+        fields["content"] = f"{fields.get('content') or ''}\n\n{prompt}".lstrip()
+        return [messages[0].derived(fields), *messages[1:]]
     return [make({"role": "system", "content": prompt}), *messages]
 
 
