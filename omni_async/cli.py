@@ -1,5 +1,6 @@
-"""The ``omni-async`` command line: ``demo``, ``generate``, ``serve``, ``pipeline-demo``
-and ``speak`` (``DESCRIPTION`` is what ``--help`` says of them).
+"""The ``omni-async`` command line: ``demo``, ``generate``, ``serve``, ``serve-ray``
+(:mod:`omni_async.serving.ray_command`), ``pipeline-demo`` and ``speak`` (``DESCRIPTION``
+is what ``--help`` says of them).
 
 Arguments are checked before anything loads (``cli_options.preflight``), and every
 failure ends as one line on stderr with exit status 2 (usage) or 1 (runtime).
@@ -9,27 +10,33 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import sys
 import time
-from typing import Callable
+import warnings
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from . import errors
 from .cli_options import (
-    DEFAULT_MODEL, add_device_flags, add_model_flags, engine_limits, env_default, parse_bool, port_number, preflight, report, sampling_of,
+    DEFAULT_MODEL, CommandParser, add_device_flags, add_model_flags, engine_limits, env_default, parse_bool, port_number, preflight, report, sampling_of,
 )
-from .engine import Engine
-from .logs import configure_cli_logging
+from .logs import configure_cli_logging, log
+from .serving.signals import signals_noted
 from .version import __version__
 
+if TYPE_CHECKING:
+    from .engine import Engine
+
 DESCRIPTION = (
-    "An asyncio-native scheduler for autoregressive model stages. Commands: demo (several "
+    "An asyncio-native scheduler for autoregressive model stages. Six commands: demo (several "
     "requests at once, streamed, with tokens/s), generate (one answer), serve (an "
     "OpenAI-compatible HTTP server; needs the serve extra; a speech model is served at "
-    "/v1/audio/speech), pipeline-demo (a thinker streaming into a talker) and speak (one text "
-    "spoken into a WAV file). demo, generate and serve run SmolLM2-135M-Instruct (smollm2) "
-    "unless --model names another; pipeline-demo runs the built-in tiny models, speak the "
-    "built-in tts-tiny (random weights) unless --model names a Qwen3-TTS checkpoint. "
+    "/v1/audio/speech), serve-ray (that server as replicas on Ray Serve; needs the ray "
+    "extra), pipeline-demo (a thinker streaming into a talker) and speak (one text spoken "
+    "into a WAV file). demo, generate, serve and serve-ray run SmolLM2-135M-Instruct "
+    "(smollm2) unless --model names another; pipeline-demo runs the built-in tiny models, "
+    "speak the built-in tts-tiny (random weights) unless --model names a Qwen3-TTS checkpoint. "
     "Run 'omni-async COMMAND --help' for a command's flags."
 )
 GENERATE_KV_TOKENS = 8192  # generate's KV cache unless --kv-capacity-tokens says otherwise
@@ -90,7 +97,11 @@ def _add_sampling_args(p: argparse.ArgumentParser, max_new: int) -> None:
 
 async def _load(args: argparse.Namespace, defaults: dict | None = None) -> Engine:
     """Load in a worker thread (Engine.load) while the loop shows that it is working:
-    a live elapsed-time line on a terminal, one line when it is done."""
+    a live elapsed-time line on a terminal, one line when it is done. The engine (and
+    torch) is imported here, not with the module: ``--help`` and usage errors answer
+    without it."""
+    from .engine import Engine
+
     tty = sys.stderr.isatty()
     start = time.perf_counter()
 
@@ -108,6 +119,7 @@ async def _load(args: argparse.Namespace, defaults: dict | None = None) -> Engin
             await asyncio.sleep(0.1)
 
     ticker = asyncio.create_task(progress()) if tty else None
+    log.info("cli_model_loading", model=args.model)
     try:
         engine = await Engine.load(
             args.model, device=args.device, loop=args.loop, backend=args.backend, dtype=args.dtype, seed=args.engine_seed, **{**(defaults or {}), **engine_limits(args)}
@@ -164,7 +176,8 @@ async def _demo(args: argparse.Namespace) -> int:
                 if i < args.show:
                     print(f"[req {i}] +{delta.token_ids} {delta.text!r}" + (" <done>" if delta.finished else ""))
 
-        await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+        with _lengths_refused():
+            await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
         elapsed = time.perf_counter() - start
     if engine.tokenizer is not None:
         print("\nCompleted text:")
@@ -178,6 +191,21 @@ async def _demo(args: argparse.Namespace) -> int:
         f"{total} tokens in {elapsed:.2f} s = {total / elapsed:.1f} tokens/s; {ttft}"
     )
     return 0
+
+
+@contextlib.contextmanager
+def _lengths_refused() -> Iterator[None]:
+    """A ``--max-new-tokens`` the context cannot hold after the prompt is refused, as the
+    server refuses such a ``max_tokens``: the engine would serve it shortened
+    (:class:`~omni_async.errors.LengthLimitWarning`), which a command must not do silently."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", errors.LengthLimitWarning)
+        try:
+            yield
+        except errors.LengthLimitWarning as limit:
+            raise errors.RequestRejectedError(
+                f"--max-new-tokens {limit.asked}: {limit.reason}; lower --max-new-tokens or shorten the prompt"
+            ) from None
 
 
 def _generate_request(args: argparse.Namespace, tokenizer: object) -> dict:
@@ -205,7 +233,8 @@ async def _generate(args: argparse.Namespace) -> int:
     # (zeroing that much is a visible part of a short command's start).
     engine = await _load(args, {"kv_capacity_tokens": GENERATE_KV_TOKENS})
     async with engine:
-        res = await engine.generate(**_generate_request(args, engine.tokenizer), sampling=sampling_of(args))
+        with _lengths_refused():
+            res = await engine.generate(**_generate_request(args, engine.tokenizer), sampling=sampling_of(args))
     if args.details or args.input_ids is not None or res.text is None:
         print(f"output_ids: {res.output_ids}")
         print(f"finish_reason: {res.finish_reason}")
@@ -217,25 +246,45 @@ async def _generate(args: argparse.Namespace) -> int:
 
 
 async def _serve(args: argparse.Namespace) -> int:
-    from .server import serve  # preflight checked the serve extra
-    from .speech.stage import is_speech_checkpoint
+    """Listen first (a port in use fails before the model loads), load, serve until
+    SIGINT/SIGTERM; one line when ready and one when stopped. A speech checkpoint is served
+    by the speech app (POST /v1/audio/speech)."""
+    with signals_noted() as interrupted:  # until serving, a signal is kept for after the load (which runs in a thread)
+        from .server import listening_socket, serve  # preflight checked the serve extra
+        from .speech.stage import is_speech_checkpoint
 
-    if is_speech_checkpoint(args.model):  # the speech app: POST /v1/audio/speech
-        from .speech.speak import load_speech
+        sock = listening_socket(args.host, args.port)
+        try:
+            if is_speech_checkpoint(args.model):
+                from .speech.speak import load_speech
 
-        pipeline = await load_speech(args, **engine_limits(args))
-        await serve(pipeline, host=args.host, port=args.port, log_level=args.log_level, model_name=args.served_model_name, api_key=args.api_key)
+                served = await load_speech(args, **engine_limits(args))
+                app_kw: dict[str, Any] = {}
+            else:
+                served = await _load(args)
+                app_kw = {"chat_template": args.chat_template, "tool_call_parser": args.tool_call_parser,
+                          "generation_config": args.generation_config}
+        except BaseException:
+            sock.close()
+            raise
+    if interrupted.is_set():
+        sock.close()
+        await served.aclose()
+        print("stopped: interrupted while loading", file=sys.stderr, flush=True)
         return 0
-    engine = await _load(args)
-    await serve(
-        engine, host=args.host, port=args.port, log_level=args.log_level, model_name=args.served_model_name, api_key=args.api_key,
-        chat_template=args.chat_template, tool_call_parser=args.tool_call_parser, generation_config=args.generation_config,
+
+    def ready(url: str, model_name: str) -> None:
+        print(f"serving {model_name} at {url}/v1 (Ctrl-C to stop)", file=sys.stderr, flush=True)
+
+    aborted = await serve(
+        served, sock=sock, log_level=args.log_level, on_ready=ready, model_name=args.served_model_name, api_key=args.api_key, **app_kw,
     )
+    print(f"stopped: {aborted} open requests aborted", file=sys.stderr, flush=True)
     return 0
 
 
 def _add_speak_parser(sub: argparse._SubParsersAction, fmt: type[argparse.HelpFormatter]) -> argparse.ArgumentParser:
-    from .speech.speak import DEFAULT_SPEECH_MODEL, MODEL_KINDS
+    from .speech.names import DEFAULT_SPEECH_MODEL, MODEL_KINDS
 
     p = sub.add_parser("speak", help=f"speak one text into a WAV file (a Qwen3-TTS model; built in: {DEFAULT_SPEECH_MODEL})", formatter_class=fmt)
     p.add_argument("--model", default=DEFAULT_SPEECH_MODEL, help=f"the speech model: {MODEL_KINDS}")
@@ -254,7 +303,7 @@ def _add_speak_parser(sub: argparse._SubParsersAction, fmt: type[argparse.HelpFo
 
 def build_parser() -> argparse.ArgumentParser:
     fmt = argparse.ArgumentDefaultsHelpFormatter
-    parser = argparse.ArgumentParser(prog="omni-async", description=DESCRIPTION, formatter_class=fmt)
+    parser = CommandParser(prog="omni-async", description=DESCRIPTION, formatter_class=fmt)
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="stream several concurrent requests and print tokens/s", formatter_class=fmt)
@@ -267,7 +316,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_model_args(gen)
     _add_sampling_args(gen, 64)
-    group = gen.add_mutually_exclusive_group(required=True)
+    # One of the three is required: checked in main() after unknown flags, so that a
+    # misspelt --prompt is reported as misspelt, not as --prompt missing.
+    group = gen.add_mutually_exclusive_group()
     group.add_argument("--prompt", help="a question or instruction: sent as one user turn through the model's chat template (see --raw)")
     group.add_argument("--messages", help='chat turns as JSON, e.g. \'[{"role": "user", "content": "Hi"}]\'')
     group.add_argument("--input-ids", help="comma-separated token ids")
@@ -315,7 +366,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
     if unknown:
-        args.command_parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+        args.command_parser.refuse_unknown(unknown)
+    if args.command == "generate" and args.prompt is None and args.messages is None and args.input_ids is None:
+        args.command_parser.error("one of --prompt, --messages or --input-ids is required")
     if args.command == "pipeline-demo" and args.model is not None:
         args.command_parser.error("pipeline-demo takes its checkpoints from --thinker and --talker, not --model")
     configure_cli_logging(args.log_level)

@@ -56,7 +56,9 @@ FIELD_HELP: dict[str, str] = {
     "tensor_parallel_size": "split the model over this many ranks (one device each)",
     "gc_freeze": "freeze the objects that exist once the model is built (shorter GC passes; process-wide)",
     "gc_gen0_threshold": "the cyclic GC's first threshold (none: Python's 700; process-wide)",
-    "quantization": "CPU weights: int8 (fbgemm), q4 / q8 (blocks read by the C++ kernels; q4 is a GGUF file's default); none keeps the float path",
+    "quantization": "CPU weights: int8 (fbgemm), q4 / q8 (blocks read by the C++ kernels); none: the float path, except for a GGUF "
+    "file on CPU with --dtype unset (the default smollm2 among them), which runs q4: 4-bit weights with 8-bit activations "
+    "(--dtype float32 for the float path); in every mode prompts are scored in float32 (prompt_logprobs, echo)",
     "mixed_prefill": "running decodes ride along in prefill steps (off by default: prefill and decode steps alternate while prompts wait)",
     "jump_forward": "tokens a grammar forces are appended at once, their KV computed in the next step (off by default: its mask reads cost more than it saves)",
     "optimistic_grammar": "constrained greedy or temperature-only rows sample first and the grammar checks the token after "
@@ -68,5 +70,7 @@ FIELD_HELP: dict[str, str] = {
     "cpu_fused_ops": "CPU: fused C++ kernels between the GEMMs",
     "memory_budget": "the engine's share of the device: a fraction of its total memory (0.5) or bytes; "
     "weights, reserve and KV fit within it whatever the load order (none: kv_memory_fraction of free memory)",
+    "cpu_threads": "CPU: intra-op threads of a step (none: chosen for the machine's load, every CPU when idle, "
+    "one when oversubscribed; OMP_NUM_THREADS, when set, is kept; info() says which and why)",
     "own_cuda_stream": "CUDA: launch this stage's steps on a stream of its own (stages sharing a GPU queue independently)",
 }

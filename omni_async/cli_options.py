@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import importlib.util
 import os
 import sys
 import typing
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, NoReturn
 
 from . import errors
 from .cli_help import BACKEND_CHOICES, DTYPE_CHOICES, DTYPE_HELP, FIELD_CHOICES, FIELD_HELP, MODEL_HELP
@@ -181,6 +182,40 @@ def add_device_flags(p: argparse.ArgumentParser) -> None:
     )
 
 
+# --- the parser: usage errors a person can read
+#
+# argparse answers a usage error with the command's whole usage first: for ``serve``,
+# every engine-limit flag, 45 lines before the one that says what was wrong. Here a usage
+# error is two lines, a short usage pointing to ``--help`` and the error, and a misspelt
+# flag is named as unknown with the closest flag the command takes.
+
+# A usage longer than this many lines is replaced by the short one in error messages.
+LONGEST_USAGE_SHOWN = 3
+
+
+class CommandParser(argparse.ArgumentParser):
+    """An ArgumentParser (its subcommands' too) whose errors are short."""
+
+    def error(self, message: str) -> NoReturn:
+        usage = self.format_usage()
+        if usage.count("\n") > LONGEST_USAGE_SHOWN:
+            usage = f"usage: {self.prog} [flags] ('{self.prog} --help' lists them)\n"
+        sys.stderr.write(usage)
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+    def flags(self) -> list[str]:
+        """Every option string this parser takes."""
+        return [flag for action in self._actions for flag in action.option_strings]
+
+    def refuse_unknown(self, unknown: list[str]) -> NoReturn:
+        """Report arguments this command does not take, suggesting the closest flag for a
+        misspelt one."""
+        flags = self.flags()
+        close = [m for arg in unknown if arg.startswith("--") for m in difflib.get_close_matches(arg.split("=", 1)[0], flags, n=1, cutoff=0.8)]
+        hint = f" (did you mean {', '.join(close)}?)" if close else ""
+        self.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
+
+
 # --- what the command line checks before anything loads, and how it reports a failure
 
 EXIT_RUNTIME = 1
@@ -275,7 +310,7 @@ def check_serve_extra() -> None:
     missing = [m for m in _SERVE_MODULES if importlib.util.find_spec(m) is None]
     if missing:
         raise errors.ConfigError(
-            f"omni-async serve needs the serve extra ({', '.join(missing)} not installed): pip install 'omni-async[serve]'"
+            f"omni-async serve needs the serve extra ({', '.join(missing)} not installed): pip install -e '.[serve]' in the checkout, or bash scripts/setup.sh"
         )
 
 

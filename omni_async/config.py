@@ -7,6 +7,7 @@ Both are validated on construction so that bad input becomes an
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 from dataclasses import dataclass, field
 from typing import Any, Literal, Mapping
@@ -27,16 +28,17 @@ MAX_PROMPT_LOGPROBS = 20  # as vLLM's default max_logprobs
 
 
 def _fields_of(cls: type) -> set[str]:
-    return {f.name for f in dataclasses.fields(cls)}
+    """The fields a caller may set (not the class's own bookkeeping: private, init=False)."""
+    return {f.name for f in dataclasses.fields(cls) if f.init and not f.name.startswith("_")}
 
 
 def _check_unknown(cls: type, data: Mapping[str, Any], error: type[Exception] = InvalidRequestError) -> None:
-    unknown = sorted(set(data) - _fields_of(cls))
+    known = _fields_of(cls)
+    unknown = sorted(str(k) for k in set(data) - known)
     if unknown:
-        raise error(
-            f"unknown {cls.__name__} field(s): {', '.join(unknown)}; "
-            f"known fields are {', '.join(sorted(_fields_of(cls)))}"
-        )
+        close = [m for name in unknown for m in difflib.get_close_matches(name, known, n=1)]
+        hint = f" (did you mean {', '.join(close)}?)" if close else ""
+        raise error(f"unknown {cls.__name__} field(s): {', '.join(unknown)}{hint}; known fields are {', '.join(sorted(known))}")
 
 
 @dataclass
@@ -348,23 +350,21 @@ class SchedulerConfig:
     # larger deltas for callers that do not need every token at once (SGLang's
     # stream_interval). 1 (the default) sends each step's tokens as they come.
     stream_interval: int = 1
+    # CPU: a step's intra-op threads (torch's, process-wide). None: the CPUs the load
+    # average leaves idle, one when oversubscribed; OMP_NUM_THREADS, when set, is kept
+    # (core/cpu_choices.py; bench/cpu_threads.py).
+    cpu_threads: int | None = None
 
     def __post_init__(self) -> None:
         if self.loop is not None and self.loop not in LOOP_KINDS:
             raise ConfigError(
                 f"unknown loop {self.loop!r}; choose one of {', '.join(LOOP_KINDS)} (or None: the stage plan picks)"
             )
-        if self.max_running_requests is not None and (not _is_int(self.max_running_requests) or self.max_running_requests < 1):
-            raise ConfigError(f"max_running_requests must be None or an integer >= 1, got {self.max_running_requests!r}")
-        positive = (
-            "async_decode_min_batch_size",
-            "max_queued_requests",
-            "page_size",
-            "request_build_max_workers",
-            "aborted_id_cap",
-            "tensor_parallel_size",
-            "stream_interval",
-        )
+        for name in ("max_running_requests", "max_prefill_tokens", "cpu_threads"):
+            if getattr(self, name) is not None and (not _is_int(getattr(self, name)) or getattr(self, name) < 1):
+                raise ConfigError(f"{name} must be None or an integer >= 1, got {getattr(self, name)!r}")
+        positive = ("async_decode_min_batch_size", "max_queued_requests", "page_size", "request_build_max_workers",
+                    "aborted_id_cap", "tensor_parallel_size", "stream_interval")
         for name in positive:
             value = getattr(self, name)
             if not _is_int(value) or value < 1:
@@ -377,8 +377,6 @@ class SchedulerConfig:
         for name in ("cpu_attention_kernel", "cpu_fused_ops"):
             if getattr(self, name) and self.tensor_parallel_size > 1:
                 raise ConfigError(f"{name} is not supported with tensor_parallel_size > 1 yet")
-        if self.max_prefill_tokens is not None and (not _is_int(self.max_prefill_tokens) or self.max_prefill_tokens < 1):
-            raise ConfigError(f"max_prefill_tokens must be None or an integer >= 1, got {self.max_prefill_tokens!r}")
         if self.chunked_prefill_size is not None and not _is_int(self.chunked_prefill_size):
             raise ConfigError("chunked_prefill_size must be None or an integer (<= 0 disables)")
         if self.kv_capacity_tokens is not None and (

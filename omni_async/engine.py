@@ -17,6 +17,7 @@ import hashlib
 import itertools
 import time
 import uuid
+import warnings
 from typing import Any, AsyncIterator
 
 import anyio
@@ -287,6 +288,8 @@ class Engine:
             raise errors.InvalidRequestError("stop strings need a tokenizer, and this model has none: use stop_token_ids")
         # The stage's door, here: the stage takes the verdict and does not check again.
         verdict = check_request(ids if input_embeds is None else None, sampling, self.scheduler.limits, input_embeds=input_embeds)
+        if (limit := verdict.length_warning(self.scheduler.limits.context_length)) is not None:
+            warnings.warn(limit, stacklevel=3)
         ids, input_embeds = verdict.prompt_ids, verdict.input_embeds  # placeholder ids for embeddings
         per_sub = [sampling] if sampling.n == 1 else [completion_sampling(sampling, i) for i in range(sampling.n)]
         comps = [Completion(i, sub, per_sub[i], self.tokenizer) for i, sub in enumerate(subs)]

@@ -79,3 +79,19 @@ class RankFailedError(DeviceError):
 class KVAllocationError(OmniAsyncError, RuntimeError):
     """The paged KV allocator was asked for more pages than are free, or to free pages
     twice: a scheduling bug, never a user error."""
+
+
+class LengthLimitWarning(UserWarning):
+    """A request asked for more new tokens than the context holds after its prompt; it
+    is served with the room left (generation would stop there anyway), and this says so
+    rather than shorten it silently. The HTTP server refuses such a request (400
+    ``context_length_exceeded``) and the command line refuses it too."""
+
+    def __init__(self, asked: int, served: int, prompt_tokens: int, context_length: int) -> None:
+        self.asked, self.served = asked, served
+        self.prompt_tokens, self.context_length = prompt_tokens, context_length
+        self.reason = (
+            f"this model's maximum context length is {context_length} tokens; the prompt has {prompt_tokens} "
+            f"and {asked} more were asked for (over by {prompt_tokens + asked - context_length})"
+        )
+        super().__init__(f"max_new_tokens={asked}: {self.reason}; at most {served} tokens will be generated")

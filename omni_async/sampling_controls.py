@@ -15,7 +15,8 @@ import json
 import operator
 import math
 import re
-from typing import Any, Callable, Mapping
+from collections.abc import Mapping
+from typing import Any, Callable
 
 GRAMMAR_FIELDS: tuple[str, ...] = ("json_schema", "regex", "ebnf")
 # OpenAI's ranges: penalties in [-2, 2], a logit bias in [-100, 100].
@@ -28,15 +29,26 @@ MAX_LOGIT_BIAS_ENTRIES = 1024
 _CANONICAL_ID = re.compile(r"(?:0|[1-9][0-9]{0,9})")
 MAX_TOKEN_ID = 2**31 - 1
 
-# A schema past these is refused before it is serialised or compiled: the grammar library
-# holds the GIL for tens of milliseconds at a stretch while it builds a large schema's
-# grammar (62 ms at 3,000 properties on a 2-core host, 0.9 s for 20,000 before it gives up
-# with "schema too large"), and every such stall is a stall of the event loop.
-# tools/loop_stalls.py --scenarios schema measures it.
-MAX_SCHEMA_NODES = 4096  # objects, arrays, keys and values, counted as the schema is walked
-MAX_SCHEMA_CHARS = 64 << 10  # of compact JSON text (a schema given as a string: its length)
+# Limits of a JSON schema, near OpenAI's documented ones for structured outputs (up to 5,000
+# object properties in all and 10 levels of nesting, 2025), which vLLM and SGLang accept and
+# clients send: a schema past them is refused before it is serialised or compiled, with the
+# limit in the error. Compiling runs on the grammar gate's thread with the GIL released
+# (llguidance reads the schema text itself, structured/grammar.py), so what such a schema
+# costs the event loop is this walk and one serialisation: tools/loop_stalls.py --scenarios
+# schema measures it (docs/serving-compat.md has the policy and the figures).
+MAX_SCHEMA_PROPERTIES = 5_000  # object properties, summed over every "properties" of the schema (OpenAI's)
+# Nesting, as objects and arrays deep in the schema's JSON: a level of OpenAI's (an object
+# in another's "properties", an "items", an "anyOf" branch) takes two, so 64 holds OpenAI's
+# 10 with room for "$defs", "allOf" and the like.
+MAX_SCHEMA_DEPTH = 64
+# A backstop on all nodes (objects, arrays, keys and values): enums and "anyOf" branches are
+# not properties. 5,000 properties with a type and a description each, all required, are
+# about 35,000 nodes.
+MAX_SCHEMA_NODES = 100_000
+MAX_SCHEMA_CHARS = 1 << 20  # of compact JSON text (a schema given as a string: its length)
 
 Bad = Callable[[str], Exception]
+_SCALARS = frozenset((str, int, float, bool, type(None)))  # what JSON's leaves are (a quick test before the ABCs')
 
 
 def normalize_json_schema(value: Any, bad: Bad) -> str | None:
@@ -54,6 +66,8 @@ def normalize_json_schema(value: Any, bad: Bad) -> str | None:
             parsed = json.loads(value)
         except json.JSONDecodeError as exc:
             raise bad(f"json_schema is not valid JSON: {exc.msg} at position {exc.pos}") from None
+        except RecursionError:  # "[" * 60000 fits the character cap and exhausts the parser's stack
+            raise bad("json_schema is nested too deeply to be read as JSON") from None
     elif isinstance(value, Mapping) or isinstance(value, bool):
         parsed = value
     else:
@@ -71,19 +85,41 @@ def normalize_json_schema(value: Any, bad: Bad) -> str | None:
 
 
 def _check_schema_size(schema: Any, bad: Bad) -> None:
-    """Refuse a schema of more than MAX_SCHEMA_NODES nodes. The walk stops as soon as the
-    limit is passed, so refusing a huge schema costs no more than walking a legal one
-    (and no recursion: a deeply nested schema is counted, not overflowed)."""
-    stack, nodes = [schema], 0
+    """Refuse a schema past MAX_SCHEMA_PROPERTIES, MAX_SCHEMA_DEPTH or MAX_SCHEMA_NODES. The
+    walk stops as soon as a limit is passed, so refusing a huge schema costs no more than
+    walking a legal one (and no recursion: a deeply nested schema is counted, not
+    overflowed). Only containers are visited (a container's keys and scalar values are
+    counted by its length): the walk runs on the event loop, twice a request (when the
+    params are made and at the stage's door), so a 5,000-property schema's 5,000 objects
+    are its cost, not their 30,000 nodes. A stacked entry is (container, depth, whether it
+    is a "properties" mapping)."""
+    if not isinstance(schema, (Mapping, list, tuple)):
+        return
+    stack: list[tuple[Any, int, bool]] = [(schema, 1, False)]
+    nodes, properties = 1, 0
     while stack:
-        node = stack.pop()
-        nodes += 1 + (len(node) if isinstance(node, (Mapping, list, tuple)) else 0)
+        node, depth, is_properties = stack.pop()
+        nodes += len(node)
         if nodes > MAX_SCHEMA_NODES:  # before the node's children are stacked
-            raise bad(f"json_schema is too large: more than {MAX_SCHEMA_NODES} nodes (objects, arrays, keys and values)")
+            raise bad(f"json_schema is too large: more than {MAX_SCHEMA_NODES:,} nodes (objects, arrays, keys and values)")
         if isinstance(node, Mapping):
-            stack.extend(node.values())
-        elif isinstance(node, (list, tuple)):
-            stack.extend(node)
+            nodes += len(node)  # its values (the keys were counted above)
+            values = node.values()
+            inner = None if is_properties else node.get("properties")
+            if isinstance(inner, Mapping):
+                properties += len(inner)
+                if properties > MAX_SCHEMA_PROPERTIES:
+                    raise bad(f"json_schema is too large: more than {MAX_SCHEMA_PROPERTIES:,} object properties in all "
+                              f"(OpenAI's structured-output limit; a larger schema takes seconds to compile)")
+        else:
+            inner, values = None, node
+        children = [v for v in values if type(v) not in _SCALARS and isinstance(v, (Mapping, list, tuple))]
+        if not children:
+            continue
+        if depth + 1 > MAX_SCHEMA_DEPTH:
+            raise bad(f"json_schema is too large: nested more than {MAX_SCHEMA_DEPTH} objects and arrays deep "
+                      f"(OpenAI's structured outputs allow 10 levels of nesting)")
+        stack.extend((v, depth + 1, v is inner) for v in children)
 
 
 def check_grammar_fields(params: Any, bad: Bad) -> str | None:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Install the optional SGLang backend (backend="sglang") into the project venv .venv.
 #
-# On a machine with CUDA, `pip install 'omni-async[sglang]'` is the ordinary route. A
+# On a machine with CUDA, `pip install -e '.[sglang]'` in the checkout is the ordinary route. A
 # plain `pip install sglang` is not workable on a CPU-only machine (it pins a CUDA
 # torch and ~1.6 GB of CUDA-only packages; sglang-kernel does not import without
 # libcuda), so this script takes the measured route: keep the venv's CPU torch, install

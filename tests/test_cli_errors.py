@@ -206,7 +206,7 @@ def test_serve_without_its_extra_fails_before_loading(capsys, no_load, monkeypat
     code, _, err = _run(capsys, "serve", "--model", "tiny")
     assert code == 2
     assert _one_error_line(err) == (
-        "error: ConfigError: omni-async serve needs the serve extra (fastapi not installed): pip install 'omni-async[serve]'"
+        "error: ConfigError: omni-async serve needs the serve extra (fastapi not installed): pip install -e '.[serve]' in the checkout, or bash scripts/setup.sh"
     )
 
 

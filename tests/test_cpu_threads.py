@@ -29,7 +29,9 @@ SCRIPT = textwrap.dedent(
     import omni_async
     from omni_async import Engine
     after_import = threads()
-    engine = Engine.from_pretrained("tiny", kv_capacity_tokens=1 << 16)
+    # Every CPU (not a count chosen for the machine's load, which may be one): the probe
+    # op below must be able to make a team.
+    engine = Engine.from_pretrained("tiny", kv_capacity_tokens=1 << 16, cpu_threads=os.cpu_count())
     # The build thread's own team winds down after it ends (slowly on a loaded machine);
     # a team of this thread would stay, so wait for the count to settle, bounded.
     deadline = time.monotonic() + 10

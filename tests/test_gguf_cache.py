@@ -191,3 +191,59 @@ def test_default_folder_is_the_users_cache(tmp_path, monkeypatch, gguf_file):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     run_greedy(gguf_file)
     assert len(entries(tmp_path / "xdg" / "omni-async")) == 1
+
+
+def test_copies_of_one_file_share_one_entry(cache, gguf_file, tmp_path, capfd):
+    """The key is the file's content: a second clone's copy converts nothing."""
+    import shutil
+
+    reference = run_greedy(gguf_file)
+    copy = tmp_path / "another-clone" / gguf_file.name
+    copy.parent.mkdir()
+    shutil.copyfile(gguf_file, copy)
+    capfd.readouterr()
+    assert run_greedy(copy) == reference
+    assert "converting" not in capfd.readouterr().err
+    assert len(entries(cache)) == 1
+
+
+def test_a_path_keyed_entry_of_before_is_removed(cache, tmp_path):
+    """Entries keyed by path (this cache's layout before content keys) are removed when
+    their file is first loaded by content."""
+    import hashlib
+
+    path = write_gguf(tmp_path / "old.gguf", "llama", "Q8_0", seed=4)
+    old = cache / "gguf" / f"old-{hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:8]}.f32.0123456789abcdef0123.safetensors"
+    old.parent.mkdir(parents=True)
+    old.write_bytes(b"\0" * 1024)
+    run_greedy(path)
+    assert not old.exists()
+    assert len(entries(cache)) == 1 and "-c" in entries(cache)[0].name
+
+
+def test_kernels_and_gguf_entries_share_the_users_cache_folder(tmp_path, monkeypatch):
+    from omni_async.kernels import cpu_build
+    from omni_async.models import gguf_cache
+
+    monkeypatch.delenv("OMNI_ASYNC_CACHE_DIR", raising=False)
+    monkeypatch.delenv(cpu_build.CACHE_ENV, raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert gguf_cache.cache_root() == tmp_path / "xdg" / "omni-async"
+    assert cpu_build.cache_root() == tmp_path / "xdg" / "omni-async" / "kernels"
+
+
+def test_a_kernel_build_of_before_is_copied_not_rebuilt(tmp_path, monkeypatch):
+    from omni_async.kernels import cpu_build
+    from omni_async.kernels.cpu_build import CppKernels
+
+    monkeypatch.delenv(cpu_build.CACHE_ENV, raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    kernels = CppKernels("omni_async_legacy_probe", "int f() { return 1; }", ["f"], "test")
+    legacy = tmp_path / "home" / ".cache" / "omni_async" / "kernels" / kernels.folder.name
+    legacy.mkdir(parents=True)
+    (legacy / kernels.library.name).write_bytes(b"built before")
+    assert not kernels.library.is_file()
+    assert kernels.is_built()
+    assert kernels.library.read_bytes() == b"built before"
+    assert str(kernels.library).startswith(str(tmp_path / "xdg" / "omni-async" / "kernels"))

@@ -159,6 +159,17 @@ def _gelu(c):
     c["hidden_act"] = "gelu"
 
 
+def _drop_field(name):
+    return lambda c: c.pop(name)
+
+
+def _field_as(name, value):
+    def fn(c):
+        c[name] = value
+
+    return fn
+
+
 def _drop_tensor(name):
     return lambda t: t.pop(name)
 
@@ -186,6 +197,10 @@ CONFIG_ERRORS = [
     ("sliding-window-qwen2", "qwen2", _sliding_window, ["sliding-window", "use_sliding_window"]),
     ("sliding-layer-types-qwen2", "qwen2", _sliding_layer_types, ["layer_types", "sliding_attention"]),
     ("hidden-act", "qwen3", _gelu, ["hidden_act", "gelu"]),
+    ("no-num-attention-heads", "llama", _drop_field("num_attention_heads"), ["config.json has no 'num_attention_heads'"]),
+    ("no-vocab-size", "qwen2", _drop_field("vocab_size"), ["config.json has no 'vocab_size'"]),
+    ("no-num-hidden-layers", "qwen3", _drop_field("num_hidden_layers"), ["config.json has no 'num_hidden_layers'"]),
+    ("hidden-size-text", "llama", _field_as("hidden_size", "wide"), ["'hidden_size' must be a positive integer", "'wide'"]),
 ]
 
 TENSOR_ERRORS = [

@@ -142,6 +142,24 @@ async def test_two_structured_output_fields_are_refused(served):
     assert "regex" in both.value.message and "guided_choice" in both.value.message
 
 
+@needs_grammar
+async def test_openai_size_schemas_are_accepted_and_past_the_limit_refused_with_the_reason(served):
+    """A strict 1,000-property object (OpenAI accepts 5,000) constrains the answer; 5,001
+    properties are a 400 that names OpenAI's limit."""
+    client, _ = served
+
+    def flat(n: int) -> dict:
+        props = {f"field_{i}": {"type": "string"} for i in range(n)}
+        return {"type": "object", "properties": props, "required": list(props), "additionalProperties": False}
+
+    fmt = {"type": "json_schema", "json_schema": {"name": "wide", "schema": flat(1_000), "strict": True}}
+    out = await client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=24, response_format=fmt)
+    assert out.choices[0].message.content.startswith('{"field_0": "')
+    with pytest.raises(openai.BadRequestError) as over:
+        await client.completions.create(model="tiny", prompt="hi", max_tokens=4, extra_body={"json_schema": flat(5_001)})
+    assert "5,000 object properties" in over.value.message and "OpenAI" in over.value.message
+
+
 async def test_a_bad_prompt_logprobs_is_refused_by_name(served):
     client, _ = served
     with pytest.raises(openai.BadRequestError) as refused:
@@ -224,6 +242,44 @@ async def test_mistral_calls_are_parsed_with_the_parser_chosen_from_the_template
     whole = await client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=80, tools=[WEATHER], extra_body=force)
     call = whole.choices[0].message.tool_calls[0].function
     assert (call.name, json.loads(call.arguments)) == ("get_weather", {"city": "Rome"})
+
+
+@needs_grammar
+@pytest.mark.parametrize("served", [dict(chat_template=MISTRAL_TEMPLATE)], indirect=True)
+async def test_mistral_text_before_the_calls_is_content_whole_and_streamed(served):
+    """As vLLM answers: the words before ``[TOOL_CALLS]`` are the content, the list is the
+    calls, the finish is "tool_calls"; the streamed answer says the same."""
+    client, _ = served
+    force = {"regex": 'Sure, let me check\\.\\[TOOL_CALLS\\]\\[\\{"name": "get_weather", "arguments": \\{"city": "Rome"\\}\\}\\]'}
+    whole = await client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=90, tools=[WEATHER], extra_body=force)
+    choice = whole.choices[0]
+    assert choice.message.content == "Sure, let me check." and choice.finish_reason == "tool_calls"
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls] == [("get_weather", {"city": "Rome"})]
+    stream = await client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=90, tools=[WEATHER], stream=True, extra_body=force)
+    calls, content, reasons = [], [], []
+    async for chunk in stream:
+        for c in chunk.choices:
+            calls.extend(c.delta.tool_calls or [])
+            content.append(c.delta.content or "")
+            reasons.append(c.finish_reason)
+    assert "".join(content) == "Sure, let me check." and reasons[-1] == "tool_calls"
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [("get_weather", {"city": "Rome"})]
+
+
+def test_mistral_split_is_the_same_whole_and_streamed_at_every_cut():
+    from omni_async.server.tool_parsers import ToolStream, parse_output
+    from omni_async.server.tools import ToolPlan
+
+    plan = ToolPlan(tools=[WEATHER], parse=True, names=["get_weather"])
+    call = '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "C"}}]'
+    for text in ("Sure, let me check." + call, " " + call, call, "no call [TOOL_CALLS] not json", "words [TOOL_", "[TOOL_CALLS][TOOL_CALLS]"):
+        content, calls = parse_output(text, plan, "mistral")
+        for cut in range(len(text) + 1):
+            parser = ToolStream(plan, "mistral")
+            parts = [parser.feed(text[:cut]), parser.feed(text[cut:]), parser.finish()]
+            assert "".join(p[0] for p in parts) == content, (text, cut)
+            assert [c.arguments for p in parts for c in p[1]] == [c.arguments for c in calls], (text, cut)
+    assert parse_output("Sure, let me check." + call, plan, "mistral")[0] == "Sure, let me check."
 
 
 # ---------------------------------------------------------------- 6. limits

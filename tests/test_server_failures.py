@@ -98,3 +98,54 @@ async def test_a_grammar_failing_at_its_first_token_is_a_400(served, stream):
             if stream:
                 async for _ in res:
                     pass
+
+
+# ---------------------------------------------------------------- deeply nested JSON strings
+
+DEEP = "[" * 60_000  # under the schema's 64 KiB cap, past the JSON parser's recursion limit
+CALLS_TEMPLATE = (
+    "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}"
+    "{% for c in m.tool_calls or [] %}<call>{{ c.function.name }} {{ c.function.arguments | tojson }}</call>{% endfor %}\n"
+    "{% endfor %}<|assistant|>"
+)
+
+
+def test_a_deeply_nested_schema_string_is_an_invalid_request():
+    from omni_async import SamplingParams, errors
+
+    for text in (DEEP, "[" * 1200 + "]" * 1200, '{"a": ' * 5000 + "1" + "}" * 5000):
+        with pytest.raises(errors.InvalidRequestError, match="json_schema"):
+            SamplingParams(json_schema=text)
+
+
+async def test_deeply_nested_json_strings_are_400s_or_text_never_500s():
+    engine = Engine.from_pretrained("tiny", loop="normal")
+    async with running_server(engine, chat_template=CALLS_TEMPLATE) as url:
+        def post(path: str, body: dict) -> tuple[int, str]:
+            return http(url, path, body)
+
+        for path, body in [
+            ("/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 2, "json_schema": DEEP}),
+            ("/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 2, "guided_json": DEEP}),
+            ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                                      "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": DEEP}}}),
+        ]:
+            status, text = await anyio.to_thread.run_sync(post, path, body)
+            assert status == 400 and "json_schema" in text, (path, status, text[:300])
+        for arguments in (DEEP, "[" * 990 + "]" * 990, '{"a": ' * 20_000 + "1" + "}" * 20_000):
+            call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": arguments}}
+            messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [call]}, {"role": "user", "content": "and?"}]
+            for path, body in [
+                ("/tokenize", {"model": "tiny", "messages": messages}),
+                ("/v1/chat/completions", {"model": "tiny", "messages": messages, "max_tokens": 2}),
+            ]:
+                status, text = await anyio.to_thread.run_sync(post, path, body)
+                assert status in (200, 400), (path, arguments[:20], status, text[:300])
+                if status == 400:  # (the 60,000 brackets, kept as text, are past the context)
+                    assert json.loads(text)["error"]["type"] == "invalid_request_error", text[:300]
+                if path == "/tokenize":  # the arguments went into the prompt, as JSON or kept as text
+                    assert status == 200, text[:300]
+                    prompt = bytes(json.loads(text)["tokens"]).decode()
+                    assert prompt.count("[") == arguments.count("[")
+        status, text = await anyio.to_thread.run_sync(post, "/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 2})
+        assert status == 200, text

@@ -18,7 +18,7 @@ def test_sglang_backend_without_sglang_names_the_extra(tmp_path):
         Engine.from_pretrained(str(tmp_path), backend="sglang")
     err = info.value
     assert isinstance(err, errors.OmniAsyncError) and isinstance(err, ImportError)
-    assert "omni-async[sglang]" in str(err)
+    assert "pip install -e '.[sglang]'" in str(err)
     assert "scripts/install_sglang.sh" in str(err)
     assert "0.5.23" in str(err)
 

@@ -71,3 +71,21 @@ def test_without_parallel_calls_a_second_call_is_content_whole_and_streamed():
     for size in (1, 5, len(text)):
         said, got = streamed(text, SINGLE, size)
         assert said == content and [c.name for c in got] == ["f"]
+
+
+def test_unclosed_tags_stay_content_whole_and_streamed():
+    """88,000 characters of opening tags that never close (and one closed block after them,
+    which swallows them all and does not parse) stay content, split the same way whole and
+    streamed in deltas of any size, including a closing tag cut across deltas. How long the
+    split takes on the loop is tools/loop_stalls.py --scenarios tool_tags's business."""
+    tags = "<tool_call>" * 8000
+    ok = block('{"name": "f", "arguments": {"a": 1}}')
+    # (text, its content): a block runs from an opening tag to the first closing tag after
+    # it, so a closed block after the tags holds them all and does not parse
+    cases = [(tags, tags), (tags + ok, tags + ok), (ok + tags, tags), ("x " + ok + tags + " y " + ok, "x " + tags + " y " + ok)]
+    for text, expected in cases:
+        content, calls = parse_calls(text, PLAN)
+        assert content == expected and [c.name for c in calls] == ["f"] * (text.startswith(ok) or text.startswith("x "))
+        for size in (1, 5, 11, 12, 13, 4096):
+            said, got = streamed(text, PLAN, size)
+            assert said == content and [(c.name, c.arguments) for c in got] == [(c.name, c.arguments) for c in calls]

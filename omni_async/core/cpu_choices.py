@@ -48,6 +48,29 @@ def wants_cpu_kernels(config: SchedulerConfig, device_type: str, dtype: Any) -> 
     return inexact and (config.cpu_attention_kernel is None or config.cpu_fused_ops is None)
 
 
+def cpu_threads(config: SchedulerConfig, device: DeviceFacts) -> tuple[int | None, str]:
+    """The intra-op threads a CPU stage of one rank runs on, and why (None elsewhere:
+    a CUDA stage's kernels do not use them; a tensor-parallel rank sets its own).
+
+    ``config.cpu_threads`` when given; the environment's count when ``OMP_NUM_THREADS``
+    fixed it; else the CPUs the load average leaves idle, rounded, at least one and at
+    most what torch already uses: threads beyond the idle cores wait at each parallel
+    region's barrier for a core that another process holds."""
+    if device.type != "cpu" or config.tensor_parallel_size > 1:
+        return None, "not a CPU stage of one rank: left as it is"
+    if config.cpu_threads is not None:
+        return config.cpu_threads, f"cpu_threads={config.cpu_threads} as asked"
+    have = device.intra_op_threads
+    if device.threads_env is not None:
+        return have, f"{device.threads_env} from the environment"
+    if device.load_average is None:
+        return have, f"torch's {have} (the load average cannot be read)"
+    idle = device.cpus - device.load_average
+    threads = max(1, min(have, int(idle + 0.5)))
+    state = "oversubscribed" if idle <= 0 else f"{idle:.1f} idle"
+    return threads, f"load average {device.load_average:.2f} on {device.cpus} CPUs ({state}): {threads} of torch's {have}"
+
+
 def kernel_options(config: SchedulerConfig, device: DeviceFacts, dtype: Any) -> dict[str, bool]:
     """Each CPU kernel option, as given or decided (open: on where wanted and built)."""
     on = wants_cpu_kernels(config, device.type, dtype) and device.cpu_kernels_build

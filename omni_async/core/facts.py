@@ -31,6 +31,13 @@ class DeviceFacts:
     cpu_kernels_build: bool = False
     paged_kernel: bool = False  # Triton's paged decode attention runs here (CUDA)
     graph_buckets: tuple[int, ...] = ()  # batch sizes the decode graphs can capture
+    # For the CPU thread choice (cpu_choices.cpu_threads): CPUs this process may use, the
+    # 1-minute load average (None: unknown), torch's threads now, the variable that fixed
+    # them ("OMP_NUM_THREADS=2").
+    cpus: int = 1
+    load_average: float | None = None
+    intra_op_threads: int = 1
+    threads_env: str | None = None
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,9 @@ Why these defaults (measurements in bench/RESULTS.md):
   kernels add to it at every batch size; float32 (the exact reference path) otherwise.
   The kernels are on by default only in bfloat16 or int8 (paths that are not bit-exact
   anyway) and only where they build.
+- CPU threads (``cpu_threads=None``): the CPUs the load average leaves idle (at least one,
+  at most torch's own). Threads past the idle cores wait at each parallel region's barrier
+  for a core another process holds: 8-35x slower on a busy 2-core VM (bench/cpu_threads.py).
 - Optimistic grammar rows on CUDA only (``optimistic_grammar=None``). A grammar mask costs
   ~45 us of host time a row on the H200's host, so 256 constrained rows' masks take
   longer than the step's forward; sampling first skips ~94% of them for a real model asked
@@ -51,7 +54,7 @@ from typing import Any, Sequence
 from ..config import SchedulerConfig
 from ..errors import ConfigError, InvalidRequestError, ModelLoadError
 from ..memory_budget import MemoryPlan, activation_reserve_bytes, plan_memory
-from .cpu_choices import LoadPlan, kernel_options, plan_load
+from .cpu_choices import LoadPlan, cpu_threads, kernel_options, plan_load
 from .facts import CheckpointFacts, DeviceFacts, dtype_name
 from ..structured.optimistic import enabled as optimistic_enabled
 from .core_state import DecodeSteps
@@ -112,6 +115,8 @@ class StagePlan:
     step_launch: str
     tensor_parallel_size: int
     config: SchedulerConfig
+    cpu_threads: int | None = None  # the intra-op threads a CPU stage sets; None: left as they are
+    cpu_threads_reason: str = ""  # why that many (info()["cpu_threads_reason"])
 
     @property
     def decode_tiers(self) -> tuple[tuple[int, int], ...]:
@@ -302,9 +307,10 @@ def plan_stage(
     graphs = device.type == "cuda" and config.cuda_graphs
     optimistic = device.type == "cuda" if config.optimistic_grammar is None else config.optimistic_grammar
     loop = resolve_loop(config.loop, device.type, backend)
+    threads, threads_reason = cpu_threads(config, device)
     settled = dataclasses.replace(
         config, loop=loop, max_running_requests=running, max_prefill_tokens=max_prefill, chunked_prefill_size=chunked,
-        optimistic_grammar=optimistic,
+        optimistic_grammar=optimistic, cpu_threads=config.cpu_threads if threads is None else threads,
         **{name: on for name, on in kernels.items() if getattr(config, name) is None},
     )
     on_cpu = device.type == "cpu"
@@ -336,6 +342,8 @@ def plan_stage(
         step_launch=config.step_launch,
         tensor_parallel_size=config.tensor_parallel_size,
         config=settled,
+        cpu_threads=threads,
+        cpu_threads_reason=threads_reason,
     )
 
 

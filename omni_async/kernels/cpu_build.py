@@ -1,8 +1,9 @@
 """Building the C++ CPU kernels once per torch build, at install time.
 
 The kernels are compiled with the system compiler (``torch.utils.cpp_extension``, about
-20-40 s per kernel set on 2 cores) into a folder of their own under
-``~/.cache/omni_async/kernels`` (``OMNI_ASYNC_KERNEL_CACHE`` overrides), named by a key
+20-40 s per kernel set on 2 cores) into a folder of their own under ``kernels/`` of the
+user's cache folder for omni-async (:func:`user_cache_folder`, where converted GGUF
+files are cached too; ``OMNI_ASYNC_KERNEL_CACHE`` overrides), named by a key
 of what the binary depends on: the torch version and commit, its C++ ABI, the Python
 ABI tag, the machine, the source and the flags. Not by the environment's path: two
 environments with the same torch share one build, and neither rebuilds the other's
@@ -77,8 +78,22 @@ def cache_key(build: dict[str, Any], source: str, cflags: Sequence[str]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+# Builds made before the kernels moved into the user's cache folder for omni-async were
+# kept here, a folder that ignored XDG_CACHE_HOME: a build found only there is copied
+# over once (a few MB), not rebuilt.
+LEGACY_ROOT = Path("~/.cache/omni_async/kernels")
+
+
+def user_cache_folder() -> Path:
+    """The user's cache folder for omni-async: ``$XDG_CACHE_HOME/omni-async``, else
+    ``~/.cache/omni-async`` (the GGUF cache's too, unless ``OMNI_ASYNC_CACHE_DIR`` moves
+    that one alone)."""
+    xdg = os.environ.get("XDG_CACHE_HOME", "").strip()
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "omni-async"
+
+
 def cache_root() -> Path:
-    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "omni_async" / "kernels")
+    return Path(os.environ.get(CACHE_ENV) or user_cache_folder() / "kernels")
 
 
 class CppKernels:
@@ -100,13 +115,12 @@ class CppKernels:
     def library(self) -> Path:
         return self.folder / f"{self.name}.so"
 
-    def is_built(self) -> bool:
-        return self._module is not None or self.library.is_file()
-
     def load(self) -> Any:
         """The compiled extension: imported from the cache, or built there first."""
         with self._lock:
             if self._module is None:
+                if not self.library.is_file():
+                    self._adopt_legacy_build()
                 if not self.library.is_file():
                     print(f"omni-async: building the C++ kernels {self.name} (about {BUILD_SECONDS_ESTIMATE} s, once per torch build)",
                           file=sys.stderr, flush=True)
@@ -114,6 +128,26 @@ class CppKernels:
                 else:
                     self._module = self._import()
             return self._module
+
+    def is_built(self) -> bool:
+        if self._module is not None or self.library.is_file():
+            return True
+        self._adopt_legacy_build()
+        return self.library.is_file()
+
+    def _adopt_legacy_build(self) -> None:
+        """Copy this key's build from the folder of before (see :data:`LEGACY_ROOT`)."""
+        legacy = LEGACY_ROOT.expanduser() / self.folder.name
+        if os.environ.get(CACHE_ENV) or not (legacy / self.library.name).is_file():
+            return
+        target = self.folder
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            scratch = Path(tempfile.mkdtemp(prefix=f".{self.name}-", dir=target.parent))
+            shutil.copytree(legacy, scratch, dirs_exist_ok=True)
+            os.replace(scratch, target)
+        except OSError as exc:
+            log.warning("cpu_kernels_legacy_copy_failed", source=str(legacy), error=repr(exc))
 
     def _build(self) -> Any:
         """Compile into a fresh folder and move it into place (a reader never sees half a

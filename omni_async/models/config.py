@@ -66,8 +66,8 @@ class ModelConfig:
             raise ModelLoadError(f"unsupported layer_types {sorted(set(layer_types))}: only full_attention")
 
         rope_theta, rope_scaling = _rope_of(raw)
-        num_heads = int(raw["num_attention_heads"])
-        hidden = int(raw["hidden_size"])
+        num_heads = _required_int(raw, "num_attention_heads", family)
+        hidden = _required_int(raw, "hidden_size", family)
         head_dim = raw.get("head_dim") or hidden // num_heads
         eos = raw.get("eos_token_id")
         eos_ids = tuple(int(e) for e in eos) if isinstance(eos, (list, tuple)) else (
@@ -79,10 +79,10 @@ class ModelConfig:
             qkv_bias = o_bias = bool(raw.get("attention_bias", False))
         return cls(
             family=family,
-            vocab_size=int(raw["vocab_size"]),
+            vocab_size=_required_int(raw, "vocab_size", family),
             hidden_size=hidden,
-            intermediate_size=int(raw["intermediate_size"]),
-            num_layers=int(raw["num_hidden_layers"]),
+            intermediate_size=_required_int(raw, "intermediate_size", family),
+            num_layers=_required_int(raw, "num_hidden_layers", family),
             num_heads=num_heads,
             num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
             head_dim=int(head_dim),
@@ -99,6 +99,17 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
         )
+
+
+def _required_int(raw: Mapping[str, Any], name: str, family: str) -> int:
+    """A field the decoder cannot be built without, as an int; ModelLoadError naming it
+    when config.json lacks it or holds something else."""
+    if raw.get(name) is None:
+        raise ModelLoadError(f"config.json has no {name!r}: a {family} checkpoint's config needs it")
+    value = raw[name]
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ModelLoadError(f"config.json's {name!r} must be a positive integer, got {value!r}")
+    return int(value)
 
 
 def _family_of(raw: Mapping[str, Any]) -> str:

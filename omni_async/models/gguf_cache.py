@@ -6,13 +6,20 @@ An entry holds the built decoder's own parameters (its merged projections, in th
 dtype) and rotary frequencies, the model config and the tokenizer (as ``tokenizers`` JSON),
 in one file in the safetensors layout: an 8-byte header length, a JSON header, then the
 tensor bytes. A start after the first maps the file (copy-on-write) and hands the views to
-the model as its parameters: nothing is copied or converted.
+the model as its parameters; float32 tensors are stored in the smallest form that gives
+back their exact values (:mod:`.gguf_compact`: a Q4_1 file's matrices as q4 blocks, a
+fifth of float32's bytes) and turned back into float32 when read.
 
 - **Where**: ``$OMNI_ASYNC_CACHE_DIR`` (``off`` or ``none`` turns caching off), else
-  ``$XDG_CACHE_HOME/omni-async``, else ``~/.cache/omni-async``; entries under ``gguf/``.
-- **Key**: the file's resolved path, size and modification time, the dtype, this module's
-  :data:`CONVERSION_VERSION` and the ``gguf`` library's version. A changed file gets a new
-  entry; the entries of its old versions are removed when the new one is written.
+  ``$XDG_CACHE_HOME/omni-async``, else ``~/.cache/omni-async``; entries under ``gguf/``
+  (the C++ kernels are built into ``kernels/`` of the same folder).
+- **Key**: the file's content (a SHA-256 of its bytes), the dtype, this module's
+  :data:`CONVERSION_VERSION` and the ``gguf`` library's version; not its path, so every
+  copy of one file (each clone's, each environment's) shares one entry. The digest is
+  remembered per path with the file's size and modification time (``gguf/paths/``), so
+  the bytes are hashed once per version of a path. When a path's content changes, the
+  entries of its old content are removed when the new one is written, and so are the
+  entries this module wrote before it keyed by content (by path, size and time).
 - **Two processes at once**: the conversion runs under an exclusive lock file (``fcntl``;
   where there is none, both convert); the second process waits, then reads the first one's
   entry. An entry is written to a temporary file, flushed to disk and renamed into place,
@@ -27,6 +34,7 @@ the model as its parameters: nothing is copied or converted.
 from __future__ import annotations
 
 import dataclasses
+import glob
 import hashlib
 import json
 import mmap
@@ -43,14 +51,17 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from ..kernels.cpu_build import user_cache_folder
 from ..logs import log
 from .config import ModelConfig
+from .gguf_compact import compact, expand
 
 # Bump when the conversion's output changes (names, unpermuting, tokenizer shape, layout).
-CONVERSION_VERSION = 2
+CONVERSION_VERSION = 3  # 3: float32 tensors in their smallest exact form (gguf_compact)
 CACHE_ENV = "OMNI_ASYNC_CACHE_DIR"
 _DTYPE_CODES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
-_CODE_DTYPES = {code: dtype for dtype, code in _DTYPE_CODES.items()}
+_STORED_CODES = {**_DTYPE_CODES, torch.uint8: "U8"}  # what an entry's tensors are stored as
+_CODE_DTYPES = {code: dtype for dtype, code in _STORED_CODES.items()}
 _MAX_HEADER = 256 << 20
 _converting = threading.Event()
 
@@ -67,14 +78,12 @@ class ConvertedGGUF:
 
 
 def cache_root() -> Path | None:
-    """The user's cache folder for omni-async, or None when caching is turned off."""
+    """The user's cache folder for omni-async (the kernels' too), or None when caching
+    is turned off."""
     override = os.environ.get(CACHE_ENV)
     if override is not None and override.strip().lower() in ("off", "none", "0", ""):
         return None
-    if override:
-        return Path(override).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg) if xdg else Path.home() / ".cache") / "omni-async"
+    return Path(override).expanduser() if override else user_cache_folder()
 
 
 def converting() -> bool:
@@ -83,22 +92,73 @@ def converting() -> bool:
 
 
 def entry_path(gguf_path: Path, dtype: torch.dtype, root: Path) -> Path:
-    """The entry of this file version in this dtype (see the module docstring for the key)."""
+    """The entry of this file's content in this dtype (see the module docstring for the key)."""
     resolved = gguf_path.resolve()
-    st = resolved.stat()
+    digest = content_digest(resolved, root)
     try:
         import importlib.metadata
 
         gguf_version = importlib.metadata.version("gguf")
     except Exception:
         gguf_version = "?"
-    key = json.dumps([str(resolved), st.st_size, st.st_mtime_ns, CONVERSION_VERSION, gguf_version, str(dtype)])
-    return root / "gguf" / f"{_family_prefix(resolved, dtype)}.{hashlib.sha256(key.encode()).hexdigest()[:20]}.safetensors"
+    key = json.dumps([digest, CONVERSION_VERSION, gguf_version, str(dtype)])
+    return root / "gguf" / f"{_family_prefix(resolved.stem, digest, dtype)}.{hashlib.sha256(key.encode()).hexdigest()[:20]}.safetensors"
 
 
-def _family_prefix(resolved: Path, dtype: torch.dtype) -> str:
-    """Entries that share this prefix are versions of one file in one dtype."""
-    return f"{resolved.stem}-{hashlib.sha256(str(resolved).encode()).hexdigest()[:8]}.{_DTYPE_CODES[dtype].lower()}"
+def _family_prefix(stem: str, digest: str, dtype: torch.dtype) -> str:
+    """Entries that share this prefix hold one content in one dtype (conversion versions
+    apart). ``c`` marks a content key: a path-keyed entry of before has 8 hex digits there."""
+    return f"{stem}-c{digest[:16]}.{_DTYPE_CODES[dtype].lower()}"
+
+
+def content_digest(resolved: Path, root: Path) -> str:
+    """The SHA-256 of the file's bytes, remembered for this path at this size and
+    modification time (``gguf/paths/``). A path whose content changed has the entries
+    of its old content removed, and the path-keyed entries of before too."""
+    st = resolved.stat()
+    record = root / "gguf" / "paths" / hashlib.sha256(str(resolved).encode()).hexdigest()[:20]
+    seen = _read_json(record)
+    if seen.get("size") == st.st_size and seen.get("mtime_ns") == st.st_mtime_ns and len(str(seen.get("sha256", ""))) == 64:
+        return str(seen["sha256"])
+    sha = hashlib.sha256()
+    with open(resolved, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            sha.update(block)
+    digest = sha.hexdigest()
+    if seen.get("sha256") not in (None, digest):
+        _unlink_all(root / "gguf", f"{glob.escape(resolved.stem)}-c{str(seen['sha256'])[:16]}.*")
+    _unlink_all(root / "gguf", f"{glob.escape(resolved.stem)}-{hashlib.sha256(str(resolved).encode()).hexdigest()[:8]}.*")  # path-keyed, before
+    _write_json(record, {"path": str(resolved), "size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": digest})
+    return digest
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def _write_json(path: Path, value: dict[str, Any]) -> None:
+    """Written to a temporary file and renamed into place; a folder that cannot be
+    written only costs hashing the file again next time."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        with os.fdopen(fd, "w") as f:
+            json.dump(value, f)
+        os.replace(tmp, path)
+    except OSError as exc:
+        log.warning("gguf_cache_write_failed", path=str(path), error=repr(exc))
+
+
+def _unlink_all(folder: Path, pattern: str) -> None:
+    for other in folder.glob(pattern):
+        try:
+            other.unlink()
+        except OSError:
+            pass
 
 
 def load_converted(gguf_path: Path, dtype: torch.dtype, build: Callable[[Any], tuple[Any, ConvertedGGUF]], assemble: Callable[[ConvertedGGUF], Any]) -> Any:
@@ -110,6 +170,7 @@ def load_converted(gguf_path: Path, dtype: torch.dtype, build: Callable[[Any], t
     if root is None or dtype not in _DTYPE_CODES:
         return build(None)[0]
     try:
+        root.mkdir(parents=True, exist_ok=True)
         path = entry_path(gguf_path, dtype, root)
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -177,14 +238,11 @@ def _exclusive(lock_path: Path) -> Iterator[None]:
 
 
 def _remove_stale(path: Path) -> None:
-    """Entries of older versions of the same file in the same dtype."""
+    """Entries of the same content in the same dtype from other conversion versions."""
     prefix = path.name.rsplit(".", 2)[0]
-    for other in path.parent.glob(f"{prefix}.*.safetensors"):
+    for other in path.parent.glob(f"{glob.escape(prefix)}.*.safetensors"):
         if other != path:
-            try:
-                other.unlink()
-            except OSError:
-                pass
+            _unlink_all(other.parent, glob.escape(other.name))
 
 
 def _tensor_bytes(t: torch.Tensor) -> memoryview:
@@ -194,12 +252,13 @@ def _tensor_bytes(t: torch.Tensor) -> memoryview:
 def write_entry(path: Path, converted: ConvertedGGUF, *, source: str) -> None:
     """Write to a temporary file next to ``path``, flush it to disk, rename it into place."""
     # Wider elements first, so that every tensor starts aligned to its element size.
-    tensors = sorted(((name, t.detach().contiguous()) for name, t in converted.tensors), key=lambda nt: -nt[1].element_size())
+    stored = compact((name, t.detach()) for name, t in converted.tensors)
+    tensors = sorted(((name, t.contiguous()) for name, t in stored), key=lambda nt: -nt[1].element_size())
     header: dict[str, Any] = {}
     offset, crc = 0, 0
     for name, t in tensors:
         size = t.numel() * t.element_size()
-        header[name] = {"dtype": _DTYPE_CODES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + size]}
+        header[name] = {"dtype": _STORED_CODES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + size]}
         crc = zlib.crc32(_tensor_bytes(t), crc)
         offset += size
     meta = {
@@ -274,6 +333,10 @@ def read_entry(path: Path) -> ConvertedGGUF:
         flat = torch.frombuffer(mapped, dtype=dtype, count=count, offset=8 + n + start) if count else torch.empty(0, dtype=dtype)
         tensors.append((name, flat.reshape(spec["shape"])))
     data.release()
+    try:
+        tensors = expand(tensors)
+    except (ValueError, RuntimeError) as exc:
+        raise CorruptCacheEntry(f"unreadable compact tensors ({exc})") from None
     return ConvertedGGUF(_config_from_json(meta["config"]), _tokenizer_from_json(meta["tokenizer"]), tensors)
 
 

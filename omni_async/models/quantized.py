@@ -20,13 +20,23 @@ tokens can depend on what else is batched with it: the exact path is the default
 bench/RESULTS.md for greedy agreement with float32).
 
 Everything between the GEMMs (norms, rotary, attention, KV) stays float32.
+
+A prompt that is scored (``prompt_logprobs``, the server's ``echo``) is computed in float32
+on the float weights in every mode (:func:`float_rows`, set by the runner around a prefill
+with such rows): scores are what evaluations compare against the model's own, and the
+activations' quantisation moved SmolLM2's log-likelihoods by up to a nat (lm-eval through
+``/v1/completions``), where a prefill, bound by compute rather than by reading the weights,
+gains little from it. Only those rows: a request beside them runs the quantised GEMMs
+as it would alone.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
-
+import threading
 import warnings
+from typing import Callable, Iterator
 
 import torch
 from torch import nn
@@ -54,13 +64,66 @@ class Linear(nn.Linear):
         return self.blocks is None and self.packed_int8 is None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.blocks is None and self.packed_int8 is None:
+            return F.linear(x, self.weight, self.bias)
+        rows = getattr(_FLOAT, "rows", None)
+        if rows is not None and x.numel() == rows.mask.shape[0] * x.shape[-1]:
+            return rows.apply(x, self)
+        return self.quantised(x)
+
+    def quantised(self, x: torch.Tensor) -> torch.Tensor:
+        """``x``'s product through the packed weight (blocks or int8)."""
         if self.blocks is not None:
             return self.blocks(x)
-        if self.packed_int8 is None:
-            return F.linear(x, self.weight, self.bias)
         shape = x.shape
         out = torch.ops.quantized.linear_dynamic(x.reshape(-1, shape[-1]), self.packed_int8, _reduce_range())
         return out.view(*shape[:-1], out.shape[-1])
+
+
+class FloatRows:
+    """Which token rows of a forward take the float path (a bool mask over them)."""
+
+    def __init__(self, mask: torch.Tensor) -> None:
+        self.mask = mask
+        self.every = bool(mask.all())
+        self.index = mask.nonzero().squeeze(1)
+        self.rest = (~mask).nonzero().squeeze(1)
+
+    def apply(self, x: torch.Tensor, layer: Linear) -> torch.Tensor:
+        if self.every:
+            return F.linear(x, layer.weight, layer.bias)
+        flat = x.reshape(-1, x.shape[-1])
+        out = flat.new_empty(flat.shape[0], layer.out_features)
+        out[self.index] = F.linear(flat[self.index], layer.weight, layer.bias)
+        out[self.rest] = layer.quantised(flat[self.rest])
+        return out.view(*x.shape[:-1], layer.out_features)
+
+
+_FLOAT = threading.local()  # the forward's FloatRows (the thread that runs the forward sets it)
+
+
+@contextlib.contextmanager
+def float_rows(mask: torch.Tensor | None) -> Iterator[None]:
+    """Within: the quantised layers compute the token rows where ``mask`` is True (a bool
+    tensor over a forward's flattened token rows) in float32 on their float weight; a layer
+    called on another number of rows (the head over each sequence's last row) is computed
+    as usual. ``None`` changes nothing."""
+    if mask is None or not bool(mask.any()):
+        yield
+        return
+    previous = getattr(_FLOAT, "rows", None)
+    _FLOAT.rows = FloatRows(mask)
+    try:
+        yield
+    finally:
+        _FLOAT.rows = previous
+
+
+def float_head(layer: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``layer`` as a float32 product (the head that scores a prompt's positions)."""
+    if isinstance(layer, Linear) and not layer.plain_gemm:
+        return lambda x: F.linear(x, layer.weight, layer.bias)
+    return layer
 
 
 @functools.lru_cache(maxsize=1)
@@ -145,6 +208,23 @@ def refresh_quantized(model: nn.Module) -> None:
         from ..kernels import cpu_decode_stack
 
         model.cpu_stack = cpu_decode_stack(model)
+
+
+_GENERATION = {
+    "q4": "4-bit weights (blocks of 32, 8-bit output head) with 8-bit activations (per row and block), float32 between the GEMMs",
+    "q8": "8-bit weights (blocks of 32) with 8-bit activations (per row and block), float32 between the GEMMs",
+    "int8": "8-bit weights (per output channel) with 8-bit activations (per step's tensor), float32 between the GEMMs",
+}
+
+
+def arithmetic(mode: str | None, dtype: str) -> dict[str, str | None]:
+    """What computes a model's tokens and its prompt scores, in words (the stage's model
+    info, ``/get_server_info``): a quantised mode generates in its arithmetic and scores
+    prompts in float32 (:func:`float_rows`)."""
+    if mode is None:
+        return {"quantization": None, "generation": dtype, "prompt_scoring": dtype}
+    return {"quantization": mode, "generation": _GENERATION.get(mode, mode),
+            "prompt_scoring": "float32 on the dequantised weights (prompt_logprobs, echo)"}
 
 
 def quantization_of(model: nn.Module) -> str | None:

@@ -19,6 +19,7 @@ from ..kernels import cpu_decode_stack, model_ops, triton_available
 from ..kv.attention import AttentionContext, slots_from_tables
 from ..kv.cache import PagedKVCache
 from ..models.decoder import DecoderModel
+from ..models.quantized import float_head, float_rows
 from .sampling import SampleResult, SamplingBatch, kernel_serves, sample
 from .base import ModelRunner
 from .hooks import attach_hidden_extras, hidden_states_only
@@ -29,7 +30,7 @@ from .fused_decode import FusedBatch, FusedDecode, fed_tokens, fused_counters, l
 from .fused_split import merge_fused, merge_rest, plan_fused
 from .graph_sampling import SamplingGraphs
 from .input_batch import InputBatch, SlotRows
-from .prompt_scores import score_prompts
+from .prompt_scores import score_prompts, scored_rows
 from ..core.runner_io import SchedulerOutput
 from .types import BatchResult
 
@@ -348,9 +349,11 @@ class NativeModelRunner(ModelRunner):
         fb = forward_batch
         inputs = dict(cond=fb.cond, input_embeds=fb.input_embeds)
         if fb.prompt_rows is not None:
-            logits, every = self.model(fb.input_ids, fb.positions, self.kv, fb.ctx, return_hidden="all", **inputs)
+            # A scored prompt's rows run in float32 on a quantised model (models/quantized.py).
+            with float_rows(scored_rows(fb.batch.reqs, fb.prompt_rows, fb.input_ids.shape[0], self.device)):
+                logits, every = self.model(fb.input_ids, fb.positions, self.kv, fb.ctx, return_hidden="all", **inputs)
             return BatchResult(logits=logits, hidden_states=every[fb.ctx.logits_rows], prompt_hidden=(every, fb.prompt_rows),
-                               prompt_logprobs=score_prompts(self.model.lm_head, every, fb.batch.reqs, fb.prompt_rows))
+                               prompt_logprobs=score_prompts(float_head(self.model.lm_head), every, fb.batch.reqs, fb.prompt_rows))
         if fb.capture_hidden:
             logits, hidden = self.model(fb.input_ids, fb.positions, self.kv, fb.ctx, return_hidden=True, **inputs)
             return BatchResult(logits=logits, hidden_states=hidden)

@@ -46,6 +46,18 @@ def score_prompts(
     return out if asked else None
 
 
+def scored_rows(reqs: Sequence[Any], spans: Sequence[tuple[int, int, int]], total: int, device: torch.device) -> torch.Tensor | None:
+    """A bool mask over a prefill's ``total`` token rows: the rows of the requests that
+    score their prompt (``spans`` as in :func:`score_prompts`); None when none does."""
+    scored = [(flat, count) for req, (flat, count, _) in zip(reqs, spans) if req.sampling.prompt_logprobs is not None and count]
+    if not scored:
+        return None
+    mask = torch.zeros(total, dtype=torch.bool)
+    for flat, count in scored:
+        mask[flat : flat + count] = True
+    return mask.to(device)
+
+
 def _to_host(rows: torch.Tensor) -> torch.Tensor:
     """On CUDA, copied into pinned host memory behind the step's kernels: the stage reads
     the rows once the step has completed, so reading them needs no synchronisation (a

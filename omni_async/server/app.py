@@ -1,7 +1,9 @@
 """The OpenAI-compatible ASGI app (FastAPI) over one Engine.
 
 Routes: ``GET /v1/models``, ``GET /v1/models/{id}``, ``POST /v1/completions``,
-``POST /v1/chat/completions`` (whole or SSE-streamed), ``GET /health``, ``GET /metrics``.
+``POST /v1/chat/completions`` (whole or SSE-streamed), ``POST /v1/responses``
+(:mod:`.responses_api`), the tokenizer's routes (:mod:`.tokenize`), ``GET /health``,
+``GET /metrics``.
 Every error, whatever raised it (a typed engine error, a body that does not parse, an
 unknown route, a bug), is answered with its status and an OpenAI-style body
 (:mod:`omni_async.server.errors`).
@@ -19,9 +21,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-from typing import Any, AsyncIterator, Awaitable
+from typing import Any, AsyncIterator
 
-import anyio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -35,13 +36,15 @@ from ..client.handle import RequestHandle
 from ..logs import log
 from .metrics import CONTENT_TYPE_LATEST, EngineMetrics
 from ..version import __version__
-from .chat_messages import ChatMessage, TrackedMessage, check_fields_read, template_messages
+from .chat_messages import ChatMessage, TrackedMessage, check_fields_read, template_messages, tool_turns_as_text
+from .disconnect import until_disconnect
 from .errors import ClientNames, body_of, error_body, single_error
 from .prompt_list import combined_result, merged_deltas
 from .protocol import DEFAULT_COMPLETION_MAX_TOKENS, ChatCompletionRequest, CompletionRequest
 from .wire import DONE, ChunkFrames, FastJsonRoute, event
 from .request_errors import chat_names, completion_names, validation_error_body
 from .responses import ResponseContext, usage
+from .responses_api import add_responses_route
 from .scoring import PromptScores, check_max_tokens, echoed_prompts, engine_prompt_logprobs
 from .options import ApiKeyGuard, chat_template_text, generation_defaults
 from .reasoning import starts_inside, thinks
@@ -59,26 +62,6 @@ def default_model_name(model: str) -> str:
     return os.path.basename(os.path.normpath(model)) or model
 
 
-async def _until_disconnect(request: Request, work: Awaitable[Any]) -> tuple[bool, Any]:
-    """Await ``work`` unless the client disconnects first (then ``work`` is cancelled,
-    which aborts its request). Returns (completed, value)."""
-    outcome: list[Any] = []
-    try:
-        async with anyio.create_task_group() as tg:
-
-            async def watch() -> None:
-                while (await request.receive())["type"] != "http.disconnect":
-                    pass
-                tg.cancel_scope.cancel()
-
-            tg.start_soon(watch)
-            outcome.append(await work)
-            tg.cancel_scope.cancel()
-    except BaseExceptionGroup as group:  # the request's own error (queue full ...), unwrapped
-        raise single_error(group) from None
-    return (True, outcome[0]) if outcome else (False, None)
-
-
 class OpenAIServer:
     """Route handlers bound to one engine, its metrics and its served model name."""
 
@@ -91,6 +74,13 @@ class OpenAIServer:
         self.model_name = model_name
         self.tool_call_parser = tool_call_parser
         self.sampling_defaults = dict(sampling_defaults or {})
+        self.stopping = False  # set by the stop on SIGINT/SIGTERM (server.run)
+
+    def answerable(self, exc: errors.OmniAsyncError) -> errors.OmniAsyncError:
+        """The error a client is told: a request the stop aborted says so."""
+        if self.stopping and isinstance(exc, errors.SchedulerClosedError):
+            return errors.SchedulerClosedError("the server is shutting down: this request was aborted")
+        return exc
 
     def check_room(self, n_prompt: int, max_tokens: int, field: str) -> None:
         """A ``max_tokens`` the context cannot hold after the prompt is the client's mistake
@@ -175,6 +165,12 @@ class OpenAIServer:
         wrong = self.check_model(body.model)
         if wrong is not None:
             return wrong
+        handle, ctx = await self.submit_chat(body)
+        return await self.respond(request, [handle], ctx, stream=body.stream, n=body.n, include_usage=body.include_usage())
+
+    async def submit_chat(self, body: ChatCompletionRequest) -> tuple[RequestHandle, ResponseContext]:
+        """The chat request submitted, and the context its output is read in (tool calls,
+        reasoning): shared by ``/v1/chat/completions`` and ``/v1/responses``."""
         ids, constraint, tools = self.chat_prompt(body)
         max_tokens = body.requested_max_tokens()
         if max_tokens is None:  # as much as the context (and the KV cache) leaves
@@ -195,7 +191,7 @@ class OpenAIServer:
             reasoning_inside=thinks(template) and starts_inside(self.engine.tokenizer.decode(ids[-32:], skip_special_tokens=False)),
             prompt_logprobs=body.prompt_logprobs, prompts=[PromptScores("", ids)] if body.prompt_logprobs is not None else None,
         )
-        return await self.respond(request, [handle], ctx, stream=body.stream, n=body.n, include_usage=body.include_usage())
+        return handle, ctx
 
     def chat_prompt(self, body: ChatCompletionRequest) -> tuple[list[int], dict[str, Any], ToolPlan]:
         """The prompt ids (messages and tools through the template), the grammar fields
@@ -214,14 +210,15 @@ class OpenAIServer:
         self, messages: list[ChatMessage], tools: list[dict[str, Any]] | None, *, add_generation_prompt: bool = True,
         template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
-        """The prompt ids of a conversation: tools go to a template that reads ``tools``,
-        or else into the system message in the Hermes format (any model can be offered
-        tools); a message field the template ignored is refused."""
-        takes_tools = "tools" in template_names(chat_template_of(self.engine.tokenizer))
+        """The prompt ids of a conversation: tools and tool turns go to a template that
+        reads them, or else in as Hermes text (any model can use tools); a message field
+        the template ignored is refused."""
+        reads = template_names(chat_template_of(self.engine.tokenizer))
+        takes_tools = "tools" in reads
         tracked = template_messages(messages)
-        rendered = tracked
+        rendered = tracked if "tool_calls" in reads else tool_turns_as_text(tracked)
         if tools and not takes_tools:
-            rendered = with_tools_message(tracked, tools, TrackedMessage)
+            rendered = with_tools_message(rendered, tools, TrackedMessage)
         ids = render_chat_ids(
             self.engine.tokenizer, rendered, add_generation_prompt=add_generation_prompt, tools=tools if takes_tools else None,
             template_kwargs=template_kwargs,
@@ -240,7 +237,7 @@ class OpenAIServer:
 
     async def respond(self, request: Request, handles: list[RequestHandle], ctx: ResponseContext, *, stream: bool, n: int, include_usage: bool) -> Response:
         if not stream:
-            completed, results = await _until_disconnect(request, self.results(handles))
+            completed, results = await until_disconnect(request, self.results(handles))
             if not completed:
                 return Response(status_code=499)  # nobody is listening any more
             ctx.take_scores(results)
@@ -294,7 +291,7 @@ class OpenAIServer:
             if include_usage:
                 yield frames.chunk([], usage(result))
         except errors.OmniAsyncError as exc:  # after the headers: reported in the stream
-            yield event(body_of(exc, names)[1])
+            yield event(body_of(self.answerable(exc), names)[1])
         except Exception as exc:  # a bug is still an error event, and the stream still ends with [DONE]
             log.error("server_stream_failed", error=repr(exc))
             yield event(error_body(f"internal server error: {type(exc).__name__}", 500))
@@ -352,12 +349,13 @@ def create_app(
     app.state.engine = engine
     app.state.metrics = metrics
     app.state.model_name = name
+    app.state.server = server
     if api_key:
         app.add_middleware(ApiKeyGuard, api_key=api_key)
 
     @app.exception_handler(errors.OmniAsyncError)
     async def typed_error(request: Request, exc: errors.OmniAsyncError) -> JSONResponse:
-        status, body = body_of(exc, getattr(request.state, "client_names", None))
+        status, body = body_of(server.answerable(exc), getattr(request.state, "client_names", None))
         return JSONResponse(body, status_code=status)
 
     @app.exception_handler(RequestValidationError)
@@ -391,6 +389,7 @@ def create_app(
     app.post("/v1/completions", response_model=None)(server.completions)
     app.post("/v1/chat/completions", response_model=None)(server.chat)
     add_tokenize_routes(app, server)
+    add_responses_route(app, server)
     add_worker_routes(app, server)  # what a router reads: /get_model_info, /get_load ...
 
     @app.api_route("/health", methods=["GET", "HEAD"])  # load balancers probe with HEAD

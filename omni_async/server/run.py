@@ -1,20 +1,38 @@
 """Run the app on uvicorn: for the command line (:func:`serve`) and for tests or
-applications that want a server for the length of a block (:func:`running_server`)."""
+applications that want a server for the length of a block (:func:`running_server`).
+
+:func:`serve` stops as an operator expects on SIGINT or SIGTERM (Ctrl-C, docker,
+systemd): it closes the engine at once, which ends every open request with a terminal
+message (a stream's error event and ``[DONE]``, a whole response's 503 body), so the
+connections close and the process exits within seconds. uvicorn alone would wait for
+every stream to run to its end, and its second Ctrl-C cancels tasks mid-flight (tracebacks,
+streams cut without ``[DONE]``); here any later signal is absorbed by the stop already under
+way.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import importlib.util
+import signal
 import socket
-from typing import Any, AsyncIterator
+import threading
+from typing import Any, AsyncIterator, Callable, Iterator
 
 import uvicorn
 
 from ..engine import Engine
+from ..logs import log
+from ..serving.listen import base_url, listening_socket
 from ..speech import SpeechPipeline
 from .app import create_app
 from .speech import create_speech_app
+
+# How long the stop waits for the engine to close before it gives up on a clean close,
+# and how long uvicorn then waits for connections (a client that reads nothing) to end.
+STOP_ENGINE_S = 3.0
+STOP_CONNECTIONS_S = 1.5
 
 
 def http_protocol() -> str:
@@ -31,11 +49,96 @@ def _config(engine: Engine | SpeechPipeline, *, host: str, port: int, log_level:
     return uvicorn.Config(app, host=host, port=port, log_level=log_level.lower(), lifespan="on", http=http_protocol(), **kw)
 
 
-async def serve(engine: Engine | SpeechPipeline, *, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info", **app_kw: Any) -> None:
-    """Serve until interrupted (Ctrl-C / SIGTERM); the engine is closed at the end. A
-    :class:`~omni_async.speech.SpeechPipeline` is served by the speech app."""
-    server = uvicorn.Server(_config(engine, host=host, port=port, log_level=log_level, quiet=False, **app_kw))
-    await server.serve()
+class StoppingServer(uvicorn.Server):
+    """uvicorn's server with the stop :func:`serve` promises: the first SIGINT or SIGTERM
+    marks the app as stopping, counts the engine's open requests and closes the engine,
+    then lets uvicorn shut down; later signals change nothing. Signals are not raised again
+    after the stop (uvicorn's does, which turns a clean stop into a KeyboardInterrupt)."""
+
+    def __init__(self, config: uvicorn.Config, engine: Engine, on_ready: Callable[[], None] | None = None) -> None:
+        super().__init__(config)
+        self.engine = engine
+        self.on_ready = on_ready
+        self.aborted = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Task[None] | None = None
+
+    async def serve(self, sockets: list[socket.socket] | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets=sockets)
+        if self._stop is not None:
+            await self._stop
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets=sockets)
+        if self.started and not self.should_exit and self.on_ready is not None:
+            self.on_ready()
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        originals = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in originals.items():
+                signal.signal(sig, handler)
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        """A signal handler: hand the stop to the loop (it runs between the loop's callbacks)."""
+        if self._loop is None:
+            self.should_exit = True
+        else:
+            self._loop.call_soon_threadsafe(self._begin_stop, sig)
+
+    def _begin_stop(self, sig: int) -> None:
+        if self._stop is not None:
+            return  # already stopping
+        log.info("server_signal", signal=signal.Signals(sig).name)
+        if not self.started:  # still starting: uvicorn shuts down once startup returns
+            self.should_exit = True
+            return
+        self._stop = asyncio.get_running_loop().create_task(self._stop_serving(), name="omni-async-stop")
+
+    async def _stop_serving(self) -> None:
+        server = getattr(self.config.app.state, "server", None)  # type: ignore[union-attr]
+        if server is not None:  # the OpenAI app: a request the stop aborted says so
+            server.stopping = True
+        self.aborted = len(self.engine.open_requests)
+        try:
+            await asyncio.wait_for(self.engine.aclose(), STOP_ENGINE_S)
+        except Exception as exc:  # a close that fails or hangs must not keep the process up
+            log.error("server_stop_close_failed", error=repr(exc))
+            self.force_exit = True
+        self.should_exit = True
+
+
+async def serve(
+    engine: Engine | SpeechPipeline, *, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
+    sock: socket.socket | None = None, on_ready: Callable[[str, str], None] | None = None, **app_kw: Any,
+) -> int:
+    """Serve until SIGINT or SIGTERM, then stop (the module's docstring) and return how many
+    open requests the stop aborted. A :class:`~omni_async.speech.SpeechPipeline` is served
+    by the speech app (the stop closes its talker's engine first). ``sock``: a socket
+    already bound (``listening_socket``), in place of ``host``/``port``;
+    ``on_ready(url, model_name)`` is called once the server accepts requests."""
+    sock = sock if sock is not None else listening_socket(host, port)
+    config = _config(engine, host=host, port=sock.getsockname()[1], log_level=log_level, quiet=False, **app_kw)
+    config.timeout_graceful_shutdown = STOP_CONNECTIONS_S
+    app = config.app
+
+    def ready() -> None:
+        if on_ready is not None:
+            on_ready(base_url(sock), app.state.model_name)  # type: ignore[union-attr]
+
+    server = StoppingServer(config, engine.engine if isinstance(engine, SpeechPipeline) else engine, ready)
+    try:
+        await server.serve(sockets=[sock])
+    finally:
+        sock.close()
+    return server.aborted
 
 
 @contextlib.asynccontextmanager

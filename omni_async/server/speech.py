@@ -35,7 +35,8 @@ from ..logs import log
 from ..speech import AudioChunk, SpeechPipeline
 from ..speech.audio_format import pcm16, wav_file, wav_header
 from ..version import __version__
-from .app import _until_disconnect, default_model_name
+from .app import default_model_name
+from .disconnect import until_disconnect
 from .errors import body_of, error_body
 from .handlers import add_error_handlers
 from .metrics import CONTENT_TYPE_LATEST
@@ -97,13 +98,13 @@ class SpeechServer:
         chunks = self.pipeline.stream(body.input, plan.voice, plan.language, params=plan.params)
         headers = {"X-Sample-Rate": str(self.pipeline.sample_rate)}
         if plan.stream_format is None:
-            completed, audio = await _until_disconnect(request, self.whole(chunks, tally))
+            completed, audio = await until_disconnect(request, self.whole(chunks, tally))
             if not completed:
                 tally.finish("abort")
                 return Response(status_code=499)  # nobody is listening any more
             data = wav_file(audio, self.pipeline.sample_rate) if plan.response_format == "wav" else pcm16(audio)
             return Response(data, media_type=FORMATS[plan.response_format], headers=headers)
-        completed, first = await _until_disconnect(request, anext(chunks, None))  # a refused request raises here: its status
+        completed, first = await until_disconnect(request, anext(chunks, None))  # a refused request raises here: its status
         if not completed:
             tally.finish("abort")
             return Response(status_code=499)

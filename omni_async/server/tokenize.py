@@ -1,11 +1,14 @@
-"""``POST /tokenize`` and ``POST /detokenize`` (the bodies vLLM's server takes).
+"""``POST /tokenize``, ``POST /detokenize`` and ``GET /tokenizer_info`` (as vLLM serves them).
 
-``/tokenize`` takes ``{"model", "prompt"}`` (encoded as ``/v1/completions`` encodes it:
-with the tokenizer's special tokens unless ``add_special_tokens`` is false) or
-``{"model", "messages"}`` (rendered as ``/v1/chat/completions`` renders them, ``tools``
-included) and answers ``{"tokens", "count", "max_model_len"}``: the ids a request with
-that input is charged for. ``/detokenize`` takes ``{"model", "tokens"}`` and answers
-``{"prompt"}``.
+``/tokenize`` takes ``{"prompt"}`` (encoded as ``/v1/completions`` encodes it: with the
+tokenizer's special tokens unless ``add_special_tokens`` is false) or ``{"messages"}``
+(rendered as ``/v1/chat/completions`` renders them, ``tools`` included) and answers
+``{"tokens", "count", "max_model_len"}`` (and ``token_strs`` with ``return_token_strs``):
+the ids a request with that input is charged for. ``/detokenize`` takes ``{"tokens"}`` and
+answers ``{"prompt"}``. ``model`` is optional in both, as in vLLM (a tokenizer-only
+client such as lm-eval's remote tokenizer sends none); given, it must be the served one.
+``/tokenizer_info`` answers the tokenizer's configuration (what ``tokenizer_config.json``
+holds that this server knows: class, special tokens, chat template, lengths).
 """
 
 from __future__ import annotations
@@ -27,15 +30,17 @@ if TYPE_CHECKING:
 
 class TokenizeCompletion(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    model: str
+    model: str | None = None
     prompt: str
     add_special_tokens: bool = True
+    return_token_strs: bool = False
 
 
 class TokenizeChat(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    model: str
+    model: str | None = None
     messages: list[ChatMessage]
+    return_token_strs: bool = False
     add_generation_prompt: bool = True
     tools: list[ToolDefinition] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
@@ -43,7 +48,7 @@ class TokenizeChat(BaseModel):
 
 class Detokenize(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    model: str
+    model: str | None = None
     tokens: list[int]
 
 
@@ -70,22 +75,48 @@ def detokenize_text(server: ServedModel, body: Detokenize) -> str:
     return tokenizer.decode(body.tokens, skip_special_tokens=False)
 
 
+def tokenizer_info(server: ServedModel) -> dict[str, Any]:
+    """The tokenizer's configuration, in ``tokenizer_config.json``'s names."""
+    tokenizer = _tokenizer(server)
+    info: dict[str, Any] = {
+        "tokenizer_class": type(tokenizer).__name__,
+        "bos_token": tokenizer.bos_token,
+        "eos_token": tokenizer.eos_token,
+        "eos_token_ids": list(tokenizer.eos_token_ids),
+        "vocab_size": tokenizer.vocab_size,
+        "model_max_length": server.engine.scheduler.limits.context_length,
+        "chat_template": tokenizer.chat_template,
+    }
+    info.update(getattr(tokenizer, "special_tokens", {}))  # unk_token, pad_token where the checkpoint names them
+    return info
+
+
 def add_tokenize_routes(app: FastAPI, server: ServedModel) -> None:
-    """``POST /tokenize`` and ``POST /detokenize`` on ``app``, for ``server``'s model."""
+    """``POST /tokenize``, ``POST /detokenize`` and ``GET /tokenizer_info`` on ``app``."""
+
+    def wrong_model(model: str | None) -> Response | None:
+        return None if model is None else server.check_model(model)
 
     async def tokenize(body: Union[TokenizeCompletion, TokenizeChat]) -> Response:
-        wrong = server.check_model(body.model)
+        wrong = wrong_model(body.model)
         if wrong is not None:
             return wrong
         ids = tokenize_ids(server, body)
         out: dict[str, Any] = {"tokens": ids, "count": len(ids), "max_model_len": server.engine.scheduler.limits.context_length}
+        if body.return_token_strs:
+            tokenizer = _tokenizer(server)
+            out["token_strs"] = [tokenizer.decode([t], skip_special_tokens=False) for t in ids]
         return JSONResponse(out)
 
     async def detokenize(body: Detokenize) -> Response:
-        wrong = server.check_model(body.model)
+        wrong = wrong_model(body.model)
         if wrong is not None:
             return wrong
         return JSONResponse({"prompt": detokenize_text(server, body)})
 
+    async def info() -> Response:
+        return JSONResponse(tokenizer_info(server))
+
     app.post("/tokenize", response_model=None)(tokenize)
     app.post("/detokenize", response_model=None)(detokenize)
+    app.get("/tokenizer_info", response_model=None)(info)

@@ -7,11 +7,13 @@ Three formats, chosen by ``--tool-call-parser`` (``auto``: from the chat templat
   taught by :func:`hermes_system_message`, and what a forced call's grammar writes.
 - ``llama3_json``: Llama 3.x's JSON calls, ``{"name": ..., "parameters": {...}}``, optionally
   after ``<|python_tag|>``, several separated by ``;``. The whole output is the call.
-- ``mistral``: ``[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]``.
+- ``mistral``: ``[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]``, after any words
+  (the content, as vLLM answers: "Sure, let me check.[TOOL_CALLS][...]").
 
-A streamed output in the last two formats is passed on as text until it looks like a call
-(it starts with ``{``, ``<|python_tag|>`` or ``[TOOL_CALLS]``); from then on it is held
-and parsed when the output ends.
+A streamed Llama 3 output is passed on as text unless it starts like a call (``{`` or
+``<|python_tag|>``); a streamed Mistral output is passed on up to ``[TOOL_CALLS]`` (a tail
+that may be the tag's start is held back). From there on it is held and parsed when the
+output ends, so the streamed answer says what the whole one says.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import json
 from typing import Any
 
 from .. import errors
-from .tools import ParsedCall, StreamParser, ToolPlan, parse_block, parse_calls
+from .tools import ParsedCall, StreamParser, ToolPlan, parse_block, parse_calls, tag_prefix
 
 PARSERS = ("auto", "hermes", "llama3_json", "mistral")
 PYTHON_TAG = "<|python_tag|>"
@@ -56,12 +58,13 @@ def hermes_system_message(tools: list[dict[str, Any]]) -> str:
 
 
 def with_tools_message(messages: list[Any], tools: list[dict[str, Any]], make: Any) -> list[Any]:
-    """``messages`` with the Hermes tool prompt added to the system message (a new one
-    first when there is none). ``make`` builds a message from a dict."""
+    """``messages`` (TrackedMessage) with the Hermes tool prompt added to the system
+    message (a new one first when there is none). ``make`` builds a message from a dict."""
     prompt = hermes_system_message(tools)
-    if messages and messages[0].get("role") == "system":
-        first = make({**dict.items(messages[0]), "content": f"{messages[0].get('content') or ''}\n\n{prompt}".lstrip()})
-        return [first, *messages[1:]]
+    if messages and dict.get(messages[0], "role") == "system":
+        fields = messages[0].fields()
+        fields["content"] = f"{fields.get('content') or ''}\n\n{prompt}".lstrip()
+        return [messages[0].derived(fields), *messages[1:]]
     return [make({"role": "system", "content": prompt}), *messages]
 
 
@@ -72,8 +75,10 @@ def parse_output(text: str, plan: ToolPlan, fmt: str) -> tuple[str, list[ParsedC
     """(content, calls) of a whole output in format ``fmt``."""
     if fmt == "hermes" or plan.ebnf is not None:  # a forced call is written in Hermes blocks
         return parse_calls(text, plan)
+    if fmt == "mistral":
+        return _mistral_output(text, plan)
     stripped = text.strip()
-    body = _call_body(stripped, fmt)
+    body = _llama3_body(stripped)
     if body is None:
         return text, []
     calls = _json_calls(body, plan, fmt)
@@ -82,10 +87,20 @@ def parse_output(text: str, plan: ToolPlan, fmt: str) -> tuple[str, list[ParsedC
     return "", calls if plan.parallel else calls[:1]
 
 
-def _call_body(text: str, fmt: str) -> str | None:
-    if fmt == "mistral":
-        at = text.find(MISTRAL_TAG)
-        return text[at + len(MISTRAL_TAG) :].strip() if at >= 0 else None
+def _mistral_output(text: str, plan: ToolPlan) -> tuple[str, list[ParsedCall]]:
+    """The words before the first ``[TOOL_CALLS]`` as content (unstripped: what a stream
+    passes on before the tag) and the list after it as calls; the whole text as content
+    unless the list is all calls of known tools."""
+    at = text.find(MISTRAL_TAG)
+    if at < 0:
+        return text, []
+    calls = _json_calls(text[at + len(MISTRAL_TAG) :].strip(), plan, "mistral")
+    if not calls:
+        return text, []
+    return text[:at], calls if plan.parallel else calls[:1]
+
+
+def _llama3_body(text: str) -> str | None:
     if text.startswith(PYTHON_TAG):
         return text[len(PYTHON_TAG) :].strip()
     return text if text.startswith("{") else None
@@ -133,19 +148,36 @@ class ToolStream:
             content, calls = self.hermes.feed(text)
             self.calls = self.hermes.calls
             return content, calls
+        if self.fmt == "mistral":
+            return self._feed_mistral(text), []
         if self.holding is False:
             return text, []
         self.held += text
         start = self.held.lstrip()
         if not start:
             return "", []
-        tags = (MISTRAL_TAG,) if self.fmt == "mistral" else (PYTHON_TAG, "{")
-        if any(start.startswith(t) or t.startswith(start) for t in tags):
+        if any(start.startswith(t) or t.startswith(start) for t in (PYTHON_TAG, "{")):
             self.holding = True
             return "", []
         self.holding = False
         out, self.held = self.held, ""
         return out, []
+
+    def _feed_mistral(self, text: str) -> str:
+        """The content ready now: everything before ``[TOOL_CALLS]``; from the tag on, the
+        text is held for :meth:`finish` (and so is a tail that may begin the tag)."""
+        if self.holding:
+            self.held += text
+            return ""
+        self.held += text
+        at = self.held.find(MISTRAL_TAG)
+        if at >= 0:
+            self.holding = True
+            out, self.held = self.held[:at], self.held[at:]
+            return out
+        keep = tag_prefix(self.held, MISTRAL_TAG)
+        out, self.held = self.held[: len(self.held) - keep], self.held[len(self.held) - keep :]
+        return out
 
     def finish(self) -> tuple[str, list[ParsedCall]]:
         if self.hermes is not None:

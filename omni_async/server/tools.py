@@ -16,7 +16,7 @@ import math
 import re
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Literal, Union
+from typing import Any, Iterator, Literal, Union
 
 from pydantic import BaseModel, ConfigDict
 
@@ -24,7 +24,6 @@ from .. import errors
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for function names
-_BLOCK = re.compile(re.escape(OPEN) + r"(.*?)" + re.escape(CLOSE), re.DOTALL)
 
 
 class FunctionDefinition(BaseModel):
@@ -173,15 +172,33 @@ def parse_calls(text: str, plan: ToolPlan) -> tuple[str, list[ParsedCall]]:
     calls: list[ParsedCall] = []
     kept: list[str] = []
     at = 0
-    for m in _BLOCK.finditer(text):
-        call = parse_block(m.group(1), plan.names)
+    for start, end in _blocks(text):
+        call = parse_block(text[start + len(OPEN) : end], plan.names)
         if call is None or (calls and not plan.parallel):
             continue
-        kept.append(text[at : m.start()])
-        at = m.end()
+        kept.append(text[at:start])
+        at = end + len(CLOSE)
         calls.append(call)
     kept.append(text[at:])
     return "".join(kept).strip(), calls
+
+
+def _blocks(text: str) -> Iterator[tuple[int, int]]:
+    """(start of ``<tool_call>``, start of its ``</tool_call>``) of each block, left to right:
+    a block runs from an opening tag to the first closing tag after it, and the next one is
+    looked for after that. One pass over the text: a search from every opening tag to the
+    end (a lazy regex's way, when no tag closes) is quadratic in a model's answer, on the
+    event loop."""
+    at = 0
+    while True:
+        start = text.find(OPEN, at)
+        if start < 0:
+            return
+        end = text.find(CLOSE, start + len(OPEN))
+        if end < 0:  # no closing tag after this one: none after a later one either
+            return
+        yield start, end
+        at = end + len(CLOSE)
 
 
 class StreamParser:
@@ -193,6 +210,7 @@ class StreamParser:
         self.plan = plan
         self.buffer = ""
         self.calls = 0
+        self._searched = 0  # the held block (buffer[0] opens it) has no closing tag before this
 
     def feed(self, text: str) -> tuple[str, list[ParsedCall]]:
         self.buffer += text
@@ -206,10 +224,15 @@ class StreamParser:
                 self.buffer = self.buffer[len(self.buffer) - keep :]
                 break
             content.append(self.buffer[:start])
-            end = self.buffer.find(CLOSE, start)
+            # A held block is searched for its closing tag from where the last search ended
+            # (less the tag's length, which may straddle two deltas), not from its start:
+            # a long unclosed block costs each delta its own length, not the block's.
+            end = self.buffer.find(CLOSE, max(start + len(OPEN), self._searched))
             if end < 0:
                 self.buffer = self.buffer[start:]
+                self._searched = max(len(OPEN), len(self.buffer) - len(CLOSE) + 1)
                 break
+            self._searched = 0
             call = parse_block(self.buffer[start + len(OPEN) : end], self.plan.names)
             if call is None or (self.calls and not self.plan.parallel):
                 content.append(self.buffer[start : end + len(CLOSE)])  # text, as parse_calls leaves it
@@ -227,7 +250,12 @@ class StreamParser:
 
 def _open_prefix(text: str) -> int:
     """Length of the longest tail of ``text`` that begins ``<tool_call>``."""
-    for n in range(min(len(OPEN) - 1, len(text)), 0, -1):
-        if text.endswith(OPEN[:n]):
+    return tag_prefix(text, OPEN)
+
+
+def tag_prefix(text: str, tag: str) -> int:
+    """Length of the longest tail of ``text`` that begins ``tag`` (shorter than the tag)."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:n]):
             return n
     return 0

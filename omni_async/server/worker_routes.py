@@ -67,6 +67,7 @@ def server_info(server: ServedModel) -> dict[str, Any]:
         "page_size": info.get("page_size"),
         "device": info.get("device"),
         "loop": info.get("loop"),
+        "arithmetic": info.get("arithmetic"),  # what computes tokens and prompt scores (quantised or not)
         "load": load,
         "internal_states": [load],
         "plan": info.get("plan"),  # every configuration decision of the stage (core/plan.py)

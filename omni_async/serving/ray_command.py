@@ -10,6 +10,7 @@ import json
 import sys
 from typing import Any
 
+from .. import errors
 from ..cli_options import add_model_flags, engine_limits, env_default, port_number
 
 __all__ = ["add_parser", "run_command"]
@@ -35,14 +36,22 @@ def add_parser(sub: Any, fmt: type[argparse.HelpFormatter]) -> argparse.Argument
 
 
 def run_command(args: argparse.Namespace) -> int:
-    """Deploy, then block until Ctrl-C; Serve and (if started here) Ray are shut down."""
+    """Deploy, then block until Ctrl-C or SIGTERM; Serve and (if started here) Ray are shut
+    down, with later signals ignored while they are, and one line says so."""
+    from .listen import listening_socket
+
+    try:  # Serve's proxy binds the port itself; a port in use is refused before Ray starts
+        listening_socket(args.host, args.port).close()
+    except errors.ConfigError as exc:
+        print(f"error: ConfigError: {exc}", file=sys.stderr)
+        return 2
     try:
         import ray
         from ray import serve
 
         from .ray_serve import ReplicaOptions, build_app, run
     except ImportError as exc:
-        print(f"error: ConfigError: omni-async serve-ray needs the ray extra (pip install 'omni-async[ray]'): {exc}", file=sys.stderr)
+        print(f"error: ConfigError: omni-async serve-ray needs the ray extra (pip install -e '.[ray]' in the checkout, or bash scripts/install_scale.sh): {exc}", file=sys.stderr)
         return 2
     autoscaling = json.loads(args.autoscaling) if args.autoscaling else None
     options = ReplicaOptions(
@@ -55,14 +64,24 @@ def run_command(args: argparse.Namespace) -> int:
     try:
         app = build_app(args.model, options=options, model_name=args.served_model_name, **engine_kwargs)
         run(app, host=args.host, port=args.port)
-        print(f"serving {args.model} on http://{args.host}:{args.port}/v1 with {autoscaling or args.replicas} replica(s); Ctrl-C stops", file=sys.stderr)
+        name = args.served_model_name or args.model
+        print(f"serving {name} at http://{args.host}:{args.port}/v1 (Ctrl-C to stop); {autoscaling or args.replicas} replica(s)", file=sys.stderr, flush=True)
         _wait()
     except KeyboardInterrupt:
         pass
     finally:
+        _ignore_signals()  # a second Ctrl-C must not cut the shutdown with a traceback
         serve.shutdown()
         ray.shutdown()
+    print("stopped: Serve and its replicas shut down (open requests aborted)", file=sys.stderr, flush=True)
     return 0
+
+
+def _ignore_signals() -> None:
+    import signal
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
 
 
 def _wait() -> None:

@@ -25,14 +25,13 @@ from .config import TTSConfig, named_config
 from .params import SpeechParams
 from .pipeline import SpeechPipeline
 from .prompt import resolve_voice
-from .stage import BUILTIN_NAMES, builtin_name, is_speech_checkpoint
+from .names import DEFAULT_SPEECH_MODEL, MODEL_KINDS
+from .stage import builtin_name, is_speech_checkpoint
 
 __all__ = ["preflight_speak", "check_speech_serve", "refuse_speech_model", "load_speech", "speak",
            "DEFAULT_SPEECH_MODEL", "MODEL_KINDS", "params_of"]
 
-DEFAULT_SPEECH_MODEL = "tts-tiny"
 FRAMES_PER_WORD = 5  # 12.5 frames a second at 2.5 words a second
-MODEL_KINDS = f"give {', '.join('tts-' + n for n in BUILTIN_NAMES)} (built in, random weights) or a Qwen3-TTS checkpoint folder"
 
 
 def _config(model: str, flag: str = "--model") -> TTSConfig:

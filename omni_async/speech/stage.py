@@ -26,13 +26,13 @@ from ..engine import Engine, check_device
 from ..errors import ModelLoadError
 from ..models.loader import LoadedModel
 from .config import TTSConfig, named_config
+from .names import BUILTIN_NAMES
 from .model import SpeechModel, load_speech_model, random_speech_model
 from .prompt import ByteSpeechTokenizer, SpeechTokenizer
 from .runner import SpeechRunner
 
 __all__ = ["SpeechStage", "build_speech_stage", "BUILTIN_NAMES", "builtin_name", "is_speech_checkpoint"]
 
-BUILTIN_NAMES = ("tiny", "0.6b", "1.7b")
 # The same built-ins as named where a model name could also be a text model's ("serve").
 ALIASES = {"tts-" + name: name for name in BUILTIN_NAMES}
 

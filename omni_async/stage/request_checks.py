@@ -59,6 +59,14 @@ class Verdict:
     max_new_tokens_asked: int
     max_new_tokens: int | None  # None: the room was not measured (the stage's admission does)
 
+    def length_warning(self, context_length: int) -> errors.LengthLimitWarning | None:
+        """The warning a caller gets when the context leaves less room than the
+        ``max_new_tokens`` asked (the request is served shortened, not refused); None
+        when it fits or the room was not measured."""
+        if self.max_new_tokens is None or self.max_new_tokens >= self.max_new_tokens_asked:
+            return None
+        return errors.LengthLimitWarning(self.max_new_tokens_asked, self.max_new_tokens, len(self.prompt_ids), context_length)
+
     def served_max_new_tokens(self, req: Request, *, enforce: bool) -> int | None:
         """The measured ``max_new_tokens`` if ``req`` is the request it was measured for
         (a custom builder may have changed its prompt or length, or asked for limits not

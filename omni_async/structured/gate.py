@@ -57,9 +57,15 @@ class GrammarGate:
         return False
 
     def _compile(self, key: tuple[str, str]) -> None:
+        """On the gate's thread. However the compile ends, the key leaves it with a cached
+        outcome: a key reported done but not cached would be submitted again by the next
+        look at its waiting requests, for ever."""
+        assert self.compiler is not None
         try:
-            assert self.compiler is not None
             self.compiler.compile(key)
+        except BaseException as exc:
+            self.compiler.refuse(key, InvalidRequestError(f"invalid {key[0]}: it could not be compiled ({type(exc).__name__})"))
+            raise
         finally:
             self._done.append(key)
             if self._wake is not None:

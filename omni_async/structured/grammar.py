@@ -15,20 +15,16 @@ grammar is ready.
 
 from __future__ import annotations
 
-import json
 import threading
 from collections import OrderedDict
 from typing import Any, Callable
 
 from ..errors import InvalidRequestError
 from .optimistic import FIRST_SCORE, LOW_SCORE, NEVER, masked_run, optimistic_score
+from .library import first_line, is_library_panic, panic_error, parser_limits, with_json_defaults
 from .prefetch import MaskTicket, MaskWorker
 from .vocab import TokenVocab, token_vocab
 
-# JSON comes out as ``json.dumps`` writes it (", " and ": ", no other whitespace) unless the
-# schema's own "x-guidance" options say otherwise: free whitespace lets a model pad
-# without end and never close the object.
-JSON_DEFAULTS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 CACHE_SIZE = 256
 
 
@@ -251,7 +247,7 @@ class GrammarMatcher:
         """The library's error once the grammar failed (llguidance compiles lazily: a
         grammar can fail at any token, e.g. too many states); None while it is sound."""
         self._settle()
-        return _first_line(self._m.get_error()) if self._m.is_error() else None
+        return first_line(self._m.get_error()) if self._m.is_error() else None
 
     @property
     def handle(self) -> Any:
@@ -324,6 +320,21 @@ class GrammarCompiler:
             entry = err.with_traceback(None)  # its frames hold this compiler: no cycle through the cache
         except Exception as exc:  # the library refused it some other way: still this request's error
             entry = InvalidRequestError(f"invalid {key[0]}: {exc}")
+        except BaseException as exc:
+            if not is_library_panic(exc):
+                raise
+            entry = panic_error(key, exc)
+        self._store(key, entry)
+
+    def refuse(self, key: tuple[str, str], error: InvalidRequestError) -> None:
+        """Cache ``error`` as ``key``'s outcome unless the key compiled: the gate's last
+        word when a compile ended without one, so the key is never submitted again."""
+        with self._lock:
+            if key in self._cache:
+                return
+        self._store(key, error)
+
+    def _store(self, key: tuple[str, str], entry: Any) -> None:
         with self._lock:
             self.compiles += 1
             self._cache[key] = entry
@@ -366,30 +377,29 @@ class GrammarCompiler:
             grammar = _grammar_text(llguidance, kind, text)
         except (ValueError, TypeError) as exc:
             raise InvalidRequestError(f"invalid {kind}: {exc}") from None
-        matcher = llguidance.LLMatcher(self._ll_tokenizer(), grammar, log_level=0)
+        matcher = llguidance.LLMatcher(self._ll_tokenizer(), grammar, log_level=0, limits=parser_limits(llguidance))
         if not matcher.is_error():
             # The library compiles lazily: the first mask does the work that can still
             # fail (``a{1000000}``), so it is computed here, off the loop, and a grammar
             # that fails now is refused before the request's first token.
             matcher.compute_bitmask()
         if matcher.is_error():
-            raise InvalidRequestError(f"invalid {kind}: {_first_line(matcher.get_error())}")
+            raise InvalidRequestError(f"invalid {kind}: {first_line(matcher.get_error())}")
         return matcher
 
 
 def _grammar_text(llguidance: Any, kind: str, text: str) -> str:
     if kind == "json_schema":
-        return llguidance.LLMatcher.grammar_from_json_schema(json.loads(text), defaults=JSON_DEFAULTS)
+        # The schema goes in as text, to be read by the matcher's constructor, which runs
+        # with the GIL released: ``grammar_from_json_schema`` reads a Python dict holding
+        # the GIL (~170 ms for 5,000 properties with an object each, every one of them a
+        # stall of the event loop).
+        return llguidance.grammar_from("json_schema", with_json_defaults(text))
     if kind == "regex":
         return llguidance.grammar_from("regex", text)
     if kind == "ebnf":
         return llguidance.grammar_from("ebnf", text)  # GBNF (``root ::= ...``) or Lark
     raise InvalidRequestError(f"unknown grammar kind {kind!r}")
-
-
-def _first_line(message: str) -> str:
-    lines = [line for line in message.strip().splitlines() if line.strip()]
-    return " ".join(lines[:4]) if lines else "the grammar does not compile"
 
 
 class _Wrapper:

@@ -13,7 +13,7 @@ from ...config import SchedulerConfig
 from ...errors import ConfigError
 from ...models.conditioning import attach_projection
 from ...models.loader import load_model, resolve_dtype
-from ...models.quantized import check_quantization, quantization_of, quantize_linears
+from ...models.quantized import arithmetic, check_quantization, quantization_of, quantize_linears
 from ...runners.native import NativeModelRunner
 from ...scheduler import AsyncOmniScheduler
 from ...stage.executor import make_step_executor
@@ -68,6 +68,7 @@ def build_native_stack(
             attach_projection(loaded, conditioning_size, seed=seed)
         plan = plan_stage(load.config, *loaded_facts(machine, stored, device, loaded), dtype=dtype, load=load)
         log_plan(plan)
+        set_cpu_threads(plan)
         load_cpu_kernels(plan)
         runner = NativeModelRunner(
             loaded.model, kv_cache(loaded, plan.page_size, device, plan.kv_pages), device, seed=seed,
@@ -76,6 +77,15 @@ def build_native_stack(
         return assemble_stack(loaded, plan, device, runner)
 
     return build_off_this_thread(build) if device.type == "cpu" else build()
+
+
+def set_cpu_threads(plan: StagePlan) -> None:
+    """torch's intra-op threads as the plan chose: the process-wide count, which each
+    thread takes at its first parallel op (the stage's step thread among them, started
+    after this); a thread that ran one before keeps its own."""
+    if plan.cpu_threads is not None and plan.cpu_threads != torch.get_num_threads():
+        torch.set_num_threads(plan.cpu_threads)
+        log.info("cpu_threads", threads=plan.cpu_threads, reason=plan.cpu_threads_reason)
 
 
 def log_plan(plan: StagePlan) -> None:
@@ -91,22 +101,28 @@ def build_scheduler(stack: NativeStack, config: SchedulerConfig | None = None, *
     if config is not None and not plan.made_from(config):
         raise ConfigError("build_scheduler's config differs from the one its stack was built from")
     config = plan.config
+    mode = quantization_of(stack.loaded.model)
+    dtype = str(next(stack.loaded.model.parameters()).dtype).replace("torch.", "")
     info = {
         "model_path": stack.loaded.path,
         "model_name": stack.loaded.name or stack.loaded.path,
         "load_format": stack.loaded.load_format,
         "model_family": stack.loaded.config.family,
         "device": str(stack.device),
-        "dtype": str(next(stack.loaded.model.parameters()).dtype).replace("torch.", ""),
+        "dtype": dtype,
         "weight_version": "initial",
-        "quantization": quantization_of(stack.loaded.model),
+        "quantization": mode,
+        "arithmetic": arithmetic(mode, dtype),  # what computes tokens and what scores prompts
         "cpu_attention_kernel": stack.runner.cpu_attention_kernel,
         "cpu_fused_ops": stack.runner.cpu_fused_ops,
         "num_parameters": sum(p.numel() for p in stack.loaded.model.parameters()),
         "plan": plan.as_dict(),
     }
     if stack.device.type == "cpu":
-        info["cpu_threads"] = torch.get_num_threads()  # the intra-op threads a step's kernels use
+        # The intra-op threads a step's kernels use: the plan's (a thread takes the count
+        # at its first parallel op, so torch.get_num_threads() here may be an older one's).
+        info["cpu_threads"] = plan.cpu_threads or torch.get_num_threads()
+        info["cpu_threads_reason"] = plan.cpu_threads_reason or "left as it is"
     executor = make_step_executor(config.step_launch, stack.device.type, config.event_wait)
     tp = stack.tensor_parallel
     if tp is not None:

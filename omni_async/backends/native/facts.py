@@ -105,6 +105,37 @@ def available_memory_bytes() -> int | None:
         return None
 
 
+THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity mask where the OS has one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+@functools.lru_cache(maxsize=1)
+def load_average() -> float | None:
+    """The machine's 1-minute load average, read once per process: the thread count it
+    decides is process-wide, so a second engine keeps the first one's (None where the
+    OS has none)."""
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
+
+
+def threads_variable() -> str | None:
+    """``NAME=value`` of the variable that fixed torch's thread count, if one is set."""
+    for name in THREAD_VARIABLES:
+        value = os.environ.get(name, "").strip()
+        if value:
+            return f"{name}={value}"
+    return None
+
+
 def device_facts(device: torch.device) -> DeviceFacts:
     """The device as it is now; whether the C++ CPU kernels build is left False
     (:func:`entry_facts` learns it when a decision could turn on it: seconds the first
@@ -122,6 +153,10 @@ def device_facts(device: torch.device) -> DeviceFacts:
         free_bytes=available_memory_bytes(),
         native_bf16=cpu_has_native_bf16(),
         graph_buckets=DEFAULT_BUCKETS,
+        cpus=usable_cpus(),
+        load_average=load_average(),
+        intra_op_threads=torch.get_num_threads(),
+        threads_env=threads_variable(),
     )
 
 

@@ -6,7 +6,7 @@ Importing this package does not import SGLang; :func:`build_sglang_stage` does, 
 fails with :class:`SGLangUnavailableError` naming the install route when SGLang is
 missing. Nothing else in omni_async imports SGLang.
 
-Install: ``pip install 'omni-async[sglang]'`` (pins ``sglang==0.5.23``), or on a
+Install: ``pip install -e '.[sglang]'`` in the checkout (pins ``sglang==0.5.23``), or on a
 CPU-only machine ``bash scripts/install_sglang.sh`` (see ``shims/``).
 """
 
@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
 SGLANG_VERSION = "0.5.23"
 INSTALL_HINT = (
-    "install the extra with `pip install 'omni-async[sglang]'` (it pins sglang==0.5.23), "
+    "install the extra with `pip install -e '.[sglang]'` in the omni-async checkout (it pins sglang==0.5.23), "
     "or on a CPU-only machine run `bash scripts/install_sglang.sh`"
 )
 
