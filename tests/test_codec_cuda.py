@@ -108,7 +108,7 @@ def test_capturing_every_bucket_up_front():
 
 
 async def _stream(graphs: bool) -> tuple[list, np.ndarray, dict]:
-    async with SpeechPipeline.from_pretrained("tiny", device="cuda", dtype="float32", cuda_graphs=graphs,
+    async with SpeechPipeline.from_pretrained("tiny", device="cuda", dtype="float32", cuda_graphs=graphs, codec_graphs=graphs,
                                               first_chunk_frames=1, max_chunk_frames=16) as tts:
         chunks = [c async for c in tts.stream("Graphed codec calls.", voice="vivian",
                                              params=SpeechParams(max_frames=30, ignore_eos=True, seed=5))]

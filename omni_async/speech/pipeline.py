@@ -46,24 +46,29 @@ class SpeechPipeline:
     """Use ``async with``; ``synthesize`` for a whole utterance, ``stream`` for its
     chunks as they are decoded."""
 
-    def __init__(self, stage: SpeechStage, codec: CodecDecoder, *, first_chunk_frames: int = 2, max_chunk_frames: int = 32) -> None:
+    def __init__(self, stage: SpeechStage, codec: CodecDecoder, *, first_chunk_frames: int = 2, max_chunk_frames: int = 32,
+                 codec_graphs: bool = False) -> None:
         self.stage = stage
         self.engine = stage.engine
         self.model = stage.model
         self.config = stage.model.config
-        # The codec's calls are graphed where the talker's frames are (CUDA, cuda_graphs on).
+        # ``codec_graphs``: the codec's calls as CUDA graphs (where the talker's frames are
+        # graphed). Opt-in: checked on the CPU's eager path only so far (tests/test_codec_cuda.py
+        # has not run on a GPU); the eager codec is the default.
         self.codec = CodecStage(codec, stage.runner.device, first_chunk_frames=first_chunk_frames, max_chunk_frames=max_chunk_frames,
-                                cuda_graphs=stage.runner.frame_graphs is not None)
+                                cuda_graphs=codec_graphs and stage.runner.frame_graphs is not None)
         self.sample_rate = codec.sample_rate
         self._tg: Any = None
         self._ids = itertools.count()
 
     @classmethod
     def from_pretrained(cls, path_or_name: str, *, device: str = "cpu", loop: str = "overlap", dtype: Any = None, seed: int = 0,
-                        first_chunk_frames: int = 2, max_chunk_frames: int = 32, **limits: Any) -> "SpeechPipeline":
+                        first_chunk_frames: int = 2, max_chunk_frames: int = 32, codec_graphs: bool = False,
+                        **limits: Any) -> "SpeechPipeline":
         """A Qwen3-TTS 12 Hz checkpoint folder (the ``qwen-tts`` layout), or a built-in
         random-weight model: ``"tiny"`` (tests, the CPU demo), ``"0.6b"``, ``"1.7b"``
-        (the released sizes' shapes, for speed runs). ``limits``: SchedulerConfig fields."""
+        (the released sizes' shapes, for speed runs). ``codec_graphs``: the codec's calls
+        as CUDA graphs (opt-in, see ``__init__``). ``limits``: SchedulerConfig fields."""
         stage = build_speech_stage(path_or_name, device=device, loop=loop, dtype=dtype, seed=seed, **limits)
         dev, dt = stage.runner.device, stage.model.dtype
         if stage.folder is not None:
@@ -71,7 +76,7 @@ class SpeechPipeline:
         else:
             codec = CodecDecoder.random(_codec_config(builtin_name(path_or_name) or ""), device=dev, dtype=torch.float32 if dev.type == "cpu" else dt,
                                         seed=seed)
-        return cls(stage, codec, first_chunk_frames=first_chunk_frames, max_chunk_frames=max_chunk_frames)
+        return cls(stage, codec, first_chunk_frames=first_chunk_frames, max_chunk_frames=max_chunk_frames, codec_graphs=codec_graphs)
 
     @classmethod
     async def load(cls, path_or_name: str, **kwargs: Any) -> "SpeechPipeline":
