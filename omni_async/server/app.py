@@ -24,9 +24,7 @@ import os
 from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import errors
 from ..text.chat import chat_template_of, render_chat_ids, template_names
@@ -38,16 +36,17 @@ from .metrics import CONTENT_TYPE_LATEST, EngineMetrics
 from ..version import __version__
 from .chat_messages import ChatMessage, TrackedMessage, check_fields_read, template_messages, tool_turns_as_text
 from .disconnect import until_disconnect
-from .errors import ClientNames, body_of, error_body, single_error
+from .errors import ClientNames, body_of, error_body
 from .prompt_list import combined_result, merged_deltas
 from .protocol import DEFAULT_COMPLETION_MAX_TOKENS, ChatCompletionRequest, CompletionRequest
 from .wire import DONE, ChunkFrames, FastJsonRoute, event
-from .request_errors import chat_names, completion_names, validation_error_body
+from .request_errors import chat_names, completion_names
 from .responses import ResponseContext, usage
 from .responses_api import add_responses_route
 from .scoring import PromptScores, check_max_tokens, echoed_prompts, engine_prompt_logprobs
 from .options import ApiKeyGuard, chat_template_text, generation_defaults
 from .reasoning import starts_inside, thinks
+from .handlers import add_error_handlers
 from .tokenize import add_tokenize_routes
 from .tool_parsers import parser_for_template, with_tools_message
 from .worker_routes import add_worker_routes
@@ -353,36 +352,7 @@ def create_app(
     if api_key:
         app.add_middleware(ApiKeyGuard, api_key=api_key)
 
-    @app.exception_handler(errors.OmniAsyncError)
-    async def typed_error(request: Request, exc: errors.OmniAsyncError) -> JSONResponse:
-        status, body = body_of(server.answerable(exc), getattr(request.state, "client_names", None))
-        return JSONResponse(body, status_code=status)
-
-    @app.exception_handler(RequestValidationError)
-    async def invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return JSONResponse(validation_error_body(exc.errors()), status_code=400)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        """Unknown routes (404) and methods (405), in OpenAI's shape."""
-        where = f"{request.method} {request.url.path}"
-        if exc.status_code == 404:
-            message = f"Invalid URL ({where})"
-        elif exc.status_code == 405:
-            message = f"Invalid method for URL ({where})"
-        else:
-            message = str(exc.detail)
-        return JSONResponse(error_body(message, exc.status_code), status_code=exc.status_code, headers=getattr(exc, "headers", None))
-
-    @app.exception_handler(Exception)
-    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
-        """Anything else: a typed error inside an exception group gets its own answer;
-        the rest is a 500 with an OpenAI-style body (logged)."""
-        inner = single_error(exc)
-        if isinstance(inner, errors.OmniAsyncError):
-            return await typed_error(request, inner)
-        log.error("server_request_failed", path=request.url.path, error=repr(exc))
-        return JSONResponse(error_body(f"internal server error: {type(inner).__name__}", 500), status_code=500)
+    add_error_handlers(app, server.answerable)
 
     app.get("/v1/models")(server.models)
     app.get("/v1/models/{model_id:path}", response_model=None)(server.model)

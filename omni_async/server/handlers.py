@@ -1,8 +1,10 @@
 """The exception handlers that give every error of an app the OpenAI shape: a typed
-engine error, a body that does not parse, an unknown route or method, a bug. The speech
-app installs them; they answer exactly as the text app's own."""
+engine error, a body that does not parse, an unknown route or method, a bug. The text and
+speech apps both install them."""
 
 from __future__ import annotations
+
+from typing import Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -17,10 +19,13 @@ from .request_errors import validation_error_body
 __all__ = ["add_error_handlers"]
 
 
-def add_error_handlers(app: FastAPI) -> None:
+def add_error_handlers(app: FastAPI, answerable: Callable[[errors.OmniAsyncError], errors.OmniAsyncError] = lambda e: e) -> None:
+    """``answerable``: the error as the client is told it (the text server words a few
+    of its engine's errors for its clients)."""
+
     @app.exception_handler(errors.OmniAsyncError)
     async def typed_error(request: Request, exc: errors.OmniAsyncError) -> JSONResponse:
-        status, body = body_of(exc, getattr(request.state, "client_names", None))
+        status, body = body_of(answerable(exc), getattr(request.state, "client_names", None))
         return JSONResponse(body, status_code=status)
 
     @app.exception_handler(RequestValidationError)
