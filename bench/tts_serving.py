@@ -236,7 +236,10 @@ async def run(args) -> dict:
 
 
 async def run_http(tts, args, texts, offset, sampler) -> dict:
-    import httpx
+    try:
+        import httpx
+    except ImportError:  # the openai client's own copy, under its newer name
+        import httpx2 as httpx
     import uvicorn
 
     from omni_async.server.speech import create_speech_app
