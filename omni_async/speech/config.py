@@ -12,7 +12,7 @@ else reads this.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -218,6 +218,3 @@ def named_config(size: str) -> TTSConfig:
                      speaker_dialects={"dylan": "beijing_dialect", "eric": "sichuan_dialect"},
                      model_size="0b6" if size != "1.7b" else "1b7", **text, **_CODEC_IDS)
 
-
-def with_talker(cfg: TTSConfig, **changes: Any) -> TTSConfig:
-    return replace(cfg, talker=replace(cfg.talker, **changes))
