@@ -32,7 +32,7 @@ from ..config import SamplingParams
 from ..engine import Engine
 from ..client.handle import RequestHandle
 from ..logs import log
-from .metrics import CONTENT_TYPE_LATEST, EngineMetrics
+from .metrics import EngineMetrics
 from ..version import __version__
 from .chat_messages import ChatMessage, TrackedMessage, check_fields_read, template_messages, tool_turns_as_text
 from .disconnect import until_disconnect
@@ -46,7 +46,7 @@ from .responses_api import add_responses_route
 from .scoring import PromptScores, check_max_tokens, echoed_prompts, engine_prompt_logprobs
 from .options import ApiKeyGuard, chat_template_text, generation_defaults
 from .reasoning import starts_inside, thinks
-from .handlers import add_error_handlers
+from .handlers import add_error_handlers, add_service_routes
 from .tokenize import add_tokenize_routes
 from .tool_parsers import parser_for_template, with_tools_message
 from .worker_routes import add_worker_routes
@@ -362,18 +362,6 @@ def create_app(
     add_responses_route(app, server)
     add_worker_routes(app, server)  # what a router reads: /get_model_info, /get_load ...
 
-    @app.api_route("/health", methods=["GET", "HEAD"])  # load balancers probe with HEAD
-    async def health() -> Response:
-        if engine.event_loop is None or engine.scheduler.closed:
-            return JSONResponse({"status": "unavailable"}, status_code=503)
-        return JSONResponse({"status": "ok"})
-
-    @app.get("/metrics")
-    async def scrape() -> Response:
-        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
-
-    @app.get("/version")
-    async def version() -> Response:
-        return JSONResponse({"version": __version__})
+    add_service_routes(app, engine, metrics)
 
     return app

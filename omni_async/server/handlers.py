@@ -4,19 +4,20 @@ speech apps both install them."""
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import errors
 from ..logs import log
+from ..version import __version__
 from .errors import body_of, error_body, single_error
 from .request_errors import validation_error_body
 
-__all__ = ["add_error_handlers"]
+__all__ = ["add_error_handlers", "add_service_routes"]
 
 
 def add_error_handlers(app: FastAPI, answerable: Callable[[errors.OmniAsyncError], errors.OmniAsyncError] = lambda e: e) -> None:
@@ -52,3 +53,24 @@ def add_error_handlers(app: FastAPI, answerable: Callable[[errors.OmniAsyncError
             return await typed_error(request, inner)
         log.error("server_request_failed", path=request.url.path, error=repr(exc))
         return JSONResponse(error_body(f"internal server error: {type(inner).__name__}", 500), status_code=500)
+
+
+def add_service_routes(app: FastAPI, engine: Any, metrics: Any) -> None:
+    """``/health`` (GET and HEAD: load balancers probe with HEAD; 503 once the engine is
+    closed or not serving), ``/metrics`` (``metrics.render()``, Prometheus text) and
+    ``/version``: the same on every app."""
+    from .metrics import CONTENT_TYPE_LATEST
+
+    @app.api_route("/health", methods=["GET", "HEAD"])
+    async def health() -> Response:
+        if engine.event_loop is None or engine.scheduler.closed:
+            return JSONResponse({"status": "unavailable"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def scrape() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/version")
+    async def version() -> Response:
+        return JSONResponse({"version": __version__})

@@ -38,8 +38,7 @@ from ..version import __version__
 from .app import default_model_name
 from .disconnect import until_disconnect
 from .errors import body_of, error_body
-from .handlers import add_error_handlers
-from .metrics import CONTENT_TYPE_LATEST
+from .handlers import add_error_handlers, add_service_routes
 from .options import ApiKeyGuard
 from .speech_metrics import SpeechMetrics, Utterance
 from .speech_protocol import FORMATS, SPEECH_NAMES, SpeechPlan, SpeechRequest
@@ -216,19 +215,6 @@ def create_speech_app(pipeline: SpeechPipeline, *, model_name: str | None = None
     app.post("/v1/audio/speech", response_model=None)(server.speech)
     app.get("/v1/audio/voices")(server.voices)
 
-    @app.api_route("/health", methods=["GET", "HEAD"])
-    async def health() -> Response:
-        engine = pipeline.engine
-        if engine.event_loop is None or engine.scheduler.closed:
-            return JSONResponse({"status": "unavailable"}, status_code=503)
-        return JSONResponse({"status": "ok"})
-
-    @app.get("/metrics")
-    async def scrape() -> Response:
-        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
-
-    @app.get("/version")
-    async def version() -> Response:
-        return JSONResponse({"version": __version__})
+    add_service_routes(app, pipeline.engine, metrics)
 
     return app
