@@ -38,7 +38,7 @@ from .config import PredictorConfig
 
 __all__ = ["CodePredictor", "Sampler"]
 
-# ``sample(logits [B, V] float32, group) -> codes [B]``: how the frame's codebook ``group``
+# ``sample(logits [B, V] in the model's dtype, group) -> codes [B]``: how the frame's codebook ``group``
 # (1..15) is drawn from its logits.
 Sampler = Callable[[torch.Tensor, int], torch.Tensor]
 
@@ -107,7 +107,7 @@ class CodePredictor(nn.Module):
         for j in range(self.groups):
             if j:
                 hidden = self._forward(self.embed(j, codes[:, j - 1]), steps[j + 1], kv, ops)
-            codes[:, j] = sample(self.lm_head[j](hidden).float(), j + 1)
+            codes[:, j] = sample(self.lm_head[j](hidden), j + 1)
         return codes
 
     def _forward(self, x: torch.Tensor, step: _Step, kv: PagedKVCache, ops: ReferenceOps) -> torch.Tensor:
