@@ -34,6 +34,7 @@ from ..kv.attention import AttentionContext
 from ..kv.cache import PagedKVCache
 from ..models.config import ModelConfig
 from ..models.decoder import DecoderLayer, RMSNorm, rope_inv_freq
+from ..models.quantized import Linear
 from .config import PredictorConfig
 
 __all__ = ["CodePredictor", "Sampler"]
@@ -78,10 +79,10 @@ class CodePredictor(nn.Module):
         self.config = cfg
         self.groups = cfg.num_code_groups - 1
         self.small_to_mtp_projection: nn.Module = (
-            nn.Linear(talker_hidden, cfg.hidden_size, bias=True) if talker_hidden != cfg.hidden_size else nn.Identity()
+            Linear(talker_hidden, cfg.hidden_size, bias=True) if talker_hidden != cfg.hidden_size else nn.Identity()
         )
         self.model = _Backbone(cfg, talker_hidden)
-        self.lm_head = nn.ModuleList(nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False) for _ in range(self.groups))
+        self.lm_head = nn.ModuleList(Linear(cfg.hidden_size, cfg.vocab_size, bias=False) for _ in range(self.groups))
         self.register_buffer("inv_freq", rope_inv_freq(decoder_config(cfg)), persistent=False)
         self._kv: PagedKVCache | None = None
         self._retired: list[PagedKVCache] = []
@@ -102,20 +103,23 @@ class CodePredictor(nn.Module):
         kv = self._cache(b, past_hidden.dtype, past_hidden.device)
         steps = self._steps_for(b, past_hidden.dtype, past_hidden.device, use_kernel)
         codes = torch.empty((b, self.groups), dtype=torch.long, device=past_hidden.device)
-        self._forward(past_hidden, steps[0], kv, ops)
-        hidden = self._forward(first, steps[1], kv, ops)
+        self._forward(past_hidden, steps[0], kv, ops, None)  # position 0: its keys and values only
         for j in range(self.groups):
-            if j:
-                hidden = self._forward(self.embed(j, codes[:, j - 1]), steps[j + 1], kv, ops)
-            codes[:, j] = sample(self.lm_head[j](hidden), j + 1)
+            x = first if j == 0 else self.embed(j, codes[:, j - 1])
+            logits = self._forward(x, steps[j + 1], kv, ops, self.lm_head[j])
+            codes[:, j] = sample(logits, j + 1)
         return codes
 
-    def _forward(self, x: torch.Tensor, step: _Step, kv: PagedKVCache, ops: ReferenceOps) -> torch.Tensor:
-        """One position for every row: ``x`` [B, H_talker] in, the final-normed hidden state out."""
-        x, delta = self.small_to_mtp_projection(x), None
+    def _forward(self, x: torch.Tensor, step: _Step, kv: PagedKVCache, ops: ReferenceOps,
+                 head: nn.Module | None) -> torch.Tensor | None:
+        """One position for every row: ``x`` [B, H_talker] in, ``head``'s logits of the
+        final-normed hidden state out (the final norm fused with the head's GEMM where the
+        ops fuse them; nothing when there is no head)."""
+        proj = self.small_to_mtp_projection
+        x, delta = (x if isinstance(proj, nn.Identity) else ops.linear(x, proj)), None
         for layer in self.model.layers:
             x, delta = layer(x, delta, step.cos, step.sin, kv, step.ctx, ops)
-        return ops.add_norm(x, delta, self.model.norm)[1]
+        return None if head is None else ops.add_norm_linear(x, delta, self.model.norm, head)[1]
 
     def _cache(self, rows: int, dtype: torch.dtype, device: torch.device) -> PagedKVCache:
         """A page of 16 positions per row. Grown, never replaced in place: a captured graph
