@@ -1,0 +1,94 @@
+"""The fused norm + rotary + KV-write kernel (:func:`omni_async.kernels.fused.rope_store`)
+against the reference ops: on the CPU through Triton's interpreter (a process of its own,
+the interpreter being chosen when Triton is first imported), with and without Qwen3's
+per-head q/k RMSNorm, on the head layouts the engine's models use.
+
+Tolerance: the kernel rounds the norm where :class:`~omni_async.models.decoder.RMSNorm`
+does (the normalised value, then its product with the weight), but keeps the rotary's two
+products in float32 where torch rounds each to the activation dtype, so a bfloat16 output
+may differ from the reference by a step or two of bfloat16: at most 2^-6 of the largest
+|x| of its head, 4e-3 in norm over the tensor (the interpreter's own bfloat16 rounding,
+a truncation, is replaced by the GPU's round-to-nearest-even, as in
+:mod:`omni_async.kernels.small_m`). Float32 outputs differ by float32 noise.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("triton")
+
+from .triton_interpreter import run_interpreted  # noqa: E402
+
+COMPARE = r'''
+import torch
+from omni_async.kernels.fused import FusedOps
+from omni_async.kernels.reference import ReferenceOps
+from omni_async.kv.cache import PagedKVCache
+from omni_async.models.decoder import RMSNorm
+
+torch.set_grad_enabled(False)
+
+
+def close(got, want, dtype, what):
+    assert got.dtype == want.dtype and got.shape == want.shape, (what, got.dtype, want.dtype, got.shape, want.shape)
+    got, want = got.double(), want.double()
+    scale = want.abs().amax(dim=-1, keepdim=True)  # per head
+    step = 2.0 ** -6 if dtype == torch.bfloat16 else 1e-5
+    err = (got - want).abs()
+    worst = float((err / scale.clamp_min(1e-30)).max())
+    assert worst <= step, (what, worst)
+    rel = float((got - want).norm() / want.norm())
+    assert rel <= (4e-3 if dtype == torch.bfloat16 else 1e-6), (what, rel)
+    print(what, dtype, tuple(got.shape), f"{worst:.2e} {rel:.2e}")
+
+
+def trial(dtype, tokens, heads, kv_heads, dim, with_norm, norm_dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    qkv = (torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=gen) * 3).to(dtype)
+    q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    q, k, v = q.view(tokens, heads, dim), k.view(tokens, kv_heads, dim), v.view(tokens, kv_heads, dim)
+    angles = torch.rand(tokens, dim // 2, generator=gen) * 100
+    emb = torch.cat((angles, angles), dim=-1)
+    cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+    slots = torch.randperm(64, generator=gen)[:tokens]
+    norms = (None, None)
+    if with_norm:
+        norms = tuple(RMSNorm(dim, 1e-6).to(norm_dtype) for _ in range(2))
+        for n in norms:
+            n.weight.copy_(torch.randn(dim, generator=gen) * 0.5 + 1)
+    caches = []
+    for _ in range(2):
+        kv = PagedKVCache(num_layers=2, num_pages=4, page_size=16, num_kv_heads=kv_heads, head_dim=dim, dtype=dtype,
+                          device=torch.device("cpu"))
+        for t in kv.k + kv.v:
+            t.fill_(float("nan"))  # poisoned: slots not written stay NaN
+        caches.append(kv)
+    ref_q, ref_k = ReferenceOps().rope_store(q, k, v, cos, sin, caches[0], 1, slots, *norms)
+    got_q, got_k = FusedOps().rope_store(q, k, v, cos, sin, caches[1], 1, slots, *norms)
+    assert got_k is None  # the rotated k lives in the cache only
+    close(got_q, ref_q, dtype, "q")
+    close(caches[1].k[1][slots], ref_k, dtype, "k")
+    assert torch.equal(caches[1].v[1][slots], v)
+    untouched = torch.ones(64, dtype=torch.bool)
+    untouched[slots] = False
+    assert caches[1].k[1][untouched].isnan().all() and caches[1].v[1][untouched].isnan().all()
+    assert caches[1].k[0].isnan().all() and caches[1].v[0].isnan().all()
+
+
+runs = 0
+for dtype in (torch.bfloat16, torch.float32):
+    # Qwen2-0.5B's heads, Qwen3-0.6B's (16 q, 8 kv, 128), a head count not a power of two,
+    # Llama's 8 kv heads of 128.
+    for tokens, heads, kv_heads, dim in [(1, 14, 2, 64), (5, 16, 8, 128), (3, 6, 2, 32), (2, 32, 8, 128)]:
+        for with_norm in (False, True):
+            trial(dtype, tokens, heads, kv_heads, dim, with_norm, dtype, tokens * heads + dim)
+            runs += 1
+print("OK", runs)
+'''
+
+
+def test_norm_rope_store_matches_reference_interpreted():
+    proc = run_interpreted(COMPARE, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "OK 16" in proc.stdout, proc.stdout + proc.stderr
