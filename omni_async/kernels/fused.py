@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from . import small_m
+from .attention_block import unspecialized
 from .small_m import _rne
 from .launch import launcher
 from .reference import ReferenceOps
@@ -109,7 +110,9 @@ def _head_norm(x1, x2, W, i, cols, eps, D: tl.constexpr, HAS_NORM: tl.constexpr,
     return x1, x2
 
 
-@triton.jit
+# ``SLOTS`` is read one scalar a token; its alignment follows the caller's layout (a row of
+# a stacked array in an extend or a multi-step decode): kept out of the compile key.
+@triton.jit(**unspecialized(pointers=("SLOTS",)))
 def _rope_store_kernel(
     Q, K, V, COS, SIN, QOUT, KC, VC, SLOTS, QW, KW, eps,
     sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, sc_t, so_t, so_h, skc_s, skc_h, svc_s, svc_h,
