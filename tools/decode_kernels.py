@@ -12,6 +12,7 @@ call prints the before and the after side by side.
 
     python tools/decode_kernels.py --shape qwen05 --batch 1,64,256 [--ops triton,reference]
         [--context 512 | --context 100:1100] [--steps 5] [--out $OUT/decode_kernels.json]
+        [--code /path/to/main]   # another checkout's omni_async (the before)
 
 Prints, per (ops, batch): a table of kernel name, launches per step, per layer, and
 microseconds per step; then the totals (kernels per step, per layer). ``--smoke`` runs a
@@ -29,13 +30,23 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's omni_async
+
+def _checkout_first() -> None:
+    """``--code PATH`` (a checkout to measure, e.g. main for the before) or this one,
+    first on the path, before anything imports omni_async."""
+    code = Path(__file__).resolve().parents[1]
+    if "--code" in sys.argv:
+        code = Path(sys.argv[sys.argv.index("--code") + 1]).resolve()
+    sys.path.insert(0, str(code))
+
+
+_checkout_first()
 
 from omni_async.kernels import model_ops, triton_available  # noqa: E402
 from omni_async.kv.attention import AttentionContext  # noqa: E402
 from omni_async.kv.cache import PagedKVCache  # noqa: E402
 from omni_async.models.config import ModelConfig  # noqa: E402
-from omni_async.models.decoder import DecoderModel  # noqa: E402
+from omni_async.models.decoder import DecoderModel, rope_inv_freq  # noqa: E402
 
 # Model shapes (ModelConfig fields): Qwen2-0.5B (NV256's), Qwen3-0.6B (per-head q/k
 # norms), Llama-3-8B; and a tiny one for the CPU smoke run.
@@ -66,8 +77,6 @@ def build_model(shape: str, device: torch.device, dtype: torch.dtype) -> Decoder
                 p.fill_(1.0)
             else:
                 p.copy_(torch.randn(p.shape, generator=gen, device=device, dtype=torch.float32) * 0.02)
-        from omni_async.models.decoder import rope_inv_freq
-
         model.inv_freq = rope_inv_freq(cfg).to(device)
     return model.eval()
 
@@ -178,6 +187,7 @@ def main() -> int:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--out", default=None, help="also write the tables here (JSON)")
     ap.add_argument("--smoke", action="store_true", help="the tiny shape on the CPU (reference ops)")
+    ap.add_argument("--code", default=None, help="the checkout whose omni_async is measured (default: this one)")
     args = ap.parse_args()
     device = torch.device("cpu" if args.smoke else "cuda")
     shape = "smoke" if args.smoke else args.shape
@@ -200,7 +210,9 @@ def main() -> int:
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-        Path(args.out).write_text(json.dumps({"device": device_name, "torch": torch.__version__, "results": results}, indent=1))
+        Path(args.out).write_text(json.dumps({"device": device_name, "torch": torch.__version__,
+                                              "omni_async": str(Path(sys.modules["omni_async"].__file__).parent),
+                                              "results": results}, indent=1))
     return 0
 
 
