@@ -113,6 +113,26 @@ def test_rope_store_matches_reference(dtype, tokens, heads, kv_heads, dim, with_
     assert caches[1].k[1][untouched].isnan().all() and caches[1].k[0].isnan().all()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dim,theta", [(64, 1e6), (128, 5e5)])
+def test_rope_table_matches_reference(dtype, dim, theta):
+    """The rotary tables in one kernel: CUDA's cosf and sinf on the reference's float32
+    angles, rounded once."""
+    from omni_async.kernels.fused import FusedOps
+    from omni_async.models.config import ModelConfig
+    from omni_async.models.decoder import rope_inv_freq
+
+    cfg = ModelConfig(family="llama", vocab_size=10, hidden_size=2 * dim, intermediate_size=8, num_layers=1, num_heads=2,
+                      num_kv_heads=1, head_dim=dim, rope_theta=theta)
+    inv = rope_inv_freq(cfg).to(DEV)
+    gen = torch.Generator(device=DEV).manual_seed(dim)
+    pos = torch.randint(0, 40000, (300,), generator=gen, device=DEV)
+    for got, want in zip(FusedOps().rope_table(pos, inv, dtype), ReferenceOps().rope_table(pos, inv, dtype)):
+        err = float((got.double() - want.double()).abs().max())
+        assert err <= (1.2e-7 if dtype == torch.float32 else 2.0 ** -8)
+        assert float((got == want).double().mean()) >= 0.999
+
+
 def _greedy_tokens(device: str, prompts, n: int, **kw) -> list[list[int]]:
     async def run():
         engine = Engine.from_pretrained("tiny", device=device, dtype="float32", kv_capacity_tokens=8192, **kw)

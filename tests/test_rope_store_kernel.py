@@ -1,5 +1,5 @@
-"""The fused norm + rotary + KV-write kernel (:func:`omni_async.kernels.fused.rope_store`)
-against the reference ops: on the CPU through Triton's interpreter (a process of its own,
+"""The fused norm + rotary + KV-write kernel (:func:`omni_async.kernels.fused.rope_store`),
+and the rotary table kernel below, against the reference ops: on the CPU through Triton's interpreter (a process of its own,
 the interpreter being chosen when Triton is first imported), with and without Qwen3's
 per-head q/k RMSNorm, on the head layouts the engine's models use.
 
@@ -92,3 +92,49 @@ def test_norm_rope_store_matches_reference_interpreted():
     proc = run_interpreted(COMPARE, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "OK 16" in proc.stdout, proc.stdout + proc.stderr
+
+
+# The rotary table kernel (:func:`omni_async.kernels.fused.rope_table`) against
+# ``ReferenceOps.rope_table``: the same float32 angles; the interpreter's cosine and sine
+# are numpy's (the GPU's are CUDA's cosf and sinf, as torch's there), so float32 values may
+# differ by an ulp here and a bfloat16 table by a rounding step where such an ulp crosses
+# a rounding boundary (rare: none on these positions).
+TABLE = r'''
+import torch
+from omni_async.kernels.fused import FusedOps
+from omni_async.kernels.reference import ReferenceOps
+from omni_async.models.config import ModelConfig
+from omni_async.models.decoder import rope_inv_freq
+
+checked = 0
+for d, theta, scaling in ((64, 1e6, None), (128, 5e5, {"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 8192}),
+                          (16, 1e4, None)):
+    cfg = ModelConfig(family="llama", vocab_size=10, hidden_size=2 * d, intermediate_size=8, num_layers=1, num_heads=2,
+                      num_kv_heads=1, head_dim=d, rope_theta=theta, rope_scaling=scaling)
+    inv = rope_inv_freq(cfg)
+    gen = torch.Generator().manual_seed(d)
+    pos = torch.cat([torch.tensor([0, 1, 2, 31, 32767]), torch.randint(0, 40000, (60,), generator=gen)])
+    stacked = torch.stack([pos + 3, pos, pos + 1])
+    for dtype in (torch.float32, torch.bfloat16):
+        for p in (pos, stacked.unbind(0)[1], pos[:1], pos[:0]):  # a row of stacked inputs, as an extend passes them
+            want = ReferenceOps().rope_table(p, inv, dtype)
+            got = FusedOps().rope_table(p, inv, dtype)
+            for g, w in zip(got, want):
+                assert g.dtype == w.dtype == dtype and g.shape == w.shape == (p.shape[0], d), (g.shape, w.shape)
+                if not p.numel():
+                    continue
+                err = float((g.double() - w.double()).abs().max())
+                equal = float((g == w).double().mean())
+                if dtype == torch.float32:
+                    assert err <= 1.2e-7, (d, err)
+                else:
+                    assert err <= 2.0 ** -8 and equal >= 0.999, (d, err, equal)
+                checked += 1
+print("OK", checked)
+'''
+
+
+def test_rope_table_matches_reference_interpreted():
+    proc = run_interpreted(TABLE, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "OK 36" in proc.stdout, proc.stdout + proc.stderr

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from . import small_m
 from .attention_block import unspecialized
@@ -194,6 +195,61 @@ def rope_store(
     return q_out
 
 
+# The interpreter (TRITON_INTERPRET=1, how the CPU tests run kernels) has no libdevice;
+# on the GPU libdevice's cos and sin are CUDA's cosf and sinf, which torch's cos and sin
+# call: the same float32 values, so the same tables once rounded.
+if small_m._INTERPRETED:
+    @triton.jit
+    def _cos(x):
+        return tl.cos(x)
+
+    @triton.jit
+    def _sin(x):
+        return tl.sin(x)
+else:
+    @triton.jit
+    def _cos(x):
+        return libdevice.cos(x)
+
+    @triton.jit
+    def _sin(x):
+        return libdevice.sin(x)
+
+
+@triton.jit(**unspecialized(pointers=("POS",)))  # a row of the extend's stacked inputs
+def _rope_table_kernel(POS, INV, COS, SIN, stride_c, stride_s, HALF: tl.constexpr, BLOCK: tl.constexpr,
+                       EMULATE: tl.constexpr):
+    # One program a token: its angles (position times each inverse frequency, float32, as
+    # the reference multiplies), their cosines and sines rounded to the table's dtype and
+    # written to both halves of its row (the reference's cat). Seven torch kernels a step.
+    t = tl.program_id(0)
+    i = tl.arange(0, BLOCK)
+    cols = i < HALF
+    pos = tl.load(POS + t).to(tl.float32)
+    freqs = pos * tl.load(INV + i, mask=cols, other=0.0).to(tl.float32)
+    c = _rne(_cos(freqs), EMULATE).to(COS.dtype.element_ty)
+    s = _rne(_sin(freqs), EMULATE).to(SIN.dtype.element_ty)
+    tl.store(COS + t * stride_c + i, c, mask=cols)
+    tl.store(COS + t * stride_c + HALF + i, c, mask=cols)
+    tl.store(SIN + t * stride_s + i, s, mask=cols)
+    tl.store(SIN + t * stride_s + HALF + i, s, mask=cols)
+
+
+_ROPE_TABLE_LAUNCH = launcher(_rope_table_kernel)
+
+
+def rope_table(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """:meth:`ReferenceOps.rope_table` in one launch: ``(cos, sin)`` ``[T, D]``."""
+    t, half = positions.shape[0], inv_freq.shape[0]
+    cos = torch.empty(t, 2 * half, dtype=dtype, device=positions.device)
+    sin = torch.empty_like(cos)
+    if t:
+        _ROPE_TABLE_LAUNCH[(t,)](positions, inv_freq, cos, sin, cos.stride(0), sin.stride(0), HALF=half,
+                                 BLOCK=triton.next_power_of_2(half),
+                                 EMULATE=small_m._INTERPRETED and dtype == torch.bfloat16)
+    return cos, sin
+
+
 class FusedOps(ReferenceOps):
     """The decoder's elementwise ops through the kernels above (same interface as
     :class:`~omni_async.kernels.reference.ReferenceOps`). Rotated k is written straight to
@@ -205,6 +261,11 @@ class FusedOps(ReferenceOps):
 
     def add_norm(self, x, delta, norm):
         return add_rms_norm(x, delta, norm.weight, norm.eps)
+
+    def rope_table(self, positions, inv_freq, dtype):
+        if positions.dim() != 1 or inv_freq.device != positions.device:
+            return super().rope_table(positions, inv_freq, dtype)
+        return rope_table(positions, inv_freq, dtype)
 
     def silu_mul(self, gate_up):
         return silu_mul(gate_up)

@@ -36,6 +36,13 @@ class ReferenceOps:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
 
+    def rope_table(self, positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rotary ``(cos, sin)`` rows ``[T, D]`` of ``positions`` in ``dtype``: the
+        angles in float32, each half of a row the same (``D`` is twice ``inv_freq``'s)."""
+        freqs = positions.to(torch.float32)[:, None] * inv_freq.to(torch.float32)[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
     def rope_store(
         self, q, k, v, cos, sin, kv: Any, layer: int, slots: torch.Tensor,
         q_norm: Callable[[torch.Tensor], torch.Tensor] | None = None,

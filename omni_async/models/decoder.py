@@ -193,9 +193,8 @@ class DecoderModel(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.to(torch.float32)[:, None] * self.inv_freq.to(torch.float32)[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        """The step's rotary tables, through the ops (one fused kernel on CUDA)."""
+        return self.ops.rope_table(positions, self.inv_freq, dtype)
 
     @torch.inference_mode()
     def forward(
