@@ -14,6 +14,8 @@ a truncation, is replaced by the GPU's round-to-nearest-even, as in
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 pytest.importorskip("triton")
@@ -138,3 +140,38 @@ def test_rope_table_matches_reference_interpreted():
     proc = run_interpreted(TABLE, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "OK 36" in proc.stdout, proc.stdout + proc.stderr
+
+
+def _ptxas_present() -> bool:
+    import triton
+
+    return (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").is_file()
+
+
+@pytest.mark.skipif(not _ptxas_present(), reason="needs Triton's NVIDIA backend (ptxas) to compile offline")
+def test_kernels_compile_for_hopper_without_a_gpu():
+    """The interpreter runs what the GPU compiler may refuse: the norm + rotary + KV-write
+    kernel with and without the norm on the engine's head layouts, and the rotary table
+    kernel (libdevice's cosf and sinf), compile for sm_90 through ptxas."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from omni_async.kernels import fused
+
+    def compile_sm90(fn, types: dict, const: dict) -> str:
+        sig = {n: "constexpr" if n in const else types.get(n, "i32") for n in fn.arg_names}
+        kernel = triton.compile(ASTSource(fn, sig, const), target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+        return kernel.asm["ptx"]
+
+    bf16 = {n: "*bf16" for n in ("Q", "K", "V", "COS", "SIN", "QOUT", "KC", "VC", "QW", "KW")}
+    for nh, nkv, d in [(14, 2, 64), (16, 8, 128), (32, 8, 128)]:
+        for norm in (False, True):
+            const = dict(NH=nh, NKV=nkv, HALF=d // 2, BLOCK=d // 2, QHEADS=triton.next_power_of_2(nh),
+                         KVHEADS=triton.next_power_of_2(nkv), HAS_NORM=norm, EMULATE=False)
+            ptx = compile_sm90(fused._rope_store_kernel, {**bf16, "SLOTS": "*i64", "eps": "fp32"}, const)
+            assert ("rsqrt" in ptx) == norm, (nh, nkv, d, norm)
+    for half, dtype in [(32, "*bf16"), (64, "*bf16"), (64, "*fp32")]:
+        ptx = compile_sm90(fused._rope_table_kernel, {"POS": "*i64", "INV": "*fp32", "COS": dtype, "SIN": dtype},
+                           dict(HALF=half, BLOCK=half, EMULATE=False))
+        assert "cos.approx" not in ptx and "sin.approx" not in ptx  # libdevice's, not the approximations
