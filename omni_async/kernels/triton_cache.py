@@ -111,17 +111,19 @@ class CompileWatch:
             self._installed = True
             return True
 
-    def _on_compile(self, *, key: Any, repr: str, fn: Any, compile: Any, is_manual_warmup: bool, already_compiled: bool) -> Any:
+    def _on_compile(self, **info: Any) -> Any:
+        """Triton's hook (keywords only: ``key``, ``repr``, ``fn``, ``compile``...; taken
+        as a mapping, so that a Triton passing more or fewer still compiles)."""
+        name = str(info.get("repr") or info.get("key"))
         with self._lock:
             self.compiles += 1
             late = self._warming == 0
             if late:
-                self.late.append(repr)
+                self.late.append(name)
         if late:
-            log.warning("triton_compile_outside_warmup", kernel=repr)
+            log.warning("triton_compile_outside_warmup", kernel=name)
         if self._previous is not None:
-            return self._previous(key=key, repr=repr, fn=fn, compile=compile, is_manual_warmup=is_manual_warmup,
-                                  already_compiled=already_compiled)
+            return self._previous(**info)
         return None
 
     def late_kernels(self) -> list[str]:
