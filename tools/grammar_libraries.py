@@ -87,16 +87,16 @@ class LLGuidance:
     def setup(self, vocab: Any) -> None:
         import llguidance
 
-        from omni_async.structured.grammar import _Wrapper
+        from omni_async.structured.library import TokenizerView
         self.llg = llguidance
-        self.tok = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_Wrapper(vocab)), n_vocab=vocab.size)
+        self.tok = llguidance.LLTokenizer(llguidance.TokenizerWrapper(TokenizerView(vocab)), n_vocab=vocab.size)
         self.executors: dict[int, Any] = {}
 
     def compile(self, kind: str, text: str) -> Any:
-        from omni_async.structured.grammar import _grammar_text
+        from omni_async.structured.library import grammar_text
         from omni_async.structured.library import parser_limits
 
-        m = self.llg.LLMatcher(self.tok, _grammar_text(self.llg, kind, text), log_level=0, limits=parser_limits(self.llg))
+        m = self.llg.LLMatcher(self.tok, grammar_text(self.llg, kind, text), log_level=0, limits=parser_limits(self.llg))
         if m.is_error():
             raise ValueError(m.get_error())
         return m

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from .prefetch import PARALLEL_MIN_ROWS, pool_threads
+from .prefetch import PARALLEL_MIN_ROWS, all_llguidance, pool_threads
 
 _EXECUTOR: Any = None
 
@@ -128,7 +128,7 @@ def compute_rows(rows: list[tuple[Any, int]], bitmask: torch.Tensor) -> None:
     """Each ``(library matcher, row)``'s mask computed straight into ``bitmask``."""
     stride = bitmask.shape[1] * 4
     threads = pool_threads()  # llguidance's pool only where it pays (see .prefetch)
-    if len(rows) >= PARALLEL_MIN_ROWS and threads:
+    if len(rows) >= PARALLEL_MIN_ROWS and threads and all_llguidance(h for h, _ in rows):
         global _EXECUTOR
         if _EXECUTOR is None:
             import llguidance  # not llguidance.torch: importing it compiles a kernel (seconds)

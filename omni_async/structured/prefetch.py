@@ -101,6 +101,14 @@ def pool_threads(cpus: int | None = None) -> int:
     return n if way == "pool" else 0
 
 
+def all_llguidance(handles: Any) -> bool:
+    """Whether every handle is llguidance's own matcher: only those go to llguidance's
+    pool (a grammar xgrammar compiled, :mod:`.xgrammar_backend`, is computed row by row)."""
+    from .xgrammar_backend import XGrammarHandle
+
+    return not any(isinstance(h, XGrammarHandle) for h in handles)
+
+
 def compute_slice(handles: list[Any], masks: np.ndarray, ok: np.ndarray, first: int, step: int,
                   runs: list[Any] | None = None) -> None:
     """Rows ``first, first + step, ...`` of ``handles`` into ``masks`` (C-contiguous int32);
@@ -343,7 +351,7 @@ class MaskWorker:
         masks = np.empty((n, self.words), dtype=np.int32)
         ok = np.ones(n, dtype=bool)
         runs: list[Any] | None = [None] * n
-        if self.threads and n > 1:  # one library call: the GIL is released for all the rows
+        if self.threads and n > 1 and all_llguidance(handles):  # one library call: the GIL is released for all the rows
             runs = None
             self._compute_parallel(handles, masks, ok)
         elif self.slices is not None:  # every queued ticket's rows, over the worker's threads
