@@ -73,6 +73,35 @@ def test_masks_within_llguidances_and_stops_equal_along_random_walks(key):
         ll.close()
 
 
+def test_one_batch_call_fills_what_row_calls_fill():
+    """The mask worker's one xgrammar call a ticket (``xgrammar_backend.fill_masks``) against a
+    call per row, rows in any order, a stopped matcher admitting nothing."""
+    from omni_async.structured.xgrammar_backend import fill_masks
+
+    tok = ByteTokenizer()
+    words = (tok.vocab_size + 31) // 32
+    xg = GrammarCompiler(tok, tok.vocab_size, backend="xgrammar")
+    try:
+        rng = random.Random(1)
+        matchers = [xg.matcher(("regex", REGEX))] + [xg.matcher(("json_schema", json.dumps(SCHEMA))) for _ in range(5)]
+        for j, m in enumerate(matchers):  # each to another position (the schema's objects are longer than 12 bytes)
+            for _ in range(3 * j):
+                m.accept(int(rng.choice(allowed(mask_of(m, words), tok.vocab_size))), prefetch=False)
+        stopped = xg.matcher(("regex", "[0-9]{2}"))
+        assert not stopped.accept(ord("4"), prefetch=False) and stopped.accept(ord("2"), prefetch=False) and stopped.complete
+        handles = [m.handle for m in matchers + [stopped]]
+        rows = [3, 0, 6, 1, 5, 2, 4]
+        batch = np.full((7, words), -1, dtype=np.int32)
+        fill_masks(handles, batch, rows)
+        for h, row in zip(handles, rows):
+            one = np.empty(words, dtype=np.int32)
+            h.unsafe_compute_mask_ptr(one.ctypes.data, one.nbytes)
+            assert (batch[row] == one).all()
+        assert not batch[4].any() and all(batch[r].any() for r in rows[:-1])
+    finally:
+        xg.close()
+
+
 def test_what_xgrammar_does_not_take_stays_with_llguidance():
     tok = ByteTokenizer()
     xg = GrammarCompiler(tok, tok.vocab_size, backend="xgrammar")

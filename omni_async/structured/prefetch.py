@@ -33,6 +33,8 @@ from typing import Any
 
 import numpy as np
 
+from . import xgrammar_backend
+
 # llguidance's pool, where asked for: a fill computing rows itself (batch_mask.compute_rows)
 # uses it from PARALLEL_MIN_ROWS rows.
 PARALLEL_MIN_ROWS = 16
@@ -104,9 +106,7 @@ def pool_threads(cpus: int | None = None) -> int:
 def all_llguidance(handles: Any) -> bool:
     """Whether every handle is llguidance's own matcher: only those go to llguidance's
     pool (a grammar xgrammar compiled, :mod:`.xgrammar_backend`, is computed row by row)."""
-    from .xgrammar_backend import XGrammarHandle
-
-    return not any(isinstance(h, XGrammarHandle) for h in handles)
+    return not any(isinstance(h, xgrammar_backend.XGrammarHandle) for h in handles)
 
 
 def compute_slice(handles: list[Any], masks: np.ndarray, ok: np.ndarray, first: int, step: int,
@@ -354,6 +354,11 @@ class MaskWorker:
         if self.threads and n > 1 and all_llguidance(handles):  # one library call: the GIL is released for all the rows
             runs = None
             self._compute_parallel(handles, masks, ok)
+        elif xgrammar_backend.all_xgrammar(handles):  # one xgrammar call (no forced runs from it)
+            try:
+                xgrammar_backend.fill_masks(handles, masks, threads=self.slices.threads if self.slices is not None else 1)
+            except Exception:
+                ok[:] = False  # the fill computes them row by row and meets the error there
         elif self.slices is not None:  # every queued ticket's rows, over the worker's threads
             self.slices.run(handles, masks, ok, runs)
         else:

@@ -28,7 +28,8 @@ from __future__ import annotations
 
 import ctypes
 import os
-from typing import Any
+import threading
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -170,3 +171,36 @@ class XGrammarHandle:
         for t in self._stop_ids:
             bits[t >> 5] &= ~np.uint32(1 << (t & 31))
         return not bits.any()
+
+
+_BATCHES = threading.local()  # each thread's BatchGrammarMatcher per thread count
+
+
+def all_xgrammar(handles: Sequence[Any]) -> bool:
+    """Whether every handle is an :class:`XGrammarHandle` (then :func:`fill_masks` serves them)."""
+    return bool(handles) and all(isinstance(h, XGrammarHandle) for h in handles)
+
+
+def fill_masks(handles: Sequence[XGrammarHandle], masks: np.ndarray, rows: Sequence[int] | None = None,
+               threads: int = 1) -> None:
+    """Each handle's mask into row ``rows[j]`` (else ``j``) of ``masks`` (``[n, words]``
+    int32, C-contiguous) in one xgrammar call over ``threads`` of its own: a call per row
+    costs ~2.4x the library's time a row (4.5 against 1.8 us on the bench's schema,
+    SmolLM2's vocabulary, this VM), Python and a GIL round trip each. A stopped or failed
+    matcher admits nothing (as :meth:`XGrammarHandle.unsafe_compute_mask_ptr`)."""
+    at = list(range(len(handles))) if rows is None else list(rows)
+    live = [j for j, h in enumerate(handles) if not (h._error or h._stopped)]
+    for j in range(len(handles)):
+        if handles[j]._error or handles[j]._stopped:
+            masks[at[j]] = 0
+    if not live:
+        return
+    by_threads = getattr(_BATCHES, "by_threads", None)
+    if by_threads is None:
+        by_threads = _BATCHES.by_threads = {}
+    batch = by_threads.get(threads)
+    if batch is None:
+        import xgrammar
+
+        batch = by_threads[threads] = xgrammar.BatchGrammarMatcher(max_threads=max(1, threads))
+    batch.batch_fill_next_token_bitmask([handles[j]._m for j in live], masks, [at[j] for j in live])
