@@ -138,8 +138,10 @@ class XGrammar:
 
     def compile(self, kind: str, text: str) -> Any:
         c = self.xgr.GrammarCompiler(self.info, cache_enabled=False)
-        if kind == "json_schema":
-            return c.compile_json_schema(text, any_whitespace=False, separators=(", ", ": "))
+        if kind == "json_schema":  # the engine's grammar of the schema (structured/xgrammar_backend.py)
+            from omni_async.structured.xgrammar_backend import json_ebnf
+
+            return c.compile_grammar(json_ebnf(self.xgr, text))
         return c.compile_regex(text)
 
     def matcher(self, compiled: Any) -> Any:
