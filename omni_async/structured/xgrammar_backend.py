@@ -125,7 +125,7 @@ class XGrammarHandle:
         if not self._m.accept_token(int(token)):
             self._error = f"token {token} doesn't satisfy the grammar"
             return False
-        self._stopped = self._m.is_terminated() or (self._m.is_completed() and self._only_stops())
+        self._stopped = self._ended(int(token))
         return True
 
     def try_consume_tokens(self, tokens: list[int]) -> int:
@@ -136,7 +136,7 @@ class XGrammarHandle:
             if self._error or self._stopped or not self._m.accept_token(int(t)):
                 break
             n += 1
-            self._stopped = self._m.is_terminated() or (self._m.is_completed() and self._only_stops())
+            self._stopped = self._ended(int(t))
         return n
 
     def compute_ff_tokens(self) -> list[int]:
@@ -161,6 +161,14 @@ class XGrammarHandle:
 
     def is_stopped(self) -> bool:
         return self._stopped
+
+    def _ended(self, token: int) -> bool:
+        """After ``token`` was accepted: a stop token ends the grammar, and so does a complete
+        position that admits nothing but a stop token (one library call a token: the
+        matcher's accept is on the loop thread)."""
+        if token in self._stop_ids:
+            return self._m.is_terminated()
+        return self._m.is_completed() and self._only_stops()
 
     def _only_stops(self) -> bool:
         """Whether the mask here admits stop tokens alone (a complete grammar that cannot go
