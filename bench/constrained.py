@@ -128,12 +128,15 @@ class GrammarReplay:
     """Each constrained output's token ids fed again to a fresh matcher of SCHEMA. Tells the
     two kinds of fault apart: a token the grammar refuses is the engine's (a mask on the
     wrong row, a stale mask, a wrong forced token); ids the grammar accepts whose text the
-    checker refuses are the grammar's, the detokenizer's or the checker's."""
+    checker refuses are the grammar's, the detokenizer's or the checker's. The matcher is
+    the engine's library's (``backend``): on a BPE vocabulary llguidance admits only the
+    canonical tokens of text the grammar forces where xgrammar admits any split of it, so
+    llguidance refuses ids xgrammar rightly produced."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, backend: str | None = None) -> None:
         from omni_async.structured.grammar import GrammarCompiler
 
-        self._compiler = GrammarCompiler(tokenizer, tokenizer.vocab_size, backend="llguidance")  # whatever the engine's
+        self._compiler = GrammarCompiler(tokenizer, tokenizer.vocab_size, backend=backend)
         self._key = ("json_schema", json.dumps(SCHEMA))
 
     def accepts(self, ids: list[int]) -> bool:
@@ -291,7 +294,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     for loop in C.parse_loops(args.loops):
         engine = await Engine.load(path, loop=loop, **kwargs)
         runs = []
-        replay = GrammarReplay(engine.tokenizer)
+        replay = GrammarReplay(engine.tokenizer, engine.scheduler.info().get("grammar_backend"))
         async with engine:
             lengths = tuple(C.parse_int_list(args.lengths)) if args.lengths else None
             work = workload(args.requests, engine.tokenizer.vocab_size, args.smoke, args.seed, lengths)
