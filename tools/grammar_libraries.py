@@ -23,14 +23,14 @@ this probe's question, asked the way the engine asks it:
   ``LLExecutor(num_threads=N)`` and xgrammar's ``BatchGrammarMatcher(max_threads=N)``
   (``--threads``, default 1,4,15: the GPU host has 16 cores, one left to the loop).
 
-Printed and saved (bench/results/grammar_libraries.json): per library, grammar and threads,
+Printed and saved (bench/results/grammar_libraries_threads.json): per library, grammar and threads,
 the fill's time per row (step time / rows: mean and median over steps) and per step (median,
 p90), the accept per row, the cold compile, and the CPU the process used over the fill
 (CPU/wall above 1 means the threads did run at once). A library not installed is left out
 (xgrammar: ``pip install --no-deps xgrammar apache-tvm-ffi`` on a CPU-only machine, where its
 Triton requirement would put Triton where the CPU paths would find it).
 
-    python tools/grammar_libraries.py                         # 128 rows, 48 steps, threads 1,4,15
+    python tools/grammar_libraries.py                         # 128 rows, 96 steps after 32, threads 1,4,15
     python tools/grammar_libraries.py --rows 64 --steps 16 --threads 1,2   # a quick look
 """
 
@@ -231,12 +231,12 @@ def vocabulary() -> Any:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", type=int, default=128)
-    p.add_argument("--steps", type=int, default=48, help="timed fills per library, grammar and threads")
-    p.add_argument("--warmup", type=int, default=16, help="untimed fills first (the bench's warm-up arm)")
+    p.add_argument("--steps", type=int, default=96, help="timed fills per library, grammar and threads")
+    p.add_argument("--warmup", type=int, default=32, help="untimed fills first (the bench's warm-up arm)")
     p.add_argument("--threads", default="1,4,15")
     p.add_argument("--grammars", default=",".join(GRAMMARS))
     p.add_argument("--libraries", default="llguidance,xgrammar", help="run in this order (reverse it for a second run)")
-    p.add_argument("--out", default="grammar_libraries.json")
+    p.add_argument("--out", default="grammar_libraries_threads.json")
     args = p.parse_args()
     threads = [int(t) for t in args.threads.split(",")]
     grammars = [g for g in args.grammars.split(",") if g in GRAMMARS]
