@@ -25,7 +25,10 @@ from .conftest import assert_kv_free  # noqa: E402
 from .test_constrained import EBNF, EBNF_AS_REGEX, REGEX, SCHEMA, validate  # noqa: E402
 
 ENV = "OMNI_ASYNC_GRAMMAR_BACKEND"
-CONFIGS = [{"loop": "normal"}, {"loop": "overlap"}, {"loop": "async_decode"}, {"loop": "normal", "decode_steps": 4}]
+# The loops, four forwards a step, and jump-forward (xgrammar gives no forced runs: a position
+# whose mask admits one token is the run, found from the mask).
+CONFIGS = [{"loop": "normal"}, {"loop": "overlap"}, {"loop": "async_decode"}, {"loop": "normal", "decode_steps": 4},
+           {"loop": "overlap", "jump_forward": True, "decode_steps": 4}]
 
 
 def allowed(mask: np.ndarray, vocab: int) -> np.ndarray:
@@ -142,6 +145,7 @@ async def test_engine_outputs_valid_and_identical_across_loops(monkeypatch):
         results, info = await outputs(config, reqs)
         assert info["grammar_backend"] == "xgrammar"
         assert info["grammar_xgrammar_compiles"] == 2  # the schema and the regex; EBNF stays with llguidance
+        assert (info["grammar_jumps"] > 0) == bool(config.get("jump_forward")), info["grammar_jumps"]
         for (kind, _), r in zip(reqs, results):
             if kind == "json":
                 assert r.finish_reason == "stop", r.text
