@@ -179,3 +179,24 @@ async def test_bad_grammar_under_xgrammar_fails_its_request_alone(loop, monkeypa
         assert isinstance(result, errors.InvalidRequestError), result
     assert [r.output_ids for r in mixed[len(bad):]] == [r.output_ids for r in alone]
     assert re.fullmatch(REGEX, mixed[len(bad)].text)
+
+
+async def test_rows_sampling_first_are_checked_by_xgrammar(monkeypatch):
+    """``optimistic_grammar`` (CUDA's default): rows sample first and xgrammar's matcher takes
+    the tokens it admits (``try_consume_tokens``), refusing the rest; outputs stay valid."""
+    monkeypatch.setenv(ENV, "xgrammar")
+    reqs = [SamplingParams(max_new_tokens=200, json_schema=SCHEMA, temperature=0.0 if i % 2 else 1.0, seed=i)
+            for i in range(6)]
+    reqs += [SamplingParams(max_new_tokens=32, regex=REGEX, temperature=1.0, seed=i) for i in range(3)]
+    async with Engine.from_pretrained("tiny", device="cpu", loop="overlap", optimistic_grammar=True, decode_steps=4) as engine:
+        results = await asyncio.gather(*[engine.generate(prompt="Reply:", sampling=sp) for sp in reqs])
+        info = engine.scheduler.info()
+    assert_kv_free(engine)
+    assert info["grammar_xgrammar_compiles"] == 2
+    assert info["grammar_optimistic_tokens"] > 0 and info["grammar_optimistic_refused"] > 0
+    for sp, r in zip(reqs, results):
+        assert r.finish_reason == "stop", r.text
+        if sp.json_schema is not None:
+            validate(json.loads(r.text), SCHEMA)
+        else:
+            assert re.fullmatch(REGEX, r.text), r.text
