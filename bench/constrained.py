@@ -39,6 +39,7 @@ random weights) with SmolLM2's vocabulary and tokenizer, a grammar needing a tok
     python bench/constrained.py --device cuda --arms free,all [--mask-pool on]   # all-constrained only, ~3 min
     python bench/constrained.py --device cuda --arms free,all --mask-threads 8 [--schemas 8]  # 8 slice threads
     python bench/constrained.py --device cuda --arms free,quarter,all --jump-forward   # forced runs appended, ~5 min
+    python bench/constrained.py --device cuda --grammar-backend xgrammar   # the schema's masks from xgrammar
 """
 
 from __future__ import annotations
@@ -127,12 +128,15 @@ class GrammarReplay:
     """Each constrained output's token ids fed again to a fresh matcher of SCHEMA. Tells the
     two kinds of fault apart: a token the grammar refuses is the engine's (a mask on the
     wrong row, a stale mask, a wrong forced token); ids the grammar accepts whose text the
-    checker refuses are the grammar's, the detokenizer's or the checker's."""
+    checker refuses are the grammar's, the detokenizer's or the checker's. The matcher is
+    the engine's library's (``backend``): on a BPE vocabulary llguidance admits only the
+    canonical tokens of text the grammar forces where xgrammar admits any split of it, so
+    llguidance refuses ids xgrammar rightly produced."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, backend: str | None = None) -> None:
         from omni_async.structured.grammar import GrammarCompiler
 
-        self._compiler = GrammarCompiler(tokenizer, tokenizer.vocab_size)
+        self._compiler = GrammarCompiler(tokenizer, tokenizer.vocab_size, backend=backend)
         self._key = ("json_schema", json.dumps(SCHEMA))
 
     def accepts(self, ids: list[int]) -> bool:
@@ -228,6 +232,8 @@ async def run_arm(engine: Engine, work, arm: str, replay: GrammarReplay, schemas
         "late_pct_of_decode_steps": 100 * d["grammar_late_mask_steps"] / d["decode_steps"] if d["decode_steps"] else None,
         "late_fill_ms": (1e3 * d["grammar_late_mask_s"] / d["grammar_late_mask_steps"]
                          if d["grammar_late_mask_steps"] else None),
+        "grammar_backend": info1.get("grammar_backend"),  # the library asked for, and the grammars xgrammar compiled
+        "xgrammar_compiles": info1.get("grammar_xgrammar_compiles"),
         "mask_threads": info1.get("grammar_mask_threads"),
         "mask_slices": info1.get("grammar_mask_slices"),  # the worker's slice threads (0: none)
         "sliced_calls": d["grammar_mask_sliced_calls"],  # worker calls split over its slice threads
@@ -272,6 +278,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         os.environ["OMNI_ASYNC_GRAMMAR_THREADS"] = "0" if args.mask_pool == "off" else pool
     if args.mask_threads is not None:  # the variable's value as given (prefetch.mask_threads: N slices, pool:N)
         os.environ["OMNI_ASYNC_GRAMMAR_THREADS"] = args.mask_threads
+    if args.grammar_backend != "default":  # structured/xgrammar_backend.py: the schema's masks from xgrammar
+        os.environ["OMNI_ASYNC_GRAMMAR_BACKEND"] = args.grammar_backend
     path = str(qwen05_smol(Path(args.checkpoint_dir) / "qwen05-smol")) if model == "qwen05-smol" else model
     kwargs: dict[str, Any] = {"device": args.device}
     if args.device == "cuda":
@@ -286,7 +294,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     for loop in C.parse_loops(args.loops):
         engine = await Engine.load(path, loop=loop, **kwargs)
         runs = []
-        replay = GrammarReplay(engine.tokenizer)
+        replay = GrammarReplay(engine.tokenizer, engine.scheduler.info().get("grammar_backend"))
         async with engine:
             lengths = tuple(C.parse_int_list(args.lengths)) if args.lengths else None
             work = workload(args.requests, engine.tokenizer.vocab_size, args.smoke, args.seed, lengths)
@@ -347,7 +355,8 @@ def print_table(result: dict[str, Any]) -> None:
                       f"{sum(r['inline_rows'] for r in rs)}; worker calls per masked step "
                       f"{span([r['worker_calls_per_step'] for r in rs if r['worker_calls_per_step'] is not None], '{:.2f}')} "
                       f"({span([r['worker_rows_per_call'] for r in rs if r['worker_rows_per_call'] is not None], '{:.1f}')} rows a call, "
-                      f"pool threads {rs[0]['mask_threads']}, slice threads {rs[0]['mask_slices']}); fill per fused launch "
+                      f"pool threads {rs[0]['mask_threads']}, slice threads {rs[0]['mask_slices']}; grammar library "
+                      f"{rs[0]['grammar_backend']}, xgrammar compiles {rs[0]['xgrammar_compiles']}); fill per fused launch "
                       f"{span([r['fused_fill_ms'] for r in rs if r['fused_fill_ms'] is not None], '{:.3f}')} ms; "
                       f"fused launches with grammar rows "
                       f"{sum(r['counters']['fused_decode_with_grammar'] for r in rs)} (beside, split off: "
@@ -382,6 +391,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="optimistic_grammar: constrained rows sample first and the grammar checks after (default: on CUDA)")
     p.add_argument("--mask-threads", default=None,
                    help="OMNI_ASYNC_GRAMMAR_THREADS for this run: N (the mask worker's N slice threads), pool:N, or 0")
+    p.add_argument("--grammar-backend", choices=("default", "llguidance", "xgrammar"), default="default",
+                   help="OMNI_ASYNC_GRAMMAR_BACKEND for this run: xgrammar compiles the schema (structured/xgrammar_backend.py; "
+                        "needs xgrammar installed, else llguidance does: the table's 'xgrammar compiles' says which)")
     p.add_argument("--lengths", default=None, help="LO,HI: prompt and output lengths drawn from LO-HI (default 100,1024; "
                         "shorter keeps a CPU run of a real vocabulary's model within minutes)")
     p.add_argument("--schemas", type=int, default=1,

@@ -97,6 +97,38 @@ async def test_free_rows_beside_late_constrained_rows_keep_their_tokens(loop):
             assert r.output_ids == a.output_ids, f"free request {i} changed beside constrained ones"
 
 
+@pytest.mark.parametrize("loop", ["overlap", "async_decode"])
+async def test_mostly_constrained_steps_take_every_row_instead_of_a_fused_launch_of_the_rest(loop):
+    """With four forwards a step, the free rows alone would make a fused launch while the
+    constrained rows (most of the step) wait for their tokens in flight, sampling every other
+    step; at least half of the rows waiting, the step runs one forward per row under late
+    masks instead (``multi_step.LATE_MAJORITY``): every row in consecutive steps. Tokens stay
+    the normal loop's; a minority of constrained rows still waits beside the fused launch."""
+    mostly = [FREE if i < 2 else greedy(i) for i in range(N)]
+    outputs = {}
+    for run_loop in ("normal", loop):
+        async with Engine.from_pretrained("tiny", optimistic_grammar=False, device="cpu", loop=run_loop, decode_steps=4) as engine:
+            engine.scheduler.trace_enabled = True
+            results = await run(engine, mostly)
+            info = engine.scheduler.info()
+            trace = list(engine.scheduler.stats.trace)
+        assert_kv_free(engine)
+        outputs[run_loop] = [r.output_ids for r in results]
+        for r in results[2:]:
+            assert r.finish_reason == "stop", r.text
+            validate(json.loads(r.text), SCHEMA)
+    assert outputs[loop] == outputs["normal"]
+    assert info["grammar_late_mask_steps"] > 0
+    shortest = min(len(o) for o in outputs[loop][2:])  # every row runs while the first constrained one does
+    assert sum(step.endswith(f":{N}") for step in trace) >= shortest - 3, trace
+    # A minority waits: the free rows keep their fused launches.
+    minority = [greedy(i) if i < 2 else FREE for i in range(N)]
+    async with Engine.from_pretrained("tiny", optimistic_grammar=False, device="cpu", loop=loop, decode_steps=4) as engine:
+        before = engine.scheduler.info()["fused_decode_launches"]
+        await run(engine, minority)
+        assert engine.scheduler.info()["fused_decode_launches"] - before > 2
+
+
 async def test_jump_forward_keeps_constrained_rows_out_of_steps_with_a_token_in_flight():
     """With jump_forward, processing a step may append forced tokens to a row, so a row with
     a token in flight waits (no late masks); the tokens still equal the normal loop's."""

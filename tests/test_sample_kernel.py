@@ -18,7 +18,7 @@ from omni_async.runners import sampling
 from omni_async.runners.sampling import SamplingBatch, kernel_sample, sample, temperature_only
 
 from .test_multi_step import run, same
-from .triton_interpreter import run_interpreted
+from .triton_interpreter import RANGE_SHIM, run_interpreted
 
 # Shared by the interpreter's script and the CUDA test: compare the kernel with the torch
 # path on one batch, return (rows compared, draws within the bound of a boundary).
@@ -128,7 +128,7 @@ print("ok", rows + rows_bf16)
 @pytest.mark.skipif(__import__("importlib").util.find_spec("triton") is None, reason="needs Triton")
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the compiled kernel's tests below run instead")
 def test_kernel_tokens_equal_the_torch_path_in_the_interpreter():
-    done = run_interpreted(SCRIPT, timeout=600)
+    done = run_interpreted(RANGE_SHIM + SCRIPT, timeout=600)
     assert done.returncode == 0 and done.stdout.strip().startswith("ok"), done.stderr[-3000:]
 
 
@@ -147,9 +147,11 @@ def test_only_temperature_only_batches_route_and_never_on_cpu():
     assert not temperature_only(_batch(2, [0.0, 0.0]))  # plain greedy: its own argmax
     assert not temperature_only(_batch(2, [0.7, 0.0]), top_k_logprobs=2)
     for extra in (dict(use_top_k=True), dict(use_top_p=True), dict(use_min_p=True), dict(want_logprobs=True),
-                  dict(penalty=torch.ones(2)), dict(ban=torch.zeros(2, 5, dtype=torch.bool)),
-                  dict(allowed=torch.zeros(2, 1, dtype=torch.int32))):
+                  dict(penalty=torch.ones(2)), dict(ban=torch.zeros(2, 5, dtype=torch.bool))):
         assert not temperature_only(_batch(2, [0.7, 0.0], **extra)), extra
+    # A grammar's bitmask: the kernel reads it beside the logits (tests/test_grammar_bitmask_kernel.py).
+    assert temperature_only(_batch(2, [0.7, 0.0], allowed=torch.zeros(2, 1, dtype=torch.int32)))
+    assert kernel_sample(torch.randn(2, 5), _batch(2, [0.7, 0.0], allowed=torch.full((2, 1), -1, dtype=torch.int32))) is None
     assert kernel_sample(torch.randn(2, 5), _batch(2, [0.7, 0.0])) is None
 
 

@@ -68,14 +68,14 @@ def main(argv: list[str] | None = None) -> int:
 
     import llguidance
 
-    from omni_async.structured.grammar import _Wrapper
+    from omni_async.structured.library import TokenizerView
     from omni_async.structured.library import JSON_DEFAULTS, parser_limits, with_json_defaults
     from omni_async.structured.vocab import token_vocab
     from omni_async.text.tokenizer import ByteTokenizer
 
     tok = ByteTokenizer()
     vocab = token_vocab(tok, tok.vocab_size)
-    lltok = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_Wrapper(vocab)), n_vocab=vocab.size)
+    lltok = llguidance.LLTokenizer(llguidance.TokenizerWrapper(TokenizerView(vocab)), n_vocab=vocab.size)
     limits = parser_limits(llguidance)
 
     def before(schema: dict[str, Any]) -> None:

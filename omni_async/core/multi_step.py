@@ -92,6 +92,12 @@ def row_steps(decoding: list[Request], k: int, context_length: int,
     return steps, constrained
 
 
+# A step whose rows waiting for their last token (masked rows with it in flight) are at
+# least this share of its rows runs one forward per row under late masks, all of them in it,
+# rather than a fused launch of the others (:func:`late_mask_rows`).
+LATE_MAJORITY = 0.5
+
+
 def late_mask_rows(core: "CoreState", decoding: list[Request], limits: list[int], free: bool = False
                    ) -> tuple[list[Request], list[int], list[int] | None, list[int], bool]:
     """The rows of the next decode step (``decoding`` may hold constrained rows with their
@@ -108,7 +114,13 @@ def late_mask_rows(core: "CoreState", decoding: list[Request], limits: list[int]
     to a synchronous step each time). When the other rows alone get a fused multi-step
     launch, which samples every forward inside the launch (the free rows' later forwards
     read those tokens), such a row waits for the next step and the free rows keep their
-    k forwards (one :func:`steps_for` per step either way). Not with
+    k forwards (one :func:`steps_for` per step either way), unless such rows are at least
+    :data:`LATE_MAJORITY` of the step's: a fused launch would then run k forwards for its
+    minority while most rows sample every other step (as in an all-constrained batch whose
+    rows sampling first, ``structured.optimistic``, make the rest a fused launch: most likely
+    why an H100 run masked ~101 of 256 rows a step), so the step takes one forward per row
+    under late masks and every row samples.
+    Not with
     jump_forward: processing a step may append forced tokens to a row, which would move
     the position its launched forward computed; late masks apply only with it off.
     ``free``: no row is under a grammar (:func:`.request.all_free`)."""
@@ -119,8 +131,9 @@ def late_mask_rows(core: "CoreState", decoding: list[Request], limits: list[int]
         return (decoding, limits, *steps_for(core, decoding, limits), False)
     rest, rest_limits = [decoding[i] for i in keep], [limits[i] for i in keep]
     steps, grammar = steps_for(core, rest, rest_limits) if rest else (None, [])
-    if steps is not None or core.config.jump_forward:  # a fused launch: they wait for the next step
-        return rest, rest_limits, steps, grammar, False
+    waiting = len(decoding) - len(rest)
+    if core.config.jump_forward or (steps is not None and waiting < LATE_MAJORITY * len(decoding)):
+        return rest, rest_limits, steps, grammar, False  # a fused launch: they wait for the next step
     return decoding, limits, None, [], True  # one forward per row, theirs too
 
 

@@ -1,4 +1,5 @@
-"""Temperature-only sampling (and greedy rows beside it) in three Triton launches (CUDA).
+"""Temperature-only sampling (and greedy rows beside it), under a grammar's bitmask or not,
+in three Triton launches (CUDA).
 
 Why: the torch sampler spends a dozen kernels on a row that only has a temperature: a
 float32 copy of the logits, two maxima, ``nan_to_num``, the scaling, softmax, a float64
@@ -14,7 +15,11 @@ What it computes is :func:`omni_async.runners.sampling.sample` for such rows: th
 whose cumulative probability under ``softmax((x - max) / T)`` first exceeds ``u`` times
 the total, ``u`` from ``row_uniforms(seed, index)`` (the same hash, computed here).
 Rows with ``T == 0`` take the first index of their maximum. A row with a NaN, or with
-every logit at -inf, gets ``ok = False`` and token 0. Logits are clamped to the finite
+every logit at -inf, gets ``ok = False`` and token 0. With a packed grammar bitmask
+(``allowed``, 32 tokens an int32 word), each pass reads the words covering its block
+beside the logits and takes a token whose bit is clear as -inf: the torch path's
+``apply_token_bitmask`` then ``sample``, without the masked copy of the logits or a
+launch of its own, and no per-row work on the host. Logits are clamped to the finite
 float32 range first, as ``nan_to_num`` does in the torch path.
 
 Precision: each token's weight ``exp((x - max) / T)`` is computed in float32 with the
@@ -84,23 +89,37 @@ def _uniform(seed, index):
 
 
 @triton.jit
-def _weights(base, start, V, m, t, BLOCK: tl.constexpr):
+def _masked(x, mask_row, offs, inside, HAS_MASK: tl.constexpr):
+    """``x`` with -inf where the row's grammar bitmask (int32 words, least significant bit
+    first, at ``mask_row``) clears the token's bit: what ``apply_token_bitmask`` does
+    before the torch path's sampling. Nothing without a mask."""
+    if HAS_MASK:
+        words = tl.load(mask_row + offs // 32, mask=inside, other=0)
+        x = tl.where(((words >> (offs % 32)) & 1) != 0, x, float("-inf"))
+    return x
+
+
+@triton.jit
+def _weights(base, start, V, m, t, mask_row, BLOCK: tl.constexpr, HAS_MASK: tl.constexpr):
     """One block's unnormalised probabilities ``exp((clamp(x) - m) / t)`` as float64,
-    0 past the vocabulary."""
+    0 past the vocabulary (a masked token's logit is -inf first, clamped as the torch
+    path's ``nan_to_num`` clamps it)."""
     offs = start + tl.arange(0, BLOCK)
     inside = offs < V
     x = tl.load(base + offs, mask=inside, other=0.0).to(tl.float32)
+    x = _masked(x, mask_row, offs, inside, HAS_MASK)
     x = tl.minimum(tl.maximum(x, -_FLT_MAX), _FLT_MAX)
     e = _exp(tl.math.div_rn(x - m, t))
     return tl.where(inside, e, 0.0).to(tl.float64)
 
 
-@triton.jit(**unspecialized(ints=("V", "PER", "S", "stride_x")))
-def _max_kernel(X, PMAX, PIDX, PNAN, V, PER, S, stride_x, BLOCK: tl.constexpr):
-    """Pass 1, program (row, part): the maximum of its blocks (NaN aside), the first index
-    holding it, and whether they hold a NaN."""
+@triton.jit(**unspecialized(ints=("V", "PER", "S", "stride_x", "stride_m")))
+def _max_kernel(X, MASK, PMAX, PIDX, PNAN, V, PER, S, stride_x, stride_m, BLOCK: tl.constexpr, HAS_MASK: tl.constexpr):
+    """Pass 1, program (row, part): the maximum of its blocks (NaN aside, masked tokens
+    -inf), the first index holding it, and whether they hold a NaN."""
     row, part = tl.program_id(0), tl.program_id(1)
     base = X + row.to(tl.int64) * stride_x
+    mask_row = MASK + row.to(tl.int64) * stride_m
     lanes = tl.arange(0, BLOCK)
     best = tl.full((), float("-inf"), tl.float32)
     best_i = tl.full((), 0, tl.int32)
@@ -108,6 +127,7 @@ def _max_kernel(X, PMAX, PIDX, PNAN, V, PER, S, stride_x, BLOCK: tl.constexpr):
     for b in range(part * PER, part * PER + PER):
         offs = b * BLOCK + lanes
         x = tl.load(base + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
+        x = _masked(x, mask_row, offs, offs < V, HAS_MASK)
         is_nan = x != x
         nan = tl.maximum(nan, tl.max(is_nan.to(tl.int32), 0))
         x = tl.where(is_nan, float("-inf"), x)
@@ -135,9 +155,9 @@ def _row_max(PMAX, PIDX, PNAN, row, S, SP: tl.constexpr):
     return best, best_i, (nan == 0) & (best > float("-inf"))
 
 
-@triton.jit(**unspecialized(ints=("V", "PER", "S", "NB", "stride_x", "stride_t"), pointers=("TEMP",)))
-def _mass_kernel(X, TEMP, PMAX, PIDX, PNAN, MASS, V, PER, S, NB, stride_x, stride_t,
-                 BLOCK: tl.constexpr, SP: tl.constexpr):
+@triton.jit(**unspecialized(ints=("V", "PER", "S", "NB", "stride_x", "stride_t", "stride_m"), pointers=("TEMP",)))
+def _mass_kernel(X, MASK, TEMP, PMAX, PIDX, PNAN, MASS, V, PER, S, NB, stride_x, stride_t, stride_m,
+                 BLOCK: tl.constexpr, SP: tl.constexpr, HAS_MASK: tl.constexpr):
     """Pass 2, program (row, part) of a sampled row: the mass of each of its blocks."""
     row, part = tl.program_id(0), tl.program_id(1)
     temp = tl.load(TEMP + row * stride_t)
@@ -147,16 +167,18 @@ def _mass_kernel(X, TEMP, PMAX, PIDX, PNAN, MASS, V, PER, S, NB, stride_x, strid
         m = tl.minimum(best, _FLT_MAX)
         t = tl.maximum(temp, 1e-30)
         for b in range(part * PER, tl.minimum(part * PER + PER, NB)):
-            tl.store(MASS + row * NB + b, tl.sum(_weights(base, b * BLOCK, V, m, t, BLOCK), 0))
+            w = _weights(base, b * BLOCK, V, m, t, MASK + row.to(tl.int64) * stride_m, BLOCK, HAS_MASK)
+            tl.store(MASS + row * NB + b, tl.sum(w, 0))
 
 
 # The per-row settings are read one scalar a row, from columns or rows of the caller's
 # arrays (a multi-step decode's sample indices: a row of a ``[k, B]`` array): their
 # alignment is kept out of the compile key.
-@triton.jit(**unspecialized(ints=("V", "S", "NB", "stride_x", "stride_t", "stride_s", "stride_i"),
+@triton.jit(**unspecialized(ints=("V", "S", "NB", "stride_x", "stride_t", "stride_s", "stride_i", "stride_m"),
                             pointers=("TEMP", "SEEDS", "INDICES")))
-def _pick_kernel(X, TEMP, SEEDS, INDICES, PMAX, PIDX, PNAN, MASS, TOKENS, OK, V, S, NB, stride_x, stride_t,
-                 stride_s, stride_i, BLOCK: tl.constexpr, SP: tl.constexpr, NBP: tl.constexpr):
+def _pick_kernel(X, MASK, TEMP, SEEDS, INDICES, PMAX, PIDX, PNAN, MASS, TOKENS, OK, V, S, NB, stride_x, stride_t,
+                 stride_s, stride_i, stride_m, BLOCK: tl.constexpr, SP: tl.constexpr, NBP: tl.constexpr,
+                 HAS_MASK: tl.constexpr):
     """Pass 3, one program per row: the greedy token, or the block where the cumulative
     mass first exceeds the row's target and the token in it (that block read again)."""
     row = tl.program_id(0)
@@ -173,7 +195,7 @@ def _pick_kernel(X, TEMP, SEEDS, INDICES, PMAX, PIDX, PNAN, MASS, TOKENS, OK, V,
         target = u * tl.sum(mass, 0)
         c = tl.minimum(tl.sum((tl.cumsum(mass, 0) <= target).to(tl.int32), 0), NB - 1)
         before = tl.sum(tl.where(blocks < c, mass, 0.0), 0)
-        w = _weights(base, c * BLOCK, V, m, t, BLOCK)
+        w = _weights(base, c * BLOCK, V, m, t, MASK + row.to(tl.int64) * stride_m, BLOCK, HAS_MASK)
         k = tl.sum((before + tl.cumsum(w, 0) <= target).to(tl.int32), 0)
         # Scan and sum round differently: a target at the very top of the block takes its
         # last token with mass (or the maximum where the block has none).
@@ -204,14 +226,17 @@ def _programs_wanted(device: torch.device) -> int:
 
 def sample_temperature(
     logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor, indices: torch.Tensor,
-    parts: int | None = None,
+    parts: int | None = None, allowed: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Tokens (``[B]`` int64) and ``ok`` (``[B]`` bool) for ``logits`` (``[B, V]``, any
     float dtype, last dimension contiguous): rows with ``temperature`` 0 greedy, the
     others drawn at ``temperature`` with ``row_uniforms(seeds, indices)``; the vectors may
     be strided columns. Each row's vocabulary is split into ``parts`` (default: enough
     programs to fill the device) for the two full passes: a small batch still reads its
-    logits on every SM."""
+    logits on every SM. ``allowed``: the rows' grammar bitmask (``[B, ceil(V/32)]``
+    int32, every bit set for a free row), read by the three passes beside the logits:
+    a token whose bit is clear counts as -inf, as ``apply_token_bitmask`` makes it on the
+    torch path, with no masked copy of the logits and no launch of its own."""
     global launches, captured
     rows, vocab = logits.shape
     if logits.stride(1) != 1:
@@ -220,6 +245,11 @@ def sample_temperature(
     seeds, indices = seeds.to(torch.long), indices.to(torch.long)
     temperature = temperature.to(torch.float32)
     device = logits.device
+    has_mask = allowed is not None
+    if allowed is None:  # never read (HAS_MASK off); no tensor made, so nothing is allocated inside a capture
+        allowed = temperature
+    elif allowed.stride(1) != 1:
+        allowed = allowed.contiguous()
     launches += 1
     captured += logits.is_cuda and torch.cuda.is_current_stream_capturing()
     block = min(BLOCK, triton.next_power_of_2(vocab))
@@ -237,10 +267,12 @@ def sample_temperature(
     # integers above kept out of the compile key: one compile per kernel, dtype and
     # vocabulary, not one per batch size met mid-run (3.4 s of first-token time on the H200).
     sp = triton.next_power_of_2(nb)
-    _MAX[(rows, s)](logits, pmax, pidx, pnan, vocab, per, s, logits.stride(0), BLOCK=block, num_warps=warps)
-    _MASS[(rows, s)](logits, temperature, pmax, pidx, pnan, mass, vocab, per, s, nb, logits.stride(0),
-                     temperature.stride(0), BLOCK=block, SP=sp, num_warps=warps)
-    _PICK[(rows,)](logits, temperature, seeds, indices, pmax, pidx, pnan, mass, tokens, ok, vocab, s, nb,
-                   logits.stride(0), temperature.stride(0), seeds.stride(0), indices.stride(0),
-                   BLOCK=block, SP=sp, NBP=triton.next_power_of_2(nb), num_warps=warps)
+    sm = allowed.stride(0) if has_mask else 0
+    _MAX[(rows, s)](logits, allowed, pmax, pidx, pnan, vocab, per, s, logits.stride(0), sm, BLOCK=block,
+                    HAS_MASK=has_mask, num_warps=warps)
+    _MASS[(rows, s)](logits, allowed, temperature, pmax, pidx, pnan, mass, vocab, per, s, nb, logits.stride(0),
+                     temperature.stride(0), sm, BLOCK=block, SP=sp, HAS_MASK=has_mask, num_warps=warps)
+    _PICK[(rows,)](logits, allowed, temperature, seeds, indices, pmax, pidx, pnan, mass, tokens, ok, vocab, s, nb,
+                   logits.stride(0), temperature.stride(0), seeds.stride(0), indices.stride(0), sm,
+                   BLOCK=block, SP=sp, NBP=triton.next_power_of_2(nb), HAS_MASK=has_mask, num_warps=warps)
     return tokens, ok

@@ -100,12 +100,9 @@ def sample_forward(logits: torch.Tensor, mode: SamplingMode, rs: RowSettings | N
     seen when the mode penalises repeats. ``allowed``: this forward's ``[B, ceil(V/32)]``
     int32 grammar bitmask (every bit set for free rows and for a grammar row's forwards
     other than the one it keeps), when ``mode.grammar``."""
-    if mode.grammar and allowed is not None:
-        # Masked first, as ``_penalised`` would mask last (the penalties and bans keep a
-        # -inf at -inf): a temperature-only batch then still reaches the sampling kernel.
-        logits = apply_token_bitmask(logits, allowed)
     if mode.greedy:
-        return greedy(logits)
+        # Masked before the argmax (one kernel on CUDA, :mod:`..kernels.token_bitmask`).
+        return greedy(apply_token_bitmask(logits, allowed) if mode.grammar and allowed is not None else logits)
     assert rs is not None
     index = rs.first_index + j
     ban = rs.masks["suppress"] if mode.suppress else None
@@ -118,6 +115,9 @@ def sample_forward(logits: torch.Tensor, mode: SamplingMode, rs: RowSettings | N
         penalty=rs.fp[:, PENALTY] if mode.penalty else None, seen=rs.masks.get("seen") if mode.penalty else None,
         ban=ban, num_sampled=rs.fp.shape[0] if mode.sampled else 0,
         use_top_k=mode.sort, use_top_p=mode.sort, use_min_p=mode.min_p,
+        # The sampling kernel reads it beside the logits (no masked copy); the torch path
+        # masks in ``_penalised``.
+        allowed=allowed if mode.grammar else None,
     )
     tokens, ok = sample_all_rows(logits, sb)
     if mode.penalty:

@@ -201,12 +201,13 @@ def _draw(x: torch.Tensor, sb: SamplingBatch, rows: torch.Tensor | None) -> torc
 
 
 def temperature_only(sb: SamplingBatch, top_k_logprobs: int = 0) -> bool:
-    """Some row samples and nothing but a temperature shapes any row's distribution:
-    no filter, penalty, bias, ban or grammar, no logprobs (see :mod:`..kernels.sample`).
-    A new ``SamplingBatch`` field that shapes a distribution must be refused here."""
+    """Some row samples and nothing but a temperature and a grammar's bitmask shapes any
+    row's distribution: no filter, penalty, bias or ban, no logprobs (see
+    :mod:`..kernels.sample`, which reads the bitmask beside the logits). A new
+    ``SamplingBatch`` field that shapes a distribution must be refused here."""
     return (
         sb.num_sampled > 0 and not (sb.use_top_k or sb.use_top_p or sb.use_min_p)
-        and sb.penalty is None and sb.ban is None and sb.controls is None and sb.allowed is None
+        and sb.penalty is None and sb.ban is None and sb.controls is None
         and not sb.want_logprobs and not top_k_logprobs
     )
 
@@ -241,7 +242,7 @@ def kernel_sample(
         return None
     from ..kernels.sample import sample_temperature
 
-    return sample_temperature(logits, sb.temperature, sb.seeds, sb.sample_indices)
+    return sample_temperature(logits, sb.temperature, sb.seeds, sb.sample_indices, allowed=sb.allowed)
 
 
 def greedy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

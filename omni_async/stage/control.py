@@ -131,6 +131,7 @@ class StageControl:
         info.update(self.core.stats())
         info.update(self.runner.stats())
         info.update(self.intake.admission.stats())
+        info.update(self.intake.grammars.stats())
         return info
 
 

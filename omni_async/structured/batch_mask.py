@@ -18,7 +18,8 @@ from typing import Any
 
 import torch
 
-from .prefetch import PARALLEL_MIN_ROWS, pool_threads
+from . import xgrammar_backend
+from .prefetch import PARALLEL_MIN_ROWS, all_llguidance, pool_threads
 
 _EXECUTOR: Any = None
 
@@ -127,8 +128,15 @@ def fill_rows(rows: list[tuple[Any, int]], bitmask: torch.Tensor) -> int:
 def compute_rows(rows: list[tuple[Any, int]], bitmask: torch.Tensor) -> None:
     """Each ``(library matcher, row)``'s mask computed straight into ``bitmask``."""
     stride = bitmask.shape[1] * 4
+    handles = [h for h, _ in rows]
+    if xgrammar_backend.all_xgrammar(handles):
+        try:  # one xgrammar call; on an error, row by row below, which meets it
+            xgrammar_backend.fill_masks(handles, bitmask.numpy(), [row for _, row in rows])
+            return
+        except Exception:
+            pass
     threads = pool_threads()  # llguidance's pool only where it pays (see .prefetch)
-    if len(rows) >= PARALLEL_MIN_ROWS and threads:
+    if len(rows) >= PARALLEL_MIN_ROWS and threads and all_llguidance(handles):
         global _EXECUTOR
         if _EXECUTOR is None:
             import llguidance  # not llguidance.torch: importing it compiles a kernel (seconds)

@@ -90,6 +90,14 @@ class GrammarGate:
         if self.optimistic and eligible(req.sampling, req.conditioning):
             req.matcher.masked_until = 0  # a prefill's token still masks first (NativeBatchCore._build_extend)
 
+    def stats(self) -> dict[str, Any]:
+        """For ``info()``: the grammar library asked for, grammars compiled (errors
+        included) and those xgrammar compiled (:mod:`.xgrammar_backend`; llguidance the rest)."""
+        c = self.compiler
+        return {"grammar_backend": c.backend if c is not None else None,
+                "grammar_compiles": c.compiles if c is not None else 0,
+                "grammar_xgrammar_compiles": c.xgrammar_templates if c is not None else 0}
+
     def shutdown(self) -> None:
         if self.compiler is not None:
             self.compiler.close()

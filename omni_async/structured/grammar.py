@@ -21,7 +21,8 @@ from typing import Any, Callable
 
 from ..errors import InvalidRequestError
 from .optimistic import FIRST_SCORE, LOW_SCORE, NEVER, masked_run, optimistic_score
-from .library import first_line, is_library_panic, panic_error, parser_limits, with_json_defaults
+from .library import TokenizerView, first_line, grammar_text, is_library_panic, panic_error, parser_limits
+from . import xgrammar_backend
 from .prefetch import MaskTicket, MaskWorker
 from .vocab import TokenVocab, token_vocab
 
@@ -284,14 +285,22 @@ class GrammarCompiler:
     """Compiles ``SamplingParams.grammar`` keys for one tokenizer; an LRU cache of
     ``CACHE_SIZE`` templates (and of errors, so a bad grammar is refused at once)."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, *, cache_size: int = CACHE_SIZE) -> None:
+    def __init__(self, tokenizer: Any, vocab_size: int, *, cache_size: int = CACHE_SIZE,
+                 backend: str | None = None) -> None:
+        """``backend``: ``"xgrammar"`` compiles JSON schemas and regexes with xgrammar where
+        it takes them (:mod:`.xgrammar_backend`), llguidance the rest; ``"llguidance"``
+        everything; None: as ``OMNI_ASYNC_GRAMMAR_BACKEND`` says (llguidance by default)."""
         self._tokenizer = tokenizer
         self.vocab_size = vocab_size
         self._cache_size = cache_size
         self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
         self._lock = threading.Lock()
         self._lltok: Any = None
+        self._vocab: TokenVocab | None = None
+        self.backend = backend or xgrammar_backend.chosen()
+        self._xgr: Any = None  # xgrammar's view of the tokenizer (built on first use)
         self.compiles = 0
+        self.xgrammar_templates = 0  # grammars xgrammar compiled (the others: llguidance)
         # Computes the matchers' next masks ahead, off the loop (started on first use).
         self.masks = MaskWorker((vocab_size + 31) // 32)
 
@@ -299,9 +308,13 @@ class GrammarCompiler:
         if self._lltok is None:
             import llguidance
 
-            vocab = token_vocab(self._tokenizer, self.vocab_size)
-            self._lltok = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_Wrapper(vocab)), n_vocab=vocab.size)
+            vocab = self._token_vocab()
+            self._lltok = llguidance.LLTokenizer(llguidance.TokenizerWrapper(TokenizerView(vocab)), n_vocab=vocab.size)
         return self._lltok
+
+    def _token_vocab(self) -> TokenVocab:
+        self._vocab = self._vocab or token_vocab(self._tokenizer, self.vocab_size)
+        return self._vocab
 
     def cached(self, key: tuple[str, str]) -> bool:
         with self._lock:
@@ -370,11 +383,15 @@ class GrammarCompiler:
                 self._cache[key] = InvalidRequestError(f"invalid {key[0]}: {why}")
 
     def _template(self, key: tuple[str, str]) -> Any:
+        kind, text = key
+        if self.backend == "xgrammar" and xgrammar_backend.serves(kind, text):
+            template = self._xgrammar_template(kind, text)
+            if template is not None:
+                return template
         import llguidance
 
-        kind, text = key
         try:
-            grammar = _grammar_text(llguidance, kind, text)
+            grammar = grammar_text(llguidance, kind, text)
         except (ValueError, TypeError) as exc:
             raise InvalidRequestError(f"invalid {kind}: {exc}") from None
         matcher = llguidance.LLMatcher(self._ll_tokenizer(), grammar, log_level=0, limits=parser_limits(llguidance))
@@ -388,29 +405,15 @@ class GrammarCompiler:
         return matcher
 
 
-def _grammar_text(llguidance: Any, kind: str, text: str) -> str:
-    if kind == "json_schema":
-        # The schema goes in as text, to be read by the matcher's constructor, which runs
-        # with the GIL released: ``grammar_from_json_schema`` reads a Python dict holding
-        # the GIL (~170 ms for 5,000 properties with an object each, every one of them a
-        # stall of the event loop).
-        return llguidance.grammar_from("json_schema", with_json_defaults(text))
-    if kind == "regex":
-        return llguidance.grammar_from("regex", text)
-    if kind == "ebnf":
-        return llguidance.grammar_from("ebnf", text)  # GBNF (``root ::= ...``) or Lark
-    raise InvalidRequestError(f"unknown grammar kind {kind!r}")
-
-
-class _Wrapper:
-    """What ``llguidance.TokenizerWrapper`` reads off a tokenizer, from our byte vocabulary."""
-
-    def __init__(self, vocab: TokenVocab) -> None:
-        self.eos_token_id = vocab.eos_ids[0] if vocab.eos_ids else None
-        self.bos_token_id = None
-        self.tokens = list(vocab.token_bytes)
-        self.special_token_ids = sorted(vocab.special_ids)
-        self._encode = vocab.encode
-
-    def __call__(self, text: str) -> list[int]:
-        return self._encode(text)
+    def _xgrammar_template(self, kind: str, text: str) -> Any:
+        """xgrammar's template matcher, or None where it refuses the grammar (or is not
+        installed): llguidance then compiles it, and refuses it with its own message."""
+        try:
+            self._xgr = self._xgr or xgrammar_backend.XGrammarLibrary(self._token_vocab())
+            template = self._xgr.compile(kind, text)
+        except InvalidRequestError:
+            raise  # the tokenizer cannot be read: no library can take it
+        except Exception:
+            return None
+        self.xgrammar_templates += 1
+        return template

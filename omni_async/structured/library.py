@@ -12,6 +12,7 @@ import json
 from typing import Any
 
 from ..errors import InvalidRequestError
+from .vocab import TokenVocab
 
 # JSON comes out as ``json.dumps`` writes it (", " and ": ", no other whitespace) unless the
 # schema's own "x-guidance" options say otherwise: free whitespace lets a model pad
@@ -62,3 +63,32 @@ def panic_error(key: tuple[str, str], exc: BaseException) -> InvalidRequestError
 def first_line(message: str) -> str:
     lines = [line for line in message.strip().splitlines() if line.strip()]
     return " ".join(lines[:4]) if lines else "the grammar does not compile"
+
+
+def grammar_text(llguidance: Any, kind: str, text: str) -> str:
+    """What llguidance's matcher reads for a ``SamplingParams.grammar`` key."""
+    if kind == "json_schema":
+        # The schema goes in as text, to be read by the matcher's constructor, which runs
+        # with the GIL released: ``grammar_from_json_schema`` reads a Python dict holding
+        # the GIL (~170 ms for 5,000 properties with an object each, every one of them a
+        # stall of the event loop).
+        return llguidance.grammar_from("json_schema", with_json_defaults(text))
+    if kind == "regex":
+        return llguidance.grammar_from("regex", text)
+    if kind == "ebnf":
+        return llguidance.grammar_from("ebnf", text)  # GBNF (``root ::= ...``) or Lark
+    raise InvalidRequestError(f"unknown grammar kind {kind!r}")
+
+
+class TokenizerView:
+    """What ``llguidance.TokenizerWrapper`` reads off a tokenizer, from our byte vocabulary."""
+
+    def __init__(self, vocab: TokenVocab) -> None:
+        self.eos_token_id = vocab.eos_ids[0] if vocab.eos_ids else None
+        self.bos_token_id = None
+        self.tokens = list(vocab.token_bytes)
+        self.special_token_ids = sorted(vocab.special_ids)
+        self._encode = vocab.encode
+
+    def __call__(self, text: str) -> list[int]:
+        return self._encode(text)

@@ -33,6 +33,8 @@ from typing import Any
 
 import numpy as np
 
+from . import xgrammar_backend
+
 # llguidance's pool, where asked for: a fill computing rows itself (batch_mask.compute_rows)
 # uses it from PARALLEL_MIN_ROWS rows.
 PARALLEL_MIN_ROWS = 16
@@ -99,6 +101,12 @@ def pool_threads(cpus: int | None = None) -> int:
     its threads, or 0 (no pool)."""
     way, n = mask_threads(cpus)
     return n if way == "pool" else 0
+
+
+def all_llguidance(handles: Any) -> bool:
+    """Whether every handle is llguidance's own matcher: only those go to llguidance's
+    pool (a grammar xgrammar compiled, :mod:`.xgrammar_backend`, is computed row by row)."""
+    return not any(isinstance(h, xgrammar_backend.XGrammarHandle) for h in handles)
 
 
 def compute_slice(handles: list[Any], masks: np.ndarray, ok: np.ndarray, first: int, step: int,
@@ -343,9 +351,14 @@ class MaskWorker:
         masks = np.empty((n, self.words), dtype=np.int32)
         ok = np.ones(n, dtype=bool)
         runs: list[Any] | None = [None] * n
-        if self.threads and n > 1:  # one library call: the GIL is released for all the rows
+        if self.threads and n > 1 and all_llguidance(handles):  # one library call: the GIL is released for all the rows
             runs = None
             self._compute_parallel(handles, masks, ok)
+        elif xgrammar_backend.all_xgrammar(handles):  # one xgrammar call (no forced runs from it)
+            try:
+                xgrammar_backend.fill_masks(handles, masks, threads=self.slices.threads if self.slices is not None else 1)
+            except Exception:
+                ok[:] = False  # the fill computes them row by row and meets the error there
         elif self.slices is not None:  # every queued ticket's rows, over the worker's threads
             self.slices.run(handles, masks, ok, runs)
         else:
