@@ -17,9 +17,49 @@ ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
-MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe"}
+# Families whose attention normalises q and k per head before RoPE.
+QK_NORM_FAMILIES = ("qwen3", "qwen3_moe")
 ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """A Qwen3-MoE checkpoint's expert settings: ``num_experts`` experts of
+    ``intermediate_size`` channels each, ``top_k`` routed per token, the chosen weights
+    renormalised to sum to 1 when ``norm_topk_prob``; layer ``i`` is sparse when
+    ``(i + 1) % sparse_step == 0`` and ``i`` is not in ``dense_layers``."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    norm_topk_prob: bool
+    sparse_step: int = 1
+    dense_layers: tuple[int, ...] = ()
+
+    def is_sparse(self, layer_idx: int) -> bool:
+        return layer_idx not in self.dense_layers and (layer_idx + 1) % self.sparse_step == 0
+
+    @classmethod
+    def from_hf(cls, raw: Mapping[str, Any], family: str) -> "MoeConfig | None":
+        """None when the checkpoint has no experts (``num_experts`` 0), as transformers
+        then builds every layer dense. transformers 5 writes ``num_local_experts``."""
+        experts = raw.get("num_experts", raw.get("num_local_experts"))
+        if not experts:
+            return None
+        top_k = _required_int(raw, "num_experts_per_tok", family)
+        if top_k > int(experts):
+            raise ModelLoadError(f"num_experts_per_tok ({top_k}) exceeds num_experts ({experts})")
+        return cls(
+            num_experts=int(experts),
+            top_k=top_k,
+            intermediate_size=_required_int(raw, "moe_intermediate_size", family),
+            norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
+            sparse_step=int(raw.get("decoder_sparse_step", 1) or 1),
+            dense_layers=tuple(int(i) for i in raw.get("mlp_only_layers") or ()),
+        )
 
 
 @dataclass(frozen=True)
@@ -44,6 +84,13 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     dtype: str = "float32"
+    # Mixture of experts (Qwen3-MoE); num_experts 0 is a dense decoder.
+    moe: MoeConfig | None = None
+
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        """Whether layer ``layer_idx`` has a sparse expert block (else a dense MLP of
+        ``intermediate_size``), as transformers' Qwen3-MoE decides it."""
+        return self.moe is not None and self.moe.is_sparse(layer_idx)
 
     @property
     def rope_type(self) -> str:
@@ -94,10 +141,11 @@ class ModelConfig:
             qkv_bias=qkv_bias,
             o_bias=o_bias,
             mlp_bias=bool(raw.get("mlp_bias", False)),
-            qk_norm=family == "qwen3",
+            qk_norm=family in QK_NORM_FAMILIES,
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=eos_ids,
             dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
+            moe=MoeConfig.from_hf(raw, family) if family == "qwen3_moe" else None,
         )
 
 

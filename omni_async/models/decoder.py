@@ -1,7 +1,8 @@
-"""Llama / Qwen2 / Qwen3 decoder over a paged KV cache.
+"""Llama / Qwen2 / Qwen3 / Qwen3-MoE decoder over a paged KV cache.
 
-One module covers the three families; they differ only in biases (Qwen2 has q/k/v
-bias), per-head q/k RMSNorm before RoPE (Qwen3), and tied embeddings. Parameter names
+One module covers the families; they differ only in biases (Qwen2 has q/k/v
+bias), per-head q/k RMSNorm before RoPE (Qwen3), tied embeddings, and routed experts in
+place of the MLP (Qwen3-MoE, :mod:`.moe`). Parameter names
 follow Hugging Face, except that q/k/v and gate/up are merged into ``qkv_proj`` and
 ``gate_up_proj`` (see :mod:`.merged`, which keeps checkpoints loading by HF names).
 
@@ -22,6 +23,7 @@ from ..kv.attention import AttentionContext, paged_attention, pages_from_slots
 from ..kv.cache import PagedKVCache
 from .config import ModelConfig
 from .merged import MergedLinear
+from .moe import SparseMoeBlock
 from .quantized import Linear
 
 
@@ -123,12 +125,20 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor, ops: ReferenceOps) -> torch.Tensor:
         return ops.silu_mul_linear(self.gate_up_proj(x), self.down_proj)
 
+    def add_norm_forward(self, x: torch.Tensor, delta: torch.Tensor | None, norm: RMSNorm, ops: ReferenceOps
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(x + delta, mlp(norm(x + delta)))``, the norm fused with the gate/up GEMM
+        where the ops can (a sparse block, :class:`~.moe.SparseMoeBlock`, has the same
+        method)."""
+        x, gate_up = ops.add_norm_linear(x, delta, norm, self.gate_up_proj)
+        return x, ops.silu_mul_linear(gate_up, self.down_proj)
+
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
         super().__init__()
         self.self_attn = Attention(cfg, layer_idx)
-        self.mlp = MLP(cfg)
+        self.mlp: MLP | SparseMoeBlock = SparseMoeBlock(cfg) if cfg.is_moe_layer(layer_idx) else MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -139,8 +149,7 @@ class DecoderLayer(nn.Module):
         attn, mlp = self.self_attn, self.mlp
         x, qkv = ops.add_norm_linear(x, delta, self.input_layernorm, attn.qkv_proj)
         delta = attn.from_qkv(qkv, cos, sin, kv, ctx, ops)
-        x, gate_up = ops.add_norm_linear(x, delta, self.post_attention_layernorm, mlp.gate_up_proj)
-        return x, ops.silu_mul_linear(gate_up, mlp.down_proj)
+        return mlp.add_norm_forward(x, delta, self.post_attention_layernorm, ops)
 
 
 class _Backbone(nn.Module):
