@@ -155,7 +155,7 @@ class NativeModelWorker:
 
 
 def _check_same_architecture(old: ModelConfig, new: ModelConfig) -> None:
-    fields = ("family", "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "tie_word_embeddings", "qkv_bias", "qk_norm")
+    fields = ("family", "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "tie_word_embeddings", "qkv_bias", "qk_norm", "moe")
     diffs = [f"{f}: {getattr(old, f)} -> {getattr(new, f)}" for f in fields if getattr(old, f) != getattr(new, f)]
     if diffs:
         raise ModelLoadError("new weights have a different architecture: " + "; ".join(diffs))
