@@ -89,12 +89,13 @@ def _expert_gemm_kernel(
     A, W, OUT, PAIRS, BLOCK_EXPERT, SCALE,
     num_pairs, n_cols, rows_per_a,
     stride_a, stride_we, stride_wn, stride_wk, stride_o,
-    K_DIM: tl.constexpr, GATED: tl.constexpr, SCALED: tl.constexpr,
+    K_DIM: tl.constexpr, GATED: tl.constexpr, SCALED: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     # Program (block b, column tile): rows of block b times its expert's weight rows
     # [tile] (and, GATED, the matching up rows n_cols further on, SiLU(gate) * up).
-    # K_DIM is fixed by the model's shape: a compile-time loop bound.
+    # K_DIM is fixed by the model's shape: a compile-time loop bound. IEEE: float32
+    # operands multiplied in float32 (Triton's default would round them to TF32).
     b = tl.program_id(0)
     tile = tl.program_id(1)
     expert = tl.load(BLOCK_EXPERT + b)
@@ -114,10 +115,16 @@ def _expert_gemm_kernel(
         a = tl.load(A + a_row[:, None].to(tl.int64) * stride_a + ks[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
         w_mask = k_ok[:, None] & col_ok[None, :]
         w = tl.load(w_base + cols[None, :] * stride_wn + ks[:, None] * stride_wk, mask=w_mask, other=0.0)
-        acc += tl.dot(a, w)
+        if IEEE:
+            acc += tl.dot(a, w, input_precision="ieee")
+        else:
+            acc += tl.dot(a, w)
         if GATED:
             wu = tl.load(w_base + (cols + n_cols)[None, :] * stride_wn + ks[:, None] * stride_wk, mask=w_mask, other=0.0)
-            acc_up += tl.dot(a, wu)
+            if IEEE:
+                acc_up += tl.dot(a, wu, input_precision="ieee")
+            else:
+                acc_up += tl.dot(a, wu)
     if GATED:
         gate = acc.to(OUT.dtype.element_ty).to(tl.float32)
         silu = (gate / (1.0 + tl.exp(-gate))).to(OUT.dtype.element_ty).to(tl.float32)
@@ -140,7 +147,7 @@ def _expert_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, blocks: Ex
         a, w, out, blocks.pairs, blocks.block_expert, scale if scale is not None else out,
         blocks.num_pairs, n_cols, rows_per_a,
         a.stride(0), w.stride(0), w.stride(1), w.stride(2), out.stride(0),
-        K_DIM=w.shape[2], GATED=gated, SCALED=scale is not None, BLOCK_M=blocks.block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+        K_DIM=w.shape[2], GATED=gated, IEEE=a.dtype == torch.float32, SCALED=scale is not None, BLOCK_M=blocks.block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
     )
 
 

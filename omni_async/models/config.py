@@ -42,6 +42,12 @@ class MoeConfig:
     def is_sparse(self, layer_idx: int) -> bool:
         return layer_idx not in self.dense_layers and (layer_idx + 1) % self.sparse_step == 0
 
+    def activation_width(self, hidden_size: int) -> int:
+        """Activation channels per token of a sparse block, in the model dtype's
+        units: each of its ``top_k`` rows holds an expert's intermediate channels and a
+        float32 output row (what memory planning reserves in place of a dense MLP's)."""
+        return self.top_k * (self.intermediate_size + 2 * hidden_size)
+
     @classmethod
     def from_hf(cls, raw: Mapping[str, Any], family: str) -> "MoeConfig | None":
         """None when the checkpoint has no experts (``num_experts`` 0), as transformers
