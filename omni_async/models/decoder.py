@@ -195,6 +195,10 @@ class DecoderModel(nn.Module):
         # A talker's projection of another stage's hidden states into its input space
         # (``cond`` in :meth:`forward`); None for a plain decoder.
         self.thinker_to_talker_proj: nn.Module | None = None
+        # The rows ``return_hidden`` hands out: transformers' ``hidden_states[i]`` (0 the
+        # input embeddings, i the residual stream after layer i); None after the final
+        # norm (``hidden_states[-1]``). Set by the stage before its graphs are captured.
+        self.hidden_layer: int | None = None
 
     def tie_weights(self) -> None:
         """Share the embedding with the output head when the checkpoint ties them
@@ -219,9 +223,9 @@ class DecoderModel(nn.Module):
         cond: tuple[torch.Tensor, torch.Tensor] | None = None,
         input_embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """``return_hidden``: also the final hidden states (after the final norm) of the
-        rows the logits are for; ``"all"``: of every input row (a prefill's prompt
-        positions). ``input_embeds``: (flat row indices, their ``[n, hidden]`` rows) that
+        """``return_hidden``: also the final hidden states (after the final norm; layer
+        ``hidden_layer``'s when set) of the rows the logits are for; ``"all"``: of every
+        input row (a prefill's prompt positions). ``input_embeds``: (flat row indices, their ``[n, hidden]`` rows) that
         replace those rows' token embeddings (a prompt given as embeddings). ``cond``:
         ``(rows [T, Hc], mask [T])`` added to the input embeddings through
         ``thinker_to_talker_proj`` where ``mask`` is 1 (a talker fed by a thinker's hidden
@@ -235,11 +239,15 @@ class DecoderModel(nn.Module):
             x = x + self.thinker_to_talker_proj(rows.to(x.dtype)) * mask.to(x.dtype)[:, None]
         cos, sin = self.rope(positions, x.dtype)
         every = return_hidden == "all"
-        if self.cpu_stack is not None and ctx.is_decode and ctx.cpu_kernel and ctx.block_tables is not None:
+        cut = self.hidden_layer if return_hidden else None
+        captured = None  # the rows at layer ``cut``
+        if self.cpu_stack is not None and cut is None and ctx.is_decode and ctx.cpu_kernel and ctx.block_tables is not None:
             hidden = self.cpu_stack(x, cos, sin, kv, ctx.block_tables, ctx.kv_lens, ctx.slot_mapping)
         else:
             delta = None
-            for layer in self.model.layers:
+            for i, layer in enumerate(self.model.layers):
+                if i == cut:
+                    captured = x if delta is None else x + delta
                 x, delta = layer(x, delta, cos, sin, kv, ctx, self.ops)
             if not ctx.is_decode and not every:  # decode wants every row: no gather
                 x, delta = x[ctx.logits_rows], None if delta is None else delta[ctx.logits_rows]
@@ -250,6 +258,9 @@ class DecoderModel(nn.Module):
         logits = self.lm_head(hidden)
         if float_logits:  # the decode graphs keep the head's dtype (see DecodeGraphs._captured)
             logits = logits.to(torch.float32)
+        if captured is not None:  # the chosen layer's rows in place of the final norm's
+            all_hidden = captured
+            hidden = captured if ctx.is_decode else captured[ctx.logits_rows]
         if every:
             return logits, all_hidden
         return (logits, hidden) if return_hidden else logits
