@@ -70,11 +70,7 @@ class SamplingParams:
     # (``result.prompt_hidden_states``).
     return_hidden_states: bool = False
     return_prompt_hidden_states: bool = False
-    # Which rows those are: transformers' ``hidden_states[i]`` (0 the input embeddings,
-    # i < num_layers the residual stream after layer i, num_layers the final norm's
-    # output). None: the stage's (``SchedulerConfig.hidden_states_layer``). A stage
-    # captures one layer on its fast path (CUDA graphs, multi-step decode), so a value
-    # other than its own is refused with InvalidRequestError.
+    # Their layer, transformers' hidden_states[i]: None the stage's, another refused (docs/omni-data-path.md).
     hidden_states_layer: int | None = None
     # Text-level options, applied by the Engine (the scheduler ignores them).
     stop: list[str] = field(default_factory=list)
@@ -155,8 +151,6 @@ class SamplingParams:
         for name in ("return_logprob", "return_hidden_states", "return_prompt_hidden_states"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(f"{name} must be a bool, got {getattr(self, name)!r}")
-        if self.hidden_states_layer is not None and (not _is_int(self.hidden_states_layer) or self.hidden_states_layer < 0):
-            raise bad(f"hidden_states_layer must be None or an integer >= 0, got {self.hidden_states_layer!r}")
         if self.logprobs_mode not in ("processed", "raw"):
             raise bad(f"logprobs_mode must be 'processed' or 'raw', got {self.logprobs_mode!r}")
         self._validate_text_options(bad)
@@ -362,19 +356,13 @@ class SchedulerConfig:
     # average leaves idle, one when oversubscribed; OMP_NUM_THREADS, when set, is kept
     # (core/cpu_choices.py; bench/cpu_threads.py).
     cpu_threads: int | None = None
-    # Native backend: the layer whose rows the stage hands out as hidden states (to a
-    # downstream stage, and for SamplingParams.return_hidden_states): transformers'
-    # ``hidden_states[i]``, 0 the input embeddings, i the residual stream after layer i
-    # (Qwen3-Omni's talker reads its thinker's layer 18). None: after the final norm.
-    hidden_states_layer: int | None = None
+    hidden_states_layer: int | None = None  # the hidden_states[i] rows handed out (None: the final norm's)
 
     def __post_init__(self) -> None:
         if self.loop is not None and self.loop not in LOOP_KINDS:
             raise ConfigError(
                 f"unknown loop {self.loop!r}; choose one of {', '.join(LOOP_KINDS)} (or None: the stage plan picks)"
             )
-        if self.hidden_states_layer is not None and (not _is_int(self.hidden_states_layer) or self.hidden_states_layer < 0):
-            raise ConfigError(f"hidden_states_layer must be None or an integer >= 0, got {self.hidden_states_layer!r}")
         for name in ("max_running_requests", "max_prefill_tokens", "cpu_threads"):
             if getattr(self, name) is not None and (not _is_int(getattr(self, name)) or getattr(self, name) < 1):
                 raise ConfigError(f"{name} must be None or an integer >= 1, got {getattr(self, name)!r}")

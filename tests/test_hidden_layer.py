@@ -120,13 +120,18 @@ async def test_a_default_stage_serves_its_last_layer_and_refuses_others(hf_check
     check_layer_rows(folder, prompt, plain, 2)
 
 
-def test_impossible_layers_are_typed_errors(hf_checkpoints):
-    with pytest.raises(InvalidRequestError, match="hidden_states_layer"):
-        SamplingParams(hidden_states_layer=-1)
-    with pytest.raises(ConfigError, match="hidden_states_layer"):
-        Engine.from_pretrained("tiny", hidden_states_layer=-2)
+async def test_impossible_layers_are_typed_errors(hf_checkpoints):
+    for layer in (-2, 1.5, True):
+        with pytest.raises(ConfigError, match="hidden_states_layer"):
+            Engine.from_pretrained("tiny", hidden_states_layer=layer)
     with pytest.raises(ConfigError, match=r"must be in \[0, 2\]"):
         Engine.from_pretrained(str(hf_checkpoints["qwen3"]), hidden_states_layer=3)
+    async with Engine.from_pretrained("tiny", loop="normal") as engine:
+        for layer in (-1, "2", 2.0):
+            with pytest.raises(InvalidRequestError, match="hidden_states_layer must be None or an integer"):
+                await engine.generate(input_ids=[1, 2, 3], sampling=SamplingParams(max_new_tokens=2, hidden_states_layer=layer))
+        ok = await engine.generate(input_ids=[1, 2, 3], sampling=SamplingParams(max_new_tokens=2))
+    assert len(ok.output_ids) == 2
 
 
 async def test_a_thinker_hands_its_talker_the_chosen_layer():
@@ -148,6 +153,9 @@ async def test_a_thinker_hands_its_talker_the_chosen_layer():
         async with Engine.from_pretrained("tiny", loop="normal", seed=0, hidden_states_layer=layer) as engine:
             by_layer[layer] = await engine.generate(input_ids=prompt, sampling=sampling)
     assert by_layer[2].output_ids == outputs
-    rows = torch.cat(record["c"].chunks)
-    assert torch.equal(rows, by_layer[2].hidden_states)
-    assert not torch.allclose(rows, by_layer[None].hidden_states)
+    streamed = torch.cat([ev.data.hidden_states for ev in events if ev.stage == "thinker" and ev.kind == "stream"])
+    assert torch.equal(streamed, by_layer[2].hidden_states)
+    assert not torch.allclose(streamed, by_layer[None].hidden_states)
+    # What the talker took before its own end: those rows, in order.
+    taken = torch.cat(record["c"].chunks)
+    assert taken.shape[0] >= 3 and torch.equal(taken, streamed[: taken.shape[0]])

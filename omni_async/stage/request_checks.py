@@ -116,6 +116,8 @@ def check_hidden_layer(asked: int | None, limits: ModelLimits) -> None:
     per stage keeps the rows on its fast path: the CUDA graphs hand out that layer's)."""
     if asked is None:
         return
+    if isinstance(asked, bool) or not isinstance(asked, int) or asked < 0:
+        raise errors.InvalidRequestError(f"hidden_states_layer must be None or an integer >= 0, got {asked!r}")
     layers, captured = getattr(limits, "num_layers", None), getattr(limits, "hidden_states_layer", None)
     if layers is None or captured is None:
         raise errors.InvalidRequestError("hidden_states_layer is not supported by this stage")

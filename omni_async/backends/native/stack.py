@@ -65,9 +65,9 @@ def build_off_this_thread(build: Callable[[], T]) -> T:
 def choose_hidden_layer(model: Any, layer: int | None) -> int:
     """Point the decoder's captured rows at ``layer`` (transformers' ``hidden_states``
     index; None or ``num_layers``: after the final norm), before any graph is captured;
-    returns the index the stage then hands out. ConfigError past the last layer."""
+    returns the index the stage then hands out. ConfigError outside ``[0, num_layers]``."""
     layers = model.config.num_layers
-    if layer is not None and layer > layers:
+    if layer is not None and (isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer <= layers):
         raise ConfigError(f"hidden_states_layer must be in [0, {layers}] (the model has {layers} layers), got {layer}")
     model.hidden_layer = None if layer is None or layer == layers else layer
     return layers if layer is None else layer
