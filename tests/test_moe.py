@@ -198,3 +198,10 @@ async def test_an_expert_updated_by_name_changes_what_the_model_writes(moe_check
     assert changed == [i == 3 for i in range(8)]
     assert torch.equal(stacked[3, 48:], others[3, 48:])  # the up rows of expert 3 kept
     assert before != after
+
+
+def test_tensor_parallelism_refuses_a_moe_decoder(moe_checkpoints):
+    from omni_async.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="does not shard mixture-of-experts"):
+        Engine.from_pretrained(str(moe_checkpoints["dense_between"]), tensor_parallel_size=2)
