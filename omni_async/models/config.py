@@ -19,9 +19,13 @@ ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
     "Qwen3MoeForCausalLM": "qwen3_moe",
 }
-MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe"}
+MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe", "qwen3_omni_moe_text": "qwen3_moe"}
 # Families whose attention normalises q and k per head before RoPE.
 QK_NORM_FAMILIES = ("qwen3", "qwen3_moe")
+# Composite checkpoints whose text decoder the native backend serves: architecture ->
+# (where its config sits in config.json, the prefix of its tensors). Qwen3-Omni's thinker
+# is a Qwen3-MoE decoder whose rotary (M-RoPE) equals plain RoPE on text positions.
+COMPOSITES = {"Qwen3OmniMoeForConditionalGeneration": (("thinker_config", "text_config"), "thinker.")}
 ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -92,6 +96,9 @@ class ModelConfig:
     dtype: str = "float32"
     # Mixture of experts (Qwen3-MoE); num_experts 0 is a dense decoder.
     moe: MoeConfig | None = None
+    # Where the decoder's tensors sit in its checkpoint ("thinker." in a Qwen3-Omni
+    # folder: ``thinker.model.*`` and ``thinker.lm_head.*``; the rest is not ours).
+    checkpoint_prefix: str = ""
 
     def is_moe_layer(self, layer_idx: int) -> bool:
         """Whether layer ``layer_idx`` has a sparse expert block (else a dense MLP of
@@ -106,6 +113,7 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, raw: Mapping[str, Any]) -> "ModelConfig":
+        raw, prefix = _decoder_part(raw)
         family = _family_of(raw)
         act = raw.get("hidden_act", "silu")
         if act != "silu":
@@ -152,6 +160,7 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
             moe=MoeConfig.from_hf(raw, family) if family == "qwen3_moe" else None,
+            checkpoint_prefix=prefix,
         )
 
 
@@ -166,6 +175,21 @@ def _required_int(raw: Mapping[str, Any], name: str, family: str) -> int:
     return int(value)
 
 
+def _decoder_part(raw: Mapping[str, Any]) -> tuple[Mapping[str, Any], str]:
+    """The text decoder's config in a composite checkpoint (:data:`COMPOSITES`) and its
+    tensors' prefix; ``(raw, "")`` for a plain one."""
+    for arch in raw.get("architectures") or []:
+        if arch in COMPOSITES:
+            path, prefix = COMPOSITES[arch]
+            part: Any = raw
+            for key in path:
+                part = part.get(key) if isinstance(part, Mapping) else None
+            if not isinstance(part, Mapping):
+                raise ModelLoadError(f"config.json of {arch} has no {'.'.join(path)}")
+            return {**part, "architectures": None}, prefix
+    return raw, ""
+
+
 def _family_of(raw: Mapping[str, Any]) -> str:
     archs = raw.get("architectures") or []
     for arch in archs:
@@ -174,7 +198,7 @@ def _family_of(raw: Mapping[str, Any]) -> str:
     if archs:
         raise ModelLoadError(
             f"unsupported architecture {archs}: the native backend runs "
-            f"{', '.join(ARCHITECTURES)}"
+            f"{', '.join([*ARCHITECTURES, *COMPOSITES])} (the last for its text decoder)"
         )
     model_type = raw.get("model_type")
     if model_type in MODEL_TYPES:

@@ -139,7 +139,7 @@ def load_model(
     cfg = with_generation_eos(ModelConfig.from_hf(raw), folder)
     torch_dtype = resolve_dtype(dtype, cfg.dtype, device)
     model = empty_model(cfg, device, torch_dtype, shard)
-    copy_named_tensors(model, sharded(shard, iter_checkpoint(folder)), require_all=True)
+    copy_named_tensors(model, sharded(shard, decoder_tensors(folder, cfg)), require_all=True)
     model.inv_freq = rope_inv_freq(cfg).to(device)  # buffers are not in checkpoints
     return LoadedModel(model.eval(), cfg, load_tokenizer(folder, cfg), str(folder), "safetensors")
 
@@ -262,8 +262,24 @@ def iter_checkpoint(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
+def decoder_tensors(folder: Path, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """The decoder's checkpoint tensors under the decoder's names: all of a plain
+    checkpoint's; of a composite one (Qwen3-Omni) those under ``cfg.checkpoint_prefix``
+    with it stripped, the other parts (encoders, talker, codec) not read."""
+    prefix = cfg.checkpoint_prefix
+    if not prefix:
+        yield from iter_checkpoint(folder)
+        return
+    ours = (f"{prefix}model.", f"{prefix}lm_head.")
+    for file in safetensors_files(folder):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                if name.startswith(ours):
+                    yield name[len(prefix):], f.get_tensor(name)
+
+
 def load_weights(model: DecoderModel, folder: Path) -> None:
-    copy_named_tensors(model, iter_checkpoint(folder), require_all=True)
+    copy_named_tensors(model, decoder_tensors(folder, model.config), require_all=True)
 
 
 def copy_named_tensors(
