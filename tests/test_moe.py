@@ -32,26 +32,31 @@ SHAPES = {
     "dense_between": dict(num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[1], decoder_sparse_step=1),
     # every other layer sparse, raw top-k probabilities, more experts than rows often
     "every_other": dict(num_experts=16, num_experts_per_tok=4, norm_topk_prob=False, mlp_only_layers=[], decoder_sparse_step=2),
+    # Qwen2-MoE: a shared expert beside the routed ones in every sparse block, q/k/v biases
+    "qwen2_shared": dict(arch="qwen2", num_experts=8, num_experts_per_tok=2, norm_topk_prob=False, mlp_only_layers=[2],
+                         decoder_sparse_step=1, shared_expert_intermediate_size=96),
 }
 
 
-def moe_config(**over):
-    from transformers import Qwen3MoeConfig
+def moe_config(arch: str = "qwen3", **over):
+    from transformers import Qwen2MoeConfig, Qwen3MoeConfig
 
     shape = dict(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=160, moe_intermediate_size=48, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=1024,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
         initializer_range=0.3, bos_token_id=1, eos_token_id=None, pad_token_id=0, tie_word_embeddings=False,
     )
     shape.update(over)
-    return Qwen3MoeConfig(**shape)
+    if arch == "qwen2":
+        return Qwen2MoeConfig(**shape)
+    return Qwen3MoeConfig(head_dim=32, **shape)
 
 
 def save_moe_checkpoint(folder: Path, seed: int, **over) -> Path:
-    from transformers import Qwen3MoeForCausalLM
+    from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    Qwen3MoeForCausalLM(moe_config(**over)).eval().save_pretrained(folder)
+    AutoModelForCausalLM.from_config(moe_config(**over), dtype=torch.float32).eval().save_pretrained(folder)
     return folder
 
 
@@ -97,7 +102,7 @@ def test_checkpoint_tensors_land_under_their_names(moe_checkpoints, shape):
         assert torch.equal(ours[name], tensor), name
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     ours_sparse = [isinstance(layer.mlp, SparseMoeBlock) for layer in loaded.model.model.layers]
-    hf_sparse = [type(layer.mlp).__name__ == "Qwen3MoeSparseMoeBlock" for layer in hf.model.layers]
+    hf_sparse = [type(layer.mlp).__name__.endswith("SparseMoeBlock") for layer in hf.model.layers]
     assert ours_sparse == hf_sparse and any(ours_sparse) and not all(ours_sparse)
 
 
@@ -122,7 +127,7 @@ async def test_greedy_matches_transformers_under_pressure(moe_checkpoints, shape
         info = (await engine.model_info())["data"]
     assert [r.output_ids for r in results] == expected
     assert all(r.finish_reason == "length" for r in results)
-    assert info["model_family"] == "qwen3_moe"
+    assert info["model_family"] == ("qwen2_moe" if shape == "qwen2_shared" else "qwen3_moe")
     assert_kv_free(engine)
 
 

@@ -18,8 +18,12 @@ ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
 }
-MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe", "qwen3_omni_moe_text": "qwen3_moe"}
+MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe", "qwen3_omni_moe_text": "qwen3_moe",
+               "qwen2_moe": "qwen2_moe"}
+# Families with routed experts (their MoeConfig read from config.json).
+MOE_FAMILIES = ("qwen3_moe", "qwen2_moe")
 # Families whose attention normalises q and k per head before RoPE.
 QK_NORM_FAMILIES = ("qwen3", "qwen3_moe")
 # Composite checkpoints whose text decoder the native backend serves: architecture ->
@@ -34,7 +38,9 @@ class MoeConfig:
     """A Qwen3-MoE checkpoint's expert settings: ``num_experts`` experts of
     ``intermediate_size`` channels each, ``top_k`` routed per token, the chosen weights
     renormalised to sum to 1 when ``norm_topk_prob``; layer ``i`` is sparse when
-    ``(i + 1) % sparse_step == 0`` and ``i`` is not in ``dense_layers``."""
+    ``(i + 1) % sparse_step == 0`` and ``i`` is not in ``dense_layers``. With
+    ``shared_intermediate_size`` every sparse block also has a shared expert of that
+    width, gated per token by a sigmoid (Qwen2-MoE, Qwen3-Omni's talker)."""
 
     num_experts: int
     top_k: int
@@ -42,6 +48,7 @@ class MoeConfig:
     norm_topk_prob: bool
     sparse_step: int = 1
     dense_layers: tuple[int, ...] = ()
+    shared_intermediate_size: int = 0
 
     def is_sparse(self, layer_idx: int) -> bool:
         return layer_idx not in self.dense_layers and (layer_idx + 1) % self.sparse_step == 0
@@ -50,7 +57,7 @@ class MoeConfig:
         """Activation channels per token of a sparse block, in the model dtype's
         units: each of its ``top_k`` rows holds an expert's intermediate channels and a
         float32 output row (what memory planning reserves in place of a dense MLP's)."""
-        return self.top_k * (self.intermediate_size + 2 * hidden_size)
+        return self.top_k * (self.intermediate_size + 2 * hidden_size) + 2 * self.shared_intermediate_size
 
     @classmethod
     def from_hf(cls, raw: Mapping[str, Any], family: str) -> "MoeConfig | None":
@@ -69,6 +76,7 @@ class MoeConfig:
             norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
             sparse_step=int(raw.get("decoder_sparse_step", 1) or 1),
             dense_layers=tuple(int(i) for i in raw.get("mlp_only_layers") or ()),
+            shared_intermediate_size=int(raw.get("shared_expert_intermediate_size") or 0),
         )
 
 
@@ -134,8 +142,8 @@ class ModelConfig:
         eos_ids = tuple(int(e) for e in eos) if isinstance(eos, (list, tuple)) else (
             (int(eos),) if eos is not None else ()
         )
-        if family == "qwen2":
-            qkv_bias, o_bias = True, False
+        if family in ("qwen2", "qwen2_moe"):
+            qkv_bias, o_bias = bool(raw.get("qkv_bias", True)), False
         else:
             qkv_bias = o_bias = bool(raw.get("attention_bias", False))
         return cls(
@@ -159,7 +167,7 @@ class ModelConfig:
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=eos_ids,
             dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
-            moe=MoeConfig.from_hf(raw, family) if family == "qwen3_moe" else None,
+            moe=MoeConfig.from_hf(raw, family) if family in MOE_FAMILIES else None,
             checkpoint_prefix=prefix,
         )
 

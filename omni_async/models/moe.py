@@ -1,5 +1,6 @@
 """The sparse mixture-of-experts block of Qwen3-MoE decoders (Qwen3-30B-A3B, the
-Qwen3-Omni thinker and talker).
+Qwen3-Omni thinker and talker) and Qwen2-MoE ones (whose blocks, like the Omni talker's,
+add a shared expert gated per token: :class:`SharedExpert`).
 
 Routing is transformers' ``Qwen3MoeTopKRouter`` exactly: router logits in the model's
 dtype, softmax in float32, the top ``k`` probabilities, renormalised to sum to 1 when the
@@ -26,7 +27,8 @@ from torch import nn
 from ..kernels import triton_available
 from ..kernels.reference import ReferenceOps
 from .config import ModelConfig
-from .merged import ParamSlot
+from .merged import MergedLinear, ParamSlot
+from .quantized import Linear
 
 
 def route(logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -92,9 +94,24 @@ class Experts(nn.Module):
         return experts_torch(x, self.gate_up_proj, self.down_proj, experts, weights, ops)
 
 
+class SharedExpert(nn.Module):
+    """The expert every token goes through (Qwen2-MoE, Qwen3-Omni's talker): a SwiGLU MLP,
+    gate and up merged as the decoder's are (checkpoint names ``shared_expert.gate_proj``
+    ...), scaled per token by ``sigmoid(shared_expert_gate(x))`` in the block."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedLinear(hidden_size, {"gate_proj": intermediate_size, "up_proj": intermediate_size}, bias=False)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, ops: ReferenceOps) -> torch.Tensor:
+        return ops.silu_mul_linear(ops.linear(x, self.gate_up_proj), self.down_proj)
+
+
 class SparseMoeBlock(nn.Module):
-    """A decoder layer's FFN as routed experts; parameter names follow transformers'
-    ``Qwen3MoeSparseMoeBlock`` (``gate.weight`` is the router)."""
+    """A decoder layer's FFN as routed experts (and a shared one where the checkpoint has
+    it); parameter names follow transformers' ``Qwen3MoeSparseMoeBlock`` /
+    ``Qwen2MoeSparseMoeBlock`` (``gate.weight`` is the router)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -105,10 +122,18 @@ class SparseMoeBlock(nn.Module):
         # torch's Linear, not the quantizable one: int8 routing could pick other experts.
         self.gate = nn.Linear(cfg.hidden_size, moe.num_experts, bias=False)
         self.experts = Experts(moe.num_experts, cfg.hidden_size, moe.intermediate_size)
+        self.shared_expert: SharedExpert | None = None
+        self.shared_expert_gate: nn.Linear | None = None
+        if moe.shared_intermediate_size:
+            self.shared_expert = SharedExpert(cfg.hidden_size, moe.shared_intermediate_size)
+            self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
 
     def forward(self, x: torch.Tensor, ops: ReferenceOps) -> torch.Tensor:
         weights, experts = route(self.gate(x), self.top_k, self.norm_topk_prob)
-        return self.experts(x, experts, weights, ops)
+        out = self.experts(x, experts, weights, ops)
+        if self.shared_expert is not None and self.shared_expert_gate is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x, ops)
+        return out
 
     def add_norm_forward(self, x: torch.Tensor, delta: torch.Tensor | None, norm: nn.Module, ops: ReferenceOps
                          ) -> tuple[torch.Tensor, torch.Tensor]:
