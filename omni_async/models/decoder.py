@@ -1,8 +1,8 @@
-"""Llama / Qwen2 / Qwen3 / Qwen3-MoE decoder over a paged KV cache.
+"""Llama / Qwen2 / Qwen3 / Qwen2-MoE / Qwen3-MoE decoder over a paged KV cache.
 
 One module covers the families; they differ only in biases (Qwen2 has q/k/v
 bias), per-head q/k RMSNorm before RoPE (Qwen3), tied embeddings, and routed experts in
-place of the MLP (Qwen3-MoE, :mod:`.moe`). Parameter names
+place of the MLP (the MoE families, :mod:`.moe`). Parameter names
 follow Hugging Face, except that q/k/v and gate/up are merged into ``qkv_proj`` and
 ``gate_up_proj`` (see :mod:`.merged`, which keeps checkpoints loading by HF names).
 
@@ -225,8 +225,8 @@ class DecoderModel(nn.Module):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """``return_hidden``: also the final hidden states (after the final norm; layer
         ``hidden_layer``'s when set) of the rows the logits are for; ``"all"``: of every
-        input row (a prefill's prompt positions). ``input_embeds``: (flat row indices, their ``[n, hidden]`` rows) that
-        replace those rows' token embeddings (a prompt given as embeddings). ``cond``:
+        input row (a prefill's prompt positions). ``input_embeds``: (flat row indices,
+        their ``[n, hidden]`` rows) that replace those rows' token embeddings (a prompt given as embeddings). ``cond``:
         ``(rows [T, Hc], mask [T])`` added to the input embeddings through
         ``thinker_to_talker_proj`` where ``mask`` is 1 (a talker fed by a thinker's hidden
         states, :mod:`omni_async.core.conditioning`)."""
