@@ -159,3 +159,36 @@ async def test_a_thinker_hands_its_talker_the_chosen_layer():
     # What the talker took before its own end: those rows, in order.
     taken = torch.cat(record["c"].chunks)
     assert taken.shape[0] >= 3 and torch.equal(taken, streamed[: taken.shape[0]])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("loop", LOOPS)
+@pytest.mark.parametrize("decode_steps", [1, 4], ids=["graphs", "fused_graphs"])
+async def test_cuda_graphs_hand_out_the_chosen_layer(hf_checkpoints, tmp_path, loop, decode_steps):
+    """On CUDA the decode graphs and the fused multi-step graphs are captured returning
+    the stage's layer: rows as transformers' (float32), for a dense and a MoE decoder (the
+    grouped-expert kernel inside the graphs)."""
+    from omni_async.kernels import triton_available
+
+    if not triton_available("cuda"):
+        pytest.skip("needs Triton")
+    moe = save_moe_checkpoint(tmp_path / "moe", seed=3, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
+                              mlp_only_layers=[1], decoder_sparse_step=1)
+    for folder, layer in ((hf_checkpoints["qwen3"], 1), (moe, 2)):
+        prompts = random_prompts(6, 512, 4, 40, seed=10)
+        engine = Engine.from_pretrained(str(folder), device="cuda", dtype="float32", loop=loop, hidden_states_layer=layer,
+                                        decode_steps=decode_steps)
+        async with engine:
+            results = await asyncio.gather(*[
+                engine.generate(input_ids=p, sampling=SamplingParams(max_new_tokens=12, return_hidden_states=True))
+                for p in prompts
+            ])
+            stats = engine.stack.runner.stats()
+        if decode_steps > 1:
+            assert stats["fused_decode_replays"] > 0, "the fused multi-step graphs were meant to run"
+        assert engine.stack.runner.graphs is not None and engine.stack.runner.graphs.replays + stats.get("fused_decode_replays", 0) > 0
+        for prompt, res in zip(prompts, results):
+            assert res.output_ids == hf_greedy(folder, prompt, 12)
+            ref = hf_layer_rows(folder, prompt + res.output_ids, layer)
+            lp = len(prompt)
+            torch.testing.assert_close(res.hidden_states.cpu().float(), ref[lp - 1 : lp - 1 + 12], atol=2e-3, rtol=2e-3)
