@@ -24,6 +24,7 @@ from .decoder import PROJECTION, DecoderModel, rope_inv_freq
 from .generation_config import with_generation_eos
 from .merged import hf_named_tensors, hf_parameter_slots
 from .quantized import refresh_quantized
+from .random_weights import fill_random, random_weights_of
 from .gguf import SMOLLM2_NAME, is_gguf_path, smollm2_path
 
 DTYPES = {
@@ -139,9 +140,14 @@ def load_model(
     cfg = with_generation_eos(ModelConfig.from_hf(raw), folder)
     torch_dtype = resolve_dtype(dtype, cfg.dtype, device)
     model = empty_model(cfg, device, torch_dtype, shard)
-    copy_named_tensors(model, sharded(shard, decoder_tensors(folder, cfg)), require_all=True)
+    drawn = random_weights_of(folder, raw)
+    if drawn is not None:  # a benchmark's folder: weights drawn on the device (models/random_weights.py)
+        fill_random(model, drawn)
+    else:
+        copy_named_tensors(model, sharded(shard, decoder_tensors(folder, cfg)), require_all=True)
     model.inv_freq = rope_inv_freq(cfg).to(device)  # buffers are not in checkpoints
-    return LoadedModel(model.eval(), cfg, load_tokenizer(folder, cfg), str(folder), "safetensors")
+    load_format = "random" if drawn is not None else "safetensors"
+    return LoadedModel(model.eval(), cfg, load_tokenizer(folder, cfg), str(folder), load_format)
 
 
 def load_gguf(path: Path, *, dtype: str | torch.dtype | None, device: torch.device, shard: Any = None) -> LoadedModel:
