@@ -210,6 +210,8 @@ async def run(args) -> dict:
     out: dict = {"machine": machine(), "args": vars(args), "levels": {}}
     t0 = time.perf_counter()
     limits = {"kv_capacity_tokens": args.kv_tokens} if args.kv_tokens else {}
+    if args.codec_graphs is not None:
+        limits["codec_graphs"] = args.codec_graphs == "on"
     tts = SpeechPipeline.from_pretrained(args.model, device=args.device, loop=args.loop, dtype=args.dtype, **limits)
     out["load_s"] = round(time.perf_counter() - t0, 2)
     async with tts:
@@ -294,6 +296,7 @@ def main() -> None:
     ap.add_argument("--arms", default="inprocess,http")
     ap.add_argument("--port", type=int, default=8790)
     ap.add_argument("--kv-tokens", type=int, default=None, help="the talker's KV positions (default: the stage's)")
+    ap.add_argument("--codec-graphs", choices=("on", "off"), default=None, help="the codec's calls as CUDA graphs (default: the pipeline's)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     args.arms = args.arms.split(",")

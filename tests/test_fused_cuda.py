@@ -76,8 +76,10 @@ def test_direct_launches_follow_the_specialisation():
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("tokens,heads,kv_heads,dim", [(1, 14, 2, 64), (50, 14, 2, 64), (9, 8, 8, 128), (3, 4, 2, 32)])
-def test_rope_store_matches_reference(dtype, tokens, heads, kv_heads, dim):
+@pytest.mark.parametrize("tokens,heads,kv_heads,dim", [(1, 14, 2, 64), (50, 14, 2, 64), (9, 8, 8, 128), (3, 4, 2, 32), (64, 16, 8, 128)])
+@pytest.mark.parametrize("with_norm", [False, True])
+def test_rope_store_matches_reference(dtype, tokens, heads, kv_heads, dim, with_norm):
+    """With ``with_norm``, Qwen3's per-head q/k RMSNorm in the same kernel."""
     from omni_async.kernels.fused import FusedOps
 
     gen = torch.Generator(device=DEV).manual_seed(tokens * heads + dim)
@@ -88,20 +90,47 @@ def test_rope_store_matches_reference(dtype, tokens, heads, kv_heads, dim):
     emb = torch.cat((angles, angles), dim=-1)
     cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
     slots = torch.randperm(64, generator=gen, device=DEV)[:tokens]
+    norms = (None, None)
+    if with_norm:
+        norms = tuple(RMSNorm(dim, 1e-6).to(DEV, dtype) for _ in range(2))
+        with torch.no_grad():
+            for n in norms:
+                n.weight.copy_(torch.randn(dim, generator=gen, device=DEV) * 0.5 + 1)
     caches = []
     for _ in range(2):
         kv = PagedKVCache(num_layers=2, num_pages=4, page_size=16, num_kv_heads=kv_heads, head_dim=dim, dtype=dtype, device=torch.device(DEV))
         for t in kv.k + kv.v:
             t.fill_(float("nan"))  # poisoned: slots not written stay NaN in both
         caches.append(kv)
-    ref_q, ref_k = ReferenceOps().rope_store(q, k, v, cos, sin, caches[0], 1, slots)
-    got_q, _ = FusedOps().rope_store(q, k, v, cos, sin, caches[1], 1, slots)
+    with torch.no_grad():
+        ref_q, ref_k = ReferenceOps().rope_store(q, k, v, cos, sin, caches[0], 1, slots, *norms)
+        got_q, _ = FusedOps().rope_store(q, k, v, cos, sin, caches[1], 1, slots, *norms)
     assert rel_err(got_q, ref_q) <= tol(dtype)
     assert rel_err(caches[1].k[1][slots], ref_k) <= tol(dtype)
     assert torch.equal(caches[1].v[1][slots], v)
     untouched = torch.ones(64, dtype=torch.bool, device=DEV)
     untouched[slots] = False
     assert caches[1].k[1][untouched].isnan().all() and caches[1].k[0].isnan().all()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dim,theta", [(64, 1e6), (128, 5e5)])
+def test_rope_table_matches_reference(dtype, dim, theta):
+    """The rotary tables in one kernel: CUDA's cosf and sinf on the reference's float32
+    angles, rounded once."""
+    from omni_async.kernels.fused import FusedOps
+    from omni_async.models.config import ModelConfig
+    from omni_async.models.decoder import rope_inv_freq
+
+    cfg = ModelConfig(family="llama", vocab_size=10, hidden_size=2 * dim, intermediate_size=8, num_layers=1, num_heads=2,
+                      num_kv_heads=1, head_dim=dim, rope_theta=theta)
+    inv = rope_inv_freq(cfg).to(DEV)
+    gen = torch.Generator(device=DEV).manual_seed(dim)
+    pos = torch.randint(0, 40000, (300,), generator=gen, device=DEV)
+    for got, want in zip(FusedOps().rope_table(pos, inv, dtype), ReferenceOps().rope_table(pos, inv, dtype)):
+        err = float((got.double() - want.double()).abs().max())
+        assert err <= (1.2e-7 if dtype == torch.float32 else 2.0 ** -8)
+        assert float((got == want).double().mean()) >= 0.999
 
 
 def _greedy_tokens(device: str, prompts, n: int, **kw) -> list[list[int]]:

@@ -101,7 +101,9 @@ class CpuFusedOps(ReferenceOps):
     def silu_mul(self, gate_up):
         return silu_mul(gate_up)
 
-    def rope_store(self, q, k, v, cos, sin, kv, layer, slots):
+    def rope_store(self, q, k, v, cos, sin, kv, layer, slots, q_norm=None, k_norm=None):
+        if q_norm is not None and k_norm is not None:
+            q, k = q_norm(q), k_norm(k)
         kc, vc = kv.k[layer], kv.v[layer]
         if not (kc.is_contiguous() and vc.is_contiguous() and kc.dtype == vc.dtype == q.dtype == k.dtype == v.dtype == cos.dtype):
             return self.reference.rope_store(q, k, v, cos, sin, kv, layer, slots)

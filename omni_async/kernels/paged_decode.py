@@ -129,8 +129,9 @@ def _fold(
 # ``stride_tb`` is the page-table row stride: the graphs' static table width, but in an
 # eager decode step the input batch's page capacity, which grows with the longest
 # sequence seen. It only offsets the table row, so nothing is lost by not specialising;
-# ``splits`` is only ever divided by.
-@triton.jit(**unspecialized(ints=("stride_tb", "splits")))
+# ``splits`` is only ever divided by. ``LENS`` is read one scalar a row, and is a row of a
+# stacked array in a multi-step decode (its alignment following the batch size).
+@triton.jit(**unspecialized(ints=("stride_tb", "splits"), pointers=("LENS",)))
 def _paged_decode_kernel(
     Q, K, V, O, PART, STATS, TABLES, LENS, qk_scale, splits,
     stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ob, stride_oh, stride_tb,
@@ -200,7 +201,7 @@ def _paged_decode_kernel(
         tl.store(o_ptrs, (acc / l[:, None]).to(O.dtype.element_ty), mask=io_mask)
 
 
-@triton.jit(**unspecialized(ints=("splits",)))
+@triton.jit(**unspecialized(ints=("splits",), pointers=("LENS",)))
 def _combine_kernel(
     O, PART, STATS, LENS, splits, stride_ob, stride_oh,
     D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, MIN_SEG: tl.constexpr,

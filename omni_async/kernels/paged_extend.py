@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from .attention_block import attend_block, unspecialized
-from .launch import FastKernel
+from .launch import launcher
 
 
 # Kept out of the compile key, since they change between prefill steps: ``stride_tb``
@@ -69,7 +69,7 @@ def _paged_extend_kernel(
 TUNING = {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 2}
 
 
-_PAGED_EXTEND_LAUNCH = FastKernel(_paged_extend_kernel)
+_PAGED_EXTEND_LAUNCH = launcher(_paged_extend_kernel)  # the kernel itself under the interpreter
 
 
 def _pow2(x: int, floor: int = 16) -> int:

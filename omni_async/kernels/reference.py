@@ -36,9 +36,24 @@ class ReferenceOps:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
 
-    def rope_store(self, q, k, v, cos, sin, kv: Any, layer: int, slots: torch.Tensor):
+    def rope_table(self, positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rotary ``(cos, sin)`` rows ``[T, D]`` of ``positions`` in ``dtype``: the
+        angles in float32, each half of a row the same (``D`` is twice ``inv_freq``'s)."""
+        freqs = positions.to(torch.float32)[:, None] * inv_freq.to(torch.float32)[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def rope_store(
+        self, q, k, v, cos, sin, kv: Any, layer: int, slots: torch.Tensor,
+        q_norm: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        k_norm: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ):
         """Rotate q and k (``[T, heads, D]``), write k and v into the cache (a
-        ``PagedKVCache``); returns the rotated q and k."""
+        ``PagedKVCache``); returns the rotated q and k. ``q_norm`` / ``k_norm``: a
+        per-head RMSNorm (Qwen3's) applied to q and k before the rotation, taken here so
+        that a fused set can do norm, rotary and the KV write in one kernel."""
+        if q_norm is not None and k_norm is not None:
+            q, k = q_norm(q), k_norm(k)
         cos, sin = cos[:, None, :], sin[:, None, :]
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin

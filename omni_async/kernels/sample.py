@@ -135,7 +135,7 @@ def _row_max(PMAX, PIDX, PNAN, row, S, SP: tl.constexpr):
     return best, best_i, (nan == 0) & (best > float("-inf"))
 
 
-@triton.jit(**unspecialized(ints=("V", "PER", "S", "NB", "stride_x", "stride_t")))
+@triton.jit(**unspecialized(ints=("V", "PER", "S", "NB", "stride_x", "stride_t"), pointers=("TEMP",)))
 def _mass_kernel(X, TEMP, PMAX, PIDX, PNAN, MASS, V, PER, S, NB, stride_x, stride_t,
                  BLOCK: tl.constexpr, SP: tl.constexpr):
     """Pass 2, program (row, part) of a sampled row: the mass of each of its blocks."""
@@ -150,7 +150,11 @@ def _mass_kernel(X, TEMP, PMAX, PIDX, PNAN, MASS, V, PER, S, NB, stride_x, strid
             tl.store(MASS + row * NB + b, tl.sum(_weights(base, b * BLOCK, V, m, t, BLOCK), 0))
 
 
-@triton.jit(**unspecialized(ints=("V", "S", "NB", "stride_x", "stride_t", "stride_s", "stride_i")))
+# The per-row settings are read one scalar a row, from columns or rows of the caller's
+# arrays (a multi-step decode's sample indices: a row of a ``[k, B]`` array): their
+# alignment is kept out of the compile key.
+@triton.jit(**unspecialized(ints=("V", "S", "NB", "stride_x", "stride_t", "stride_s", "stride_i"),
+                            pointers=("TEMP", "SEEDS", "INDICES")))
 def _pick_kernel(X, TEMP, SEEDS, INDICES, PMAX, PIDX, PNAN, MASS, TOKENS, OK, V, S, NB, stride_x, stride_t,
                  stride_s, stride_i, BLOCK: tl.constexpr, SP: tl.constexpr, NBP: tl.constexpr):
     """Pass 3, one program per row: the greedy token, or the block where the cumulative

@@ -108,9 +108,8 @@ class Attention(nn.Module):
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = ops.rope_store(q, k, v, cos, sin, kv, self.layer_idx, ctx.slot_mapping)
+        # Qwen3's per-head q/k norms go in with the rotary: one fused kernel for all three.
+        q, k = ops.rope_store(q, k, v, cos, sin, kv, self.layer_idx, ctx.slot_mapping, self.q_norm, self.k_norm)
         out = paged_attention(q, kv.k[self.layer_idx], kv.v[self.layer_idx], ctx, self.scale, k_new=k, v_new=v)
         return ops.linear(out.reshape(t, self.num_heads * self.head_dim), self.o_proj)
 
@@ -207,9 +206,8 @@ class DecoderModel(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.to(torch.float32)[:, None] * self.inv_freq.to(torch.float32)[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        """The step's rotary tables, through the ops (one fused kernel on CUDA)."""
+        return self.ops.rope_table(positions, self.inv_freq, dtype)
 
     @torch.inference_mode()
     def forward(

@@ -23,7 +23,7 @@ from ..models.decoder import DecoderModel, rope_inv_freq
 from ..models.loader import copy_named_tensors, empty_model, iter_checkpoint, resolve_dtype
 from ..models.merged import hf_named_tensors
 from .config import TTSConfig
-from .predictor import CodePredictor
+from .predictor import CodePredictor, decoder_config
 
 __all__ = ["SpeechModel", "TextProjection", "load_speech_model", "random_speech_model"]
 
@@ -101,7 +101,7 @@ def _finish(cfg: TTSConfig, talker: DecoderModel, text: TextSide, predictor: Cod
             dtype: torch.dtype) -> SpeechModel:
     text = text.to(device=device, dtype=dtype).eval()
     predictor = predictor.to(device=device, dtype=dtype).eval()
-    predictor.rope_angles = predictor.rope_angles.to(device=device, dtype=torch.float32)
+    predictor.inv_freq = rope_inv_freq(decoder_config(cfg.predictor)).to(device)
     talker.inv_freq = rope_inv_freq(cfg.talker).to(device)
     with torch.inference_mode():
         pad = text(torch.tensor([cfg.tts_pad_token_id], device=device))[0]
@@ -120,7 +120,7 @@ def load_speech_model(folder: str | Path, cfg: TTSConfig, *, device: torch.devic
     torch_dtype = resolve_dtype(dtype, cfg.talker.dtype, device)
     talker = empty_model(cfg.talker, device, torch_dtype)
     text, predictor = TextSide(cfg), CodePredictor(cfg.predictor, cfg.talker.hidden_size)
-    parts = {"text": dict(text.named_parameters()), "predictor": dict(predictor.named_parameters())}
+    parts = {"text": dict(text.named_parameters()), "predictor": dict(hf_named_tensors(predictor))}
     talker_tensors: list[tuple[str, torch.Tensor]] = []
     seen: set[str] = set()
     for name, tensor in iter_checkpoint(folder):
@@ -168,7 +168,7 @@ def random_speech_model(cfg: TTSConfig, *, device: torch.device, dtype: str | to
     talker = empty_model(cfg.talker, device, torch_dtype)
     text = TextSide(cfg).to(device=device, dtype=torch_dtype)
     predictor = CodePredictor(cfg.predictor, cfg.talker.hidden_size).to(device=device, dtype=torch_dtype)
-    named = [(n, p) for n, p in hf_named_tensors(talker)] + list(text.named_parameters()) + list(predictor.named_parameters())
+    named = [*hf_named_tensors(talker), *text.named_parameters(), *hf_named_tensors(predictor)]
     for name, p in named:
         if name.endswith("norm.weight"):
             p.fill_(1.0)

@@ -99,7 +99,8 @@ class SpeechRunner(NativeModelRunner):
         and the frame's codes ``[B, 16]``."""
         first = self.speech.talker.model.embed_tokens(g0)
         base = positions * self.groups
-        rest = self.speech.predictor.frame(past, first, lambda logits, group: draw_codes(logits, sampling, base + group))
+        rest = self.speech.predictor.frame(past, first, lambda logits, group: draw_codes(logits, sampling, base, group),
+                                           ops=self.model.ops, use_kernel=self.use_kernel)
         codes = torch.cat((g0[:, None], rest), dim=1)
         embeds = self.speech.frame_input(codes)
         logits, hidden = self.model(g0, positions, self.kv, ctx, return_hidden=True, input_embeds=(self._arange(g0.shape[0]), embeds))

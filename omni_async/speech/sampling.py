@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..kernels import triton_available
 from ..runners.sampling import MIN_TEMPERATURE, row_uniforms
 
 __all__ = ["PredictorSampling", "draw_codes", "TOP_K_CAP"]
@@ -43,11 +44,19 @@ class PredictorSampling:
         return "sampled-topk" if self.sampled and self.top_k_cap else "sampled" if self.sampled else "greedy"
 
 
-def draw_codes(logits: torch.Tensor, s: PredictorSampling, indices: torch.Tensor) -> torch.Tensor:
-    """One code per row of ``logits`` ``[B, V]`` (float32)."""
-    greedy = logits.argmax(dim=-1)
+def draw_codes(logits: torch.Tensor, s: PredictorSampling, base: torch.Tensor, group: int) -> torch.Tensor:
+    """One code per row of ``logits`` ``[B, V]`` for codebook ``group``; each row's
+    uniform is indexed ``base + group``. On CUDA a sampled draw is one kernel
+    (:mod:`omni_async.kernels.code_draw`), the same rule."""
     if not s.sampled:
-        return greedy
+        return logits.argmax(dim=-1)
+    if logits.is_cuda and triton_available(logits.device):
+        from ..kernels.code_draw import draw_codes_kernel
+
+        return draw_codes_kernel(logits, s.temperature, s.top_k, s.top_p, s.seeds, base, group)
+    logits = logits.float()
+    indices = base + group
+    greedy = logits.argmax(dim=-1)
     vocab = logits.shape[-1]
     x = (logits - logits.max(dim=-1, keepdim=True).values) / s.temperature.clamp_min(MIN_TEMPERATURE)[:, None]
     if s.top_k_cap:

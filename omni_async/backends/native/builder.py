@@ -11,6 +11,7 @@ import torch
 
 from ...config import SchedulerConfig
 from ...errors import ConfigError
+from ...kernels.triton_cache import use_cache_dir
 from ...models.conditioning import attach_projection
 from ...models.loader import load_model, resolve_dtype
 from ...models.quantized import arithmetic, check_quantization, quantization_of, quantize_linears
@@ -50,6 +51,8 @@ def build_native_stack(
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
+    if device.type == "cuda":
+        use_cache_dir()  # before the first compile, and inherited by the ranks it starts
     machine, stored = entry_facts(path_or_name, device, config, dtype)
     load = plan_load(config, machine, stored, dtype)
     requested = None if load.dtype is None else resolve_dtype(load.dtype, "float32", device)

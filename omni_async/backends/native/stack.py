@@ -5,6 +5,7 @@ group)."""
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, TypeVar
 
@@ -13,9 +14,12 @@ import torch
 from ...core.batch_core import NativeBatchCore
 from ...core.plan import StagePlan
 from ...errors import ConfigError
+from ...kernels.triton_cache import WATCH
 from ...kv.allocator import PageAllocator
 from ...kv.cache import PagedKVCache
+from ...logs import log
 from ...models.loader import LoadedModel
+from ...runners.kernel_warmup import KernelWarmup
 from ...runners.native import NativeModelRunner
 from ...scheduler import ModelLimits
 from ...structured.grammar import GrammarCompiler
@@ -98,6 +102,25 @@ def runner_options(plan: StagePlan, fused_kernels: bool) -> dict[str, Any]:
     )
 
 
+def warm_up(runner: NativeModelRunner, plan: StagePlan, tensor_parallel: Any = None) -> None:
+    """Every Triton kernel a request can launch, compiled now: the eager ones by
+    :class:`~omni_async.runners.kernel_warmup.KernelWarmup`, the graphed ones by the
+    capture. Compiles after this are counted and logged
+    (:data:`omni_async.kernels.triton_cache.WATCH`). Under tensor parallelism the
+    eager forwards are left out: the ranks run a forward's collectives in lockstep, and
+    only the capture is sent to them."""
+    if runner.use_kernel:
+        WATCH.install()
+    with WATCH.warming():
+        if runner.use_kernel and tensor_parallel is None:
+            t0 = time.perf_counter()
+            warmed = KernelWarmup(runner.model, runner.kv, runner.device, use_kernel=True).run(plan.max_running_requests)
+            log.info("kernels_warm", seconds=round(time.perf_counter() - t0, 3), compiles=WATCH.compiles, **warmed)
+        if plan.graph_max_len is not None:
+            assert plan.kv_pages is not None
+            runner.enable_cuda_graphs(scratch_page=plan.kv_pages, max_len=plan.graph_max_len, max_batch=plan.graph_max_batch)
+
+
 def assemble_stack(
     loaded: LoadedModel, plan: StagePlan, device: torch.device, runner: NativeModelRunner, tensor_parallel: Any = None
 ) -> NativeStack:
@@ -119,8 +142,7 @@ def assemble_stack(
     )
     if plan.own_stream:
         runner.use_own_stream(device)
-    if plan.graph_max_len is not None:
-        runner.enable_cuda_graphs(scratch_page=plan.kv_pages, max_len=plan.graph_max_len, max_batch=plan.graph_max_batch)
+    warm_up(runner, plan, tensor_parallel)
     core = NativeBatchCore(plan.config, allocator, plan.context_length, decode_steps=plan.decode_steps, multi_step_allowed=runner.multi_step_allowed,
                            mixed_allowed=runner.mixed_prefill_allowed, hidden_for_all=runner.capture_hidden)
     return NativeStack(loaded, runner.kv, allocator, runner, core, limits, device, tensor_parallel, plan)

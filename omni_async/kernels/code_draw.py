@@ -1,0 +1,99 @@
+"""A code predictor's draw, one Triton launch per codebook (CUDA).
+
+Why: the predictor draws 15 codes a frame, one after another, each from a small
+vocabulary (2,048) with temperature, top-k and top-p. In torch that draw is ~30 small
+kernels (scale, top-k or sort, gathers, two softmaxes, two scans, a search), 450 a frame,
+more than the predictor's layers once those are fused. Here one program per row holds
+its whole row: it sorts the row once (value descending, index ascending on ties: keys
+that pack the value's order-preserving bits above the index), keeps the top-k, drops the
+tail past top-p as transformers does (a token goes once the probability before it
+reaches top-p; the first always stays), and takes the kept token where the row's uniform
+falls in the cumulative distribution.
+
+It computes :func:`omni_async.speech.sampling.draw_codes`' rule with the same uniform
+(``row_uniforms(seed, index)``), in float32 weights and a float64 scan rather than the
+torch path's float64 scan of float32 softmax probabilities: a draw can differ only where
+the uniform lands within a rounding of a boundary of the distribution. Greedy rows
+(temperature 0) take the first index of the maximum. Capturable in a CUDA graph: fixed
+grid, outputs allocated by shape, no host reads.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .attention_block import unspecialized
+from .launch import FastKernel
+from .sample import _exp, _uniform
+
+# The widest vocabulary one program holds (the released predictors have 2,048 codes).
+MAX_VOCAB = 8192
+
+
+@triton.jit
+def _order_key(z, offs, BLOCK: tl.constexpr):
+    """int64 keys whose descending order is (z descending, index ascending)."""
+    bits = z.to(tl.int32, bitcast=True)
+    key = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    return (key.to(tl.int64) << 32) | (BLOCK - 1 - offs).to(tl.int64)
+
+
+@triton.jit
+def _unkey(s, BLOCK: tl.constexpr):
+    hi = (s >> 32).to(tl.int32)
+    z = (hi ^ ((hi >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+    return z, (BLOCK - 1) - (s & 0xFFFFFFFF).to(tl.int32)
+
+
+@triton.jit(**unspecialized(ints=("V", "GROUP", "stride_x", "stride_o")))
+def _draw_kernel(X, TEMP, TOPK, TOPP, SEEDS, BASE, OUT, V, GROUP, stride_x, stride_o, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    inside = offs < V
+    x = tl.load(X + row.to(tl.int64) * stride_x + offs, mask=inside, other=float("-inf")).to(tl.float32)
+    m = tl.max(x, 0)
+    token = tl.min(tl.where(x == m, offs, BLOCK), 0).to(tl.int64)
+    temp = tl.load(TEMP + row)
+    if temp > 0:
+        z = tl.math.div_rn(x - m, tl.maximum(temp, 1e-30))
+        sz, sidx = _unkey(tl.sort(_order_key(z, offs, BLOCK), 0, descending=True), BLOCK)
+        k = tl.load(TOPK + row)
+        k = tl.where((k > 0) & (k < V), k, V)
+        kth = tl.max(tl.where(offs == k - 1, sz, float("-inf")), 0)
+        e = tl.where((sz >= kth) & inside, _exp(sz), 0.0)
+        p = e / tl.sum(e, 0)
+        top_p = tl.load(TOPP + row)
+        top_p = tl.where(top_p < 1.0, top_p, 2.0)  # off: above any mass before a token
+        drop = ((tl.cumsum(p, 0) - p) >= top_p) & (offs > 0)
+        w = tl.where(drop, 0.0, e).to(tl.float64)
+        u = _uniform(tl.load(SEEDS + row), tl.load(BASE + row) + GROUP)
+        target = u * tl.sum(w, 0)
+        last = tl.max(tl.where(w > 0, offs, 0), 0)
+        pick = tl.minimum(tl.sum((tl.cumsum(w, 0) <= target).to(tl.int32), 0), last)
+        token = tl.sum(tl.where(offs == pick, sidx, 0), 0).to(tl.int64)
+    tl.store(OUT + row * stride_o, token)
+
+
+_DRAW = FastKernel(_draw_kernel) if hasattr(_draw_kernel, "params") else _draw_kernel
+
+
+def draw_codes_kernel(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                      seeds: torch.Tensor, base: torch.Tensor, group: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """One code per row of ``logits`` ``[B, V]`` (any float dtype, rows contiguous),
+    written to ``out`` (``[B]`` int64, may be a strided column); the row's uniform is
+    ``row_uniforms(seeds, base + group)``. Settings are ``[B]`` contiguous vectors:
+    temperature float32, top_k int64, top_p float32, seeds and base int64."""
+    rows, vocab = logits.shape
+    if vocab > MAX_VOCAB:
+        raise ValueError(f"draw_codes_kernel holds a row of at most {MAX_VOCAB} codes, got {vocab}")
+    if logits.stride(1) != 1:
+        logits = logits.contiguous()
+    if out is None:
+        out = torch.empty(rows, dtype=torch.long, device=logits.device)
+    block = triton.next_power_of_2(vocab)
+    if rows:
+        _DRAW[(rows,)](logits, temperature, top_k, top_p, seeds, base, out, vocab, group, logits.stride(0), out.stride(0),
+                       BLOCK=block, num_warps=8 if block >= 2048 else 4)
+    return out
