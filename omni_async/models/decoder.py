@@ -224,8 +224,9 @@ class DecoderModel(nn.Module):
         """``return_hidden``: also the final hidden states (after the final norm; layer
         ``hidden_layer``'s when set) of the rows the logits are for; ``"all"``: of every
         input row (a prefill's prompt positions). ``input_embeds``: (flat row indices,
-        their ``[n, hidden]`` rows) that replace those rows' token embeddings (a prompt given as embeddings). ``cond``:
-        ``(rows [T, Hc], mask [T])`` added to the input embeddings through
+        their ``[n, hidden]`` rows) that replace those rows' token embeddings (a prompt
+        given as embeddings). ``cond``: ``(rows [T, Hc], mask [T])`` added to the input
+        embeddings through
         ``thinker_to_talker_proj`` where ``mask`` is 1 (a talker fed by a thinker's hidden
         states, :mod:`omni_async.core.conditioning`)."""
         _prefer_page_gather(ctx, kv.page_size)
