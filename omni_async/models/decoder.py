@@ -226,9 +226,8 @@ class DecoderModel(nn.Module):
         input row (a prefill's prompt positions). ``input_embeds``: (flat row indices,
         their ``[n, hidden]`` rows) that replace those rows' token embeddings (a prompt
         given as embeddings). ``cond``: ``(rows [T, Hc], mask [T])`` added to the input
-        embeddings through
-        ``thinker_to_talker_proj`` where ``mask`` is 1 (a talker fed by a thinker's hidden
-        states, :mod:`omni_async.core.conditioning`)."""
+        embeddings through ``thinker_to_talker_proj`` where ``mask`` is 1 (a talker fed by
+        a thinker's hidden states, :mod:`omni_async.core.conditioning`)."""
         _prefer_page_gather(ctx, kv.page_size)
         x = self.model.embed_tokens(input_ids)
         if input_embeds is not None:
