@@ -55,7 +55,9 @@ def make_blocks(cfg: ModelConfig, layers: int, device: str, dtype: torch.dtype) 
     blocks = []
     for i in range(layers):
         gen = torch.Generator(device=device).manual_seed(i)
-        block = SparseMoeBlock(cfg).to(device=device, dtype=dtype)
+        with torch.device("meta"):  # allocated once, on the device, in its dtype
+            block = SparseMoeBlock(cfg)
+        block = block.to(dtype).to_empty(device=device)
         with torch.no_grad():
             for p in block.parameters():
                 p.copy_(torch.randn(p.shape, generator=gen, device=device, dtype=torch.float32).to(dtype) / p.shape[-1] ** 0.5)
