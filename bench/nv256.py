@@ -55,7 +55,13 @@ QWEN05 = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num
 # Llama-3-8B's shape (no biases, untied head): the large end of a thinker.
 LLAMA8B = dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
                intermediate_size=14336, vocab_size=128256, max_position_embeddings=32768, tie_word_embeddings=False)
-SHAPES = {"qwen05": ("qwen2", QWEN05), "llama8b": ("llama", LLAMA8B)}
+# Qwen3-30B-A3B's shape (128 experts of 768 channels, 8 a token, ~3.3B active of 30.5B).
+# Its 61 GB checkpoint does not fit the GPU machine's disk beside the rest: the folder
+# holds config.json and random_weights.json, and the weights are drawn on the device.
+QWEN3_A3B = dict(hidden_size=2048, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                 intermediate_size=6144, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
+                 norm_topk_prob=True, vocab_size=151936, max_position_embeddings=40960, tie_word_embeddings=False)
+SHAPES = {"qwen05": ("qwen2", QWEN05), "llama8b": ("llama", LLAMA8B), "qwen3moe": ("qwen3_moe", QWEN3_A3B)}
 SMOKE_SHAPE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                    intermediate_size=128, vocab_size=1024, max_position_embeddings=2048, tie_word_embeddings=True)
 
@@ -133,9 +139,15 @@ def free_device() -> None:
 
 
 def make_checkpoint(folder: Path, shape: dict, dtype: torch.dtype, device: str, family: str = "qwen2") -> Path:
-    """A random-weight Qwen2 (or Llama) checkpoint of ``shape`` (written once, then reused)."""
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+    """A random-weight Qwen2 (or Llama) checkpoint of ``shape`` (written once, then
+    reused); for Qwen3-MoE its config and ``random_weights.json`` (drawn at load)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3MoeConfig
 
+    from omni_async.models.random_weights import RANDOM_WEIGHTS_FILE
+
+    if family == "qwen3_moe" and not (folder / "config.json").exists():
+        Qwen3MoeConfig(bos_token_id=1, eos_token_id=None, pad_token_id=0, dtype=dtype, **shape).save_pretrained(folder)
+        (folder / RANDOM_WEIGHTS_FILE).write_text(json.dumps({"seed": 0, "std": 0.02}))
     if not (folder / "config.json").exists():
         torch.manual_seed(0)
         config_class = LlamaConfig if family == "llama" else Qwen2Config

@@ -73,4 +73,6 @@ FIELD_HELP: dict[str, str] = {
     "cpu_threads": "CPU: intra-op threads of a step (none: chosen for the machine's load, every CPU when idle, "
     "one when oversubscribed; OMP_NUM_THREADS, when set, is kept; info() says which and why)",
     "own_cuda_stream": "CUDA: launch this stage's steps on a stream of its own (stages sharing a GPU queue independently)",
+    "hidden_states_layer": "the layer whose rows are handed out as hidden states, transformers' hidden_states[N] "
+    "(0: the embeddings; none: after the final norm)",
 }

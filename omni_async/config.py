@@ -64,12 +64,14 @@ class SamplingParams:
     # "processed": logprobs of the distribution sampled from (after penalties,
     # temperature and filters); "raw": log_softmax of the model's logits.
     logprobs_mode: Literal["processed", "raw"] = "processed"
-    # The decoder's final hidden state (after its final norm) at the position that
-    # produced each output token, one row per token (``result.hidden_states``,
-    # ``delta.hidden_states``), on the stage's device; and of every prompt position
-    # (``result.prompt_hidden_states``).
+    # The decoder's final hidden state (after its final norm, or the stage's chosen
+    # layer's) at the position that produced each output token, one row per token
+    # (``result.hidden_states``, ``delta.hidden_states``), on the stage's device; and of
+    # every prompt position (``result.prompt_hidden_states``). hidden_states_layer: that
+    # layer, transformers' hidden_states[i]; None the stage's (docs/omni-data-path.md).
     return_hidden_states: bool = False
     return_prompt_hidden_states: bool = False
+    hidden_states_layer: int | None = None
     # Text-level options, applied by the Engine (the scheduler ignores them).
     stop: list[str] = field(default_factory=list)
     include_stop_str_in_output: bool = False
@@ -354,6 +356,7 @@ class SchedulerConfig:
     # average leaves idle, one when oversubscribed; OMP_NUM_THREADS, when set, is kept
     # (core/cpu_choices.py; bench/cpu_threads.py).
     cpu_threads: int | None = None
+    hidden_states_layer: int | None = None  # the hidden_states[i] rows handed out (None: the final norm's)
 
     def __post_init__(self) -> None:
         if self.loop is not None and self.loop not in LOOP_KINDS:

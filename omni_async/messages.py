@@ -107,8 +107,9 @@ class GenerationResult:
     # Prompt tokens whose KV came from the prefix cache (summed over the completions).
     cached_tokens: int = 0
     # ``SamplingParams.return_hidden_states``: one row per output token, the decoder's
-    # final hidden state (after its final norm) at the position that produced it, on the
-    # stage's device; ``return_prompt_hidden_states``: one row per prompt position.
+    # final hidden state (after its final norm; the stage's ``hidden_states_layer`` when
+    # set) at the position that produced it, on the stage's device;
+    # ``return_prompt_hidden_states``: one row per prompt position.
     hidden_states: Any = None
     prompt_hidden_states: Any = None
     # ``SamplingParams.prompt_logprobs=k``: one entry per prompt token, None for the first;

@@ -26,6 +26,8 @@ def _sglang(path_or_name: str, *, config: "SchedulerConfig", device: Any, dtype:
         )
     if (config.decode_steps or 1) > 1:
         raise errors.ConfigError(f"backend='sglang' runs one decode forward per step (got decode_steps={config.decode_steps})")
+    if config.hidden_states_layer is not None:
+        raise errors.ConfigError("backend='sglang' hands out no hidden states; hidden_states_layer needs backend='native'")
     from .sglang import build_sglang_stage
 
     return build_sglang_stage(path_or_name, config=config, device=device, dtype=dtype, seed=seed)

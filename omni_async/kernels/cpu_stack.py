@@ -68,7 +68,7 @@ def _linear_entries(linear: Any) -> list[torch.Tensor | None] | None:
 def stack_layers(model: torch.nn.Module) -> list[list[torch.Tensor | None]] | None:
     """The per-layer entries :class:`DecodeStack` takes, or None when the model is not one
     the stack computes exactly as the per-op path does (a layer in float weights, a
-    per-head q/k norm, activations other than float32)."""
+    per-head q/k norm, activations other than float32, routed experts)."""
     layers = []
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
@@ -77,7 +77,9 @@ def stack_layers(model: torch.nn.Module) -> list[list[torch.Tensor | None]] | No
         norms = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
         if any(w.dtype != torch.float32 for w in norms):
             return None
-        linears = [_linear_entries(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+        # A layer of routed experts (no gate_up_proj) is not one the stack computes.
+        ffn = (getattr(mlp, "gate_up_proj", None), getattr(mlp, "down_proj", None))
+        linears = [_linear_entries(m) for m in (attn.qkv_proj, attn.o_proj, *ffn)]
         if any(e is None for e in linears):
             return None
         layers.append([w.detach() for w in norms] + [t for e in linears for t in e])

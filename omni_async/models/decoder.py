@@ -1,7 +1,8 @@
-"""Llama / Qwen2 / Qwen3 decoder over a paged KV cache.
+"""Llama / Qwen2 / Qwen3 / Qwen2-MoE / Qwen3-MoE decoder over a paged KV cache.
 
-One module covers the three families; they differ only in biases (Qwen2 has q/k/v
-bias), per-head q/k RMSNorm before RoPE (Qwen3), and tied embeddings. Parameter names
+One module covers the families; they differ only in biases (Qwen2 has q/k/v
+bias), per-head q/k RMSNorm before RoPE (Qwen3), tied embeddings, and routed experts in
+place of the MLP (the MoE families, :mod:`.moe`). Parameter names
 follow Hugging Face, except that q/k/v and gate/up are merged into ``qkv_proj`` and
 ``gate_up_proj`` (see :mod:`.merged`, which keeps checkpoints loading by HF names).
 
@@ -22,6 +23,7 @@ from ..kv.attention import AttentionContext, paged_attention, pages_from_slots
 from ..kv.cache import PagedKVCache
 from .config import ModelConfig
 from .merged import MergedLinear
+from .moe import SparseMoeBlock
 from .quantized import Linear
 
 
@@ -122,12 +124,20 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor, ops: ReferenceOps) -> torch.Tensor:
         return ops.silu_mul_linear(self.gate_up_proj(x), self.down_proj)
 
+    def add_norm_forward(self, x: torch.Tensor, delta: torch.Tensor | None, norm: RMSNorm, ops: ReferenceOps
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(x + delta, mlp(norm(x + delta)))``, the norm fused with the gate/up GEMM
+        where the ops can (a sparse block, :class:`~.moe.SparseMoeBlock`, has the same
+        method)."""
+        x, gate_up = ops.add_norm_linear(x, delta, norm, self.gate_up_proj)
+        return x, ops.silu_mul_linear(gate_up, self.down_proj)
+
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
         super().__init__()
         self.self_attn = Attention(cfg, layer_idx)
-        self.mlp = MLP(cfg)
+        self.mlp: MLP | SparseMoeBlock = SparseMoeBlock(cfg) if cfg.is_moe_layer(layer_idx) else MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -138,8 +148,7 @@ class DecoderLayer(nn.Module):
         attn, mlp = self.self_attn, self.mlp
         x, qkv = ops.add_norm_linear(x, delta, self.input_layernorm, attn.qkv_proj)
         delta = attn.from_qkv(qkv, cos, sin, kv, ctx, ops)
-        x, gate_up = ops.add_norm_linear(x, delta, self.post_attention_layernorm, mlp.gate_up_proj)
-        return x, ops.silu_mul_linear(gate_up, mlp.down_proj)
+        return mlp.add_norm_forward(x, delta, self.post_attention_layernorm, ops)
 
 
 class _Backbone(nn.Module):
@@ -185,6 +194,10 @@ class DecoderModel(nn.Module):
         # A talker's projection of another stage's hidden states into its input space
         # (``cond`` in :meth:`forward`); None for a plain decoder.
         self.thinker_to_talker_proj: nn.Module | None = None
+        # The rows ``return_hidden`` hands out: transformers' ``hidden_states[i]`` (0 the
+        # input embeddings, i the residual stream after layer i); None after the final
+        # norm (``hidden_states[-1]``). Set by the stage before its graphs are captured.
+        self.hidden_layer: int | None = None
 
     def tie_weights(self) -> None:
         """Share the embedding with the output head when the checkpoint ties them
@@ -208,13 +221,13 @@ class DecoderModel(nn.Module):
         cond: tuple[torch.Tensor, torch.Tensor] | None = None,
         input_embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """``return_hidden``: also the final hidden states (after the final norm) of the
-        rows the logits are for; ``"all"``: of every input row (a prefill's prompt
-        positions). ``input_embeds``: (flat row indices, their ``[n, hidden]`` rows) that
-        replace those rows' token embeddings (a prompt given as embeddings). ``cond``:
-        ``(rows [T, Hc], mask [T])`` added to the input embeddings through
-        ``thinker_to_talker_proj`` where ``mask`` is 1 (a talker fed by a thinker's hidden
-        states, :mod:`omni_async.core.conditioning`)."""
+        """``return_hidden``: also the final hidden states (after the final norm; layer
+        ``hidden_layer``'s when set) of the rows the logits are for; ``"all"``: of every
+        input row (a prefill's prompt positions). ``input_embeds``: (flat row indices,
+        their ``[n, hidden]`` rows) that replace those rows' token embeddings (a prompt
+        given as embeddings). ``cond``: ``(rows [T, Hc], mask [T])`` added to the input
+        embeddings through ``thinker_to_talker_proj`` where ``mask`` is 1 (a talker fed by
+        a thinker's hidden states, :mod:`omni_async.core.conditioning`)."""
         _prefer_page_gather(ctx, kv.page_size)
         x = self.model.embed_tokens(input_ids)
         if input_embeds is not None:
@@ -224,11 +237,15 @@ class DecoderModel(nn.Module):
             x = x + self.thinker_to_talker_proj(rows.to(x.dtype)) * mask.to(x.dtype)[:, None]
         cos, sin = self.rope(positions, x.dtype)
         every = return_hidden == "all"
-        if self.cpu_stack is not None and ctx.is_decode and ctx.cpu_kernel and ctx.block_tables is not None:
+        cut = self.hidden_layer if return_hidden else None
+        captured = None  # the rows at layer ``cut``
+        if self.cpu_stack is not None and cut is None and ctx.is_decode and ctx.cpu_kernel and ctx.block_tables is not None:
             hidden = self.cpu_stack(x, cos, sin, kv, ctx.block_tables, ctx.kv_lens, ctx.slot_mapping)
         else:
             delta = None
-            for layer in self.model.layers:
+            for i, layer in enumerate(self.model.layers):
+                if i == cut:
+                    captured = x if delta is None else x + delta
                 x, delta = layer(x, delta, cos, sin, kv, ctx, self.ops)
             if not ctx.is_decode and not every:  # decode wants every row: no gather
                 x, delta = x[ctx.logits_rows], None if delta is None else delta[ctx.logits_rows]
@@ -239,6 +256,9 @@ class DecoderModel(nn.Module):
         logits = self.lm_head(hidden)
         if float_logits:  # the decode graphs keep the head's dtype (see DecodeGraphs._captured)
             logits = logits.to(torch.float32)
+        if captured is not None:  # the chosen layer's rows in place of the final norm's
+            all_hidden = captured
+            hidden = captured if ctx.is_decode else captured[ctx.logits_rows]
         if every:
             return logits, all_hidden
         return (logits, hidden) if return_hidden else logits

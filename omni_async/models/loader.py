@@ -24,6 +24,7 @@ from .decoder import PROJECTION, DecoderModel, rope_inv_freq
 from .generation_config import with_generation_eos
 from .merged import hf_named_tensors, hf_parameter_slots
 from .quantized import refresh_quantized
+from .random_weights import fill_random, random_weights_of
 from .gguf import SMOLLM2_NAME, is_gguf_path, smollm2_path
 
 DTYPES = {
@@ -139,9 +140,14 @@ def load_model(
     cfg = with_generation_eos(ModelConfig.from_hf(raw), folder)
     torch_dtype = resolve_dtype(dtype, cfg.dtype, device)
     model = empty_model(cfg, device, torch_dtype, shard)
-    copy_named_tensors(model, sharded(shard, iter_checkpoint(folder)), require_all=True)
+    drawn = random_weights_of(folder, raw)
+    if drawn is not None:  # a benchmark's folder: weights drawn on the device (models/random_weights.py)
+        fill_random(model, drawn)
+    else:
+        copy_named_tensors(model, sharded(shard, decoder_tensors(folder, cfg)), require_all=True)
     model.inv_freq = rope_inv_freq(cfg).to(device)  # buffers are not in checkpoints
-    return LoadedModel(model.eval(), cfg, load_tokenizer(folder, cfg), str(folder), "safetensors")
+    load_format = "random" if drawn is not None else "safetensors"
+    return LoadedModel(model.eval(), cfg, load_tokenizer(folder, cfg), str(folder), load_format)
 
 
 def load_gguf(path: Path, *, dtype: str | torch.dtype | None, device: torch.device, shard: Any = None) -> LoadedModel:
@@ -225,12 +231,13 @@ def _to_device(loaded: LoadedModel, device: torch.device) -> LoadedModel:
 
 def empty_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, shard: Any = None) -> DecoderModel:
     """The decoder with uninitialised weights on ``device`` (a shard's local shapes and
-    communicating layers when given)."""
+    communicating layers when given), allocated in ``dtype`` at once: a float32 copy
+    first would need twice a bf16 model's memory (Qwen3-30B-A3B: 122 GB)."""
     with torch.device("meta"):
         model = DecoderModel(shard.local_config(cfg) if shard is not None else cfg)
         if shard is not None:
             shard.prepare(model)
-    model = model.to_empty(device=device).to(dtype)
+    model = model.to(dtype).to_empty(device=device)
     model.tie_weights()
     return model
 
@@ -262,8 +269,24 @@ def iter_checkpoint(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
+def decoder_tensors(folder: Path, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """The decoder's checkpoint tensors under the decoder's names: all of a plain
+    checkpoint's; of a composite one (Qwen3-Omni) those under ``cfg.checkpoint_prefix``
+    with it stripped, the other parts (encoders, talker, codec) not read."""
+    prefix = cfg.checkpoint_prefix
+    if not prefix:
+        yield from iter_checkpoint(folder)
+        return
+    ours = (f"{prefix}model.", f"{prefix}lm_head.")
+    for file in safetensors_files(folder):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                if name.startswith(ours):
+                    yield name[len(prefix):], f.get_tensor(name)
+
+
 def load_weights(model: DecoderModel, folder: Path) -> None:
-    copy_named_tensors(model, iter_checkpoint(folder), require_all=True)
+    copy_named_tensors(model, decoder_tensors(folder, model.config), require_all=True)
 
 
 def copy_named_tensors(

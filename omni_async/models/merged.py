@@ -7,7 +7,9 @@ separate ones with fewer launches, on CUDA and on CPU.
 Checkpoints, weight updates and checksums keep speaking Hugging Face names: each such
 name maps to a parameter and a row range of it (:func:`hf_parameter_slots`). The ranges
 come from the module's own part sizes, so a model built with local (per-rank) head
-counts maps a per-rank slice of an HF tensor to the right rows.
+counts maps a per-rank slice of an HF tensor to the right rows. A module whose
+parameters stack several HF tensors (the experts of :mod:`.moe`) names its own slots
+through ``hf_slots(prefix)``.
 """
 
 from __future__ import annotations
@@ -43,16 +45,19 @@ class MergedLinear(Linear):
 @dataclass(frozen=True)
 class ParamSlot:
     """Where a Hugging Face tensor lives: rows ``[start, start + rows)`` of ``param``
-    (the whole parameter when ``start`` is None)."""
+    (the whole parameter when ``start`` is None), within ``param[index]`` when ``index``
+    is given (one expert of a stack)."""
 
     param_name: str
     param: torch.Tensor
     start: int | None = None
     rows: int = 0
+    index: int | None = None
 
     def view(self) -> torch.Tensor:
         """The writable view of the model's storage that this name addresses."""
-        return self.param if self.start is None else self.param.narrow(0, self.start, self.rows)
+        base = self.param if self.index is None else self.param[self.index]
+        return base if self.start is None else base.narrow(0, self.start, self.rows)
 
 
 def _merged_owners(model: nn.Module) -> dict[str, tuple[str, MergedLinear]]:
@@ -66,12 +71,29 @@ def _merged_owners(model: nn.Module) -> dict[str, tuple[str, MergedLinear]]:
     return owners
 
 
+def _stacked_slots(model: nn.Module) -> dict[str, dict[str, ParamSlot]]:
+    """Parameter name -> its HF slots, for the modules that name their own (``hf_slots``)."""
+    stacked: dict[str, dict[str, ParamSlot]] = {}
+    for prefix, module in model.named_modules():
+        named = getattr(type(module), "hf_slots", None)
+        if named is None:
+            continue
+        for slot_name, slot in module.hf_slots(prefix).items():
+            stacked.setdefault(slot.param_name, {})[slot_name] = slot
+    return stacked
+
+
 def hf_parameter_slots(model: nn.Module) -> dict[str, ParamSlot]:
     """Every parameter under its Hugging Face name(s), in the model's parameter order
-    with merged parameters expanded into their parts in order (q, k, v; gate, up)."""
+    with merged parameters expanded into their parts in order (q, k, v; gate, up), and
+    stacked ones into theirs (expert 0's gate, up, down, then expert 1's ...)."""
     owners = _merged_owners(model)
+    stacked = _stacked_slots(model)
     slots: dict[str, ParamSlot] = {}
     for name, param in model.named_parameters():
+        if name in stacked:
+            slots.update(stacked[name])
+            continue
         if name not in owners:
             slots[name] = ParamSlot(name, param)
             continue

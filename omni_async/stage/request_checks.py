@@ -47,6 +47,11 @@ class ModelLimits:
     # The dtype input_embeds become at the prefill (a torch dtype): their values are checked
     # finite in it. None: checked as given.
     embeds_dtype: Any = None
+    # The decoder's layer count and the hidden_states index its captured rows are
+    # (SchedulerConfig.hidden_states_layer; num_layers: after the final norm). None: the
+    # stage does not say, and SamplingParams.hidden_states_layer is refused.
+    num_layers: int | None = None
+    hidden_states_layer: int | None = None
 
 
 @dataclass(frozen=True)
@@ -101,8 +106,28 @@ def check_request(input_ids: Any, sampling: SamplingParams, limits: ModelLimits,
     if embeds is not None and sampling.prompt_logprobs is not None:  # no token ids to score
         raise errors.InvalidRequestError("prompt_logprobs needs a prompt of token ids, not input_embeds")
     check_sampling_vocab(sampling, limits.vocab_size)
+    check_hidden_layer(sampling.hidden_states_layer, limits)
     n_new = check_capacity(len(ids), sampling.max_new_tokens, limits.context_length, limits.kv_capacity_tokens) if room else None
     return Verdict(ids, embeds, sampling.max_new_tokens, n_new)
+
+
+def check_hidden_layer(asked: int | None, limits: ModelLimits) -> None:
+    """A request's ``hidden_states_layer`` must be the one the stage captures (one layer
+    per stage keeps the rows on its fast path: the CUDA graphs hand out that layer's)."""
+    if asked is None:
+        return
+    if isinstance(asked, bool) or not isinstance(asked, int) or asked < 0:
+        raise errors.InvalidRequestError(f"hidden_states_layer must be None or an integer >= 0, got {asked!r}")
+    layers, captured = getattr(limits, "num_layers", None), getattr(limits, "hidden_states_layer", None)
+    if layers is None or captured is None:
+        raise errors.InvalidRequestError("hidden_states_layer is not supported by this stage")
+    if asked > layers:
+        raise errors.InvalidRequestError(f"hidden_states_layer must be in [0, {layers}] (the model has {layers} layers), got {asked}")
+    if asked != captured:
+        raise errors.InvalidRequestError(
+            f"hidden_states_layer={asked}: this stage captures layer {captured}; start it with "
+            f"hidden_states_layer={asked} (a stage option) to read that layer"
+        )
 
 
 class RequestDoor:

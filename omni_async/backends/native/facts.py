@@ -176,7 +176,8 @@ def with_shape(checkpoint: CheckpointFacts, loaded: LoadedModel) -> CheckpointFa
         num_kv_heads=cfg.num_kv_heads,
         head_dim=cfg.head_dim,
         hidden_size=cfg.hidden_size,
-        intermediate_size=cfg.intermediate_size,
+        # a sparse block's routed rows are wider than its dense layers' MLP
+        intermediate_size=max(cfg.intermediate_size, cfg.moe.activation_width(cfg.hidden_size) if cfg.moe else 0),
         vocab_size=cfg.vocab_size,
         max_position_embeddings=loaded.config.max_position_embeddings,
         dtype=str(next(loaded.model.parameters()).dtype).replace("torch.", ""),

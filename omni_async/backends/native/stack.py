@@ -13,6 +13,7 @@ import torch
 
 from ...core.batch_core import NativeBatchCore
 from ...core.plan import StagePlan
+from ...errors import ConfigError
 from ...kernels.triton_cache import WATCH
 from ...kv.allocator import PageAllocator
 from ...kv.cache import PagedKVCache
@@ -65,6 +66,17 @@ def build_off_this_thread(build: Callable[[], T]) -> T:
     return box["value"]
 
 
+def choose_hidden_layer(model: Any, layer: int | None) -> int:
+    """Point the decoder's captured rows at ``layer`` (transformers' ``hidden_states``
+    index; None or ``num_layers``: after the final norm), before any graph is captured;
+    returns the index the stage then hands out. ConfigError outside ``[0, num_layers]``."""
+    layers = model.config.num_layers
+    if layer is not None and (isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer <= layers):
+        raise ConfigError(f"hidden_states_layer must be in [0, {layers}] (the model has {layers} layers), got {layer}")
+    model.hidden_layer = None if layer is None or layer == layers else layer
+    return layers if layer is None else layer
+
+
 def load_cpu_kernels(plan: StagePlan) -> None:
     """Build (or load from torch's cache) the C++ CPU kernels the plan turns on, now
     rather than inside the first step (ConfigError if they cannot be)."""
@@ -115,6 +127,7 @@ def assemble_stack(
     """Allocator, limits, CUDA graphs and batch core around a runner over the plan's pages."""
     cfg = loaded.config
     assert plan.kv_pages is not None and plan.context_length is not None
+    hidden_layer = choose_hidden_layer(loaded.model, plan.config.hidden_states_layer)
     allocator = PageAllocator(plan.kv_pages, plan.page_size)
     limits = ModelLimits(
         vocab_size=cfg.vocab_size,
@@ -124,6 +137,8 @@ def assemble_stack(
         grammar_compiler=GrammarCompiler(loaded.tokenizer, cfg.vocab_size) if loaded.tokenizer is not None else None,
         hidden_size=cfg.hidden_size if tensor_parallel is None else None,  # other ranks get no embeddings
         embeds_dtype=loaded.model.model.embed_tokens.weight.dtype,
+        num_layers=cfg.num_layers,
+        hidden_states_layer=hidden_layer,
     )
     if plan.own_stream:
         runner.use_own_stream(device)

@@ -19,7 +19,7 @@ import torch
 from ...errors import ModelLoadError
 from ...models.config import ModelConfig
 from ...models.decoder import DecoderModel
-from ...models.loader import copy_named_tensors, iter_checkpoint, sharded
+from ...models.loader import copy_named_tensors, decoder_tensors, sharded
 from ...models.checksum import weights_checksum
 from ...models.merged import hf_named_tensors, hf_parameter_slots
 from ..weight_groups import GroupPayloadError, group_name, parse_broadcast, parse_join
@@ -53,7 +53,7 @@ class NativeModelWorker:
             raw = json.loads((folder / "config.json").read_text())
             new_cfg = ModelConfig.from_hf(raw)
             _check_same_architecture(self.full_config, new_cfg)
-            copy_named_tensors(self.model, sharded(self.shard, iter_checkpoint(folder)), require_all=True)
+            copy_named_tensors(self.model, sharded(self.shard, decoder_tensors(folder, new_cfg)), require_all=True)
         except (OSError, ValueError, ModelLoadError) as exc:
             return False, f"failed to update weights from {folder}: {exc}"
         self.model_path = str(folder)
@@ -155,7 +155,7 @@ class NativeModelWorker:
 
 
 def _check_same_architecture(old: ModelConfig, new: ModelConfig) -> None:
-    fields = ("family", "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "tie_word_embeddings", "qkv_bias", "qk_norm")
+    fields = ("family", "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "tie_word_embeddings", "qkv_bias", "qk_norm", "moe")
     diffs = [f"{f}: {getattr(old, f)} -> {getattr(new, f)}" for f in fields if getattr(old, f) != getattr(new, f)]
     if diffs:
         raise ModelLoadError("new weights have a different architecture: " + "; ".join(diffs))

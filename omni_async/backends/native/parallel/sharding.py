@@ -48,7 +48,10 @@ _VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
 
 
 def check_divisible(cfg: ModelConfig, size: int) -> None:
-    """Refuse a split that would not give every rank whole heads and channels."""
+    """Refuse a split that would not give every rank whole heads and channels, and a
+    mixture-of-experts decoder (its experts are not sharded)."""
+    if cfg.moe is not None:
+        raise ConfigError("tensor_parallel_size > 1 does not shard mixture-of-experts decoders; use tensor_parallel_size=1")
     parts = {"attention heads": cfg.num_heads, "KV heads": cfg.num_kv_heads, "intermediate size": cfg.intermediate_size}
     bad = [f"{what} ({n})" for what, n in parts.items() if n % size]
     if bad:
