@@ -21,6 +21,16 @@ class RequestRejectedError(OmniAsyncError):
     context length, KV capacity, a full queue or backlog, a duplicate id."""
 
 
+class OverloadedError(RequestRejectedError):
+    """The request cannot start in time: the server is at the load it can serve on time
+    (a speech stream that would play with gaps, or make others do so). ``reason`` says
+    which limit: ``queue_full``, ``ttfp_budget``. Try again later (HTTP 503)."""
+
+    def __init__(self, message: str, *, reason: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
 class RequestAbortedError(OmniAsyncError):
     """The request was aborted before it finished. ``output_ids`` holds what was
     generated up to the abort."""

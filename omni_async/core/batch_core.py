@@ -23,6 +23,7 @@ from .step_results import end_unsampled, process_one_forward, rewind
 from .conditioning import ready_positions
 from .decode_slots import DecodeSlots
 from .early_launch import schedule_early
+from .policy import FCFSPolicy, SchedulingPolicy
 from .prefix_reuse import computing_key, drop_prefix, index_pages, reuse_prefix
 from .protocol import BatchCore, StepOutcome
 from .request import INIT_NEW_TOKEN_RATIO, Request, all_free, decayed_ratio, reserved_tokens
@@ -46,6 +47,13 @@ class NativeBatchCore(CoreState, BatchCore):
         super().__init__(config, allocator, context_length, decode_steps, multi_step_allowed, mixed_allowed, hidden_for_all)
         self._arrivals = 0
         self.slots = DecodeSlots()  # the running rows' columns while they stay free (.decode_slots)
+        self.policy: SchedulingPolicy = FCFSPolicy()  # who goes first when a step cannot take everyone (.policy)
+        self.rows_left_out = 0  # running rows a capped decode step left out (stats)
+
+    def set_policy(self, policy: SchedulingPolicy) -> None:
+        """Order admission, retraction and capped decode steps by ``policy`` from the next step on."""
+        self.policy = policy
+        self.slots.drop()
 
     # ------------------------------------------------------------------ queues
 
@@ -91,6 +99,8 @@ class NativeBatchCore(CoreState, BatchCore):
             "mixed_decode_rows": self.mixed_decode_rows,
             "grammar_jump_steps": self.jump_steps,
             "prefill_tokens": self.prefill_tokens,
+            "scheduling_policy": self.policy.name,
+            "decode_rows_left_out": self.rows_left_out,
             **self.kv.stats(),
         }
 
@@ -114,7 +124,7 @@ class NativeBatchCore(CoreState, BatchCore):
         rows: list[tuple[Request, int]] = []
         reserved = reserved_tokens(self.running, self.new_token_ratio)
         kv = self.kv
-        candidates: list[Request] = ([self.chunked] if self.chunked is not None else []) + list(self.waiting)
+        candidates: list[Request] = ([self.chunked] if self.chunked is not None else []) + self.policy.admission_order(self.waiting)
         slots = cfg.max_running_requests - len(self.running)
         computing: set = set()  # index keys of the first page each row computes
         waiting_chunked = False  # the chunked request waits for conditioning rows
@@ -196,17 +206,24 @@ class NativeBatchCore(CoreState, BatchCore):
         """A decode step of every running request that still needs one: from the running
         rows' columns when they can follow it (.decode_slots), else from the requests."""
         self.running = [r for r in self.running if r.finish_reason is None]
-        batch = self.slots.schedule(self) or self._schedule_decode_rows()
+        capped = self.policy.caps(len(self.running))
+        batch = (None if capped else self.slots.schedule(self)) or self._schedule_decode_rows()
         if batch is not None and batch.mode is ForwardMode.DECODE:
             self.new_token_ratio = decayed_ratio(self.new_token_ratio)
         return batch
 
     def schedule_early(self, batch: ScheduledBatch, tokens: Sequence[int]) -> ScheduledBatch | None:
+        if self.policy.caps(len(self.running)):
+            return None  # the next step's rows are the policy's choice, made after processing
         return schedule_early(self, self.slots, batch, tokens)  # (BatchCore.schedule_early; the rules: .early_launch)
 
     def _schedule_decode_rows(self) -> ScheduledBatch | None:  # (any running set; it seeds the columns)
         free = all_free(self.running)  # (then no per-row check beyond the length limit, request.all_free)
         decoding, limits = self._retract_until_decode_fits(*decoding_rows(self.running, self.context_length, True, free), late=True, free=free)
+        if self.policy.caps(len(decoding)):
+            before = len(decoding)
+            decoding, limits = self.policy.decode_rows(decoding, limits)
+            self.rows_left_out += before - len(decoding)
         decoding, limits, steps, grammar_rows, late = late_mask_rows(self, decoding, limits, free)
         if not decoding:
             return None
@@ -238,7 +255,7 @@ class NativeBatchCore(CoreState, BatchCore):
                 victim = self.chunked
                 self.chunked = None
             elif len(decoding) > 1:
-                victim = max(decoding, key=lambda r: r.arrival)
+                victim = self.policy.retract_victim(decoding)
                 self.running.remove(victim)
             elif len(decoding) < len(self.running):
                 return [], []

@@ -23,7 +23,7 @@ _OVER_CAPACITY = ("context length", "KV cache capacity")
 
 def status_of(exc: BaseException) -> int:
     """The HTTP status for an error raised before a response started."""
-    if isinstance(exc, errors.SchedulerClosedError):
+    if isinstance(exc, (errors.SchedulerClosedError, errors.OverloadedError)):
         return 503
     if isinstance(exc, errors.RequestRejectedError):
         return 429 if any(s in str(exc) for s in _QUEUE_FULL) else 400
@@ -37,6 +37,8 @@ def status_of(exc: BaseException) -> int:
 def code_of(exc: BaseException, status: int) -> str | None:
     """OpenAI's error code for ``exc``."""
     text = str(exc)
+    if isinstance(exc, errors.OverloadedError):
+        return exc.reason
     if status == 429:
         return "rate_limit_exceeded"
     if isinstance(exc, errors.RequestRejectedError) and any(s in text for s in _OVER_CAPACITY):

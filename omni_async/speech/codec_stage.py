@@ -46,6 +46,7 @@ import torch
 from ..stage.executor import await_future
 from .codec_graphs import CodecGraphs
 from .codec_slots import CodecSlots
+from .playback import Playback
 
 __all__ = ["AudioChunk", "CodecStage", "CodecStream"]
 
@@ -82,15 +83,32 @@ class CodecStream:
     ended: bool = False  # the talker is done with it (no more frames)
     finish_reason: str | None = None
     closed: bool = False
-    created: float = field(default_factory=time.perf_counter)
-    first_audio_at: float | None = None
+    playback: Playback = field(default_factory=Playback)  # what its listener has been sent and played
+
+    @property
+    def first_audio_at(self) -> float | None:
+        return self.playback.first_audio_at
+
+    def urgency(self, frame_seconds: float) -> float:
+        """Seconds before its listener runs dry counting the frames waiting here (smaller
+        first); a stream before its first chunk comes before every playing one."""
+        if self.playback.first_audio_at is None:
+            return -1.0
+        return self.playback.slack() + self.pending_frames * frame_seconds
 
 
 class CodecStage:
     def __init__(self, decoder: Any, device: torch.device, *, first_chunk_frames: int = 2, max_chunk_frames: int = 32,
-                 cuda_graphs: bool = True, slots: int | None = None) -> None:
+                 cuda_graphs: bool = True, slots: int | None = None, max_streams_per_round: int | None = None) -> None:
         if first_chunk_frames < 1 or max_chunk_frames < first_chunk_frames:
             raise ValueError("chunk sizes: 1 <= first_chunk_frames <= max_chunk_frames")
+        if max_streams_per_round is not None and max_streams_per_round < 1:
+            raise ValueError("max_streams_per_round must be None or >= 1")
+        # A round's budget: more ready streams than this and the most urgent go first
+        # (first chunks, then the least audio buffered); the rest wait for the next round.
+        self.max_streams_per_round = max_streams_per_round
+        # Called with each round's seconds on the loop (metrics).
+        self.round_observers: list[Any] = []
         self.decoder, self.device = decoder, device
         self.first_chunk_frames, self.max_chunk_frames = first_chunk_frames, max_chunk_frames
         self.sample_rate: int = decoder.sample_rate
@@ -122,9 +140,11 @@ class CodecStage:
 
     # ------------------------------------------------------------ streams
 
-    def open(self, request_id: str) -> CodecStream:
+    def open(self, request_id: str, playback: Playback | None = None) -> CodecStream:
+        """A stream for ``request_id``; ``playback``: its listener's player, if the caller
+        made it earlier (from the request's arrival), else a new one."""
         send, receive = anyio.create_memory_object_stream(math.inf)
-        stream = CodecStream(request_id, send, receive)
+        stream = CodecStream(request_id, send, receive, playback=playback or Playback())
         self._streams[id(stream)] = stream
         return stream
 
@@ -176,14 +196,13 @@ class CodecStage:
 
     def _target(self, stream: CodecStream) -> int:
         """Frames of the stream's next chunk: the first is short; later ones at most half
-        the audio the listener still has buffered (estimated from when its first chunk
-        went out), so the frames of a chunk are written while the audio before it plays,
-        at any speed faster than real time; up to ``max_chunk_frames``; rounded down to a
-        power of two (a captured graph's length)."""
+        the audio the listener still has buffered (its player's slack), so the frames of a
+        chunk are written while the audio before it plays, at any speed faster than real
+        time; up to ``max_chunk_frames``; rounded down to a power of two (a captured
+        graph's length)."""
         if stream.first_audio_at is None:
             return _power_of_two(self.first_chunk_frames)
-        played = (time.perf_counter() - stream.first_audio_at) / self.frame_seconds
-        buffered = stream.frames_sent - played
+        buffered = stream.playback.slack() / self.frame_seconds
         return _power_of_two(int(min(self.max_chunk_frames, max(self.first_chunk_frames, buffered // 2))))
 
     def _ready(self) -> list[tuple[CodecStream, int]]:
@@ -199,6 +218,9 @@ class CodecStage:
                     out.append((s, _power_of_two(s.pending_frames)))
                 else:  # nothing left: the empty terminal chunk
                     self._deliver(s, torch.zeros((0, 16), dtype=torch.long), np.zeros(0, dtype=np.float32))
+        cap = self.max_streams_per_round
+        if cap is not None and len(out) > cap:
+            out = sorted(out, key=lambda item: item[0].urgency(self.frame_seconds))[:cap]
         return out
 
     @staticmethod
@@ -227,6 +249,7 @@ class CodecStage:
         if self._thread is None:
             self._thread = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="omni-codec")
         self._busy = True
+        started = time.perf_counter()
         try:
             opened, done = await await_future(self._thread.submit(self._decode_off_loop, known, new, calls, taken))
         finally:
@@ -234,6 +257,9 @@ class CodecStage:
             released, self._released = self._released, []
             for slot in released:
                 self.slots.close(slot)
+        took = time.perf_counter() - started
+        for observe in self.round_observers:
+            observe(took)
         for s, _ in ready:
             if id(s) in opened:
                 if s.closed:  # closed during its first call: the slot it was given goes back
@@ -283,8 +309,9 @@ class CodecStage:
         chunk = AudioChunk(s.request_id, np.asarray(pcm, dtype=np.float32), self.sample_rate, codes, s.frames_sent, last,
                            s.finish_reason if last else None)
         s.frames_sent += int(codes.shape[0])
-        if s.first_audio_at is None and len(chunk.audio):
-            s.first_audio_at = time.perf_counter()
+        s.playback.on_audio(chunk.seconds)
+        if last:
+            s.playback.finished = True
         try:
             s.send.send_nowait(chunk)
         except (anyio.ClosedResourceError, anyio.BrokenResourceError):

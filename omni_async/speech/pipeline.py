@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import time
 import uuid
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
@@ -14,15 +15,20 @@ import numpy as np
 import torch
 
 from .. import errors
+from ..core.policy import DeadlinePolicy, FCFSPolicy, SchedulingPolicy
+from ..logs import log
+from .admission import FrameClock, SpeechAdmission
 from .codec import CodecDecoder
 from .codec_config import CodecConfig
 from .codec_stage import AudioChunk, CodecStage, CodecStream
 from .config import FRAME_RATE
 from .params import SpeechParams
+from .playback import Playback
 from .prompt import prefill_rows, resolve_voice
+from .schedule import SpeechSchedule
 from .stage import SpeechStage, build_speech_stage, builtin_name
 
-__all__ = ["SpeechPipeline", "SpeechResult", "AudioChunk", "SpeechParams"]
+__all__ = ["SpeechPipeline", "SpeechResult", "AudioChunk", "SpeechParams", "SpeechSchedule"]
 
 
 @dataclass
@@ -47,7 +53,7 @@ class SpeechPipeline:
     chunks as they are decoded."""
 
     def __init__(self, stage: SpeechStage, codec: CodecDecoder, *, first_chunk_frames: int = 2, max_chunk_frames: int = 32,
-                 codec_graphs: bool = False) -> None:
+                 codec_graphs: bool = False, schedule: SpeechSchedule | dict[str, Any] | None = None) -> None:
         self.stage = stage
         self.engine = stage.engine
         self.model = stage.model
@@ -60,15 +66,25 @@ class SpeechPipeline:
         self.sample_rate = codec.sample_rate
         self._tg: Any = None
         self._ids = itertools.count()
+        self._streams: dict[str, CodecStream] = {}  # the open streams by request id: their playback
+        self._talking: set[str] = set()  # streams whose talker request runs (admission counts them)
+        self.frame_clock = FrameClock()
+        self.admission = SpeechAdmission(lambda: len(self._talking), self.frame_clock, frame_s=1.0 / FRAME_RATE)
+        self.schedule = SpeechSchedule()
+        self.set_schedule(schedule)
+        self.engine.scheduler.add_step_observer(self._stepped)
 
     @classmethod
     def from_pretrained(cls, path_or_name: str, *, device: str = "cpu", loop: str = "overlap", dtype: Any = None, seed: int = 0,
                         first_chunk_frames: int = 2, max_chunk_frames: int = 32, codec_graphs: bool = False,
-                        **limits: Any) -> "SpeechPipeline":
+                        schedule: SpeechSchedule | dict[str, Any] | None = None, **limits: Any) -> "SpeechPipeline":
         """A Qwen3-TTS 12 Hz checkpoint folder (the ``qwen-tts`` layout), or a built-in
         random-weight model: ``"tiny"`` (tests, the CPU demo), ``"0.6b"``, ``"1.7b"``
         (the released sizes' shapes, for speed runs). ``codec_graphs``: the codec's calls
-        as CUDA graphs (opt-in, see ``__init__``). ``limits``: SchedulerConfig fields."""
+        as CUDA graphs (opt-in, see ``__init__``). ``schedule``: how streams share the
+        stages (:class:`SpeechSchedule`: the deadline policy by default, no admission
+        limits). ``limits``: SchedulerConfig fields."""
+        schedule = SpeechSchedule.of(schedule)  # a bad one fails before the model loads
         stage = build_speech_stage(path_or_name, device=device, loop=loop, dtype=dtype, seed=seed, **limits)
         dev, dt = stage.runner.device, stage.model.dtype
         if stage.folder is not None:
@@ -76,7 +92,8 @@ class SpeechPipeline:
         else:
             codec = CodecDecoder.random(_codec_config(builtin_name(path_or_name) or ""), device=dev, dtype=torch.float32 if dev.type == "cpu" else dt,
                                         seed=seed)
-        return cls(stage, codec, first_chunk_frames=first_chunk_frames, max_chunk_frames=max_chunk_frames, codec_graphs=codec_graphs)
+        return cls(stage, codec, first_chunk_frames=first_chunk_frames, max_chunk_frames=max_chunk_frames, codec_graphs=codec_graphs,
+                   schedule=schedule)
 
     @classmethod
     async def load(cls, path_or_name: str, **kwargs: Any) -> "SpeechPipeline":
@@ -102,6 +119,48 @@ class SpeechPipeline:
     async def aclose(self) -> None:
         await self.__aexit__(None, None, None)
 
+    # ------------------------------------------------------------ scheduling
+
+    def set_schedule(self, schedule: SpeechSchedule | dict[str, Any] | None) -> None:
+        """Use ``schedule`` from the talker's next step on (streams already running keep
+        running; the admission limits apply to requests that arrive from now on)."""
+        self.schedule = sched = SpeechSchedule.of(schedule)
+        policy: SchedulingPolicy
+        if sched.policy == "deadline":
+            policy = DeadlinePolicy(self._slack, max_decode_rows=sched.max_decode_rows)
+        else:
+            policy = FCFSPolicy(max_decode_rows=sched.max_decode_rows)
+        self.engine.scheduler.core.set_policy(policy)
+        self.codec.max_streams_per_round = sched.codec_max_streams
+        gate = self.admission
+        gate.max_streams, gate.max_waiting, gate.wait_s = sched.max_streams, sched.max_waiting_streams, sched.admission_wait_s
+        gate.rows_per_step = sched.max_decode_rows
+        gate.notify()
+
+    def _slack(self, req: Any) -> float | None:
+        """A talker row's slack for the deadline policy: its stream's first-chunk budget
+        left, or the audio its listener has buffered plus the frames waiting for the codec."""
+        stream = self._streams.get(req.rid)
+        if stream is None:
+            return None
+        return stream.playback.deadline_slack(self.schedule.ttfp_budget_s, stream.pending_frames * self.codec.frame_seconds)
+
+    def _stepped(self, took: float) -> None:
+        """After each talker step: the frame clock's sample, and a look for waiters."""
+        self.frame_clock.observe(len(self._talking), self.stage.runner.frames_written)
+        self.admission.notify()
+
+    def playback(self, request_id: str) -> dict[str, Any] | None:
+        """The open stream's playback state (audio sent and played, slack, TTFP so far,
+        underruns, worst gap), or None when no such stream is open."""
+        stream = self._streams.get(request_id)
+        return None if stream is None else stream.playback.snapshot()
+
+    def streams_in_underrun(self) -> int:
+        """Streams playing now whose listener has run out of audio."""
+        now = time.perf_counter()
+        return sum(1 for s in self._streams.values() if s.playback.in_underrun(now))
+
     # ------------------------------------------------------------ what it knows
 
     def voices(self) -> list[str]:
@@ -115,7 +174,9 @@ class SpeechPipeline:
         return {**self.engine.scheduler.info(), "speech": {"model_size": self.config.model_size, "voices": self.voices(), "sample_rate": self.sample_rate,
                                    "frame_rate": FRAME_RATE, "codec_calls": self.codec.calls,
                                    "codec_frames": self.codec.frames_decoded, "codec_streams": self.codec.active(),
-                                   "codec_graph_replays": self.codec.graph_replays}}
+                                   "codec_graph_replays": self.codec.graph_replays, "scheduling_policy": self.schedule.policy,
+                                   "streams_in_underrun": self.streams_in_underrun(), **self.admission.stats(),
+                                   "streams": {rid: s.playback.snapshot() for rid, s in self._streams.items()}}}
 
     async def decode(self, codes: torch.Tensor) -> np.ndarray:
         """PCM of ``codes`` ``[frames, 16]`` decoded in one call (the codec's one-shot
@@ -162,8 +223,16 @@ class SpeechPipeline:
         params = SpeechParams.of(params)
         rows, sampling, metadata = self._prompt(text, voice, language, params)
         rid = request_id or f"speech-{uuid.uuid4().hex[:12]}-{next(self._ids)}"
-        handle = await self.engine.submit(input_embeds=rows, sampling=sampling, metadata=metadata, request_id=rid)
-        stream = self.codec.open(rid)
+        playback = Playback()  # from the request's arrival: TTFP counts a wait at the gate
+        await self.admission.enter()
+        self._talking.add(rid)
+        try:
+            handle = await self.engine.submit(input_embeds=rows, sampling=sampling, metadata=metadata, request_id=rid)
+        except BaseException:
+            self._stop_talking(rid)
+            raise
+        stream = self.codec.open(rid, playback)
+        self._streams[rid] = stream
         self._tg.start_soon(self._feed, handle, stream)
         done = False
         try:
@@ -179,6 +248,17 @@ class SpeechPipeline:
                 with anyio.CancelScope(shield=True):
                     await self.engine.abort(rid)
             self.codec.close(stream)
+            self._stop_talking(rid)
+            if self._streams.get(rid) is stream:
+                del self._streams[rid]
+            log.info("speech_request", request_id=rid, ttfp_s=playback.ttfp_s, frames=stream.frames_sent, audio_s=round(playback.sent_s, 3),
+                     worst_gap_s=round(playback.worst_gap_s, 4), underruns=playback.underruns,
+                     finish_reason=stream.finish_reason if done else "abort")
+
+    def _stop_talking(self, rid: str) -> None:
+        if rid in self._talking:
+            self._talking.discard(rid)
+            self.admission.notify()
 
     async def _feed(self, handle: Any, stream: CodecStream) -> None:
         """The talker's frames into the codec stage, as deltas arrive. The request's first
@@ -197,7 +277,9 @@ class SpeechPipeline:
                     reason = delta.finish_reason
         except Exception:  # the request failed or was aborted: its reader sees the error
             self.codec.close(stream)
+            self._stop_talking(stream.request_id)
             return
+        self._stop_talking(stream.request_id)
         self.codec.end(stream, reason)
 
     async def synthesize(self, text: str, voice: str | None = None, language: str | None = None, *,

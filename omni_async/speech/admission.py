@@ -1,0 +1,141 @@
+"""Admission by what can be played on time.
+
+A speech stream that starts but cannot be fed in real time is worse than one refused:
+every listener already playing starts to hear gaps too. So before a request reaches the
+talker it passes this gate: it starts when the talker, by its own measure, can write one
+more stream's frames in real time beside the ones running (and under ``max_streams``);
+otherwise it waits, in arrival order, for a stream to end, at most ``wait_s`` (what is
+left of its time-to-first-packet budget), and is then refused with
+:class:`~omni_async.errors.OverloadedError` (HTTP 503, the reason named). A full waiting
+line (``max_waiting``) refuses at once.
+
+The measure (:class:`FrameClock`): after each talker step, the wall time since the last
+one and the frames written in it give the time a frame of every running row costs at
+that batch size (prefill steps' time is charged to the frames after them). A line fitted
+over recent samples predicts the cost with one more row; admission holds while that stays
+under the frame's duration (80 ms) less a margin.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from typing import Callable
+
+import anyio
+
+from .. import errors
+
+__all__ = ["FrameClock", "SpeechAdmission"]
+
+
+class FrameClock:
+    """Seconds a talker step takes to write one frame for each of ``n`` running rows,
+    measured while streams run (see module). ``clock``: seconds (tests pass their own)."""
+
+    def __init__(self, window: int = 256, idle_s: float = 0.5, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.samples: deque[tuple[int, float]] = deque(maxlen=window)
+        self.idle_s = idle_s  # a longer pause between steps is idleness, not work
+        self.clock = clock
+        self._last: float | None = None
+        self._frames = 0
+        self._spent = 0.0
+
+    def observe(self, rows: int, frames_total: int) -> None:
+        """After a step: ``rows`` running, ``frames_total`` written by the talker so far."""
+        now = self.clock()
+        if self._last is None or now - self._last > self.idle_s:
+            self._last, self._frames, self._spent = now, frames_total, 0.0
+            return
+        self._spent += now - self._last
+        self._last = now
+        made = frames_total - self._frames
+        if made > 0 and rows > 0:
+            self.samples.append((rows, self._spent * rows / made))
+            self._frames, self._spent = frames_total, 0.0
+
+    def frame_seconds(self, rows: int) -> float | None:
+        """Predicted seconds per frame of every row at ``rows`` rows; None before any sample."""
+        if not self.samples:
+            return None
+        ns = [n for n, _ in self.samples]
+        ts = [t for _, t in self.samples]
+        mean_n, mean_t = sum(ns) / len(ns), sum(ts) / len(ts)
+        var = sum((n - mean_n) ** 2 for n in ns)
+        if var == 0:  # one batch size seen: assume the cost grows in proportion (pessimistic)
+            return mean_t * rows / mean_n
+        slope = max(0.0, sum((n - mean_n) * (t - mean_t) for n, t in zip(ns, ts)) / var)
+        return max(0.0, mean_t + slope * (rows - mean_n))
+
+
+class SpeechAdmission:
+    """The gate in front of the talker (see module). ``running()``: streams running now."""
+
+    def __init__(self, running: Callable[[], int], clock: FrameClock, *, frame_s: float, max_streams: int | None = None,
+                 max_waiting: int | None = None, wait_s: float | None = None, margin: float = 0.2,
+                 rows_per_step: int | None = None) -> None:
+        self.running = running
+        self.frame_clock = clock
+        self.frame_s = frame_s
+        self.max_streams, self.max_waiting, self.wait_s, self.margin = max_streams, max_waiting, wait_s, margin
+        self.rows_per_step = rows_per_step  # a decode step's row budget: more rows take several steps a frame
+        self._line: deque[object] = deque()
+        self._changed = anyio.Event()
+        self.admitted = 0
+        self.refused: dict[str, int] = {}
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_streams is not None or self.wait_s is not None or self.max_waiting is not None
+
+    def waiting(self) -> int:
+        return len(self._line)
+
+    def notify(self) -> None:
+        """Something changed (a stream ended, a step was measured): waiters look again."""
+        self._changed.set()
+
+    def fits(self, extra: int = 1) -> tuple[bool, str]:
+        """Whether ``extra`` more streams can start now, and if not why."""
+        n = self.running() + extra
+        if self.max_streams is not None and n > self.max_streams:
+            return False, "max_streams"
+        if self.wait_s is not None:
+            per_step = self.rows_per_step or n
+            cost = self.frame_clock.frame_seconds(min(n, per_step))
+            if cost is not None and cost * math.ceil(n / per_step) > self.frame_s * (1 - self.margin):
+                return False, "underrun_risk"
+        return True, ""
+
+    async def enter(self) -> None:
+        """Return when the request may start; raise OverloadedError when it may not."""
+        if not self.enabled:
+            return
+        if self.max_waiting is not None and len(self._line) >= self.max_waiting and (self._line or not self.fits()[0]):
+            self._refuse("queue_full", f"{len(self._line)} speech requests already wait to start (max_waiting_streams)")
+        ticket = object()
+        self._line.append(ticket)
+        reason = ""
+        try:
+            with anyio.move_on_after(self.wait_s if self.wait_s is not None else math.inf):
+                while True:
+                    if self._line[0] is ticket:
+                        ok, reason = self.fits()
+                        if ok:
+                            self.admitted += 1
+                            return
+                    self._changed = changed = anyio.Event() if self._changed.is_set() else self._changed
+                    await changed.wait()
+            self._refuse("ttfp_budget", f"the speech request could not start within its {self.wait_s:g} s budget"
+                         + (f" ({reason})" if reason else ""))
+        finally:
+            self._line.remove(ticket)
+            self.notify()  # the next in line looks
+
+    def _refuse(self, reason: str, message: str) -> None:
+        self.refused[reason] = self.refused.get(reason, 0) + 1
+        raise errors.OverloadedError(message, reason=reason)
+
+    def stats(self) -> dict[str, object]:
+        return {"admission_waiting": len(self._line), "admission_admitted": self.admitted, "admission_refused": dict(self.refused)}
