@@ -261,3 +261,56 @@ async def test_api_key_and_served_model_name():
             assert len(res.content) == 2 * FRAMES * SAMPLES_PER_FRAME
             assert [m.id for m in (await client.models.list()).data] == ["my-voice"]
         assert (await _http_get(f"{url}/health"))[0] == 200  # open without the key
+
+
+async def test_a_request_that_cannot_start_in_time_gets_503_with_its_reason():
+    tts = SpeechPipeline.from_pretrained("tts-tiny", loop="normal", schedule={"max_streams": 1, "admission_wait_s": 0.2})
+    async with running_server(tts) as url:
+        async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0) as client:
+            long = {"max_frames": 3000, "temperature": 0, "ignore_eos": True}
+            async with client.audio.speech.with_streaming_response.create(
+                model="tts-tiny", input=TEXT, voice=VOICE, response_format="pcm", stream_format="audio", extra_body=long,
+            ) as res:
+                async for _ in res.iter_bytes():  # listening while the others are refused
+                    with pytest.raises(openai.InternalServerError) as refused:
+                        await _speech(client, response_format="pcm", **GREEDY)
+                    with pytest.raises(openai.InternalServerError) as refused_streamed:
+                        await _streamed(client, "sse", "pcm", **GREEDY)
+                    assert tts.engine.open_requests  # the running stream carries on
+                    break
+            for exc in (refused.value, refused_streamed.value):
+                assert exc.status_code == 503
+                assert exc.body["code"] == "ttfp_budget" and "0.2 s" in exc.body["message"]
+            await _idle(tts)
+            assert len(await _speech(client, response_format="pcm", **GREEDY)) == 2 * FRAMES * SAMPLES_PER_FRAME
+            _, text = await _http_get(f"{url}/metrics")
+    samples = _samples(text)
+    assert samples[("omni_async_speech_admission_refused_total", (("model", "tts-tiny"), ("reason", "ttfp_budget")))] == 2
+    assert samples[("omni_async_speech_requests_total", (("finish_reason", "abort"), ("model", "tts-tiny")))] == 1
+    assert samples[("omni_async_speech_requests_total", (("finish_reason", "length"), ("model", "tts-tiny")))] == 1
+
+
+async def test_audio_metrics_are_present_and_monotone(served):
+    tts, url, client = served
+    _, text = await _http_get(f"{url}/metrics")
+    before = _samples(text)
+    m = (("model", "tts-tiny"),)
+    assert before[("omni_async_speech_streams_in_underrun", m)] == 0 and before[("omni_async_speech_admission_waiting", m)] == 0
+    for _ in range(2):
+        await _speech(client, **GREEDY)
+        await _streamed(client, "audio", "pcm", **GREEDY)
+    await _idle(tts)
+    _, text = await _http_get(f"{url}/metrics")
+    after = _samples(text)
+    for key, value in before.items():  # every counter and histogram only grows
+        if key[0].endswith(("_total", "_count", "_sum", "_bucket")):
+            assert after[key] >= value, key
+    assert after[("omni_async_speech_real_time_factor_count", m)] == 4
+    assert after[("omni_async_speech_underrun_seconds_count", m)] == 4
+    assert after[("omni_async_speech_underrun_seconds_sum", m)] >= 0
+    assert after[("omni_async_speech_underruns_total", m)] >= 0
+    assert after[("omni_async_speech_empty_audio_total", m)] == 0
+    assert after[("omni_async_speech_chunk_frames_sum", m)] == 4 * FRAMES
+    assert after[("omni_async_speech_step_seconds_count", (("model", "tts-tiny"), ("stage", "talker")))] >= 4 * FRAMES
+    assert after[("omni_async_speech_step_seconds_count", (("model", "tts-tiny"), ("stage", "codec")))] >= 4
+    assert after[("omni_async_speech_streams_open", m)] == 0

@@ -1,15 +1,27 @@
 """Prometheus metrics of the speech server: the talker stage's gauges (running and
 waiting requests, KV pages, read from ``scheduler.info()`` at scrape time, as the text
-server's) and per-utterance figures: requests by finish reason, frames and seconds of
-audio sent, time to first audio."""
+server's) and the audio's own figures.
+
+Per utterance, as its chunks pass on the way to the client: requests by finish reason,
+frames and seconds of audio sent, time to first audio (TTFP), real-time factor (request
+to last chunk over the audio's length), the worst silent gap a player that plays each
+chunk from the first one's arrival would hear (0 for a stream that never ran dry) and
+the number of such underruns, results with no audio, codec chunk sizes. Per stage: the
+talker's step time and the codec's round time. At scrape time: streams whose listener is
+out of audio now, streams playing, requests waiting at the admission gate, and refusals
+by reason. A structured log line per utterance carries its TTFP, frames and worst gap.
+"""
 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from ..logs import log
+from ..speech.playback import Playback
 from .metrics import PREFIX, StageCollector
 
 if TYPE_CHECKING:
@@ -18,6 +30,10 @@ if TYPE_CHECKING:
 __all__ = ["SpeechMetrics", "Utterance"]
 
 _FIRST_AUDIO_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.15, 0.25, 0.4, 0.6, 1.0, 2.0, 5.0, 10.0, 30.0)
+_RTF_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.25, 1.5, 2.0, 3.0, 5.0, 10.0)
+_GAP_BUCKETS = (0.0, 0.01, 0.025, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
+_CHUNK_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+_STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
 
 
 class Utterance:
@@ -29,39 +45,105 @@ class Utterance:
         self.frames = 0
         self.samples = 0
         self.first_audio: float | None = None
+        self.player = Playback(created=self.started)  # the client's player, as the benchmark's
         self.reason: str | None = None  # the utterance's finish reason, once its last chunk passed
         self.done = False
 
     def chunk(self, chunk: "AudioChunk") -> None:
+        m, model = self.metrics, self.metrics.model
         if self.first_audio is None and len(chunk.audio):
             self.first_audio = time.perf_counter() - self.started
-            self.metrics.first_audio.labels(self.metrics.model).observe(self.first_audio)
-        self.frames += int(chunk.codes.shape[0])
+            m.first_audio.labels(model).observe(self.first_audio)
+        frames = int(chunk.codes.shape[0])
+        self.frames += frames
         self.samples += len(chunk.audio)
-        self.metrics.frames.labels(self.metrics.model).inc(int(chunk.codes.shape[0]))
-        self.metrics.audio_seconds.labels(self.metrics.model).inc(len(chunk.audio) / chunk.sample_rate)
+        self.player.on_audio(chunk.seconds)
+        if frames:
+            m.chunk_frames.labels(model).observe(frames)
+        m.frames.labels(model).inc(frames)
+        m.audio_seconds.labels(model).inc(len(chunk.audio) / chunk.sample_rate)
         if chunk.finished:
             self.reason = chunk.finish_reason or "stop"
 
     def finish(self, reason: str | None = None) -> None:
         """Counted once, by ``reason`` if given ("error", "abort"), else by how the
         utterance ended ("stop", "length"), else "abort" (it did not end: the client left)."""
-        if not self.done:
-            self.done = True
-            self.metrics.requests.labels(self.metrics.model, reason or self.reason or "abort").inc()
+        if self.done:
+            return
+        self.done = True
+        m, model = self.metrics, self.metrics.model
+        why = reason or self.reason or "abort"
+        m.requests.labels(model, why).inc()
+        audio_s = self.player.sent_s
+        if why in ("stop", "length"):
+            if audio_s > 0:
+                m.rtf.labels(model).observe((time.perf_counter() - self.started) / audio_s)
+                m.worst_gap.labels(model).observe(self.player.worst_gap_s)
+            else:
+                m.empty_audio.labels(model).inc()
+        m.underruns.labels(model).inc(self.player.underruns)
+        log.info("speech_response", finish_reason=why, ttfp_s=None if self.first_audio is None else round(self.first_audio, 4),
+                 frames=self.frames, audio_s=round(audio_s, 3), worst_gap_s=round(self.player.worst_gap_s, 4),
+                 underruns=self.player.underruns)
+
+
+class PlaybackCollector:
+    """Read at scrape time from the pipeline: streams in underrun now, streams playing,
+    the admission gate's waiting line and refusals by reason."""
+
+    def __init__(self, pipeline: "SpeechPipeline", model: str) -> None:
+        self._pipeline, self._model = pipeline, model
+
+    def describe(self) -> list[Any]:
+        return []
+
+    def collect(self) -> Iterator[Any]:
+        p, model = self._pipeline, self._model
+        gauges = {
+            "speech_streams_in_underrun": ("Streams playing whose listener is out of audio now", p.streams_in_underrun()),
+            "speech_streams_open": ("Speech streams open (talking or decoding)", p.codec.active()),
+            "speech_admission_waiting": ("Speech requests waiting at the admission gate", p.admission.waiting()),
+        }
+        for name, (doc, value) in gauges.items():
+            family = GaugeMetricFamily(f"{PREFIX}_{name}", doc, labels=["model"])
+            family.add_metric([model], float(value))
+            yield family
+        refused = CounterMetricFamily(f"{PREFIX}_speech_admission_refused", "Speech requests refused by the admission gate, by reason",
+                                      labels=["model", "reason"])
+        for reason in ("queue_full", "ttfp_budget"):
+            refused.add_metric([model, reason], float(p.admission.refused.get(reason, 0)))
+        yield refused
 
 
 class SpeechMetrics:
     def __init__(self, pipeline: "SpeechPipeline", model: str) -> None:
         self.model = model
-        self.registry = CollectorRegistry()
-        self.registry.register(StageCollector(pipeline.engine))
-        self.requests = Counter(f"{PREFIX}_speech_requests", "Speech requests ended, by finish reason", ["model", "finish_reason"],
-                                registry=self.registry)
-        self.frames = Counter(f"{PREFIX}_speech_frames", "Codec frames sent (80 ms each)", ["model"], registry=self.registry)
-        self.audio_seconds = Counter(f"{PREFIX}_speech_audio_seconds", "Seconds of audio sent", ["model"], registry=self.registry)
+        r = self.registry = CollectorRegistry()
+        r.register(StageCollector(pipeline.engine))
+        r.register(PlaybackCollector(pipeline, model))
+        self.requests = Counter(f"{PREFIX}_speech_requests", "Speech requests ended, by finish reason", ["model", "finish_reason"], registry=r)
+        self.frames = Counter(f"{PREFIX}_speech_frames", "Codec frames sent (80 ms each)", ["model"], registry=r)
+        self.audio_seconds = Counter(f"{PREFIX}_speech_audio_seconds", "Seconds of audio sent", ["model"], registry=r)
         self.first_audio = Histogram(f"{PREFIX}_speech_time_to_first_audio_seconds", "Request to its first audio chunk", ["model"],
-                                     buckets=_FIRST_AUDIO_BUCKETS, registry=self.registry)
+                                     buckets=_FIRST_AUDIO_BUCKETS, registry=r)
+        self.rtf = Histogram(f"{PREFIX}_speech_real_time_factor", "Request to its last chunk, over the audio's length (completed streams)",
+                             ["model"], buckets=_RTF_BUCKETS, registry=r)
+        self.worst_gap = Histogram(f"{PREFIX}_speech_underrun_seconds",
+                                   "A completed stream's worst silent gap, played from its first chunk (0: none)", ["model"],
+                                   buckets=_GAP_BUCKETS, registry=r)
+        self.underruns = Counter(f"{PREFIX}_speech_underruns", "Chunks that reached the client after its audio ran out", ["model"],
+                                 registry=r)
+        self.empty_audio = Counter(f"{PREFIX}_speech_empty_audio", "Completed speech requests with no audio at all", ["model"], registry=r)
+        self.chunk_frames = Histogram(f"{PREFIX}_speech_chunk_frames", "Frames per audio chunk the codec sent", ["model"],
+                                      buckets=_CHUNK_BUCKETS, registry=r)
+        self.step_seconds = Histogram(f"{PREFIX}_speech_step_seconds", "A talker step (launch to processed) or a codec round",
+                                      ["model", "stage"], buckets=_STEP_BUCKETS, registry=r)
+        for family in (self.frames, self.audio_seconds, self.first_audio, self.rtf, self.worst_gap, self.underruns, self.empty_audio,
+                       self.chunk_frames):
+            family.labels(model)  # present (at 0) from the first scrape
+        talker, codec = self.step_seconds.labels(model, "talker"), self.step_seconds.labels(model, "codec")
+        pipeline.engine.scheduler.add_step_observer(talker.observe)
+        pipeline.codec.round_observers.append(codec.observe)
 
     def utterance(self) -> Utterance:
         return Utterance(self)

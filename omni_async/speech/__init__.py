@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from .codec_stage import AudioChunk
     from .params import SpeechParams
     from .pipeline import SpeechPipeline, SpeechResult
+    from .schedule import SpeechSchedule
 
 # Each public name and the module that defines it.
 _MODULE_OF = {
@@ -26,9 +27,10 @@ _MODULE_OF = {
     "SpeechParams": ".params",
     "SpeechPipeline": ".pipeline",
     "SpeechResult": ".pipeline",
+    "SpeechSchedule": ".schedule",
 }
 
-__all__ = ["SpeechPipeline", "SpeechParams", "SpeechResult", "AudioChunk"]
+__all__ = ["SpeechPipeline", "SpeechParams", "SpeechResult", "SpeechSchedule", "AudioChunk"]
 
 
 def __getattr__(name: str) -> Any:
