@@ -18,9 +18,19 @@ process: context, weights, KV, graphs and the allocator's pool).
 
 Arms: ``inprocess`` (SpeechPipeline.stream in this event loop) and ``http`` (the same
 model behind ``omni-async serve`` in this process, a client streaming raw PCM from
-``POST /v1/audio/speech``). Results print as a table and go to --out (JSON).
+``POST /v1/audio/speech``), closed loop; ``openloop``: requests arrive as a Poisson
+process at each of ``--rates`` (requests a second) for ``--duration`` seconds, each
+streamed in process, the level over when the last has ended. Each level runs once per
+scheduling policy (``--policies``: ``fcfs``, arrival order with no admission limit,
+today's behaviour; ``deadline``, least slack first with the admission gate of
+``--admission-wait`` / ``--max-streams``), the policies interleaved and their order
+alternated across ``--repeats``. A request the gate refuses (HTTP 503's
+``OverloadedError``) counts in ``refused`` and as a failure in ``C100_of_arrivals``.
+Results print as a table and go to --out (JSON).
 
     python bench/tts_serving.py --model tts-1.7b --device cuda --streams 1,4,16,64
+    python bench/tts_serving.py --model tts-1.7b --device cuda --arms openloop --rates 5,10,20,30 --duration 60 \
+        --policies fcfs,deadline --repeats 2 --admission-wait 0.25
 """
 
 from __future__ import annotations
@@ -113,16 +123,20 @@ class GpuSampler:
 
 
 async def one_inprocess(tts, text: str, frames: int, seed: int) -> dict:
+    from omni_async import errors
     from omni_async.speech import SpeechParams
 
     t0 = time.perf_counter()
     arrivals, audio = [], 0.0
-    async for chunk in tts.stream(text, voice="ryan", language="English",
-                                  params=SpeechParams(max_frames=frames, ignore_eos=True, seed=seed)):
-        now = time.perf_counter()
-        if len(chunk.audio):
-            arrivals.append((now, chunk.seconds))
-            audio += chunk.seconds
+    try:
+        async for chunk in tts.stream(text, voice="ryan", language="English",
+                                      params=SpeechParams(max_frames=frames, ignore_eos=True, seed=seed)):
+            now = time.perf_counter()
+            if len(chunk.audio):
+                arrivals.append((now, chunk.seconds))
+                audio += chunk.seconds
+    except errors.OverloadedError as exc:
+        return {"t0": t0, "arrivals": [], "audio_s": 0.0, "end": time.perf_counter(), "refused": exc.reason}
     return {"t0": t0, "arrivals": arrivals, "audio_s": audio, "end": time.perf_counter()}
 
 
@@ -141,7 +155,9 @@ async def one_http(client, url: str, text: str, frames: int, seed: int, rate: in
     return {"t0": t0, "arrivals": arrivals, "audio_s": audio, "end": time.perf_counter()}
 
 
-def summarise(done: list[dict], wall: float) -> dict:
+def summarise(results: list[dict], wall: float) -> dict:
+    done = [r for r in results if "refused" not in r]
+    refused = len(results) - len(done)
     ttfp = np.array([r["arrivals"][0][0] - r["t0"] for r in done if r["arrivals"]]) * 1000
     rtf = np.array([(r["end"] - r["t0"]) / r["audio_s"] for r in done if r["audio_s"]])
     gaps = np.array([worst_gap(r["arrivals"]) * 1000 for r in done])
@@ -154,6 +170,8 @@ def summarise(done: list[dict], wall: float) -> dict:
         "worst_gap_ms_p50": pct(gaps, 50), "worst_gap_ms_p95": pct(gaps, 95),
         "C50": round(float((gaps <= 50).mean()), 4), "C100": round(float((gaps <= 100).mean()), 4),
         "C200": round(float((gaps <= 200).mean()), 4),
+        "refused": refused,
+        "C100_of_arrivals": round(float((gaps <= 100).sum()) / len(results), 4) if results else None,
     }
 
 
@@ -222,19 +240,88 @@ async def run(args) -> dict:
 
             for c in args.streams:
                 n = max(args.min_requests, args.requests_per_stream * c)
-                with sampler:
-                    res, _ = await level(send, c, n, args.warmup or c, texts, offset)
-                offset += n + c
-                res["gpu_busy_pct"] = sampler.busy()
-                res["peak_gpu_mem_gib"] = round(sampler.peak_bytes / 2**30, 3) if sampler.peak_bytes else None
-                if torch.cuda.is_available():
-                    res["torch_max_reserved_gib"] = round(torch.cuda.max_memory_reserved() / 2**30, 3)
-                out["levels"][f"inprocess/{c}"] = res
-                print(f"inprocess C={c}", json.dumps(res), flush=True)
+                for rep_i in range(args.repeats):
+                    for policy in arm_order(args.policies, rep_i):
+                        tts.set_schedule(schedule_of(policy, args))
+                        with sampler:
+                            res, _ = await level(send, c, n, args.warmup or c, texts, offset)
+                        offset += n + c
+                        res["gpu_busy_pct"] = sampler.busy()
+                        res["peak_gpu_mem_gib"] = round(sampler.peak_bytes / 2**30, 3) if sampler.peak_bytes else None
+                        if torch.cuda.is_available():
+                            res["torch_max_reserved_gib"] = round(torch.cuda.max_memory_reserved() / 2**30, 3)
+                        out["levels"][f"inprocess/{policy}/{c}/r{rep_i}"] = res
+                        print(f"inprocess {policy} C={c} repeat {rep_i}", json.dumps(res), flush=True)
+        if "openloop" in args.arms:
+            out["levels"].update(await run_open_loop(tts, args, texts, offset, sampler))
         if "http" in args.arms:
             out["levels"].update(await run_http(tts, args, texts, offset, sampler))
         out["stage_info"] = {k: v for k, v in tts.info().get("speech", {}).items()}
     return out
+
+
+def arm_order(policies: list[str], repeat: int) -> list[str]:
+    """The policies of one repeat: their order alternates, so neither always runs first."""
+    return policies if repeat % 2 == 0 else policies[::-1]
+
+
+def schedule_of(policy: str, args) -> "object":
+    """The pipeline's schedule for an arm: FCFS as today (no admission limit), deadline
+    with the admission gate the flags give; both with the same row budget."""
+    from omni_async.speech import SpeechSchedule
+
+    if policy == "fcfs":
+        return SpeechSchedule(policy="fcfs", max_decode_rows=args.decode_rows)
+    return SpeechSchedule(policy="deadline", max_decode_rows=args.decode_rows, max_streams=args.max_streams,
+                          admission_wait_s=args.admission_wait, ttfp_budget_s=args.ttfp_budget)
+
+
+async def open_level(tts, rate: float, duration: float, texts: list[str], offset: int, seed: int) -> tuple[dict, int]:
+    """Poisson arrivals at ``rate`` a second for ``duration`` seconds, each request
+    streamed as it arrives; over when the last one has ended."""
+    rng = np.random.default_rng(seed)
+    results: list[dict] = []
+    tasks = []
+    t_start = time.perf_counter()
+    i = 0
+
+    async def one(k: int) -> None:
+        text = texts[(offset + k) % len(texts)]
+        results.append(await one_inprocess(tts, text, frames_for(text), offset + k))
+
+    at = rng.exponential(1.0 / rate)
+    while at < duration:
+        delay = t_start + at - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(one(i)))
+        i += 1
+        at += rng.exponential(1.0 / rate)
+    await asyncio.gather(*tasks)
+    wall = time.perf_counter() - t_start
+    res = summarise(results, wall)
+    res["arrivals"] = i
+    res["offered_rate"] = rate
+    return res, i
+
+
+async def run_open_loop(tts, args, texts, offset, sampler) -> dict:
+    """Every rate, every repeat, the policies interleaved (see module)."""
+    results = {}
+    for k in range(args.warmup or 4):  # graphs captured, caches warm, before any arm
+        await one_inprocess(tts, texts[k % len(texts)], 10, k)
+    for rate in args.rates:
+        for rep_i in range(args.repeats):
+            for policy in arm_order(args.policies, rep_i):
+                tts.set_schedule(schedule_of(policy, args))
+                with sampler:
+                    res, n = await open_level(tts, rate, args.duration, texts, offset, seed=1000 * rep_i + int(rate * 10))
+                offset += n
+                res["gpu_busy_pct"] = sampler.busy()
+                res["policy"] = policy
+                results[f"openloop/{policy}/{rate:g}/r{rep_i}"] = res
+                print(f"openloop {policy} rate={rate:g}/s repeat {rep_i}", json.dumps(res), flush=True)
+    return results
 
 
 async def run_http(tts, args, texts, offset, sampler) -> dict:
@@ -253,6 +340,8 @@ async def run_http(tts, args, texts, offset, sampler) -> dict:
     while not server.started:
         await asyncio.sleep(0.05)
     results = {}
+    policy = args.policies[0]
+    tts.set_schedule(schedule_of(policy, args))
     url = f"http://127.0.0.1:{port}/v1/audio/speech"
     try:
         limits = httpx.Limits(max_connections=max(args.streams) + 8, max_keepalive_connections=max(args.streams) + 8)
@@ -266,8 +355,8 @@ async def run_http(tts, args, texts, offset, sampler) -> dict:
                     res, _ = await level(send, c, n, args.warmup or c, texts, offset)
                 offset += n + c
                 res["gpu_busy_pct"] = sampler.busy()
-                results[f"http/{c}"] = res
-                print(f"http C={c}", json.dumps(res), flush=True)
+                results[f"http/{policy}/{c}"] = res
+                print(f"http {policy} C={c}", json.dumps(res), flush=True)
     finally:
         server.should_exit = True
         await task
@@ -276,7 +365,7 @@ async def run_http(tts, args, texts, offset, sampler) -> dict:
 
 def table(out: dict) -> str:
     cols = ["audio_s_per_s", "requests_per_s", "ttfp_ms_p50", "ttfp_ms_p99", "rtf_p50", "rtf_p99", "C50", "C100", "C200",
-            "gpu_busy_pct", "peak_gpu_mem_gib"]
+            "refused", "C100_of_arrivals", "gpu_busy_pct", "peak_gpu_mem_gib"]
     lines = ["| arm/streams | " + " | ".join(cols) + " |", "|" + "---|" * (len(cols) + 1)]
     for name, res in out["levels"].items():
         lines.append(f"| {name} | " + " | ".join(str(res.get(c)) for c in cols) + " |")
@@ -293,7 +382,18 @@ def main() -> None:
     ap.add_argument("--requests-per-stream", type=int, default=2)
     ap.add_argument("--min-requests", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=0, help="requests left out per level (default: one per stream)")
-    ap.add_argument("--arms", default="inprocess,http")
+    ap.add_argument("--arms", default="inprocess,http", help="inprocess, http (closed loop), openloop (Poisson arrivals)")
+    ap.add_argument("--rates", type=lambda s: [float(x) for x in s.split(",")], default=[5, 10, 20, 30],
+                    help="openloop: arrival rates, requests a second")
+    ap.add_argument("--duration", type=float, default=60.0, help="openloop: seconds of arrivals per level")
+    ap.add_argument("--policies", type=lambda s: s.split(","), default=["deadline"],
+                    help="scheduling policies to compare, interleaved: fcfs, deadline")
+    ap.add_argument("--repeats", type=int, default=1, help="runs of each level and policy (order alternated)")
+    ap.add_argument("--decode-rows", type=int, default=None, help="a talker step's row budget (both policies)")
+    ap.add_argument("--admission-wait", type=float, default=None,
+                    help="deadline arm: seconds a request may wait to start before a 503 (none: no gate)")
+    ap.add_argument("--max-streams", type=int, default=None, help="deadline arm: streams at once")
+    ap.add_argument("--ttfp-budget", type=float, default=0.3, help="deadline arm: a new stream's first-chunk deadline")
     ap.add_argument("--port", type=int, default=8790)
     ap.add_argument("--kv-tokens", type=int, default=None, help="the talker's KV positions (default: the stage's)")
     ap.add_argument("--codec-graphs", choices=("on", "off"), default=None, help="the codec's calls as CUDA graphs (default: the pipeline's)")

@@ -13,7 +13,9 @@ The measure (:class:`FrameClock`): after each talker step, the wall time since t
 one and the frames written in it give the time a frame of every running row costs at
 that batch size (prefill steps' time is charged to the frames after them). A line fitted
 over recent samples predicts the cost with one more row; admission holds while that stays
-under the frame's duration (80 ms) less a margin.
+under the frame's duration (80 ms) less a margin. Until two batch sizes have been seen
+the cost is taken as flat (one more stream is let in, and measured); a stream that would
+run alone is never held by the estimate.
 """
 
 from __future__ import annotations
@@ -63,8 +65,8 @@ class FrameClock:
         ts = [t for _, t in self.samples]
         mean_n, mean_t = sum(ns) / len(ns), sum(ts) / len(ts)
         var = sum((n - mean_n) ** 2 for n in ns)
-        if var == 0:  # one batch size seen: assume the cost grows in proportion (pessimistic)
-            return mean_t * rows / mean_n
+        if var == 0:  # one batch size seen: no slope to go by yet; the next size measured gives one
+            return mean_t
         slope = max(0.0, sum((n - mean_n) * (t - mean_t) for n, t in zip(ns, ts)) / var)
         return max(0.0, mean_t + slope * (rows - mean_n))
 
@@ -101,7 +103,7 @@ class SpeechAdmission:
         n = self.running() + extra
         if self.max_streams is not None and n > self.max_streams:
             return False, "max_streams"
-        if self.wait_s is not None:
+        if self.wait_s is not None and n > extra:  # (alone, a stream is as fast as it can be: never held)
             per_step = self.rows_per_step or n
             cost = self.frame_clock.frame_seconds(min(n, per_step))
             if cost is not None and cost * math.ceil(n / per_step) > self.frame_s * (1 - self.margin):
