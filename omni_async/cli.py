@@ -23,6 +23,7 @@ from .cli_options import (
 )
 from .logs import configure_cli_logging, log
 from .serving.signals import signals_noted
+from .speech.flags import add_schedule_flags, add_speak_flags  # (they import no torch)
 from .version import __version__
 
 if TYPE_CHECKING:
@@ -256,9 +257,9 @@ async def _serve(args: argparse.Namespace) -> int:
         sock = listening_socket(args.host, args.port)
         try:
             if is_speech_checkpoint(args.model):
-                from .speech.speak import load_speech
+                from .speech.speak import load_speech, speech_schedule
 
-                served = await load_speech(args, **engine_limits(args))
+                served = await load_speech(args, schedule=speech_schedule(args), **engine_limits(args))
                 app_kw: dict[str, Any] = {}
             else:
                 served = await _load(args)
@@ -284,19 +285,10 @@ async def _serve(args: argparse.Namespace) -> int:
 
 
 def _add_speak_parser(sub: argparse._SubParsersAction, fmt: type[argparse.HelpFormatter]) -> argparse.ArgumentParser:
-    from .speech.names import DEFAULT_SPEECH_MODEL, MODEL_KINDS
+    from .speech.names import DEFAULT_SPEECH_MODEL
 
     p = sub.add_parser("speak", help=f"speak one text into a WAV file (a Qwen3-TTS model; built in: {DEFAULT_SPEECH_MODEL})", formatter_class=fmt)
-    p.add_argument("--model", default=DEFAULT_SPEECH_MODEL, help=f"the speech model: {MODEL_KINDS}")
-    p.add_argument("--text", required=True, help="what to say")
-    p.add_argument("--voice", default=None, help="the speaker (a wrong one is answered with the model's voices)")
-    p.add_argument("--language", default=None, help="the language of the text (none: auto)")
-    p.add_argument("--out", required=True, help="the WAV file to write (16-bit mono PCM)")
-    p.add_argument("--max-frames", type=int, default=None,
-                   help="80 ms frames at most (none: until the model stops; a built-in model, whose random weights never stop, 5 a word of the text)")
-    p.add_argument("--temperature", type=float, default=None, help="0 is greedy (none: the checkpoint's generation config)")
-    p.add_argument("--seed", type=int, default=None, help="the utterance's sampling seed")
-    p.add_argument("--engine-seed", type=int, default=0, help="a built-in model's weights seed")
+    add_speak_flags(p)
     add_device_flags(p)
     return p
 
@@ -336,6 +328,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--chat-template", default=env_default("chat_template", None), help="a Jinja chat template (a file, or the template itself) in place of the checkpoint's [env OMNI_ASYNC_CHAT_TEMPLATE]")
     serve.add_argument("--tool-call-parser", default=env_default("tool_call_parser", "auto"), choices=("auto", "hermes", "llama3_json", "mistral"), help="the format tool calls are parsed in; auto: from the chat template [env OMNI_ASYNC_TOOL_CALL_PARSER]")
     serve.add_argument("--generation-config", default=env_default("generation_config", "auto"), choices=("auto", "none"), help="auto: sampling defaults from the checkpoint's generation_config.json where a request leaves them unset [env OMNI_ASYNC_GENERATION_CONFIG]")
+    add_schedule_flags(serve)  # the --speech-* flags
     # The server owns its process, so the collector is tuned for serving unless told
     # otherwise (a full GC pass over torch's heap stalls every stream; bench/RESULTS.md).
     serve.set_defaults(

@@ -226,13 +226,15 @@ class SpeechPipeline:
         playback = Playback()  # from the request's arrival: TTFP counts a wait at the gate
         await self.admission.enter()
         self._talking.add(rid)
+        stream = self.codec.open(rid, playback)  # known to the policy before the talker sees the request
+        self._streams[rid] = stream
         try:
             handle = await self.engine.submit(input_embeds=rows, sampling=sampling, metadata=metadata, request_id=rid)
         except BaseException:
+            self.codec.close(stream)
+            self._streams.pop(rid, None)
             self._stop_talking(rid)
             raise
-        stream = self.codec.open(rid, playback)
-        self._streams[rid] = stream
         self._tg.start_soon(self._feed, handle, stream)
         done = False
         try:

@@ -25,11 +25,13 @@ from .config import TTSConfig, named_config
 from .params import SpeechParams
 from .pipeline import SpeechPipeline
 from .prompt import resolve_voice
+from .schedule import SpeechSchedule
+from .flags import schedule_fields
 from .names import DEFAULT_SPEECH_MODEL, MODEL_KINDS
 from .stage import builtin_name, is_speech_checkpoint
 
 __all__ = ["preflight_speak", "check_speech_serve", "refuse_speech_model", "load_speech", "speak",
-           "DEFAULT_SPEECH_MODEL", "MODEL_KINDS", "params_of"]
+           "DEFAULT_SPEECH_MODEL", "MODEL_KINDS", "params_of", "speech_schedule"]
 
 FRAMES_PER_WORD = 5  # 12.5 frames a second at 2.5 words a second
 
@@ -70,9 +72,17 @@ def preflight_speak(args: argparse.Namespace) -> None:
         raise errors.ConfigError(f"--out {args.out}: no such folder {str(out.parent)!r}")
 
 
+def speech_schedule(args: argparse.Namespace) -> dict:
+    """serve's ``--speech-*`` flags as SpeechSchedule fields (checked)."""
+    fields = schedule_fields(args)
+    SpeechSchedule.of(fields)
+    return fields
+
+
 def check_speech_serve(args: argparse.Namespace) -> None:
-    """``serve`` of a speech model: the native backend, no text-only options."""
+    """``serve`` of a speech model: the native backend, no text-only options, a schedule that holds."""
     _config(args.model)
+    speech_schedule(args)
     if getattr(args, "backend", "native") != "native":
         raise errors.ConfigError(f"--backend {args.backend}: a speech model runs on the native backend")
     if getattr(args, "chat_template", None):
@@ -84,10 +94,12 @@ def refuse_speech_model(args: argparse.Namespace) -> None:
     raise errors.ConfigError(f"--model {args.model} is a speech model: use omni-async speak, or serve (POST /v1/audio/speech)")
 
 
-async def load_speech(args: argparse.Namespace, **limits: object) -> SpeechPipeline:
-    """Load in a worker thread; one line on stderr when done (on a terminal, or for serve)."""
+async def load_speech(args: argparse.Namespace, schedule: dict | None = None, **limits: object) -> SpeechPipeline:
+    """Load in a worker thread; one line on stderr when done (on a terminal, or for serve).
+    ``schedule``: SpeechSchedule fields (serve's flags)."""
     start = time.perf_counter()
-    pipeline = await SpeechPipeline.load(args.model, device=args.device, loop=args.loop, dtype=args.dtype, seed=args.engine_seed, **limits)
+    pipeline = await SpeechPipeline.load(args.model, device=args.device, loop=args.loop, dtype=args.dtype, seed=args.engine_seed,
+                                         schedule=schedule, **limits)
     if sys.stderr.isatty() or args.command == "serve":
         print(f"loaded {args.model} in {time.perf_counter() - start:.1f} s", file=sys.stderr)
     return pipeline
