@@ -11,11 +11,12 @@ line (``max_waiting``) refuses at once.
 
 The measure (:class:`FrameClock`): after each talker step, the wall time since the last
 one and the frames written in it give the time a frame of every running row costs at
-that batch size (prefill steps' time is charged to the frames after them). A line fitted
-over recent samples predicts the cost with one more row; admission holds while that stays
-under the frame's duration (80 ms) less a margin. Until two batch sizes have been seen
-the cost is taken as flat (one more stream is let in, and measured); a stream that would
-run alone is never held by the estimate.
+that batch size (prefill steps' time is charged to the frames after them), averaged per
+batch size; the cost with one more row is read from those (interpolated, or past the
+largest size measured along the slope of the two largest), and admission holds while it
+stays under the frame's duration (80 ms) less a margin. Until two batch sizes have been
+measured the cost is taken as flat (one more stream is let in, and measured); a stream
+that would run alone is never held by the estimate.
 """
 
 from __future__ import annotations
@@ -34,10 +35,13 @@ __all__ = ["FrameClock", "SpeechAdmission"]
 
 class FrameClock:
     """Seconds a talker step takes to write one frame for each of ``n`` running rows,
-    measured while streams run (see module). ``clock``: seconds (tests pass their own)."""
+    measured while streams run (see module): a moving average per batch size, read
+    between the sizes measured by interpolation and past the largest along the slope of
+    the two largest. ``clock``: seconds (tests pass their own)."""
 
-    def __init__(self, window: int = 256, idle_s: float = 0.5, clock: Callable[[], float] = time.perf_counter) -> None:
-        self.samples: deque[tuple[int, float]] = deque(maxlen=window)
+    def __init__(self, weight: float = 0.2, idle_s: float = 0.5, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.by_rows: dict[int, float] = {}
+        self.weight = weight  # of a new sample in its size's average
         self.idle_s = idle_s  # a longer pause between steps is idleness, not work
         self.clock = clock
         self._last: float | None = None
@@ -54,21 +58,31 @@ class FrameClock:
         self._last = now
         made = frames_total - self._frames
         if made > 0 and rows > 0:
-            self.samples.append((rows, self._spent * rows / made))
+            cost = self._spent * rows / made
+            old = self.by_rows.get(rows)
+            self.by_rows[rows] = cost if old is None else old + self.weight * (cost - old)
             self._frames, self._spent = frames_total, 0.0
 
     def frame_seconds(self, rows: int) -> float | None:
         """Predicted seconds per frame of every row at ``rows`` rows; None before any sample."""
-        if not self.samples:
+        known = self.by_rows
+        if not known:
             return None
-        ns = [n for n, _ in self.samples]
-        ts = [t for _, t in self.samples]
-        mean_n, mean_t = sum(ns) / len(ns), sum(ts) / len(ts)
-        var = sum((n - mean_n) ** 2 for n in ns)
-        if var == 0:  # one batch size seen: no slope to go by yet; the next size measured gives one
-            return mean_t
-        slope = max(0.0, sum((n - mean_n) * (t - mean_t) for n, t in zip(ns, ts)) / var)
-        return max(0.0, mean_t + slope * (rows - mean_n))
+        if rows in known:
+            return known[rows]
+        below = [n for n in known if n < rows]
+        above = [n for n in known if n > rows]
+        if below and above:
+            lo, hi = max(below), min(above)
+            return known[lo] + (known[hi] - known[lo]) * (rows - lo) / (hi - lo)
+        if above:  # fewer rows than any measured: no dearer than the fewest measured
+            return known[min(above)]
+        sizes = sorted(known)
+        if len(sizes) == 1:  # one size measured: no slope to go by yet; the next size measured gives one
+            return known[sizes[0]]
+        lo, hi = sizes[-2], sizes[-1]
+        slope = max(0.0, (known[hi] - known[lo]) / (hi - lo))
+        return known[hi] + slope * (rows - hi)
 
 
 class SpeechAdmission:
