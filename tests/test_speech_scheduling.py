@@ -127,6 +127,10 @@ def test_the_frame_clock_fits_the_cost_of_a_frame_by_batch_size():
     now[0] += 0.05
     clock.observe(8, frames + 8)
     assert clock.frame_seconds(8) == pytest.approx(0.010 + 0.005 * 8, rel=1e-6)  # on the line: no 5 s frame
+    now[0] += 9.0  # sizes not measured for 10 s are forgotten: 8 was measured last, 2 and 4 before
+    assert clock.frame_seconds(16) == pytest.approx(0.010 + 0.005 * 8, rel=1e-6)  # one size left: flat
+    now[0] += 2.0
+    assert clock.frame_seconds(16) is None
 
 
 async def test_admission_holds_streams_the_talker_cannot_feed_in_real_time():
@@ -159,3 +163,18 @@ async def test_admission_holds_streams_the_talker_cannot_feed_in_real_time():
         with anyio.fail_after(0.2):
             await gate.enter()  # admitted once there is room, inside its budget
     assert gate.stats()["admission_admitted"] == 2
+
+
+async def test_a_duplicate_request_id_is_refused_and_the_open_stream_carries_on():
+    async with SpeechPipeline.from_pretrained("tiny", loop="normal") as tts:
+        params = SpeechParams(max_frames=8, ignore_eos=True, temperature=0)
+        first = tts.stream(TEXTS[0], voice="ryan", params=params, request_id="same")
+        chunks = [await anext(first)]
+        with pytest.raises(errors.RequestRejectedError, match="duplicate request id"):
+            await tts.synthesize(TEXTS[1], voice="ryan", params=params, request_id="same")
+        assert tts.playback("same") is not None
+        chunks += [c async for c in first]
+        assert chunks[-1].finished and sum(len(c.codes) for c in chunks) == 8
+        alone = await tts.synthesize(TEXTS[0], voice="ryan", params=params)
+        assert torch.equal(torch.cat([c.codes for c in chunks]), alone.codes)
+        await _idle(tts)

@@ -37,11 +37,15 @@ class FrameClock:
     """Seconds a talker step takes to write one frame for each of ``n`` running rows,
     measured while streams run (see module): a moving average per batch size, read
     between the sizes measured by interpolation and past the largest along the slope of
-    the two largest. ``clock``: seconds (tests pass their own)."""
+    the two largest. A size not measured for ``max_age_s`` is forgotten: the gate keeps
+    the talker away from sizes it found too dear, so such a figure would never be
+    measured again however the load changed. ``clock``: seconds (tests pass their own)."""
 
-    def __init__(self, weight: float = 0.2, idle_s: float = 0.5, clock: Callable[[], float] = time.perf_counter) -> None:
-        self.by_rows: dict[int, float] = {}
+    def __init__(self, weight: float = 0.2, idle_s: float = 0.5, max_age_s: float = 10.0,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        self.by_rows: dict[int, tuple[float, float]] = {}  # rows -> (seconds a frame, when last measured)
         self.weight = weight  # of a new sample in its size's average
+        self.max_age_s = max_age_s
         self.idle_s = idle_s  # a longer pause between steps is idleness, not work
         self.clock = clock
         self._last: float | None = None
@@ -60,12 +64,14 @@ class FrameClock:
         if made > 0 and rows > 0:
             cost = self._spent * rows / made
             old = self.by_rows.get(rows)
-            self.by_rows[rows] = cost if old is None else old + self.weight * (cost - old)
+            fresh = old is not None and now - old[1] <= self.max_age_s
+            self.by_rows[rows] = (old[0] + self.weight * (cost - old[0]) if fresh else cost, now)
             self._frames, self._spent = frames_total, 0.0
 
     def frame_seconds(self, rows: int) -> float | None:
         """Predicted seconds per frame of every row at ``rows`` rows; None before any sample."""
-        known = self.by_rows
+        now = self.clock()
+        known = {n: cost for n, (cost, at) in self.by_rows.items() if now - at <= self.max_age_s}
         if not known:
             return None
         if rows in known:

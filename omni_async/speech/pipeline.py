@@ -223,6 +223,8 @@ class SpeechPipeline:
         params = SpeechParams.of(params)
         rows, sampling, metadata = self._prompt(text, voice, language, params)
         rid = request_id or f"speech-{uuid.uuid4().hex[:12]}-{next(self._ids)}"
+        if rid in self._streams:
+            raise errors.RequestRejectedError(f"duplicate request id {rid!r}: a speech stream with this id is open")
         playback = Playback()  # from the request's arrival: TTFP counts a wait at the gate
         await self.admission.enter()
         self._talking.add(rid)
