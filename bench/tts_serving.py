@@ -155,10 +155,15 @@ async def one_http(client, url: str, text: str, frames: int, seed: int, rate: in
     return {"t0": t0, "arrivals": arrivals, "audio_s": audio, "end": time.perf_counter()}
 
 
-def summarise(results: list[dict], wall: float) -> dict:
+def summarise(results: list[dict], wall: float, arrivals: int | None = None) -> dict:
+    """``arrivals``: requests sent (open loop), some maybe unfinished when the level was cut."""
     done = [r for r in results if "refused" not in r]
     refused = len(results) - len(done)
+    arrivals = len(results) if arrivals is None else arrivals
     ttfp = np.array([r["arrivals"][0][0] - r["t0"] for r in done if r["arrivals"]]) * 1000
+    if not done:
+        return {"requests": 0, "wall_s": round(wall, 3), "refused": refused, "unfinished": arrivals - len(results),
+                "C100_of_arrivals": 0.0 if arrivals else None}
     rtf = np.array([(r["end"] - r["t0"]) / r["audio_s"] for r in done if r["audio_s"]])
     gaps = np.array([worst_gap(r["arrivals"]) * 1000 for r in done])
     audio = sum(r["audio_s"] for r in done)
@@ -171,7 +176,8 @@ def summarise(results: list[dict], wall: float) -> dict:
         "C50": round(float((gaps <= 50).mean()), 4), "C100": round(float((gaps <= 100).mean()), 4),
         "C200": round(float((gaps <= 200).mean()), 4),
         "refused": refused,
-        "C100_of_arrivals": round(float((gaps <= 100).sum()) / len(results), 4) if results else None,
+        "unfinished": arrivals - len(results),
+        "C100_of_arrivals": round(float((gaps <= 100).sum()) / arrivals, 4) if arrivals else None,
     }
 
 
@@ -276,9 +282,11 @@ def schedule_of(policy: str, args) -> "object":
                           admission_wait_s=args.admission_wait, ttfp_budget_s=args.ttfp_budget)
 
 
-async def open_level(tts, rate: float, duration: float, texts: list[str], offset: int, seed: int) -> tuple[dict, int]:
+async def open_level(tts, rate: float, duration: float, texts: list[str], offset: int, seed: int,
+                     drain_s: float = 120.0) -> tuple[dict, int]:
     """Poisson arrivals at ``rate`` a second for ``duration`` seconds, each request
-    streamed as it arrives; over when the last one has ended."""
+    streamed as it arrives; over when the last one has ended, or ``drain_s`` after the
+    last arrival (the rest are cancelled, counted as ``unfinished``: failures)."""
     rng = np.random.default_rng(seed)
     results: list[dict] = []
     tasks = []
@@ -297,9 +305,12 @@ async def open_level(tts, rate: float, duration: float, texts: list[str], offset
         tasks.append(asyncio.create_task(one(i)))
         i += 1
         at += rng.exponential(1.0 / rate)
-    await asyncio.gather(*tasks)
+    _, pending = await asyncio.wait(tasks, timeout=drain_s) if tasks else (set(), set())
+    for task in pending:
+        task.cancel()
+    await asyncio.gather(*pending, return_exceptions=True)
     wall = time.perf_counter() - t_start
-    res = summarise(results, wall)
+    res = summarise(results, wall, arrivals=i)
     res["arrivals"] = i
     res["offered_rate"] = rate
     return res, i
@@ -315,12 +326,15 @@ async def run_open_loop(tts, args, texts, offset, sampler) -> dict:
             for policy in arm_order(args.policies, rep_i):
                 tts.set_schedule(schedule_of(policy, args))
                 with sampler:
-                    res, n = await open_level(tts, rate, args.duration, texts, offset, seed=1000 * rep_i + int(rate * 10))
+                    res, n = await open_level(tts, rate, args.duration, texts, offset, seed=1000 * rep_i + int(rate * 10),
+                                              drain_s=args.drain)
                 offset += n
                 res["gpu_busy_pct"] = sampler.busy()
                 res["policy"] = policy
                 results[f"openloop/{policy}/{rate:g}/r{rep_i}"] = res
                 print(f"openloop {policy} rate={rate:g}/s repeat {rep_i}", json.dumps(res), flush=True)
+                if args.out:  # each level as it ends: a run cut short keeps what it measured
+                    Path(args.out + ".partial").write_text(json.dumps(results, indent=1))
     return results
 
 
@@ -365,7 +379,7 @@ async def run_http(tts, args, texts, offset, sampler) -> dict:
 
 def table(out: dict) -> str:
     cols = ["audio_s_per_s", "requests_per_s", "ttfp_ms_p50", "ttfp_ms_p99", "rtf_p50", "rtf_p99", "C50", "C100", "C200",
-            "refused", "C100_of_arrivals", "gpu_busy_pct", "peak_gpu_mem_gib"]
+            "refused", "unfinished", "C100_of_arrivals", "gpu_busy_pct", "peak_gpu_mem_gib"]
     lines = ["| arm/streams | " + " | ".join(cols) + " |", "|" + "---|" * (len(cols) + 1)]
     for name, res in out["levels"].items():
         lines.append(f"| {name} | " + " | ".join(str(res.get(c)) for c in cols) + " |")
@@ -386,6 +400,7 @@ def main() -> None:
     ap.add_argument("--rates", type=lambda s: [float(x) for x in s.split(",")], default=[5, 10, 20, 30],
                     help="openloop: arrival rates, requests a second")
     ap.add_argument("--duration", type=float, default=60.0, help="openloop: seconds of arrivals per level")
+    ap.add_argument("--drain", type=float, default=120.0, help="openloop: seconds after the last arrival before the rest are cut")
     ap.add_argument("--policies", type=lambda s: s.split(","), default=["deadline"],
                     help="scheduling policies to compare, interleaved: fcfs, deadline")
     ap.add_argument("--repeats", type=int, default=1, help="runs of each level and policy (order alternated)")

@@ -37,7 +37,7 @@ async def _all_codes(tts: SpeechPipeline, params: list[SpeechParams]) -> list[to
     return [r.codes for r in results]
 
 
-@pytest.mark.parametrize("loop", ["normal", "overlap"])
+@pytest.mark.parametrize("loop", ["normal", "overlap", "async_decode"])
 async def test_deadline_with_a_row_budget_writes_fcfs_codes(loop):
     params = [SpeechParams(max_frames=10 + 3 * i, temperature=0.9, seed=i, ignore_eos=True) for i in range(len(TEXTS))]
     async with SpeechPipeline.from_pretrained("tiny", loop=loop, schedule={"policy": "fcfs"}) as tts:
