@@ -127,6 +127,12 @@ def test_the_frame_clock_fits_the_cost_of_a_frame_by_batch_size():
     now[0] += 0.05
     clock.observe(8, frames + 8)
     assert clock.frame_seconds(8) == pytest.approx(0.010 + 0.005 * 8, rel=1e-6)  # on the line: no 5 s frame
+    clock.observe(0, frames + 8)  # nothing runs: the pause that follows is idleness
+    now[0] += 0.4
+    clock.observe(8, frames + 8)
+    now[0] += 0.05
+    clock.observe(8, frames + 16)
+    assert clock.frame_seconds(8) == pytest.approx(0.010 + 0.005 * 8, rel=1e-6)
     now[0] += 9.0  # sizes not measured for 10 s are forgotten: 8 was measured last, 2 and 4 before
     assert clock.frame_seconds(16) == pytest.approx(0.010 + 0.005 * 8, rel=1e-6)  # one size left: flat
     now[0] += 2.0

@@ -53,8 +53,13 @@ class FrameClock:
         self._spent = 0.0
 
     def observe(self, rows: int, frames_total: int) -> None:
-        """After a step: ``rows`` running, ``frames_total`` written by the talker so far."""
+        """After a step: ``rows`` in the talker's running batch now, ``frames_total``
+        written by the talker so far. With no row running the talker goes idle: the time
+        until the next step is not charged to any frame."""
         now = self.clock()
+        if rows == 0:
+            self._last = None
+            return
         if self._last is None or now - self._last > self.idle_s:
             self._last, self._frames, self._spent = now, frames_total, 0.0
             return

@@ -147,7 +147,7 @@ class SpeechPipeline:
 
     def _stepped(self, took: float) -> None:
         """After each talker step: the frame clock's sample, and a look for waiters."""
-        self.frame_clock.observe(len(self._talking), self.stage.runner.frames_written)
+        self.frame_clock.observe(len(self.engine.scheduler.core.running), self.stage.runner.frames_written)
         self.admission.notify()
 
     def playback(self, request_id: str) -> dict[str, Any] | None:
