@@ -155,8 +155,10 @@ async def one_http(client, url: str, text: str, frames: int, seed: int, rate: in
     return {"t0": t0, "arrivals": arrivals, "audio_s": audio, "end": time.perf_counter()}
 
 
-def summarise(results: list[dict], wall: float, arrivals: int | None = None) -> dict:
-    """``arrivals``: requests sent (open loop), some maybe unfinished when the level was cut."""
+def summarise(results: list[dict], wall: float, arrivals: int | None = None, since: float | None = None) -> dict:
+    """``arrivals``: requests sent (open loop), some maybe unfinished when the level was cut.
+    ``since``: when the level's clock started (closed loop): audio-s/s counts only the audio
+    that arrived after it, since the measured requests of a closed loop began before it."""
     done = [r for r in results if "refused" not in r]
     refused = len(results) - len(done)
     arrivals = len(results) if arrivals is None else arrivals
@@ -166,7 +168,7 @@ def summarise(results: list[dict], wall: float, arrivals: int | None = None) -> 
                 "C100_of_arrivals": 0.0 if arrivals else None}
     rtf = np.array([(r["end"] - r["t0"]) / r["audio_s"] for r in done if r["audio_s"]])
     gaps = np.array([worst_gap(r["arrivals"]) * 1000 for r in done])
-    audio = sum(r["audio_s"] for r in done)
+    audio = sum(sec for r in done for t, sec in r["arrivals"] if since is None or t >= since)
     pct = lambda a, q: round(float(np.percentile(a, q)), 2) if len(a) else None  # noqa: E731
     return {
         "requests": len(done), "wall_s": round(wall, 3), "audio_s": round(audio, 2),
@@ -204,7 +206,7 @@ async def level(send, streams: int, requests: int, warmup: int, texts: list[str]
     start = started["t"] or t_all
     # Requests that began before the clock started count only for the audio they produced after it.
     wall = time.perf_counter() - start
-    return summarise(measured, wall), wall
+    return summarise(measured, wall, since=start), wall
 
 
 def machine() -> dict:
