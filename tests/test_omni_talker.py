@@ -1,0 +1,123 @@
+"""The Qwen3-Omni talker from a ``Qwen3OmniMoeForConditionalGeneration`` folder: loaded
+from its own tensors, its input built from the thinker's rows as the reference builds
+it, and its greedy codes (talker greedy, sub-talker greedy) equal to the codes
+transformers' ``generate(return_audio=True)`` hands to code2wav (float32, CPU, a tiny
+random model saved by transformers; a user turn with an audio placeholder, so the
+thinker's ``accept_hidden_layer`` rows are used too)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from omni_async.errors import InvalidRequestError, ModelLoadError
+from omni_async.speech.omni_talker import generate_codes, load_omni_talker, talker_prompt
+
+from .test_omni_thinker import omni_config
+
+# Special ids inside the tiny thinker's vocabulary (512) and the talker's (1024 control
+# ids above a 64-entry codebook, as the release keeps its control ids in the top 1024).
+IDS = dict(im_start_token_id=500, im_end_token_id=501, user_token_id=502, assistant_token_id=503, system_token_id=504,
+           tts_bos_token_id=505, tts_eos_token_id=506, tts_pad_token_id=507)
+AUDIO = 508
+CODEC = dict(codec_eos_token_id=1080, codec_nothink_id=1081, codec_think_bos_id=1082, codec_think_eos_id=1083,
+             codec_pad_id=1084, codec_bos_id=1085)
+SPEAKERS = {"ethan": 1086, "chelsie": 1087}
+GROUPS = 4
+
+
+def talker_config():
+    cfg = omni_config()
+    for key, value in IDS.items():
+        setattr(cfg, key, value)
+    cfg.thinker_config.audio_token_id = AUDIO
+    t = cfg.talker_config
+    t.text_config.vocab_size = 1088
+    for key, value in CODEC.items():
+        setattr(t, key, value)
+    t.speaker_id = SPEAKERS
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def omni_model(tmp_path_factory):
+    """(folder, transformers' model) for one tiny random checkpoint."""
+    from transformers import Qwen3OmniMoeForConditionalGeneration
+
+    folder = tmp_path_factory.mktemp("omni_talker") / "ck"
+    torch.manual_seed(1)
+    reference = Qwen3OmniMoeForConditionalGeneration(talker_config()).eval()
+    spread(reference.talker)
+    reference.save_pretrained(folder)
+    model = Qwen3OmniMoeForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).eval()
+    model.thinker.config.vision_start_token_id = 151652  # read by 5.25's text-only position ids
+    return folder, model
+
+
+@torch.no_grad()
+def spread(talker) -> None:
+    """Weights of unit gain (transformers draws them at std 0.02, where attention is
+    near uniform and a changed input row barely moves a greedy pick): so the speaker, the
+    thinker's rows and the repetition penalty each decide some codes."""
+    for name, p in talker.named_parameters():
+        if name.endswith("norm.weight"):
+            p.uniform_(0.5, 1.5)
+        elif p.ndim == 1:
+            p.normal_(0.0, 0.1)
+        elif "embedding" in name:
+            p.normal_(0.0, 1.0)
+        else:
+            p.normal_(0.0, 1.5 / p.shape[-1] ** 0.5)
+
+
+def chat_prompt(user: list[int]) -> list[int]:
+    """A system turn, a user turn (text and an audio placeholder), the assistant's start."""
+    return [500, 504, 7, 8, 501, 10, 500, 502, *user, 501, 10, 500, 503, 10]
+
+
+def reference_run(model, prompt: list[int], *, reply: int, frames: int, speaker: str = "ethan"):
+    """transformers' whole ``generate``, greedy everywhere; returns the thinker's result
+    and the codes it handed to code2wav (``[frames, groups]``)."""
+    seen = {}
+    thinker_generate, decode = model.thinker.generate, model.code2wav.chunked_decode
+
+    def keep_thinker(*args, **kwargs):
+        seen["thinker"] = thinker_generate(*args, **kwargs)
+        return seen["thinker"]
+
+    def keep_codes(codes, *args, **kwargs):
+        seen["codes"] = codes
+        return decode(codes, *args, **kwargs)
+
+    model.thinker.generate, model.code2wav.chunked_decode = keep_thinker, keep_codes
+    try:
+        with torch.no_grad():
+            model.generate(input_ids=torch.tensor([prompt]), speaker=speaker, return_audio=True, thinker_max_new_tokens=reply,
+                           thinker_do_sample=False, thinker_eos_token_id=501, talker_do_sample=False,
+                           talker_max_new_tokens=frames + 1)
+    finally:
+        del model.thinker.generate, model.code2wav.chunked_decode
+    return seen["thinker"], seen["codes"][0].T
+
+
+def thinker_rows(thinker_result, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    embeds = torch.cat([h[0] for h in thinker_result.hidden_states], dim=1)[0]
+    hidden = torch.cat([h[layer] for h in thinker_result.hidden_states], dim=1)[0]
+    return embeds, hidden
+
+
+@pytest.mark.parametrize("user,reply,frames", [([20, AUDIO, AUDIO, 31, 44], 7, 12), ([61, 62], 3, 9)])
+def test_greedy_codes_equal_transformers(omni_model, user, reply, frames):
+    folder, model = omni_model
+    talker = load_omni_talker(folder)
+    prompt = chat_prompt(user)
+    thinker, expected = reference_run(model, prompt, reply=reply, frames=frames)
+    embeds, hidden = thinker_rows(thinker, talker.config.accept_hidden_layer)
+    output = thinker.sequences[0, len(prompt):].tolist()
+    got = generate_codes(talker, talker_prompt(talker, prompt, output, embeds, hidden, "Ethan"), max_frames=frames)
+    assert expected.shape[1] == GROUPS and got.codes.shape[1] == GROUPS
+    assert got.codes.tolist() == expected.tolist()
+    assert got.finish_reason == ("length" if expected.shape[0] == frames else "stop")
