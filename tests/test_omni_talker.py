@@ -78,7 +78,7 @@ def chat_prompt(user: list[int]) -> list[int]:
     return [500, 504, 7, 8, 501, 10, 500, 502, *user, 501, 10, 500, 503, 10]
 
 
-def reference_run(model, prompt: list[int], *, reply: int, frames: int, speaker: str = "ethan"):
+def reference_run(model, prompt: list[int], *, reply: int, frames: int, speaker: str = "ethan", penalty: float = 1.05):
     """transformers' whole ``generate``, greedy everywhere; returns the thinker's result
     and the codes it handed to code2wav (``[frames, groups]``)."""
     seen = {}
@@ -97,7 +97,7 @@ def reference_run(model, prompt: list[int], *, reply: int, frames: int, speaker:
         with torch.no_grad():
             model.generate(input_ids=torch.tensor([prompt]), speaker=speaker, return_audio=True, thinker_max_new_tokens=reply,
                            thinker_do_sample=False, thinker_eos_token_id=501, talker_do_sample=False,
-                           talker_max_new_tokens=frames + 1)
+                           talker_max_new_tokens=frames + 1, talker_repetition_penalty=penalty)
     finally:
         del model.thinker.generate, model.code2wav.chunked_decode
     return seen["thinker"], seen["codes"][0].T
@@ -109,15 +109,77 @@ def thinker_rows(thinker_result, layer: int) -> tuple[torch.Tensor, torch.Tensor
     return embeds, hidden
 
 
-@pytest.mark.parametrize("user,reply,frames", [([20, AUDIO, AUDIO, 31, 44], 7, 12), ([61, 62], 3, 9)])
-def test_greedy_codes_equal_transformers(omni_model, user, reply, frames):
+# (user turn, thinker reply tokens, frames asked, repetition penalty, how the talker ends):
+# the reference's penalty (1.05); a reply longer than the frames (the trailing rows
+# outlast them); a talker writing the codec EOS after 29 frames (tts_eos and tts_pad
+# rows read past the reply); a penalty that changes the picks from the 6th frame on.
+CASES = [([20, AUDIO, AUDIO, 31, 44], 7, 12, 1.05, "length"), ([61, 62], 3, 9, 1.05, "length"),
+         ([20, AUDIO, AUDIO, 31, 44], 7, 40, 1.0, "stop"), ([61, 62], 3, 30, 3.0, "length")]
+
+
+@pytest.mark.parametrize("user,reply,frames,penalty,finish", CASES)
+def test_greedy_codes_equal_transformers(omni_model, user, reply, frames, penalty, finish):
     folder, model = omni_model
     talker = load_omni_talker(folder)
     prompt = chat_prompt(user)
-    thinker, expected = reference_run(model, prompt, reply=reply, frames=frames)
+    thinker, expected = reference_run(model, prompt, reply=reply, frames=frames, penalty=penalty)
     embeds, hidden = thinker_rows(thinker, talker.config.accept_hidden_layer)
     output = thinker.sequences[0, len(prompt):].tolist()
-    got = generate_codes(talker, talker_prompt(talker, prompt, output, embeds, hidden, "Ethan"), max_frames=frames)
-    assert expected.shape[1] == GROUPS and got.codes.shape[1] == GROUPS
+    got = generate_codes(talker, talker_prompt(talker, prompt, output, embeds, hidden, "Ethan"), max_frames=frames,
+                         repetition_penalty=penalty)
+    assert expected.shape[1] == GROUPS and (expected.shape[0] == frames) == (finish == "length")
     assert got.codes.tolist() == expected.tolist()
-    assert got.finish_reason == ("length" if expected.shape[0] == frames else "stop")
+    assert got.finish_reason == finish
+
+
+def test_the_speaker_and_the_thinker_rows_decide_codes(omni_model):
+    """The same request with another voice, or with the audio positions' layer rows
+    zeroed, writes other codes (what the equality above would miss if the talker
+    ignored them)."""
+    folder, model = omni_model
+    talker = load_omni_talker(folder)
+    prompt = chat_prompt([20, AUDIO, AUDIO, 31, 44])
+    thinker, _ = reference_run(model, prompt, reply=5, frames=1)
+    embeds, hidden = thinker_rows(thinker, talker.config.accept_hidden_layer)
+    output = thinker.sequences[0, len(prompt):].tolist()
+
+    def codes(speaker, rows):
+        return generate_codes(talker, talker_prompt(talker, prompt, output, embeds, rows, speaker), max_frames=8).codes
+
+    base = codes("ethan", hidden)
+    assert not torch.equal(base, codes("chelsie", hidden))
+    assert not torch.equal(base, codes("ethan", torch.zeros_like(hidden)))
+
+
+def test_bad_requests_get_typed_errors(omni_model):
+    folder, _ = omni_model
+    talker = load_omni_talker(folder)
+    width = talker.config.thinker_hidden_size
+    prompt = chat_prompt([61, 62])
+    rows = torch.randn(len(prompt) + 1, width)
+    with pytest.raises(InvalidRequestError, match="unknown speaker"):
+        talker_prompt(talker, prompt, [3, 4], rows, rows, "nobody")
+    no_assistant = prompt[:-3]
+    with pytest.raises(InvalidRequestError, match="assistant"):
+        talker_prompt(talker, no_assistant, [3, 4], rows[: len(no_assistant) + 1], rows[: len(no_assistant) + 1], "ethan")
+    with pytest.raises(InvalidRequestError, match="first reply token"):
+        talker_prompt(talker, prompt, [3], rows[:-1], rows[:-1], "ethan")
+    with pytest.raises(InvalidRequestError, match="hidden rows"):
+        talker_prompt(talker, prompt, [3, 4], rows, rows[:-1], "ethan")
+    good = talker_prompt(talker, prompt, [3, 4], rows, rows, "ethan")
+    with pytest.raises(InvalidRequestError, match="max_frames"):
+        generate_codes(talker, good, max_frames=0)
+
+
+def test_a_folder_without_the_talker_is_refused(omni_model, tmp_path):
+    folder, _ = omni_model
+    raw = json.loads((folder / "config.json").read_text())
+    del raw["talker_config"]
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ModelLoadError, match="talker_config"):
+        load_omni_talker(tmp_path)
+    raw = json.loads((folder / "config.json").read_text())
+    raw["talker_config"]["code_predictor_config"]["hidden_size"] = 48
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ModelLoadError, match="width"):
+        load_omni_talker(tmp_path)
