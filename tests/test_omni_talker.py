@@ -7,15 +7,17 @@ thinker's ``accept_hidden_layer`` rows are used too)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
-from pathlib import Path
 
 import pytest
 import torch
 
 from omni_async.errors import InvalidRequestError, ModelLoadError
+from omni_async.speech.omni_stage import build_omni_talker_stage, frames_of, talker_request
 from omni_async.speech.omni_talker import generate_codes, load_omni_talker, talker_prompt
 
+from .conftest import LOOPS, assert_kv_free
 from .test_omni_thinker import omni_config
 
 # Special ids inside the tiny thinker's vocabulary (512) and the talker's (1024 control
@@ -183,3 +185,37 @@ def test_a_folder_without_the_talker_is_refused(omni_model, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(raw))
     with pytest.raises(ModelLoadError, match="width"):
         load_omni_talker(tmp_path)
+
+
+@pytest.fixture(scope="module")
+def reference_requests(omni_model):
+    """Each case's talker prompt and transformers' codes."""
+    folder, model = omni_model
+    talker = load_omni_talker(folder)
+    out = []
+    for user, reply, frames, penalty, finish in CASES:
+        prompt = chat_prompt(user)
+        thinker, expected = reference_run(model, prompt, reply=reply, frames=frames, penalty=penalty)
+        embeds, hidden = thinker_rows(thinker, talker.config.accept_hidden_layer)
+        output = thinker.sequences[0, len(prompt):].tolist()
+        out.append((talker_prompt(talker, prompt, output, embeds, hidden, "ethan"), frames, penalty, finish, expected))
+    return out
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+async def test_the_talker_stage_writes_the_same_codes_in_every_loop(omni_model, reference_requests, loop):
+    """All cases at once through the talker stage (batched frames, each request's own
+    text rows per frame; chunked prefill; two forwards a decode step): each request's
+    frames equal transformers' codes, its finish reason the reference's, the KV freed."""
+    folder, _ = omni_model
+    stage = build_omni_talker_stage(folder, loop=loop, page_size=8, chunked_prefill_size=16, decode_steps=2)
+    async with stage.engine as engine:
+        async def one(prompt, frames, penalty):
+            handle = await engine.submit(**talker_request(stage.model, prompt, max_frames=frames, repetition_penalty=penalty))
+            return await handle.result()
+
+        results = await asyncio.gather(*(one(p, f, pen) for p, f, pen, _, _ in reference_requests))
+        for result, (_, frames, _, finish, expected) in zip(results, reference_requests):
+            assert frames_of(result.hidden_states).tolist() == expected.tolist()
+            assert result.finish_reason == finish
+        assert_kv_free(engine)

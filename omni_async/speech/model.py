@@ -81,14 +81,15 @@ class SpeechModel:
         ids = torch.as_tensor(ids, dtype=torch.long, device=self.device)
         return self.talker.model.embed_tokens(ids)
 
-    def frame_input(self, codes: torch.Tensor) -> torch.Tensor:
+    def frame_input(self, codes: torch.Tensor, text: torch.Tensor | None = None) -> torch.Tensor:
         """The talker's next input after a frame ``codes`` [B, 16]: the sum of its 16 codes'
         embeddings (codebook 0 from the talker's table, the others from the predictor's)
-        plus ``tts_pad``."""
+        plus ``tts_pad`` (plus ``text`` [B, H] in its place when given: a talker whose
+        text arrives as the frames go, as Qwen3-Omni's does)."""
         x = self.talker.model.embed_tokens(codes[:, 0])
         for g in range(1, codes.shape[1]):
             x = x + self.predictor.embed(g, codes[:, g])
-        return x + self.pad_row
+        return x + (self.pad_row if text is None else text)
 
     def modules(self) -> Iterator[nn.Module]:
         yield from (self.talker, self.text, self.predictor)

@@ -110,6 +110,11 @@ class OmniTalker:
         """``C(ids)``: rows of the talker's codec embedding ``[n, H]``."""
         return self.talker.model.embed_tokens(torch.as_tensor(ids, dtype=torch.long, device=self.device))
 
+    def frame_input(self, codes: torch.Tensor, text: torch.Tensor | None = None) -> torch.Tensor:
+        """The talker's next input after frames ``codes`` [B, G]: their embedding sum plus
+        each row's text row ``text`` [B, H] (``T(tts_pad)`` when None)."""
+        return self.frame_embedding(codes) + (self.tts_pad if text is None else text)
+
     def frame_embedding(self, codes: torch.Tensor) -> torch.Tensor:
         """The sum of a frame's code embeddings ``[B, H]`` (codebook 0 from the talker's
         table, the others from the predictor's)."""
@@ -330,7 +335,7 @@ def generate_codes(model: OmniTalker, prompt: TalkerPrompt, *, max_frames: int,
         frames.append(frame)
         k = len(frames) - 1
         text = prompt.trailing[k] if k < prompt.trailing.shape[0] else model.tts_pad
-        logits, past = seq.forward((model.frame_embedding(frame[None]) + text)[:1])
+        logits, past = seq.forward(model.frame_input(frame[None], text[None]))
     return TalkerCodes(torch.stack(frames).cpu(), "length")
 
 

@@ -81,28 +81,37 @@ class SpeechRunner(NativeModelRunner):
         past = self._hidden.index_select(0, slots)
         sampling = self._predictor_sampling(batch)
         graphs = self.frame_graphs
-        if fb.block_tables is not None and graphs is not None:
+        text = self.frame_text(fb)
+        if fb.block_tables is not None and graphs is not None and text is None:
             out = graphs.replay(g0, past, fb.positions, fb.ctx, fb.block_tables, sampling)
             logits, hidden, codes = out.logits, out.hidden, out.codes.clone()  # the graph's buffers: copied out
         else:
-            logits, hidden, codes = self.frame_forward(g0, past, fb.positions, fb.ctx, sampling)
+            logits, hidden, codes = self.frame_forward(g0, past, fb.positions, fb.ctx, sampling, text)
         self._store_hidden(slots, hidden)
         self.frames_written += g0.shape[0]
         return BatchResult(logits=logits, hidden_states=codes.to(torch.float32), can_run_cuda_graph=fb.block_tables is not None)
 
+    def frame_text(self, fb: Any) -> torch.Tensor | None:
+        """The text rows ``[B, H]`` this decode step's frames add to the talker's next
+        input; None: ``tts_pad`` for every row (Qwen3-TTS, whose text is all in the
+        prompt). A talker fed text as it speaks overrides this."""
+        return None
+
     def frame_forward(self, g0: torch.Tensor, past: torch.Tensor, positions: torch.Tensor, ctx: Any,
-                      sampling: PredictorSampling) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                      sampling: PredictorSampling, text: torch.Tensor | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One frame for each row: the predictor's codes after ``g0`` (the row's input,
         codebook 0) from ``past`` (the talker's hidden state that produced it), then the
-        talker's forward on the frame's summed embedding. Fixed shapes, no host reads (a
-        frame graph captures this). Returns float32 logits, the talker's hidden states
-        and the frame's codes ``[B, 16]``."""
+        talker's forward on the frame's summed embedding (plus ``text``, see
+        :meth:`frame_text`). Fixed shapes, no host reads (a frame graph captures this).
+        Returns float32 logits, the talker's hidden states and the frame's codes
+        ``[B, 16]``."""
         first = self.speech.talker.model.embed_tokens(g0)
         base = positions * self.groups
         rest = self.speech.predictor.frame(past, first, lambda logits, group: draw_codes(logits, sampling, base, group),
                                            ops=self.model.ops, use_kernel=self.use_kernel)
         codes = torch.cat((g0[:, None], rest), dim=1)
-        embeds = self.speech.frame_input(codes)
+        embeds = self.speech.frame_input(codes, text)
         logits, hidden = self.model(g0, positions, self.kv, ctx, return_hidden=True, input_embeds=(self._arange(g0.shape[0]), embeds))
         return logits.float(), hidden, codes
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -31,7 +31,10 @@ from .model import SpeechModel, load_speech_model, random_speech_model
 from .prompt import ByteSpeechTokenizer, SpeechTokenizer
 from .runner import SpeechRunner
 
-__all__ = ["SpeechStage", "build_speech_stage", "BUILTIN_NAMES", "builtin_name", "is_speech_checkpoint"]
+if TYPE_CHECKING:
+    from .omni_talker import OmniTalker
+
+__all__ = ["SpeechStage", "build_speech_stage", "build_talker_stage", "BUILTIN_NAMES", "builtin_name", "is_speech_checkpoint"]
 
 # The same built-ins as named where a model name could also be a text model's ("serve").
 ALIASES = {"tts-" + name: name for name in BUILTIN_NAMES}
@@ -46,8 +49,8 @@ def builtin_name(path_or_name: str) -> str | None:
 @dataclass
 class SpeechStage:
     engine: Engine
-    model: SpeechModel
-    tokenizer: SpeechTokenizer | ByteSpeechTokenizer
+    model: "SpeechModel | OmniTalker"
+    tokenizer: SpeechTokenizer | ByteSpeechTokenizer | None  # None: a talker fed rows, not text (Qwen3-Omni)
     folder: Path | None  # the checkpoint folder (None for a built-in random model)
     runner: SpeechRunner
 
@@ -83,6 +86,18 @@ def is_speech_checkpoint(path_or_name: str) -> bool:
 def build_speech_stage(path_or_name: str, *, device: str = "cpu", loop: str = "overlap", dtype: Any = None, seed: int = 0,
                        **limits: Any) -> SpeechStage:
     """Load the model and build its talker stage (``limits``: SchedulerConfig fields)."""
+    return build_talker_stage(path_or_name, lambda dev: _model(path_or_name, dev, dtype, seed), SpeechRunner, device=device,
+                              loop=loop, dtype=dtype, seed=seed, **limits)
+
+
+# ``load(device) -> (model, tokenizer or None, folder or None)``: a talker's parts on the device.
+TalkerLoader = Callable[[torch.device], tuple[Any, Any, "Path | None"]]
+
+
+def build_talker_stage(path_or_name: str, load_talker: TalkerLoader, runner_type: type[SpeechRunner], *, device: str = "cpu",
+                       loop: str = "overlap", dtype: Any = None, seed: int = 0, **limits: Any) -> SpeechStage:
+    """A talker's stage: the model ``load_talker`` gives, run by ``runner_type`` (a frame per
+    decode step) on the native stage. Qwen3-TTS's and Qwen3-Omni's talkers share it."""
     check_device(device)
     dev = torch.device(device)
     if dev.type == "cuda" and dev.index is None:
@@ -103,14 +118,14 @@ def build_speech_stage(path_or_name: str, *, device: str = "cpu", loop: str = "o
     load = plan_load(config, machine, stored, dtype)
 
     def build() -> SpeechStage:
-        model, tokenizer, folder = _model(path_or_name, dev, dtype, seed)
+        model, tokenizer, folder = load_talker(dev)
         name = str(folder) if folder is not None else str(path_or_name)
         loaded = LoadedModel(model.talker, model.config.talker, None, name, "safetensors" if folder else "builtin",
                              name=None if folder else str(path_or_name))
         plan = plan_stage(load.config, *loaded_facts(machine, stored, dev, loaded), dtype=dtype, load=load)
         log_plan(plan)
         load_cpu_kernels(plan)
-        runner = SpeechRunner(model, kv_cache(loaded, plan.page_size, dev, plan.kv_pages), dev, seed=seed,
+        runner = runner_type(model, kv_cache(loaded, plan.page_size, dev, plan.kv_pages), dev, seed=seed,
                               **runner_options(plan, plan.config.fused_kernels))
         stack = assemble_stack(loaded, plan, dev, runner)
         scheduler = build_scheduler(stack)

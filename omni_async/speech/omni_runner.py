@@ -1,0 +1,93 @@
+"""The Qwen3-Omni talker's runner: the speech runner's frame step with each request's own
+text row per frame.
+
+A Qwen3-TTS talker adds ``T(tts_pad)`` to every frame's input (its text is all in the
+prompt); the Qwen3-Omni talker adds the thinker's reply, one projected token per frame,
+then ``T(tts_eos)``, then ``T(tts_pad)`` (:mod:`.omni_talker`). Those "trailing" rows
+travel with the request (its metadata under :data:`TRAILING_KEY`, ``[n, H]``) and are
+copied, at each prefill forward of the request, to a per-slot store on the device: rows,
+how many, and the position of the request's first frame input (its prompt length). A
+decode step then picks row ``position - start`` of each slot, ``T(tts_pad)`` past the
+count: a gather and a select on the device, no host read, whatever the loop or the
+forwards per step.
+
+Not yet here: rows arriving while the talker speaks (the thinker streaming into it), and
+frame graphs (frames run eagerly; the store's gather is graph-safe, the capture is the
+missing part).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .omni_talker import OmniTalker
+from .runner import SpeechRunner
+
+__all__ = ["OmniTalkerRunner", "TRAILING_KEY"]
+
+# The request metadata key holding its trailing text rows (a tensor ``[n, H]``).
+TRAILING_KEY = "omni_trailing_text"
+
+
+class TextRowStore:
+    """Per slot: up to ``capacity`` text rows, their count, and the position they start at."""
+
+    def __init__(self, hidden: int, dtype: torch.dtype, device: torch.device, *, slots: int = 64, capacity: int = 64) -> None:
+        self.rows = torch.zeros((slots, capacity, hidden), dtype=dtype, device=device)
+        self.count = torch.zeros(slots, dtype=torch.long, device=device)
+        self.start = torch.zeros(slots, dtype=torch.long, device=device)
+
+    def put(self, slot: int, start: int, rows: torch.Tensor) -> None:
+        """Slot ``slot``'s rows from position ``start`` on (its earlier rows replaced)."""
+        self._fit(slot + 1, rows.shape[0])
+        n = rows.shape[0]
+        self.rows[slot, :n] = rows.to(self.rows.device, self.rows.dtype)
+        self.count[slot] = n
+        self.start[slot] = start
+
+    def at(self, slots: torch.Tensor, positions: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
+        """Each row's text row for the frame whose input goes to ``positions`` ``[B]``."""
+        k = positions - self.start.index_select(0, slots)
+        inside = (k >= 0) & (k < self.count.index_select(0, slots))
+        picked = self.rows[slots, k.clamp(0, self.rows.shape[1] - 1)]
+        return torch.where(inside[:, None], picked, pad.to(picked.dtype))
+
+    def _fit(self, slots: int, rows: int) -> None:
+        have_slots, have_rows, hidden = self.rows.shape
+        if slots <= have_slots and rows <= have_rows:
+            return
+        grown = torch.zeros((max(slots, have_slots * (2 if slots > have_slots else 1)), max(rows, have_rows), hidden),
+                            dtype=self.rows.dtype, device=self.rows.device)
+        grown[:have_slots, :have_rows] = self.rows
+        count = torch.zeros(grown.shape[0], dtype=torch.long, device=grown.device)
+        start = torch.zeros_like(count)
+        count[:have_slots], start[:have_slots] = self.count, self.start
+        self.rows, self.count, self.start = grown, count, start
+
+
+class OmniTalkerRunner(SpeechRunner):
+    def __init__(self, talker: OmniTalker, kv: Any, device: torch.device, **options: Any) -> None:
+        super().__init__(talker, kv, device, **options)  # type: ignore[arg-type]
+        self.talker = talker
+        self.text = TextRowStore(talker.config.talker.hidden_size, talker.dtype, device)
+
+    def forward(self, forward_batch: Any) -> Any:
+        """A prefill (or chunk): each request's trailing rows to its slot, then the
+        speech runner's prefill."""
+        batch, slots = forward_batch.batch, forward_batch.rows.slots
+        for i, req in enumerate(batch.reqs):
+            payload = getattr(req.data, "payload", None)
+            rows = (getattr(payload, "metadata", None) or {}).get(TRAILING_KEY)
+            if rows is not None:
+                self.text.put(int(slots[i]), len(req.prompt_ids), rows)
+        return super().forward(forward_batch)
+
+    def frame_text(self, fb: Any) -> torch.Tensor:
+        return self.text.at(fb.rows.slots_dev, fb.positions, self.talker.tts_pad)
+
+    def enable_cuda_graphs(self, *, scratch_page: int, max_len: int, max_batch: int) -> None:
+        """Frames run eagerly for now (see the module's docstring); the pad page is set
+        as the graphs would set it."""
+        self.inputs.set_pad_page(scratch_page)
