@@ -13,7 +13,7 @@ import json
 import pytest
 import torch
 
-from omni_async.errors import InvalidRequestError, ModelLoadError
+from omni_async.errors import InvalidRequestError, ModelLoadError, RequestAbortedError
 from omni_async.speech.omni_stage import build_omni_talker_stage, frames_of, talker_request
 from omni_async.speech.omni_talker import generate_codes, load_omni_talker, talker_prompt
 
@@ -218,4 +218,28 @@ async def test_the_talker_stage_writes_the_same_codes_in_every_loop(omni_model, 
         for result, (_, frames, _, finish, expected) in zip(results, reference_requests):
             assert frames_of(result.hidden_states).tolist() == expected.tolist()
             assert result.finish_reason == finish
+        assert_kv_free(engine)
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+async def test_an_aborted_talker_request_frees_its_kv_and_spares_the_others(omni_model, reference_requests, loop):
+    """One request aborted after its first frames: it ends with RequestAbortedError, the
+    request beside it still writes transformers' codes, and no KV page stays held."""
+    folder, _ = omni_model
+    stage = build_omni_talker_stage(folder, loop=loop, page_size=8)
+    (kept, kept_frames, kept_penalty, _, kept_codes), (cut, cut_frames, cut_penalty, _, _) = reference_requests[3], reference_requests[2]
+    async with stage.engine as engine:
+        other = await engine.submit(**talker_request(stage.model, kept, max_frames=kept_frames, repetition_penalty=kept_penalty))
+        victim = await engine.submit(**talker_request(stage.model, cut, max_frames=cut_frames, repetition_penalty=cut_penalty),
+                                     request_id="cut")
+        seen = 0
+        async for delta in victim:
+            seen += 0 if delta.hidden_states is None else delta.hidden_states.shape[0]
+            if seen >= 3:
+                await engine.abort("cut")
+                break
+        with pytest.raises(RequestAbortedError):
+            await victim.result()
+        result = await other.result()
+        assert frames_of(result.hidden_states).tolist() == kept_codes.tolist()
         assert_kv_free(engine)
