@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from omni_async.errors import InvalidRequestError, ModelLoadError, RequestAbortedError
+from omni_async.speech.omni_runner import TRAILING_KEY
 from omni_async.speech.omni_stage import build_omni_talker_stage, frames_of, talker_request
-from omni_async.speech.omni_talker import generate_codes, load_omni_talker, talker_prompt
+from omni_async.speech.omni_talker import TalkerPrompt, generate_codes, load_omni_talker, talker_prompt
 
 from .conftest import LOOPS, assert_kv_free
 from .test_omni_thinker import omni_config
@@ -242,4 +243,44 @@ async def test_an_aborted_talker_request_frees_its_kv_and_spares_the_others(omni
             await victim.result()
         result = await other.result()
         assert frames_of(result.hidden_states).tolist() == kept_codes.tolist()
+        assert_kv_free(engine)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("loop", LOOPS)
+async def test_the_talker_stage_on_cuda_writes_transformers_codes(omni_model, reference_requests, loop):
+    """On CUDA in float32 (the fused kernels, the grouped-expert kernel, the predictor's
+    paged kernel; frames eager): every case at once, transformers' codes."""
+    folder, _ = omni_model
+    stage = build_omni_talker_stage(folder, device="cuda", dtype="float32", loop=loop)
+    async with stage.engine as engine:
+        handles = [await engine.submit(**talker_request(stage.model, p, max_frames=f, repetition_penalty=pen))
+                   for p, f, pen, _, _ in reference_requests]
+        for handle, (_, _, _, finish, expected) in zip(handles, reference_requests):
+            result = await handle.result()
+            assert frames_of(result.hidden_states).tolist() == expected.tolist()
+            assert result.finish_reason == finish
+        assert_kv_free(engine)
+
+
+async def test_a_request_without_text_rows_adds_tts_pad_even_in_a_reused_slot(omni_model, reference_requests):
+    """A request whose metadata holds no trailing rows, in a slot that held another's
+    (the 64 slots the runner starts with were all taken first, by requests with rows):
+    each frame adds ``T(tts_pad)``, as ``generate_codes`` does for a prompt with no
+    trailing rows, not the slot's last request's rows."""
+    folder, _ = omni_model
+    stage = build_omni_talker_stage(folder, loop="normal", page_size=8)
+    prompt, frames, penalty, _, expected = reference_requests[3]
+    bare = TalkerPrompt(prompt.prefill, prompt.trailing[:0])
+    want = generate_codes(stage.model, bare, max_frames=frames, repetition_penalty=penalty).codes
+    assert not torch.equal(want, expected)  # the rows matter for this prompt
+    async with stage.engine as engine:
+        async def run(request):
+            return frames_of((await (await engine.submit(**request)).result()).hidden_states)
+
+        fillers = await asyncio.gather(*(run(talker_request(stage.model, prompt, max_frames=1)) for _ in range(64)))
+        assert all(f.tolist() == expected[:1].tolist() for f in fillers)
+        request = talker_request(stage.model, prompt, max_frames=frames, repetition_penalty=penalty)
+        del request["metadata"][TRAILING_KEY]
+        assert (await run(request)).tolist() == want.tolist()
         assert_kv_free(engine)

@@ -39,6 +39,10 @@ class TextRowStore:
         self.count = torch.zeros(slots, dtype=torch.long, device=device)
         self.start = torch.zeros(slots, dtype=torch.long, device=device)
 
+    def reserve(self, slots: int) -> None:
+        """Room for slots ``0 .. slots - 1`` (a slot never put reads ``T(tts_pad)``)."""
+        self._fit(slots, 1)
+
     def put(self, slot: int, start: int, rows: torch.Tensor) -> None:
         """Slot ``slot``'s rows from position ``start`` on (its earlier rows replaced)."""
         self._fit(slot + 1, rows.shape[0])
@@ -77,14 +81,16 @@ class OmniTalkerRunner(SpeechRunner):
         """A prefill (or chunk): each request's trailing rows to its slot, then the
         speech runner's prefill."""
         batch, slots = forward_batch.batch, forward_batch.rows.slots
+        none = self.text.rows.new_zeros((0, self.text.rows.shape[2]))
         for i, req in enumerate(batch.reqs):
             payload = getattr(req.data, "payload", None)
             rows = (getattr(payload, "metadata", None) or {}).get(TRAILING_KEY)
-            if rows is not None:
-                self.text.put(int(slots[i]), len(req.prompt_ids), rows)
+            # Without rows, every frame adds T(tts_pad) (and a reused slot forgets its last request's).
+            self.text.put(int(slots[i]), len(req.prompt_ids), none if rows is None else rows)
         return super().forward(forward_batch)
 
     def frame_text(self, fb: Any) -> torch.Tensor:
+        self.text.reserve(int(self.inputs.table.shape[0]))  # every slot the input batch holds (a warm-up's too)
         return self.text.at(fb.rows.slots_dev, fb.positions, self.talker.tts_pad)
 
     def enable_cuda_graphs(self, *, scratch_page: int, max_len: int, max_batch: int) -> None:
