@@ -14,9 +14,10 @@ import pytest
 import torch
 
 from omni_async.errors import InvalidRequestError, ModelLoadError, RequestAbortedError
+from omni_async.speech.omni_config import OmniTalkerConfig
 from omni_async.speech.omni_runner import TRAILING_KEY
 from omni_async.speech.omni_stage import build_omni_talker_stage, frames_of, talker_request
-from omni_async.speech.omni_talker import TalkerPrompt, generate_codes, load_omni_talker, talker_prompt
+from omni_async.speech.omni_talker import TalkerPrompt, generate_codes, load_omni_talker, random_omni_talker, talker_prompt
 
 from .conftest import LOOPS, assert_kv_free
 from .test_omni_thinker import omni_config
@@ -284,3 +285,20 @@ async def test_a_request_without_text_rows_adds_tts_pad_even_in_a_reused_slot(om
         del request["metadata"][TRAILING_KEY]
         assert (await run(request)).tolist() == want.tolist()
         assert_kv_free(engine)
+
+
+async def test_a_random_weight_talker_stage_matches_its_own_oracle(omni_model, reference_requests):
+    """A talker drawn on the device from a config (speed runs): the stage's codes equal
+    ``generate_codes`` on the same weights, and two draws from one seed are the same
+    model."""
+    folder, _ = omni_model
+    cfg = OmniTalkerConfig.from_folder(folder)
+    stage = build_omni_talker_stage(cfg, loop="overlap", seed=3, page_size=8)
+    again = random_omni_talker(cfg, seed=3)
+    prompt, frames, _, _, _ = reference_requests[0]
+    want = generate_codes(again, prompt, max_frames=frames).codes
+    async with stage.engine as engine:
+        got = frames_of((await (await engine.submit(**talker_request(stage.model, prompt, max_frames=frames))).result()).hidden_states)
+        assert got.tolist() == want.tolist()
+        assert_kv_free(engine)
+    assert not torch.equal(want, generate_codes(random_omni_talker(cfg, seed=4), prompt, max_frames=frames).codes)

@@ -21,23 +21,37 @@ import torch
 from ..errors import InvalidRequestError
 from ..config import SamplingParams
 from .omni_runner import TRAILING_KEY, OmniTalkerRunner
-from .omni_talker import OmniTalker, TalkerPrompt, load_omni_talker
+from .omni_config import OmniTalkerConfig
+from .omni_talker import OmniTalker, TalkerPrompt, load_omni_talker, random_omni_talker
 from .runner import PREDICTOR_KEY, predictor_settings
 from .stage import SpeechStage, build_talker_stage
 
 __all__ = ["build_omni_talker_stage", "talker_request", "frames_of"]
 
 
-def build_omni_talker_stage(folder: str | Path, *, device: str = "cpu", loop: str = "overlap", dtype: Any = None,
-                            seed: int = 0, **limits: Any) -> SpeechStage:
-    """The talker of a Qwen3-Omni folder on its own stage (``limits``: SchedulerConfig
+def build_omni_talker_stage(source: str | Path | OmniTalkerConfig, *, device: str = "cpu", loop: str = "overlap",
+                            dtype: Any = None, seed: int = 0, **limits: Any) -> SpeechStage:
+    """The talker of a Qwen3-Omni folder (or, given a config, random weights drawn on the
+    device from ``seed``: speed runs) on its own stage (``limits``: SchedulerConfig
     fields). ``stage.engine`` serves :func:`talker_request` s."""
-    folder = Path(folder)
+    if isinstance(source, OmniTalkerConfig):
+        cfg = source
 
-    def load(dev: torch.device) -> tuple[OmniTalker, None, Path]:
+        def load_random(dev: torch.device) -> tuple[OmniTalker, None, Path | None]:
+            return random_omni_talker(cfg, device=dev, dtype=dtype, seed=seed), None, None
+
+        return build_talker_stage(RANDOM_NAME, load_random, OmniTalkerRunner, device=device, loop=loop, dtype=dtype, seed=seed,
+                                  **limits)
+    folder = Path(source)
+
+    def load_folder(dev: torch.device) -> tuple[OmniTalker, None, Path | None]:
         return load_omni_talker(folder, device=dev, dtype=dtype), None, folder
 
-    return build_talker_stage(str(folder), load, OmniTalkerRunner, device=device, loop=loop, dtype=dtype, seed=seed, **limits)
+    return build_talker_stage(str(folder), load_folder, OmniTalkerRunner, device=device, loop=loop, dtype=dtype, seed=seed, **limits)
+
+
+# The name a random-weight talker's stage goes by (no folder behind it).
+RANDOM_NAME = "omni-talker-random"
 
 
 def talker_request(talker: OmniTalker, prompt: TalkerPrompt, *, max_frames: int,

@@ -47,11 +47,12 @@ from ..kv.cache import PagedKVCache
 from ..models.decoder import DecoderModel, rope_inv_freq
 from ..models.loader import copy_named_tensors, empty_model, iter_checkpoint, resolve_dtype
 from ..models.merged import hf_named_tensors
+from ..models.random_weights import RandomWeights, fill_random
 from .omni_config import OmniTalkerConfig
 from .predictor import CodePredictor, decoder_config
 
-__all__ = ["OmniTalker", "ResizeMLP", "TalkerPrompt", "TalkerCodes", "load_omni_talker", "talker_prompt",
-           "generate_codes"]
+__all__ = ["OmniTalker", "ResizeMLP", "TalkerPrompt", "TalkerCodes", "load_omni_talker", "random_omni_talker",
+           "talker_prompt", "generate_codes"]
 
 
 class ResizeMLP(nn.Module):
@@ -173,11 +174,42 @@ def load_omni_talker(folder: str | Path, *, device: torch.device | str = "cpu",
     if missing:
         raise ModelLoadError(f"{folder}: the checkpoint is missing {len(missing)} tensor(s): {', '.join(missing[:6])}")
     copy_named_tensors(talker, talker_tensors, require_all=True)
+    return _finish(cfg, talker, projections, predictor, special)
+
+
+def _finish(cfg: OmniTalkerConfig, talker: DecoderModel, projections: _Projections, predictor: CodePredictor,
+            special: torch.Tensor) -> OmniTalker:
+    """The parts in eval mode, their rotary tables (on the CPU after a meta build, and
+    exact in float32), and ``T(tts_bos / tts_eos / tts_pad)`` from the thinker's
+    embedding rows ``special`` ``[3, Ht]``."""
+    device = talker.lm_head.weight.device
     talker.inv_freq = rope_inv_freq(cfg.talker).to(device)
     predictor.inv_freq = rope_inv_freq(decoder_config(cfg.predictor)).to(device)
     with torch.inference_mode():
-        bos, eos, pad = projections.text_projection(special.to(device, torch_dtype))
+        bos, eos, pad = projections.text_projection(special.to(device, talker.lm_head.weight.dtype))
     return OmniTalker(cfg, talker.eval(), projections.eval(), predictor.eval(), bos, eos, pad)
+
+
+@torch.no_grad()
+def random_omni_talker(cfg: OmniTalkerConfig, *, device: torch.device | str = "cpu", dtype: str | torch.dtype | None = None,
+                       seed: int = 0, std: float = 0.02) -> OmniTalker:
+    """Random weights drawn on ``device`` (speed runs at a released size's shapes: the
+    weights are made where they run, not read). The codec EOS row of the head is damped
+    so random talkers speak for their frame budget."""
+    if cfg.predictor.hidden_size != cfg.talker.hidden_size:
+        raise ModelLoadError("the code predictor's width must equal the talker's (Qwen3-Omni's layout)")
+    device = torch.device(device)
+    torch_dtype = resolve_dtype(dtype, cfg.talker.dtype, device)
+    spec = RandomWeights(seed=seed, std=std)
+    talker = empty_model(cfg.talker, device, torch_dtype)
+    projections = _Projections(cfg).to(device=device, dtype=torch_dtype)
+    predictor = CodePredictor(cfg.predictor, cfg.talker.hidden_size).to(device=device, dtype=torch_dtype)
+    for part in (talker, projections, predictor):
+        fill_random(part, spec)
+    talker.lm_head.weight[cfg.codec_eos_id].mul_(0.1)
+    gen = torch.Generator(device=device).manual_seed(seed + 1)
+    special = torch.randn((3, cfg.thinker_hidden_size), generator=gen, device=device, dtype=torch_dtype)
+    return _finish(cfg, talker, projections, predictor, special)
 
 
 def _copy(params: dict[str, nn.Parameter], key: str, tensor: torch.Tensor, name: str) -> None:
