@@ -73,7 +73,7 @@ class TextRowStore:
 
 class OmniTalkerRunner(SpeechRunner):
     def __init__(self, talker: OmniTalker, kv: Any, device: torch.device, **options: Any) -> None:
-        super().__init__(talker, kv, device, **options)  # type: ignore[arg-type]
+        super().__init__(talker, kv, device, **options)
         self.talker = talker
         self.text = TextRowStore(talker.config.talker.hidden_size, talker.dtype, device)
 

@@ -28,7 +28,7 @@ or a retraction.
 from __future__ import annotations
 
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -39,6 +39,9 @@ from ..runners.types import BatchResult
 from .graphs import FrameGraphs
 from .model import SpeechModel
 from .sampling import TOP_K_CAP, PredictorSampling, draw_codes
+
+if TYPE_CHECKING:
+    from .omni_talker import OmniTalker
 
 __all__ = ["SpeechRunner", "PREDICTOR_KEY", "predictor_settings"]
 
@@ -52,7 +55,8 @@ def predictor_settings(temperature: float, top_k: int, top_p: float) -> dict[str
 
 
 class SpeechRunner(NativeModelRunner):
-    def __init__(self, speech: SpeechModel, kv: Any, device: torch.device, *, seed: int = 0, **options: Any) -> None:
+    def __init__(self, speech: "SpeechModel | OmniTalker", kv: Any, device: torch.device, *, seed: int = 0,
+                 **options: Any) -> None:
         super().__init__(speech.talker, kv, device, capture_hidden=True, seed=seed, **options)
         self.speech = speech
         self.groups = speech.config.num_code_groups

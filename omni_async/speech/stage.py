@@ -90,7 +90,7 @@ def build_speech_stage(path_or_name: str, *, device: str = "cpu", loop: str = "o
                               loop=loop, dtype=dtype, seed=seed, **limits)
 
 
-# ``load(device) -> (model, tokenizer or None, folder or None)``: a talker's parts on the device.
+# ``load_talker(device) -> (model, tokenizer or None, folder or None)``: a talker's parts on the device.
 TalkerLoader = Callable[[torch.device], tuple[Any, Any, "Path | None"]]
 
 
