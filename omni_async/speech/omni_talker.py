@@ -27,8 +27,8 @@ reply token projected, then ``T(tts_eos)`` once the thinker's reply is complete,
 ``T(tts_pad)``.
 
 :func:`generate_codes` runs one request greedily over a cache of its own (the oracle the
-tests compare with transformers, and the behaviour the served stage must keep); serving
-it through the talker stage and its loops is not here yet (docs/speech.md).
+tests compare with transformers, and the behaviour the served stage must keep); the
+stage that serves it batched, in any loop, is :mod:`.omni_stage` (docs/speech.md).
 """
 
 from __future__ import annotations
