@@ -3,7 +3,8 @@ from its own tensors, its input built from the thinker's rows as the reference b
 it, and its greedy codes (talker greedy, sub-talker greedy) equal to the codes
 transformers' ``generate(return_audio=True)`` hands to code2wav (float32, CPU, a tiny
 random model saved by transformers; a user turn with an audio placeholder, so the
-thinker's ``accept_hidden_layer`` rows are used too)."""
+thinker's ``accept_hidden_layer`` rows are used too); then the same codes from the
+talker stage, batched, in the three loops, with aborts, slot reuse and random weights."""
 
 from __future__ import annotations
 
