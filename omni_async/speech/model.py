@@ -25,16 +25,18 @@ from ..models.merged import hf_named_tensors
 from .config import TTSConfig
 from .predictor import CodePredictor, decoder_config
 
-__all__ = ["SpeechModel", "TextProjection", "load_speech_model", "random_speech_model"]
+__all__ = ["SpeechModel", "ResizeMLP", "load_speech_model", "random_speech_model"]
 
 
-class TextProjection(nn.Module):
-    """``fc2(SiLU(fc1(x)))``: text embeddings into the talker's width."""
+class ResizeMLP(nn.Module):
+    """``fc2(SiLU(fc1(x)))``: rows of another width into the talker's (Qwen3-TTS's text
+    projection; Qwen3-Omni's text and hidden projections). Checkpoint names ``linear_fc1``
+    / ``linear_fc2``."""
 
-    def __init__(self, text_hidden: int, hidden: int) -> None:
+    def __init__(self, in_size: int, inner: int, out_size: int) -> None:
         super().__init__()
-        self.linear_fc1 = nn.Linear(text_hidden, text_hidden, bias=True)
-        self.linear_fc2 = nn.Linear(text_hidden, hidden, bias=True)
+        self.linear_fc1 = nn.Linear(in_size, inner, bias=True)
+        self.linear_fc2 = nn.Linear(inner, out_size, bias=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear_fc2(F.silu(self.linear_fc1(x)))
@@ -44,7 +46,7 @@ class TextSide(nn.Module):
     def __init__(self, cfg: TTSConfig) -> None:
         super().__init__()
         self.text_embedding = nn.Embedding(cfg.text_vocab_size, cfg.text_hidden_size)
-        self.text_projection = TextProjection(cfg.text_hidden_size, cfg.talker.hidden_size)
+        self.text_projection = ResizeMLP(cfg.text_hidden_size, cfg.text_hidden_size, cfg.talker.hidden_size)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self.text_projection(self.text_embedding(ids))

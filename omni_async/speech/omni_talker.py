@@ -38,7 +38,6 @@ from pathlib import Path
 from typing import Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..errors import InvalidRequestError, ModelLoadError
@@ -48,24 +47,12 @@ from ..models.decoder import DecoderModel, rope_inv_freq
 from ..models.loader import copy_named_tensors, empty_model, iter_checkpoint, resolve_dtype
 from ..models.merged import hf_named_tensors
 from ..models.random_weights import RandomWeights, fill_random
+from .model import ResizeMLP
 from .omni_config import OmniTalkerConfig
 from .predictor import CodePredictor, decoder_config
 
-__all__ = ["OmniTalker", "ResizeMLP", "TalkerPrompt", "TalkerCodes", "load_omni_talker", "random_omni_talker",
+__all__ = ["OmniTalker", "TalkerPrompt", "TalkerCodes", "load_omni_talker", "random_omni_talker",
            "talker_prompt", "generate_codes"]
-
-
-class ResizeMLP(nn.Module):
-    """``fc2(SiLU(fc1(x)))``: thinker rows into the talker's width (checkpoint names
-    ``linear_fc1`` / ``linear_fc2``)."""
-
-    def __init__(self, in_size: int, inner: int, out_size: int) -> None:
-        super().__init__()
-        self.linear_fc1 = nn.Linear(in_size, inner, bias=True)
-        self.linear_fc2 = nn.Linear(inner, out_size, bias=True)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear_fc2(F.silu(self.linear_fc1(x)))
 
 
 class _Projections(nn.Module):
