@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import urllib.request
 
 import anyio
 import pytest
@@ -20,6 +19,8 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 
 from omni_async import Engine, SamplingParams  # noqa: E402
 from omni_async.server import running_server  # noqa: E402
+
+from .http_client import http_get  # noqa: E402
 
 CHAT = [{"role": "user", "content": "Hello there!"}]
 EXTRA = {"ignore_eos": True}  # tiny's random weights may emit EOS early: fixed lengths
@@ -37,23 +38,11 @@ async def served():
             await client.close()
 
 
-def _get(url: str) -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(url, timeout=10) as resp:
-            return resp.status, resp.read().decode()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read().decode()
-
-
-async def _http_get(url: str) -> tuple[int, str]:
-    return await anyio.to_thread.run_sync(_get, url)
-
-
 async def test_models_and_health(served):
     engine, url, client = served
     models = await client.models.list()
     assert [m.id for m in models.data] == ["tiny"]
-    assert await _http_get(f"{url}/health") == (200, json.dumps({"status": "ok"}, separators=(",", ":")))
+    assert await http_get(f"{url}/health") == (200, json.dumps({"status": "ok"}, separators=(",", ":")))
 
 
 async def test_completion_whole_and_streamed_equal_the_engine(served):
@@ -172,7 +161,7 @@ async def test_closed_engine_is_503(served):
     with pytest.raises(openai.InternalServerError) as closed:
         await client.completions.create(model="tiny", prompt="hi", max_tokens=2, stream=True)
     assert closed.value.status_code == 503
-    assert (await _http_get(f"{url}/health"))[0] == 503
+    assert (await http_get(f"{url}/health"))[0] == 503
 
 
 async def _wait_kv_free(engine: Engine) -> dict:
@@ -197,7 +186,7 @@ async def test_client_disconnect_aborts_and_frees_kv(served):
     await stream.close()
     await _wait_kv_free(engine)
     assert engine.scheduler.info()["tokens_out"] < 3000  # ended early, not by finishing
-    _, text = await _http_get(f"{url}/metrics")
+    _, text = await http_get(f"{url}/metrics")
     assert _samples(text)[("omni_async_requests_total", (("finish_reason", "abort"), ("model", "tiny")))] == 1
 
 
@@ -213,7 +202,7 @@ async def test_disconnect_of_a_whole_response_aborts(served):
     with pytest.raises(asyncio.CancelledError):
         await task
     await _wait_kv_free(engine)
-    _, text = await _http_get(f"{url}/metrics")
+    _, text = await http_get(f"{url}/metrics")
     assert _samples(text)[("omni_async_requests_total", (("finish_reason", "abort"), ("model", "tiny")))] == 1
     assert engine.scheduler.info()["tokens_out"] < 3000  # ended early, not by finishing
 
@@ -238,7 +227,7 @@ async def test_metrics_count_the_requests_sent(served):
     usages.append([c async for c in stream][-1].usage)
     with pytest.raises(openai.BadRequestError):
         await client.completions.create(model="tiny", prompt=[99999])
-    status, text = await _http_get(f"{url}/metrics")
+    status, text = await http_get(f"{url}/metrics")
     assert status == 200
     m = _samples(text)
     info = engine.scheduler.info()

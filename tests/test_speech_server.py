@@ -13,7 +13,6 @@ import base64
 import io
 import json
 import struct
-import urllib.request
 import wave
 
 import anyio
@@ -28,6 +27,8 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 from omni_async.server import running_server  # noqa: E402
 from omni_async.speech import SpeechParams, SpeechPipeline  # noqa: E402
 from omni_async.speech.audio_format import pcm16  # noqa: E402
+
+from .http_client import http_get  # noqa: E402
 
 TEXT = "Hello there."
 VOICE = "aiden"
@@ -45,18 +46,6 @@ async def served():
             yield tts, url, client
         finally:
             await client.close()
-
-
-def _get(url: str) -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(url, timeout=10) as resp:
-            return resp.status, resp.read().decode()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read().decode()
-
-
-async def _http_get(url: str) -> tuple[int, str]:
-    return await anyio.to_thread.run_sync(_get, url)
 
 
 async def _speech(client, **extra) -> bytes:
@@ -195,17 +184,17 @@ async def test_another_model_name_is_404(served):
 
 async def test_voices_models_health_and_metrics(served):
     tts, url, client = served
-    status, text = await _http_get(f"{url}/v1/audio/voices")
+    status, text = await http_get(f"{url}/v1/audio/voices")
     voices = json.loads(text)
     assert status == 200 and voices["voices"] == tts.voices() and voices["languages"] == tts.languages()
     assert VOICE in voices["voices"] and voices["sample_rate"] == 24000
     assert [m.id for m in (await client.models.list()).data] == ["tts-tiny"]
-    assert await _http_get(f"{url}/health") == (200, json.dumps({"status": "ok"}, separators=(",", ":")))
+    assert await http_get(f"{url}/health") == (200, json.dumps({"status": "ok"}, separators=(",", ":")))
     await _speech(client, **GREEDY)
     await _streamed(client, "sse", "pcm", **GREEDY)
     with pytest.raises(openai.BadRequestError):
         await _speech(client, voice="nobody", **GREEDY)
-    _, text = await _http_get(f"{url}/metrics")
+    _, text = await http_get(f"{url}/metrics")
     samples = _samples(text)
     assert not [k for k in samples if k[0] == "omni_async_speech_requests_total" and ("finish_reason", "length") not in k[1]]  # refused: not counted
     assert samples[("omni_async_speech_requests_total", (("finish_reason", "length"), ("model", "tts-tiny")))] == 2
@@ -230,7 +219,7 @@ async def test_a_client_leaving_mid_stream_aborts_its_request(served, stream_for
     # the response is closed here: the connection with it
     await _idle(tts)
     assert tts.info()["speech"]["codec_frames"] < 3000  # ended early, not by finishing
-    _, text = await _http_get(f"{url}/metrics")
+    _, text = await http_get(f"{url}/metrics")
     assert _samples(text)[("omni_async_speech_requests_total", (("finish_reason", "abort"), ("model", "tts-tiny")))] == 1
     assert len(await _speech(client, response_format="pcm", **GREEDY)) == 2 * FRAMES * SAMPLES_PER_FRAME
 
@@ -246,7 +235,7 @@ async def test_a_client_leaving_a_whole_response_aborts_its_request(served):
         await task
     await _idle(tts)
     assert tts.info()["speech"]["codec_frames"] < 3000
-    _, text = await _http_get(f"{url}/metrics")
+    _, text = await http_get(f"{url}/metrics")
     assert _samples(text)[("omni_async_speech_requests_total", (("finish_reason", "abort"), ("model", "tts-tiny")))] == 1
 
 
@@ -260,7 +249,7 @@ async def test_api_key_and_served_model_name():
             res = await client.audio.speech.create(model="my-voice", input=TEXT, voice=VOICE, response_format="pcm", extra_body=GREEDY)
             assert len(res.content) == 2 * FRAMES * SAMPLES_PER_FRAME
             assert [m.id for m in (await client.models.list()).data] == ["my-voice"]
-        assert (await _http_get(f"{url}/health"))[0] == 200  # open without the key
+        assert (await http_get(f"{url}/health"))[0] == 200  # open without the key
 
 
 async def test_a_request_that_cannot_start_in_time_gets_503_with_its_reason():
@@ -283,7 +272,7 @@ async def test_a_request_that_cannot_start_in_time_gets_503_with_its_reason():
                 assert exc.body["code"] == "ttfp_budget" and "0.2 s" in exc.body["message"]
             await _idle(tts)
             assert len(await _speech(client, response_format="pcm", **GREEDY)) == 2 * FRAMES * SAMPLES_PER_FRAME
-            _, text = await _http_get(f"{url}/metrics")
+            _, text = await http_get(f"{url}/metrics")
     samples = _samples(text)
     assert samples[("omni_async_speech_admission_refused_total", (("model", "tts-tiny"), ("reason", "ttfp_budget")))] == 2
     assert samples[("omni_async_speech_requests_total", (("finish_reason", "abort"), ("model", "tts-tiny")))] == 1
@@ -292,7 +281,7 @@ async def test_a_request_that_cannot_start_in_time_gets_503_with_its_reason():
 
 async def test_audio_metrics_are_present_and_monotone(served):
     tts, url, client = served
-    _, text = await _http_get(f"{url}/metrics")
+    _, text = await http_get(f"{url}/metrics")
     before = _samples(text)
     m = (("model", "tts-tiny"),)
     assert before[("omni_async_speech_streams_in_underrun", m)] == 0 and before[("omni_async_speech_admission_waiting", m)] == 0
@@ -300,7 +289,7 @@ async def test_audio_metrics_are_present_and_monotone(served):
         await _speech(client, **GREEDY)
         await _streamed(client, "audio", "pcm", **GREEDY)
     await _idle(tts)
-    _, text = await _http_get(f"{url}/metrics")
+    _, text = await http_get(f"{url}/metrics")
     after = _samples(text)
     for key, value in before.items():  # every counter and histogram only grows
         if key[0].endswith(("_total", "_count", "_sum", "_bucket")):
