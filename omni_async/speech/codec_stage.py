@@ -177,6 +177,28 @@ class CodecStage:
     def active(self) -> int:
         return len(self._streams)
 
+    async def feed(self, handle: Any, stream: CodecStream) -> None:
+        """A talker request's frames into ``stream`` as its deltas arrive (each delta's
+        hidden-state rows; the request's first row is its prefill's, no frame), then its
+        end. A request that fails or is aborted closes the stream (its reader sees the
+        end without a last chunk, and the request's error)."""
+        skip = 1
+        reason = None
+        try:
+            async for delta in handle:
+                rows = delta.hidden_states
+                if rows is not None and rows.shape[0] > skip:
+                    self.push(stream, rows[skip:])
+                    skip = 0
+                elif rows is not None:
+                    skip -= rows.shape[0]
+                if delta.finished:
+                    reason = delta.finish_reason
+        except Exception:
+            self.close(stream)
+            return
+        self.end(stream, reason)
+
     # ------------------------------------------------------------ the stage's loop
 
     async def run(self) -> None:
@@ -217,7 +239,8 @@ class CodecStage:
                 if s.pending_frames:
                     out.append((s, _power_of_two(s.pending_frames)))
                 else:  # nothing left: the empty terminal chunk
-                    self._deliver(s, torch.zeros((0, 16), dtype=torch.long), np.zeros(0, dtype=np.float32))
+                    empty = torch.zeros((0, self.decoder.num_quantizers), dtype=torch.long)
+                    self._deliver(s, empty, np.zeros(0, dtype=np.float32))
         cap = self.max_streams_per_round
         if cap is not None and len(out) > cap:
             out = sorted(out, key=lambda item: item[0].urgency(self.frame_seconds))[:cap]

@@ -266,26 +266,12 @@ class SpeechPipeline:
             self.admission.notify()
 
     async def _feed(self, handle: Any, stream: CodecStream) -> None:
-        """The talker's frames into the codec stage, as deltas arrive. The request's first
-        row is its prefill's (no frame yet)."""
-        skip = 1
-        reason = None
+        """The talker's frames into the codec stage; the stream stops counting as talking
+        once its request ends."""
         try:
-            async for delta in handle:
-                rows = delta.hidden_states
-                if rows is not None and rows.shape[0] > skip:
-                    self.codec.push(stream, rows[skip:])
-                    skip = 0
-                elif rows is not None:
-                    skip -= rows.shape[0]
-                if delta.finished:
-                    reason = delta.finish_reason
-        except Exception:  # the request failed or was aborted: its reader sees the error
-            self.codec.close(stream)
+            await self.codec.feed(handle, stream)
+        finally:
             self._stop_talking(stream.request_id)
-            return
-        self._stop_talking(stream.request_id)
-        self.codec.end(stream, reason)
 
     async def synthesize(self, text: str, voice: str | None = None, language: str | None = None, *,
                          params: SpeechParams | dict[str, Any] | None = None, request_id: str | None = None) -> SpeechResult:

@@ -1,0 +1,342 @@
+"""Chat in, text and speech out: Qwen3-Omni's thinker, talker and Code2Wav as three
+stages in one event loop.
+
+The chain is made of the pieces each stage already is: the thinker is an
+:class:`~omni_async.engine.Engine` on the folder's text decoder, capturing the rows of the
+talker's ``accept_hidden_layer``; the talker is the Qwen3-Omni talker stage
+(:mod:`.omni_stage`); the codec is a :class:`~.codec_stage.CodecStage`. A request runs
+through them in order: the thinker's reply streams to the caller as text deltas while its
+rows stay on the thinker's device; when the reply ends, :func:`.omni_talker.talker_prompt`
+builds the talker's input from those rows (the thinker's input embeddings, read from its
+own embedding table on its device, and the layer rows it returned), the talker writes
+frames, and the codec turns them into PCM chunks as they arrive, as
+:class:`~.pipeline.SpeechPipeline` does for Qwen3-TTS.
+
+The talker starts once the thinker's reply is complete (its trailing text rows are all
+known at the talker's prefill). Starting it after the first thinker chunk needs trailing
+rows appended while the talker speaks (docs/speech.md, "Qwen3-Omni").
+
+Every request ends in each stage it reached: leaving a stream early, cancelling, or a
+failure in any stage aborts the request in the thinker and the talker (each frees its
+KV once) and drops its codec state; other requests are untouched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, AsyncIterator, Callable
+
+import anyio
+import numpy as np
+import torch
+
+from .. import errors
+from ..config import SamplingParams
+from ..engine import Engine
+from ..stage.request_checks import sampling_of
+from ..text.chat import render_chat_ids
+from .codec_stage import AudioChunk, CodecStage
+from .omni_config import OmniTalkerConfig
+from .omni_stage import build_omni_talker_stage, talker_request
+from .omni_talker import OmniTalker, TalkerPrompt, talker_prompt
+from .stage import SpeechStage
+
+__all__ = ["OmniPipeline", "OmniDelta", "OmniResult"]
+
+# The voice a request without one speaks in (the reference's default), when the
+# checkpoint has it; else its first voice by name.
+DEFAULT_VOICE = "ethan"
+
+# ``codec_loader(folder, device, dtype) -> decoder``: a folder's Code2Wav, in the decoder
+# protocol CodecStage reads (sample_rate, samples_per_frame, num_quantizers, empty_past,
+# a call on codes, pasts and positions).
+CodecLoader = Callable[[Path, torch.device, torch.dtype], Any]
+
+
+@dataclass
+class OmniDelta:
+    """One event of a streamed reply. ``kind`` "text": the thinker's new tokens
+    (``token_ids``, ``text`` when the folder has a tokenizer), ``finished`` on its last,
+    with the thinker's ``finish_reason``. ``kind`` "audio": a chunk of the spoken reply
+    (``audio``), ``finished`` on the last, with the talker's ``finish_reason`` ("stop":
+    the codec EOS, "length": ``max_frames``)."""
+
+    request_id: str
+    kind: str
+    token_ids: list[int] = field(default_factory=list)
+    text: str | None = None
+    audio: AudioChunk | None = None
+    finished: bool = False
+    finish_reason: str | None = None
+
+
+@dataclass
+class OmniResult:
+    """A whole reply: the thinker's tokens and text, and the talker's frames ``codes``
+    ``[frames, groups]`` (CPU) with their PCM ``audio`` (float32 at ``sample_rate``)."""
+
+    request_id: str
+    output_ids: list[int]
+    text: str | None
+    finish_reason: str | None
+    codes: torch.Tensor
+    audio: np.ndarray
+    sample_rate: int
+    audio_finish_reason: str | None
+
+    @property
+    def seconds(self) -> float:
+        return len(self.audio) / self.sample_rate
+
+
+class _ThinkerRows:
+    """What the talker needs of a thinker request, gathered from its deltas on the
+    thinker's device: its tokens, its prompt's layer rows and one layer row per token."""
+
+    def __init__(self) -> None:
+        self.output_ids: list[int] = []
+        self.prompt_hidden: torch.Tensor | None = None
+        self.hidden: list[torch.Tensor] = []
+
+    def add(self, delta: Any) -> None:
+        self.output_ids.extend(delta.token_ids)
+        if delta.prompt_hidden_states is not None:
+            self.prompt_hidden = delta.prompt_hidden_states
+        if delta.hidden_states is not None:
+            self.hidden.append(delta.hidden_states)
+
+    def layer_rows(self) -> torch.Tensor:
+        """The layer rows at every position the thinker ran: the prompt's, then those of
+        the positions that produced tokens 2.. (token ``i`` comes from position
+        ``prompt + i - 1``; the reply's last token is never an input)."""
+        assert self.prompt_hidden is not None, "the thinker returned no prompt rows"
+        out = torch.cat(self.hidden) if self.hidden else self.prompt_hidden[:0]
+        return torch.cat((self.prompt_hidden, out[1:len(self.output_ids)]))
+
+
+class OmniPipeline:
+    """Use ``async with``; :meth:`chat` for a whole reply, :meth:`stream` for its text
+    deltas and audio chunks as they come."""
+
+    def __init__(self, thinker: Engine, talker: SpeechStage, codec: Any, *, first_chunk_frames: int = 2,
+                 max_chunk_frames: int = 32) -> None:
+        self.thinker = thinker
+        self.talker = talker
+        self.talker_model: OmniTalker = talker.model  # type: ignore[assignment]
+        self.config: OmniTalkerConfig = self.talker_model.config
+        if getattr(codec, "num_quantizers", self.config.num_code_groups) != self.config.num_code_groups:
+            raise errors.ConfigError(f"the codec reads {codec.num_quantizers} codebooks a frame; the talker writes "
+                                     f"{self.config.num_code_groups}")
+        graphed = talker.runner.frame_graphs is not None
+        self.codec = CodecStage(codec, talker.runner.device, first_chunk_frames=first_chunk_frames,
+                                max_chunk_frames=max_chunk_frames, cuda_graphs=graphed)
+        self.sample_rate: int = codec.sample_rate
+        self._tg: Any = None
+        self._ids = itertools.count()
+        self._open: set[str] = set()
+
+    @classmethod
+    def from_pretrained(cls, folder: str | Path, *, device: str = "cpu", loop: str = "overlap", dtype: Any = None, seed: int = 0,
+                        codec: Any = None, codec_loader: CodecLoader | None = None, first_chunk_frames: int = 2,
+                        max_chunk_frames: int = 32, thinker_limits: dict[str, Any] | None = None,
+                        talker_limits: dict[str, Any] | None = None) -> "OmniPipeline":
+        """The three stages of a ``Qwen3OmniMoeForConditionalGeneration`` folder on one
+        ``device``. ``codec``: a decoder to use in place of the folder's Code2Wav, or
+        ``codec_loader`` to build one; ``thinker_limits`` / ``talker_limits``: each
+        stage's SchedulerConfig fields (KV sizing, chunked prefill ...)."""
+        folder = Path(folder)
+        cfg = OmniTalkerConfig.from_folder(folder)  # a folder that is no Qwen3-Omni one fails before anything loads
+        thinker = Engine.from_pretrained(str(folder), device=device, loop=loop, dtype=dtype, seed=seed,
+                                         hidden_states_layer=cfg.accept_hidden_layer, **(thinker_limits or {}))
+        talker = build_omni_talker_stage(folder, device=device, loop=loop, dtype=dtype, seed=seed, **(talker_limits or {}))
+        if codec is None:
+            dev, dt = talker.runner.device, talker.model.dtype
+            codec = (codec_loader or folder_code2wav)(folder, dev, torch.float32 if dev.type == "cpu" else dt)
+        return cls(thinker, talker, codec, first_chunk_frames=first_chunk_frames, max_chunk_frames=max_chunk_frames)
+
+    @classmethod
+    async def load(cls, folder: str | Path, **kwargs: Any) -> "OmniPipeline":
+        """``from_pretrained`` in a worker thread (the event loop keeps serving)."""
+        return await anyio.to_thread.run_sync(functools.partial(cls.from_pretrained, folder, **kwargs))
+
+    # ------------------------------------------------------------ lifecycle
+
+    async def __aenter__(self) -> "OmniPipeline":
+        await self.thinker.__aenter__()
+        try:
+            await self.talker.engine.__aenter__()
+        except BaseException:
+            await self.thinker.aclose()
+            raise
+        self._tg = anyio.create_task_group()
+        await self._tg.__aenter__()
+        self._tg.start_soon(self.codec.run)
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        tg, self._tg = self._tg, None
+        if tg is not None:
+            tg.cancel_scope.cancel()
+            await tg.__aexit__(None, None, None)
+        try:
+            await self.talker.engine.__aexit__(*exc)
+        finally:
+            await self.thinker.__aexit__(*exc)
+
+    async def aclose(self) -> None:
+        await self.__aexit__(None, None, None)
+
+    # ------------------------------------------------------------ what it knows
+
+    def voices(self) -> list[str]:
+        return sorted(self.config.speakers)
+
+    @property
+    def default_voice(self) -> str | None:
+        voices = self.voices()
+        return DEFAULT_VOICE if DEFAULT_VOICE in voices else (voices[0] if voices else None)
+
+    @property
+    def open_requests(self) -> list[str]:
+        return sorted(self._open)
+
+    # ------------------------------------------------------------ requests
+
+    def _prompt_ids(self, messages: Any, input_ids: Any) -> list[int]:
+        if (messages is None) == (input_ids is None):
+            raise errors.InvalidRequestError("give exactly one of messages or input_ids")
+        if messages is not None:
+            return render_chat_ids(self.thinker.tokenizer, messages, add_generation_prompt=True)
+        if not isinstance(input_ids, (list, tuple)) or not all(isinstance(t, int) for t in input_ids):
+            raise errors.InvalidRequestError("input_ids must be a list of integers")
+        return list(input_ids)
+
+    def _voice(self, voice: str | None) -> str:
+        name = voice if voice is not None else self.default_voice
+        if name is None:
+            raise errors.InvalidRequestError("this checkpoint names no voices: there is no speaker to speak with")
+        self.config.speaker_id(name)  # InvalidRequestError naming the voices there are
+        return name
+
+    def _talker_prompt(self, prompt_ids: list[int], rows: _ThinkerRows, voice: str) -> TalkerPrompt | None:
+        """The talker's input from the thinker's rows, on the thinker's device; None when
+        the reply is a single token (the talker reads the first reply token's row as an
+        input, and a reply's last token never is one)."""
+        if len(rows.output_ids) < 2:
+            return None
+        tokens = [*prompt_ids, *rows.output_ids[:-1]]
+        embed = self.thinker.stack.loaded.model.model.embed_tokens
+        with torch.inference_mode():
+            embeds = embed(torch.tensor(tokens, dtype=torch.long, device=embed.weight.device))
+        return talker_prompt(self.talker_model, prompt_ids, rows.output_ids, embeds, rows.layer_rows(), voice)
+
+    def _frames_room(self, prompt: TalkerPrompt, max_frames: int | None) -> int:
+        limits = self.talker.engine.scheduler.limits
+        room = min(limits.context_length, limits.kv_capacity_tokens) - prompt.prefill.shape[0] - 1
+        if room < 1:
+            raise errors.InvalidRequestError(f"the talker's prompt takes {prompt.prefill.shape[0]} of its {limits.context_length} "
+                                             "positions, leaving no room to speak")
+        if max_frames is not None and max_frames > room:
+            raise errors.InvalidRequestError(f"max_frames={max_frames} does not fit: the talker's prompt leaves {room} frames")
+        return max_frames if max_frames is not None else room
+
+    async def stream(self, messages: Any = None, *, input_ids: list[int] | None = None, voice: str | None = None,
+                     sampling: SamplingParams | dict[str, Any] | None = None, max_frames: int | None = None,
+                     repetition_penalty: float = 1.05, request_id: str | None = None) -> AsyncIterator[OmniDelta]:
+        """The reply's text deltas, then its audio chunks; the last of each kind has
+        ``finished``. ``sampling``: the thinker's (``n`` must be 1); the talker is
+        greedy with the reference's ``repetition_penalty``. Leaving the loop early (or
+        cancelling) aborts the request in every stage it reached."""
+        if self._tg is None:
+            raise errors.SchedulerClosedError("the omni pipeline is not running: use `async with`")
+        name = self._voice(voice)
+        if max_frames is not None and max_frames < 1:
+            raise errors.InvalidRequestError(f"max_frames must be at least 1, got {max_frames}")
+        thinker_sampling = _thinker_sampling(sampling)
+        prompt_ids = self._prompt_ids(messages, input_ids)
+        rid = request_id or f"omni-{uuid.uuid4().hex[:12]}-{next(self._ids)}"
+        if rid in self._open:
+            raise errors.RequestRejectedError(f"duplicate request id {rid!r}: a reply with this id is open")
+        self._open.add(rid)
+        stream, done = None, False
+        try:
+            rows = _ThinkerRows()
+            async for delta in await self.thinker.submit(input_ids=prompt_ids, sampling=thinker_sampling, request_id=rid):
+                rows.add(delta)
+                yield OmniDelta(rid, "text", list(delta.token_ids), delta.text, finished=delta.finished,
+                                finish_reason=delta.finish_reason)
+            prompt = self._talker_prompt(prompt_ids, rows, name)
+            if prompt is None:
+                done = True
+                yield OmniDelta(rid, "audio", audio=self._silence(rid), finished=True, finish_reason="stop")
+                return
+            request = talker_request(self.talker_model, prompt, max_frames=self._frames_room(prompt, max_frames),
+                                     repetition_penalty=repetition_penalty)
+            stream = self.codec.open(rid)
+            handle = await self.talker.engine.submit(**request, request_id=rid)
+            self._tg.start_soon(self.codec.feed, handle, stream)
+            async with stream.receive:
+                async for chunk in stream.receive:
+                    done = chunk.finished
+                    yield OmniDelta(rid, "audio", audio=chunk, finished=chunk.finished, finish_reason=chunk.finish_reason)
+            if not done:  # the talker's request failed: its error, typed
+                await handle.result()
+                raise errors.RequestAbortedError(f"omni request {rid!r} ended without its last audio chunk")
+        finally:
+            if not done:
+                with anyio.CancelScope(shield=True):
+                    await self.thinker.abort(rid)
+                    await self.talker.engine.abort(rid)
+            if stream is not None:
+                self.codec.close(stream)
+            self._open.discard(rid)
+
+    def _silence(self, rid: str) -> AudioChunk:
+        groups = self.config.num_code_groups
+        return AudioChunk(rid, np.zeros(0, dtype=np.float32), self.sample_rate, torch.zeros((0, groups), dtype=torch.long), 0,
+                          True, "stop")
+
+    async def chat(self, messages: Any = None, *, input_ids: list[int] | None = None, voice: str | None = None,
+                   sampling: SamplingParams | dict[str, Any] | None = None, max_frames: int | None = None,
+                   repetition_penalty: float = 1.05, request_id: str | None = None) -> OmniResult:
+        """The whole reply (the arguments of :meth:`stream`)."""
+        ids: list[int] = []
+        texts: list[str] = []
+        audio: list[np.ndarray] = []
+        codes: list[torch.Tensor] = []
+        reason = audio_reason = None
+        rid = request_id or ""
+        async for delta in self.stream(messages, input_ids=input_ids, voice=voice, sampling=sampling, max_frames=max_frames,
+                                       repetition_penalty=repetition_penalty, request_id=request_id):
+            rid = delta.request_id
+            if delta.kind == "text":
+                ids.extend(delta.token_ids)
+                texts.append(delta.text or "")
+                reason = delta.finish_reason if delta.finished else reason
+            elif delta.audio is not None:
+                audio.append(delta.audio.audio)
+                codes.append(delta.audio.codes)
+                audio_reason = delta.finish_reason if delta.finished else audio_reason
+        text = "".join(texts) if self.thinker.tokenizer is not None else None
+        pcm = np.concatenate(audio) if audio else np.zeros(0, dtype=np.float32)
+        frames = torch.cat(codes) if codes else torch.zeros((0, self.config.num_code_groups), dtype=torch.long)
+        return OmniResult(rid, ids, text, reason, frames, pcm, self.sample_rate, audio_reason)
+
+
+def _thinker_sampling(sampling: SamplingParams | dict[str, Any] | None) -> SamplingParams:
+    """The caller's thinker sampling, with the rows the talker reads asked for."""
+    sampling = sampling_of(sampling)
+    if sampling.n != 1:
+        raise errors.InvalidRequestError(f"a spoken reply is one completion: n must be 1, got {sampling.n}")
+    return dataclasses.replace(sampling, return_hidden_states=True, return_prompt_hidden_states=True)
+
+
+def folder_code2wav(folder: Path, device: torch.device, dtype: torch.dtype) -> Any:
+    """The folder's Code2Wav (``code2wav.*``) as a streaming decoder."""
+    raise errors.ModelLoadError(f"{folder}: Code2Wav is not available in this build; pass codec= (a decoder) to "
+                                "OmniPipeline.from_pretrained")

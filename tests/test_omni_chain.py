@@ -1,0 +1,196 @@
+"""Qwen3-Omni end to end in one event loop (:class:`OmniPipeline`: thinker stage -> talker
+stage -> codec stage), on a tiny random checkpoint saved by transformers (float32, CPU):
+the reply's tokens are transformers' thinker's, its frames the codes transformers'
+``generate(return_audio=True)`` hands to code2wav, in each loop, several requests at once;
+the audio is the codec's decode of those frames; an abort in either phase frees all three
+stages and spares the other requests; bad input gets typed errors."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from omni_async import SamplingParams
+from omni_async.errors import InvalidRequestError, RequestAbortedError
+from omni_async.speech.codec import CodecDecoder
+from omni_async.speech.codec_config import CodecConfig
+from omni_async.speech.omni_pipeline import OmniPipeline
+
+from .conftest import LOOPS, assert_kv_free
+from .test_omni_talker import AUDIO, CASES, chat_prompt, omni_model, reference_run  # noqa: F401 (a fixture)
+
+THINKER_EOS = 501  # <|im_end|>, the reference run's thinker_eos_token_id
+
+
+def stand_in_codec() -> CodecDecoder:
+    """A decoder of the talker's 4 codebooks of 64 (the codec-stage protocol, random
+    weights): the chain's audio is checked against its one-shot decode of the frames."""
+    cfg = dataclasses.replace(CodecConfig.tiny(), num_quantizers=4, codebook_size=64)
+    return CodecDecoder.random(cfg, seed=5)
+
+
+def pipeline(folder, loop: str, **kw) -> OmniPipeline:
+    limits = dict(page_size=8, chunked_prefill_size=16)
+    return OmniPipeline.from_pretrained(folder, loop=loop, codec=stand_in_codec(), thinker_limits=limits, talker_limits=limits,
+                                        **kw)
+
+
+def thinker_sampling(reply: int) -> SamplingParams:
+    return SamplingParams(max_new_tokens=reply, stop_token_ids=[THINKER_EOS])
+
+
+async def assert_stages_free(pipe: OmniPipeline) -> None:
+    """No request holds anything in any stage (the prefix caches' pages given back first)."""
+    await _settled(pipe)
+    for engine in (pipe.thinker, pipe.talker.engine):
+        assert (await engine.flush_cache())["success"]
+    assert_kv_free(pipe.thinker)
+    assert_kv_free(pipe.talker.engine)
+    assert pipe.codec.active() == 0 and pipe.codec.slots.in_use() == 0
+    assert pipe.open_requests == []
+
+
+@pytest.fixture(scope="module")
+def expected(omni_model):
+    """Each case's (prompt, thinker tokens, transformers' codes)."""
+    _, model = omni_model
+    out = []
+    for user, reply, frames, penalty, _ in CASES:
+        prompt = chat_prompt(user)
+        thinker, codes = reference_run(model, prompt, reply=reply, frames=frames, penalty=penalty)
+        out.append((prompt, thinker.sequences[0, len(prompt):].tolist(), codes))
+    return out
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+async def test_text_and_codes_equal_transformers_in_every_loop(omni_model, expected, loop):
+    """Every case at once through the three stages: the thinker's tokens as transformers'
+    thinker writes them (and as the thinker stage alone writes them), the frames as
+    transformers' talker writes them, the audio the codec's one-shot decode of them."""
+    folder, _ = omni_model
+    async with pipeline(folder, loop) as pipe:
+        results = await asyncio.gather(*(
+            pipe.chat(input_ids=prompt, voice="Ethan", sampling=thinker_sampling(reply), max_frames=frames, repetition_penalty=penalty)
+            for (prompt, _, _), (_, reply, frames, penalty, _) in zip(expected, CASES)))
+        alone = [await pipe.thinker.generate(input_ids=prompt, sampling=thinker_sampling(reply))
+                 for (prompt, _, _), (_, reply, _, _, _) in zip(expected, CASES)]
+        for result, thinker_alone, (_, tokens, codes), case in zip(results, alone, expected, CASES):
+            assert result.output_ids == tokens == thinker_alone.output_ids
+            assert result.codes.tolist() == codes.tolist()
+            assert result.audio_finish_reason == case[4]
+            assert len(result.audio) == codes.shape[0] * pipe.codec.decoder.samples_per_frame
+            oneshot = (await asyncio.to_thread(_decode, pipe.codec.decoder, codes))
+            np.testing.assert_allclose(result.audio, oneshot, atol=2e-5)
+        await assert_stages_free(pipe)
+
+
+def _decode(decoder, codes):
+    with torch.inference_mode():
+        return decoder.decode(codes[None])[0].numpy()
+
+
+async def test_the_stream_gives_text_deltas_then_audio_chunks(omni_model, expected):
+    """The streamed reply: text deltas whose tokens join into the reply, its last
+    ``finished``; then audio chunks in frame order whose frames join into the codes, the
+    last ``finished`` with the talker's finish reason."""
+    folder, _ = omni_model
+    (prompt, tokens, codes), (_, reply, frames, penalty, finish) = expected[2], CASES[2]
+    async with pipeline(folder, "overlap") as pipe:
+        events = [d async for d in pipe.stream(input_ids=prompt, sampling=thinker_sampling(reply), max_frames=frames,
+                                               repetition_penalty=penalty)]
+        kinds = [d.kind for d in events]
+        assert kinds == sorted(kinds, key=lambda k: k != "text") and "audio" in kinds
+        text = [d for d in events if d.kind == "text"]
+        audio = [d for d in events if d.kind == "audio"]
+        assert [t for d in text for t in d.token_ids] == tokens
+        assert [d.finished for d in text] == [False] * (len(text) - 1) + [True]
+        assert [d.finished for d in audio] == [False] * (len(audio) - 1) + [True] and audio[-1].finish_reason == finish
+        assert len(audio) > 2  # streamed in chunks, not one piece
+        assert [c.audio.first_frame for c in audio] == list(np.cumsum([0] + [c.audio.codes.shape[0] for c in audio[:-1]]))
+        assert torch.cat([c.audio.codes for c in audio]).tolist() == codes.tolist()
+        await assert_stages_free(pipe)
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+async def test_an_abort_in_either_phase_frees_all_three_stages(omni_model, expected, loop):
+    """Three requests at once: one left while the thinker writes (its budget of 300
+    tokens cut short), one left after its first audio chunk, one read to the end. The two
+    left end in every stage (no KV page held in the thinker or the talker, no codec
+    stream or slot, neither stage writing on for them), and the third still gets
+    transformers' tokens and codes."""
+    folder, _ = omni_model
+    (prompt, tokens, codes), (_, reply, frames, penalty, _) = expected[3], CASES[3]
+    long_prompt, _, _ = expected[2]
+    budget = 300
+    async with pipeline(folder, loop) as pipe:
+        async def leave_after(kind: str, rid: str, thinker_tokens: int) -> str:
+            async for delta in pipe.stream(input_ids=long_prompt, sampling=SamplingParams(max_new_tokens=thinker_tokens, ignore_eos=True),
+                                           max_frames=200, request_id=rid):
+                if delta.kind == kind and not delta.finished:
+                    return kind
+            return "end"
+
+        kept = asyncio.ensure_future(pipe.chat(input_ids=prompt, sampling=thinker_sampling(reply), max_frames=frames,
+                                               repetition_penalty=penalty))
+        left = await asyncio.gather(leave_after("text", "cut-text", budget), leave_after("audio", "cut-audio", 8))
+        assert left == ["text", "audio"]
+        result = await kept
+        assert result.output_ids == tokens and result.codes.tolist() == codes.tolist()
+        await assert_stages_free(pipe)
+        # Each stage stopped writing for the request left in it: the thinker well within
+        # the first's budget, the talker before the second's frames were all written.
+        assert pipe.thinker.scheduler.info()["tokens_out"] < budget
+        talker_tokens = pipe.talker.engine.scheduler.info()["tokens_out"]
+        whole = await pipe.chat(input_ids=long_prompt, sampling=SamplingParams(max_new_tokens=8, ignore_eos=True), max_frames=200)
+        assert talker_tokens < (frames + 1) + (whole.codes.shape[0] + 1)
+
+
+async def test_a_cancelled_chat_frees_all_three_stages(omni_model, expected):
+    """A task awaiting ``chat`` cancelled while the talker speaks: RequestAbortedError is
+    not what it sees (it is cancelled), and no stage keeps anything of it."""
+    folder, _ = omni_model
+    prompt, _, _ = expected[2]
+    async with pipeline(folder, "async_decode") as pipe:
+        task = asyncio.ensure_future(pipe.chat(input_ids=prompt, sampling=SamplingParams(max_new_tokens=30, ignore_eos=True),
+                                               max_frames=40, repetition_penalty=1.0, request_id="cancelled"))
+        while pipe.codec.frames_decoded == 0:
+            await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await assert_stages_free(pipe)
+
+
+async def _settled(pipe: OmniPipeline) -> None:
+    """Wait (bounded) until the stages have processed the aborts sent to them."""
+    for _ in range(500):
+        if not pipe.thinker.open_requests and not pipe.talker.engine.open_requests and pipe.codec.active() == 0:
+            return
+        await asyncio.sleep(0.01)
+
+
+async def test_bad_requests_get_typed_errors_and_the_pipeline_carries_on(omni_model, expected):
+    folder, _ = omni_model
+    (prompt, tokens, _), (_, reply, _, _, _) = expected[1], CASES[1]
+    async with pipeline(folder, "normal") as pipe:
+        with pytest.raises(InvalidRequestError, match="unknown speaker"):
+            await pipe.chat(input_ids=prompt, voice="nobody")
+        with pytest.raises(InvalidRequestError, match="max_frames"):
+            await pipe.chat(input_ids=prompt, max_frames=0)
+        with pytest.raises(InvalidRequestError, match="n must be 1"):
+            await pipe.chat(input_ids=prompt, sampling=SamplingParams(n=2))
+        with pytest.raises(InvalidRequestError, match="assistant"):  # no assistant turn for the talker
+            await pipe.chat(input_ids=prompt[:-3], sampling=thinker_sampling(reply))
+        with pytest.raises(InvalidRequestError, match="no tokenizer"):
+            await pipe.chat([{"role": "user", "content": "hi"}])
+        with pytest.raises(InvalidRequestError, match="does not fit"):
+            await pipe.chat(input_ids=prompt, sampling=thinker_sampling(reply), max_frames=10**6)
+        result = await pipe.chat(input_ids=prompt, sampling=thinker_sampling(reply), max_frames=3)
+        assert result.output_ids == tokens and result.codes.shape == (3, 4)
+        one = await pipe.chat(input_ids=prompt, sampling=SamplingParams(max_new_tokens=1))
+        assert len(one.output_ids) == 1 and one.codes.shape == (0, 4) and one.audio_finish_reason == "stop"
+        await assert_stages_free(pipe)
