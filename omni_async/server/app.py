@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-from typing import Any, AsyncIterator
+from typing import TYPE_CHECKING, Any, AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -36,7 +36,8 @@ from .metrics import EngineMetrics
 from ..version import __version__
 from .chat_messages import ChatMessage, TrackedMessage, check_fields_read, template_messages, tool_turns_as_text
 from .disconnect import until_disconnect
-from .errors import ClientNames, body_of, error_body
+from .audio_chat import AudioChat
+from .errors import ClientNames, body_of, error_body, invalid
 from .prompt_list import combined_result, merged_deltas
 from .protocol import DEFAULT_COMPLETION_MAX_TOKENS, ChatCompletionRequest, CompletionRequest
 from .wire import DONE, ChunkFrames, FastJsonRoute, event
@@ -51,6 +52,9 @@ from .tokenize import add_tokenize_routes
 from .tool_parsers import parser_for_template, with_tools_message
 from .worker_routes import add_worker_routes
 from .tools import ToolPlan, plan_tools
+
+if TYPE_CHECKING:
+    from ..speech.omni_pipeline import OmniPipeline
 
 __all__ = ["create_app", "default_model_name"]
 
@@ -74,6 +78,7 @@ class OpenAIServer:
         self.tool_call_parser = tool_call_parser
         self.sampling_defaults = dict(sampling_defaults or {})
         self.stopping = False  # set by the stop on SIGINT/SIGTERM (server.run)
+        self.audio_chat: AudioChat | None = None  # chat with audio out: a server over a Qwen3-Omni pipeline
 
     def answerable(self, exc: errors.OmniAsyncError) -> errors.OmniAsyncError:
         """The error a client is told: a request the stop aborted says so."""
@@ -164,21 +169,41 @@ class OpenAIServer:
         wrong = self.check_model(body.model)
         if wrong is not None:
             return wrong
+        if body.wants_audio():
+            return await self.spoken_chat(body, request)
         handle, ctx = await self.submit_chat(body)
         return await self.respond(request, [handle], ctx, stream=body.stream, n=body.n, include_usage=body.include_usage())
+
+    async def spoken_chat(self, body: ChatCompletionRequest, request: Request) -> Response:
+        """A chat request asking for audio out: the thinker's prompt and sampling made
+        here, as for text; the reply by the omni pipeline (:mod:`.audio_chat`)."""
+        if self.audio_chat is None:
+            raise invalid("this model writes text only: modalities [\"text\", \"audio\"] need a Qwen3-Omni model", "modalities")
+        for name in ("tools", "logprobs", "prompt_logprobs"):
+            if getattr(body, name):
+                raise invalid(f"{name} is not available with audio out", name)
+        ids, constraint, _ = self.chat_prompt(body)
+        sampling = body.sampling(self.chat_max_tokens(body, ids), top_logprobs=None, constraint=constraint,
+                                 defaults=self.sampling_defaults)
+        return await self.audio_chat.respond(request, body, ids, sampling)
+
+    def chat_max_tokens(self, body: ChatCompletionRequest, ids: list[int]) -> int:
+        """The request's token budget, checked against the room after its prompt; as much
+        as the context (and the KV cache) leaves when it sets none."""
+        max_tokens = body.requested_max_tokens()
+        if max_tokens is None:
+            limits = self.engine.scheduler.limits
+            return max(1, min(limits.context_length, limits.kv_capacity_tokens) - len(ids))
+        field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+        self.check_room(len(ids), max_tokens, field)
+        check_max_tokens(max_tokens, body.prompt_logprobs, field)
+        return max_tokens
 
     async def submit_chat(self, body: ChatCompletionRequest) -> tuple[RequestHandle, ResponseContext]:
         """The chat request submitted, and the context its output is read in (tool calls,
         reasoning): shared by ``/v1/chat/completions`` and ``/v1/responses``."""
         ids, constraint, tools = self.chat_prompt(body)
-        max_tokens = body.requested_max_tokens()
-        if max_tokens is None:  # as much as the context (and the KV cache) leaves
-            limits = self.engine.scheduler.limits
-            max_tokens = max(1, min(limits.context_length, limits.kv_capacity_tokens) - len(ids))
-        else:
-            field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-            self.check_room(len(ids), max_tokens, field)
-            check_max_tokens(max_tokens, body.prompt_logprobs, field)
+        max_tokens = self.chat_max_tokens(body, ids)
         top = body.chat_top_logprobs()
         sampling = body.sampling(max_tokens, top_logprobs=top, constraint=constraint, defaults=self.sampling_defaults,
                                  prompt_logprobs=body.prompt_logprobs)
@@ -309,6 +334,7 @@ def create_app(
     chat_template: str | None = None,
     tool_call_parser: str = "auto",
     generation_config: str = "auto",
+    omni: "OmniPipeline | None" = None,
 ) -> FastAPI:
     """The app for ``engine``. It starts the engine at startup and, with ``close_engine``,
     closes it at shutdown. ``metrics`` defaults to a fresh registry for this engine, its
@@ -316,7 +342,9 @@ def create_app(
     /health, /metrics and /version needs it as a Bearer token; ``chat_template`` (a file or
     an inline template) replaces the checkpoint's; ``tool_call_parser``: the format tool
     calls are parsed in (``auto``: from the template); ``generation_config``: ``auto``
-    takes sampling defaults from the checkpoint's generation_config.json, ``none`` not."""
+    takes sampling defaults from the checkpoint's generation_config.json, ``none`` not.
+    ``omni``: the Qwen3-Omni pipeline whose thinker ``engine`` is: chat requests may ask
+    for audio out (:mod:`.audio_chat`); the app starts and closes the whole pipeline."""
     info = engine.scheduler.info()
     name = model_name or default_model_name(str(info.get("model_name") or info.get("model_path", "model")))
     metrics = metrics if metrics is not None else EngineMetrics(engine, model_name=name)
@@ -331,17 +359,24 @@ def create_app(
     if defaults:
         log.info("server_sampling_defaults", source="generation_config.json", **defaults)
     server = OpenAIServer(engine, metrics, name, tool_call_parser=tool_call_parser, sampling_defaults=defaults)
+    if omni is not None:
+        if omni.thinker is not engine:
+            raise errors.ConfigError("create_app(omni=...): engine must be the pipeline's thinker")
+        server.audio_chat = AudioChat(omni, name)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        await engine.start()
+        if omni is not None:
+            await omni.__aenter__()
+        else:
+            await engine.start()
         log.info("server_started", model=name)
         try:
             yield
         finally:
             log.info("server_stopping", model=name)
             if close_engine:
-                await engine.aclose()
+                await (omni.aclose() if omni is not None else engine.aclose())
 
     app = FastAPI(title="omni-async", version=__version__, lifespan=lifespan)
     app.router.route_class = FastJsonRoute  # set before the routes are added

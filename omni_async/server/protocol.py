@@ -198,10 +198,23 @@ class CompletionRequest(_Common):
         return [{"prompt": p} if isinstance(p, str) else {"input_ids": list(p)} for p in prompts]
 
 
+AUDIO_FORMATS = ("wav", "pcm16")  # chat audio out: a WAV file, or raw 16-bit mono PCM at the model's rate
+MODALITIES = ("text", "audio")
+
+
+class ChatAudio(Lenient):
+    """``audio`` of a chat request asking for speech: the voice and the encoding."""
+
+    voice: str
+    format: str = "wav"
+
+
 class ChatCompletionRequest(_Common):
     """``POST /v1/chat/completions``: rendered with the checkpoint's chat template."""
 
     messages: list[ChatMessage]
+    modalities: list[str] | None = None
+    audio: ChatAudio | None = None
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
@@ -220,4 +233,21 @@ class ChatCompletionRequest(_Common):
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def wants_audio(self) -> bool:
+        """Whether the reply is to be spoken (``modalities`` holds "audio"), its ``audio``
+        checked: a voice, and a format of :data:`AUDIO_FORMATS`."""
+        modalities = self.modalities or ["text"]
+        unknown = [m for m in modalities if m not in MODALITIES]
+        if unknown:
+            raise invalid(f"unknown modality {unknown[0]!r}: modalities may hold {' and '.join(MODALITIES)}", "modalities")
+        if "audio" not in modalities:
+            return False
+        if "text" not in modalities:
+            raise invalid("an audio reply comes with its text: modalities must be [\"text\", \"audio\"]", "modalities")
+        if self.audio is None:
+            raise invalid("modalities asks for audio: give audio: {\"voice\": ..., \"format\": ...}", "audio")
+        if self.audio.format not in AUDIO_FORMATS:
+            raise invalid(f"audio.format {self.audio.format!r} is not supported: use {' or '.join(AUDIO_FORMATS)}", "audio.format")
+        return True
 

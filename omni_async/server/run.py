@@ -18,7 +18,7 @@ import importlib.util
 import signal
 import socket
 import threading
-from typing import Any, AsyncIterator, Callable, Iterator
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterator, Union
 
 import uvicorn
 
@@ -28,6 +28,9 @@ from ..serving.listen import base_url, listening_socket
 from ..speech import SpeechPipeline
 from .app import create_app
 from .speech import create_speech_app
+
+if TYPE_CHECKING:
+    from ..speech.omni_pipeline import OmniPipeline
 
 # How long the stop waits for the engine to close before it gives up on a clean close,
 # and how long uvicorn then waits for connections (a client that reads nothing) to end.
@@ -43,8 +46,28 @@ def http_protocol() -> str:
     return "httptools" if importlib.util.find_spec("httptools") is not None else "h11"
 
 
-def _config(engine: Engine | SpeechPipeline, *, host: str, port: int, log_level: str, quiet: bool, **app_kw: Any) -> uvicorn.Config:
-    app = create_speech_app(engine, **app_kw) if isinstance(engine, SpeechPipeline) else create_app(engine, **app_kw)
+Served = Union[Engine, SpeechPipeline, "OmniPipeline"]
+
+
+def _app(served: Served, **app_kw: Any) -> Any:
+    """The app for what is served: the speech app for a Qwen3-TTS pipeline; the OpenAI
+    app for an engine, or for a Qwen3-Omni pipeline's thinker with audio out."""
+    if isinstance(served, SpeechPipeline):
+        return create_speech_app(served, **app_kw)
+    if isinstance(served, Engine):
+        return create_app(served, **app_kw)
+    return create_app(served.thinker, omni=served, **app_kw)
+
+
+def _engine(served: Served) -> Engine:
+    """The engine a signal's stop counts open requests of and closes first."""
+    if isinstance(served, SpeechPipeline):
+        return served.engine
+    return served if isinstance(served, Engine) else served.thinker
+
+
+def _config(engine: Served, *, host: str, port: int, log_level: str, quiet: bool, **app_kw: Any) -> uvicorn.Config:
+    app = _app(engine, **app_kw)
     kw: dict[str, Any] = {"log_config": None} if quiet else {}
     return uvicorn.Config(app, host=host, port=port, log_level=log_level.lower(), lifespan="on", http=http_protocol(), **kw)
 
@@ -116,12 +139,14 @@ class StoppingServer(uvicorn.Server):
 
 
 async def serve(
-    engine: Engine | SpeechPipeline, *, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
+    engine: Served, *, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
     sock: socket.socket | None = None, on_ready: Callable[[str, str], None] | None = None, **app_kw: Any,
 ) -> int:
     """Serve until SIGINT or SIGTERM, then stop (the module's docstring) and return how many
     open requests the stop aborted. A :class:`~omni_async.speech.SpeechPipeline` is served
-    by the speech app (the stop closes its talker's engine first). ``sock``: a socket
+    by the speech app (the stop closes its talker's engine first), a Qwen3-Omni
+    :class:`~omni_async.speech.omni_pipeline.OmniPipeline` by the OpenAI app with audio out
+    (the stop closes its thinker first, the app's shutdown the rest). ``sock``: a socket
     already bound (``listening_socket``), in place of ``host``/``port``;
     ``on_ready(url, model_name)`` is called once the server accepts requests."""
     sock = sock if sock is not None else listening_socket(host, port)
@@ -133,7 +158,7 @@ async def serve(
         if on_ready is not None:
             on_ready(base_url(sock), app.state.model_name)  # type: ignore[union-attr]
 
-    server = StoppingServer(config, engine.engine if isinstance(engine, SpeechPipeline) else engine, ready)
+    server = StoppingServer(config, _engine(engine), ready)
     try:
         await server.serve(sockets=[sock])
     finally:
@@ -142,7 +167,7 @@ async def serve(
 
 
 @contextlib.asynccontextmanager
-async def running_server(engine: Engine | SpeechPipeline, *, host: str = "127.0.0.1", port: int = 0, **app_kw: Any) -> AsyncIterator[str]:
+async def running_server(engine: Served, *, host: str = "127.0.0.1", port: int = 0, **app_kw: Any) -> AsyncIterator[str]:
     """Serve ``engine`` on ``host`` (a free port unless given) inside this block, in the
     current event loop; yields the base URL (``http://127.0.0.1:PORT``). The server shuts
     down at the end of the block (and closes the engine unless ``close_engine=False``)."""

@@ -216,7 +216,9 @@ class OmniPipeline:
             raise errors.InvalidRequestError("input_ids must be a list of integers")
         return list(input_ids)
 
-    def _voice(self, voice: str | None) -> str:
+    def check_voice(self, voice: str | None) -> str:
+        """The voice a request speaks in (``None``: the default), or InvalidRequestError
+        naming the voices there are."""
         name = voice if voice is not None else self.default_voice
         if name is None:
             raise errors.InvalidRequestError("this checkpoint names no voices: there is no speaker to speak with")
@@ -254,7 +256,7 @@ class OmniPipeline:
         cancelling) aborts the request in every stage it reached."""
         if self._tg is None:
             raise errors.SchedulerClosedError("the omni pipeline is not running: use `async with`")
-        name = self._voice(voice)
+        name = self.check_voice(voice)
         if max_frames is not None and max_frames < 1:
             raise errors.InvalidRequestError(f"max_frames must be at least 1, got {max_frames}")
         thinker_sampling = _thinker_sampling(sampling)

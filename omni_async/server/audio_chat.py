@@ -1,0 +1,140 @@
+"""Chat with audio out: ``POST /v1/chat/completions`` with ``modalities: ["text", "audio"]``
+and ``audio: {"voice", "format"}``, on a server over a Qwen3-Omni pipeline
+(:class:`~omni_async.speech.omni_pipeline.OmniPipeline`), in OpenAI's audio-chat shape.
+
+Whole: ``choices[0].message`` has ``content`` null and ``audio``: ``id``, ``data`` (the
+reply's audio in ``audio.format``, base64), ``expires_at`` and ``transcript`` (the
+reply's text). Streamed: after the role chunk, the text as ``delta.audio.transcript``
+pieces, then the audio as ``delta.audio.data`` pieces (base64; ``wav``: the first opens
+with a WAV header whose sizes are left open, as a streamed WAV's are), each with the
+reply's audio ``id``; then a chunk with the ``finish_reason`` (the thinker's) and
+``delta.audio.expires_at``, the usage when asked, ``[DONE]``. The usage counts the
+frames spoken as ``completion_tokens_details.audio_tokens``.
+
+As for text, a streamed reply waits for its first event before its headers, so a refused
+request (an unknown voice, a prompt without room) gets its status code; a client that goes
+away aborts the reply in every stage (its stream is closed, or its whole reply cancelled).
+"""
+
+from __future__ import annotations
+
+import base64
+import time
+import uuid
+from typing import TYPE_CHECKING, Any, AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from .. import errors
+from ..config import SamplingParams
+from ..logs import log
+from ..speech.audio_format import pcm16, wav_file, wav_header
+from .disconnect import until_disconnect
+from .errors import body_of, error_body
+from .protocol import ChatCompletionRequest
+from .wire import DONE, ChunkFrames, event
+
+if TYPE_CHECKING:
+    from ..speech.omni_pipeline import OmniPipeline, OmniResult
+
+__all__ = ["AudioChat"]
+
+# How long a reply's audio id is said to stay valid (OpenAI's ``expires_at``; nothing is
+# kept here, so a later turn carries the reply's text, not its audio id).
+EXPIRES_S = 3600
+
+
+class AudioChat:
+    """Spoken chat replies of one pipeline, served under ``model_name``."""
+
+    def __init__(self, pipeline: "OmniPipeline", model_name: str) -> None:
+        self.pipeline = pipeline
+        self.model_name = model_name
+
+    async def respond(self, request: Request, body: ChatCompletionRequest, prompt_ids: list[int], sampling: SamplingParams) -> Response:
+        """The reply to a checked request (``body.wants_audio()``) whose prompt and thinker
+        sampling the text route made."""
+        assert body.audio is not None
+        voice = self.pipeline.check_voice(body.audio.voice)
+        reply = _Reply(self.model_name, body.audio.format, self.pipeline.sample_rate, len(prompt_ids))
+        if not body.stream:
+            completed, result = await until_disconnect(request, self.pipeline.chat(input_ids=prompt_ids, voice=voice, sampling=sampling))
+            if not completed:
+                return Response(status_code=499)  # nobody is listening any more
+            return JSONResponse(reply.whole(result))
+        events = self.pipeline.stream(input_ids=prompt_ids, voice=voice, sampling=sampling)
+        try:
+            first = await events.__anext__()
+        except BaseException:
+            await events.aclose()
+            raise  # a typed error: answered with its status code by the handler
+        return StreamingResponse(reply.events(events, first, body.include_usage()), media_type="text/event-stream")
+
+
+class _Reply:
+    """One reply's envelope, audio id and encoding."""
+
+    def __init__(self, model: str, fmt: str, sample_rate: int, prompt_tokens: int) -> None:
+        self.id = "chatcmpl-" + uuid.uuid4().hex[:24]
+        self.audio_id = "audio_" + uuid.uuid4().hex[:24]
+        self.created = int(time.time())
+        self.model, self.format, self.sample_rate, self.prompt_tokens = model, fmt, sample_rate, prompt_tokens
+
+    def _expires_at(self) -> int:
+        return int(time.time()) + EXPIRES_S
+
+    def usage(self, text_tokens: int, frames: int) -> dict[str, Any]:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": text_tokens + frames,
+                "total_tokens": self.prompt_tokens + text_tokens + frames,
+                "completion_tokens_details": {"text_tokens": text_tokens, "audio_tokens": frames}}
+
+    def whole(self, result: "OmniResult") -> dict[str, Any]:
+        data = wav_file(result.audio, self.sample_rate) if self.format == "wav" else pcm16(result.audio)
+        audio = {"id": self.audio_id, "data": base64.b64encode(data).decode("ascii"), "expires_at": self._expires_at(),
+                 "transcript": result.text or ""}
+        message = {"role": "assistant", "content": None, "refusal": None, "audio": audio}
+        return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
+                "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": result.finish_reason}],
+                "usage": self.usage(len(result.output_ids), int(result.codes.shape[0]))}
+
+    def _audio_bytes(self, pcm: Any, first: bool) -> bytes:
+        data = pcm16(pcm)
+        return wav_header(self.sample_rate, None) + data if first and self.format == "wav" else data
+
+    async def events(self, events: AsyncIterator[Any], first: Any, include_usage: bool) -> AsyncIterator[bytes]:
+        frames = ChunkFrames(self.id, "chat.completion.chunk", self.created, self.model)
+        text_tokens = spoken = 0
+        reason = None
+        opened = False
+        try:
+            yield frames.chunk([_choice({"role": "assistant", "content": None})])
+            delta = first
+            while delta is not None:
+                if delta.kind == "text":
+                    text_tokens += len(delta.token_ids)
+                    reason = delta.finish_reason if delta.finished else reason
+                    if delta.text:
+                        yield frames.chunk([_choice({"audio": {"id": self.audio_id, "transcript": delta.text}})])
+                elif delta.audio is not None:
+                    spoken += int(delta.audio.codes.shape[0])
+                    data = self._audio_bytes(delta.audio.audio, not opened)
+                    opened = True
+                    if data:
+                        yield frames.chunk([_choice({"audio": {"id": self.audio_id, "data": base64.b64encode(data).decode("ascii")}})])
+                delta = await anext(events, None)
+            yield frames.chunk([_choice({"audio": {"id": self.audio_id, "expires_at": self._expires_at()}}, reason)])
+            if include_usage:
+                yield frames.chunk([], self.usage(text_tokens, spoken))
+        except errors.OmniAsyncError as exc:  # after the headers: reported in the stream
+            yield event(body_of(exc)[1])
+        except Exception as exc:  # a bug is still an error event, and the stream still ends with [DONE]
+            log.error("server_audio_stream_failed", error=repr(exc))
+            yield event(error_body(f"internal server error: {type(exc).__name__}", 500))
+        finally:
+            await events.aclose()
+        yield DONE
+
+
+def _choice(delta: dict[str, Any], finish_reason: str | None = None) -> dict[str, Any]:
+    return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
