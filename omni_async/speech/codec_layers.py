@@ -46,9 +46,9 @@ class Carry:
     def clear_lead(self, x: torch.Tensor, lead: int) -> torch.Tensor:
         """``x [B, C, T]`` with its first ``lead`` samples zeroed in the rows of streams at
         their first chunk (position 0); other rows as they are. No host read: graph-safe."""
-        later = (self.position > 0)[:, None, None]
-        inside = (torch.arange(x.shape[-1], device=x.device) >= lead)[None, None, :]
-        return torch.where(later | inside, x, torch.zeros((), dtype=x.dtype, device=x.device))
+        first = (self.position == 0)[:, None, None]
+        ahead = (torch.arange(x.shape[-1], device=x.device) < lead)[None, None, :]
+        return x.masked_fill(first & ahead, 0.0)
 
 
 class WindowConfig(Protocol):
