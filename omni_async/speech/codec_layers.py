@@ -52,18 +52,38 @@ class Carry:
 
 
 class WindowConfig(Protocol):
-    """The shape of the sliding-window transformer (both codecs' configs have these)."""
+    """The shape of the sliding-window transformer, read-only (both codecs' frozen configs,
+    ``CodecConfig`` and ``Code2WavConfig``, have these fields)."""
 
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    sliding_window: int
-    rope_theta: float
-    rms_norm_eps: float
-    attention_bias: bool
+    @property
+    def hidden_size(self) -> int: ...
+
+    @property
+    def intermediate_size(self) -> int: ...
+
+    @property
+    def num_hidden_layers(self) -> int: ...
+
+    @property
+    def num_attention_heads(self) -> int: ...
+
+    @property
+    def num_key_value_heads(self) -> int: ...
+
+    @property
+    def head_dim(self) -> int: ...
+
+    @property
+    def sliding_window(self) -> int: ...
+
+    @property
+    def rope_theta(self) -> float: ...
+
+    @property
+    def rms_norm_eps(self) -> float: ...
+
+    @property
+    def attention_bias(self) -> bool: ...
 
 
 class Stateful(nn.Module):

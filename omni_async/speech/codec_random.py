@@ -1,4 +1,5 @@
-"""Random weights for a codec decoder (``CodecDecoder``, ``Code2Wav``) whose audio is neither silent nor clipped.
+"""Random weights for a codec decoder (``CodecDecoder``, ``Code2Wav``) whose audio is neither
+silent nor clipped.
 
 Stock initialisations make a useless decoder to test against: zero codebooks make the audio
 independent of the codes, near-zero layer scales hide the transformer, and O(1) weights
