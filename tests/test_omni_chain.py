@@ -21,7 +21,8 @@ from omni_async.speech.codec_config import CodecConfig
 from omni_async.speech.omni_pipeline import OmniPipeline
 
 from .conftest import LOOPS, assert_kv_free
-from .test_omni_talker import AUDIO, CASES, chat_prompt, omni_model, reference_run  # noqa: F401 (a fixture)
+from .test_code2wav import CASES as AUDIO_CASES, TOL, omni, reference_audio  # noqa: F401 (a fixture)
+from .test_omni_talker import CASES, chat_prompt, omni_model, reference_run  # noqa: F401 (a fixture)
 
 THINKER_EOS = 501  # <|im_end|>, the reference run's thinker_eos_token_id
 
@@ -85,6 +86,37 @@ async def test_text_and_codes_equal_transformers_in_every_loop(omni_model, expec
             assert len(result.audio) == codes.shape[0] * pipe.codec.decoder.samples_per_frame
             oneshot = (await asyncio.to_thread(_decode, pipe.codec.decoder, codes))
             np.testing.assert_allclose(result.audio, oneshot, atol=2e-5)
+        await assert_stages_free(pipe)
+
+
+@pytest.fixture(scope="module")
+def generated_audio(omni):
+    """Per case of tests/test_code2wav.py: the prompt, transformers' thinker tokens and the
+    waveform its ``generate(return_audio=True)`` returns."""
+    _, model = omni
+    out = []
+    for user, reply, frames, penalty in AUDIO_CASES:
+        prompt = chat_prompt(user)
+        thinker, wav = reference_audio(model, prompt, reply=reply, frames=frames, penalty=penalty)
+        out.append((prompt, thinker.sequences[0, len(prompt):].tolist(), wav))
+    return out
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+async def test_the_replys_audio_equals_generates_waveform(omni, generated_audio, loop):
+    """The folder's own Code2Wav at the end of the chain: both replies at once, each
+    one's tokens and its streamed audio those of transformers' ``generate(return_audio=True)``
+    (a talker cut at 12 frames, one ended by the codec EOS)."""
+    folder, _ = omni
+    limits = dict(page_size=8)
+    async with OmniPipeline.from_pretrained(folder, loop=loop, thinker_limits=limits, talker_limits=limits) as pipe:
+        results = await asyncio.gather(*(
+            pipe.chat(input_ids=prompt, sampling=thinker_sampling(reply), max_frames=frames, repetition_penalty=penalty)
+            for (prompt, _, _), (_, reply, frames, penalty) in zip(generated_audio, AUDIO_CASES)))
+        for result, (_, tokens, wav) in zip(results, generated_audio):
+            assert result.output_ids == tokens
+            assert result.audio.shape == tuple(wav.shape) and float(np.abs(result.audio - wav.numpy()).max()) < TOL
+        assert [r.audio_finish_reason for r in results] == ["length", "stop"]
         await assert_stages_free(pipe)
 
 
@@ -168,7 +200,9 @@ async def test_a_cancelled_chat_frees_all_three_stages(omni_model, expected):
 async def _settled(pipe: OmniPipeline) -> None:
     """Wait (bounded) until the stages have processed the aborts sent to them."""
     for _ in range(500):
-        if not pipe.thinker.open_requests and not pipe.talker.engine.open_requests and pipe.codec.active() == 0:
+        # (a stream closed while the codec decodes its chunk gives its slot back after the call)
+        if not pipe.thinker.open_requests and not pipe.talker.engine.open_requests and pipe.codec.active() == 0 \
+                and pipe.codec.slots.in_use() == 0:
             return
         await asyncio.sleep(0.01)
 

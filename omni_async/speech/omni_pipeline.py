@@ -40,6 +40,7 @@ from ..config import SamplingParams
 from ..engine import Engine
 from ..stage.request_checks import sampling_of
 from ..text.chat import render_chat_ids
+from .code2wav import Code2Wav
 from .codec_stage import AudioChunk, CodecStage
 from .omni_config import OmniTalkerConfig
 from .omni_stage import build_omni_talker_stage, talker_request
@@ -338,7 +339,6 @@ def _thinker_sampling(sampling: SamplingParams | dict[str, Any] | None) -> Sampl
     return dataclasses.replace(sampling, return_hidden_states=True, return_prompt_hidden_states=True)
 
 
-def folder_code2wav(folder: Path, device: torch.device, dtype: torch.dtype) -> Any:
-    """The folder's Code2Wav (``code2wav.*``) as a streaming decoder."""
-    raise errors.ModelLoadError(f"{folder}: Code2Wav is not available in this build; pass codec= (a decoder) to "
-                                "OmniPipeline.from_pretrained")
+def folder_code2wav(folder: Path, device: torch.device, dtype: torch.dtype) -> Code2Wav:
+    """The folder's Code2Wav (``code2wav_config``, the ``code2wav.*`` tensors)."""
+    return Code2Wav.from_folder(folder, device=device, dtype=dtype)
