@@ -31,7 +31,7 @@ from ..config import SamplingParams
 from ..logs import log
 from ..speech.audio_format import pcm16, wav_file, wav_header
 from .disconnect import until_disconnect
-from .errors import body_of, error_body
+from .errors import body_of, error_body, invalid
 from .protocol import ChatCompletionRequest
 from .wire import DONE, ChunkFrames, event
 
@@ -56,7 +56,10 @@ class AudioChat:
         """The reply to a checked request (``body.wants_audio()``) whose prompt and thinker
         sampling the text route made."""
         assert body.audio is not None
-        voice = self.pipeline.check_voice(body.audio.voice)
+        try:
+            voice = self.pipeline.check_voice(body.audio.voice)
+        except errors.InvalidRequestError as exc:
+            raise invalid(str(exc), "audio.voice") from None
         reply = _Reply(self.model_name, body.audio.format, self.pipeline.sample_rate, len(prompt_ids))
         if not body.stream:
             completed, result = await until_disconnect(request, self.pipeline.chat(input_ids=prompt_ids, voice=voice, sampling=sampling))

@@ -23,9 +23,24 @@ from ..errors import InvalidRequestError, ModelLoadError
 from ..models.config import ModelConfig
 from .config import PredictorConfig
 
-__all__ = ["OmniTalkerConfig"]
+__all__ = ["OmniTalkerConfig", "speaks"]
 
 ARCHITECTURE = "Qwen3OmniMoeForConditionalGeneration"
+
+
+def speaks(path_or_name: str | Path) -> bool:
+    """Whether ``path_or_name`` is a Qwen3-Omni folder that speaks: its config.json names
+    the architecture (or ``model_type`` ``qwen3_omni_moe``) with a talker and a Code2Wav,
+    and does not turn audio output off (``enable_audio_output``)."""
+    path = Path(str(path_or_name)) / "config.json"
+    if not path.is_file():
+        return False
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    omni = ARCHITECTURE in (raw.get("architectures") or []) or raw.get("model_type") == "qwen3_omni_moe"
+    return bool(omni and raw.get("talker_config") and raw.get("code2wav_config") and raw.get("enable_audio_output", True))
 
 
 @dataclass(frozen=True)
