@@ -250,10 +250,11 @@ async def _serve(args: argparse.Namespace) -> int:
     """Listen first (a port in use fails before the model loads), load, serve until
     SIGINT/SIGTERM; one line when ready and one when stopped. A speech checkpoint is served
     by the speech app (POST /v1/audio/speech); a Qwen3-Omni folder that speaks by the text
-    app with audio out (its three stages: :func:`_load_omni`)."""
+    app with audio out (its three stages)."""
     with signals_noted() as interrupted:  # until serving, a signal is kept for after the load (which runs in a thread)
         from .server import listening_socket, serve  # preflight checked the serve extra
         from .speech.omni_config import speaks
+        from .speech.speak import load_omni
         from .speech.stage import is_speech_checkpoint
 
         sock = listening_socket(args.host, args.port)
@@ -264,7 +265,7 @@ async def _serve(args: argparse.Namespace) -> int:
                 served = await load_speech(args, schedule=speech_schedule(args), **engine_limits(args))
                 app_kw: dict[str, Any] = {}
             else:
-                served = await (_load_omni(args) if speaks(args.model) else _load(args))
+                served = await (load_omni(args, **engine_limits(args)) if speaks(args.model) else _load(args))
                 app_kw = {"chat_template": args.chat_template, "tool_call_parser": args.tool_call_parser,
                           "generation_config": args.generation_config}
         except BaseException:
@@ -284,19 +285,6 @@ async def _serve(args: argparse.Namespace) -> int:
     )
     print(f"stopped: {aborted} open requests aborted", file=sys.stderr, flush=True)
     return 0
-
-
-async def _load_omni(args: argparse.Namespace) -> Any:
-    """A Qwen3-Omni folder's three stages (thinker, talker, Code2Wav) in a worker thread;
-    the command line's limits are the thinker's."""
-    from .speech.omni_pipeline import OmniPipeline
-
-    start = time.perf_counter()
-    log.info("cli_model_loading", model=args.model)
-    pipe = await OmniPipeline.load(args.model, device=args.device, loop=args.loop or "overlap", dtype=args.dtype,
-                                   seed=args.engine_seed, thinker_limits=engine_limits(args))
-    print(f"loaded {args.model} (thinker, talker, code2wav) in {time.perf_counter() - start:.1f} s", file=sys.stderr)
-    return pipe
 
 
 def _add_speak_parser(sub: argparse._SubParsersAction, fmt: type[argparse.HelpFormatter]) -> argparse.ArgumentParser:

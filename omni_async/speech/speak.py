@@ -18,6 +18,7 @@ import sys
 import time
 import wave
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .. import errors
 from .audio_format import pcm16
@@ -29,6 +30,9 @@ from .schedule import SpeechSchedule
 from .flags import schedule_fields
 from .names import DEFAULT_SPEECH_MODEL, MODEL_KINDS
 from .stage import builtin_name, is_speech_checkpoint
+
+if TYPE_CHECKING:
+    from .omni_pipeline import OmniPipeline
 
 __all__ = ["preflight_speak", "check_speech_serve", "refuse_speech_model", "load_speech", "speak",
            "DEFAULT_SPEECH_MODEL", "MODEL_KINDS", "params_of", "speech_schedule"]
@@ -102,6 +106,18 @@ async def load_speech(args: argparse.Namespace, schedule: dict | None = None, **
                                          schedule=schedule, **limits)
     if sys.stderr.isatty() or args.command == "serve":
         print(f"loaded {args.model} in {time.perf_counter() - start:.1f} s", file=sys.stderr)
+    return pipeline
+
+
+async def load_omni(args: argparse.Namespace, **limits: object) -> OmniPipeline:
+    """A Qwen3-Omni folder's three stages (thinker, talker, Code2Wav) in a worker thread;
+    ``limits`` (the command line's) are the thinker's."""
+    from .omni_pipeline import OmniPipeline
+
+    start = time.perf_counter()
+    pipeline = await OmniPipeline.load(args.model, device=args.device, loop=args.loop or "overlap", dtype=args.dtype,
+                                       seed=args.engine_seed, thinker_limits=dict(limits))
+    print(f"loaded {args.model} (thinker, talker, code2wav) in {time.perf_counter() - start:.1f} s", file=sys.stderr)
     return pipeline
 
 
