@@ -67,13 +67,15 @@ def expected(omni_model):
     return out
 
 
+@pytest.mark.parametrize("stream_talker", [True, False], ids=["streamed", "in-order"])
 @pytest.mark.parametrize("loop", LOOPS)
-async def test_text_and_codes_equal_transformers_in_every_loop(omni_model, expected, loop):
-    """Every case at once through the three stages: the thinker's tokens as transformers'
-    thinker writes them (and as the thinker stage alone writes them), the frames as
-    transformers' talker writes them, the audio the codec's one-shot decode of them."""
+async def test_text_and_codes_equal_transformers_in_every_loop(omni_model, expected, loop, stream_talker):
+    """Every case at once through the three stages, the talker fed as the thinker writes
+    or after it: the thinker's tokens as transformers' thinker writes them (and as the
+    thinker stage alone writes them), the frames as transformers' talker writes them, the
+    audio the codec's one-shot decode of them."""
     folder, _ = omni_model
-    async with pipeline(folder, loop) as pipe:
+    async with pipeline(folder, loop, stream_talker=stream_talker) as pipe:
         results = await asyncio.gather(*(
             pipe.chat(input_ids=prompt, voice="Ethan", sampling=thinker_sampling(reply), max_frames=frames, repetition_penalty=penalty)
             for (prompt, _, _), (_, reply, frames, penalty, _) in zip(expected, CASES)))
@@ -125,25 +127,53 @@ def _decode(decoder, codes):
         return decoder.decode(codes[None])[0].numpy()
 
 
-async def test_the_stream_gives_text_deltas_then_audio_chunks(omni_model, expected):
+@pytest.mark.parametrize("stream_talker", [True, False], ids=["streamed", "in-order"])
+async def test_the_stream_gives_text_deltas_and_audio_chunks(omni_model, expected, stream_talker):
     """The streamed reply: text deltas whose tokens join into the reply, its last
-    ``finished``; then audio chunks in frame order whose frames join into the codes, the
-    last ``finished`` with the talker's finish reason."""
+    ``finished``; audio chunks in frame order whose frames join into the codes, the last
+    ``finished`` with the talker's finish reason; in order, every audio chunk after the
+    text."""
     folder, _ = omni_model
     (prompt, tokens, codes), (_, reply, frames, penalty, finish) = expected[2], CASES[2]
-    async with pipeline(folder, "overlap") as pipe:
+    async with pipeline(folder, "overlap", stream_talker=stream_talker) as pipe:
         events = [d async for d in pipe.stream(input_ids=prompt, sampling=thinker_sampling(reply), max_frames=frames,
                                                repetition_penalty=penalty)]
-        kinds = [d.kind for d in events]
-        assert kinds == sorted(kinds, key=lambda k: k != "text") and "audio" in kinds
         text = [d for d in events if d.kind == "text"]
         audio = [d for d in events if d.kind == "audio"]
+        if not stream_talker:
+            assert [d.kind for d in events] == ["text"] * len(text) + ["audio"] * len(audio)
         assert [t for d in text for t in d.token_ids] == tokens
         assert [d.finished for d in text] == [False] * (len(text) - 1) + [True]
         assert [d.finished for d in audio] == [False] * (len(audio) - 1) + [True] and audio[-1].finish_reason == finish
         assert len(audio) > 2  # streamed in chunks, not one piece
         assert [c.audio.first_frame for c in audio] == list(np.cumsum([0] + [c.audio.codes.shape[0] for c in audio[:-1]]))
         assert torch.cat([c.audio.codes for c in audio]).tolist() == codes.tolist()
+        await assert_stages_free(pipe)
+
+
+async def test_the_talker_starts_while_the_thinker_writes(omni_model, expected):
+    """Streamed, the talker's request goes in while the thinker's (a 40-token reply) is
+    still open, its frames reading the reply's rows as they come; in order, it goes in once
+    the thinker's has ended. The codes are the same (each frame waited for its row)."""
+    folder, _ = omni_model
+    prompt, _, _ = expected[2]
+    async with pipeline(folder, "overlap") as pipe:
+        submit, thinker_open = pipe.talker.engine.submit, []
+
+        async def watched(*args, **kwargs):
+            thinker_open.append("r" in pipe.thinker.open_requests)
+            return await submit(*args, **kwargs)
+
+        pipe.talker.engine.submit = watched
+        replies = []
+        for stream_talker in (True, False):
+            pipe.stream_talker = stream_talker
+            replies.append(await pipe.chat(input_ids=prompt, sampling=SamplingParams(max_new_tokens=40, ignore_eos=True),
+                                           max_frames=60, request_id="r"))
+        streamed, in_order = replies
+        assert thinker_open == [True, False]
+        assert streamed.output_ids == in_order.output_ids and len(streamed.output_ids) == 40
+        assert streamed.codes.tolist() == in_order.codes.tolist() and streamed.codes.shape[0] > 30
         await assert_stages_free(pipe)
 
 

@@ -4,17 +4,15 @@ stages in one event loop.
 The chain is made of the pieces each stage already is: the thinker is an
 :class:`~omni_async.engine.Engine` on the folder's text decoder, capturing the rows of the
 talker's ``accept_hidden_layer``; the talker is the Qwen3-Omni talker stage
-(:mod:`.omni_stage`); the codec is a :class:`~.codec_stage.CodecStage`. A request runs
-through them in order: the thinker's reply streams to the caller as text deltas while its
-rows stay on the thinker's device; when the reply ends, :func:`.omni_talker.talker_prompt`
-builds the talker's input from those rows (the thinker's input embeddings, read from its
-own embedding table on its device, and the layer rows it returned), the talker writes
-frames, and the codec turns them into PCM chunks as they arrive, as
+(:mod:`.omni_stage`); the codec is a :class:`~.codec_stage.CodecStage`. A request's way
+through them is a :class:`~.omni_reply.Reply`: the thinker's reply streams to the caller
+as text deltas while its rows stay on the thinker's device; after its first two tokens
+:func:`.omni_talker.talker_prompt` builds the talker's input from those rows (the
+thinker's input embeddings, read from its own embedding table on its device, and the
+layer rows it returned) and the talker starts, fed the reply's text rows as the thinker
+writes them (``stream_talker=False``: only once the reply is complete, the stages in
+order); the codec turns the frames into PCM chunks as they arrive, as
 :class:`~.pipeline.SpeechPipeline` does for Qwen3-TTS.
-
-The talker starts once the thinker's reply is complete (its trailing text rows are all
-known at the talker's prefill). Starting it after the first thinker chunk needs trailing
-rows appended while the talker speaks (docs/speech.md, "Qwen3-Omni").
 
 Every request ends in each stage it reached: leaving a stream early, cancelling, or a
 failure in any stage aborts the request in the thinker and the talker (each frees its
@@ -27,7 +25,6 @@ import dataclasses
 import functools
 import itertools
 import uuid
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable
 
@@ -41,9 +38,10 @@ from ..engine import Engine
 from ..stage.request_checks import sampling_of
 from ..text.chat import render_chat_ids
 from .code2wav import Code2Wav
-from .codec_stage import AudioChunk, CodecStage
+from .codec_stage import CodecStage
 from .omni_config import OmniTalkerConfig
-from .omni_stage import build_omni_talker_stage, talker_request
+from .omni_reply import OmniDelta, OmniResult, Reply, ThinkerRows
+from .omni_stage import build_omni_talker_stage
 from .omni_talker import OmniTalker, TalkerPrompt, talker_prompt
 from .stage import SpeechStage
 
@@ -59,74 +57,16 @@ DEFAULT_VOICE = "ethan"
 CodecLoader = Callable[[Path, torch.device, torch.dtype], Any]
 
 
-@dataclass
-class OmniDelta:
-    """One event of a streamed reply. ``kind`` "text": the thinker's new tokens
-    (``token_ids``, ``text`` when the folder has a tokenizer), ``finished`` on its last,
-    with the thinker's ``finish_reason``. ``kind`` "audio": a chunk of the spoken reply
-    (``audio``), ``finished`` on the last, with the talker's ``finish_reason`` ("stop":
-    the codec EOS, "length": ``max_frames``)."""
-
-    request_id: str
-    kind: str
-    token_ids: list[int] = field(default_factory=list)
-    text: str | None = None
-    audio: AudioChunk | None = None
-    finished: bool = False
-    finish_reason: str | None = None
-
-
-@dataclass
-class OmniResult:
-    """A whole reply: the thinker's tokens and text, and the talker's frames ``codes``
-    ``[frames, groups]`` (CPU) with their PCM ``audio`` (float32 at ``sample_rate``)."""
-
-    request_id: str
-    output_ids: list[int]
-    text: str | None
-    finish_reason: str | None
-    codes: torch.Tensor
-    audio: np.ndarray
-    sample_rate: int
-    audio_finish_reason: str | None
-
-    @property
-    def seconds(self) -> float:
-        return len(self.audio) / self.sample_rate
-
-
-class _ThinkerRows:
-    """What the talker needs of a thinker request, gathered from its deltas on the
-    thinker's device: its tokens, its prompt's layer rows and one layer row per token."""
-
-    def __init__(self) -> None:
-        self.output_ids: list[int] = []
-        self.prompt_hidden: torch.Tensor | None = None
-        self.hidden: list[torch.Tensor] = []
-
-    def add(self, delta: Any) -> None:
-        self.output_ids.extend(delta.token_ids)
-        if delta.prompt_hidden_states is not None:
-            self.prompt_hidden = delta.prompt_hidden_states
-        if delta.hidden_states is not None:
-            self.hidden.append(delta.hidden_states)
-
-    def layer_rows(self) -> torch.Tensor:
-        """The layer rows at every position the thinker ran: the prompt's, then those of
-        the positions that produced tokens 2.. (token ``i`` comes from position
-        ``prompt + i - 1``; the reply's last token is never an input)."""
-        assert self.prompt_hidden is not None, "the thinker returned no prompt rows"
-        out = torch.cat(self.hidden) if self.hidden else self.prompt_hidden[:0]
-        return torch.cat((self.prompt_hidden, out[1:len(self.output_ids)]))
-
-
 class OmniPipeline:
     """Use ``async with``; :meth:`chat` for a whole reply, :meth:`stream` for its text
     deltas and audio chunks as they come."""
 
     def __init__(self, thinker: Engine, talker: SpeechStage, codec: Any, *, first_chunk_frames: int = 2,
-                 max_chunk_frames: int = 32) -> None:
+                 max_chunk_frames: int = 32, stream_talker: bool = True) -> None:
+        """``stream_talker``: the talker starts after the thinker's first two tokens and is
+        fed as it writes (False: once the reply is complete)."""
         self.thinker = thinker
+        self.stream_talker = stream_talker
         self.talker = talker
         self.talker_model: OmniTalker = talker.model  # type: ignore[assignment]
         self.config: OmniTalkerConfig = self.talker_model.config
@@ -144,11 +84,12 @@ class OmniPipeline:
     @classmethod
     def from_pretrained(cls, folder: str | Path, *, device: str = "cpu", loop: str = "overlap", dtype: Any = None, seed: int = 0,
                         codec: Any = None, codec_loader: CodecLoader | None = None, first_chunk_frames: int = 2,
-                        max_chunk_frames: int = 32, thinker_limits: dict[str, Any] | None = None,
+                        max_chunk_frames: int = 32, stream_talker: bool = True, thinker_limits: dict[str, Any] | None = None,
                         talker_limits: dict[str, Any] | None = None) -> "OmniPipeline":
         """The three stages of a ``Qwen3OmniMoeForConditionalGeneration`` folder on one
         ``device``. ``codec``: a decoder to use in place of the folder's Code2Wav, or
-        ``codec_loader`` to build one; ``thinker_limits`` / ``talker_limits``: each
+        ``codec_loader`` to build one; ``stream_talker``: see ``__init__``;
+        ``thinker_limits`` / ``talker_limits``: each
         stage's SchedulerConfig fields (KV sizing, chunked prefill ...)."""
         folder = Path(folder)
         cfg = OmniTalkerConfig.from_folder(folder)  # a folder that is no Qwen3-Omni one fails before anything loads
@@ -158,7 +99,8 @@ class OmniPipeline:
         if codec is None:
             dev, dt = talker.runner.device, talker.model.dtype
             codec = (codec_loader or folder_code2wav)(folder, dev, torch.float32 if dev.type == "cpu" else dt)
-        return cls(thinker, talker, codec, first_chunk_frames=first_chunk_frames, max_chunk_frames=max_chunk_frames)
+        return cls(thinker, talker, codec, first_chunk_frames=first_chunk_frames, max_chunk_frames=max_chunk_frames,
+                   stream_talker=stream_talker)
 
     @classmethod
     async def load(cls, folder: str | Path, **kwargs: Any) -> "OmniPipeline":
@@ -226,19 +168,21 @@ class OmniPipeline:
         self.config.speaker_id(name)  # InvalidRequestError naming the voices there are
         return name
 
-    def _talker_prompt(self, prompt_ids: list[int], rows: _ThinkerRows, voice: str) -> TalkerPrompt | None:
-        """The talker's input from the thinker's rows, on the thinker's device; None when
-        the reply is a single token (the talker reads the first reply token's row as an
-        input, and a reply's last token never is one)."""
-        if len(rows.output_ids) < 2:
-            return None
-        tokens = [*prompt_ids, *rows.output_ids[:-1]]
+    def thinker_embeddings(self, tokens: list[int]) -> torch.Tensor:
+        """The thinker's input embeddings of ``tokens`` ``[n, Ht]``, on its device."""
         embed = self.thinker.stack.loaded.model.model.embed_tokens
         with torch.inference_mode():
-            embeds = embed(torch.tensor(tokens, dtype=torch.long, device=embed.weight.device))
-        return talker_prompt(self.talker_model, prompt_ids, rows.output_ids, embeds, rows.layer_rows(), voice)
+            return embed(torch.tensor(tokens, dtype=torch.long, device=embed.weight.device))
 
-    def _frames_room(self, prompt: TalkerPrompt, max_frames: int | None) -> int:
+    def talker_prompt(self, prompt_ids: list[int], rows: ThinkerRows, voice: str) -> TalkerPrompt:
+        """The talker's input from the thinker's rows so far (at least two reply tokens),
+        its trailing rows those known so far."""
+        tokens = [*prompt_ids, *rows.output_ids[:-1]]
+        return talker_prompt(self.talker_model, prompt_ids, rows.output_ids, self.thinker_embeddings(tokens), rows.layer_rows(),
+                             voice, complete=False)
+
+    def frames_room(self, prompt: TalkerPrompt, max_frames: int | None) -> int:
+        """The request's frame budget: ``max_frames``, or what the talker's context leaves."""
         limits = self.talker.engine.scheduler.limits
         room = min(limits.context_length, limits.kv_capacity_tokens) - prompt.prefill.shape[0] - 1
         if room < 1:
@@ -248,11 +192,16 @@ class OmniPipeline:
             raise errors.InvalidRequestError(f"max_frames={max_frames} does not fit: the talker's prompt leaves {room} frames")
         return max_frames if max_frames is not None else room
 
+    def start_soon(self, fn: Any, *args: Any) -> None:
+        """Run ``fn(*args)`` in the pipeline's task group (a reply's helpers)."""
+        self._tg.start_soon(fn, *args)
+
     async def stream(self, messages: Any = None, *, input_ids: list[int] | None = None, voice: str | None = None,
                      sampling: SamplingParams | dict[str, Any] | None = None, max_frames: int | None = None,
                      repetition_penalty: float = 1.05, request_id: str | None = None) -> AsyncIterator[OmniDelta]:
-        """The reply's text deltas, then its audio chunks; the last of each kind has
-        ``finished``. ``sampling``: the thinker's (``n`` must be 1); the talker is
+        """The reply's text deltas and audio chunks as they come (with ``stream_talker``
+        they interleave: the talker speaks while the thinker writes); the last of each
+        kind has ``finished``. ``sampling``: the thinker's (``n`` must be 1); the talker is
         greedy with the reference's ``repetition_penalty``. Leaving the loop early (or
         cancelling) aborts the request in every stage it reached."""
         if self._tg is None:
@@ -266,43 +215,31 @@ class OmniPipeline:
         if rid in self._open:
             raise errors.RequestRejectedError(f"duplicate request id {rid!r}: a reply with this id is open")
         self._open.add(rid)
-        stream, done = None, False
+        reply = Reply(self, rid, prompt_ids, name, max_frames, repetition_penalty)
+        ended: set[str] = set()  # the parts ("text", "audio") whose last event came
+        done = False
         try:
-            rows = _ThinkerRows()
-            async for delta in await self.thinker.submit(input_ids=prompt_ids, sampling=thinker_sampling, request_id=rid):
-                rows.add(delta)
-                yield OmniDelta(rid, "text", list(delta.token_ids), delta.text, finished=delta.finished,
-                                finish_reason=delta.finish_reason)
-            prompt = self._talker_prompt(prompt_ids, rows, name)
-            if prompt is None:
-                done = True
-                yield OmniDelta(rid, "audio", audio=self._silence(rid), finished=True, finish_reason="stop")
-                return
-            request = talker_request(self.talker_model, prompt, max_frames=self._frames_room(prompt, max_frames),
-                                     repetition_penalty=repetition_penalty)
-            stream = self.codec.open(rid)
-            handle = await self.talker.engine.submit(**request, request_id=rid)
-            self._tg.start_soon(self.codec.feed, handle, stream)
-            async with stream.receive:
-                async for chunk in stream.receive:
-                    done = chunk.finished
-                    yield OmniDelta(rid, "audio", audio=chunk, finished=chunk.finished, finish_reason=chunk.finish_reason)
-            if not done:  # the talker's request failed: its error, typed
-                await handle.result()
+            handle = await self.thinker.submit(input_ids=prompt_ids, sampling=thinker_sampling, request_id=rid)
+            self._tg.start_soon(reply.run, handle)
+            async with reply.events:
+                async for event in reply.events:
+                    if isinstance(event, BaseException):
+                        raise event
+                    if event.finished:
+                        ended.add(event.kind)
+                    done = len(ended) == 2
+                    yield event
+            if not done:
                 raise errors.RequestAbortedError(f"omni request {rid!r} ended without its last audio chunk")
         finally:
             if not done:
+                reply.scope.cancel()
                 with anyio.CancelScope(shield=True):
                     await self.thinker.abort(rid)
                     await self.talker.engine.abort(rid)
-            if stream is not None:
-                self.codec.close(stream)
+            if reply.codec_stream is not None:
+                self.codec.close(reply.codec_stream)
             self._open.discard(rid)
-
-    def _silence(self, rid: str) -> AudioChunk:
-        groups = self.config.num_code_groups
-        return AudioChunk(rid, np.zeros(0, dtype=np.float32), self.sample_rate, torch.zeros((0, groups), dtype=torch.long), 0,
-                          True, "stop")
 
     async def chat(self, messages: Any = None, *, input_ids: list[int] | None = None, voice: str | None = None,
                    sampling: SamplingParams | dict[str, Any] | None = None, max_frames: int | None = None,

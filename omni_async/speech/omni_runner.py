@@ -11,13 +11,21 @@ decode step then picks row ``position - start`` of each slot, ``T(tts_pad)`` pas
 count: a gather and a select on the device, no host read, whatever the loop or the
 forwards per step.
 
-Not yet here: rows arriving while the talker speaks (the thinker streaming into it), and
-frame graphs (frames run eagerly; the store's gather is graph-safe, the capture is the
-missing part).
+A request streamed the thinker's reply as it is written (``talker_request(...,
+streamed=True)``) holds no rows at submission: its rows arrive as stream chunks into its
+``conditioning`` (:mod:`omni_async.core.conditioning`, start = its prompt length), whose
+rule keeps each frame from running before its row is there (or the rows are closed); the
+runner copies the rows that arrived since it last looked into the slot's store before
+each frame, on its own thread (the chunks are only appended to on the loop's, and a row
+is read only once the core has seen it arrive).
+
+Not yet here: frame graphs (frames run eagerly; the store's gather is graph-safe, the
+capture is the missing part).
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -51,6 +59,13 @@ class TextRowStore:
         self.count[slot] = n
         self.start[slot] = start
 
+    def extend(self, slot: int, offset: int, rows: torch.Tensor) -> None:
+        """Slot ``slot``'s rows ``offset ..`` (rows arriving while the request speaks)."""
+        n = rows.shape[0]
+        self._fit(slot + 1, offset + n)
+        self.rows[slot, offset:offset + n] = rows.to(self.rows.device, self.rows.dtype)
+        self.count[slot] = offset + n
+
     def at(self, slots: torch.Tensor, positions: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
         """Each row's text row for the frame whose input goes to ``positions`` ``[B]``."""
         k = positions - self.start.index_select(0, slots)
@@ -76,6 +91,8 @@ class OmniTalkerRunner(SpeechRunner):
         super().__init__(talker, kv, device, **options)
         self.talker = talker
         self.text = TextRowStore(talker.config.talker.hidden_size, talker.dtype, device)
+        # A streamed request's rows copied to its slot so far (from its latest prefill).
+        self._copied: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
 
     def forward(self, forward_batch: Any) -> Any:
         """A prefill (or chunk): each request's trailing rows to its slot, then the
@@ -87,11 +104,26 @@ class OmniTalkerRunner(SpeechRunner):
             rows = (getattr(payload, "metadata", None) or {}).get(TRAILING_KEY)
             # Without rows, every frame adds T(tts_pad) (and a reused slot forgets its last request's).
             self.text.put(int(slots[i]), len(req.prompt_ids), none if rows is None else rows)
+            if req.conditioning is not None:  # streamed: its rows so far, again after a retraction
+                self._copied[req] = 0
+        self._copy_arrived(batch.reqs, slots)
         return super().forward(forward_batch)
 
     def frame_text(self, fb: Any) -> torch.Tensor:
         self.text.reserve(int(self.inputs.table.shape[0]))  # every slot the input batch holds (a warm-up's too)
+        self._copy_arrived(fb.batch.reqs, fb.rows.slots)
         return self.text.at(fb.rows.slots_dev, fb.positions, self.talker.tts_pad)
+
+    def _copy_arrived(self, reqs: Any, slots: Any) -> None:
+        """Streamed requests' rows that arrived since they were last copied, to their slots."""
+        for i, req in enumerate(reqs):
+            cond = req.conditioning
+            if cond is None:
+                continue
+            copied, arrived = self._copied.get(req, 0), cond.available
+            for offset, rows in cond.pieces(cond.start + copied, arrived - copied):
+                self.text.extend(int(slots[i]), copied + offset, rows)
+            self._copied[req] = arrived
 
     def enable_cuda_graphs(self, *, scratch_page: int, max_len: int, max_batch: int) -> None:
         """Frames run eagerly for now (see the module's docstring); the pad page is set

@@ -243,12 +243,15 @@ def _assistant_start(ids: list[int], cfg: OmniTalkerConfig) -> int:
 
 @torch.inference_mode()
 def talker_prompt(model: OmniTalker, prompt_ids: Sequence[int], output_ids: Sequence[int], embeds: torch.Tensor,
-                  hidden: torch.Tensor, speaker: str) -> TalkerPrompt:
+                  hidden: torch.Tensor, speaker: str, *, complete: bool = True) -> TalkerPrompt:
     """The talker's input for a finished thinker reply. ``prompt_ids``: the chat prompt
     (ending ``<|im_start|>assistant\\n``); ``output_ids``: the thinker's reply;
     ``embeds`` / ``hidden``: the thinker's input embeddings and ``accept_hidden_layer``
     rows at every position it ran (``len(prompt) + len(output) - 1``: the reply's last
-    token is never an input). The trailing rows end with ``T(tts_eos)``."""
+    token is never an input). The trailing rows end with ``T(tts_eos)``; with
+    ``complete=False`` (a reply still being written, ``output_ids`` so far) they stop at
+    the rows known so far, and ``text_rows`` of each later input row, then
+    ``T(tts_eos)``, follow them."""
     cfg = model.config
     prompt, tokens = list(prompt_ids), [*prompt_ids, *output_ids]
     rows = embeds.shape[0]
@@ -264,7 +267,8 @@ def talker_prompt(model: OmniTalker, prompt_ids: Sequence[int], output_ids: Sequ
     codec = torch.cat((torch.zeros((3, text.shape[1]), dtype=text.dtype, device=text.device),
                        model.codec_rows([cfg.codec_nothink_id, cfg.codec_think_bos_id, cfg.codec_think_eos_id,
                                          cfg.speaker_id(speaker), cfg.codec_pad_id, cfg.codec_bos_id])))
-    return TalkerPrompt(prefill=torch.cat((user_rows, text + codec)), trailing=torch.cat((assistant[4:], model.tts_eos[None])))
+    trailing = torch.cat((assistant[4:], model.tts_eos[None])) if complete else assistant[4:]
+    return TalkerPrompt(prefill=torch.cat((user_rows, text + codec)), trailing=trailing)
 
 
 def _user_rows(model: OmniTalker, ids: list[int], embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:

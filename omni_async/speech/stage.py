@@ -95,9 +95,11 @@ TalkerLoader = Callable[[torch.device], tuple[Any, Any, "Path | None"]]
 
 
 def build_talker_stage(path_or_name: str, load_talker: TalkerLoader, runner_type: type[SpeechRunner], *, device: str = "cpu",
-                       loop: str = "overlap", dtype: Any = None, seed: int = 0, **limits: Any) -> SpeechStage:
+                       loop: str = "overlap", dtype: Any = None, seed: int = 0, callbacks: dict[str, Any] | None = None,
+                       **limits: Any) -> SpeechStage:
     """A talker's stage: the model ``load_talker`` gives, run by ``runner_type`` (a frame per
-    decode step) on the native stage. Qwen3-TTS's and Qwen3-Omni's talkers share it."""
+    decode step) on the native stage. Qwen3-TTS's and Qwen3-Omni's talkers share it.
+    ``callbacks``: the stage's (:class:`~omni_async.scheduler.AsyncOmniScheduler`'s)."""
     check_device(device)
     dev = torch.device(device)
     if dev.type == "cuda" and dev.index is None:
@@ -128,7 +130,7 @@ def build_talker_stage(path_or_name: str, load_talker: TalkerLoader, runner_type
         runner = runner_type(model, kv_cache(loaded, plan.page_size, dev, plan.kv_pages), dev, seed=seed,
                               **runner_options(plan, plan.config.fused_kernels))
         stack = assemble_stack(loaded, plan, dev, runner)
-        scheduler = build_scheduler(stack)
+        scheduler = build_scheduler(stack, **(callbacks or {}))
         engine = Engine(scheduler, tokenizer=None, stack=stack, plan=plan)
         return SpeechStage(engine, model, tokenizer, folder, runner)
 
