@@ -35,7 +35,7 @@ def stand_in_codec() -> CodecDecoder:
 
 
 def pipeline(folder, loop: str, **kw) -> OmniPipeline:
-    limits = dict(page_size=8, chunked_prefill_size=16)
+    limits = dict(page_size=8, chunked_prefill_size=16, decode_steps=2)
     return OmniPipeline.from_pretrained(folder, loop=loop, codec=stand_in_codec(), thinker_limits=limits, talker_limits=limits,
                                         **kw)
 

@@ -17,7 +17,7 @@ import torch
 from omni_async.errors import InvalidRequestError, ModelLoadError, RequestAbortedError
 from omni_async.speech.omni_config import OmniTalkerConfig
 from omni_async.speech.omni_runner import TRAILING_KEY
-from omni_async.speech.omni_stage import build_omni_talker_stage, frames_of, talker_request
+from omni_async.speech.omni_stage import build_omni_talker_stage, end_text_rows, frames_of, send_text_rows, talker_request
 from omni_async.speech.omni_talker import TalkerPrompt, generate_codes, load_omni_talker, random_omni_talker, talker_prompt
 
 from .conftest import LOOPS, assert_kv_free
@@ -245,6 +245,41 @@ async def test_an_aborted_talker_request_frees_its_kv_and_spares_the_others(omni
             await victim.result()
         result = await other.result()
         assert frames_of(result.hidden_states).tolist() == kept_codes.tolist()
+        assert_kv_free(engine)
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+async def test_streamed_requests_wait_for_their_rows_and_write_the_same_codes(omni_model, reference_requests, loop):
+    """Every case at once with its trailing rows sent as it speaks (``streamed=True``), a
+    row at a time with pauses, two forwards a step: each request writes transformers'
+    codes (a frame runs only once its row is there), the KV freed. Rows sent to a request
+    that took its rows at submission, or of the wrong width, fail that request alone."""
+    folder, _ = omni_model
+    stage = build_omni_talker_stage(folder, loop=loop, page_size=8, decode_steps=2)
+    async with stage.engine as engine:
+        async def one(i, prompt, frames, penalty):
+            rid = f"streamed-{i}"
+            request = talker_request(stage.model, TalkerPrompt(prompt.prefill, prompt.trailing[:0]), max_frames=frames,
+                                     repetition_penalty=penalty, streamed=True)
+            handle = await engine.submit(**request, request_id=rid)
+            for k in range(prompt.trailing.shape[0]):
+                await asyncio.sleep(0.01)
+                send_text_rows(engine, rid, prompt.trailing[k:k + 1])
+            end_text_rows(engine, rid)
+            return await handle.result()
+
+        results = await asyncio.gather(*(one(i, p, f, pen) for i, (p, f, pen, _, _) in enumerate(reference_requests)))
+        for result, (_, _, _, finish, expected) in zip(results, reference_requests):
+            assert frames_of(result.hidden_states).tolist() == expected.tolist()
+            assert result.finish_reason == finish
+        prompt, frames, penalty, _, expected = reference_requests[1]
+        plain = await engine.submit(**talker_request(stage.model, prompt, max_frames=frames), request_id="plain")
+        send_text_rows(engine, "plain", prompt.trailing[:1])
+        narrow = await engine.submit(**talker_request(stage.model, prompt, max_frames=frames, streamed=True), request_id="narrow")
+        send_text_rows(engine, "narrow", prompt.trailing[:1, :-1])
+        for handle, match in ((plain, "streamed=True"), (narrow, "text rows are")):
+            with pytest.raises(InvalidRequestError, match=match):
+                await handle.result()
         assert_kv_free(engine)
 
 

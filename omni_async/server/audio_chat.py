@@ -5,9 +5,10 @@ and ``audio: {"voice", "format"}``, on a server over a Qwen3-Omni pipeline
 Whole: ``choices[0].message`` has ``content`` null and ``audio``: ``id``, ``data`` (the
 reply's audio in ``audio.format``, base64), ``expires_at`` and ``transcript`` (the
 reply's text). Streamed: after the role chunk, the text as ``delta.audio.transcript``
-pieces, then the audio as ``delta.audio.data`` pieces (base64; ``wav``: the first opens
+pieces and the audio as ``delta.audio.data`` pieces (base64; ``wav``: the first opens
 with a WAV header whose sizes are left open, as a streamed WAV's are), each with the
-reply's audio ``id``; then a chunk with the ``finish_reason`` (the thinker's) and
+reply's audio ``id``, in the order the stages write them (the talker speaks while the
+thinker writes); then a chunk with the ``finish_reason`` (the thinker's) and
 ``delta.audio.expires_at``, the usage when asked, ``[DONE]``. The usage counts the
 frames spoken as ``completion_tokens_details.audio_tokens``.
 

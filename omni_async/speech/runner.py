@@ -91,7 +91,11 @@ class SpeechRunner(NativeModelRunner):
             logits, hidden, codes = out.logits, out.hidden, out.codes.clone()  # the graph's buffers: copied out
         else:
             logits, hidden, codes = self.frame_forward(g0, past, fb.positions, fb.ctx, sampling, text)
-        self._store_hidden(slots, hidden)
+        # In a decode step of several forwards, a row that runs fewer than the others (its
+        # length limit, or a frame waiting for its text row) repeats its last position,
+        # writing its KV to the scratch page: its carried hidden state stays as it was.
+        running = fb.ctx.slot_mapping != (self.kv.num_pages - 1) * self.page_size
+        self._store_hidden(slots, torch.where(running[:, None], hidden, past))
         self.frames_written += g0.shape[0]
         return BatchResult(logits=logits, hidden_states=codes.to(torch.float32), can_run_cuda_graph=fb.block_tables is not None)
 
