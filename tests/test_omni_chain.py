@@ -22,7 +22,7 @@ from omni_async.speech.omni_pipeline import OmniPipeline
 
 from .conftest import LOOPS, assert_kv_free
 from .test_code2wav import CASES as AUDIO_CASES, TOL, omni, reference_audio  # noqa: F401 (a fixture)
-from .test_omni_talker import CASES, chat_prompt, omni_model, reference_run  # noqa: F401 (a fixture)
+from .test_omni_talker import CASES, chat_prompt, omni_model, reference_run, talker_config  # noqa: F401 (a fixture)
 
 THINKER_EOS = 501  # <|im_end|>, the reference run's thinker_eos_token_id
 
@@ -258,3 +258,31 @@ async def test_bad_requests_get_typed_errors_and_the_pipeline_carries_on(omni_mo
         one = await pipe.chat(input_ids=prompt, sampling=SamplingParams(max_new_tokens=1))
         assert len(one.output_ids) == 1 and one.codes.shape == (0, 4) and one.audio_finish_reason == "stop"
         await assert_stages_free(pipe)
+
+
+async def test_a_random_weight_folder_draws_every_stage_from_its_seed(tmp_path, expected):
+    """A folder of config.json and random_weights.json (speed runs at a released shape):
+    the three stages' weights drawn from its seed, so the same seed speaks the same reply
+    and another seed another one."""
+    import json
+
+    from omni_async.models.random_weights import RANDOM_WEIGHTS_FILE
+
+    prompt, _, _ = expected[1]
+    replies = []
+    for seed in (3, 3, 4):
+        folder = tmp_path / f"seed{seed}-{len(replies)}"
+        config = talker_config()
+        config.architectures = ["Qwen3OmniMoeForConditionalGeneration"]
+        config.save_pretrained(folder)
+        (folder / RANDOM_WEIGHTS_FILE).write_text(json.dumps({"seed": seed}))
+        async with OmniPipeline.from_pretrained(folder, loop="normal") as pipe:
+            assert pipe.thinker.scheduler.info()["load_format"] == "random"
+            replies.append(await pipe.chat(input_ids=prompt, sampling=SamplingParams(max_new_tokens=6, ignore_eos=True),
+                                           max_frames=8))
+            await assert_stages_free(pipe)
+    same, again, other = replies
+    assert same.codes.shape == (8, 4) and len(same.audio) > 0
+    assert same.output_ids == again.output_ids and same.codes.tolist() == again.codes.tolist()
+    assert np.array_equal(same.audio, again.audio)
+    assert same.codes.tolist() != other.codes.tolist() and not np.array_equal(same.audio[:100], other.audio[:100])

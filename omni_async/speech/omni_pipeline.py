@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import json
 import uuid
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable
@@ -35,9 +36,11 @@ import torch
 from .. import errors
 from ..config import SamplingParams
 from ..engine import Engine
+from ..models.random_weights import random_weights_of
 from ..stage.request_checks import sampling_of
 from ..text.chat import render_chat_ids
 from .code2wav import Code2Wav
+from .code2wav_config import Code2WavConfig
 from .codec_stage import CodecStage
 from .omni_config import OmniTalkerConfig
 from .omni_reply import OmniDelta, OmniResult, Reply, ThinkerRows
@@ -90,15 +93,27 @@ class OmniPipeline:
         ``device``. ``codec``: a decoder to use in place of the folder's Code2Wav, or
         ``codec_loader`` to build one; ``stream_talker``: see ``__init__``;
         ``thinker_limits`` / ``talker_limits``: each
-        stage's SchedulerConfig fields (KV sizing, chunked prefill ...)."""
+        stage's SchedulerConfig fields (KV sizing, chunked prefill ...).
+
+        A folder of ``config.json`` and ``random_weights.json`` (a benchmark's: the
+        released checkpoint does not fit beside anything on the GPU machine's disk) has
+        every stage's weights drawn on the device from the file's seed
+        (:mod:`omni_async.models.random_weights`, ``random_omni_talker``,
+        ``Code2Wav.random``)."""
         folder = Path(folder)
         cfg = OmniTalkerConfig.from_folder(folder)  # a folder that is no Qwen3-Omni one fails before anything loads
+        drawn = random_weights_of(folder, json.loads((folder / "config.json").read_text(encoding="utf-8")))
         thinker = Engine.from_pretrained(str(folder), device=device, loop=loop, dtype=dtype, seed=seed,
                                          hidden_states_layer=cfg.accept_hidden_layer, **(thinker_limits or {}))
-        talker = build_omni_talker_stage(folder, device=device, loop=loop, dtype=dtype, seed=seed, **(talker_limits or {}))
+        talker = build_omni_talker_stage(folder if drawn is None else cfg, device=device, loop=loop, dtype=dtype,
+                                         seed=seed if drawn is None else drawn.seed, **(talker_limits or {}))
         if codec is None:
             dev, dt = talker.runner.device, talker.model.dtype
-            codec = (codec_loader or folder_code2wav)(folder, dev, torch.float32 if dev.type == "cpu" else dt)
+            codec_dtype = torch.float32 if dev.type == "cpu" else dt
+            if drawn is not None and codec_loader is None:
+                codec = Code2Wav.random(Code2WavConfig.from_folder(folder), device=dev, dtype=codec_dtype, seed=drawn.seed)
+            else:
+                codec = (codec_loader or folder_code2wav)(folder, dev, codec_dtype)
         return cls(thinker, talker, codec, first_chunk_frames=first_chunk_frames, max_chunk_frames=max_chunk_frames,
                    stream_talker=stream_talker)
 

@@ -1,0 +1,265 @@
+"""Qwen3-Omni end to end on one device (issue 59): chat prompts in, text and speech out
+through the three stages (``OmniPipeline``: thinker -> talker -> Code2Wav), at C
+concurrent requests, in two arms on one loaded pipeline, interleaved: ``streamed`` (the
+talker starts after the thinker's first two tokens and is fed as it writes) and
+``in_order`` (the talker starts once the thinker's reply is complete).
+
+Weights are random (bf16), drawn on the device from a folder holding only config.json and
+random_weights.json (the released checkpoint, 61 GB, does not fit beside anything on the
+GPU machine's disk): the thinker at Qwen3-Omni-30B-A3B's text shape (48 MoE layers,
+hidden 2048, 128 experts top-8 of 768, vocabulary 152,064), the talker and code predictor
+at transformers' defaults (20 MoE layers, hidden 1024) with the released codec ids and 16
+codebooks, Code2Wav at its defaults (16 quantizers, 24 kHz). Each request: a chat prompt
+of ``--prompt`` tokens (system and user turns, the assistant's start), ``--reply`` text
+tokens (greedy, EOS ignored) and ``--frames`` frames of speech (12.5 a second; a random
+talker rarely writes its EOS).
+
+Prints one JSON line per (arm, concurrency): wall s; TTFT (submission to the first text
+delta) and TTFP (to the first audio chunk) p50/p90 ms; RTF p50/p90 (submission to the
+last audio chunk over the audio's length); audio-s/s (all audio over the wall); C100 (the
+share of streams a real-time player, starting at the first chunk, plays with no gap);
+underruns; GPU busy % (NVML, when pynvml imports); peak device memory GB. Saves the JSON
+to ``--out``.
+
+    python bench/omni_serving.py --device cuda --concurrency 1,8,32,64 --out bench/results/omni_serving.json
+    python bench/omni_serving.py --smoke      # CPU, a tiny config: checks the script runs
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import platform
+import random
+import statistics
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from omni_async import SamplingParams
+from omni_async.models.random_weights import RANDOM_WEIGHTS_FILE
+from omni_async.speech.omni_pipeline import OmniPipeline
+
+# The released ids the defaults lack (codec ids as Qwen3-TTS 12 Hz's; speakers within the
+# talker's 3,072-id vocabulary).
+CODEC_IDS = dict(codec_pad_id=2148, codec_bos_id=2149, codec_eos_token_id=2150, codec_nothink_id=2155,
+                 codec_think_bos_id=2156, codec_think_eos_id=2157)
+SPEAKERS = {"chelsie": 2301, "ethan": 2302, "aiden": 2303}
+THINKER = dict(hidden_size=2048, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+               intermediate_size=6144, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+               mlp_only_layers=[], vocab_size=152064, max_position_embeddings=65536)
+TALKER = dict(num_experts=128, num_experts_per_tok=8, moe_intermediate_size=384, shared_expert_intermediate_size=2048,
+              head_dim=128)
+SMOKE_THINKER = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                     intermediate_size=96, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
+                     mlp_only_layers=[], vocab_size=152064, max_position_embeddings=4096)
+SMOKE_TALKER = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                    head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=32)
+SMOKE_PREDICTOR = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                       head_dim=16)
+SMOKE_CODE2WAV = dict(hidden_size=32, num_attention_heads=2, num_key_value_heads=2, num_hidden_layers=1, decoder_dim=32,
+                      intermediate_size=64, sliding_window=8)
+
+
+def make_folder(folder: Path, smoke: bool) -> Path:
+    """config.json (a Qwen3-Omni config: the shapes above) and random_weights.json."""
+    from transformers import Qwen3OmniMoeConfig
+
+    raw = Qwen3OmniMoeConfig().to_dict()
+    raw["architectures"] = ["Qwen3OmniMoeForConditionalGeneration"]
+    raw["dtype"] = "bfloat16"
+    raw["thinker_config"]["text_config"].update(SMOKE_THINKER if smoke else THINKER)
+    t = raw["talker_config"]
+    t.update(CODEC_IDS, speaker_id=SPEAKERS, accept_hidden_layer=2 if smoke else 18, num_code_groups=16,
+             thinker_hidden_size=raw["thinker_config"]["text_config"]["hidden_size"])
+    t["text_config"].update(SMOKE_TALKER if smoke else TALKER)
+    t["code_predictor_config"].update(num_code_groups=16, **(SMOKE_PREDICTOR if smoke else {}))
+    if smoke:
+        raw["code2wav_config"].update(SMOKE_CODE2WAV)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(raw, indent=1))
+    (folder / RANDOM_WEIGHTS_FILE).write_text(json.dumps({"seed": 0, "std": 0.02}))
+    return folder
+
+
+def chat_prompt(raw: dict, length: int, rng: random.Random) -> list[int]:
+    """``length`` ids: a system turn, a user turn of random ids, the assistant's start."""
+    start, end, nl = raw["im_start_token_id"], raw["im_end_token_id"], 198
+    head = [start, raw["system_token_id"], nl, *(rng.randint(1000, 100000) for _ in range(8)), end, nl, start, raw["user_token_id"], nl]
+    tail = [end, nl, start, raw["assistant_token_id"], nl]
+    return head + [rng.randint(1000, 100000) for _ in range(max(1, length - len(head) - len(tail)))] + tail
+
+
+@dataclass
+class Stream:
+    """One request's clock: when its text and audio came, and its audio as a player hears it."""
+
+    start: float
+    first_text: float | None = None
+    first_audio: float | None = None
+    last_audio: float | None = None
+    audio_s: float = 0.0
+    underruns: int = 0
+    _play_end: float | None = field(default=None, repr=False)  # when the audio sent so far runs out
+
+    def on_audio(self, now: float, seconds: float) -> None:
+        if self.first_audio is None:
+            self.first_audio, self._play_end = now, now
+        assert self._play_end is not None
+        if now > self._play_end + 1e-3 and self.audio_s > 0:
+            self.underruns += 1
+        self._play_end = max(self._play_end, now) + seconds
+        self.audio_s += seconds
+        self.last_audio = now
+
+
+class GpuBusy:
+    """NVML utilisation sampled every 50 ms on a thread (None without pynvml or CUDA)."""
+
+    def __init__(self) -> None:
+        self.samples: list[int] = []
+        self._stop = threading.Event()
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            self._handle = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
+            self._nvml = pynvml
+        except Exception:
+            self._nvml = None
+
+    def __enter__(self) -> "GpuBusy":
+        if self._nvml is not None:
+            self._thread = threading.Thread(target=self._run, daemon=True)
+            self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.05):
+            self.samples.append(self._nvml.nvmlDeviceGetUtilizationRates(self._handle).gpu)
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+
+    @property
+    def percent(self) -> float | None:
+        return round(statistics.mean(self.samples), 1) if self.samples else None
+
+
+def quantile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    s = sorted(values)
+    return s[min(len(s) - 1, int(q * len(s)))]
+
+
+async def level(pipe: OmniPipeline, prompts: list[list[int]], args: argparse.Namespace) -> dict:
+    sampling = SamplingParams(max_new_tokens=args.reply, temperature=0.0, ignore_eos=True)
+    streams: list[Stream] = []
+
+    async def one(prompt: list[int]) -> None:
+        s = Stream(time.perf_counter())
+        streams.append(s)
+        async for d in pipe.stream(input_ids=prompt, voice="ethan", sampling=sampling, max_frames=args.frames):
+            now = time.perf_counter()
+            if d.kind == "text" and s.first_text is None and d.token_ids:
+                s.first_text = now
+            elif d.kind == "audio" and d.audio is not None and len(d.audio.audio):
+                s.on_audio(now, d.audio.seconds)
+
+    cuda = args.device == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    with GpuBusy() if cuda else _Nothing() as busy:
+        t0 = time.perf_counter()
+        await asyncio.gather(*(one(p) for p in prompts))
+        wall = time.perf_counter() - t0
+    ttft = [1000 * (s.first_text - s.start) for s in streams if s.first_text is not None]
+    ttfp = [1000 * (s.first_audio - s.start) for s in streams if s.first_audio is not None]
+    rtf = [(s.last_audio - s.start) / s.audio_s for s in streams if s.last_audio is not None and s.audio_s]
+    audio = sum(s.audio_s for s in streams)
+    return {
+        "streams": len(prompts), "wall_s": round(wall, 3),
+        "ttft_p50_ms": _r(quantile(ttft, 0.5)), "ttft_p90_ms": _r(quantile(ttft, 0.9)),
+        "ttfp_p50_ms": _r(quantile(ttfp, 0.5)), "ttfp_p90_ms": _r(quantile(ttfp, 0.9)),
+        "rtf_p50": _r(quantile(rtf, 0.5), 3), "rtf_p90": _r(quantile(rtf, 0.9), 3),
+        "audio_s_per_s": round(audio / wall, 2), "audio_s": round(audio, 2),
+        "c100": round(sum(1 for s in streams if s.underruns == 0) / len(streams), 3),
+        "underruns": sum(s.underruns for s in streams),
+        "gpu_busy_pct": getattr(busy, "percent", None),
+        "peak_memory_gb": round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
+    }
+
+
+class _Nothing:
+    def __enter__(self) -> "_Nothing":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+
+def _r(value: float | None, digits: int = 1) -> float | None:
+    return None if value is None else round(value, digits)
+
+
+async def main_async(args: argparse.Namespace, folder: Path) -> dict:
+    raw = json.loads((folder / "config.json").read_text())
+    # Every stage's KV sized, not the device's free memory: the thinker loads first and
+    # would leave the talker and the codec nothing.
+    limits = dict(max_running_requests=max(64, max(args.concurrency)))
+    pipe = OmniPipeline.from_pretrained(folder, device=args.device, loop=args.loop, dtype=args.dtype,
+                                        thinker_limits={**limits, "kv_capacity_tokens": args.thinker_kv_tokens},
+                                        talker_limits={**limits, "kv_capacity_tokens": args.talker_kv_tokens})
+    rng = random.Random(0)
+    rows = []
+    async with pipe:
+        warm = argparse.Namespace(**{**vars(args), "reply": 4, "frames": 4})
+        for arm in args.arms:  # warm-up: every stage's first calls
+            pipe.stream_talker = arm == "streamed"
+            await level(pipe, [chat_prompt(raw, args.prompt, rng)], warm)
+        for c in args.concurrency:
+            prompts = [chat_prompt(raw, args.prompt, rng) for _ in range(c)]
+            for arm in args.arms:
+                pipe.stream_talker = arm == "streamed"
+                row = {"arm": arm, **await level(pipe, prompts, args)}
+                print(json.dumps(row), flush=True)
+                rows.append(row)
+    return {"benchmark": "omni_serving", "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "machine": platform.node(),
+            "device": torch.cuda.get_device_name() if args.device == "cuda" else platform.processor(), "torch": torch.__version__,
+            "config": {k: v for k, v in vars(args).items()}, "levels": rows}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--loop", default="overlap")
+    ap.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32, 64])
+    ap.add_argument("--arms", type=lambda s: s.split(","), default=["streamed", "in_order"])
+    ap.add_argument("--prompt", type=int, default=100, help="chat prompt tokens")
+    ap.add_argument("--reply", type=int, default=100, help="text tokens a reply")
+    ap.add_argument("--frames", type=int, default=125, help="speech frames a reply (10 s)")
+    ap.add_argument("--thinker-kv-tokens", type=int, default=32768, help="the thinker's KV capacity (64 x 200 tokens fit)")
+    ap.add_argument("--talker-kv-tokens", type=int, default=32768, help="the talker's KV capacity")
+    ap.add_argument("--folder", default=None, help="where config.json and random_weights.json go (default: a temporary folder)")
+    ap.add_argument("--smoke", action="store_true", help="CPU, a tiny config, few tokens: checks the script runs")
+    ap.add_argument("--out", default="bench/results/omni_serving.json")
+    args = ap.parse_args()
+    if args.smoke:
+        args.device, args.dtype, args.concurrency, args.prompt, args.reply, args.frames = "cpu", "float32", [1, 3], 40, 8, 6
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = make_folder(Path(args.folder or tmp) / "qwen3-omni-random", args.smoke)
+        result = asyncio.run(main_async(args, folder))
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=1))
+    print("saved", args.out)
+
+
+if __name__ == "__main__":
+    main()
