@@ -214,6 +214,7 @@ async def main_async(args: argparse.Namespace, folder: Path) -> dict:
     # would leave the talker and the codec nothing.
     limits = dict(max_running_requests=max(64, max(args.concurrency)))
     pipe = OmniPipeline.from_pretrained(folder, device=args.device, loop=args.loop, dtype=args.dtype,
+                                        codec_graphs={"on": True, "off": False}[args.codec_graphs],
                                         thinker_limits={**limits, "kv_capacity_tokens": args.thinker_kv_tokens},
                                         talker_limits={**limits, "kv_capacity_tokens": args.talker_kv_tokens})
     rng = random.Random(0)
@@ -245,6 +246,7 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=100, help="chat prompt tokens")
     ap.add_argument("--reply", type=int, default=100, help="text tokens a reply")
     ap.add_argument("--frames", type=int, default=125, help="speech frames a reply (10 s)")
+    ap.add_argument("--codec-graphs", choices=["on", "off"], default="on", help="the codec's calls as CUDA graphs")
     ap.add_argument("--thinker-kv-tokens", type=int, default=32768, help="the thinker's KV capacity (64 x 200 tokens fit)")
     ap.add_argument("--talker-kv-tokens", type=int, default=32768, help="the talker's KV capacity")
     ap.add_argument("--folder", default=None, help="where config.json and random_weights.json go (default: a temporary folder)")

@@ -65,9 +65,11 @@ class OmniPipeline:
     deltas and audio chunks as they come."""
 
     def __init__(self, thinker: Engine, talker: SpeechStage, codec: Any, *, first_chunk_frames: int = 2,
-                 max_chunk_frames: int = 32, stream_talker: bool = True) -> None:
+                 max_chunk_frames: int = 32, stream_talker: bool = True, codec_graphs: bool | None = None) -> None:
         """``stream_talker``: the talker starts after the thinker's first two tokens and is
-        fed as it writes (False: once the reply is complete)."""
+        fed as it writes (False: once the reply is complete). ``codec_graphs``: the codec's
+        calls as CUDA graphs (default: on CUDA; this talker's frames are not graphed yet,
+        and an eager codec call is hundreds of small launches)."""
         self.thinker = thinker
         self.stream_talker = stream_talker
         self.talker = talker
@@ -76,9 +78,9 @@ class OmniPipeline:
         if getattr(codec, "num_quantizers", self.config.num_code_groups) != self.config.num_code_groups:
             raise errors.ConfigError(f"the codec reads {codec.num_quantizers} codebooks a frame; the talker writes "
                                      f"{self.config.num_code_groups}")
-        graphed = talker.runner.frame_graphs is not None
-        self.codec = CodecStage(codec, talker.runner.device, first_chunk_frames=first_chunk_frames,
-                                max_chunk_frames=max_chunk_frames, cuda_graphs=graphed)
+        device = talker.runner.device
+        self.codec = CodecStage(codec, device, first_chunk_frames=first_chunk_frames, max_chunk_frames=max_chunk_frames,
+                                cuda_graphs=device.type == "cuda" if codec_graphs is None else codec_graphs)
         self.sample_rate: int = codec.sample_rate
         self._tg: Any = None
         self._ids = itertools.count()
@@ -87,11 +89,11 @@ class OmniPipeline:
     @classmethod
     def from_pretrained(cls, folder: str | Path, *, device: str = "cpu", loop: str = "overlap", dtype: Any = None, seed: int = 0,
                         codec: Any = None, codec_loader: CodecLoader | None = None, first_chunk_frames: int = 2,
-                        max_chunk_frames: int = 32, stream_talker: bool = True, thinker_limits: dict[str, Any] | None = None,
-                        talker_limits: dict[str, Any] | None = None) -> "OmniPipeline":
+                        max_chunk_frames: int = 32, stream_talker: bool = True, codec_graphs: bool | None = None,
+                        thinker_limits: dict[str, Any] | None = None, talker_limits: dict[str, Any] | None = None) -> "OmniPipeline":
         """The three stages of a ``Qwen3OmniMoeForConditionalGeneration`` folder on one
         ``device``. ``codec``: a decoder to use in place of the folder's Code2Wav, or
-        ``codec_loader`` to build one; ``stream_talker``: see ``__init__``;
+        ``codec_loader`` to build one; ``stream_talker``, ``codec_graphs``: see ``__init__``;
         ``thinker_limits`` / ``talker_limits``: each
         stage's SchedulerConfig fields (KV sizing, chunked prefill ...).
 
@@ -115,7 +117,7 @@ class OmniPipeline:
             else:
                 codec = (codec_loader or folder_code2wav)(folder, dev, codec_dtype)
         return cls(thinker, talker, codec, first_chunk_frames=first_chunk_frames, max_chunk_frames=max_chunk_frames,
-                   stream_talker=stream_talker)
+                   stream_talker=stream_talker, codec_graphs=codec_graphs)
 
     @classmethod
     async def load(cls, folder: str | Path, **kwargs: Any) -> "OmniPipeline":

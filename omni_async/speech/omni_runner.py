@@ -115,7 +115,10 @@ class OmniTalkerRunner(SpeechRunner):
         return self.text.at(fb.rows.slots_dev, fb.positions, self.talker.tts_pad)
 
     def _copy_arrived(self, reqs: Any, slots: Any) -> None:
-        """Streamed requests' rows that arrived since they were last copied, to their slots."""
+        """Streamed requests' rows that arrived since they were last copied, to their slots.
+        On CUDA the rows were made on the loop thread's (default) stream before they were
+        sent, and every launch waits for that stream (``runners/base.py``), so the copy
+        reads them whole; they stay referenced by the request until it ends."""
         for i, req in enumerate(reqs):
             cond = req.conditioning
             if cond is None:
