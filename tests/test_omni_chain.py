@@ -122,6 +122,24 @@ async def test_the_replys_audio_equals_generates_waveform(omni, generated_audio,
         await assert_stages_free(pipe)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("loop", LOOPS)
+async def test_the_chain_on_cuda_gives_generates_tokens_codes_and_waveform(omni, generated_audio, loop):
+    """On CUDA in float32 (the thinker's and talker's fused kernels, the codec's graphs,
+    the talker fed as the thinker writes): both replies' tokens and frames as transformers'
+    generate writes them, their audio its waveform."""
+    folder, _ = omni
+    async with OmniPipeline.from_pretrained(folder, device="cuda", dtype="float32", loop=loop) as pipe:
+        results = await asyncio.gather(*(
+            pipe.chat(input_ids=prompt, sampling=thinker_sampling(reply), max_frames=frames, repetition_penalty=penalty)
+            for (prompt, _, _), (_, reply, frames, penalty) in zip(generated_audio, AUDIO_CASES)))
+        for result, (_, tokens, wav) in zip(results, generated_audio):
+            assert result.output_ids == tokens
+            assert result.audio.shape == tuple(wav.shape) and float(np.abs(result.audio - wav.numpy()).max()) < 1e-3
+        assert pipe.codec.graph_replays > 0
+        await assert_stages_free(pipe)
+
+
 def _decode(decoder, codes):
     with torch.inference_mode():
         return decoder.decode(codes[None])[0].numpy()
