@@ -1,9 +1,12 @@
 """Qwen3-Omni end to end in one event loop (:class:`OmniPipeline`: thinker stage -> talker
-stage -> codec stage), on a tiny random checkpoint saved by transformers (float32, CPU):
-the reply's tokens are transformers' thinker's, its frames the codes transformers'
-``generate(return_audio=True)`` hands to code2wav, in each loop, several requests at once;
-the audio is the codec's decode of those frames; an abort in either phase frees all three
-stages and spares the other requests; bad input gets typed errors."""
+stage -> codec stage), on the tiny random checkpoints of tests/test_omni_talker.py and
+tests/test_code2wav.py saved by transformers (float32, CPU): the reply's tokens are
+transformers' thinker's, its frames the codes transformers' ``generate(return_audio=True)``
+hands to code2wav, in each loop, several requests at once, the talker fed as the thinker
+writes or after it; its audio the codec's decode of those frames (a stand-in codec), and
+with the folder's Code2Wav the waveform ``generate`` returns; an abort in either phase
+frees all three stages and spares the other requests; bad input gets typed errors; a
+random-weight folder draws every stage from its seed."""
 
 from __future__ import annotations
 
