@@ -175,7 +175,8 @@ async def test_the_stream_gives_text_deltas_and_audio_chunks(omni_model, expecte
 async def test_the_talker_starts_while_the_thinker_writes(omni_model, expected):
     """Streamed, the talker's request goes in while the thinker's (a 40-token reply) is
     still open, its frames reading the reply's rows as they come; in order, it goes in once
-    the thinker's has ended. The codes are the same (each frame waited for its row)."""
+    the thinker's has ended; streamed with the talker's input built on a thread (as on
+    CUDA). The codes are the same (each frame waited for its row)."""
     folder, _ = omni_model
     prompt, _, _ = expected[2]
     async with pipeline(folder, "overlap") as pipe:
@@ -187,14 +188,14 @@ async def test_the_talker_starts_while_the_thinker_writes(omni_model, expected):
 
         pipe.talker.engine.submit = watched
         replies = []
-        for stream_talker in (True, False):
-            pipe.stream_talker = stream_talker
+        for stream_talker, input_thread in ((True, False), (False, False), (True, True)):
+            pipe.stream_talker, pipe.input_thread = stream_talker, input_thread
             replies.append(await pipe.chat(input_ids=prompt, sampling=SamplingParams(max_new_tokens=40, ignore_eos=True),
                                            max_frames=60, request_id="r"))
-        streamed, in_order = replies
-        assert thinker_open == [True, False]
-        assert streamed.output_ids == in_order.output_ids and len(streamed.output_ids) == 40
-        assert streamed.codes.tolist() == in_order.codes.tolist() and streamed.codes.shape[0] > 30
+        streamed, in_order, threaded = replies
+        assert thinker_open == [True, False, True]
+        assert streamed.output_ids == in_order.output_ids == threaded.output_ids and len(streamed.output_ids) == 40
+        assert streamed.codes.tolist() == in_order.codes.tolist() == threaded.codes.tolist() and streamed.codes.shape[0] > 30
         await assert_stages_free(pipe)
 
 

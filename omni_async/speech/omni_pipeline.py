@@ -21,13 +21,14 @@ KV once) and drops its codec state; other requests are untouched.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import itertools
 import json
 import uuid
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable, TypeVar
 
 import anyio
 import numpy as np
@@ -37,6 +38,7 @@ from .. import errors
 from ..config import SamplingParams
 from ..engine import Engine
 from ..models.random_weights import random_weights_of
+from ..stage.executor import await_future
 from ..stage.request_checks import sampling_of
 from ..text.chat import render_chat_ids
 from .code2wav import Code2Wav
@@ -49,6 +51,8 @@ from .omni_talker import OmniTalker, TalkerPrompt, talker_prompt
 from .stage import SpeechStage
 
 __all__ = ["OmniPipeline", "OmniDelta", "OmniResult"]
+
+T = TypeVar("T")
 
 # The voice a request without one speaks in (the reference's default), when the
 # checkpoint has it; else its first voice by name.
@@ -65,11 +69,14 @@ class OmniPipeline:
     deltas and audio chunks as they come."""
 
     def __init__(self, thinker: Engine, talker: SpeechStage, codec: Any, *, first_chunk_frames: int = 2,
-                 max_chunk_frames: int = 32, stream_talker: bool = True, codec_graphs: bool | None = None) -> None:
+                 max_chunk_frames: int = 32, stream_talker: bool = True, codec_graphs: bool | None = None,
+                 input_thread: bool | None = None) -> None:
         """``stream_talker``: the talker starts after the thinker's first two tokens and is
         fed as it writes (False: once the reply is complete). ``codec_graphs``: the codec's
         calls as CUDA graphs (default: on CUDA; this talker's frames are not graphed yet,
-        and an eager codec call is hundreds of small launches)."""
+        and an eager codec call is hundreds of small launches). ``input_thread``: the
+        talker's input built on a thread of its own (default: on CUDA, see
+        :meth:`device_work`)."""
         self.thinker = thinker
         self.stream_talker = stream_talker
         self.talker = talker
@@ -85,6 +92,8 @@ class OmniPipeline:
         self._tg: Any = None
         self._ids = itertools.count()
         self._open: set[str] = set()
+        self._device_thread: concurrent.futures.ThreadPoolExecutor | None = None
+        self.input_thread = device.type == "cuda" if input_thread is None else input_thread
 
     @classmethod
     def from_pretrained(cls, folder: str | Path, *, device: str = "cpu", loop: str = "overlap", dtype: Any = None, seed: int = 0,
@@ -147,6 +156,9 @@ class OmniPipeline:
             await self.talker.engine.__aexit__(*exc)
         finally:
             await self.thinker.__aexit__(*exc)
+            thread, self._device_thread = self._device_thread, None
+            if thread is not None:
+                thread.shutdown(wait=False, cancel_futures=True)
 
     async def aclose(self) -> None:
         await self.__aexit__(None, None, None)
@@ -212,6 +224,18 @@ class OmniPipeline:
     def start_soon(self, fn: Any, *args: Any) -> None:
         """Run ``fn(*args)`` in the pipeline's task group (a reply's helpers)."""
         self._tg.start_soon(fn, *args)
+
+    async def device_work(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)``: building the talker's input (embedding lookups, projections,
+        copies of ids from the host). On CUDA on a thread of the pipeline's own: a copy
+        from the host on the default stream waits for the stages' steps in flight (their
+        streams block), and the event loop must never wait on the device. Inline on the
+        CPU (``input_thread``), where the work is the loop's few microseconds."""
+        if not self.input_thread:
+            return fn(*args)
+        if self._device_thread is None:
+            self._device_thread = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="omni-talker-input")
+        return await await_future(self._device_thread.submit(fn, *args))
 
     async def stream(self, messages: Any = None, *, input_ids: list[int] | None = None, voice: str | None = None,
                      sampling: SamplingParams | dict[str, Any] | None = None, max_frames: int | None = None,

@@ -116,6 +116,8 @@ class Stages(Protocol):
 
     def start_soon(self, fn: Any, *args: Any) -> None: ...
 
+    async def device_work(self, fn: Any, *args: Any) -> Any: ...
+
 
 class Reply:
     """One request through the three stages (the module's docstring). ``events`` is the
@@ -180,13 +182,13 @@ class Reply:
                 return
             await self._start(final)
         elif not self.talker.done:
-            self._send_rows(len(self.prompt_ids) + n - 1)
+            await self._send_rows(len(self.prompt_ids) + n - 1)
         if final and not self.talker.done:
             send_text_rows(self.pipe.talker.engine, self.rid, self.pipe.talker_model.tts_eos[None])
             end_text_rows(self.pipe.talker.engine, self.rid)
 
     async def _start(self, final: bool) -> None:
-        prompt = self.pipe.talker_prompt(self.prompt_ids, self.rows, self.voice)
+        prompt = await self.pipe.device_work(self.pipe.talker_prompt, self.prompt_ids, self.rows, self.voice)
         request = talker_request(self.pipe.talker_model, prompt, max_frames=self.pipe.frames_room(prompt, self.max_frames),
                                  repetition_penalty=self.penalty, streamed=True)
         self.codec_stream = self.pipe.codec.open(self.rid)
@@ -196,12 +198,13 @@ class Reply:
         send_text_rows(self.pipe.talker.engine, self.rid, prompt.trailing)
         self.sent = len(self.prompt_ids) + len(self.rows.output_ids) - 1
 
-    def _send_rows(self, upto: int) -> None:
+    async def _send_rows(self, upto: int) -> None:
         """The text rows of the thinker's input rows ``sent .. upto - 1``."""
         if upto <= self.sent:
             return
         tokens = [*self.prompt_ids, *self.rows.output_ids][self.sent:upto]
-        send_text_rows(self.pipe.talker.engine, self.rid, self.pipe.talker_model.text_rows(self.pipe.thinker_embeddings(tokens)))
+        rows = await self.pipe.device_work(lambda: self.pipe.talker_model.text_rows(self.pipe.thinker_embeddings(tokens)))
+        send_text_rows(self.pipe.talker.engine, self.rid, rows)
         self.sent = upto
 
     def _silence(self) -> AudioChunk:
