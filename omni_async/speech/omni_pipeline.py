@@ -207,8 +207,13 @@ class OmniPipeline:
         """The talker's input from the thinker's rows so far (at least two reply tokens),
         its trailing rows those known so far."""
         tokens = [*prompt_ids, *rows.output_ids[:-1]]
-        return talker_prompt(self.talker_model, prompt_ids, rows.output_ids, self.thinker_embeddings(tokens), rows.layer_rows(),
-                             voice, complete=False)
+        prompt = talker_prompt(self.talker_model, prompt_ids, rows.output_ids, self.thinker_embeddings(tokens), rows.layer_rows(),
+                               voice, complete=False)
+        if prompt.prefill.device.type == "cuda":
+            # The talker's door checks a prompt's rows (finite values) on the loop: on the
+            # host that reads nothing back from the device; the prefill copies them over.
+            prompt = TalkerPrompt(prompt.prefill.cpu(), prompt.trailing)
+        return prompt
 
     def frames_room(self, prompt: TalkerPrompt, max_frames: int | None) -> int:
         """The request's frame budget: ``max_frames``, or what the talker's context leaves."""
