@@ -114,8 +114,8 @@ class OmniPipeline:
         folder = Path(folder)
         cfg = OmniTalkerConfig.from_folder(folder)  # a folder that is no Qwen3-Omni one fails before anything loads
         drawn = random_weights_of(folder, json.loads((folder / "config.json").read_text(encoding="utf-8")))
-        thinker = Engine.from_pretrained(str(folder), device=device, loop=loop, dtype=dtype, seed=seed,
-                                         hidden_states_layer=cfg.accept_hidden_layer, **(thinker_limits or {}))
+        # The talker (its KV sized by its builder) and the codec first: the thinker, unless
+        # its limits size its KV, takes what the device has left, as a lone engine would.
         talker = build_omni_talker_stage(folder if drawn is None else cfg, device=device, loop=loop, dtype=dtype,
                                          seed=seed if drawn is None else drawn.seed, **(talker_limits or {}))
         if codec is None:
@@ -125,6 +125,8 @@ class OmniPipeline:
                 codec = Code2Wav.random(Code2WavConfig.from_folder(folder), device=dev, dtype=codec_dtype, seed=drawn.seed)
             else:
                 codec = (codec_loader or folder_code2wav)(folder, dev, codec_dtype)
+        thinker = Engine.from_pretrained(str(folder), device=device, loop=loop, dtype=dtype, seed=seed,
+                                         hidden_states_layer=cfg.accept_hidden_layer, **(thinker_limits or {}))
         return cls(thinker, talker, codec, first_chunk_frames=first_chunk_frames, max_chunk_frames=max_chunk_frames,
                    stream_talker=stream_talker, codec_graphs=codec_graphs)
 
