@@ -12,6 +12,11 @@ graphs share one pool, sized by the largest bucket); the slot store's bytes a st
 
     python bench/codec_calls.py --config real --device cuda --dtype bfloat16 --out bench/results/codec_calls_h100.json
     python bench/codec_calls.py --config tiny --device cpu --streams 1,4 --frames 1,4   # a smoke run
+
+``--model code2wav`` measures Qwen3-Omni's Code2Wav (random weights at its released shape)
+instead of the Qwen3-TTS speech-tokenizer decoder:
+
+    python bench/codec_calls.py --model code2wav --device cuda --streams 1,16,64 --frames 16 --out bench/results/code2wav_calls_h100.json
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench._common import machine_facts, parse_int_list, save_json  # noqa: E402
+from omni_async.speech.code2wav import Code2Wav  # noqa: E402
+from omni_async.speech.code2wav_config import Code2WavConfig  # noqa: E402
 from omni_async.speech.codec import CodecDecoder  # noqa: E402
 from omni_async.speech.codec_config import CodecConfig  # noqa: E402
 from omni_async.speech.codec_graphs import BATCH_BUCKETS, CodecGraphs  # noqa: E402
@@ -62,8 +69,19 @@ def capture_cost(graphs: CodecGraphs, batches: tuple[int, ...], frames: tuple[in
             "added_mb": round((torch.cuda.memory_reserved(device) - reserved) / 2**20, 1)}
 
 
+def random_decoder(model: str, size: str, device: torch.device, dtype: torch.dtype) -> Any:
+    """The decoder measured: random weights at the released shape (or the tests' tiny one)."""
+    if model == "code2wav":
+        return Code2Wav.random(Code2WavConfig.tiny() if size == "tiny" else Code2WavConfig.qwen3_omni(),
+                               device=device, dtype=dtype, seed=0)
+    return CodecDecoder.random(CodecConfig.tiny() if size == "tiny" else CodecConfig.qwen3_tts_12hz(),
+                               device=device, dtype=dtype, seed=0)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", choices=("qwen3-tts", "code2wav"), default="qwen3-tts",
+                    help="the Qwen3-TTS speech-tokenizer decoder, or Qwen3-Omni's Code2Wav")
     ap.add_argument("--config", choices=("tiny", "real"), default="real")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: bfloat16 on CUDA, float32 on CPU)")
@@ -74,17 +92,17 @@ def main() -> int:
     args = ap.parse_args()
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
-    config = CodecConfig.tiny() if args.config == "tiny" else CodecConfig.qwen3_tts_12hz()
-    decoder = CodecDecoder.random(config, device=device, dtype=dtype, seed=0)
+    decoder = random_decoder(args.model, args.config, device, dtype)
+    config = decoder.config
     most = max(args.streams)
     eager_store, graphed_store = CodecSlots(decoder, most), CodecSlots(decoder, most)
     graphs = CodecGraphs(graphed_store)
     result: dict[str, Any] = {"machine": machine_facts(), "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-                              "config": args.config, "dtype": str(dtype), "repeats": args.repeats,
+                              "model": args.model, "config": args.config, "dtype": str(dtype), "repeats": args.repeats,
                               "slot_bytes": graphed_store.bytes_per_slot(), "rows": []}
     result["capture"] = capture_cost(graphs, tuple(b for b in BATCH_BUCKETS if b <= most) or (most,),
                                      tuple(f for f in args.frames if f in graphs.frames), device)
-    print(f"{result['device_name']} {args.config} {dtype}: {result['slot_bytes'] / 2**20:.2f} MiB a stream's slot; "
+    print(f"{result['device_name']} {args.model} {args.config} {dtype}: {result['slot_bytes'] / 2**20:.2f} MiB a stream's slot; "
           f"capture {result['capture']}")
     eager_slots = [eager_store.open() for _ in range(most)]
     graphed_slots = [graphed_store.open() for _ in range(most)]
@@ -93,7 +111,7 @@ def main() -> int:
     with torch.inference_mode():
         for b in args.streams:
             for f in args.frames:
-                codes = torch.randint(0, config.codebook_size, (b, f, 16), device=device)
+                codes = torch.randint(0, decoder.codebook_size, (b, f, decoder.num_quantizers), device=device)
                 states = [decoder.new_state() for _ in range(b)]
                 chunks = list(codes)
                 arms: dict[str, Callable[[], Any]] = {

@@ -1,7 +1,8 @@
 """The codec's CUDA graphs (omni_async.speech.codec_graphs): replayed calls give the audio
 of eager calls, float32 and bfloat16, at the tiny and the released decoder's size (random
-weights); graphs are captured once per bucket and replayed after; a grow of the slot store
-captures them again; the speech pipeline's codec stage replays them."""
+weights), for the Qwen3-TTS decoder and Qwen3-Omni's Code2Wav; graphs are captured once
+per bucket and replayed after; a grow of the slot store captures them again; the speech
+pipeline's codec stage replays them."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import pytest
 import torch
 
 from omni_async.speech import SpeechParams, SpeechPipeline
+from omni_async.speech.code2wav import Code2Wav
+from omni_async.speech.code2wav_config import Code2WavConfig
 from omni_async.speech.codec import CodecDecoder
 from omni_async.speech.codec_config import CodecConfig
 from omni_async.speech.codec_graphs import BATCH_BUCKETS, FRAME_BUCKETS, CodecGraphs
@@ -17,7 +20,8 @@ from omni_async.speech.codec_slots import CodecSlots
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
-CONFIGS = {"tiny": CodecConfig.tiny, "real": CodecConfig.qwen3_tts_12hz}
+DECODERS = {"tiny": (CodecDecoder, CodecConfig.tiny), "real": (CodecDecoder, CodecConfig.qwen3_tts_12hz),
+            "code2wav-tiny": (Code2Wav, Code2WavConfig.tiny), "code2wav-real": (Code2Wav, Code2WavConfig.qwen3_omni)}
 # Mean |difference| over mean |audio|: the same shapes (graphed against the eager padded
 # call) differ by rounding only; another batch shape (the plain eager call) may choose
 # other kernels (TF32 convolutions, bf16 GEMMs), so a looser bound. A chunk decoded from a
@@ -41,10 +45,12 @@ def random_codes(frames: int, seed: int) -> torch.Tensor:
 
 
 @pytest.fixture(scope="module", params=[("tiny", torch.float32), ("tiny", torch.bfloat16), ("real", torch.float32),
-                                        ("real", torch.bfloat16)], ids=lambda p: f"{p[0]}-{str(p[1])[6:]}")
-def decoder(request) -> CodecDecoder:
+                                        ("real", torch.bfloat16), ("code2wav-tiny", torch.float32),
+                                        ("code2wav-real", torch.bfloat16)], ids=lambda p: f"{p[0]}-{str(p[1])[6:]}")
+def decoder(request) -> CodecDecoder | Code2Wav:
     name, dtype = request.param
-    return CodecDecoder.random(CONFIGS[name](), device="cuda", dtype=dtype, seed=0)
+    kind, config = DECODERS[name]
+    return kind.random(config(), device="cuda", dtype=dtype, seed=0)
 
 
 def test_graphed_calls_give_the_eager_calls_audio(decoder):

@@ -10,17 +10,23 @@ one-shot decode's samples.
 
 Module and parameter names follow the checkpoint's ``decoder.*`` tensor names, so a
 released ``speech_tokenizer/model.safetensors`` loads by name.
+
+The same layers make Qwen3-Omni's Code2Wav (:mod:`~omni_async.speech.code2wav`), whose
+transposed convolutions also drop ``kernel - stride`` samples at the start of a stream, so
+its samples run that far ahead of these layers' outputs. There a stateful layer's ``lead``
+is how many samples at the start of a stream its input holds that are not part of its
+signal: a stream's first chunk has them zeroed before the layer reads them, which is the
+zero padding the one-shot decode sees at the start of the shorter signal.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-from .codec_config import CodecConfig
 
 
 class Carry:
@@ -37,11 +43,55 @@ class Carry:
     def put(self, slot: int, tensor: torch.Tensor) -> None:
         self.next[slot] = tensor
 
+    def clear_lead(self, x: torch.Tensor, lead: int) -> torch.Tensor:
+        """``x [B, C, T]`` with its first ``lead`` samples zeroed in the rows of streams at
+        their first chunk (position 0); other rows as they are. No host read: graph-safe."""
+        first = (self.position == 0)[:, None, None]
+        ahead = (torch.arange(x.shape[-1], device=x.device) < lead)[None, None, :]
+        return x.masked_fill(first & ahead, 0.0)
+
+
+class WindowConfig(Protocol):
+    """The shape of the sliding-window transformer, read-only (both codecs' frozen configs,
+    ``CodecConfig`` and ``Code2WavConfig``, have these fields)."""
+
+    @property
+    def hidden_size(self) -> int: ...
+
+    @property
+    def intermediate_size(self) -> int: ...
+
+    @property
+    def num_hidden_layers(self) -> int: ...
+
+    @property
+    def num_attention_heads(self) -> int: ...
+
+    @property
+    def num_key_value_heads(self) -> int: ...
+
+    @property
+    def head_dim(self) -> int: ...
+
+    @property
+    def sliding_window(self) -> int: ...
+
+    @property
+    def rope_theta(self) -> float: ...
+
+    @property
+    def rms_norm_eps(self) -> float: ...
+
+    @property
+    def attention_bias(self) -> bool: ...
+
 
 class Stateful(nn.Module):
-    """A layer with a past: its slot in the carry and the shape of its past for one stream."""
+    """A layer with a past: its slot in the carry, the shape of its past for one stream, and
+    the samples at a stream's start its input holds that are not signal (``lead``, zeroed)."""
 
     slot: int = -1
+    lead: int = 0
 
     def past_shape(self) -> tuple[int, ...]:
         raise NotImplementedError
@@ -76,6 +126,8 @@ class CausalConv(Stateful):
     def forward(self, x: torch.Tensor, carry: Carry) -> torch.Tensor:
         if self.context == 0:
             return self.conv(x)
+        if self.lead:
+            x = carry.clear_lead(x, self.lead)
         full = torch.cat([carry.take(self.slot), x], dim=-1)
         carry.put(self.slot, full[..., full.shape[-1] - self.context:])
         return self.conv(full)
@@ -100,6 +152,8 @@ class CausalTransConv(Stateful):
         length = x.shape[-1] * self.stride
         if self.context == 0:
             return self.conv(x)[..., :length]
+        if self.lead:
+            x = carry.clear_lead(x, self.lead)
         full = torch.cat([carry.take(self.slot), x], dim=-1)
         carry.put(self.slot, full[..., full.shape[-1] - self.context:])
         start = self.context * self.stride
@@ -193,7 +247,7 @@ class SlidingAttention(Stateful):
     the last ``window - 1`` positions' rotated keys and values; positions before a stream's
     first frame are masked (the zeros a new stream's past holds are never seen)."""
 
-    def __init__(self, config: CodecConfig) -> None:
+    def __init__(self, config: WindowConfig) -> None:
         super().__init__()
         c = config
         self.heads, self.kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
@@ -235,7 +289,7 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 class Mlp(nn.Module):
     """SwiGLU."""
 
-    def __init__(self, config: CodecConfig) -> None:
+    def __init__(self, config: WindowConfig) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
@@ -246,7 +300,7 @@ class Mlp(nn.Module):
 
 
 class TransformerLayer(nn.Module):
-    def __init__(self, config: CodecConfig) -> None:
+    def __init__(self, config: WindowConfig) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = SlidingAttention(config)
@@ -261,7 +315,7 @@ class TransformerLayer(nn.Module):
         return x + self.mlp_layer_scale(self.mlp(self.post_attention_layernorm(x)))
 
 
-def rope_frequencies(config: CodecConfig) -> torch.Tensor:
+def rope_frequencies(config: WindowConfig) -> torch.Tensor:
     """RoPE's inverse frequencies, float32 (a module cast to bf16 casts its buffers: the
     decoder sets these back after any cast)."""
     exponents = torch.arange(0, config.head_dim, 2, dtype=torch.int64).float() / config.head_dim
@@ -269,16 +323,18 @@ def rope_frequencies(config: CodecConfig) -> torch.Tensor:
 
 
 class Transformer(nn.Module):
-    """``pre_transformer``: input_proj, sliding-window layers, final norm, output_proj, over
-    ``[B, T, latent]``. Positions are absolute (the stream's frame index), as in a one-shot
-    decode, so the rotations match it exactly."""
+    """``pre_transformer``: sliding-window layers and a final norm over ``[B, T, width]``, with
+    ``input_proj`` / ``output_proj`` from and back to ``latent_dim`` when one is given (the
+    Qwen3-TTS codec; Code2Wav has none). Positions are absolute (the stream's frame index), as
+    in a one-shot decode, so the rotations match it exactly."""
 
-    def __init__(self, config: CodecConfig) -> None:
+    def __init__(self, config: WindowConfig, latent_dim: int | None = None) -> None:
         super().__init__()
-        self.input_proj = nn.Linear(config.latent_dim, config.hidden_size)
+        projected = latent_dim is not None
+        self.input_proj = nn.Linear(latent_dim, config.hidden_size) if projected else None
         self.layers = nn.ModuleList([TransformerLayer(config) for _ in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.output_proj = nn.Linear(config.hidden_size, config.latent_dim)
+        self.output_proj = nn.Linear(config.hidden_size, latent_dim) if projected else None
         self.window = config.sliding_window
         self.register_buffer("inv_freq", rope_frequencies(config), persistent=False)
 
@@ -294,67 +350,8 @@ class Transformer(nn.Module):
         offset = positions[:, :, None] - key_positions[:, None, :]                  # query - key
         mask = (offset >= 0) & (offset < self.window) & (key_positions[:, None, :] >= 0)
         mask = mask[:, None]                                                          # [B, 1, T, keep+T]
-        h = self.input_proj(x)
+        h = x if self.input_proj is None else self.input_proj(x)
         for layer in self.layers:
             h = layer(h, rope, mask, carry)
-        return self.output_proj(self.norm(h))
-
-
-class Codebook(nn.Module):
-    """``_codebook``: a vector is ``embedding_sum / clamp(cluster_usage, 1e-5)`` (the running sums
-    of the codebook's training), divided after the lookup so only the looked-up rows are."""
-
-    def __init__(self, size: int, dim: int) -> None:
-        super().__init__()
-        self.cluster_usage = nn.Parameter(torch.ones(size))
-        self.embedding_sum = nn.Parameter(torch.zeros(size, dim))
-
-    def forward(self, codes: torch.Tensor) -> torch.Tensor:
-        usage = F.embedding(codes, self.cluster_usage[:, None]).clamp(min=1e-5)
-        return F.embedding(codes, self.embedding_sum) / usage
-
-
-class _VectorQuantizer(nn.Module):
-    """``vq.layers.i``: holds one codebook (the projection in and out is the group's)."""
-
-    def __init__(self, size: int, dim: int) -> None:
-        super().__init__()
-        self._codebook = Codebook(size, dim)
-
-
-class _QuantizerCodebooks(nn.Module):
-    def __init__(self, count: int, size: int, dim: int) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList([_VectorQuantizer(size, dim) for _ in range(count)])
-
-
-class QuantizerGroup(nn.Module):
-    """``rvq_first`` / ``rvq_rest``: the group's codebook vectors summed, then a 1x1 conv out
-    (codebook_dim / 2 -> codebook_dim, no bias)."""
-
-    def __init__(self, count: int, config: CodecConfig) -> None:
-        super().__init__()
-        half = config.codebook_dim // 2
-        self.vq = _QuantizerCodebooks(count, config.codebook_size, half)
-        self.output_proj = nn.Conv1d(half, config.codebook_dim, 1, bias=False)
-
-    def forward(self, codes: torch.Tensor) -> torch.Tensor:
-        """``codes [B, T, count]`` -> ``[B, codebook_dim, T]``."""
-        total = None
-        for i, layer in enumerate(self.vq.layers):
-            vectors = layer._codebook(codes[..., i])
-            total = vectors if total is None else total + vectors
-        return self.output_proj(total.transpose(1, 2))
-
-
-class Quantizer(nn.Module):
-    """The split RVQ's decode: codebook 0 (semantic) and codebooks 1.. (acoustic) each summed and
-    projected on their own, the two added. Per frame: no past."""
-
-    def __init__(self, config: CodecConfig) -> None:
-        super().__init__()
-        self.rvq_first = QuantizerGroup(1, config)
-        self.rvq_rest = QuantizerGroup(config.num_quantizers - 1, config)
-
-    def forward(self, codes: torch.Tensor) -> torch.Tensor:
-        return self.rvq_first(codes[..., :1]) + self.rvq_rest(codes[..., 1:])
+        h = self.norm(h)
+        return h if self.output_proj is None else self.output_proj(h)

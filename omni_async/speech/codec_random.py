@@ -1,4 +1,5 @@
-"""Random weights for a ``CodecDecoder`` whose audio is neither silent nor clipped.
+"""Random weights for a codec decoder (``CodecDecoder``, ``Code2Wav``) whose audio is neither
+silent nor clipped.
 
 Stock initialisations make a useless decoder to test against: zero codebooks make the audio
 independent of the codes, near-zero layer scales hide the transformer, and O(1) weights
@@ -12,7 +13,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .codec_layers import Codebook, ConvNeXtBlock, LayerScale, ResidualUnit, RMSNorm, SnakeBeta
+from .codec_layers import ConvNeXtBlock, LayerScale, ResidualUnit, RMSNorm, SnakeBeta
+from .codec_quantizer import Codebook
 
 _PROBE_FRAMES = 8
 _TARGET_STD = 0.25
@@ -21,7 +23,7 @@ _RESIDUAL_GAIN = 0.3
 
 @torch.no_grad()
 def randomize(model: nn.Module, seed: int) -> None:
-    """Overwrite every parameter of ``model`` (a ``CodecDecoder``) from ``seed``."""
+    """Overwrite every parameter of ``model`` (a ``CodecDecoder`` or ``Code2Wav``) from ``seed``."""
     g = torch.Generator().manual_seed(int(seed))
 
     def normal(t: torch.Tensor, std: float, mean: float = 0.0) -> None:
@@ -43,6 +45,8 @@ def randomize(model: nn.Module, seed: int) -> None:
         elif isinstance(module, SnakeBeta):
             normal(module.alpha, 0.2)
             normal(module.beta, 0.2)
+        elif isinstance(module, nn.Embedding):  # Code2Wav's codebooks, averaged per frame
+            normal(module.weight, 1.0)
         elif isinstance(module, Codebook):
             module.cluster_usage.copy_(0.5 + 1.5 * torch.rand(module.cluster_usage.shape, generator=g))
             normal(module.embedding_sum, 1.0)
@@ -60,7 +64,7 @@ def _calibrate(model: nn.Module, g: torch.Generator) -> None:
     final = model.decoder[-1].conv
     final.weight.mul_(1e-3)  # the probe reads the spread before the clamp: keep it unclamped
     final.bias.mul_(1e-3)
-    codes = torch.randint(0, model.config.codebook_size, (1, _PROBE_FRAMES, model.num_quantizers), generator=g)
+    codes = torch.randint(0, model.codebook_size, (1, _PROBE_FRAMES, model.num_quantizers), generator=g)
     pcm = model.decode(codes)
     scale = _TARGET_STD / max(float(pcm.std()), 1e-12)
     final.weight.mul_(scale)

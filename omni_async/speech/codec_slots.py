@@ -25,7 +25,7 @@ import heapq
 import torch
 
 from ..errors import InvalidRequestError
-from .codec import CodecDecoder
+from .codec_base import StreamDecoder
 
 __all__ = ["CodecSlots"]
 
@@ -33,7 +33,7 @@ __all__ = ["CodecSlots"]
 class CodecSlots:
     """The pasts of up to ``capacity`` streams (growing by doubling) for ``decoder``."""
 
-    def __init__(self, decoder: CodecDecoder, capacity: int = 8) -> None:
+    def __init__(self, decoder: StreamDecoder, capacity: int = 8) -> None:
         if capacity < 1:
             raise ValueError("CodecSlots: capacity must be at least 1")
         self.decoder = decoder
@@ -104,7 +104,9 @@ class CodecSlots:
     def step(self, codes: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """``codes [B, F, 16]`` of the streams at ``slots [B]`` (a long tensor on the device;
         distinct but for the scratch slot) -> float32 PCM ``[B, F * samples_per_frame]``;
-        their rows advance past the chunk. Device work only: graph-safe."""
+        their rows advance past the chunk. A stream's first call gives its decoder's
+        ``leading_samples`` first (zeros, not audio: its reader drops them). Device work
+        only: graph-safe."""
         past = [store.index_select(0, slots) for store in self.pasts]
         position = self.positions.index_select(0, slots)
         pcm, after = self.decoder(codes, past, position)

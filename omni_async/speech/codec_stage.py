@@ -44,6 +44,7 @@ import numpy as np
 import torch
 
 from ..stage.executor import await_future
+from .codec_base import StreamDecoder
 from .codec_graphs import CodecGraphs
 from .codec_slots import CodecSlots
 from .playback import Playback
@@ -54,7 +55,7 @@ __all__ = ["AudioChunk", "CodecStage", "CodecStream"]
 @dataclass
 class AudioChunk:
     """A stretch of one stream's audio: ``audio`` float32 PCM in [-1, 1] at
-    ``sample_rate``, decoded from ``codes`` (``[frames, 16]``, on the CPU), the stream's
+    ``sample_rate``, decoded from ``codes`` (``[frames, codebooks]``, on the CPU), the stream's
     frames ``first_frame .. first_frame + frames - 1``. ``finished`` on the last chunk,
     with the request's ``finish_reason``."""
 
@@ -98,7 +99,7 @@ class CodecStream:
 
 
 class CodecStage:
-    def __init__(self, decoder: Any, device: torch.device, *, first_chunk_frames: int = 2, max_chunk_frames: int = 32,
+    def __init__(self, decoder: StreamDecoder, device: torch.device, *, first_chunk_frames: int = 2, max_chunk_frames: int = 32,
                  cuda_graphs: bool = True, slots: int | None = None, max_streams_per_round: int | None = None) -> None:
         if first_chunk_frames < 1 or max_chunk_frames < first_chunk_frames:
             raise ValueError("chunk sizes: 1 <= first_chunk_frames <= max_chunk_frames")
@@ -217,7 +218,8 @@ class CodecStage:
                 if s.pending_frames:
                     out.append((s, _power_of_two(s.pending_frames)))
                 else:  # nothing left: the empty terminal chunk
-                    self._deliver(s, torch.zeros((0, 16), dtype=torch.long), np.zeros(0, dtype=np.float32))
+                    self._deliver(s, torch.zeros((0, self.decoder.num_quantizers), dtype=torch.long),
+                                  np.zeros(0, dtype=np.float32))
         cap = self.max_streams_per_round
         if cap is not None and len(out) > cap:
             out = sorted(out, key=lambda item: item[0].urgency(self.frame_seconds))[:cap]
@@ -306,6 +308,8 @@ class CodecStage:
 
     def _deliver(self, s: CodecStream, codes: torch.Tensor, pcm: np.ndarray) -> None:
         last = s.ended and s.pending_frames == 0
+        if s.frames_sent == 0:  # a stream's first samples that are not audio (Code2Wav's lead)
+            pcm = pcm[self.decoder.leading_samples:]
         chunk = AudioChunk(s.request_id, np.asarray(pcm, dtype=np.float32), self.sample_rate, codes, s.frames_sent, last,
                            s.finish_reason if last else None)
         s.frames_sent += int(codes.shape[0])
