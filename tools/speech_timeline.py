@@ -16,6 +16,8 @@ codec round (start, end, streams, frames), every chunk the client receives. Prin
   against while none does;
 - with ``--trace`` on CUDA, a torch.profiler window in the steady state: kernel time by
   CUDA stream (the talker's and the codec's) and the busy share of their union;
+- with ``--ab-repeats``, the widest level again under each of ``--variants`` (the talker's
+  stream priority, a SpeechSchedule field) against the defaults, alternated;
 - with ``--cprofile``, the host's functions by own time over the widest level (every
   thread on Python 3.12).
 
@@ -196,17 +198,23 @@ async def level(tts: SpeechPipeline, rec: Recorder, streams: int, frames: int, t
     return out
 
 
-def set_talker_priority(tts: SpeechPipeline, prio: str) -> None:
-    """Re-take the talker runner's stream at ``prio`` ("default": the runner's own)."""
+def apply_variant(tts: SpeechPipeline, variant: str) -> None:
+    """``default``; ``priority=N``: the talker's stream at priority N; ``codec_max_frames=N``
+    (0: no budget) or another SpeechSchedule field."""
     runner = tts.stage.runner
-    if runner.stream is None:
-        return
-    runner.release_stream()
-    saved = runner.stream_priority
-    if prio != "default":
-        runner.stream_priority = int(prio)
-    runner.use_own_stream(runner.device)
-    runner.stream_priority = saved
+    if runner.stream is not None:  # the talker's stream: its own priority unless the variant says
+        runner.release_stream()
+        saved = runner.stream_priority
+        if variant.startswith("priority="):
+            runner.stream_priority = int(variant.split("=")[1])
+        runner.use_own_stream(runner.device)
+        runner.stream_priority = saved
+    from omni_async.speech import SpeechSchedule
+    if variant.startswith("priority=") or variant == "default":
+        tts.set_schedule(SpeechSchedule())
+    else:
+        name, value = variant.split("=")
+        tts.set_schedule(SpeechSchedule(**{name: (int(value) or None)}))
 
 
 async def main(args) -> None:
@@ -220,15 +228,16 @@ async def main(args) -> None:
             r = await level(tts, rec, c, args.frames, args.trace, args.cprofile and c == max(args.streams))
             res["levels"].append(r)
             print(json.dumps(r, indent=1), flush=True)
-        for i in range(args.priority_ab):  # the talker's stream at its default priority, then at 0, alternated
-            for prio in ("default", "0") if i % 2 == 0 else ("0", "default"):
-                set_talker_priority(tts, prio)
+        for i in range(args.ab_repeats):  # the widest level under each variant and the defaults, alternated
+            order = ["default", *args.variants] if i % 2 == 0 else [*args.variants, "default"]
+            for variant in order:
+                apply_variant(tts, variant)
                 r = await level(tts, rec, max(args.streams), args.frames, False)
-                r["talker_priority"] = prio
+                r["variant"] = variant
                 res["levels"].append(r)
-                print("priority", prio, r["ttfp_ms"], {k: r["steady"][k] for k in ("step_spacing_ms_p50", "frames_per_s", "codec_busy_share")},
-                      flush=True)
-            set_talker_priority(tts, "default")
+                print("variant", variant, r["ttfp_ms"], {k: r["steady"][k] for k in ("step_spacing_ms_p50", "frames_per_s", "codec_busy_share",
+                                                                                   "codec_round_ms_p90")}, flush=True)
+                apply_variant(tts, "default")
     if args.out:
         Path(args.out).write_text(json.dumps(res, indent=1))
 
@@ -242,7 +251,8 @@ if __name__ == "__main__":
     p.add_argument("--frames", type=int, default=60)
     p.add_argument("--trace", action="store_true", help="a torch.profiler window in the steady state (CUDA)")
     p.add_argument("--cprofile", action="store_true", help="the host's functions by own time over the widest level")
-    p.add_argument("--priority-ab", type=int, default=0,
-                   help="repeats of the widest level with the talker's stream at its default priority and at 0, alternated")
+    p.add_argument("--variants", type=lambda x: x.split(","), default=["priority=0", "codec_max_frames=0"],
+                   help="variants of the widest level run against the defaults: priority=N (the talker's stream), a SpeechSchedule field=N (0: None)")
+    p.add_argument("--ab-repeats", type=int, default=0, help="rounds of the variants against the defaults, order alternated")
     p.add_argument("--out", default=None)
     asyncio.run(main(p.parse_args()))
