@@ -252,3 +252,40 @@ async def test_a_stream_closed_early_gives_its_slot_to_the_next(codec):
         runner.cancel()
         with pytest.raises(asyncio.CancelledError):
             await runner
+
+
+async def test_a_rounds_frame_budget_splits_a_burst_and_serves_first_chunks_first(codec):
+    """Six streams ready with long chunks at once and a budget of 16 frames a round: no
+    round decodes more than 16 frames, every stream still makes its one-shot decode, and a
+    stream that has not had its first chunk is served ahead of streams already playing."""
+    stage = CodecStage(codec, torch.device("cpu"), first_chunk_frames=8, max_chunk_frames=8, slots=8, max_frames_per_round=16)
+    all_codes = [random_codes(24, seed=90 + i) for i in range(6)]
+    streams = [stage.open(f"burst{i}") for i in range(6)]
+    for s, c in zip(streams, all_codes):
+        stage.push(s, c[:8])  # every stream ready before the stage runs: one burst of 48 frames
+    runner = asyncio.create_task(stage.run())
+    try:
+        firsts = [await s.receive.receive() for s in streams]
+        assert all(len(c.codes) == 8 for c in firsts)
+        assert stage.largest_round_frames == 16 and stage.rounds == 3
+        late = stage.open("late")
+        late_codes = random_codes(8, seed=99)
+        for s, c in zip(streams, all_codes):  # the playing streams' next chunks and the newcomer's first, together
+            stage.push(s, c[8:24])
+        stage.push(late, late_codes)
+        stage.end(late, "stop")
+        first_of_late = await late.receive.receive()
+        # the newcomer went out in the first round after the pushes: at most one other chunk beside it
+        assert stage.rounds <= 4 and len(first_of_late.codes) == 8
+        for s in streams:
+            stage.end(s, "length")
+        for s, c, first in zip(streams, all_codes, firsts):
+            rest = await _collect(s)
+            audio = np.concatenate([first.audio] + [x.audio for x in rest])
+            np.testing.assert_allclose(audio, one_shot(codec, c).numpy(), atol=F32_TOL)
+        assert stage.largest_round_frames == 16
+        assert stage.active() == 0 and stage.slots.in_use() == 0
+    finally:
+        runner.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await runner

@@ -1,6 +1,6 @@
 """Where a speech step's time goes: the talker stage alone (frames/s by batch, no codec),
 the codec alone (ms per decoder call by streams and frames), and a torch.profiler table
-of the talker's steps. A diagnosis tool, not a benchmark (bench/tts_serving.py is).
+of the talker's steps; on CUDA the code predictor's frame alone, graphed. A diagnosis tool, not a benchmark (bench/tts_serving.py is).
 
     python tools/speech_profile.py --model tts-1.7b --device cuda
 """
@@ -66,6 +66,48 @@ def codec_calls(tts: SpeechPipeline, device: str) -> list[dict]:
     return out
 
 
+def predictor_alone(tts: SpeechPipeline, batches: list[int], sampled: bool = True) -> list[dict]:
+    """The code predictor's frame (15 codes a row) alone, captured in a CUDA graph per
+    batch and replayed: ms a frame (issue 60's goal: <= 3 ms at 64 rows on an H100)."""
+    from omni_async.speech.sampling import TOP_K_CAP, PredictorSampling, draw_codes
+    runner, speech = tts.stage.runner, tts.stage.model
+    dev, hidden = runner.device, speech.config.talker.hidden_size
+    out = []
+    for b in batches:
+        past = torch.randn((b, hidden), device=dev, dtype=speech.dtype)
+        first = torch.randn((b, hidden), device=dev, dtype=speech.dtype)
+        s = PredictorSampling(temperature=torch.full((b,), 0.9 if sampled else 0.0, device=dev), top_k=torch.full((b,), 50, device=dev),
+                              top_p=torch.ones(b, device=dev), seeds=torch.arange(b, device=dev), sampled=sampled,
+                              top_k_cap=TOP_K_CAP if sampled else 0)
+        base = torch.arange(b, device=dev) * 16
+
+        def frame():
+            return speech.predictor.frame(past, first, lambda logits, group: draw_codes(logits, s, base, group), ops=runner.model.ops,
+                                          use_kernel=runner.use_kernel)
+        with torch.inference_mode():
+            for _ in range(3):
+                frame()
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+                frame()
+            torch.cuda.current_stream().wait_stream(stream)
+            for _ in range(5):
+                graph.replay()
+            torch.cuda.synchronize()
+            n = 50
+            t0 = time.perf_counter()
+            for _ in range(n):
+                graph.replay()
+            torch.cuda.synchronize()
+        r = {"batch": b, "sampled": sampled, "ms_per_frame": round(1000 * (time.perf_counter() - t0) / n, 3)}
+        out.append(r)
+        print("predictor", r, flush=True)
+    return out
+
+
 async def main(args) -> None:
     tts = SpeechPipeline.from_pretrained(args.model, device=args.device, dtype=args.dtype)
     res = {"gpu": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "talker": [], "codec": []}
@@ -83,8 +125,11 @@ async def main(args) -> None:
             table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
             print(table)
             res["profile_table"] = table
-        with torch.inference_mode():
-            res["codec"] = codec_calls(tts, args.device)
+        if args.device == "cuda":
+            res["predictor"] = predictor_alone(tts, args.batches)
+        if not args.no_codec:
+            with torch.inference_mode():
+                res["codec"] = codec_calls(tts, args.device)
         res["info"] = {k: v for k, v in tts.info().items() if isinstance(v, (int, float, str))}
     if args.out:
         Path(args.out).write_text(json.dumps(res, indent=1))
@@ -98,5 +143,6 @@ if __name__ == "__main__":
     ap.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 16, 64])
     ap.add_argument("--frames", type=int, default=64)
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--no-codec", action="store_true", help="leave out the codec's calls")
     ap.add_argument("--out", default=None)
     asyncio.run(main(ap.parse_args()))

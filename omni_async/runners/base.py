@@ -82,6 +82,9 @@ class ModelRunner(RunnerHooks):
     # Every request's hidden states go out with its step outputs (a thinker feeding a
     # talker), not only those of requests that ask (``SamplingParams.return_hidden_states``).
     capture_hidden: bool = False
+    # The CUDA priority of the runner's own stream: 0, the default; a stage whose steps
+    # are paced by a listener raises it over bulk work beside it.
+    stream_priority: int = 0
 
     def mixed_prefill_allowed(self) -> bool:
         """Whether running requests' decode rows may ride in a prefill step (the batch
@@ -172,8 +175,9 @@ class ModelRunner(RunnerHooks):
         holds the other stage's next step back; and the small kernels of a small model
         cannot run beside the other stage's. Own streams queue independently. Work on the
         default stream (weights loaded or updated, caches filled) is waited for at each
-        launch, an event wait on the device."""
-        self.stream = STREAMS.take(device)
+        launch, an event wait on the device. The stream has ``stream_priority``
+        (see :mod:`~omni_async.runners.streams`)."""
+        self.stream = STREAMS.take(device, self.stream_priority)
 
     def release_stream(self) -> None:
         """Hand the stream back for a later stage (closing): the libraries key per-stream

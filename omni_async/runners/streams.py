@@ -6,7 +6,13 @@ graph capture, grew the device's memory by that much each time (on the H200 a cl
 thinker-and-talker pair left 1.1 GB allocated, a third of it per-capture side streams, and
 every later engine 33 MiB more). Streams come from one pool per device instead: a stage
 takes one for its life and gives it back when it closes; a capture borrows one for its
-duration."""
+duration.
+
+A stream's priority is part of what is pooled: a stage whose steps someone waits on at a
+fixed pace (a talker's frames, played as they come) takes a high-priority stream, so the
+device starts its kernels ahead of bulk work queued on other streams (a codec's calls)
+whenever both are ready; priorities are clamped to the device's range (CUDA: lower is
+higher, 0 the default and lowest)."""
 
 from __future__ import annotations
 
@@ -21,20 +27,22 @@ class StreamPool:
     """Free CUDA streams per device; one is taken exclusively and given back."""
 
     def __init__(self) -> None:
-        self._free: dict[torch.device, list[Any]] = {}
+        self._free: dict[tuple[torch.device, int], list[Any]] = {}
         self._lock = threading.Lock()
 
-    def take(self, device: torch.device | str) -> Any:
+    def take(self, device: torch.device | str, priority: int = 0) -> Any:
         device = torch.device(device)
         with self._lock:
-            free = self._free.get(device)
+            free = self._free.get((device, priority))
             if free:
                 return free.pop()
-        return torch.cuda.Stream(device)
+        stream = torch.cuda.Stream(device, priority=priority)
+        stream.pool_priority = priority  # the key it goes back under (the device may clamp .priority)
+        return stream
 
     def give_back(self, stream: Any) -> None:
         with self._lock:
-            self._free.setdefault(stream.device, []).append(stream)
+            self._free.setdefault((stream.device, getattr(stream, "pool_priority", 0)), []).append(stream)
 
     @contextlib.contextmanager
     def borrowed(self, device: torch.device | str) -> Iterator[Any]:
@@ -51,3 +59,6 @@ class StreamPool:
 
 
 STREAMS = StreamPool()
+
+# The highest priority a CUDA stream can have (clamped by the device: -5 on Hopper).
+HIGH_PRIORITY = -5

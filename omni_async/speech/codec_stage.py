@@ -100,14 +100,21 @@ class CodecStream:
 
 class CodecStage:
     def __init__(self, decoder: StreamDecoder, device: torch.device, *, first_chunk_frames: int = 2, max_chunk_frames: int = 32,
-                 cuda_graphs: bool = True, slots: int | None = None, max_streams_per_round: int | None = None) -> None:
+                 cuda_graphs: bool = True, slots: int | None = None, max_streams_per_round: int | None = None,
+                 max_frames_per_round: int | None = None) -> None:
         if first_chunk_frames < 1 or max_chunk_frames < first_chunk_frames:
             raise ValueError("chunk sizes: 1 <= first_chunk_frames <= max_chunk_frames")
-        if max_streams_per_round is not None and max_streams_per_round < 1:
-            raise ValueError("max_streams_per_round must be None or >= 1")
-        # A round's budget: more ready streams than this and the most urgent go first
-        # (first chunks, then the least audio buffered); the rest wait for the next round.
+        for name, cap in (("max_streams_per_round", max_streams_per_round), ("max_frames_per_round", max_frames_per_round)):
+            if cap is not None and cap < 1:
+                raise ValueError(f"{name} must be None or >= 1")
+        # A round's budget, in streams and in frames: past either, the most urgent go first
+        # (first chunks, then the least audio buffered) and the rest wait for the next
+        # round. The frame budget bounds a round's time, so a new stream's first chunk
+        # waits behind at most one bounded round, not a burst of every stream's long chunk.
         self.max_streams_per_round = max_streams_per_round
+        self.max_frames_per_round = max_frames_per_round
+        self.rounds = 0
+        self.largest_round_frames = 0
         # Called with each round's seconds on the loop (metrics).
         self.round_observers: list[Any] = []
         self.decoder, self.device = decoder, device
@@ -242,10 +249,23 @@ class CodecStage:
                 else:  # nothing left: the empty terminal chunk
                     self._deliver(s, torch.zeros((0, self.decoder.num_quantizers), dtype=torch.long),
                                   np.zeros(0, dtype=np.float32))
-        cap = self.max_streams_per_round
-        if cap is not None and len(out) > cap:
-            out = sorted(out, key=lambda item: item[0].urgency(self.frame_seconds))[:cap]
-        return out
+        return self._within_budget(out)
+
+    def _within_budget(self, ready: list[tuple[CodecStream, int]]) -> list[tuple[CodecStream, int]]:
+        """The most urgent of ``ready`` that fit the round's budgets (at least one)."""
+        cap_streams, cap_frames = self.max_streams_per_round, self.max_frames_per_round
+        over_streams = cap_streams is not None and len(ready) > cap_streams
+        over_frames = cap_frames is not None and sum(n for _, n in ready) > cap_frames
+        if not (over_streams or over_frames):
+            return ready
+        kept: list[tuple[CodecStream, int]] = []
+        frames = 0
+        for s, n in sorted(ready, key=lambda item: item[0].urgency(self.frame_seconds)):
+            if kept and ((cap_streams is not None and len(kept) >= cap_streams) or (cap_frames is not None and frames + n > cap_frames)):
+                break
+            kept.append((s, n))
+            frames += n
+        return kept
 
     @staticmethod
     def _take(stream: CodecStream, n: int) -> torch.Tensor:
@@ -282,6 +302,8 @@ class CodecStage:
             for slot in released:
                 self.slots.close(slot)
         took = time.perf_counter() - started
+        self.rounds += 1
+        self.largest_round_frames = max(self.largest_round_frames, sum(n for _, n in ready))
         for observe in self.round_observers:
             observe(took)
         for s, _ in ready:

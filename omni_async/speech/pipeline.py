@@ -133,6 +133,7 @@ class SpeechPipeline:
             policy = FCFSPolicy(max_decode_rows=sched.max_decode_rows)
         self.engine.scheduler.core.set_policy(policy)
         self.codec.max_streams_per_round = sched.codec_max_streams
+        self.codec.max_frames_per_round = sched.codec_max_frames
         gate = self.admission
         gate.max_streams, gate.max_waiting, gate.wait_s = sched.max_streams, sched.max_waiting_streams, sched.admission_wait_s
         gate.rows_per_step = sched.max_decode_rows
@@ -174,7 +175,8 @@ class SpeechPipeline:
         """The talker stage's info (loop, steps, KV pages, ...) and the speech side's."""
         return {**self.engine.scheduler.info(), "speech": {"model_size": self.config.model_size, "voices": self.voices(), "sample_rate": self.sample_rate,
                                    "frame_rate": FRAME_RATE, "codec_calls": self.codec.calls,
-                                   "codec_frames": self.codec.frames_decoded, "codec_streams": self.codec.active(),
+                                   "codec_frames": self.codec.frames_decoded, "codec_rounds": self.codec.rounds,
+                                   "codec_largest_round_frames": self.codec.largest_round_frames, "codec_streams": self.codec.active(),
                                    "codec_graph_replays": self.codec.graph_replays, "scheduling_policy": self.schedule.policy,
                                    "streams_in_underrun": self.streams_in_underrun(), **self.admission.stats(),
                                    "streams": {rid: s.playback.snapshot() for rid, s in self._streams.items()}}}

@@ -35,6 +35,7 @@ import torch
 
 from ..runners.native import NativeModelRunner
 from ..runners.sampling import derive_seed
+from ..runners.streams import HIGH_PRIORITY
 from ..runners.types import BatchResult
 from .graphs import FrameGraphs
 from .model import SpeechModel
@@ -55,6 +56,10 @@ def predictor_settings(temperature: float, top_k: int, top_p: float) -> dict[str
 
 
 class SpeechRunner(NativeModelRunner):
+    # Frames are played as they come and the codec's calls beside them are bulk work
+    # with slack (whole chunks a call): the device starts the talker's kernels first.
+    stream_priority = HIGH_PRIORITY
+
     def __init__(self, speech: "SpeechModel | OmniTalker", kv: Any, device: torch.device, *, seed: int = 0,
                  **options: Any) -> None:
         super().__init__(speech.talker, kv, device, capture_hidden=True, seed=seed, **options)

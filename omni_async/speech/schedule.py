@@ -26,7 +26,10 @@ class SpeechSchedule:
     at once; a request waits at most ``admission_wait_s`` to start (and only while the
     talker, by its own measure, can feed one more stream in real time); at most
     ``max_waiting_streams`` wait; beyond, ``OverloadedError`` (HTTP 503).
-    ``codec_max_streams``: streams a codec round decodes at most (most urgent first)."""
+    ``codec_max_streams``: streams a codec round decodes at most (most urgent first);
+    ``codec_max_frames``: frames a codec round decodes at most (most urgent first, at
+    least one chunk): a round's time stays bounded (a few milliseconds on a GPU at 256),
+    so a new stream's first chunk never waits behind every stream's long chunk at once."""
 
     policy: str = "deadline"
     max_decode_rows: int | None = None
@@ -35,11 +38,12 @@ class SpeechSchedule:
     max_waiting_streams: int | None = None
     admission_wait_s: float | None = None
     codec_max_streams: int | None = None
+    codec_max_frames: int | None = 256
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise errors.ConfigError(f"unknown speech scheduling policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
-        for name in ("max_decode_rows", "max_streams", "codec_max_streams"):
+        for name in ("max_decode_rows", "max_streams", "codec_max_streams", "codec_max_frames"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise errors.ConfigError(f"{name} must be None or an integer >= 1, got {value!r}")
