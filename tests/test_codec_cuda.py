@@ -6,6 +6,8 @@ pipeline's codec stage replays them."""
 
 from __future__ import annotations
 
+import asyncio
+
 import numpy as np
 import pytest
 import torch
@@ -135,3 +137,19 @@ async def test_the_pipelines_codec_stage_replays_graphs():
     _, _, eager = await _stream(False)
     assert eager["codec_graph_replays"] == 0 and eager["codec_calls"] > 0
 
+
+
+async def test_the_pipeline_captures_the_codecs_graphs_before_any_request():
+    """Every call a round under the frame budget can make is captured when the pipeline is
+    built: a request's rounds only replay (a capture in a round ran the decoder eagerly
+    and synchronised the device under the talker's steps)."""
+    async with SpeechPipeline.from_pretrained("tiny", device="cuda", loop="overlap") as tts:
+        graphs = tts.codec.graphs
+        built = graphs.captures
+        budget = tts.schedule.codec_max_frames
+        assert built == sum(1 for b in graphs.batches for f in graphs.frames
+                            if f <= tts.codec.max_chunk_frames and (b * f <= budget or b == 1))
+        await asyncio.gather(*(tts.synthesize("Graphs before requests.", voice="ryan",
+                                              params=SpeechParams(max_frames=40, ignore_eos=True, seed=i)) for i in range(6)))
+        info = tts.info()["speech"]
+    assert graphs.captures == built and info["codec_graph_replays"] == info["codec_calls"] > 0

@@ -11,7 +11,9 @@ and the scratch slot (so padding rows touch only the scratch row), and replays.
 
 Buckets: batches of 1, 2, 4, ... 128 streams and chunks of 1, 2, 4, 8, 16 or 32 frames
 (the codec stage asks only for those lengths). A graph is captured on the first call that needs
-it (``capture`` takes a set up front); a larger batch runs as several calls, a chunk
+it, or up front: ``capture`` takes a set, ``capture_within`` every bucket a round's frame
+budget can use (the codec stage does this when it is built, so no request waits on a capture
+and its device-wide synchronize); a larger batch runs as several calls, a chunk
 length outside the set eagerly. When the store grows its tensors are new, so every graph
 is dropped and captured again on its next use.
 
@@ -126,6 +128,23 @@ class CodecGraphs:
                 for f in frames or self.frames:
                     if (b, f) not in self.graphs:
                         self._capture(b, f)
+
+    def capture_within(self, frames_budget: int, max_frames: int) -> None:
+        """Capture now every bucket a call of at most ``frames_budget`` padded frames can
+        use (a round under that budget makes only such calls), chunks up to ``max_frames``;
+        a chunk alone past the budget gets its batch of one."""
+        pairs = [(b, f) for b in self.batches for f in self.frames
+                 if f <= max_frames and (b * f <= frames_budget or b == 1)]
+        if not self.capture_graphs:
+            return
+        with torch.inference_mode():
+            for b, f in sorted(pairs, key=lambda bf: -bf[0] * bf[1]):  # the largest first: it sizes the pool
+                if self._generation != self.slots.generation:
+                    self.graphs.clear()
+                    self.pool = None
+                    self._generation = self.slots.generation
+                if (b, f) not in self.graphs:
+                    self._capture(b, f)
 
     def _capture(self, bucket: int, frames: int) -> tuple[Any, torch.Tensor]:
         """Warm up and capture one bucket's call over scratch inputs: every row on the

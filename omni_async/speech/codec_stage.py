@@ -139,6 +139,18 @@ class CodecStage:
         self.calls = 0
         self.frames_decoded = 0
 
+    def capture_graphs(self) -> None:
+        """Capture the codec's CUDA graphs now, for every call a round under the frame
+        budget (``max_frames_per_round``, 256 frames without one) can make: a capture
+        runs the decoder eagerly twice and synchronises the device, which, left to a
+        request's first round of each (batch, frames) shape, cost that round hundreds of
+        milliseconds and stalled the talker beside it. On the codec's stream; before the
+        first call."""
+        if self.graphs is None:
+            return
+        with self._on_codec_stream():
+            self.graphs.capture_within(self.max_frames_per_round or 256, self.max_chunk_frames)
+
     def _on_codec_stream(self) -> Any:
         return torch.cuda.stream(self._cuda_stream) if self._cuda_stream is not None else contextlib.nullcontext()
 

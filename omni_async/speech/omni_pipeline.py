@@ -88,6 +88,7 @@ class OmniPipeline:
         device = talker.runner.device
         self.codec = CodecStage(codec, device, first_chunk_frames=first_chunk_frames, max_chunk_frames=max_chunk_frames,
                                 cuda_graphs=device.type == "cuda" if codec_graphs is None else codec_graphs)
+        self.codec.capture_graphs()
         self.sample_rate: int = codec.sample_rate
         self._tg: Any = None
         self._ids = itertools.count()

@@ -73,6 +73,7 @@ class SpeechPipeline:
         self.admission = SpeechAdmission(lambda: len(self._talking), self.frame_clock, frame_s=1.0 / FRAME_RATE)
         self.schedule = SpeechSchedule()
         self.set_schedule(schedule)
+        self.codec.capture_graphs()  # every call a round under the schedule's frame budget makes
         self.engine.scheduler.add_step_observer(self._stepped)
 
     @classmethod
