@@ -231,3 +231,28 @@ def test_a_steps_sampling_mode_is_the_union_of_what_its_rows_ask():
         assert sampling_mode(flags, ib.ip, s, sidx) == want, trial
         modes.add(want)
     assert len(modes) > 8, "the trials cover many modes"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the device's stream is what must not be waited for")
+def test_admitting_and_publishing_never_wait_for_the_device():
+    """A step's tokens marked seen (repetition penalty) and a new request's masks written
+    without a blocking copy: ``mask[rows, cols] = True`` copies a host True to the device
+    and waits for every step queued on the stream, which held the launching thread for a
+    whole in-flight step on an H100. Under CUDA's sync check in error mode, any wait raises."""
+    dev = torch.device("cuda")
+    ib = InputBatch(PAGE, VOCAB, dev, slots=4, pages=1)
+    params = SamplingParams(repetition_penalty=1.3, suppress_tokens=[3, 4], stop_token_ids=[9])
+    reqs = [Request(rid=f"p{i}", prompt_ids=[1], sampling=params, pages=[i]) for i in range(3)]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        rows = ib.assign(reqs, [0] * 3, [r.pages for r in reqs], [1] * 3, lambda r: 1)
+        ib.publish(rows.slots_dev, torch.tensor([5, 6, 7], device=dev))
+        ib.publish_steps(rows.slots_dev, torch.tensor([[10, 11, 12], [13, 14, 15]], device=dev))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    seen = ib.masks["seen"][rows.slots_dev].cpu()
+    for i, tokens in enumerate(([5, 10, 13], [6, 11, 14], [7, 12, 15])):
+        assert seen[i].nonzero().flatten().tolist() == tokens
+    assert ib.masks["suppress"][rows.slots_dev].cpu()[:, [3, 4]].all()
+    assert ib.last_token[rows.slots_dev].cpu().tolist() == [13, 14, 15]

@@ -79,6 +79,11 @@ class InputBatch:
         self.ip_dev = torch.zeros((0, 3), dtype=torch.long, device=device)
         self.last_token = torch.zeros(0, dtype=torch.long, device=device)
         self.masks: dict[str, torch.Tensor] = {}  # "seen", "suppress", "stop": [S, V] bool
+        # The value the masks' scatters write, on the device: ``mask[rows, cols] = True``
+        # makes a host True, copies it to the device with a blocking copy and so waits for
+        # every step queued on the stream (measured on an H100: the launching thread held
+        # for a whole in-flight step, each step); ``index_put_`` of a device scalar does not.
+        self._true = torch.ones((), dtype=torch.bool, device=device)
         self.controls = SlotControls(vocab, device)  # OpenAI penalties and logit bias
         self._grow(slots, pages)
         self._reset_pending()
@@ -297,7 +302,7 @@ class InputBatch:
         for name, (mrows, mcols) in self._mask_sets.items():
             if mrows:
                 rc = torch.from_numpy(np.array([mrows, mcols], dtype=np.int64)).to(dev, non_blocking=True)
-                self.masks[name][rc[0], rc[1]] = True
+                self.masks[name].index_put_((rc[0], rc[1]), self._true)
         self.controls.flush()
         if self._dirty_params:
             idx = np.array(self._dirty_params, dtype=np.int64)
@@ -321,7 +326,7 @@ class InputBatch:
         self.last_token.index_copy_(0, rows_dev, tokens)
         seen = self.masks.get("seen")
         if seen is not None:
-            seen[rows_dev, tokens] = True
+            seen.index_put_((rows_dev, tokens), self._true)
         self.controls.publish(rows_dev, tokens)
 
     def publish_forward(self, rows_dev: torch.Tensor, tokens: torch.Tensor, j: int, steps: Sequence[int]) -> None:
@@ -354,7 +359,7 @@ class InputBatch:
         self.last_token.index_copy_(0, rows_dev, tokens[-1])
         seen = self.masks.get("seen")
         if seen is not None:
-            seen[rows_dev.expand(tokens.shape[0], -1).reshape(-1), tokens.reshape(-1)] = True
+            seen.index_put_((rows_dev.expand(tokens.shape[0], -1).reshape(-1), tokens.reshape(-1)), self._true)
 
     def sampling_batch(self, rows: SlotRows, sample_indices: np.ndarray, sample_indices_dev: torch.Tensor) -> SamplingBatch:
         """Sampling inputs of a step's rows, gathered on the device by slot. What runs is

@@ -386,7 +386,10 @@ def _row_mask(ids_per_row: Sequence[Sequence[int]], vocab: int, device: torch.de
     cols = [t for ids in ids_per_row for t in ids if 0 <= t < vocab]
     mask = torch.zeros(len(ids_per_row), vocab, dtype=torch.bool, device=device)
     if cols:
-        mask[torch.tensor(rows, device=device), torch.tensor(cols, device=device)] = True
+        # index_put_ of a device scalar: ``mask[...] = True`` copies a host True with a
+        # blocking copy (the stream drains first); the indices travel in one async copy.
+        rc = torch.tensor([rows, cols], dtype=torch.long).to(device, non_blocking=True)
+        mask.index_put_((rc[0], rc[1]), torch.ones((), dtype=torch.bool, device=device))
     return mask
 
 
