@@ -71,7 +71,7 @@ class CodecSlots:
         with torch.inference_mode():
             for store in self.pasts:
                 store[slot].zero_()
-            self.positions[slot] = 0
+            self.positions[slot:slot + 1].fill_(0)
         return slot
 
     def close(self, slot: int) -> None:

@@ -56,15 +56,15 @@ class TextRowStore:
         self._fit(slot + 1, rows.shape[0])
         n = rows.shape[0]
         self.rows[slot, :n] = rows.to(self.rows.device, self.rows.dtype)
-        self.count[slot] = n
-        self.start[slot] = start
+        self.count[slot:slot + 1].fill_(n)  # fills: an element assigned a host number may copy it blocking
+        self.start[slot:slot + 1].fill_(start)
 
     def extend(self, slot: int, offset: int, rows: torch.Tensor) -> None:
         """Slot ``slot``'s rows ``offset ..`` (rows arriving while the request speaks)."""
         n = rows.shape[0]
         self._fit(slot + 1, offset + n)
         self.rows[slot, offset:offset + n] = rows.to(self.rows.device, self.rows.dtype)
-        self.count[slot] = offset + n
+        self.count[slot:slot + 1].fill_(offset + n)
 
     def at(self, slots: torch.Tensor, positions: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
         """Each row's text row for the frame whose input goes to ``positions`` ``[B]``."""
