@@ -74,14 +74,12 @@ class SpeechModel:
     @torch.inference_mode()
     def text_rows(self, ids: list[int] | torch.Tensor) -> torch.Tensor:
         """``T(ids)``: projected text embeddings ``[n, H]``."""
-        ids = torch.as_tensor(ids, dtype=torch.long, device=self.device)
-        return self.text(ids)
+        return self.text(_on(ids, self.device))
 
     @torch.inference_mode()
     def codec_rows(self, ids: list[int] | torch.Tensor) -> torch.Tensor:
         """``C(ids)``: rows of the talker's codec embedding ``[n, H]``."""
-        ids = torch.as_tensor(ids, dtype=torch.long, device=self.device)
-        return self.talker.model.embed_tokens(ids)
+        return self.talker.model.embed_tokens(_on(ids, self.device))
 
     def frame_input(self, codes: torch.Tensor, text: torch.Tensor | None = None) -> torch.Tensor:
         """The talker's next input after a frame ``codes`` [B, 16]: the sum of its 16 codes'
@@ -184,3 +182,9 @@ def random_speech_model(cfg: TTSConfig, *, device: torch.device, dtype: str | to
             p.normal_(0.0, gain / p.shape[-1] ** 0.5, generator=gen)
     talker.lm_head.weight[cfg.codec_eos_id].mul_(0.1)
     return _finish(cfg, talker, text, predictor, device, torch_dtype)
+
+
+def _on(ids: list[int] | torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Token ids on ``device`` by an asynchronous copy (a prompt is built on the event
+    loop's thread: ``as_tensor(..., device=cuda)`` copies blocking, after the stream's queue)."""
+    return torch.as_tensor(ids, dtype=torch.long).to(device, non_blocking=True)
