@@ -79,11 +79,7 @@ class InputBatch:
         self.ip_dev = torch.zeros((0, 3), dtype=torch.long, device=device)
         self.last_token = torch.zeros(0, dtype=torch.long, device=device)
         self.masks: dict[str, torch.Tensor] = {}  # "seen", "suppress", "stop": [S, V] bool
-        # The value the masks' scatters write, on the device: ``mask[rows, cols] = True``
-        # makes a host True, copies it to the device with a blocking copy and so waits for
-        # every step queued on the stream (measured on an H100: the launching thread held
-        # for a whole in-flight step, each step); ``index_put_`` of a device scalar does not.
-        self._true = torch.ones((), dtype=torch.bool, device=device)
+        self._true = torch.ones((), dtype=torch.bool, device=device)  # mask[r, c] = True would wait for the stream
         self.controls = SlotControls(vocab, device)  # OpenAI penalties and logit bias
         self._grow(slots, pages)
         self._reset_pending()
