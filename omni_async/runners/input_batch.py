@@ -320,8 +320,7 @@ class InputBatch:
         """Record each slot's newest sampled token (a decode input still in flight reads
         it) and mark it seen for the repetition penalty."""
         self.last_token.index_copy_(0, rows_dev, tokens)
-        seen = self.masks.get("seen")
-        if seen is not None:
+        if (seen := self.masks.get("seen")) is not None:
             seen.index_put_((rows_dev, tokens), self._true)
         self.controls.publish(rows_dev, tokens)
 
@@ -353,8 +352,7 @@ class InputBatch:
         """``publish`` for a multi-step decode's ``[k, B]`` tokens at once: the last
         forward's are the newest, all of them are seen."""
         self.last_token.index_copy_(0, rows_dev, tokens[-1])
-        seen = self.masks.get("seen")
-        if seen is not None:
+        if (seen := self.masks.get("seen")) is not None:
             seen.index_put_((rows_dev.expand(tokens.shape[0], -1).reshape(-1), tokens.reshape(-1)), self._true)
 
     def sampling_batch(self, rows: SlotRows, sample_indices: np.ndarray, sample_indices_dev: torch.Tensor) -> SamplingBatch:
