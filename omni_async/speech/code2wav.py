@@ -49,13 +49,8 @@ class Code2Wav(StreamDecoder):
     leading_samples]``, one-shot or streamed (:class:`~omni_async.speech.codec_base.StreamDecoder`)."""
 
     def __init__(self, config: Code2WavConfig) -> None:
-        super().__init__()
+        super().__init__(config)
         c = config
-        self.config = c
-        self.sample_rate = c.sample_rate
-        self.samples_per_frame = c.samples_per_frame
-        self.num_quantizers = c.num_quantizers
-        self.codebook_size = c.codebook_size
         self.leading_samples = c.leading_samples
         self.code_embedding = nn.Embedding(c.codebook_size * c.num_quantizers, c.hidden_size)
         self.register_buffer("code_offset", torch.arange(c.num_quantizers) * c.codebook_size, persistent=False)

@@ -45,13 +45,8 @@ class CodecDecoder(StreamDecoder):
     (:class:`~omni_async.speech.codec_base.StreamDecoder`)."""
 
     def __init__(self, config: CodecConfig) -> None:
-        super().__init__()
+        super().__init__(config)
         c = config
-        self.config = c
-        self.sample_rate = c.sample_rate
-        self.samples_per_frame = c.samples_per_frame
-        self.num_quantizers = c.num_quantizers
-        self.codebook_size = c.codebook_size
         self.quantizer = Quantizer(c)
         self.pre_conv = CausalConv(c.codebook_dim, c.latent_dim, 3)
         self.pre_transformer = Transformer(c, c.latent_dim)

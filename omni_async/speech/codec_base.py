@@ -58,6 +58,13 @@ class StreamDecoder(nn.Module):
     codebook_size: int
     leading_samples: int = 0
 
+    def __init__(self, config: Any) -> None:
+        """The facts the codec stage reads, from ``config`` (each decoder's config has them)."""
+        super().__init__()
+        self.config = config
+        self.sample_rate, self.samples_per_frame = config.sample_rate, config.samples_per_frame
+        self.num_quantizers, self.codebook_size = config.num_quantizers, config.codebook_size
+
     def _index_stateful(self) -> None:
         """Give every layer with a past its slot in the carry (after the layers are built)."""
         self._stateful = [m for m in self.modules() if isinstance(m, Stateful) and math.prod(m.past_shape()) > 0]
