@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -25,7 +25,7 @@ from ..models.merged import hf_named_tensors
 from .config import TTSConfig
 from .predictor import CodePredictor, decoder_config
 
-__all__ = ["SpeechModel", "ResizeMLP", "load_speech_model", "random_speech_model"]
+__all__ = ["SpeechModel", "ResizeMLP", "ids_on", "load_speech_model", "random_speech_model"]
 
 
 class ResizeMLP(nn.Module):
@@ -74,12 +74,12 @@ class SpeechModel:
     @torch.inference_mode()
     def text_rows(self, ids: list[int] | torch.Tensor) -> torch.Tensor:
         """``T(ids)``: projected text embeddings ``[n, H]``."""
-        return self.text(_on(ids, self.device))
+        return self.text(ids_on(ids, self.device))
 
     @torch.inference_mode()
     def codec_rows(self, ids: list[int] | torch.Tensor) -> torch.Tensor:
         """``C(ids)``: rows of the talker's codec embedding ``[n, H]``."""
-        return self.talker.model.embed_tokens(_on(ids, self.device))
+        return self.talker.model.embed_tokens(ids_on(ids, self.device))
 
     def frame_input(self, codes: torch.Tensor, text: torch.Tensor | None = None) -> torch.Tensor:
         """The talker's next input after a frame ``codes`` [B, 16]: the sum of its 16 codes'
@@ -184,7 +184,7 @@ def random_speech_model(cfg: TTSConfig, *, device: torch.device, dtype: str | to
     return _finish(cfg, talker, text, predictor, device, torch_dtype)
 
 
-def _on(ids: list[int] | torch.Tensor, device: torch.device) -> torch.Tensor:
+def ids_on(ids: Sequence[int] | torch.Tensor, device: torch.device) -> torch.Tensor:
     """Token ids on ``device`` by an asynchronous copy (a prompt is built on the event
     loop's thread: ``as_tensor(..., device=cuda)`` copies blocking, after the stream's queue)."""
     return torch.as_tensor(ids, dtype=torch.long).to(device, non_blocking=True)

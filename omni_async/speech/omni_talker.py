@@ -47,7 +47,7 @@ from ..models.decoder import DecoderModel, rope_inv_freq
 from ..models.loader import copy_named_tensors, empty_model, iter_checkpoint, resolve_dtype
 from ..models.merged import hf_named_tensors
 from ..models.random_weights import RandomWeights, fill_random
-from .model import ResizeMLP
+from .model import ResizeMLP, ids_on
 from .omni_config import OmniTalkerConfig
 from .predictor import CodePredictor, decoder_config
 
@@ -96,7 +96,7 @@ class OmniTalker:
     @torch.inference_mode()
     def codec_rows(self, ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
         """``C(ids)``: rows of the talker's codec embedding ``[n, H]``."""
-        return self.talker.model.embed_tokens(torch.as_tensor(ids, dtype=torch.long, device=self.device))
+        return self.talker.model.embed_tokens(ids_on(ids, self.device))
 
     def frame_input(self, codes: torch.Tensor, text: torch.Tensor | None = None) -> torch.Tensor:
         """The talker's next input after frames ``codes`` [B, G]: their embedding sum plus
