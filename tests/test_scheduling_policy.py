@@ -19,6 +19,7 @@ import pytest
 
 from omni_async.config import SamplingParams, SchedulerConfig
 from omni_async.core.batch_core import NativeBatchCore
+from omni_async.core.core_state import DecodeSteps
 from omni_async.core.plan import settle
 from omni_async.core.policy import DeadlinePolicy, FCFSPolicy, SchedulingPolicy
 from omni_async.core.request import Request
@@ -184,3 +185,56 @@ def test_without_a_row_budget_the_policies_build_identical_steps(seed):
         sim.run()
     assert sims[0].steps == sims[1].steps
     assert [r.output_ids for r in sims[0].reqs.values()] == [r.output_ids for r in sims[1].reqs.values()]
+
+
+def express_core(express: int | None) -> NativeBatchCore:
+    config = settle(SchedulerConfig(max_running_requests=8, max_prefill_tokens=512, chunked_prefill_size=512,
+                                    enable_prefix_cache=False))
+    core = NativeBatchCore(config, PageAllocator(400, 16), CTX, DecodeSteps(((1, 8),)))
+    core.set_policy(DeadlinePolicy(lambda r: None, express_tokens=express))
+    return core
+
+
+def forwards_of_each_step(core: NativeBatchCore, arrivals: dict[int, str]) -> tuple[list[tuple], dict[str, list[int]]]:
+    """Run ``core`` to the end (normal-loop order), adding request ``arrivals[i]`` before
+    step ``i``; each step's (mode, {rid: forwards}) and every request's tokens."""
+    reqs: dict[str, Request] = {}
+    steps: list[tuple] = []
+    for i in range(500):
+        if i in arrivals:
+            rid = arrivals[i]
+            reqs[rid] = Request(rid=rid, prompt_ids=[(j * 5 + len(rid)) % 50 for j in range(12)],
+                                sampling=SamplingParams(max_new_tokens=30, ignore_eos=True))
+            core.add_request(reqs[rid])
+        if not core.has_work():
+            break
+        batch = core.get_next_batch()
+        if batch is None:
+            break
+        n, row_steps = batch.size, batch.row_steps
+        k = 1 if row_steps is None or not batch.is_decode else max(row_steps)
+        steps.append((batch.mode.name, {r.rid: 1 if row_steps is None else s for r, s in zip(batch.reqs, row_steps or [1] * n)}))
+        # forward-major tokens, a function of (request, index): equal whatever the step sizes
+        tokens = [random.Random(f"{r.rid}/{i0 + f}").randrange(40) for f in range(k) for r, i0 in zip(batch.reqs, batch.sample_indices)]
+        list(core.process_result(batch, tokens))
+    return steps, {rid: list(r.output_ids) for rid, r in reqs.items()}
+
+
+def test_express_cuts_a_multi_step_decode_to_a_new_streams_first_chunk():
+    """A stream joining a batch that decodes 8 forwards a step gets its first chunk's
+    tokens (here 3: a 2-frame chunk) after the forwards it needs; then steps grow with
+    the tokens it has back to 8."""
+    arrivals = {0: "old", 4: "new"}
+    fast, fast_tokens = forwards_of_each_step(express_core(3), arrivals)
+    slow, slow_tokens = forwards_of_each_step(express_core(None), arrivals)
+    after_prefill = [s for mode, s in fast if mode == "DECODE" and "new" in s]
+    assert after_prefill[0]["new"] == 2  # prefill wrote token 1; two forwards bring tokens 2 and 3
+    # then steps no longer than the audio sent (3 tokens: 3 forwards; 6: 6), then whole ones
+    assert [max(s.values()) for s in after_prefill[1:4]] == [3, 6, 8]
+    assert [s["new"] for mode, s in slow if mode == "DECODE" and "new" in s][0] == 8  # without it: a whole launch
+    assert fast_tokens == slow_tokens  # the same tokens, in other step sizes
+
+
+def test_express_tokens_must_be_a_positive_integer():
+    with pytest.raises(ValueError):
+        DeadlinePolicy(lambda r: None, express_tokens=0)

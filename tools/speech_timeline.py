@@ -200,7 +200,8 @@ async def level(tts: SpeechPipeline, rec: Recorder, streams: int, frames: int, t
 
 def apply_variant(tts: SpeechPipeline, variant: str) -> None:
     """``default``; ``priority=N``: the talker's stream at priority N; ``codec_max_frames=N``
-    (0: no budget) or another SpeechSchedule field."""
+    (0: no budget) or another SpeechSchedule field (``policy=fcfs``: no deadline order and
+    no first-chunk express)."""
     runner = tts.stage.runner
     if runner.stream is not None:  # the talker's stream: its own priority unless the variant says
         runner.release_stream()
@@ -214,7 +215,7 @@ def apply_variant(tts: SpeechPipeline, variant: str) -> None:
         tts.set_schedule(SpeechSchedule())
     else:
         name, value = variant.split("=")
-        tts.set_schedule(SpeechSchedule(**{name: (int(value) or None)}))
+        tts.set_schedule(SpeechSchedule(**{name: (int(value) or None) if value.isdigit() else value}))
 
 
 async def main(args) -> None:

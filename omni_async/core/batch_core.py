@@ -53,6 +53,7 @@ class NativeBatchCore(CoreState, BatchCore):
     def set_policy(self, policy: SchedulingPolicy) -> None:
         """Order admission, retraction and capped decode steps by ``policy`` from the next step on."""
         self.policy = policy
+        self.express_tokens = policy.express_tokens
         self.slots.drop()
 
     # ------------------------------------------------------------------ queues

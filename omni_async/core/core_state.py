@@ -65,6 +65,7 @@ class CoreState:
         self.context_length = context_length
         self.decode_plan = decode_steps
         self.multi_step_allowed = multi_step_allowed
+        self.express_tokens: int | None = None  # (the policy's: see forwards_for)
         self.mixed_allowed = mixed_allowed
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -85,6 +86,25 @@ class CoreState:
     def step_id(self) -> int:
         """The id of the last batch built (each :meth:`new_batch` takes the next)."""
         return self._step_id
+
+    def forwards_for(self, rows: int, fewest_generated: int) -> int:
+        """Forwards of the next decode step of ``rows`` rows: the plan's for the batch,
+        cut short while a row is new (``fewest_generated``: the fewest tokens a row of
+        the step has sampled, in flight included) when the policy asks for the first
+        chunk's express (``express_tokens``): a row short of them gets only the forwards
+        it needs (a talker row's first chunk needs its first frames, and a step of k
+        forwards delivers them only at its end); after that the step runs at most as many
+        forwards as that row has tokens, so its steps grow 2, 3, 6, ... up to the plan's
+        while the audio it was sent covers them (a step of g frames takes less than the
+        g frames' playing time at any real-time factor below 1): a new stream's second
+        chunk does not wait for a whole k-forward launch after a short first one."""
+        k = self.decode_plan.for_batch(rows)
+        first = self.express_tokens
+        if first is None:
+            return k
+        if fewest_generated < first:
+            return max(1, min(k, first - fewest_generated))
+        return min(k, fewest_generated)
 
     def new_batch(self, mode: ForwardMode) -> ScheduledBatch:
         """An empty batch with the next step id."""

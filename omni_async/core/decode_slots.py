@@ -185,7 +185,8 @@ class DecodeSlots:
             if int(np.maximum(0, -(-(cached + most) // ps) - counts).sum()) > core.kv.available_pages:
                 self.drop()
                 return None  # (the per-request path retracts)
-        k = core.decode_plan.for_batch(n)
+        fewest = int((self.generated if sel is None else self.generated[sel]).min()) if core.express_tokens is not None else 0
+        k = core.forwards_for(n, fewest)
         multi = k > 1 and core.multi_step_allowed()
         if not multi:
             k = 1

@@ -13,6 +13,9 @@ rows decode this step (the others sit the step out, keeping their KV and their p
   is (seconds before its listener runs out of audio, or before its first-chunk deadline);
   the request with the most slack is retracted first and yields its row first. A request
   the caller knows nothing about (slack None) ranks after every known one, by arrival.
+  With ``express_tokens`` a multi-step decode is cut short while a row still needs its
+  first tokens: the first chunk's express (a new stream's first frames come after the
+  forwards they need, not after a whole k-forward launch of the running streams).
 
 Pure scheduling: no clock of its own (the slack function reads one), no asyncio, no torch,
 so its properties are tested on the core with a simulated clock.
@@ -32,6 +35,9 @@ class SchedulingPolicy:
     """The FCFS order; subclasses reorder by a key (smaller: served first)."""
 
     name = "fcfs"
+    # Tokens a request needs before its first chunk can leave (None: no express): while a
+    # row has fewer, a decode step runs only the forwards it needs (CoreState.forwards_for).
+    express_tokens: int | None = None
 
     def __init__(self, max_decode_rows: int | None = None) -> None:
         if max_decode_rows is not None and (not isinstance(max_decode_rows, int) or max_decode_rows < 1):
@@ -77,9 +83,13 @@ class DeadlinePolicy(SchedulingPolicy):
 
     name = "deadline"
 
-    def __init__(self, slack: Callable[[Request], float | None], max_decode_rows: int | None = None) -> None:
+    def __init__(self, slack: Callable[[Request], float | None], max_decode_rows: int | None = None,
+                 express_tokens: int | None = None) -> None:
         super().__init__(max_decode_rows)
+        if express_tokens is not None and (not isinstance(express_tokens, int) or express_tokens < 1):
+            raise ValueError(f"express_tokens must be None or an integer >= 1, got {express_tokens!r}")
         self.slack = slack
+        self.express_tokens = express_tokens
 
     def key(self, req: Request) -> tuple[float, int]:
         s = self.slack(req)

@@ -129,7 +129,8 @@ class SpeechPipeline:
         self.schedule = sched = SpeechSchedule.of(schedule)
         policy: SchedulingPolicy
         if sched.policy == "deadline":
-            policy = DeadlinePolicy(self._slack, max_decode_rows=sched.max_decode_rows)
+            # a talker row's first chunk needs first_chunk_frames + 1 tokens: frame k comes with g0(k + 1)
+            policy = DeadlinePolicy(self._slack, max_decode_rows=sched.max_decode_rows, express_tokens=self.codec.first_chunk_frames + 1)
         else:
             policy = FCFSPolicy(max_decode_rows=sched.max_decode_rows)
         self.engine.scheduler.core.set_policy(policy)
