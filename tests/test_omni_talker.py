@@ -287,7 +287,8 @@ async def test_streamed_requests_wait_for_their_rows_and_write_the_same_codes(om
 @pytest.mark.parametrize("loop", LOOPS)
 async def test_the_talker_stage_on_cuda_writes_transformers_codes(omni_model, reference_requests, loop):
     """On CUDA in float32 (the fused kernels, the grouped-expert kernel, the predictor's
-    paged kernel; frames eager): every case at once, transformers' codes."""
+    paged kernel, frames replayed as CUDA graphs with each row's text row copied in):
+    every case at once, transformers' codes."""
     folder, _ = omni_model
     stage = build_omni_talker_stage(folder, device="cuda", dtype="float32", loop=loop)
     async with stage.engine as engine:
@@ -297,6 +298,7 @@ async def test_the_talker_stage_on_cuda_writes_transformers_codes(omni_model, re
             result = await handle.result()
             assert frames_of(result.hidden_states).tolist() == expected.tolist()
             assert result.finish_reason == finish
+        assert engine.scheduler.info()["speech_frame_graph_replays"] > 0
         assert_kv_free(engine)
 
 

@@ -6,7 +6,9 @@ forwards and draws of a few small kernels each, hundreds of launches for a few
 milliseconds of arithmetic. Captured, a frame is one replay. The graph reads static
 buffers (the rows' input codes, positions, KV slots, page tables and lengths as the text
 decode graphs do, plus each row's previous hidden state and predictor settings) and
-writes static outputs (the talker's logits and hidden states, the frame's codes); the
+writes static outputs (the talker's logits and hidden states, the frame's codes); a
+talker that adds a text row of its own to each frame (Qwen3-Omni's) has them copied in
+too; the
 runner copies the rows in before and the hidden states back to their slots after, so
 the graph does not depend on which slot a request holds. Padding rows of a bucket write
 their KV to the scratch page.
@@ -52,6 +54,9 @@ class FrameGraphs:
         self.top_k = torch.zeros(n, dtype=torch.long, device=device)
         self.top_p = torch.ones(n, dtype=torch.float32, device=device)
         self.seeds = torch.zeros(n, dtype=torch.long, device=device)
+        # Each row's own text row for its frame (a runner whose frame_text gives them: the
+        # Qwen3-Omni talker's), gathered outside the graph and copied in like the codes.
+        self.text = torch.zeros((n, h), dtype=runner.speech.dtype, device=device) if runner.frame_text_rows else None
         self.rows = torch.arange(n, device=device)
         self.graphs: dict[tuple[int, str], tuple[torch.cuda.CUDAGraph, FrameOutputs]] = {}
         self.pool = None
@@ -71,7 +76,8 @@ class FrameGraphs:
     def _captured(self, b: int, kind: str) -> FrameOutputs:
         s = PredictorSampling(self.temperature[:b], self.top_k[:b], self.top_p[:b], self.seeds[:b], kind != "greedy",
                               TOP_K_CAP if kind == "sampled-topk" else 0)
-        logits, hidden, codes = self.runner.frame_forward(self.input_ids[:b], self.past[:b], self.positions[:b], self._ctx(b), s)
+        text = None if self.text is None else self.text[:b]
+        logits, hidden, codes = self.runner.frame_forward(self.input_ids[:b], self.past[:b], self.positions[:b], self._ctx(b), s, text)
         return FrameOutputs(logits, hidden, codes)
 
     @torch.inference_mode()
@@ -100,8 +106,12 @@ class FrameGraphs:
         self.temperature[start:end] = 0
 
     def replay(self, g0: torch.Tensor, past: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext,
-               tables: torch.Tensor, s: PredictorSampling) -> FrameOutputs:
+               tables: torch.Tensor, s: PredictorSampling, text: torch.Tensor | None = None) -> FrameOutputs:
+        """One frame for the first ``bs`` rows; ``text``: their text rows ``[bs, H]``
+        (given exactly when the graphs were captured with them)."""
         bs = g0.shape[0]
+        if (text is None) != (self.text is None):
+            raise ValueError("frame graphs replay text rows exactly when they were captured with them")
         b = self.bucket_for(bs)
         assert b is not None
         graph, out = self.graphs[(b, s.kind)]
@@ -116,6 +126,8 @@ class FrameGraphs:
         self.top_k[:bs].copy_(s.top_k, non_blocking=True)
         self.top_p[:bs].copy_(s.top_p, non_blocking=True)
         self.seeds[:bs].copy_(s.seeds, non_blocking=True)
+        if self.text is not None:
+            self.text[:bs].copy_(text, non_blocking=True)
         if b > bs:
             self._pad(bs, b)
         graph.replay()

@@ -73,8 +73,8 @@ class OmniPipeline:
                  input_thread: bool | None = None) -> None:
         """``stream_talker``: the talker starts after the thinker's first two tokens and is
         fed as it writes (False: once the reply is complete). ``codec_graphs``: the codec's
-        calls as CUDA graphs (default: on CUDA; this talker's frames are not graphed yet,
-        and an eager codec call is hundreds of small launches). ``input_thread``: the
+        calls as CUDA graphs (default: on CUDA; an eager codec call is hundreds of small
+        launches). ``input_thread``: the
         talker's input built on a thread of its own (default: on CUDA, see
         :meth:`device_work`)."""
         self.thinker = thinker

@@ -19,8 +19,9 @@ runner copies the rows that arrived since it last looked into the slot's store b
 each frame, on its own thread (the chunks are only appended to on the loop's, and a row
 is read only once the core has seen it arrive).
 
-Not yet here: frame graphs (frames run eagerly; the store's gather is graph-safe, the
-capture is the missing part).
+On CUDA the frames are graphed as Qwen3-TTS's are (:mod:`.graphs`): the rows' text rows
+are gathered from the store before the replay and copied into the graph's input, so the
+store may grow between steps.
 """
 
 from __future__ import annotations
@@ -87,6 +88,8 @@ class TextRowStore:
 
 
 class OmniTalkerRunner(SpeechRunner):
+    frame_text_rows = True
+
     def __init__(self, talker: OmniTalker, kv: Any, device: torch.device, **options: Any) -> None:
         super().__init__(talker, kv, device, **options)
         self.talker = talker
@@ -127,8 +130,3 @@ class OmniTalkerRunner(SpeechRunner):
             for offset, rows in cond.pieces(cond.start + copied, arrived - copied):
                 self.text.extend(int(slots[i]), copied + offset, rows)
             self._copied[req] = arrived
-
-    def enable_cuda_graphs(self, *, scratch_page: int, max_len: int, max_batch: int) -> None:
-        """Frames run eagerly for now (see the module's docstring); the pad page is set
-        as the graphs would set it."""
-        self.inputs.set_pad_page(scratch_page)

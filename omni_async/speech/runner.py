@@ -59,6 +59,9 @@ class SpeechRunner(NativeModelRunner):
     # Frames are played as they come and the codec's calls beside them are bulk work
     # with slack (whole chunks a call): the device starts the talker's kernels first.
     stream_priority = HIGH_PRIORITY
+    # Whether frame_text gives each row a text row of its own (the frame graphs then take
+    # them as an input; Qwen3-TTS adds T(tts_pad) to every frame inside the forward).
+    frame_text_rows = False
 
     def __init__(self, speech: "SpeechModel | OmniTalker", kv: Any, device: torch.device, *, seed: int = 0,
                  **options: Any) -> None:
@@ -91,8 +94,8 @@ class SpeechRunner(NativeModelRunner):
         sampling = self._predictor_sampling(batch)
         graphs = self.frame_graphs
         text = self.frame_text(fb)
-        if fb.block_tables is not None and graphs is not None and text is None:
-            out = graphs.replay(g0, past, fb.positions, fb.ctx, fb.block_tables, sampling)
+        if fb.block_tables is not None and graphs is not None:
+            out = graphs.replay(g0, past, fb.positions, fb.ctx, fb.block_tables, sampling, text)
             logits, hidden, codes = out.logits, out.hidden, out.codes.clone()  # the graph's buffers: copied out
         else:
             logits, hidden, codes = self.frame_forward(g0, past, fb.positions, fb.ctx, sampling, text)
