@@ -243,12 +243,13 @@ def test_admitting_and_publishing_never_wait_for_the_device():
     ib = InputBatch(PAGE, VOCAB, dev, slots=4, pages=1)
     params = SamplingParams(repetition_penalty=1.3, suppress_tokens=[3, 4], stop_token_ids=[9])
     reqs = [Request(rid=f"p{i}", prompt_ids=[1], sampling=params, pages=[i]) for i in range(3)]
-    torch.cuda.synchronize()
+    step, steps = torch.tensor([5, 6, 7], device=dev), torch.tensor([[10, 11, 12], [13, 14, 15]], device=dev)
+    torch.cuda.synchronize()  # (a blocking copy, like the two above, raises in error mode)
     torch.cuda.set_sync_debug_mode("error")
     try:
         rows = ib.assign(reqs, [0] * 3, [r.pages for r in reqs], [1] * 3, lambda r: 1)
-        ib.publish(rows.slots_dev, torch.tensor([5, 6, 7], device=dev))
-        ib.publish_steps(rows.slots_dev, torch.tensor([[10, 11, 12], [13, 14, 15]], device=dev))
+        ib.publish(rows.slots_dev, step)
+        ib.publish_steps(rows.slots_dev, steps)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     seen = ib.masks["seen"][rows.slots_dev].cpu()

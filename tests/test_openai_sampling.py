@@ -104,3 +104,24 @@ def test_sampler_applies_the_formula_to_logits():
         x = openai_logits(logits[i], h, p)
         assert int(tokens[i]) == int(torch.argmax(x))
         assert float(logprobs[i]) == pytest.approx(float(torch.log_softmax(x, -1).max()), abs=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the device's stream is what must not be waited for")
+def test_a_batchs_penalties_and_bias_reach_the_device_without_waiting_for_it():
+    """Rows with presence / frequency penalties, a bias and a repetition penalty are
+    sampled eagerly, their controls built every step: built with blocking copies they
+    would wait for every step queued on the stream. Under CUDA's sync check in error
+    mode, any wait raises."""
+    from omni_async.runners.sampling import batch_from_rows
+
+    dev = torch.device("cuda")
+    rows = [RowSampling(SamplingParams(presence_penalty=0.5, frequency_penalty=0.3, logit_bias={7: 2.0}, repetition_penalty=1.2,
+                                       temperature=0.8, top_k=5, seed=3), f"r{i}", 2, [4, 4, 9], [2]) for i in range(3)]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        sb = batch_from_rows(rows, 32, dev, False)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert sb.controls is not None and sb.controls.counts[:, 4].tolist() == [2.0] * 3
+    assert sb.controls.bias[:, 7].tolist() == [2.0] * 3 and sb.seen[:, 9].all()

@@ -67,4 +67,4 @@ def prompt_embeds(
     if not flat:
         return None
     rows = torch.from_numpy(np.concatenate(flat)).to(device, non_blocking=True)
-    return rows, torch.cat([v.to(device) for v in values])
+    return rows, torch.cat([v.to(device, non_blocking=True) for v in values])

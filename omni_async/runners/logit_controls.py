@@ -67,9 +67,12 @@ def controls_from_rows(params: Sequence[SamplingParams], outputs: Sequence[Seque
     """``LogitControls`` from per-row Python values; None when no row has any."""
     if not any(p.has_logit_controls for p in params):
         return None
+    # Built on the host, then one asynchronous copy each: a blocking copy to the device
+    # (``torch.tensor(..., device=)``, ``.to(device)``) waits for every step queued on the
+    # stream, holding the launching thread for the step in flight.
     c = LogitControls(
-        presence=torch.tensor([p.presence_penalty for p in params], dtype=torch.float32, device=device),
-        frequency=torch.tensor([p.frequency_penalty for p in params], dtype=torch.float32, device=device),
+        presence=torch.tensor([p.presence_penalty for p in params], dtype=torch.float32).to(device, non_blocking=True),
+        frequency=torch.tensor([p.frequency_penalty for p in params], dtype=torch.float32).to(device, non_blocking=True),
     )
     if any(p.presence_penalty or p.frequency_penalty for p in params):
         counts = torch.zeros(len(params), vocab, dtype=torch.float32)
@@ -77,12 +80,12 @@ def controls_from_rows(params: Sequence[SamplingParams], outputs: Sequence[Seque
             if (p.presence_penalty or p.frequency_penalty) and len(ids):
                 t = torch.tensor([t for t in ids if 0 <= t < vocab], dtype=torch.long)
                 counts[i].index_add_(0, t, torch.ones(len(t)))
-        c.counts = counts.to(device)
+        c.counts = counts.to(device, non_blocking=True)
     if any(p.logit_bias for p in params):
         bias = torch.zeros(len(params), vocab, dtype=torch.float32)
         for i, p in enumerate(params):
             for t, b in p.logit_bias.items():
                 if t < vocab:
                     bias[i, t] = b
-        c.bias = bias.to(device)
+        c.bias = bias.to(device, non_blocking=True)
     return c

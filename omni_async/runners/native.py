@@ -278,7 +278,7 @@ class NativeModelRunner(ModelRunner):
         flat = torch.from_numpy(np.stack([ids, pos, slot_mapping])).to(dev, non_blocking=True)
         input_ids, positions, slot_mapping_dev = flat.unbind(0)
         if (ids < 0).any():  # in-flight inputs come from the slots' newest tokens
-            src = self.inputs.last_token.index_select(0, rows.slots_dev[torch.from_numpy(row_of).to(dev)])
+            src = self.inputs.last_token.index_select(0, rows.slots_dev[torch.from_numpy(row_of).to(dev, non_blocking=True)])
             input_ids = torch.where(input_ids >= 0, input_ids, src)
         seqs = torch.from_numpy(np.stack([starts, n, prefix, ends - 1, sidx])).to(dev, non_blocking=True)
         q_starts, q_lens, prefix_lens, logits_rows, sidx_dev = seqs.unbind(0)

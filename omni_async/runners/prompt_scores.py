@@ -39,7 +39,7 @@ def score_prompts(
             continue
         asked = True
         rows = every[flat : flat + hi - first_pos]
-        targets = torch.tensor(prompt[first_pos + 1 : hi + 1], dtype=torch.int64, device=every.device)
+        targets = torch.tensor(prompt[first_pos + 1 : hi + 1], dtype=torch.int64).to(every.device, non_blocking=True)
         parts = [_score_rows(head, rows[i : i + SCORE_CHUNK_ROWS], targets[i : i + SCORE_CHUNK_ROWS], k)
                  for i in range(0, rows.shape[0], SCORE_CHUNK_ROWS)]
         out.append((first_pos + 1, _to_host(parts[0] if len(parts) == 1 else torch.cat(parts))))
@@ -55,7 +55,7 @@ def scored_rows(reqs: Sequence[Any], spans: Sequence[tuple[int, int, int]], tota
     mask = torch.zeros(total, dtype=torch.bool)
     for flat, count in scored:
         mask[flat : flat + count] = True
-    return mask.to(device)
+    return mask.to(device, non_blocking=True)
 
 
 def _to_host(rows: torch.Tensor) -> torch.Tensor:
