@@ -372,7 +372,7 @@ def create_app(
     if omni is not None:
         if omni.thinker is not engine:
             raise errors.ConfigError("create_app(omni=...): engine must be the pipeline's thinker")
-        server.audio_chat = AudioChat(omni, name, OmniMetrics(metrics, omni), audio_turns or AudioTurns())
+        server.audio_chat = AudioChat(omni, name, OmniMetrics(metrics, omni), audio_turns if audio_turns is not None else AudioTurns())
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
