@@ -45,6 +45,7 @@ from .code2wav import Code2Wav
 from .code2wav_config import Code2WavConfig
 from .codec_stage import CodecStage
 from .omni_config import OmniTalkerConfig
+from .omni_hearing import AudioPart, Hearing, HeardPrompt, split_audio_parts
 from .omni_reply import OmniDelta, OmniResult, Reply, ThinkerRows
 from .omni_stage import build_omni_talker_stage
 from .omni_talker import OmniTalker, TalkerPrompt, talker_prompt
@@ -70,14 +71,16 @@ class OmniPipeline:
 
     def __init__(self, thinker: Engine, talker: SpeechStage, codec: Any, *, first_chunk_frames: int = 2,
                  max_chunk_frames: int = 32, stream_talker: bool = True, codec_graphs: bool | None = None,
-                 input_thread: bool | None = None) -> None:
+                 input_thread: bool | None = None, hearing: Hearing | None = None) -> None:
         """``stream_talker``: the talker starts after the thinker's first two tokens and is
         fed as it writes (False: once the reply is complete). ``codec_graphs``: the codec's
         calls as CUDA graphs (default: on CUDA; an eager codec call is hundreds of small
         launches). ``input_thread``: the
         talker's input built on a thread of its own (default: on CUDA, see
-        :meth:`device_work`)."""
+        :meth:`device_work`). ``hearing``: the thinker's audio encoder and feature
+        extractor (:mod:`.omni_hearing`); None: a prompt with audio is refused."""
         self.thinker = thinker
+        self.hearing = hearing
         self.stream_talker = stream_talker
         self.talker = talker
         self.talker_model: OmniTalker = talker.model  # type: ignore[assignment]
@@ -128,8 +131,10 @@ class OmniPipeline:
                 codec = (codec_loader or folder_code2wav)(folder, dev, codec_dtype)
         thinker = Engine.from_pretrained(str(folder), device=device, loop=loop, dtype=dtype, seed=seed,
                                          hidden_states_layer=cfg.accept_hidden_layer, **(thinker_limits or {}))
+        hearing = Hearing.from_folder(folder, thinker.stack.loaded.model.model.embed_tokens,
+                                      seed=None if drawn is None else drawn.seed)
         return cls(thinker, talker, codec, first_chunk_frames=first_chunk_frames, max_chunk_frames=max_chunk_frames,
-                   stream_talker=stream_talker, codec_graphs=codec_graphs)
+                   stream_talker=stream_talker, codec_graphs=codec_graphs, hearing=hearing)
 
     @classmethod
     async def load(cls, folder: str | Path, **kwargs: Any) -> "OmniPipeline":
@@ -182,14 +187,30 @@ class OmniPipeline:
 
     # ------------------------------------------------------------ requests
 
-    def _prompt_ids(self, messages: Any, input_ids: Any) -> list[int]:
+    async def thinker_prompt(self, messages: Any = None, input_ids: Any = None,
+                             audio: list[AudioPart] | None = None) -> HeardPrompt:
+        """The thinker's prompt: ``messages`` through the chat template (their audio
+        parts heard), or ``input_ids`` with one audio placeholder per ``audio`` part."""
         if (messages is None) == (input_ids is None):
             raise errors.InvalidRequestError("give exactly one of messages or input_ids")
         if messages is not None:
-            return render_chat_ids(self.thinker.tokenizer, messages, add_generation_prompt=True)
-        if not isinstance(input_ids, (list, tuple)) or not all(isinstance(t, int) for t in input_ids):
+            if audio:
+                raise errors.InvalidRequestError("audio goes with input_ids; in messages it is a content part")
+            messages, audio = split_audio_parts(messages)
+            ids = render_chat_ids(self.thinker.tokenizer, messages, add_generation_prompt=True)
+        elif not isinstance(input_ids, (list, tuple)) or not all(isinstance(t, int) for t in input_ids):
             raise errors.InvalidRequestError("input_ids must be a list of integers")
-        return list(input_ids)
+        else:
+            ids = list(input_ids)
+        if not audio:
+            return HeardPrompt(ids, None)
+        if self.hearing is None:
+            raise errors.InvalidRequestError("this checkpoint cannot hear: it has no audio encoder (thinker_config.audio_config)")
+        prompt = await self.heavy_work(self.hearing.prompt, ids, audio)
+        if prompt.embeds is not None and prompt.embeds.device.type != "cpu":
+            # the thinker's door checks the rows' values on the loop: on the host, no device read
+            prompt = HeardPrompt(prompt.ids, await self.heavy_work(prompt.embeds.cpu))
+        return prompt
 
     def check_voice(self, voice: str | None) -> str:
         """The voice a request speaks in (``None``: the default), or InvalidRequestError
@@ -245,12 +266,22 @@ class OmniPipeline:
             self._device_thread = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="omni-talker-input")
         return await await_future(self._device_thread.submit(fn, *args))
 
-    async def stream(self, messages: Any = None, *, input_ids: list[int] | None = None, voice: str | None = None,
+    async def heavy_work(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` off the event loop (hearing an audio is milliseconds to seconds of
+        compute): on the input thread where :meth:`device_work` has one, else a worker."""
+        if self.input_thread:
+            return await self.device_work(fn, *args)
+        return await anyio.to_thread.run_sync(functools.partial(fn, *args))
+
+    async def stream(self, messages: Any = None, *, input_ids: list[int] | None = None, audio: list[AudioPart] | None = None,
+                     voice: str | None = None,
                      sampling: SamplingParams | dict[str, Any] | None = None, max_frames: int | None = None,
                      repetition_penalty: float = 1.05, request_id: str | None = None) -> AsyncIterator[OmniDelta]:
         """The reply's text deltas and audio chunks as they come (with ``stream_talker``
         they interleave: the talker speaks while the thinker writes); the last of each
-        kind has ``finished``. ``sampling``: the thinker's (``n`` must be 1); the talker is
+        kind has ``finished``. ``messages`` may hold audio content parts, or
+        ``input_ids`` one audio placeholder per ``audio`` part (:mod:`.omni_hearing`).
+        ``sampling``: the thinker's (``n`` must be 1); the talker is
         greedy with the reference's ``repetition_penalty``. Leaving the loop early (or
         cancelling) aborts the request in every stage it reached."""
         if self._tg is None:
@@ -259,7 +290,8 @@ class OmniPipeline:
         if max_frames is not None and max_frames < 1:
             raise errors.InvalidRequestError(f"max_frames must be at least 1, got {max_frames}")
         thinker_sampling = _thinker_sampling(sampling)
-        prompt_ids = self._prompt_ids(messages, input_ids)
+        prompt = await self.thinker_prompt(messages, input_ids, audio)
+        prompt_ids = prompt.ids
         rid = request_id or f"omni-{uuid.uuid4().hex[:12]}-{next(self._ids)}"
         if rid in self._open:
             raise errors.RequestRejectedError(f"duplicate request id {rid!r}: a reply with this id is open")
@@ -268,7 +300,8 @@ class OmniPipeline:
         ended: set[str] = set()  # the parts ("text", "audio") whose last event came
         done = False
         try:
-            handle = await self.thinker.submit(input_ids=prompt_ids, sampling=thinker_sampling, request_id=rid)
+            given = dict(input_ids=prompt_ids) if prompt.embeds is None else dict(input_embeds=prompt.embeds)
+            handle = await self.thinker.submit(**given, sampling=thinker_sampling, request_id=rid)
             self._tg.start_soon(reply.run, handle)
             async with reply.events:
                 async for event in reply.events:
@@ -290,17 +323,17 @@ class OmniPipeline:
                 self.codec.close(reply.codec_stream)
             self._open.discard(rid)
 
-    async def chat(self, messages: Any = None, *, input_ids: list[int] | None = None, voice: str | None = None,
-                   sampling: SamplingParams | dict[str, Any] | None = None, max_frames: int | None = None,
+    async def chat(self, messages: Any = None, *, input_ids: list[int] | None = None, audio: list[AudioPart] | None = None,
+                   voice: str | None = None, sampling: SamplingParams | dict[str, Any] | None = None, max_frames: int | None = None,
                    repetition_penalty: float = 1.05, request_id: str | None = None) -> OmniResult:
         """The whole reply (the arguments of :meth:`stream`)."""
         ids: list[int] = []
         texts: list[str] = []
-        audio: list[np.ndarray] = []
+        pieces: list[np.ndarray] = []
         codes: list[torch.Tensor] = []
         reason = audio_reason = None
         rid = request_id or ""
-        async for delta in self.stream(messages, input_ids=input_ids, voice=voice, sampling=sampling, max_frames=max_frames,
+        async for delta in self.stream(messages, input_ids=input_ids, audio=audio, voice=voice, sampling=sampling, max_frames=max_frames,
                                        repetition_penalty=repetition_penalty, request_id=request_id):
             rid = delta.request_id
             if delta.kind == "text":
@@ -308,11 +341,11 @@ class OmniPipeline:
                 texts.append(delta.text or "")
                 reason = delta.finish_reason if delta.finished else reason
             elif delta.audio is not None:
-                audio.append(delta.audio.audio)
+                pieces.append(delta.audio.audio)
                 codes.append(delta.audio.codes)
                 audio_reason = delta.finish_reason if delta.finished else audio_reason
         text = "".join(texts) if self.thinker.tokenizer is not None else None
-        pcm = np.concatenate(audio) if audio else np.zeros(0, dtype=np.float32)
+        pcm = np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.float32)
         frames = torch.cat(codes) if codes else torch.zeros((0, self.config.num_code_groups), dtype=torch.long)
         return OmniResult(rid, ids, text, reason, frames, pcm, self.sample_rate, audio_reason)
 
