@@ -182,7 +182,7 @@ class OpenAIServer:
         for name in ("tools", "logprobs", "prompt_logprobs"):
             if getattr(body, name):
                 raise invalid(f"{name} is not available with audio out", name)
-        ids, constraint, _ = self.chat_prompt(body)
+        ids, constraint, _ = self.chat_prompt(body, hears=True)  # input_audio parts heard by the pipeline
         sampling = body.sampling(self.chat_max_tokens(body, ids), top_logprobs=None, constraint=constraint,
                                  defaults=self.sampling_defaults)
         return await self.audio_chat.respond(request, body, ids, sampling)
@@ -217,7 +217,7 @@ class OpenAIServer:
         )
         return handle, ctx
 
-    def chat_prompt(self, body: ChatCompletionRequest) -> tuple[list[int], dict[str, Any], ToolPlan]:
+    def chat_prompt(self, body: ChatCompletionRequest, hears: bool = False) -> tuple[list[int], dict[str, Any], ToolPlan]:
         """The prompt ids (messages and tools through the template), the grammar fields
         (``response_format``, or the one that forces a tool call) and the tool plan."""
         reads = template_names(chat_template_of(self.engine.tokenizer))
@@ -227,19 +227,19 @@ class OpenAIServer:
             if constraint:
                 raise errors.InvalidRequestError("response_format cannot be combined with a tool_choice that forces a call")
             constraint = {"ebnf": tools.ebnf}
-        ids = self.render(body.messages, tools.tools, template_kwargs=body.chat_template_kwargs)
+        ids = self.render(body.messages, tools.tools, template_kwargs=body.chat_template_kwargs, hears=hears)
         return ids, constraint, tools
 
     def render(
         self, messages: list[ChatMessage], tools: list[dict[str, Any]] | None, *, add_generation_prompt: bool = True,
-        template_kwargs: dict[str, Any] | None = None,
+        template_kwargs: dict[str, Any] | None = None, hears: bool = False,
     ) -> list[int]:
         """The prompt ids of a conversation: tools and tool turns go to a template that
         reads them, or else in as Hermes text (any model can use tools); a message field
         the template ignored is refused."""
         reads = template_names(chat_template_of(self.engine.tokenizer))
         takes_tools = "tools" in reads
-        tracked = template_messages(messages)
+        tracked = template_messages(messages, hears=hears)
         rendered = tracked if "tool_calls" in reads else tool_turns_as_text(tracked)
         if tools and not takes_tools:
             rendered = with_tools_message(rendered, tools, TrackedMessage)

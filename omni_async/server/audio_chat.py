@@ -12,6 +12,9 @@ thinker writes); then a chunk with the ``finish_reason`` (the thinker's) and
 ``delta.audio.expires_at``, the usage when asked, ``[DONE]``. The usage counts the
 frames spoken as ``completion_tokens_details.audio_tokens``.
 
+Audio in: the messages' ``input_audio`` parts (:mod:`.audio_input`), heard by the
+pipeline (the prompt's tokens counted with each audio's placeholders expanded).
+
 As for text, a streamed reply waits for its first event before its headers, so a refused
 request (an unknown voice, a prompt without room) gets its status code; a client that goes
 away aborts the reply in every stage (its stream is closed, or its whole reply cancelled).
@@ -31,6 +34,7 @@ from .. import errors
 from ..config import SamplingParams
 from ..logs import log
 from ..speech.audio_format import pcm16, wav_file, wav_header
+from .audio_input import audio_parts
 from .disconnect import until_disconnect
 from .errors import body_of, error_body, invalid
 from .protocol import ChatCompletionRequest
@@ -61,13 +65,16 @@ class AudioChat:
             voice = self.pipeline.check_voice(body.audio.voice)
         except errors.InvalidRequestError as exc:
             raise invalid(str(exc), "audio.voice") from None
-        reply = _Reply(self.model_name, body.audio.format, self.pipeline.sample_rate, len(prompt_ids))
+        audio = audio_parts(body.messages, self.pipeline.hearing)
+        heard = len(prompt_ids) + (sum(self.pipeline.hearing.rows(audio)) - len(audio) if audio and self.pipeline.hearing else 0)
+        reply = _Reply(self.model_name, body.audio.format, self.pipeline.sample_rate, heard)
         if not body.stream:
-            completed, result = await until_disconnect(request, self.pipeline.chat(input_ids=prompt_ids, voice=voice, sampling=sampling))
+            completed, result = await until_disconnect(request, self.pipeline.chat(input_ids=prompt_ids, audio=audio, voice=voice,
+                                                                                   sampling=sampling))
             if not completed:
                 return Response(status_code=499)  # nobody is listening any more
             return JSONResponse(reply.whole(result))
-        events = self.pipeline.stream(input_ids=prompt_ids, voice=voice, sampling=sampling)
+        events = self.pipeline.stream(input_ids=prompt_ids, audio=audio, voice=voice, sampling=sampling)
         try:
             first = await events.__anext__()
         except BaseException:

@@ -106,12 +106,15 @@ class Hearing:
     @classmethod
     def from_folder(cls, folder: str | Path, embed: nn.Embedding, *, seed: int | None = None) -> "Hearing | None":
         """The folder's ears, on the thinker's device and in its dtype (float32 on the CPU);
-        None for a folder that cannot hear (no ``audio_config`` or no ``audio_token_id``).
-        ``seed``: a random-weight folder's encoder drawn from it, its extractor at the
-        config's mel bins when the folder has no ``preprocessor_config.json``."""
+        None for a folder that cannot hear (no ``audio_config``, no ``audio_token_id``, or
+        no ``preprocessor_config.json``: the features' parameters). ``seed``: a
+        random-weight folder's encoder drawn from it, its extractor at the config's mel
+        bins when the folder has no ``preprocessor_config.json``."""
         folder = Path(folder)
         thinker = json.loads((folder / "config.json").read_text(encoding="utf-8")).get("thinker_config") or {}
         if not thinker.get("audio_config") or thinker.get("audio_token_id") is None:
+            return None
+        if seed is None and not (folder / PREPROCESSOR_FILE).is_file():
             return None
         device, dtype = embed.weight.device, embed.weight.dtype
         dtype = torch.float32 if device.type == "cpu" else dtype
