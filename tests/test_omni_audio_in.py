@@ -265,3 +265,49 @@ def pipeline_codec():
     from .test_omni_chain import stand_in_codec
 
     return stand_in_codec()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("loop", LOOPS)
+async def test_on_cuda_the_reply_and_codes_with_audio_equal_generate(hearing_model, expected, loop):
+    """On CUDA in float32 (the encoder on the pipeline's input thread, the thinker's and
+    talker's fused kernels): both cases' tokens and codes as ``generate`` writes them.
+    cuDNN's TF32 convolutions are turned off for the comparison (float32 throughout)."""
+    folder, _ = hearing_model
+    tf32, torch.backends.cudnn.allow_tf32 = torch.backends.cudnn.allow_tf32, False
+    try:
+        async with OmniPipeline.from_pretrained(folder, device="cuda", dtype="float32", loop=loop) as pipe:
+            assert pipe.hearing is not None and pipe.hearing.encoder.proj2.weight.device.type == "cuda"
+            results = await asyncio.gather(*(
+                pipe.chat(input_ids=audio_prompt(len(waves)), audio=[AudioPart(w, RATE) for w in waves],
+                          sampling=dict(max_new_tokens=reply, stop_token_ids=[THINKER_EOS]), max_frames=frames)
+                for (_, reply, frames), (waves, _, _, _) in zip(CASES, expected)))
+            for result, (_, ids, thinker, codes) in zip(results, expected):
+                assert result.output_ids == thinker.sequences[0, len(ids):].tolist()
+                assert result.codes.tolist() == codes.tolist()
+            await assert_stages_free(pipe)
+    finally:
+        torch.backends.cudnn.allow_tf32 = tf32
+
+
+async def test_a_random_weight_folder_hears_with_an_encoder_drawn_from_its_seed(tmp_path):
+    """A folder of config.json and random_weights.json (speed runs) hears: its encoder is
+    drawn from the seed (features at the config's mel bins), so one seed hears one audio
+    the same way twice and another seed another way."""
+    import json
+
+    from omni_async.models.random_weights import RANDOM_WEIGHTS_FILE
+
+    replies = []
+    for i, seed in enumerate((3, 3, 4)):
+        folder = tmp_path / f"seed{seed}-{i}"
+        config = hearing_config()
+        config.architectures = ["Qwen3OmniMoeForConditionalGeneration"]
+        config.save_pretrained(folder)
+        (folder / RANDOM_WEIGHTS_FILE).write_text(json.dumps({"seed": seed}))
+        async with OmniPipeline.from_pretrained(folder, loop="normal", codec=pipeline_codec()) as pipe:
+            assert pipe.hearing is not None and pipe.hearing.features.config.feature_size == MELS
+            prompt = await pipe.thinker_prompt(input_ids=audio_prompt(), audio=[AudioPart(waveform(1.5, 2), RATE)])
+            replies.append(prompt.embeds[prompt.ids.index(AUDIO)])
+    same, again, other = replies
+    assert torch.equal(same, again) and not torch.equal(same, other)

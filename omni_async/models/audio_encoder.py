@@ -100,6 +100,27 @@ def _conv_length(n: int) -> int:
     return (n - 1) // 2 + 1
 
 
+@dataclass
+class _Windows:
+    """The rows of each attention window: ``index`` ``[W, size]`` (a short window's tail
+    repeats a row of its own) and ``valid`` ``[W, size]``, so attention is one batched call
+    of W windows whose padded keys are masked, memory ``rows x size`` however long the audio."""
+
+    index: torch.Tensor
+    valid: torch.Tensor
+
+    @classmethod
+    def of(cls, counts: list[int], size: int, device: torch.device) -> "_Windows":
+        spans, start = [], 0
+        for n in counts:
+            spans.extend((start + w, min(size, n - w)) for w in range(0, n, size))
+            start += n
+        offsets = torch.arange(size)
+        index = torch.stack([s + torch.minimum(offsets, torch.tensor(n - 1)) for s, n in spans])
+        valid = torch.stack([offsets < n for _, n in spans])
+        return cls(index.to(device), valid.to(device))
+
+
 class _Attention(nn.Module):
     def __init__(self, cfg: AudioEncoderConfig) -> None:
         super().__init__()
@@ -107,11 +128,13 @@ class _Attention(nn.Module):
         self.heads = cfg.heads
         self.q_proj, self.k_proj, self.v_proj, self.out_proj = (nn.Linear(d, d) for _ in range(4))
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, windows: _Windows) -> torch.Tensor:
         n, d = x.shape
-        q, k, v = (p(x).view(n, self.heads, d // self.heads).transpose(0, 1) for p in (self.q_proj, self.k_proj, self.v_proj))
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        return self.out_proj(out.transpose(0, 1).reshape(n, d))
+        w, size = windows.index.shape
+        q, k, v = (p(x)[windows.index].view(w, size, self.heads, d // self.heads).transpose(1, 2)
+                   for p in (self.q_proj, self.k_proj, self.v_proj))
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=windows.valid[:, None, None, :])
+        return self.out_proj(out.transpose(1, 2).reshape(w, size, d)[windows.valid])
 
 
 class _Layer(nn.Module):
@@ -124,8 +147,8 @@ class _Layer(nn.Module):
         self.fc2 = nn.Linear(cfg.ffn_dim, cfg.d_model)
         self.final_layer_norm = nn.LayerNorm(cfg.d_model)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.self_attn_layer_norm(x), mask)
+    def forward(self, x: torch.Tensor, windows: _Windows) -> torch.Tensor:
+        x = x + self.self_attn(self.self_attn_layer_norm(x), windows)
         return x + self.fc2(F.gelu(self.fc1(self.final_layer_norm(x)), approximate=self.gelu))
 
 
@@ -210,21 +233,12 @@ class AudioEncoder(nn.Module):
         kept = [_conv_length(_conv_length(_conv_length(n))) for n in lengths]
         x = torch.cat([rows[:n] for rows, n in zip(x, kept)])
         counts = [self.output_length(f.shape[1]) for f in features]
-        mask = self._window_mask(counts, max(kept), x.device)
+        size = max(kept) * (self.config.n_window_infer // self.config.chunk_frames)
+        windows = _Windows.of(counts, size, x.device)
         for layer in self.layers:
-            x = layer(x, mask)
+            x = layer(x, windows)
         x = self.proj2(F.gelu(self.proj1(self.ln_post(x)), approximate=self.config.gelu))
         return list(x.split(counts))
-
-    def _window_mask(self, counts: list[int], chunk_rows: int, device: torch.device) -> torch.Tensor:
-        """``[rows, rows]`` True where a row may attend: the same window of the same audio."""
-        window = chunk_rows * (self.config.n_window_infer // self.config.chunk_frames)
-        ids, start = [], 0
-        for n in counts:
-            ids.extend(start + i // window for i in range(n))
-            start += math.ceil(n / window)
-        win = torch.tensor(ids, device=device)
-        return win[:, None] == win[None, :]
 
 
 def _sinusoids(length: int, channels: int, max_timescale: float = 10000.0) -> torch.Tensor:

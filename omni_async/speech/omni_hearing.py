@@ -92,20 +92,26 @@ def _audio_part(part: Mapping[str, Any], where: str) -> AudioPart:
 
 
 class Hearing:
-    """The feature extractor, the audio encoder and the thinker's embedding table."""
+    """The feature extractor and the audio encoder (the thinker's embedding table is the
+    caller's: :meth:`prompt` takes it)."""
 
-    def __init__(self, features: LogMel, encoder: AudioEncoder, audio_token_id: int, embed: nn.Embedding) -> None:
+    def __init__(self, features: LogMel, encoder: AudioEncoder, audio_token_id: int) -> None:
         if encoder.config.num_mel_bins != features.config.feature_size:
             raise errors.ModelLoadError(f"the audio encoder reads {encoder.config.num_mel_bins} mel bins; "
                                         f"{PREPROCESSOR_FILE} makes {features.config.feature_size}")
-        if encoder.config.output_dim != embed.weight.shape[1]:
-            raise errors.ModelLoadError(f"the audio encoder writes rows of {encoder.config.output_dim}; "
-                                        f"the thinker's are {embed.weight.shape[1]} wide")
-        self.features, self.encoder, self.audio_token_id, self.embed = features, encoder, audio_token_id, embed
+        self.features, self.encoder, self.audio_token_id = features, encoder, audio_token_id
+
+    def check_width(self, width: int) -> None:
+        """The encoder's rows must be the thinker's width (a ModelLoadError otherwise)."""
+        if self.encoder.config.output_dim != width:
+            raise errors.ModelLoadError(f"the audio encoder writes rows of {self.encoder.config.output_dim}; "
+                                        f"the thinker's are {width} wide")
 
     @classmethod
-    def from_folder(cls, folder: str | Path, embed: nn.Embedding, *, seed: int | None = None) -> "Hearing | None":
-        """The folder's ears, on the thinker's device and in its dtype (float32 on the CPU);
+    def from_folder(cls, folder: str | Path, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+                    seed: int | None = None) -> "Hearing | None":
+        """The folder's ears on ``device`` in ``dtype`` (float32 on the CPU): built before
+        the thinker, whose KV takes what the device has left;
         None for a folder that cannot hear (no ``audio_config``, no ``audio_token_id``, or
         no ``preprocessor_config.json``: the features' parameters). ``seed``: a
         random-weight folder's encoder drawn from it, its extractor at the config's mel
@@ -116,7 +122,7 @@ class Hearing:
             return None
         if seed is None and not (folder / PREPROCESSOR_FILE).is_file():
             return None
-        device, dtype = embed.weight.device, embed.weight.dtype
+        device = torch.device(device)
         dtype = torch.float32 if device.type == "cpu" else dtype
         cfg = AudioEncoderConfig.from_folder(folder)
         if seed is None:
@@ -125,7 +131,7 @@ class Hearing:
             encoder = AudioEncoder.random(cfg, device=device, dtype=dtype, seed=seed)
         drawn_default = seed is not None and not (folder / PREPROCESSOR_FILE).is_file()
         mel = LogMelConfig(feature_size=cfg.num_mel_bins) if drawn_default else LogMelConfig.from_folder(folder)
-        return cls(LogMel(mel), encoder, int(thinker["audio_token_id"]), embed)
+        return cls(LogMel(mel), encoder, int(thinker["audio_token_id"]))
 
     @property
     def sample_rate(self) -> int:
@@ -155,14 +161,15 @@ class Hearing:
         return out
 
     @torch.inference_mode()
-    def prompt(self, ids: Sequence[int], audios: Sequence[AudioPart]) -> HeardPrompt:
-        """The thinker's prompt for ``ids`` (one placeholder per audio) and ``audios``
-        (blocking: features and the encoder; a worker's job)."""
+    def prompt(self, ids: Sequence[int], audios: Sequence[AudioPart], embed: nn.Embedding) -> HeardPrompt:
+        """The thinker's prompt for ``ids`` (one placeholder per audio) and ``audios``, its
+        text rows from the thinker's embedding table ``embed`` (blocking: features and the
+        encoder; a worker's job)."""
         counts = self.rows(audios)
         expanded = self.expand(ids, counts)
         rows = self.encoder.encode(self.features.features([a.waveform for a in audios], audios[0].sample_rate))
-        table = self.embed.weight
-        embeds = self.embed(torch.tensor(expanded, dtype=torch.long, device=table.device))
+        table = embed.weight
+        embeds = embed(torch.tensor(expanded, dtype=torch.long, device=table.device))
         mask = torch.tensor(expanded, device=table.device) == self.audio_token_id
         embeds[mask] = torch.cat(rows).to(embeds.dtype)
         return HeardPrompt(expanded, embeds)

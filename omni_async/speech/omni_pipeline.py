@@ -81,6 +81,8 @@ class OmniPipeline:
         extractor (:mod:`.omni_hearing`); None: a prompt with audio is refused."""
         self.thinker = thinker
         self.hearing = hearing
+        if hearing is not None:
+            hearing.check_width(self.thinker_embed.weight.shape[1])
         self.stream_talker = stream_talker
         self.talker = talker
         self.talker_model: OmniTalker = talker.model  # type: ignore[assignment]
@@ -118,7 +120,7 @@ class OmniPipeline:
         folder = Path(folder)
         cfg = OmniTalkerConfig.from_folder(folder)  # a folder that is no Qwen3-Omni one fails before anything loads
         drawn = random_weights_of(folder, json.loads((folder / "config.json").read_text(encoding="utf-8")))
-        # The talker (its KV sized by its builder) and the codec first: the thinker, unless
+        # The talker (its KV sized by its builder), the codec and the audio encoder first: the thinker, unless
         # its limits size its KV, takes what the device has left, as a lone engine would.
         talker = build_omni_talker_stage(folder if drawn is None else cfg, device=device, loop=loop, dtype=dtype,
                                          seed=seed if drawn is None else drawn.seed, **(talker_limits or {}))
@@ -129,10 +131,10 @@ class OmniPipeline:
                 codec = Code2Wav.random(Code2WavConfig.from_folder(folder), device=dev, dtype=codec_dtype, seed=drawn.seed)
             else:
                 codec = (codec_loader or folder_code2wav)(folder, dev, codec_dtype)
+        hearing = Hearing.from_folder(folder, device=talker.runner.device, dtype=talker.model.dtype,
+                                      seed=None if drawn is None else drawn.seed)
         thinker = Engine.from_pretrained(str(folder), device=device, loop=loop, dtype=dtype, seed=seed,
                                          hidden_states_layer=cfg.accept_hidden_layer, **(thinker_limits or {}))
-        hearing = Hearing.from_folder(folder, thinker.stack.loaded.model.model.embed_tokens,
-                                      seed=None if drawn is None else drawn.seed)
         return cls(thinker, talker, codec, first_chunk_frames=first_chunk_frames, max_chunk_frames=max_chunk_frames,
                    stream_talker=stream_talker, codec_graphs=codec_graphs, hearing=hearing)
 
@@ -206,7 +208,7 @@ class OmniPipeline:
             return HeardPrompt(ids, None)
         if self.hearing is None:
             raise errors.InvalidRequestError("this checkpoint cannot hear: it has no audio encoder (thinker_config.audio_config)")
-        prompt = await self.heavy_work(self.hearing.prompt, ids, audio)
+        prompt = await self.heavy_work(self.hearing.prompt, ids, audio, self.thinker_embed)
         if prompt.embeds is not None and prompt.embeds.device.type != "cpu":
             # the thinker's door checks the rows' values on the loop: on the host, no device read
             prompt = HeardPrompt(prompt.ids, await self.heavy_work(prompt.embeds.cpu))
@@ -221,9 +223,14 @@ class OmniPipeline:
         self.config.speaker_id(name)  # InvalidRequestError naming the voices there are
         return name
 
+    @property
+    def thinker_embed(self) -> torch.nn.Embedding:
+        """The thinker's embedding table (on its device)."""
+        return self.thinker.stack.loaded.model.model.embed_tokens
+
     def thinker_embeddings(self, tokens: list[int]) -> torch.Tensor:
         """The thinker's input embeddings of ``tokens`` ``[n, Ht]``, on its device."""
-        embed = self.thinker.stack.loaded.model.model.embed_tokens
+        embed = self.thinker_embed
         with torch.inference_mode():
             return embed(torch.tensor(tokens, dtype=torch.long, device=embed.weight.device))
 
