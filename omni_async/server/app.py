@@ -201,13 +201,17 @@ class OpenAIServer:
 
     async def submit_chat(self, body: ChatCompletionRequest) -> tuple[RequestHandle, ResponseContext]:
         """The chat request submitted, and the context its output is read in (tool calls,
-        reasoning): shared by ``/v1/chat/completions`` and ``/v1/responses``."""
-        ids, constraint, tools = self.chat_prompt(body)
+        reasoning): shared by ``/v1/chat/completions`` and ``/v1/responses``. Over a
+        pipeline that hears, ``input_audio`` parts go in as the thinker's input embeddings."""
+        ids, constraint, tools = self.chat_prompt(body, hears=self.audio_chat is not None)
+        heard = await self.audio_chat.heard(body, ids) if self.audio_chat is not None else None
+        ids = ids if heard is None else heard.ids
         max_tokens = self.chat_max_tokens(body, ids)
         top = body.chat_top_logprobs()
         sampling = body.sampling(max_tokens, top_logprobs=top, constraint=constraint, defaults=self.sampling_defaults,
                                  prompt_logprobs=body.prompt_logprobs)
-        handle = await self.engine.submit(input_ids=ids, sampling=sampling)
+        given = {"input_ids": ids} if heard is None or heard.embeds is None else {"input_embeds": heard.embeds}
+        handle = await self.engine.submit(**given, sampling=sampling)
         template = chat_template_of(self.engine.tokenizer)
         ctx = ResponseContext(
             "chat", self.model_name, self.engine.tokenizer, logprobs=top is not None, tools=tools if tools.parse else None,

@@ -13,7 +13,8 @@ thinker writes); then a chunk with the ``finish_reason`` (the thinker's) and
 frames spoken as ``completion_tokens_details.audio_tokens``.
 
 Audio in: the messages' ``input_audio`` parts (:mod:`.audio_input`), heard by the
-pipeline (the prompt's tokens counted with each audio's placeholders expanded).
+pipeline (the prompt's tokens counted with each audio's placeholders expanded); a text
+reply to them is the thinker's alone, its prompt from :meth:`AudioChat.heard`.
 
 As for text, a streamed reply waits for its first event before its headers, so a refused
 request (an unknown voice, a prompt without room) gets its status code; a client that goes
@@ -41,6 +42,7 @@ from .protocol import ChatCompletionRequest
 from .wire import DONE, ChunkFrames, event
 
 if TYPE_CHECKING:
+    from ..speech.omni_hearing import HeardPrompt
     from ..speech.omni_pipeline import OmniPipeline, OmniResult
 
 __all__ = ["AudioChat"]
@@ -56,6 +58,11 @@ class AudioChat:
     def __init__(self, pipeline: "OmniPipeline", model_name: str) -> None:
         self.pipeline = pipeline
         self.model_name = model_name
+
+    async def heard(self, body: ChatCompletionRequest, prompt_ids: list[int]) -> "HeardPrompt":
+        """The thinker's prompt for a text reply: the rendered ids with the messages'
+        ``input_audio`` parts heard (as they are when there are none)."""
+        return await self.pipeline.thinker_prompt(input_ids=prompt_ids, audio=audio_parts(body.messages, self.pipeline.hearing))
 
     async def respond(self, request: Request, body: ChatCompletionRequest, prompt_ids: list[int], sampling: SamplingParams) -> Response:
         """The reply to a checked request (``body.wants_audio()``) whose prompt and thinker

@@ -12,8 +12,8 @@ back as it came, so those are taken when null (a refusal's text is what the assi
 said; annotations only describe the content).
 ``content`` may be null only where OpenAI allows it: an assistant message with tool calls
 or a refusal. Its parts are text, and ``input_audio`` for a model that hears (``hears``:
-a spoken chat on a Qwen3-Omni server, :mod:`.audio_input`): a message with audio goes to
-the template as a list of parts, each audio one ``{"type": "audio"}``.
+a Qwen3-Omni server, :mod:`.audio_input`): a message with audio goes to the template as
+a list of parts, each audio one ``{"type": "audio"}``.
 
 A template that does not read ``tool_calls`` still gets tool turns: the calls and their
 results are written as text in the Hermes format the tool prompt teaches
@@ -226,8 +226,8 @@ def _content(where: str, content: Any, hears: bool) -> str | list[dict[str, Any]
     for part in content:
         if part.get("type") == "input_audio":
             if not hears:
-                raise errors.InvalidRequestError(f"{where}.content: input_audio parts need a model that hears, asked for "
-                                                 "audio out (a Qwen3-Omni model, modalities [\"text\", \"audio\"])")
+                raise errors.InvalidRequestError(f"{where}.content: input_audio parts need a model that hears "
+                                                 "(a Qwen3-Omni model with an audio encoder)")
             parts.append({"type": "audio", "audio": None})
         elif part.get("type") != "text" or not isinstance(part.get("text"), str):
             raise errors.InvalidRequestError(f"{where}.content: unsupported content part {part.get('type')!r}: only text "
