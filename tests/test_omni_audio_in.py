@@ -232,7 +232,8 @@ async def test_bad_audio_gets_typed_errors_and_the_pipeline_carries_on(hearing_m
                (dict(audio=[AudioPart((waves[0] * 100).astype(np.int16), RATE)]), "1-D float"),
                (dict(audio=[AudioPart(np.full(8000, np.nan, np.float32), RATE)]), "non-finite"),
                (dict(audio=[good, good]), "1 audio placeholder"),
-               (dict(input_ids=chat_prompt([20, 31]), audio=[good]), "0 audio placeholder")]
+               (dict(input_ids=chat_prompt([20, 31]), audio=[good]), "0 audio placeholder"),
+               (dict(audio=[AudioPart(np.zeros(90 * RATE, np.float32), RATE)]), "context holds 1024")]  # 1,170 rows
         for kwargs, match in bad:
             kwargs.setdefault("input_ids", audio_prompt())
             with pytest.raises(InvalidRequestError, match=match):

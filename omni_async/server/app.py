@@ -182,10 +182,11 @@ class OpenAIServer:
         for name in ("tools", "logprobs", "prompt_logprobs"):
             if getattr(body, name):
                 raise invalid(f"{name} is not available with audio out", name)
-        ids, constraint, _ = self.chat_prompt(body, hears=True)  # input_audio parts heard by the pipeline
-        sampling = body.sampling(self.chat_max_tokens(body, ids), top_logprobs=None, constraint=constraint,
+        ids, constraint, _ = self.chat_prompt(body, hears=True)
+        heard = await self.audio_chat.heard(body, ids)  # input_audio parts heard, placeholders expanded
+        sampling = body.sampling(self.chat_max_tokens(body, heard.ids), top_logprobs=None, constraint=constraint,
                                  defaults=self.sampling_defaults)
-        return await self.audio_chat.respond(request, body, ids, sampling)
+        return await self.audio_chat.respond(request, body, heard, sampling)
 
     def chat_max_tokens(self, body: ChatCompletionRequest, ids: list[int]) -> int:
         """The request's token budget, checked against the room after its prompt; as much

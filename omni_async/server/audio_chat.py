@@ -60,28 +60,26 @@ class AudioChat:
         self.model_name = model_name
 
     async def heard(self, body: ChatCompletionRequest, prompt_ids: list[int]) -> "HeardPrompt":
-        """The thinker's prompt for a text reply: the rendered ids with the messages'
-        ``input_audio`` parts heard (as they are when there are none)."""
+        """The thinker's prompt: the rendered ids with the messages' ``input_audio`` parts
+        heard (as they are when there are none)."""
         return await self.pipeline.thinker_prompt(input_ids=prompt_ids, audio=audio_parts(body.messages, self.pipeline.hearing))
 
-    async def respond(self, request: Request, body: ChatCompletionRequest, prompt_ids: list[int], sampling: SamplingParams) -> Response:
-        """The reply to a checked request (``body.wants_audio()``) whose prompt and thinker
-        sampling the text route made."""
+    async def respond(self, request: Request, body: ChatCompletionRequest, prompt: "HeardPrompt",
+                      sampling: SamplingParams) -> Response:
+        """The reply to a checked request (``body.wants_audio()``) whose prompt (heard:
+        :meth:`heard`) and thinker sampling the text route made."""
         assert body.audio is not None
         try:
             voice = self.pipeline.check_voice(body.audio.voice)
         except errors.InvalidRequestError as exc:
             raise invalid(str(exc), "audio.voice") from None
-        audio = audio_parts(body.messages, self.pipeline.hearing)
-        heard = len(prompt_ids) + (sum(self.pipeline.hearing.rows(audio)) - len(audio) if audio and self.pipeline.hearing else 0)
-        reply = _Reply(self.model_name, body.audio.format, self.pipeline.sample_rate, heard)
+        reply = _Reply(self.model_name, body.audio.format, self.pipeline.sample_rate, len(prompt.ids))
         if not body.stream:
-            completed, result = await until_disconnect(request, self.pipeline.chat(input_ids=prompt_ids, audio=audio, voice=voice,
-                                                                                   sampling=sampling))
+            completed, result = await until_disconnect(request, self.pipeline.chat(prompt=prompt, voice=voice, sampling=sampling))
             if not completed:
                 return Response(status_code=499)  # nobody is listening any more
             return JSONResponse(reply.whole(result))
-        events = self.pipeline.stream(input_ids=prompt_ids, audio=audio, voice=voice, sampling=sampling)
+        events = self.pipeline.stream(prompt=prompt, voice=voice, sampling=sampling)
         try:
             first = await events.__anext__()
         except BaseException:

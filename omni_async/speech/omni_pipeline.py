@@ -208,6 +208,11 @@ class OmniPipeline:
             return HeardPrompt(ids, None)
         if self.hearing is None:
             raise errors.InvalidRequestError("this checkpoint cannot hear: it has no audio encoder (thinker_config.audio_config)")
+        counts = self.hearing.rows(audio)
+        context = self.thinker.scheduler.limits.context_length
+        if len(ids) + sum(counts) - len(counts) > context:  # refused before the encoder runs
+            raise errors.InvalidRequestError(f"the prompt with its audio heard takes {len(ids) + sum(counts) - len(counts)} "
+                                             f"positions; the thinker's context holds {context}")
         prompt = await self.heavy_work(self.hearing.prompt, ids, audio, self.thinker_embed)
         if prompt.embeds is not None and prompt.embeds.device.type != "cpu":
             # the thinker's door checks the rows' values on the loop: on the host, no device read
@@ -281,13 +286,14 @@ class OmniPipeline:
         return await anyio.to_thread.run_sync(functools.partial(fn, *args))
 
     async def stream(self, messages: Any = None, *, input_ids: list[int] | None = None, audio: list[AudioPart] | None = None,
-                     voice: str | None = None,
+                     prompt: HeardPrompt | None = None, voice: str | None = None,
                      sampling: SamplingParams | dict[str, Any] | None = None, max_frames: int | None = None,
                      repetition_penalty: float = 1.05, request_id: str | None = None) -> AsyncIterator[OmniDelta]:
         """The reply's text deltas and audio chunks as they come (with ``stream_talker``
         they interleave: the talker speaks while the thinker writes); the last of each
         kind has ``finished``. ``messages`` may hold audio content parts, or
-        ``input_ids`` one audio placeholder per ``audio`` part (:mod:`.omni_hearing`).
+        ``input_ids`` one audio placeholder per ``audio`` part (:mod:`.omni_hearing`);
+        or ``prompt``, one :meth:`thinker_prompt` made.
         ``sampling``: the thinker's (``n`` must be 1); the talker is
         greedy with the reference's ``repetition_penalty``. Leaving the loop early (or
         cancelling) aborts the request in every stage it reached."""
@@ -297,7 +303,10 @@ class OmniPipeline:
         if max_frames is not None and max_frames < 1:
             raise errors.InvalidRequestError(f"max_frames must be at least 1, got {max_frames}")
         thinker_sampling = _thinker_sampling(sampling)
-        prompt = await self.thinker_prompt(messages, input_ids, audio)
+        if prompt is None:
+            prompt = await self.thinker_prompt(messages, input_ids, audio)
+        elif messages is not None or input_ids is not None or audio:
+            raise errors.InvalidRequestError("give a heard prompt alone, without messages, input_ids or audio")
         prompt_ids = prompt.ids
         rid = request_id or f"omni-{uuid.uuid4().hex[:12]}-{next(self._ids)}"
         if rid in self._open:
@@ -331,7 +340,7 @@ class OmniPipeline:
             self._open.discard(rid)
 
     async def chat(self, messages: Any = None, *, input_ids: list[int] | None = None, audio: list[AudioPart] | None = None,
-                   voice: str | None = None, sampling: SamplingParams | dict[str, Any] | None = None, max_frames: int | None = None,
+                   prompt: HeardPrompt | None = None, voice: str | None = None, sampling: SamplingParams | dict[str, Any] | None = None, max_frames: int | None = None,
                    repetition_penalty: float = 1.05, request_id: str | None = None) -> OmniResult:
         """The whole reply (the arguments of :meth:`stream`)."""
         ids: list[int] = []
@@ -340,7 +349,7 @@ class OmniPipeline:
         codes: list[torch.Tensor] = []
         reason = audio_reason = None
         rid = request_id or ""
-        async for delta in self.stream(messages, input_ids=input_ids, audio=audio, voice=voice, sampling=sampling, max_frames=max_frames,
+        async for delta in self.stream(messages, input_ids=input_ids, audio=audio, prompt=prompt, voice=voice, sampling=sampling, max_frames=max_frames,
                                        repetition_penalty=repetition_penalty, request_id=request_id):
             rid = delta.request_id
             if delta.kind == "text":
