@@ -240,6 +240,8 @@ async def test_bad_audio_gets_typed_errors_and_the_pipeline_carries_on(hearing_m
                 await pipe.chat(sampling=dict(max_new_tokens=reply), max_frames=frames, **kwargs)
         with pytest.raises(InvalidRequestError, match="audio part is"):
             await pipe.chat([{"role": "user", "content": [{"type": "audio", "audio": waves[0]}]}])
+        with pytest.raises(InvalidRequestError, match="input_audio parts"):
+            await pipe.chat([{"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}]}])
         result = await pipe.chat(input_ids=audio_prompt(), audio=[good], sampling=dict(max_new_tokens=reply, stop_token_ids=[THINKER_EOS]),
                                  max_frames=frames)
         assert result.output_ids == thinker.sequences[0, len(ids):].tolist() and result.codes.tolist() == codes.tolist()

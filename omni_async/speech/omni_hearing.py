@@ -80,10 +80,15 @@ def split_audio_parts(messages: Any) -> tuple[Any, list[AudioPart]]:
 
 
 def _is_audio(part: Any) -> bool:
-    return isinstance(part, Mapping) and part.get("type") == "audio"
+    """An audio part; OpenAI's ``input_audio`` (base64 bytes, the HTTP API's) counts as
+    one so that it is refused by name rather than left for a template that ignores it."""
+    return isinstance(part, Mapping) and part.get("type") in ("audio", "input_audio")
 
 
 def _audio_part(part: Mapping[str, Any], where: str) -> AudioPart:
+    if part.get("type") == "input_audio":
+        raise errors.InvalidRequestError(f"{where}: input_audio parts (base64 files) are for HTTP; here an audio part is "
+                                         "{'type': 'audio', 'audio': <float samples>, 'sample_rate': <int Hz>}")
     rate = part.get("sample_rate")
     if part.get("audio") is None or not isinstance(rate, int) or isinstance(rate, bool):
         raise errors.InvalidRequestError(f"{where}: an audio part is {{'type': 'audio', 'audio': <float samples>, "
