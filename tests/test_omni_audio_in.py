@@ -12,6 +12,7 @@ carries on."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import numpy as np
 import pytest
@@ -121,6 +122,9 @@ def test_encoder_rows_equal_the_audio_towers(hearing_model):
     assert [r.shape[0] for r in rows] == placeholder_counts(mask) == [encoder.output_length(f.shape[1]) for f in feats]
     assert rows[0].shape[0] > 26  # more than one attention window
     torch.testing.assert_close(torch.cat(rows), ref, atol=1e-5, rtol=1e-5)
+    # the convolutions a chunk at a time (what bounds their memory on long audio): the same rows
+    encoder.config = dataclasses.replace(encoder.config, conv_chunksize=1)
+    torch.testing.assert_close(torch.cat(encoder.encode(feats)), ref, atol=1e-5, rtol=1e-5)
     # one audio alone is its own batch: its chunks are not padded to another's
     with torch.no_grad():
         f, m = processor_features(waves[:1])

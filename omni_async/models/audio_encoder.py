@@ -55,6 +55,7 @@ class AudioEncoderConfig:
     n_window_infer: int
     downsample_hidden_size: int
     max_source_positions: int
+    conv_chunksize: int  # chunks through the convolutions at a time (their activations bound memory)
     gelu: str  # torch's ``approximate``: "none" (exact) or "tanh"
 
     @classmethod
@@ -68,7 +69,8 @@ class AudioEncoderConfig:
                       ffn_dim=int(raw.get("encoder_ffn_dim", 5120)), output_dim=int(raw.get("output_dim", 3584)),
                       n_window=int(raw.get("n_window", 50)), n_window_infer=int(raw.get("n_window_infer", 800)),
                       downsample_hidden_size=int(raw.get("downsample_hidden_size", 480)),
-                      max_source_positions=int(raw.get("max_source_positions", 1500)), gelu=_GELU[act])
+                      max_source_positions=int(raw.get("max_source_positions", 1500)),
+                      conv_chunksize=max(1, int(raw.get("conv_chunksize", 500))), gelu=_GELU[act])
         except (TypeError, ValueError) as exc:
             raise ModelLoadError(f"{source}: malformed audio encoder config ({exc})") from None
         if cfg.d_model % cfg.heads or cfg.d_model % 2:
@@ -225,9 +227,7 @@ class AudioEncoder(nn.Module):
         lengths = [c.shape[1] for c in chunks]
         longest = max(lengths)
         padded = torch.stack([F.pad(c, (0, longest - c.shape[1])) for c in chunks])[:, None]
-        x = F.gelu(self.conv2d1(padded))
-        x = F.gelu(self.conv2d2(x))
-        x = F.gelu(self.conv2d3(x))
+        x = torch.cat([self._convolved(group) for group in padded.split(self.config.conv_chunksize)])
         b, c, m, t = x.shape
         x = self.conv_out(x.permute(0, 3, 1, 2).reshape(b, t, c * m)) + self.positions[:t].to(x.dtype)
         kept = [_conv_length(_conv_length(_conv_length(n))) for n in lengths]
@@ -239,6 +239,11 @@ class AudioEncoder(nn.Module):
             x = layer(x, windows)
         x = self.proj2(F.gelu(self.proj1(self.ln_post(x)), approximate=self.config.gelu))
         return list(x.split(counts))
+
+    def _convolved(self, chunks: torch.Tensor) -> torch.Tensor:
+        x = F.gelu(self.conv2d1(chunks))
+        x = F.gelu(self.conv2d2(x))
+        return F.gelu(self.conv2d3(x))
 
 
 def _sinusoids(length: int, channels: int, max_timescale: float = 10000.0) -> torch.Tensor:
