@@ -238,6 +238,8 @@ async def run(args) -> dict:
     limits = {"kv_capacity_tokens": args.kv_tokens} if args.kv_tokens else {}
     if args.codec_graphs is not None:
         limits["codec_graphs"] = args.codec_graphs == "on"
+    if args.decode_steps is not None:
+        limits["decode_steps"] = args.decode_steps
     tts = SpeechPipeline.from_pretrained(args.model, device=args.device, loop=args.loop, dtype=args.dtype, **limits)
     out["load_s"] = round(time.perf_counter() - t0, 2)
     async with tts:
@@ -422,6 +424,8 @@ def main() -> None:
     ap.add_argument("--streams", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 16, 64])
     ap.add_argument("--requests-per-stream", type=int, default=2)
     ap.add_argument("--min-requests", type=int, default=8)
+    ap.add_argument("--decode-steps", type=int, default=None,
+                    help="frames a talker step writes per stream (default: the plan's tiers on CUDA, 4 below 64 streams, 8 from 64)")
     ap.add_argument("--warmup", type=int, default=0, help="requests left out per level (default: one per stream)")
     ap.add_argument("--arms", default="inprocess,http", help="inprocess, http (closed loop), openloop (Poisson arrivals)")
     ap.add_argument("--rates", type=lambda s: [float(x) for x in s.split(",")], default=[5, 10, 20, 30],

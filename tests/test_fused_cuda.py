@@ -221,3 +221,15 @@ def test_fused_sampled_tokens_equal_unfused_on_cuda():
     plain, _ = asyncio.run(run(False))
     assert sampling_graphs is not None and sampling_graphs.replays > 0
     assert fused == plain
+
+
+@pytest.mark.parametrize("loop", ["normal", "overlap", "async_decode"])
+def test_short_prefills_replayed_as_decode_rows_give_the_cpu_tokens(loop):
+    """Prompts short enough for a decode graph (runners/prefill_rows.py), one at a time and
+    several in one prefill step, a prompt whose prefix is cached the second time: greedy
+    tokens equal the CPU reference's, and the prefills did replay graphs."""
+    prompts = [[256, *b"short"], list(range(40, 70)), [256, *b"short"] + [7, 8, 9]]
+    cpu, _ = _greedy_tokens("cpu", prompts, 16, loop=loop)
+    gpu, (_, graphs) = _greedy_tokens(DEV, prompts, 16, loop=loop)
+    assert graphs is not None and graphs.prefill_replays > 0
+    assert gpu == cpu

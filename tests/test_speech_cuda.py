@@ -30,6 +30,7 @@ async def test_graphed_frames_write_the_eager_codes(params):
     graphed, info = await _run(True, params)
     eager, eager_info = await _run(False, params)
     assert info["speech_frame_graph_replays"] > 0 and eager_info["speech_frame_graph_replays"] == 0
+    assert info["speech_prefill_graph_replays"] > 0 and eager_info["speech_prefill_graph_replays"] == 0
     for a, b in zip(graphed, eager):
         assert a.shape == (40, 16)
         assert torch.equal(a, b)

@@ -47,11 +47,12 @@ class Recorder:
     """Hooks on the pipeline's talker steps, codec pushes and codec rounds."""
 
     def __init__(self, tts: SpeechPipeline) -> None:
-        self.steps: list[tuple[float, float, int]] = []  # (done at, took, running rows)
+        self.steps: list[tuple[float, float, int, int]] = []  # (done at, took, running rows, frames written so far)
         self.pushes: list[tuple[float, str, int]] = []
         self.rounds: list[tuple[float, float, int, int]] = []  # (start, end, streams, frames)
-        core = tts.engine.scheduler.core
-        tts.engine.scheduler.add_step_observer(lambda took: self.steps.append((time.perf_counter(), took, len(core.running))))
+        core, runner = tts.engine.scheduler.core, tts.stage.runner
+        tts.engine.scheduler.add_step_observer(
+            lambda took: self.steps.append((time.perf_counter(), took, len(core.running), runner.frames_written)))
         codec = tts.codec
         push, decode = codec.push, codec._decode
 
@@ -117,11 +118,15 @@ def steady(rec: Recorder, start: float, end: float) -> dict:
 
     with_codec = [g for (a, b), g in zip(zip(steps, steps[1:]), gaps) if in_round(b[0])]
     without = [g for (a, b), g in zip(zip(steps, steps[1:]), gaps) if not in_round(b[0])]
-    frames = sum(s[2] for s in steps)
+    rows = sum(s[2] for s in steps)
+    # frames the talker wrote over the window's steps (a step of k forwards writes k per row)
+    frames = steps[-1][3] - steps[0][3] if len(steps) > 1 else 0
+    frames_span = steps[-1][0] - steps[0][0] if len(steps) > 1 else span
     return {"window_s": round(span, 3), "talker_steps_per_s": round(len(steps) / span, 1),
             "step_spacing_ms_p50": _ms(_pct(gaps, 0.5)), "step_spacing_ms_p90": _ms(_pct(gaps, 0.9)),
             "step_took_ms_p50": _ms(_pct([s[1] for s in steps], 0.5)),
-            "rows_per_step_mean": round(frames / max(1, len(steps)), 1), "frames_per_s": round(frames / span, 1),
+            "rows_per_step_mean": round(rows / max(1, len(steps)), 1), "frames_per_s": round(frames / max(frames_span, 1e-9), 1),
+            "frames_per_step_mean": round(frames / max(1, len(steps) - 1), 1),
             "codec_rounds_per_s": round(len(rounds) / span, 1), "codec_round_ms_p50": _ms(_pct([r[1] - r[0] for r in rounds], 0.5)),
             "codec_round_ms_p90": _ms(_pct([r[1] - r[0] for r in rounds], 0.9)),
             "codec_frames_per_round_mean": round(statistics.mean([r[3] for r in rounds]), 1) if rounds else None,

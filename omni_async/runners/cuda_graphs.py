@@ -82,6 +82,7 @@ class DecodeGraphs:
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, GraphOutputs]] = {}
         self.pool = None
         self.replays = 0
+        self.prefill_replays = 0  # of those, short prefills run as decode rows (.prefill_rows)
         self._last_tables: torch.Tensor | None = None  # the page tables of the last replay
 
     def bucket_for(self, bs: int) -> int | None:

@@ -30,6 +30,7 @@ from .fused_decode import FusedBatch, FusedDecode, fed_tokens, fused_counters, l
 from .fused_split import merge_fused, merge_rest, plan_fused
 from .graph_sampling import SamplingGraphs
 from .input_batch import InputBatch, SlotRows
+from .prefill_rows import prefill_as_rows
 from .prompt_scores import score_prompts, scored_rows
 from ..core.runner_io import SchedulerOutput
 from .types import BatchResult
@@ -44,12 +45,9 @@ class NativeModelRunner(ModelRunner):
     def __init__(self, model: DecoderModel, kv: PagedKVCache, device: torch.device, *, capture_hidden: bool = False,
                  seed: int = 0, fused_kernels: bool = True, cpu_attention_kernel: bool = False, cpu_fused_ops: bool = False,
                  decode_steps: DecodeSteps = DecodeSteps(), fuse_decode_steps: bool = True) -> None:
-        """``cpu_attention_kernel`` / ``cpu_fused_ops``: the C++ CPU kernels (loaded by
-        the builder); ``decode_steps``: forwards per decode step by batch size."""
+        """``cpu_attention_kernel`` / ``cpu_fused_ops``: the C++ CPU kernels (loaded by the builder)."""
         super().__init__(seed=seed)
-        # When set, every request's hidden states go out with its step outputs (a
-        # thinker feeding a talker), not only those of requests that ask for them.
-        self.capture_hidden = capture_hidden
+        self.capture_hidden = capture_hidden  # every request's hidden states go out (a thinker feeding a talker)
         self.graphs: DecodeGraphs | None = None
         self.fused_decode: FusedDecode | None = None  # multi-step decodes in one launch
         self.decode_plan = DecodeSteps()
@@ -336,6 +334,8 @@ class NativeModelRunner(ModelRunner):
                                                   max_batch=min(SAMPLING_GRAPH_MAX_BATCH, graphs.max_batch), device=self.device)
 
     def forward(self, forward_batch: ForwardBatch) -> BatchResult:
+        if not forward_batch.ctx.is_decode and (rows := prefill_as_rows(self.graphs, self.inputs, forward_batch)) is not None:
+            return rows  # a short prefill replays a decode graph (.prefill_rows)
         if forward_batch.block_tables is not None and self.graphs is not None:
             ctx = forward_batch.ctx
             out = self.graphs.replay(

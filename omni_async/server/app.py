@@ -37,6 +37,8 @@ from ..version import __version__
 from .chat_messages import ChatMessage, TrackedMessage, check_fields_read, template_messages, tool_turns_as_text
 from .disconnect import until_disconnect
 from .audio_chat import AudioChat
+from .audio_turns import AudioTurns
+from .omni_metrics import OmniMetrics
 from .errors import ClientNames, body_of, error_body, invalid
 from .prompt_list import combined_result, merged_deltas
 from .protocol import DEFAULT_COMPLETION_MAX_TOKENS, ChatCompletionRequest, CompletionRequest
@@ -244,6 +246,8 @@ class OpenAIServer:
         the template ignored is refused."""
         reads = template_names(chat_template_of(self.engine.tokenizer))
         takes_tools = "tools" in reads
+        if self.audio_chat is not None:  # an assistant turn may be an earlier spoken reply, by its audio id
+            messages = self.audio_chat.turns.resolve(messages)
         tracked = template_messages(messages, hears=hears)
         rendered = tracked if "tool_calls" in reads else tool_turns_as_text(tracked)
         if tools and not takes_tools:
@@ -340,6 +344,7 @@ def create_app(
     tool_call_parser: str = "auto",
     generation_config: str = "auto",
     omni: "OmniPipeline | None" = None,
+    audio_turns: AudioTurns | None = None,
 ) -> FastAPI:
     """The app for ``engine``. It starts the engine at startup and, with ``close_engine``,
     closes it at shutdown. ``metrics`` defaults to a fresh registry for this engine, its
@@ -349,10 +354,15 @@ def create_app(
     calls are parsed in (``auto``: from the template); ``generation_config``: ``auto``
     takes sampling defaults from the checkpoint's generation_config.json, ``none`` not.
     ``omni``: the Qwen3-Omni pipeline whose thinker ``engine`` is: chat requests may ask
-    for audio out (:mod:`.audio_chat`); the app starts and closes the whole pipeline."""
+    for audio out (:mod:`.audio_chat`); the app starts and closes the whole pipeline, and
+    ``metrics`` (by default a fresh registry; one passed in must not be attached to an
+    engine) counts both stages and the audio (:mod:`.omni_metrics`). ``audio_turns``: where
+    its spoken replies are kept for later turns to refer to by audio id (by default an
+    hour each, the latest 4096; :mod:`.audio_turns`)."""
     info = engine.scheduler.info()
     name = model_name or default_model_name(str(info.get("model_name") or info.get("model_path", "model")))
-    metrics = metrics if metrics is not None else EngineMetrics(engine, model_name=name)
+    if metrics is None:
+        metrics = EngineMetrics(engine if omni is None else None, model_name=name)
     if chat_template is not None:
         if engine.tokenizer is None:
             raise errors.ConfigError("--chat-template needs a model with a tokenizer")
@@ -367,7 +377,7 @@ def create_app(
     if omni is not None:
         if omni.thinker is not engine:
             raise errors.ConfigError("create_app(omni=...): engine must be the pipeline's thinker")
-        server.audio_chat = AudioChat(omni, name)
+        server.audio_chat = AudioChat(omni, name, OmniMetrics(metrics, omni), audio_turns if audio_turns is not None else AudioTurns())
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

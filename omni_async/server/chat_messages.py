@@ -149,7 +149,8 @@ def _one(i: int, m: ChatMessage, hears: bool = False) -> TrackedMessage:
 
 def _check_answer_fields(where: str, m: ChatMessage) -> None:
     """The fields of a received answer: taken on an assistant message, the legacy
-    ``function_call`` and an ``audio`` reference only when null (neither can be served)."""
+    ``function_call`` and an ``audio`` reference only when null (neither can be served;
+    a Qwen3-Omni server has replaced the audio references it holds before: audio_turns)."""
     extra = [name for name in ("refusal", "annotations", "audio", "function_call") if getattr(m, name) is not None]
     if extra and m.role != "assistant":
         raise errors.InvalidRequestError(f"{where}.{extra[0]}: only an assistant message carries it")

@@ -21,7 +21,7 @@ import bisect
 import contextlib
 import os
 import time
-from typing import TYPE_CHECKING, Any, AsyncIterator, Iterator
+from typing import TYPE_CHECKING, Any, AsyncIterator, Iterator, Mapping
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -60,43 +60,59 @@ def stage_load(info: dict[str, Any]) -> dict[str, Any]:
 
 
 class StageCollector:
-    """Reads the stage's counters at scrape time (a custom collector: no per-step cost)."""
+    """Reads the stages' counters at scrape time (a custom collector: no per-step cost).
 
-    def __init__(self, engine: "Engine") -> None:
-        self._engine = engine
+    One engine: its figures unlabelled (the text server's). Several, by name
+    (``{"thinker": ..., "talker": ...}``, the Omni chat server's): each figure once, with
+    a ``stage`` label per engine, so a family is never written twice."""
+
+    def __init__(self, engines: "Engine | Mapping[str, Engine]") -> None:
+        self._stages: list[tuple[str | None, Engine]] = (
+            [(None, engines)] if not isinstance(engines, Mapping) else list(engines.items()))
 
     def describe(self) -> list[Any]:
         return []  # unchecked: the figures depend on what info() reports
 
+    def _family(self, kind: type, name: str, doc: str, values: list[tuple[str | None, float]]) -> Any:
+        if values and values[0][0] is None:
+            return kind(f"{PREFIX}_{name}", doc, value=float(values[0][1]))
+        family = kind(f"{PREFIX}_{name}", doc, labels=["stage"])
+        for stage, value in values:
+            family.add_metric([stage], float(value))
+        return family
+
     def collect(self) -> Iterator[Any]:
-        info = self._engine.scheduler.info()
-        load = stage_load(info)
-        running, waiting, usage = load["num_requests_running"], load["num_requests_waiting"], load["kv_cache_usage_perc"]
-        gauges = {
-            # The names vLLM's and SGLang's schedulers (llm-d, the router's load
-            # monitors) read, under this project's prefix ...
-            "num_requests_running": ("Requests in the running batch", running),
-            "num_requests_waiting": ("Requests waiting for admission or a first step", waiting),
-            "kv_cache_usage_perc": ("Fraction of KV cache pages in use (0 to 1)", usage),
-            # ... and the names this project exported first.
-            "requests_running": ("Requests in the running batch", running),
-            "requests_waiting": ("Requests waiting for admission or a first step", waiting),
-            "kv_pages_used": ("KV cache pages in use", load["kv_pages_used"]),
-            "kv_pages_total": ("KV cache pages in all", load["kv_pages_total"]),
-            "kv_cache_usage_ratio": ("Fraction of KV cache pages in use", usage),
-        }
-        for name, (doc, value) in gauges.items():
-            yield GaugeMetricFamily(f"{PREFIX}_{name}", doc, value=float(value))
-        counters = {
-            "steps": ("Model steps run by the stage", info.get("steps", 0)),
-            "stage_tokens": ("Tokens produced by the stage (all requests)", info.get("tokens_out", 0)),
-            "failed_steps": ("Model steps that raised", info.get("failed_steps", 0)),
-            "retractions": ("Requests retracted under KV pressure", info.get("num_retractions", 0)),
-            "prefix_cache_queries": ("Prompt tokens looked up in the prefix cache", info.get("prefix_cache_lookup_tokens", 0)),
-            "prefix_cache_hits": ("Prompt tokens found in the prefix cache", info.get("prefix_cache_hit_tokens", 0)),
-        }
-        for name, (doc, value) in counters.items():
-            yield CounterMetricFamily(f"{PREFIX}_{name}", doc, value=float(value))
+        infos = [(stage, engine.scheduler.info()) for stage, engine in self._stages]
+        loads = [(stage, stage_load(info)) for stage, info in infos]
+        for name, (doc, key) in _STAGE_GAUGES.items():
+            yield self._family(GaugeMetricFamily, name, doc, [(stage, load[key]) for stage, load in loads])
+        for name, (doc, key) in _STAGE_COUNTERS.items():
+            yield self._family(CounterMetricFamily, name, doc, [(stage, info.get(key, 0)) for stage, info in infos])
+
+
+# name: (help, the key of stage_load's figures)
+_STAGE_GAUGES = {
+    # The names vLLM's and SGLang's schedulers (llm-d, the router's load monitors) read,
+    # under this project's prefix ...
+    "num_requests_running": ("Requests in the running batch", "num_requests_running"),
+    "num_requests_waiting": ("Requests waiting for admission or a first step", "num_requests_waiting"),
+    "kv_cache_usage_perc": ("Fraction of KV cache pages in use (0 to 1)", "kv_cache_usage_perc"),
+    # ... and the names this project exported first.
+    "requests_running": ("Requests in the running batch", "num_requests_running"),
+    "requests_waiting": ("Requests waiting for admission or a first step", "num_requests_waiting"),
+    "kv_pages_used": ("KV cache pages in use", "kv_pages_used"),
+    "kv_pages_total": ("KV cache pages in all", "kv_pages_total"),
+    "kv_cache_usage_ratio": ("Fraction of KV cache pages in use", "kv_cache_usage_perc"),
+}
+# name: (help, the key of info())
+_STAGE_COUNTERS = {
+    "steps": ("Model steps run by the stage", "steps"),
+    "stage_tokens": ("Tokens produced by the stage (all requests)", "tokens_out"),
+    "failed_steps": ("Model steps that raised", "failed_steps"),
+    "retractions": ("Requests retracted under KV pressure", "num_retractions"),
+    "prefix_cache_queries": ("Prompt tokens looked up in the prefix cache", "prefix_cache_lookup_tokens"),
+    "prefix_cache_hits": ("Prompt tokens found in the prefix cache", "prefix_cache_hit_tokens"),
+}
 
 
 class TokenHistogram:
@@ -148,32 +164,41 @@ class RequestTimer:
         self.done = False
 
     def on_delta(self, delta: StreamDelta) -> None:
-        n = len(delta.token_ids)
+        self.on_tokens(len(delta.token_ids), delta.index)
+
+    def on_tokens(self, n: int, index: int = 0) -> None:
+        """``n`` tokens of completion ``index`` reached the client now."""
         if n == 0:
             return
         now = time.perf_counter()
         if self.first_token_at is None:
             self.first_token_at = now
             self._ttft.observe(now - self.start)
-        prev = self._last.get(delta.index)
+        prev = self._last.get(index)
         if prev is not None:
             self._itl.observe((now - prev) / n, n)  # a merged delta spreads its interval over its tokens
-        self._last[delta.index] = now
+        self._last[index] = now
 
     def finish(self, result: Any) -> None:
+        if isinstance(result, GenerationResult):
+            outputs = result.outputs or []
+            generated = sum(len(o.output_ids) for o in outputs) if outputs else len(result.output_ids)
+            self.ended(result.finish_reason or "unknown", prompt_tokens=len(result.prompt_ids),
+                       cached_tokens=prompt_cached_tokens(result), generated_tokens=generated)
+        else:
+            self.ended("unknown")
+
+    def ended(self, reason: str, *, prompt_tokens: int = 0, cached_tokens: int = 0, generated_tokens: int = 0) -> None:
+        """The request ended by ``reason`` with these counts: recorded once (the one rule
+        for a finished request, whatever carried its tokens)."""
         if self.done:
             return
         self.done = True
         m = self._m
         m.e2e_latency.labels(model=m.model_name).observe(time.perf_counter() - self.start)
-        if isinstance(result, GenerationResult):
-            outputs = result.outputs or []
-            reason = result.finish_reason or "unknown"
-            m.prompt_tokens.labels(model=m.model_name).inc(len(result.prompt_ids))
-            m.cached_prompt_tokens.labels(model=m.model_name).inc(prompt_cached_tokens(result))
-            m.generation_tokens.labels(model=m.model_name).inc(sum(len(o.output_ids) for o in outputs) if outputs else len(result.output_ids))
-        else:
-            reason = "unknown"
+        m.prompt_tokens.labels(model=m.model_name).inc(prompt_tokens)
+        m.cached_prompt_tokens.labels(model=m.model_name).inc(cached_tokens)
+        m.generation_tokens.labels(model=m.model_name).inc(generated_tokens)
         m.requests.labels(finish_reason=reason, model=m.model_name).inc()
 
     def fail(self, exc: BaseException | None) -> None:

@@ -186,7 +186,7 @@ def create_speech_app(pipeline: SpeechPipeline, *, model_name: str | None = None
     default the checkpoint folder's last path component, or the built-in's name);
     ``api_key``: as the text server's."""
     name = model_name or default_model_name(str(pipeline.stage.folder or pipeline.engine.scheduler.info().get("model_name") or "tts"))
-    metrics = SpeechMetrics(pipeline, name)
+    metrics = SpeechMetrics.of_pipeline(pipeline, name)
     server = SpeechServer(pipeline, metrics, name)
 
     @contextlib.asynccontextmanager

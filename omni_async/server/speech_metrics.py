@@ -1,6 +1,9 @@
-"""Prometheus metrics of the speech server: the talker stage's gauges (running and
-waiting requests, KV pages, read from ``scheduler.info()`` at scrape time, as the text
-server's) and the audio's own figures.
+"""Prometheus audio metrics: the speech server's (a Qwen3-TTS pipeline: the talker stage's
+gauges, running and waiting requests, KV pages, read from ``scheduler.info()`` at scrape
+time, as the text server's, and the audio's own figures) and the Omni chat server's
+spoken replies (the same audio figures, under the same names, beside the text server's:
+:mod:`.omni_metrics`). What they read is a talker engine and a codec stage, and the
+admission gate where there is one.
 
 Per utterance, as its chunks pass on the way to the client: requests by finish reason,
 frames and seconds of audio sent, time to first audio (TTFP), real-time factor (request
@@ -8,8 +11,9 @@ to last chunk over the audio's length), the worst silent gap a player that plays
 chunk from the first one's arrival would hear (0 for a stream that never ran dry) and
 the number of such underruns, results with no audio, codec chunk sizes. Per stage: the
 talker's step time and the codec's round time. At scrape time: streams whose listener is
-out of audio now, streams playing, requests waiting at the admission gate, and refusals
-by reason. A structured log line per utterance carries its TTFP, frames and worst gap.
+out of audio now, streams playing, and (with a gate) requests waiting at the admission
+gate and refusals by reason. A structured log line per utterance carries its TTFP,
+frames and worst gap.
 """
 
 from __future__ import annotations
@@ -25,7 +29,10 @@ from ..speech.playback import Playback
 from .metrics import PREFIX, StageCollector
 
 if TYPE_CHECKING:
+    from ..engine import Engine
     from ..speech import AudioChunk, SpeechPipeline
+    from ..speech.admission import SpeechAdmission
+    from ..speech.codec_stage import CodecStage
 
 __all__ = ["SpeechMetrics", "Utterance"]
 
@@ -37,10 +44,12 @@ _STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64,
 
 
 class Utterance:
-    """One request's figures, recorded as its chunks pass on the way to the client."""
+    """One request's figures, recorded as its chunks pass on the way to the client;
+    ``log_event``: the name of its structured log line."""
 
-    def __init__(self, metrics: "SpeechMetrics") -> None:
+    def __init__(self, metrics: "SpeechMetrics", log_event: str = "speech_response") -> None:
         self.metrics = metrics
+        self.log_event = log_event
         self.started = time.perf_counter()
         self.frames = 0
         self.samples = 0
@@ -65,9 +74,10 @@ class Utterance:
         if chunk.finished:
             self.reason = chunk.finish_reason or "stop"
 
-    def finish(self, reason: str | None = None) -> None:
+    def finish(self, reason: str | None = None, **log_fields: Any) -> None:
         """Counted once, by ``reason`` if given ("error", "abort"), else by how the
-        utterance ended ("stop", "length"), else "abort" (it did not end: the client left)."""
+        utterance ended ("stop", "length"), else "abort" (it did not end: the client left).
+        ``log_fields``: more of the request's figures for its log line."""
         if self.done:
             return
         self.done = True
@@ -82,45 +92,53 @@ class Utterance:
             else:
                 m.empty_audio.labels(model).inc()
         m.underruns.labels(model).inc(self.player.underruns)
-        log.info("speech_response", finish_reason=why, ttfp_s=None if self.first_audio is None else round(self.first_audio, 4),
+        log.info(self.log_event, finish_reason=why, ttfp_s=None if self.first_audio is None else round(self.first_audio, 4),
                  frames=self.frames, audio_s=round(audio_s, 3), worst_gap_s=round(self.player.worst_gap_s, 4),
-                 underruns=self.player.underruns)
+                 underruns=self.player.underruns, **log_fields)
 
 
 class PlaybackCollector:
-    """Read at scrape time from the pipeline: streams in underrun now, streams playing,
-    the admission gate's waiting line and refusals by reason."""
+    """Read at scrape time from the codec stage: streams in underrun now, streams
+    playing; and from the admission gate, where there is one, its waiting line and
+    refusals by reason."""
 
-    def __init__(self, pipeline: "SpeechPipeline", model: str) -> None:
-        self._pipeline, self._model = pipeline, model
+    def __init__(self, codec: "CodecStage", admission: "SpeechAdmission | None", model: str) -> None:
+        self._codec, self._admission, self._model = codec, admission, model
 
     def describe(self) -> list[Any]:
         return []
 
     def collect(self) -> Iterator[Any]:
-        p, model = self._pipeline, self._model
+        codec, gate, model = self._codec, self._admission, self._model
         gauges = {
-            "speech_streams_in_underrun": ("Streams playing whose listener is out of audio now", p.streams_in_underrun()),
-            "speech_streams_open": ("Speech streams open (talking or decoding)", p.codec.active()),
-            "speech_admission_waiting": ("Speech requests waiting at the admission gate", p.admission.waiting()),
+            "speech_streams_in_underrun": ("Streams playing whose listener is out of audio now", codec.streams_in_underrun()),
+            "speech_streams_open": ("Speech streams open (talking or decoding)", codec.active()),
         }
+        if gate is not None:
+            gauges["speech_admission_waiting"] = ("Speech requests waiting at the admission gate", gate.waiting())
         for name, (doc, value) in gauges.items():
             family = GaugeMetricFamily(f"{PREFIX}_{name}", doc, labels=["model"])
             family.add_metric([model], float(value))
             yield family
+        if gate is None:
+            return
         refused = CounterMetricFamily(f"{PREFIX}_speech_admission_refused", "Speech requests refused by the admission gate, by reason",
                                       labels=["model", "reason"])
         for reason in ("queue_full", "ttfp_budget"):
-            refused.add_metric([model, reason], float(p.admission.refused.get(reason, 0)))
+            refused.add_metric([model, reason], float(gate.refused.get(reason, 0)))
         yield refused
 
 
 class SpeechMetrics:
-    def __init__(self, pipeline: "SpeechPipeline", model: str) -> None:
+    """The audio figures of a talker engine and its codec stage (and admission gate,
+    where there is one), labelled with the served ``model``, in ``registry`` (a new one
+    by default; the Omni chat server passes the text metrics' own)."""
+
+    def __init__(self, model: str, talker: "Engine", codec: "CodecStage", *, admission: "SpeechAdmission | None" = None,
+                 registry: CollectorRegistry | None = None) -> None:
         self.model = model
-        r = self.registry = CollectorRegistry()
-        r.register(StageCollector(pipeline.engine))
-        r.register(PlaybackCollector(pipeline, model))
+        r = self.registry = registry if registry is not None else CollectorRegistry()
+        r.register(PlaybackCollector(codec, admission, model))
         self.requests = Counter(f"{PREFIX}_speech_requests", "Speech requests ended, by finish reason", ["model", "finish_reason"], registry=r)
         self.frames = Counter(f"{PREFIX}_speech_frames", "Codec frames sent (80 ms each)", ["model"], registry=r)
         self.audio_seconds = Counter(f"{PREFIX}_speech_audio_seconds", "Seconds of audio sent", ["model"], registry=r)
@@ -141,12 +159,19 @@ class SpeechMetrics:
         for family in (self.frames, self.audio_seconds, self.first_audio, self.rtf, self.worst_gap, self.underruns, self.empty_audio,
                        self.chunk_frames):
             family.labels(model)  # present (at 0) from the first scrape
-        talker, codec = self.step_seconds.labels(model, "talker"), self.step_seconds.labels(model, "codec")
-        pipeline.engine.scheduler.add_step_observer(talker.observe)
-        pipeline.codec.round_observers.append(codec.observe)
+        talker.scheduler.add_step_observer(self.step_seconds.labels(model, "talker").observe)
+        codec.round_observers.append(self.step_seconds.labels(model, "codec").observe)
 
-    def utterance(self) -> Utterance:
-        return Utterance(self)
+    @classmethod
+    def of_pipeline(cls, pipeline: "SpeechPipeline", model: str) -> "SpeechMetrics":
+        """The speech server's: a Qwen3-TTS pipeline's audio figures and its talker
+        stage's gauges."""
+        metrics = cls(model, pipeline.engine, pipeline.codec, admission=pipeline.admission)
+        metrics.registry.register(StageCollector(pipeline.engine))
+        return metrics
+
+    def utterance(self, log_event: str = "speech_response") -> Utterance:
+        return Utterance(self, log_event)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

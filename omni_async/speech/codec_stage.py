@@ -197,6 +197,11 @@ class CodecStage:
     def active(self) -> int:
         return len(self._streams)
 
+    def streams_in_underrun(self) -> int:
+        """Open streams whose listener has run out of audio now (each stream's player)."""
+        now = time.perf_counter()
+        return sum(1 for s in self._streams.values() if s.playback.in_underrun(now))
+
     async def feed(self, handle: Any, stream: CodecStream) -> None:
         """A talker request's frames into ``stream`` as its deltas arrive (each delta's
         hidden-state rows; the request's first row is its prefill's, no frame), then its

@@ -31,7 +31,6 @@ from pathlib import Path
 from typing import Any, AsyncIterator, Callable, TypeVar
 
 import anyio
-import numpy as np
 import torch
 
 from .. import errors
@@ -46,7 +45,7 @@ from .code2wav_config import Code2WavConfig
 from .codec_stage import CodecStage
 from .omni_config import OmniTalkerConfig
 from .omni_hearing import AudioPart, Hearing, HeardPrompt, split_audio_parts
-from .omni_reply import OmniDelta, OmniResult, Reply, ThinkerRows
+from .omni_reply import OmniDelta, OmniResult, Reply, ReplyParts, ThinkerRows
 from .omni_stage import build_omni_talker_stage
 from .omni_talker import OmniTalker, TalkerPrompt, talker_prompt
 from .stage import SpeechStage
@@ -340,30 +339,19 @@ class OmniPipeline:
             self._open.discard(rid)
 
     async def chat(self, messages: Any = None, *, input_ids: list[int] | None = None, audio: list[AudioPart] | None = None,
-                   prompt: HeardPrompt | None = None, voice: str | None = None, sampling: SamplingParams | dict[str, Any] | None = None, max_frames: int | None = None,
+                   prompt: HeardPrompt | None = None, voice: str | None = None,
+                   sampling: SamplingParams | dict[str, Any] | None = None, max_frames: int | None = None,
                    repetition_penalty: float = 1.05, request_id: str | None = None) -> OmniResult:
         """The whole reply (the arguments of :meth:`stream`)."""
-        ids: list[int] = []
-        texts: list[str] = []
-        pieces: list[np.ndarray] = []
-        codes: list[torch.Tensor] = []
-        reason = audio_reason = None
-        rid = request_id or ""
-        async for delta in self.stream(messages, input_ids=input_ids, audio=audio, prompt=prompt, voice=voice, sampling=sampling, max_frames=max_frames,
-                                       repetition_penalty=repetition_penalty, request_id=request_id):
-            rid = delta.request_id
-            if delta.kind == "text":
-                ids.extend(delta.token_ids)
-                texts.append(delta.text or "")
-                reason = delta.finish_reason if delta.finished else reason
-            elif delta.audio is not None:
-                pieces.append(delta.audio.audio)
-                codes.append(delta.audio.codes)
-                audio_reason = delta.finish_reason if delta.finished else audio_reason
-        text = "".join(texts) if self.thinker.tokenizer is not None else None
-        pcm = np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.float32)
-        frames = torch.cat(codes) if codes else torch.zeros((0, self.config.num_code_groups), dtype=torch.long)
-        return OmniResult(rid, ids, text, reason, frames, pcm, self.sample_rate, audio_reason)
+        parts = self.reply_parts()
+        async for delta in self.stream(messages, input_ids=input_ids, audio=audio, prompt=prompt, voice=voice, sampling=sampling,
+                                       max_frames=max_frames, repetition_penalty=repetition_penalty, request_id=request_id):
+            parts.add(delta)
+        return parts.result()
+
+    def reply_parts(self) -> ReplyParts:
+        """An empty gathering of a streamed reply's events into its :class:`OmniResult`."""
+        return ReplyParts(self.config.num_code_groups, self.sample_rate, self.thinker.tokenizer is not None)
 
 
 def _thinker_sampling(sampling: SamplingParams | dict[str, Any] | None) -> SamplingParams:

@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from .omni_talker import OmniTalker, TalkerPrompt
     from .stage import SpeechStage
 
-__all__ = ["OmniDelta", "OmniResult", "Reply", "ThinkerRows", "Stages"]
+__all__ = ["OmniDelta", "OmniResult", "Reply", "ReplyParts", "ThinkerRows", "Stages"]
 
 
 @dataclass
@@ -71,6 +71,39 @@ class OmniResult:
     @property
     def seconds(self) -> float:
         return len(self.audio) / self.sample_rate
+
+
+class ReplyParts:
+    """A streamed reply's events gathered into its :class:`OmniResult`, in one place:
+    what :meth:`~.omni_pipeline.OmniPipeline.chat` returns and what a server answers a
+    whole reply with, while it looks at each event on the way (metrics)."""
+
+    def __init__(self, num_code_groups: int, sample_rate: int, with_text: bool) -> None:
+        self.groups, self.sample_rate, self.with_text = num_code_groups, sample_rate, with_text
+        self.request_id = ""
+        self.ids: list[int] = []
+        self.texts: list[str] = []
+        self.audio: list[np.ndarray] = []
+        self.codes: list[torch.Tensor] = []
+        self.reason: str | None = None
+        self.audio_reason: str | None = None
+
+    def add(self, delta: OmniDelta) -> None:
+        self.request_id = delta.request_id
+        if delta.kind == "text":
+            self.ids.extend(delta.token_ids)
+            self.texts.append(delta.text or "")
+            self.reason = delta.finish_reason if delta.finished else self.reason
+        elif delta.audio is not None:
+            self.audio.append(delta.audio.audio)
+            self.codes.append(delta.audio.codes)
+            self.audio_reason = delta.finish_reason if delta.finished else self.audio_reason
+
+    def result(self) -> OmniResult:
+        text = "".join(self.texts) if self.with_text else None
+        pcm = np.concatenate(self.audio) if self.audio else np.zeros(0, dtype=np.float32)
+        frames = torch.cat(self.codes) if self.codes else torch.zeros((0, self.groups), dtype=torch.long)
+        return OmniResult(self.request_id, self.ids, text, self.reason, frames, pcm, self.sample_rate, self.audio_reason)
 
 
 class ThinkerRows:

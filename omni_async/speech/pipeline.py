@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import functools
 import itertools
-import time
 import uuid
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
@@ -162,8 +161,7 @@ class SpeechPipeline:
 
     def streams_in_underrun(self) -> int:
         """Streams playing now whose listener has run out of audio."""
-        now = time.perf_counter()
-        return sum(1 for s in self._streams.values() if s.playback.in_underrun(now))
+        return self.codec.streams_in_underrun()
 
     # ------------------------------------------------------------ what it knows
 

@@ -39,6 +39,7 @@ from ..runners.streams import HIGH_PRIORITY
 from ..runners.types import BatchResult
 from .graphs import FrameGraphs
 from .model import SpeechModel
+from .prefill_graphs import PREFILL_SPAN, PrefillGraphs
 from .sampling import TOP_K_CAP, PredictorSampling, draw_codes
 
 if TYPE_CHECKING:
@@ -73,15 +74,22 @@ class SpeechRunner(NativeModelRunner):
         self._rows: weakref.WeakKeyDictionary[Any, tuple[float, int, float]] = weakref.WeakKeyDictionary()
         self._seeds: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
         self.frame_graphs: FrameGraphs | None = None
+        self.prefill_graphs: PrefillGraphs | None = None  # short prefills as decode rows (CUDA: graphed)
         self._cols: dict[int, torch.Tensor] = {}
         self.frames_written = 0
 
     # ------------------------------------------------------------ the talker's steps
 
     def forward(self, forward_batch: Any) -> BatchResult:
-        """A prefill (or chunk): the base forward, whose last-position hidden states seed
-        the rows' first frame."""
-        result = super().forward(forward_batch)
+        """A prefill (or chunk): the base forward, or a graph of its rows
+        (:mod:`.prefill_graphs`), whose last-position hidden states seed the rows' first
+        frame."""
+        prefill = self.prefill_graphs
+        if prefill is not None and prefill.fits(forward_batch):
+            logits, hidden = prefill.run(forward_batch)
+            result = BatchResult(logits=logits, hidden_states=hidden)
+        else:
+            result = super().forward(forward_batch)
         rows = forward_batch.rows
         self._store_hidden(rows.slots_dev, result.hidden_states)
         result.hidden_states = torch.full((forward_batch.batch.size, self.groups), -1.0, device=self.device)
@@ -188,14 +196,18 @@ class SpeechRunner(NativeModelRunner):
         return tables if graphs is not None and graphs.fits(batch.size, rows.widest) else None
 
     def enable_cuda_graphs(self, *, scratch_page: int, max_len: int, max_batch: int) -> None:
-        """Capture the frame graphs (CUDA only); unused page-table entries point at the
-        scratch page, which padding rows write to."""
+        """Capture the frame graphs and the short prefills' (CUDA only); unused page-table
+        entries point at the scratch page, which padding rows write to."""
         self.inputs.set_pad_page(scratch_page)
-        self.frame_graphs = FrameGraphs(self, scratch_page=scratch_page, max_pages_per_seq=-(-max_len // self.page_size),
-                                        max_batch=max_batch)
+        pages = -(-max_len // self.page_size)
+        self.frame_graphs = FrameGraphs(self, scratch_page=scratch_page, max_pages_per_seq=pages, max_batch=max_batch)
         self.frame_graphs.capture_all()
+        self.prefill_graphs = PrefillGraphs(self, scratch_page=scratch_page, max_pages=min(pages, -(-PREFILL_SPAN // self.page_size)))
+        self.prefill_graphs.capture_all()
 
     def stats(self) -> dict[str, int]:
         graphs = self.frame_graphs
+        prefill = self.prefill_graphs
         return {**super().stats(), "speech_frames": self.frames_written,
-                "speech_frame_graph_replays": 0 if graphs is None else graphs.replays}
+                "speech_frame_graph_replays": 0 if graphs is None else graphs.replays,
+                "speech_prefill_graph_replays": 0 if prefill is None else prefill.replays}

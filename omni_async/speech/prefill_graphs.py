@@ -1,0 +1,124 @@
+"""The talker's short prefills as CUDA graphs: a prompt's positions run as decode rows.
+
+An eager prefill forward costs the host a launch per kernel of every layer whatever the
+prompt's length (12-15 ms for a 24-layer 0.5B shape on the H200, ``core/plan.py``), and
+the talker's prefills are short (a sentence: tens of rows) and come one per stream: a
+new stream's first audio waits for one, and with streams starting all the time they
+take the launching thread from the frame steps. A prefill needs nothing a decode step
+lacks: paged attention writes every row's key and value before any row attends, in each
+layer, so the ``P`` uncached positions of a prompt run as ``P`` decode rows (row ``p``
+at its position, attending to ``position + 1`` keys over its request's page table)
+compute exactly the prefill's causal attention. One graph per row bucket then replays a
+prefill of up to that many rows, several requests' together, in one launch.
+
+The rows' embeddings are inputs (the talker's prompt is given as embeddings: every row of
+a graphed prefill must have one); the outputs are every row's logits and final hidden
+state, of which the prefill keeps each request's last position. Prefills with rows
+outside those limits (longer, without embeddings, scoring their prompt) run eagerly.
+On a CPU the same rows run eagerly through :meth:`PrefillGraphs.forward` (what the tests
+hold equal to the extend path).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..kv.attention import AttentionContext
+from ..runners.streams import STREAMS
+
+__all__ = ["PrefillGraphs", "PREFILL_BUCKETS"]
+
+# Row buckets: a one-sentence prompt is 20-60 rows; several streams starting together
+# share a prefill step.
+PREFILL_BUCKETS = (16, 32, 64, 96, 128, 192, 256)
+# Positions a graphed prefill's rows may attend to (its attention spans all of them).
+PREFILL_SPAN = 1024
+
+
+class PrefillGraphs:
+    def __init__(self, runner: Any, *, scratch_page: int, max_pages: int, buckets: tuple[int, ...] = PREFILL_BUCKETS) -> None:
+        self.runner = runner
+        self.model, self.kv, self.page_size = runner.model, runner.kv, runner.kv.page_size
+        self.scratch_page, self.max_pages = scratch_page, max_pages
+        self.buckets = buckets
+        n, device = buckets[-1], runner.device
+        hidden = runner.speech.config.talker.hidden_size
+        self.input_ids = torch.zeros(n, dtype=torch.long, device=device)
+        self.positions = torch.zeros(n, dtype=torch.long, device=device)
+        self.slot_mapping = torch.zeros(n, dtype=torch.long, device=device)
+        self.block_tables = torch.full((n, max_pages), scratch_page, dtype=torch.long, device=device)
+        self.embeds = torch.zeros((n, hidden), dtype=runner.speech.dtype, device=device)
+        self.rows = torch.arange(n, device=device)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor]]] = {}
+        self.pool = None
+        self.runs = 0  # prefills run as rows (eagerly where nothing is captured)
+        self.replays = 0
+
+    def fits(self, fb: Any) -> bool:
+        """Whether the prefill ``fb`` runs as graphed decode rows: every row given as an
+        embedding, no prompt scored, rows and pages within the largest bucket's."""
+        n, embeds = int(fb.input_ids.shape[0]), fb.input_embeds
+        return (n <= self.buckets[-1] and embeds is not None and int(embeds[0].shape[0]) == n and fb.prompt_rows is None
+                and fb.cond is None and fb.rows.widest <= self.max_pages)
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor,
+                embeds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every row's float32 logits and final hidden state, ``tables`` ``[rows, pages]``
+        each row's page table (what a graph captures; eager on a CPU)."""
+        ctx = AttentionContext(is_decode=True, slot_mapping=slots, logits_rows=self.rows[: ids.shape[0]], kv_lens=positions + 1,
+                               block_tables=tables, page_size=self.page_size, use_kernel=self.runner.use_kernel)
+        logits, hidden = self.model(ids, positions, self.kv, ctx, return_hidden=True,
+                                    input_embeds=(self.rows[: ids.shape[0]], embeds))
+        return logits.float(), hidden
+
+    def run(self, fb: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """The prefill ``fb`` (:meth:`fits`): the logits and hidden states of each
+        request's last row."""
+        n = int(fb.input_ids.shape[0])
+        row_of = np.repeat(np.arange(fb.batch.size), np.asarray(fb.batch.extend_lens, dtype=np.int64))
+        tables = self.runner.inputs.block_tables(fb.rows).index_select(0, torch.from_numpy(row_of).to(fb.input_ids.device, non_blocking=True))
+        embeds = torch.empty((n, self.embeds.shape[1]), dtype=self.embeds.dtype, device=self.embeds.device)
+        embeds.index_copy_(0, fb.input_embeds[0], fb.input_embeds[1].to(embeds.dtype))
+        last = fb.ctx.logits_rows
+        self.runs += 1
+        if not self.graphs:
+            logits, hidden = self.forward(fb.input_ids, fb.positions, fb.ctx.slot_mapping, tables, embeds)
+            return logits[last], hidden[last]
+        b = next(b for b in self.buckets if b >= n)
+        graph, (logits, hidden) = self.graphs[b]
+        self.input_ids[:n].copy_(fb.input_ids, non_blocking=True)
+        self.positions[:n].copy_(fb.positions, non_blocking=True)
+        self.slot_mapping[:n].copy_(fb.ctx.slot_mapping, non_blocking=True)
+        self.block_tables[:n, : tables.shape[1]].copy_(tables, non_blocking=True)
+        self.block_tables[:n, tables.shape[1]:].fill_(self.scratch_page)
+        self.embeds[:n].copy_(embeds, non_blocking=True)
+        self._pad(n, b)
+        graph.replay()
+        self.replays += 1
+        return logits[last], hidden[last]  # (gathers: the graph's buffers are not handed out)
+
+    def _pad(self, start: int, end: int) -> None:
+        """Rows past a prefill's own: position 0 of the scratch page."""
+        self.positions[start:end].zero_()
+        self.slot_mapping[start:end].fill_(self.scratch_page * self.page_size)
+        self.block_tables[start:end].fill_(self.scratch_page)
+
+    @torch.inference_mode()
+    def capture_all(self) -> None:
+        self._pad(0, self.buckets[-1])
+        device = self.runner.device
+        with STREAMS.borrowed(device) as stream, torch.cuda.stream(stream):
+            for b in reversed(self.buckets):  # the largest first, so the pool fits all
+                args = (self.input_ids[:b], self.positions[:b], self.slot_mapping[:b], self.block_tables[:b], self.embeds[:b])
+                for _ in range(2):  # warm up (and compile) outside the graph
+                    self.forward(*args)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.pool, stream=stream, capture_error_mode="thread_local"):
+                    out = self.forward(*args)
+                if self.pool is None:
+                    self.pool = graph.pool()
+                self.graphs[b] = (graph, out)
+        torch.cuda.synchronize(device)
