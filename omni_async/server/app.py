@@ -184,10 +184,11 @@ class OpenAIServer:
         for name in ("tools", "logprobs", "prompt_logprobs"):
             if getattr(body, name):
                 raise invalid(f"{name} is not available with audio out", name)
-        ids, constraint, _ = self.chat_prompt(body)
-        sampling = body.sampling(self.chat_max_tokens(body, ids), top_logprobs=None, constraint=constraint,
+        ids, constraint, _ = self.chat_prompt(body, hears=True)
+        heard = await self.audio_chat.heard(body, ids)  # input_audio parts heard, placeholders expanded
+        sampling = body.sampling(self.chat_max_tokens(body, heard.ids), top_logprobs=None, constraint=constraint,
                                  defaults=self.sampling_defaults)
-        return await self.audio_chat.respond(request, body, ids, sampling)
+        return await self.audio_chat.respond(request, body, heard, sampling)
 
     def chat_max_tokens(self, body: ChatCompletionRequest, ids: list[int]) -> int:
         """The request's token budget, checked against the room after its prompt; as much
@@ -203,13 +204,17 @@ class OpenAIServer:
 
     async def submit_chat(self, body: ChatCompletionRequest) -> tuple[RequestHandle, ResponseContext]:
         """The chat request submitted, and the context its output is read in (tool calls,
-        reasoning): shared by ``/v1/chat/completions`` and ``/v1/responses``."""
-        ids, constraint, tools = self.chat_prompt(body)
+        reasoning): shared by ``/v1/chat/completions`` and ``/v1/responses``. Over a
+        pipeline that hears, ``input_audio`` parts go in as the thinker's input embeddings."""
+        ids, constraint, tools = self.chat_prompt(body, hears=self.audio_chat is not None)
+        heard = await self.audio_chat.heard(body, ids) if self.audio_chat is not None else None
+        ids = ids if heard is None else heard.ids
         max_tokens = self.chat_max_tokens(body, ids)
         top = body.chat_top_logprobs()
         sampling = body.sampling(max_tokens, top_logprobs=top, constraint=constraint, defaults=self.sampling_defaults,
                                  prompt_logprobs=body.prompt_logprobs)
-        handle = await self.engine.submit(input_ids=ids, sampling=sampling)
+        given = {"input_ids": ids} if heard is None or heard.embeds is None else {"input_embeds": heard.embeds}
+        handle = await self.engine.submit(**given, sampling=sampling)
         template = chat_template_of(self.engine.tokenizer)
         ctx = ResponseContext(
             "chat", self.model_name, self.engine.tokenizer, logprobs=top is not None, tools=tools if tools.parse else None,
@@ -219,7 +224,7 @@ class OpenAIServer:
         )
         return handle, ctx
 
-    def chat_prompt(self, body: ChatCompletionRequest) -> tuple[list[int], dict[str, Any], ToolPlan]:
+    def chat_prompt(self, body: ChatCompletionRequest, hears: bool = False) -> tuple[list[int], dict[str, Any], ToolPlan]:
         """The prompt ids (messages and tools through the template), the grammar fields
         (``response_format``, or the one that forces a tool call) and the tool plan."""
         reads = template_names(chat_template_of(self.engine.tokenizer))
@@ -229,12 +234,12 @@ class OpenAIServer:
             if constraint:
                 raise errors.InvalidRequestError("response_format cannot be combined with a tool_choice that forces a call")
             constraint = {"ebnf": tools.ebnf}
-        ids = self.render(body.messages, tools.tools, template_kwargs=body.chat_template_kwargs)
+        ids = self.render(body.messages, tools.tools, template_kwargs=body.chat_template_kwargs, hears=hears)
         return ids, constraint, tools
 
     def render(
         self, messages: list[ChatMessage], tools: list[dict[str, Any]] | None, *, add_generation_prompt: bool = True,
-        template_kwargs: dict[str, Any] | None = None,
+        template_kwargs: dict[str, Any] | None = None, hears: bool = False,
     ) -> list[int]:
         """The prompt ids of a conversation: tools and tool turns go to a template that
         reads them, or else in as Hermes text (any model can use tools); a message field
@@ -243,7 +248,7 @@ class OpenAIServer:
         takes_tools = "tools" in reads
         if self.audio_chat is not None:  # an assistant turn may be an earlier spoken reply, by its audio id
             messages = self.audio_chat.turns.resolve(messages)
-        tracked = template_messages(messages)
+        tracked = template_messages(messages, hears=hears)
         rendered = tracked if "tool_calls" in reads else tool_turns_as_text(tracked)
         if tools and not takes_tools:
             rendered = with_tools_message(rendered, tools, TrackedMessage)

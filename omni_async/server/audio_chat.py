@@ -18,6 +18,10 @@ A reply that ended is kept by its audio id until its ``expires_at``
 (:mod:`.omni_metrics`); both are done before the reply's last chunk (or its body) goes
 out, so a client that has it can scrape or refer to it at once.
 
+Audio in: the messages' ``input_audio`` parts (:mod:`.audio_input`), heard by the
+pipeline (the prompt's tokens counted with each audio's placeholders expanded); a text
+reply to them is the thinker's alone, its prompt from :meth:`AudioChat.heard`.
+
 As for text, a streamed reply waits for its first event before its headers, so a refused
 request (an unknown voice, a prompt without room) gets its status code; a client that goes
 away aborts the reply in every stage (its stream is closed, or its whole reply cancelled).
@@ -38,6 +42,7 @@ from .. import errors
 from ..config import SamplingParams
 from ..logs import log
 from ..speech.audio_format import pcm16, wav_file, wav_header
+from .audio_input import audio_parts
 from .audio_turns import AudioTurns
 from .disconnect import until_disconnect
 from .errors import body_of, error_body, invalid
@@ -46,6 +51,7 @@ from .protocol import ChatCompletionRequest
 from .wire import DONE, ChunkFrames, event
 
 if TYPE_CHECKING:
+    from ..speech.omni_hearing import HeardPrompt
     from ..speech.omni_pipeline import OmniPipeline, OmniResult
 
 __all__ = ["AudioChat"]
@@ -61,17 +67,23 @@ class AudioChat:
         self.metrics = metrics
         self.turns = turns
 
-    async def respond(self, request: Request, body: ChatCompletionRequest, prompt_ids: list[int], sampling: SamplingParams) -> Response:
-        """The reply to a checked request (``body.wants_audio()``) whose prompt and thinker
-        sampling the text route made."""
+    async def heard(self, body: ChatCompletionRequest, prompt_ids: list[int]) -> "HeardPrompt":
+        """The thinker's prompt: the rendered ids with the messages' ``input_audio`` parts
+        heard (as they are when there are none)."""
+        return await self.pipeline.thinker_prompt(input_ids=prompt_ids, audio=audio_parts(body.messages, self.pipeline.hearing))
+
+    async def respond(self, request: Request, body: ChatCompletionRequest, prompt: "HeardPrompt",
+                      sampling: SamplingParams) -> Response:
+        """The reply to a checked request (``body.wants_audio()``) whose prompt (heard:
+        :meth:`heard`) and thinker sampling the text route made."""
         assert body.audio is not None
         try:
             voice = self.pipeline.check_voice(body.audio.voice)
         except errors.InvalidRequestError as exc:
             raise invalid(str(exc), "audio.voice") from None
-        reply = _Reply(self.model_name, body.audio.format, self.pipeline.sample_rate, len(prompt_ids), self.turns)
-        tally = self.metrics.reply(len(prompt_ids))
-        events = self.pipeline.stream(input_ids=prompt_ids, voice=voice, sampling=sampling)
+        reply = _Reply(self.model_name, body.audio.format, self.pipeline.sample_rate, len(prompt.ids), self.turns)
+        tally = self.metrics.reply(len(prompt.ids))
+        events = self.pipeline.stream(prompt=prompt, voice=voice, sampling=sampling)
         if not body.stream:
             completed, result = await until_disconnect(request, self.whole(events, tally))
             if not completed:

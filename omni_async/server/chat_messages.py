@@ -11,7 +11,9 @@ fields the openai client's ``message.model_dump()`` writes on an answer it recei
 back as it came, so those are taken when null (a refusal's text is what the assistant
 said; annotations only describe the content).
 ``content`` may be null only where OpenAI allows it: an assistant message with tool calls
-or a refusal.
+or a refusal. Its parts are text, and ``input_audio`` for a model that hears (``hears``:
+a Qwen3-Omni server, :mod:`.audio_input`): a message with audio goes to the template as
+a list of parts, each audio one ``{"type": "audio"}``.
 
 A template that does not read ``tool_calls`` still gets tool turns: the calls and their
 results are written as text in the Hermes format the tool prompt teaches
@@ -108,11 +110,12 @@ class TrackedMessage(dict):  # type: ignore[type-arg]
         return super().__iter__()
 
 
-def template_messages(messages: list[ChatMessage]) -> list[TrackedMessage]:
-    """The messages as template input; InvalidRequestError names a field that cannot go."""
+def template_messages(messages: list[ChatMessage], *, hears: bool = False) -> list[TrackedMessage]:
+    """The messages as template input; InvalidRequestError names a field that cannot go.
+    ``hears``: ``input_audio`` parts are taken (the module's docstring)."""
     if not messages:
         raise errors.InvalidRequestError("messages is empty")
-    return [_one(i, m) for i, m in enumerate(messages)]
+    return [_one(i, m, hears) for i, m in enumerate(messages)]
 
 
 def check_fields_read(messages: list[TrackedMessage]) -> None:
@@ -124,7 +127,7 @@ def check_fields_read(messages: list[TrackedMessage]) -> None:
                 raise errors.InvalidRequestError(f"messages[{i}].{name}: this model's chat template does not use it")
 
 
-def _one(i: int, m: ChatMessage) -> TrackedMessage:
+def _one(i: int, m: ChatMessage, hears: bool = False) -> TrackedMessage:
     where = f"messages[{i}]"
     if m.tool_calls is not None and m.role != "assistant":
         raise errors.InvalidRequestError(f"{where}.tool_calls: only an assistant message carries tool calls")
@@ -135,7 +138,7 @@ def _one(i: int, m: ChatMessage) -> TrackedMessage:
     _check_answer_fields(where, m)
     if m.content is None and not (m.role == "assistant" and (m.tool_calls or m.refusal)):
         raise errors.InvalidRequestError(f"{where}.content: null only in an assistant message with tool_calls or a refusal")
-    content = _text_content(where, m.content) or (m.refusal if m.role == "assistant" and m.refusal else "")
+    content = _content(where, m.content, hears) or (m.refusal if m.role == "assistant" and m.refusal else "")
     out = TrackedMessage(role=m.role, content=content)
     for name in TEMPLATE_FIELDS:
         value = getattr(m, name)
@@ -214,14 +217,24 @@ def _template_call(call: ToolCall) -> dict[str, Any]:
     return {"id": call.id, "type": "function", "function": function}
 
 
-def _text_content(where: str, content: Any) -> str:
+def _content(where: str, content: Any, hears: bool) -> str | list[dict[str, Any]]:
+    """The text, or with audio parts the list of parts the template reads."""
     if content is None:
         return ""
     if isinstance(content, str):
         return content
-    parts = []
+    parts: list[dict[str, Any]] = []
     for part in content:
-        if part.get("type") != "text" or not isinstance(part.get("text"), str):
-            raise errors.InvalidRequestError(f"{where}.content: unsupported content part {part.get('type')!r}: only text is supported")
-        parts.append(part["text"])
-    return "".join(parts)
+        if part.get("type") == "input_audio":
+            if not hears:
+                raise errors.InvalidRequestError(f"{where}.content: input_audio parts need a model that hears "
+                                                 "(a Qwen3-Omni model with an audio encoder)")
+            parts.append({"type": "audio", "audio": None})
+        elif part.get("type") != "text" or not isinstance(part.get("text"), str):
+            raise errors.InvalidRequestError(f"{where}.content: unsupported content part {part.get('type')!r}: only text "
+                                             f"{'and input_audio are' if hears else 'is'} supported")
+        else:
+            parts.append({"type": "text", "text": part["text"]})
+    if any(p["type"] == "audio" for p in parts):
+        return parts
+    return "".join(p["text"] for p in parts)

@@ -44,6 +44,7 @@ from .code2wav import Code2Wav
 from .code2wav_config import Code2WavConfig
 from .codec_stage import CodecStage
 from .omni_config import OmniTalkerConfig
+from .omni_hearing import AudioPart, Hearing, HeardPrompt, split_audio_parts
 from .omni_reply import OmniDelta, OmniResult, Reply, ReplyParts, ThinkerRows
 from .omni_stage import build_omni_talker_stage
 from .omni_talker import OmniTalker, TalkerPrompt, talker_prompt
@@ -69,14 +70,18 @@ class OmniPipeline:
 
     def __init__(self, thinker: Engine, talker: SpeechStage, codec: Any, *, first_chunk_frames: int = 2,
                  max_chunk_frames: int = 32, stream_talker: bool = True, codec_graphs: bool | None = None,
-                 input_thread: bool | None = None) -> None:
+                 input_thread: bool | None = None, hearing: Hearing | None = None) -> None:
         """``stream_talker``: the talker starts after the thinker's first two tokens and is
         fed as it writes (False: once the reply is complete). ``codec_graphs``: the codec's
         calls as CUDA graphs (default: on CUDA; an eager codec call is hundreds of small
         launches). ``input_thread``: the
         talker's input built on a thread of its own (default: on CUDA, see
-        :meth:`device_work`)."""
+        :meth:`device_work`). ``hearing``: the thinker's audio encoder and feature
+        extractor (:mod:`.omni_hearing`); None: a prompt with audio is refused."""
         self.thinker = thinker
+        self.hearing = hearing
+        if hearing is not None:
+            hearing.check_width(self.thinker_embed.weight.shape[1])
         self.stream_talker = stream_talker
         self.talker = talker
         self.talker_model: OmniTalker = talker.model  # type: ignore[assignment]
@@ -114,7 +119,7 @@ class OmniPipeline:
         folder = Path(folder)
         cfg = OmniTalkerConfig.from_folder(folder)  # a folder that is no Qwen3-Omni one fails before anything loads
         drawn = random_weights_of(folder, json.loads((folder / "config.json").read_text(encoding="utf-8")))
-        # The talker (its KV sized by its builder) and the codec first: the thinker, unless
+        # The talker (its KV sized by its builder), the codec and the audio encoder first: the thinker, unless
         # its limits size its KV, takes what the device has left, as a lone engine would.
         talker = build_omni_talker_stage(folder if drawn is None else cfg, device=device, loop=loop, dtype=dtype,
                                          seed=seed if drawn is None else drawn.seed, **(talker_limits or {}))
@@ -125,10 +130,12 @@ class OmniPipeline:
                 codec = Code2Wav.random(Code2WavConfig.from_folder(folder), device=dev, dtype=codec_dtype, seed=drawn.seed)
             else:
                 codec = (codec_loader or folder_code2wav)(folder, dev, codec_dtype)
+        hearing = Hearing.from_folder(folder, device=talker.runner.device, dtype=talker.model.dtype,
+                                      seed=None if drawn is None else drawn.seed)
         thinker = Engine.from_pretrained(str(folder), device=device, loop=loop, dtype=dtype, seed=seed,
                                          hidden_states_layer=cfg.accept_hidden_layer, **(thinker_limits or {}))
         return cls(thinker, talker, codec, first_chunk_frames=first_chunk_frames, max_chunk_frames=max_chunk_frames,
-                   stream_talker=stream_talker, codec_graphs=codec_graphs)
+                   stream_talker=stream_talker, codec_graphs=codec_graphs, hearing=hearing)
 
     @classmethod
     async def load(cls, folder: str | Path, **kwargs: Any) -> "OmniPipeline":
@@ -181,14 +188,35 @@ class OmniPipeline:
 
     # ------------------------------------------------------------ requests
 
-    def _prompt_ids(self, messages: Any, input_ids: Any) -> list[int]:
+    async def thinker_prompt(self, messages: Any = None, input_ids: Any = None,
+                             audio: list[AudioPart] | None = None) -> HeardPrompt:
+        """The thinker's prompt: ``messages`` through the chat template (their audio
+        parts heard), or ``input_ids`` with one audio placeholder per ``audio`` part."""
         if (messages is None) == (input_ids is None):
             raise errors.InvalidRequestError("give exactly one of messages or input_ids")
         if messages is not None:
-            return render_chat_ids(self.thinker.tokenizer, messages, add_generation_prompt=True)
-        if not isinstance(input_ids, (list, tuple)) or not all(isinstance(t, int) for t in input_ids):
+            if audio:
+                raise errors.InvalidRequestError("audio goes with input_ids; in messages it is a content part")
+            messages, audio = split_audio_parts(messages)
+            ids = render_chat_ids(self.thinker.tokenizer, messages, add_generation_prompt=True)
+        elif not isinstance(input_ids, (list, tuple)) or not all(isinstance(t, int) for t in input_ids):
             raise errors.InvalidRequestError("input_ids must be a list of integers")
-        return list(input_ids)
+        else:
+            ids = list(input_ids)
+        if not audio:
+            return HeardPrompt(ids, None)
+        if self.hearing is None:
+            raise errors.InvalidRequestError("this checkpoint cannot hear: it has no audio encoder (thinker_config.audio_config)")
+        counts = self.hearing.rows(audio)
+        context = self.thinker.scheduler.limits.context_length
+        if len(ids) + sum(counts) - len(counts) > context:  # refused before the encoder runs
+            raise errors.InvalidRequestError(f"the prompt with its audio heard takes {len(ids) + sum(counts) - len(counts)} "
+                                             f"positions; the thinker's context holds {context}")
+        prompt = await self.heavy_work(self.hearing.prompt, ids, audio, self.thinker_embed)
+        if prompt.embeds is not None and prompt.embeds.device.type != "cpu":
+            # the thinker's door checks the rows' values on the loop: on the host, no device read
+            prompt = HeardPrompt(prompt.ids, await self.heavy_work(prompt.embeds.cpu))
+        return prompt
 
     def check_voice(self, voice: str | None) -> str:
         """The voice a request speaks in (``None``: the default), or InvalidRequestError
@@ -199,9 +227,14 @@ class OmniPipeline:
         self.config.speaker_id(name)  # InvalidRequestError naming the voices there are
         return name
 
+    @property
+    def thinker_embed(self) -> torch.nn.Embedding:
+        """The thinker's embedding table (on its device)."""
+        return self.thinker.stack.loaded.model.model.embed_tokens
+
     def thinker_embeddings(self, tokens: list[int]) -> torch.Tensor:
         """The thinker's input embeddings of ``tokens`` ``[n, Ht]``, on its device."""
-        embed = self.thinker.stack.loaded.model.model.embed_tokens
+        embed = self.thinker_embed
         with torch.inference_mode():
             return embed(torch.tensor(tokens, dtype=torch.long, device=embed.weight.device))
 
@@ -244,12 +277,23 @@ class OmniPipeline:
             self._device_thread = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="omni-talker-input")
         return await await_future(self._device_thread.submit(fn, *args))
 
-    async def stream(self, messages: Any = None, *, input_ids: list[int] | None = None, voice: str | None = None,
+    async def heavy_work(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` off the event loop (hearing an audio is milliseconds to seconds of
+        compute): on the input thread where :meth:`device_work` has one, else a worker."""
+        if self.input_thread:
+            return await self.device_work(fn, *args)
+        return await anyio.to_thread.run_sync(functools.partial(fn, *args))
+
+    async def stream(self, messages: Any = None, *, input_ids: list[int] | None = None, audio: list[AudioPart] | None = None,
+                     prompt: HeardPrompt | None = None, voice: str | None = None,
                      sampling: SamplingParams | dict[str, Any] | None = None, max_frames: int | None = None,
                      repetition_penalty: float = 1.05, request_id: str | None = None) -> AsyncIterator[OmniDelta]:
         """The reply's text deltas and audio chunks as they come (with ``stream_talker``
         they interleave: the talker speaks while the thinker writes); the last of each
-        kind has ``finished``. ``sampling``: the thinker's (``n`` must be 1); the talker is
+        kind has ``finished``. ``messages`` may hold audio content parts, or
+        ``input_ids`` one audio placeholder per ``audio`` part (:mod:`.omni_hearing`);
+        or ``prompt``, one :meth:`thinker_prompt` made.
+        ``sampling``: the thinker's (``n`` must be 1); the talker is
         greedy with the reference's ``repetition_penalty``. Leaving the loop early (or
         cancelling) aborts the request in every stage it reached."""
         if self._tg is None:
@@ -258,7 +302,11 @@ class OmniPipeline:
         if max_frames is not None and max_frames < 1:
             raise errors.InvalidRequestError(f"max_frames must be at least 1, got {max_frames}")
         thinker_sampling = _thinker_sampling(sampling)
-        prompt_ids = self._prompt_ids(messages, input_ids)
+        if prompt is None:
+            prompt = await self.thinker_prompt(messages, input_ids, audio)
+        elif messages is not None or input_ids is not None or audio:
+            raise errors.InvalidRequestError("give a heard prompt alone, without messages, input_ids or audio")
+        prompt_ids = prompt.ids
         rid = request_id or f"omni-{uuid.uuid4().hex[:12]}-{next(self._ids)}"
         if rid in self._open:
             raise errors.RequestRejectedError(f"duplicate request id {rid!r}: a reply with this id is open")
@@ -267,7 +315,8 @@ class OmniPipeline:
         ended: set[str] = set()  # the parts ("text", "audio") whose last event came
         done = False
         try:
-            handle = await self.thinker.submit(input_ids=prompt_ids, sampling=thinker_sampling, request_id=rid)
+            given = dict(input_ids=prompt_ids) if prompt.embeds is None else dict(input_embeds=prompt.embeds)
+            handle = await self.thinker.submit(**given, sampling=thinker_sampling, request_id=rid)
             self._tg.start_soon(reply.run, handle)
             async with reply.events:
                 async for event in reply.events:
@@ -289,13 +338,14 @@ class OmniPipeline:
                 self.codec.close(reply.codec_stream)
             self._open.discard(rid)
 
-    async def chat(self, messages: Any = None, *, input_ids: list[int] | None = None, voice: str | None = None,
+    async def chat(self, messages: Any = None, *, input_ids: list[int] | None = None, audio: list[AudioPart] | None = None,
+                   prompt: HeardPrompt | None = None, voice: str | None = None,
                    sampling: SamplingParams | dict[str, Any] | None = None, max_frames: int | None = None,
                    repetition_penalty: float = 1.05, request_id: str | None = None) -> OmniResult:
         """The whole reply (the arguments of :meth:`stream`)."""
         parts = self.reply_parts()
-        async for delta in self.stream(messages, input_ids=input_ids, voice=voice, sampling=sampling, max_frames=max_frames,
-                                       repetition_penalty=repetition_penalty, request_id=request_id):
+        async for delta in self.stream(messages, input_ids=input_ids, audio=audio, prompt=prompt, voice=voice, sampling=sampling,
+                                       max_frames=max_frames, repetition_penalty=repetition_penalty, request_id=request_id):
             parts.add(delta)
         return parts.result()
 
