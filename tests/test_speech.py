@@ -162,3 +162,21 @@ async def test_a_rows_codes_do_not_depend_on_the_other_rows_settings():
         beside, _ = await asyncio.gather(tts.synthesize("Mine alone.", voice="ryan", params=mine),
                                          tts.synthesize("A row with the whole vocabulary.", voice="vivian", params=wide))
     assert torch.equal(alone.codes, beside.codes)
+
+
+@pytest.mark.parametrize("loop", ["normal", "overlap"])
+async def test_several_frames_a_step_write_the_codes_of_one_frame_a_step(loop):
+    """A talker step of three forwards per stream (as CUDA's plan runs several) writes the
+    codes of one forward a step, sampled (the predictor's settings shared by a step's
+    forwards) and with streams of different lengths ending mid-step."""
+    params = [SpeechParams(max_frames=n, temperature=0.9, seed=3 + n, ignore_eos=True) for n in (7, 12, 4, 10)]
+
+    async def codes(steps: int) -> list[torch.Tensor]:
+        async with SpeechPipeline.from_pretrained("tiny", loop=loop, decode_steps=steps) as tts:
+            results = await asyncio.gather(*(tts.synthesize(t, voice=v, params=p) for t, v, p in zip(TEXTS, VOICES, params)))
+        return [r.codes for r in results]
+
+    one, three = await codes(1), await codes(3)
+    for p, a, b in zip(params, one, three):
+        assert a.shape == (p.max_frames, 16)
+        assert torch.equal(a, b)

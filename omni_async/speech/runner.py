@@ -76,6 +76,7 @@ class SpeechRunner(NativeModelRunner):
         self.frame_graphs: FrameGraphs | None = None
         self.prefill_graphs: PrefillGraphs | None = None  # short prefills as decode rows (CUDA: graphed)
         self._cols: dict[int, torch.Tensor] = {}
+        self._last_sampling: tuple[Any, PredictorSampling] | None = None  # (the step's batch, its settings)
         self.frames_written = 0
 
     # ------------------------------------------------------------ the talker's steps
@@ -140,19 +141,24 @@ class SpeechRunner(NativeModelRunner):
         return logits.float(), hidden, codes
 
     def _predictor_sampling(self, batch: Any) -> PredictorSampling:
-        """Per-row predictor settings (one host pass over rows, cached per request)."""
+        """Per-row predictor settings (one host pass over rows, cached per request; the
+        forwards of a multi-step decode share their step's)."""
+        last = self._last_sampling
+        if last is not None and last[0] is batch:
+            return last[1]
         rows = np.array([self._settings(r) for r in batch.reqs], dtype=np.float64)
         sampled = rows[:, 0] > 0
         seeds = np.array([self._seed(r) for r in batch.reqs], dtype=np.int64)
         dev = self.device
-        return PredictorSampling(
+        self._last_sampling = (batch, sampling := PredictorSampling(
             temperature=torch.from_numpy(rows[:, 0].astype(np.float32)).to(dev, non_blocking=True),
             top_k=torch.from_numpy(rows[:, 1].astype(np.int64)).to(dev, non_blocking=True),
             top_p=torch.from_numpy(rows[:, 2].astype(np.float32)).to(dev, non_blocking=True),
             seeds=torch.from_numpy(seeds).to(dev, non_blocking=True),
             sampled=bool(sampled.any()),
             top_k_cap=TOP_K_CAP if sampled.any() and bool(((rows[sampled, 1] > 0) & (rows[sampled, 1] <= TOP_K_CAP)).all()) else 0,
-        )
+        ))
+        return sampling
 
     def _settings(self, req: Any) -> tuple[float, int, float]:
         found = self._rows.get(req)
