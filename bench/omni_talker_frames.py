@@ -9,8 +9,8 @@ experts top-8 of 384 channels, a shared expert of 2048... as transformers 5.25's
 Prints, per concurrency: wall s, frames/s (all streams), ms a talker step (wall / frames),
 first-frame latency p50/p90 (submission to the first frame's delta; no codec: not TTFP),
 RTF at 12.5 frames a second (wall / audio seconds of one stream), and the device's peak
-memory; saves the JSON to ``--out``. Frames run eagerly (this runner has no frame graphs
-yet).
+memory; saves the JSON to ``--out``. On CUDA the frames replay the talker's frame graphs
+and its prefills its prefill graphs, as the stage's defaults do.
 
     python bench/omni_talker_frames.py --device cuda --concurrency 1,8,32,64 --out bench/results/omni_talker_frames.json
     python bench/omni_talker_frames.py --smoke          # CPU, a tiny shape: checks it runs

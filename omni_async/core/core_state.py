@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterable
 
 from ..config import SchedulerConfig
 from ..kv.allocator import PageAllocator
@@ -87,24 +87,26 @@ class CoreState:
         """The id of the last batch built (each :meth:`new_batch` takes the next)."""
         return self._step_id
 
-    def forwards_for(self, rows: int, fewest_generated: int) -> int:
+    def forwards_for(self, rows: int, generated: Iterable[int]) -> int:
         """Forwards of the next decode step of ``rows`` rows: the plan's for the batch,
-        cut short while a row is new (``fewest_generated``: the fewest tokens a row of
-        the step has sampled, in flight included) when the policy asks for the first
-        chunk's express (``express_tokens``): a row short of them gets only the forwards
-        it needs (a talker row's first chunk needs its first frames, and a step of k
-        forwards delivers them only at its end); after that the step runs at most as many
-        forwards as that row has tokens, so its steps grow 2, 3, 6, ... up to the plan's
-        while the audio it was sent covers them (a step of g frames takes less than the
-        g frames' playing time at any real-time factor below 1): a new stream's second
-        chunk does not wait for a whole k-forward launch after a short first one."""
+        cut short while a row is new when the policy asks for the first chunk's express
+        (``express_tokens``, set with the policy; ``generated``: the rows' sampled tokens,
+        in flight included, read only then). A row short of ``express_tokens`` gets only
+        the forwards it needs (a talker row's first chunk needs its first frames, and a
+        step of k forwards delivers them only at its end); after that the step runs at
+        most as many forwards as that row has tokens (a talker row's frames and one), so
+        its steps grow 2, 3, 6, ... up to the plan's while the audio it was sent covers
+        them (a step of g frames takes less than their playing time at any real-time
+        factor below 1): a new stream's second chunk does not wait for a whole k-forward
+        launch after a short first one."""
         k = self.decode_plan.for_batch(rows)
         first = self.express_tokens
         if first is None:
             return k
-        if fewest_generated < first:
-            return max(1, min(k, first - fewest_generated))
-        return min(k, fewest_generated)
+        fewest = int(min(generated, default=first))
+        if fewest < first:
+            return max(1, min(k, first - fewest))
+        return min(k, fewest)
 
     def new_batch(self, mode: ForwardMode) -> ScheduledBatch:
         """An empty batch with the next step id."""

@@ -185,8 +185,7 @@ class DecodeSlots:
             if int(np.maximum(0, -(-(cached + most) // ps) - counts).sum()) > core.kv.available_pages:
                 self.drop()
                 return None  # (the per-request path retracts)
-        fewest = int((self.generated if sel is None else self.generated[sel]).min()) if core.express_tokens is not None else 0
-        k = core.forwards_for(n, fewest)
+        k = core.forwards_for(n, self.generated if sel is None else self.generated[sel])
         multi = k > 1 and core.multi_step_allowed()
         if not multi:
             k = 1

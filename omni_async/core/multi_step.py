@@ -50,8 +50,7 @@ def steps_for(core: "CoreState", decoding: list[Request], limits: list[int] | No
     under the automatic choice, or a runner that hands out per-step hidden states), and
     the rows under a grammar (they run one forward, beside the others). ``limits``: the
     rows' ``decode_limits`` when the caller has them; ``free``: as in :func:`row_steps`."""
-    fewest = min((r.num_generated for r in decoding), default=0) if core.express_tokens is not None else 0
-    k = core.forwards_for(len(decoding), fewest)
+    k = core.forwards_for(len(decoding), (r.num_generated for r in decoding))
     if k <= 1 or not core.multi_step_allowed():
         return None, []
     return row_steps(decoding, k, core.context_length, limits, free)

@@ -86,7 +86,7 @@ class DeadlinePolicy(SchedulingPolicy):
     def __init__(self, slack: Callable[[Request], float | None], max_decode_rows: int | None = None,
                  express_tokens: int | None = None) -> None:
         super().__init__(max_decode_rows)
-        if express_tokens is not None and (not isinstance(express_tokens, int) or express_tokens < 1):
+        if express_tokens is not None and (type(express_tokens) is not int or express_tokens < 1):
             raise ValueError(f"express_tokens must be None or an integer >= 1, got {express_tokens!r}")
         self.slack = slack
         self.express_tokens = express_tokens

@@ -10,7 +10,7 @@ import torch
 
 from ..core.batch import ScheduledBatch
 from ..kv.attention import AttentionContext
-from .input_batch import SlotRows
+from .input_batch import InputBatch, SlotRows
 from .sampling import SamplingBatch
 
 
@@ -68,3 +68,10 @@ def prompt_embeds(
         return None
     rows = torch.from_numpy(np.concatenate(flat)).to(device, non_blocking=True)
     return rows, torch.cat([v.to(device, non_blocking=True) for v in values])
+
+
+def token_tables(inputs: InputBatch, fb: ForwardBatch) -> torch.Tensor:
+    """Each token row of the prefill ``fb``: its request's page table ``[rows, pages]``, on
+    the device (a prefill's positions run as decode rows read them: runners/prefill_rows.py)."""
+    row_of = np.repeat(np.arange(fb.batch.size), np.asarray(fb.batch.extend_lens, dtype=np.int64))
+    return inputs.block_tables(fb.rows).index_select(0, torch.from_numpy(row_of).to(fb.input_ids.device, non_blocking=True))

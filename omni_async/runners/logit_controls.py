@@ -67,25 +67,31 @@ def controls_from_rows(params: Sequence[SamplingParams], outputs: Sequence[Seque
     """``LogitControls`` from per-row Python values; None when no row has any."""
     if not any(p.has_logit_controls for p in params):
         return None
-    # Built on the host, then one asynchronous copy each: a blocking copy to the device
-    # (``torch.tensor(..., device=)``, ``.to(device)``) waits for every step queued on the
-    # stream, holding the launching thread for the step in flight.
-    c = LogitControls(
-        presence=torch.tensor([p.presence_penalty for p in params], dtype=torch.float32).to(device, non_blocking=True),
-        frequency=torch.tensor([p.frequency_penalty for p in params], dtype=torch.float32).to(device, non_blocking=True),
-    )
+    # The entries travel as (row, token, value) triples in one asynchronous copy each and
+    # are scattered on the device: a blocking copy (``torch.tensor(..., device=)``,
+    # ``.to(device)``) waits for every step queued on the stream, holding the launching
+    # thread for the step in flight, and a dense ``[B, V]`` table is megabytes a step.
+    c = LogitControls(presence=_to(device, [p.presence_penalty for p in params]),
+                      frequency=_to(device, [p.frequency_penalty for p in params]))
     if any(p.presence_penalty or p.frequency_penalty for p in params):
-        counts = torch.zeros(len(params), vocab, dtype=torch.float32)
-        for i, (p, ids) in enumerate(zip(params, outputs)):
-            if (p.presence_penalty or p.frequency_penalty) and len(ids):
-                t = torch.tensor([t for t in ids if 0 <= t < vocab], dtype=torch.long)
-                counts[i].index_add_(0, t, torch.ones(len(t)))
-        c.counts = counts.to(device, non_blocking=True)
+        entries = [(i, t, 1.0) for i, (p, ids) in enumerate(zip(params, outputs))
+                   if p.presence_penalty or p.frequency_penalty for t in ids if 0 <= t < vocab]
+        c.counts = _scatter(len(params), vocab, entries, device)
     if any(p.logit_bias for p in params):
-        bias = torch.zeros(len(params), vocab, dtype=torch.float32)
-        for i, p in enumerate(params):
-            for t, b in p.logit_bias.items():
-                if t < vocab:
-                    bias[i, t] = b
-        c.bias = bias.to(device, non_blocking=True)
+        entries = [(i, t, float(b)) for i, p in enumerate(params) for t, b in p.logit_bias.items() if 0 <= t < vocab]
+        c.bias = _scatter(len(params), vocab, entries, device)
     return c
+
+
+def _to(device: torch.device, values: list[float]) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float32).to(device, non_blocking=True)
+
+
+def _scatter(rows: int, vocab: int, entries: list[tuple[int, int, float]], device: torch.device) -> torch.Tensor:
+    """A ``[rows, vocab]`` float32 table on ``device``: the sum of each entry's value at
+    its (row, token)."""
+    table = torch.zeros(rows, vocab, dtype=torch.float32, device=device)
+    if entries:
+        idx = torch.tensor([(r, t) for r, t, _ in entries], dtype=torch.long).to(device, non_blocking=True)
+        table.index_put_((idx[:, 0], idx[:, 1]), _to(device, [v for _, _, v in entries]), accumulate=True)
+    return table

@@ -19,9 +19,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import numpy as np
-import torch
-
+from .forward_batch import token_tables
 from .types import BatchResult
 
 if TYPE_CHECKING:
@@ -46,11 +44,7 @@ def prefill_as_rows(graphs: "DecodeGraphs | None", inputs: "InputBatch", fb: "Fo
     if (graphs is None or n > PREFILL_ROWS_MAX or fb.prompt_rows is not None or fb.input_embeds is not None
             or fb.cond is not None or not graphs.fits(n, fb.rows.widest)):
         return None
-    if graphs.model.thinker_to_talker_proj is not None and graphs.cond_rows is None:
-        return None  # captured before the projection was attached
-    row_of = np.repeat(np.arange(fb.batch.size), np.asarray(fb.batch.extend_lens, dtype=np.int64))
-    tables = inputs.block_tables(fb.rows).index_select(0, torch.from_numpy(row_of).to(graphs.device, non_blocking=True))
-    out = graphs.replay(fb.input_ids, fb.positions, fb.ctx.slot_mapping, tables, fb.positions + 1)
+    out = graphs.replay(fb.input_ids, fb.positions, fb.ctx.slot_mapping, token_tables(inputs, fb), fb.positions + 1)
     graphs.prefill_replays += 1
     last = fb.ctx.logits_rows
     greedy = None if out.greedy_tokens is None else (out.greedy_tokens[last], out.greedy_ok[last])

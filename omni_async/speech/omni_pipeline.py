@@ -35,8 +35,10 @@ import torch
 
 from .. import errors
 from ..config import SamplingParams
+from ..core.policy import DeadlinePolicy
 from ..engine import Engine
 from ..models.random_weights import random_weights_of
+from ..runners.streams import STREAMS
 from ..stage.executor import await_future
 from ..stage.request_checks import sampling_of
 from ..text.chat import render_chat_ids
@@ -93,6 +95,9 @@ class OmniPipeline:
         self.codec = CodecStage(codec, device, first_chunk_frames=first_chunk_frames, max_chunk_frames=max_chunk_frames,
                                 cuda_graphs=device.type == "cuda" if codec_graphs is None else codec_graphs)
         self.codec.capture_graphs()
+        # Arrival order, with the first chunk's express for multi-step talker steps (a
+        # reply's first chunk needs first_chunk_frames + 1 talker tokens).
+        talker.engine.scheduler.core.set_policy(DeadlinePolicy(lambda req: None, express_tokens=first_chunk_frames + 1))
         self.sample_rate: int = codec.sample_rate
         self._tg: Any = None
         self._ids = itertools.count()
@@ -212,11 +217,21 @@ class OmniPipeline:
         if len(ids) + sum(counts) - len(counts) > context:  # refused before the encoder runs
             raise errors.InvalidRequestError(f"the prompt with its audio heard takes {len(ids) + sum(counts) - len(counts)} "
                                              f"positions; the thinker's context holds {context}")
-        prompt = await self.heavy_work(self.hearing.prompt, ids, audio, self.thinker_embed)
-        if prompt.embeds is not None and prompt.embeds.device.type != "cpu":
-            # the thinker's door checks the rows' values on the loop: on the host, no device read
-            prompt = HeardPrompt(prompt.ids, await self.heavy_work(prompt.embeds.cpu))
-        return prompt
+        return await anyio.to_thread.run_sync(functools.partial(self._hear, ids, audio))
+
+    def _hear(self, ids: list[int], audio: list[AudioPart]) -> HeardPrompt:
+        """The heard prompt, its rows on the host (the thinker's door checks their values
+        on the loop, with no device read). On CUDA on a stream of its own: the stages'
+        launches wait for the default stream's work, and hearing takes milliseconds to
+        seconds of encoder time that must not hold their steps back."""
+        assert self.hearing is not None
+        device = self.thinker_embed.weight.device
+        if device.type != "cuda":
+            return self.hearing.prompt(ids, audio, self.thinker_embed)
+        with STREAMS.borrowed(device) as stream, torch.cuda.stream(stream):
+            prompt = self.hearing.prompt(ids, audio, self.thinker_embed)
+            # the copy waits for this stream's work alone, the encoder's
+            return prompt if prompt.embeds is None else HeardPrompt(prompt.ids, prompt.embeds.cpu())
 
     def check_voice(self, voice: str | None) -> str:
         """The voice a request speaks in (``None``: the default), or InvalidRequestError
@@ -276,13 +291,6 @@ class OmniPipeline:
         if self._device_thread is None:
             self._device_thread = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="omni-talker-input")
         return await await_future(self._device_thread.submit(fn, *args))
-
-    async def heavy_work(self, fn: Callable[..., T], *args: Any) -> T:
-        """``fn(*args)`` off the event loop (hearing an audio is milliseconds to seconds of
-        compute): on the input thread where :meth:`device_work` has one, else a worker."""
-        if self.input_thread:
-            return await self.device_work(fn, *args)
-        return await anyio.to_thread.run_sync(functools.partial(fn, *args))
 
     async def stream(self, messages: Any = None, *, input_ids: list[int] | None = None, audio: list[AudioPart] | None = None,
                      prompt: HeardPrompt | None = None, voice: str | None = None,

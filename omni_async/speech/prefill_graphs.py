@@ -4,12 +4,10 @@ An eager prefill forward costs the host a launch per kernel of every layer whate
 prompt's length (12-15 ms for a 24-layer 0.5B shape on the H200, ``core/plan.py``), and
 the talker's prefills are short (a sentence: tens of rows) and come one per stream: a
 new stream's first audio waits for one, and with streams starting all the time they
-take the launching thread from the frame steps. A prefill needs nothing a decode step
-lacks: paged attention writes every row's key and value before any row attends, in each
-layer, so the ``P`` uncached positions of a prompt run as ``P`` decode rows (row ``p``
-at its position, attending to ``position + 1`` keys over its request's page table)
-compute exactly the prefill's causal attention. One graph per row bucket then replays a
-prefill of up to that many rows, several requests' together, in one launch.
+take the launching thread from the frame steps. A prompt's positions run as decode rows
+compute exactly its prefill (the argument: :mod:`omni_async.runners.prefill_rows`, which
+does the same for text prompts through the decode graphs), so one graph per row bucket
+replays a prefill of up to that many rows, several requests' together, in one launch.
 
 The rows' embeddings are inputs (the talker's prompt is given as embeddings: every row of
 a graphed prefill must have one); the outputs are every row's logits and final hidden
@@ -23,10 +21,10 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
 import torch
 
 from ..kv.attention import AttentionContext
+from ..runners.forward_batch import token_tables
 from ..runners.streams import STREAMS
 
 __all__ = ["PrefillGraphs", "PREFILL_BUCKETS"]
@@ -39,7 +37,9 @@ PREFILL_SPAN = 1024
 
 
 class PrefillGraphs:
-    def __init__(self, runner: Any, *, scratch_page: int, max_pages: int, buckets: tuple[int, ...] = PREFILL_BUCKETS) -> None:
+    def __init__(self, runner: Any, *, scratch_page: int, max_pages: int, buckets: tuple[int, ...] = PREFILL_BUCKETS,
+                 pool: Any = None) -> None:
+        """``pool``: a CUDA graph memory pool to share (the frame graphs')."""
         self.runner = runner
         self.model, self.kv, self.page_size = runner.model, runner.kv, runner.kv.page_size
         self.scratch_page, self.max_pages = scratch_page, max_pages
@@ -53,7 +53,7 @@ class PrefillGraphs:
         self.embeds = torch.zeros((n, hidden), dtype=runner.speech.dtype, device=device)
         self.rows = torch.arange(n, device=device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor]]] = {}
-        self.pool = None
+        self.pool = pool
         self.runs = 0  # prefills run as rows (eagerly where nothing is captured)
         self.replays = 0
 
@@ -78,8 +78,7 @@ class PrefillGraphs:
         """The prefill ``fb`` (:meth:`fits`): the logits and hidden states of each
         request's last row."""
         n = int(fb.input_ids.shape[0])
-        row_of = np.repeat(np.arange(fb.batch.size), np.asarray(fb.batch.extend_lens, dtype=np.int64))
-        tables = self.runner.inputs.block_tables(fb.rows).index_select(0, torch.from_numpy(row_of).to(fb.input_ids.device, non_blocking=True))
+        tables = token_tables(self.runner.inputs, fb)
         embeds = torch.empty((n, self.embeds.shape[1]), dtype=self.embeds.dtype, device=self.embeds.device)
         embeds.index_copy_(0, fb.input_embeds[0], fb.input_embeds[1].to(embeds.dtype))
         last = fb.ctx.logits_rows

@@ -208,7 +208,8 @@ class SpeechRunner(NativeModelRunner):
         pages = -(-max_len // self.page_size)
         self.frame_graphs = FrameGraphs(self, scratch_page=scratch_page, max_pages_per_seq=pages, max_batch=max_batch)
         self.frame_graphs.capture_all()
-        self.prefill_graphs = PrefillGraphs(self, scratch_page=scratch_page, max_pages=min(pages, -(-PREFILL_SPAN // self.page_size)))
+        self.prefill_graphs = PrefillGraphs(self, scratch_page=scratch_page, max_pages=min(pages, -(-PREFILL_SPAN // self.page_size)),
+                                            pool=self.frame_graphs.pool)
         self.prefill_graphs.capture_all()
 
     def stats(self) -> dict[str, int]:
