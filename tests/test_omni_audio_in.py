@@ -26,7 +26,7 @@ from omni_async.speech.omni_pipeline import OmniPipeline
 
 from .conftest import LOOPS
 from .test_omni_chain import assert_stages_free, pipeline
-from .test_omni_talker import AUDIO, chat_prompt, spread, talker_config
+from .test_omni_talker import AUDIO, chat_prompt, reference_run, spread, talker_config
 
 RATE = 16000
 MELS = 16  # the tiny audio encoder's num_mel_bins
@@ -149,26 +149,9 @@ def reference_generate(model, prompt: list[int], waves: list[np.ndarray], *, rep
     features, mask = processor_features(waves)
     counts = iter(placeholder_counts(mask))
     ids = [t for tok in prompt for t in ([tok] * next(counts) if tok == AUDIO else [tok])]
-    seen = {}
-    thinker_generate, decode = model.thinker.generate, model.code2wav.chunked_decode
-
-    def keep_thinker(*args, **kwargs):
-        seen["thinker"] = thinker_generate(*args, **kwargs)
-        return seen["thinker"]
-
-    def keep_codes(codes, *args, **kwargs):
-        seen["codes"] = codes
-        return decode(codes, *args, **kwargs)
-
-    model.thinker.generate, model.code2wav.chunked_decode = keep_thinker, keep_codes
-    try:
-        with torch.no_grad():
-            model.generate(input_ids=torch.tensor([ids]), input_features=features, feature_attention_mask=mask, speaker="ethan",
-                           return_audio=True, thinker_max_new_tokens=reply, thinker_do_sample=False, thinker_eos_token_id=THINKER_EOS,
-                           talker_do_sample=False, talker_max_new_tokens=frames + 1, talker_repetition_penalty=penalty)
-    finally:
-        del model.thinker.generate, model.code2wav.chunked_decode
-    return ids, seen["thinker"], seen["codes"][0].T
+    thinker, codes = reference_run(model, ids, reply=reply, frames=frames, penalty=penalty, input_features=features,
+                                   feature_attention_mask=mask)
+    return ids, thinker, codes
 
 
 # (audio lengths in seconds, thinker reply tokens, frames asked)

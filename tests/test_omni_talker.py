@@ -83,9 +83,11 @@ def chat_prompt(user: list[int]) -> list[int]:
     return [500, 504, 7, 8, 501, 10, 500, 502, *user, 501, 10, 500, 503, 10]
 
 
-def reference_run(model, prompt: list[int], *, reply: int, frames: int, speaker: str = "ethan", penalty: float = 1.05):
-    """transformers' whole ``generate``, greedy everywhere; returns the thinker's result
-    and the codes it handed to code2wav (``[frames, groups]``)."""
+def reference_run(model, prompt: list[int], *, reply: int, frames: int, speaker: str = "ethan", penalty: float = 1.05,
+                  **inputs):
+    """transformers' whole ``generate``, greedy everywhere (``inputs``: more of its inputs,
+    an audio's features); returns the thinker's result and the codes it handed to code2wav
+    (``[frames, groups]``)."""
     seen = {}
     thinker_generate, decode = model.thinker.generate, model.code2wav.chunked_decode
 
@@ -102,7 +104,7 @@ def reference_run(model, prompt: list[int], *, reply: int, frames: int, speaker:
         with torch.no_grad():
             model.generate(input_ids=torch.tensor([prompt]), speaker=speaker, return_audio=True, thinker_max_new_tokens=reply,
                            thinker_do_sample=False, thinker_eos_token_id=501, talker_do_sample=False,
-                           talker_max_new_tokens=frames + 1, talker_repetition_penalty=penalty)
+                           talker_max_new_tokens=frames + 1, talker_repetition_penalty=penalty, **inputs)
     finally:
         del model.thinker.generate, model.code2wav.chunked_decode
     return seen["thinker"], seen["codes"][0].T
