@@ -28,7 +28,9 @@ from omni_async.text.chat import render_chat_ids  # noqa: E402
 
 from .test_omni_audio_in import AUDIO_END, AUDIO_START, RATE, THINKER_EOS, hearing_model, reference_generate, waveform  # noqa: E402,F401
 from .test_omni_chain import assert_stages_free, pipeline  # noqa: E402
-from .test_omni_chat_server import assert_same_samples, byte_tokenizer  # noqa: E402
+# ``served``: a real server on this module's ``chat_folder`` (a fixture resolves its own
+# dependencies where the test asks for it)
+from .test_omni_chat_server import assert_same_samples, byte_tokenizer, served  # noqa: E402,F401
 from .test_omni_talker import AUDIO, IDS  # noqa: E402
 
 TEMPLATE = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}"
@@ -112,17 +114,6 @@ async def test_a_message_with_audio_is_heard_as_generate_hears_it(hearing_model,
             pipe.thinker.tokenizer.chat_template = TEMPLATE.replace("<|audio_start|><|audio_pad|><|audio_end|>", "")
             await pipe.chat(messages_with(samples))
         await assert_stages_free(pipe)
-
-
-@pytest.fixture
-async def served(chat_folder):
-    pipe = pipeline(chat_folder, "overlap")
-    async with running_server(pipe) as url:
-        client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
-        try:
-            yield pipe, client
-        finally:
-            await client.close()
 
 
 async def _chat(client, messages, **extra):

@@ -23,7 +23,7 @@ from omni_async.server import running_server  # noqa: E402
 
 from .http_client import http_get  # noqa: E402
 from .test_omni_chain import assert_stages_free, pipeline  # noqa: E402
-from .test_omni_chat_server import AUDIO, MESSAGES, REPLY, chat_folder  # noqa: E402,F401 (a fixture)
+from .test_omni_chat_server import AUDIO, MESSAGES, REPLY, chat_folder, leave_after_first_audio  # noqa: E402,F401 (a fixture)
 from .test_omni_talker import omni_model  # noqa: E402,F401 (a fixture)
 
 P = "omni_async_"
@@ -145,12 +145,7 @@ async def test_spoken_replies_move_the_counters_by_what_they_sent(served_url, ca
 async def test_a_reply_the_client_left_is_counted_as_aborted(served_url):
     pipe, client, url = served_url
     s0 = await scrape(url)
-    body = {"modalities": ["text", "audio"], "audio": AUDIO, "ignore_eos": True}
-    async with client.chat.completions.with_streaming_response.create(
-            model="ck", messages=MESSAGES, max_tokens=200, temperature=0, stream=True, extra_body=body) as res:
-        async for line in res.iter_lines():
-            if '"data"' in line:  # the first audio piece
-                break
+    await leave_after_first_audio(client)
     await assert_stages_free(pipe)
     s1 = await scrape(url)
     assert moved(s0, s1, "speech_requests_total", model="ck", finish_reason="abort") == 1

@@ -179,14 +179,19 @@ async def test_bad_audio_fields_get_400_and_the_next_reply_succeeds(served, fiel
     await assert_stages_free(pipe)
 
 
-async def test_a_client_leaving_a_spoken_stream_ends_it_in_every_stage(served):
-    pipe, client = served
+async def leave_after_first_audio(client) -> None:
+    """A streamed spoken reply the client leaves at its first audio piece."""
     body = {"modalities": ["text", "audio"], "audio": AUDIO, "ignore_eos": True}
     async with client.chat.completions.with_streaming_response.create(
             model="ck", messages=MESSAGES, max_tokens=200, temperature=0, stream=True, extra_body=body) as res:
         async for line in res.iter_lines():
-            if '"data"' in line:  # the first audio piece
+            if '"data"' in line:
                 break
+
+
+async def test_a_client_leaving_a_spoken_stream_ends_it_in_every_stage(served):
+    pipe, client = served
+    await leave_after_first_audio(client)
     await assert_stages_free(pipe)
 
 
