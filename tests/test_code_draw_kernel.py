@@ -44,7 +44,7 @@ def compare(device, dtype, rows=48, vocab=2048, trials=6):
         s = PredictorSampling(t, k, p, seeds, True, cap)
         group = 1 + trial
         ref = draw_codes(logits.float().cpu(), PredictorSampling(*(x.cpu() for x in (t, k, p, seeds)), True, cap), base.cpu(), group)
-        got = draw_codes_kernel(logits, t, k, p, seeds, base, group).cpu()
+        got = draw_codes_kernel(logits, t, k, p, seeds, base, group, top_k_cap=cap).cpu()
         greedy = (t == 0).cpu()
         assert torch.equal(got[greedy], logits.float().cpu().argmax(-1)[greedy]), "greedy rows"
         kept = k.cpu().clamp(min=0)

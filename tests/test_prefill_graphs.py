@@ -19,11 +19,12 @@ TEXTS = ["Hello there.", "A somewhat longer sentence for the talker to speak, wi
 VOICES = ["ryan", "vivian", "serena", "ryan"]
 
 
-async def _codes(loop: str, rows: bool, params: SpeechParams) -> tuple[list[torch.Tensor], int]:
+async def _codes(loop: str, rows: bool, params: SpeechParams, buckets: tuple[int, ...] | None = None) -> tuple[list[torch.Tensor], int]:
     async with SpeechPipeline.from_pretrained("tiny", loop=loop) as tts:
         runner = tts.stage.runner
         if rows:
-            runner.prefill_graphs = PrefillGraphs(runner, scratch_page=runner.kv.num_pages - 1, max_pages=64)
+            runner.prefill_graphs = PrefillGraphs(runner, scratch_page=runner.kv.num_pages - 1, max_pages=64,
+                                                  **({"buckets": buckets} if buckets else {}))
         together = await asyncio.gather(*(tts.synthesize(t, voice=v, params=params) for t, v in zip(TEXTS, VOICES)))
         again = await tts.synthesize(TEXTS[1], voice=VOICES[1], params=params)  # its prompt's pages cached now
         runs = 0 if runner.prefill_graphs is None else runner.prefill_graphs.runs
@@ -39,4 +40,16 @@ async def test_prefills_as_decode_rows_write_the_extend_paths_codes(loop, params
     assert none == 0 and runs >= 2  # every prefill step of the second run went through the rows
     for a, b in zip(extend, rows):
         assert a.shape == (10, 16)
+        assert torch.equal(a, b)
+
+
+async def test_a_prefill_past_the_largest_bucket_runs_as_pieces_with_the_extend_paths_codes():
+    """Buckets of 8 and 16 rows: every prompt (tens of rows) is split across pieces, and
+    the requests starting together share pieces; each piece's keys are cached before a
+    later piece attends to them."""
+    params = SpeechParams(max_frames=8, temperature=0.9, seed=3, ignore_eos=True)
+    extend, _ = await _codes("overlap", False, params)
+    pieces, runs = await _codes("overlap", True, params, buckets=(8, 16))
+    assert runs >= 2
+    for a, b in zip(extend, pieces):
         assert torch.equal(a, b)

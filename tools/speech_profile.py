@@ -1,5 +1,6 @@
 """Where a speech step's time goes: the talker stage alone (frames/s by batch, no codec),
-the codec alone (ms per decoder call by streams and frames), and a torch.profiler table
+the codec alone (ms per decoder call by streams and frames, eager and, on CUDA, through the
+codec stage's graphs), and a torch.profiler table
 of the talker's steps; on CUDA the code predictor's frame alone, graphed. A diagnosis tool, not a benchmark (bench/tts_serving.py is).
 
     python tools/speech_profile.py --model tts-1.7b --device cuda
@@ -66,6 +67,60 @@ def codec_calls(tts: SpeechPipeline, device: str) -> list[dict]:
     return out
 
 
+def codec_graphed(tts: SpeechPipeline, batches=(1, 16, 64), frames=(2, 4, 8, 16)) -> list[dict]:
+    """The codec stage's own calls (its CUDA graphs, on its stream, slots opened as the
+    stage opens them): ms a call by streams and frames, the device's time for a round."""
+    stage = tts.codec
+    out = []
+    for b in batches:
+        slots = [stage.slots.open() for _ in range(b)]
+        try:
+            for f in frames:
+                codes = torch.randint(0, 2048, (b, f, 16), device=stage.device)
+                with stage._on_codec_stream():
+                    for _ in range(3):
+                        stage.graphs.run(codes, slots)
+                    torch.cuda.synchronize()
+                    n = 10
+                    t0 = time.perf_counter()
+                    for _ in range(n):
+                        stage.graphs.run(codes, slots)
+                    torch.cuda.synchronize()
+                ms = 1000 * (time.perf_counter() - t0) / n
+                out.append({"streams": b, "frames": f, "ms_per_call": round(ms, 3), "ms_per_frame_of_each_stream": round(ms / f, 3),
+                            "audio_s_per_s": round(b * f * 0.08 / (ms / 1000), 1)})
+                print("codec graphed", out[-1], flush=True)
+        finally:
+            for slot in slots:
+                stage.slots.close(slot)
+    return out
+
+
+def draw_alone(rows_list=(1, 64), vocab: int = 2048) -> list[dict]:
+    """The predictor's sampled draw kernel alone: us a launch over the whole row's sort
+    against the top-k cap's (the checkpoints' top_k 50 within a cap of 64)."""
+    from omni_async.kernels.code_draw import draw_codes_kernel
+    from omni_async.speech.sampling import TOP_K_CAP
+    out = []
+    for rows in rows_list:
+        logits = torch.randn(rows, vocab, device="cuda", dtype=torch.bfloat16) * 3
+        t, k, p = torch.full((rows,), 0.9, device="cuda"), torch.full((rows,), 50, device="cuda"), torch.ones(rows, device="cuda")
+        seeds, base = torch.arange(rows, device="cuda"), torch.zeros(rows, dtype=torch.long, device="cuda")
+        for cap in (0, TOP_K_CAP):
+            for _ in range(3):
+                draw_codes_kernel(logits, t, k, p, seeds, base, 1, top_k_cap=cap)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            n = 200
+            start.record()
+            for _ in range(n):
+                draw_codes_kernel(logits, t, k, p, seeds, base, 1, top_k_cap=cap)
+            end.record()
+            torch.cuda.synchronize()
+            out.append({"rows": rows, "top_k_cap": cap, "us_per_launch": round(1000 * start.elapsed_time(end) / n, 2)})
+            print("draw", out[-1], flush=True)
+    return out
+
+
 def predictor_alone(tts: SpeechPipeline, batches: list[int], sampled: bool = True) -> list[dict]:
     """The code predictor's frame (15 codes a row) alone, captured in a CUDA graph per
     batch and replayed: ms a frame (issue 60's goal: <= 3 ms at 64 rows on an H100)."""
@@ -115,6 +170,10 @@ async def main(args) -> None:
         await talker_only(tts, 2, 8)  # warm-up
         for b in args.batches:
             r = await talker_only(tts, b, args.frames)
+            if args.steady:  # the same batch at twice the frames: the difference is frames without the prompts
+                r2 = await talker_only(tts, b, 2 * args.frames)
+                r["steady_ms_per_frame_step"] = round(1000 * (r2["wall_s"] - r["wall_s"]) / args.frames, 3)
+                r["steady_audio_s_per_s"] = round(b * 0.08 * 1000 / r["steady_ms_per_frame_step"], 1)
             res["talker"].append(r)
             print("talker", r, flush=True)
         if args.profile and args.device == "cuda":
@@ -126,7 +185,11 @@ async def main(args) -> None:
             print(table)
             res["profile_table"] = table
         if args.device == "cuda":
+            res["draw"] = draw_alone()
             res["predictor"] = predictor_alone(tts, args.batches)
+        if args.device == "cuda" and tts.codec.graphs is not None:
+            with torch.inference_mode():
+                res["codec_graphed"] = codec_graphed(tts)
         if not args.no_codec:
             with torch.inference_mode():
                 res["codec"] = codec_calls(tts, args.device)
@@ -143,6 +206,7 @@ if __name__ == "__main__":
     ap.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 16, 64])
     ap.add_argument("--frames", type=int, default=64)
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--steady", action="store_true", help="also run each batch at twice the frames: ms a frame without the prompts")
     ap.add_argument("--no-codec", action="store_true", help="leave out the codec's calls")
     ap.add_argument("--out", default=None)
     asyncio.run(main(ap.parse_args()))

@@ -4,8 +4,9 @@ Why: the predictor draws 15 codes a frame, one after another, each from a small
 vocabulary (2,048) with temperature, top-k and top-p. In torch that draw is ~30 small
 kernels (scale, top-k or sort, gathers, two softmaxes, two scans, a search), 450 a frame,
 more than the predictor's layers once those are fused. Here one program per row holds
-its whole row: it sorts the row once (value descending, index ascending on ties: keys
-that pack the value's order-preserving bits above the index), keeps the top-k, drops the
+its whole row: it orders the row once (value descending, index ascending on ties: keys
+that pack the value's order-preserving bits above the index; the whole row, or only its
+``top_k_cap`` largest when every row's top-k is within the cap), keeps the top-k, drops the
 tail past top-p as transformers does (a token goes once the probability before it
 reaches top-p; the first always stays), and takes the kept token where the row's uniform
 falls in the cumulative distribution.
@@ -48,7 +49,8 @@ def _unkey(s, BLOCK: tl.constexpr):
 
 
 @triton.jit(**unspecialized(ints=("V", "GROUP", "stride_x", "stride_o")))
-def _draw_kernel(X, TEMP, TOPK, TOPP, SEEDS, BASE, OUT, V, GROUP, stride_x, stride_o, BLOCK: tl.constexpr):
+def _draw_kernel(X, TEMP, TOPK, TOPP, SEEDS, BASE, OUT, V, GROUP, stride_x, stride_o, BLOCK: tl.constexpr,
+                 KEEP: tl.constexpr):
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     inside = offs < V
@@ -58,9 +60,16 @@ def _draw_kernel(X, TEMP, TOPK, TOPP, SEEDS, BASE, OUT, V, GROUP, stride_x, stri
     temp = tl.load(TEMP + row)
     if temp > 0:
         z = tl.math.div_rn(x - m, tl.maximum(temp, 1e-30))
-        sz, sidx = _unkey(tl.sort(_order_key(z, offs, BLOCK), 0, descending=True), BLOCK)
+        keys = _order_key(z, offs, BLOCK)
+        if KEEP < BLOCK:  # every row's top_k fits KEEP: the KEEP largest, not a sort of the row
+            ordered = tl.topk(keys, KEEP)
+        else:
+            ordered = tl.sort(keys, 0, descending=True)
+        sz, sidx = _unkey(ordered, BLOCK)
+        offs = tl.arange(0, KEEP)
+        inside = offs < V
         k = tl.load(TOPK + row)
-        k = tl.where((k > 0) & (k < V), k, V)
+        k = tl.where((k > 0) & (k < V) & (k < KEEP), k, tl.minimum(V, KEEP))
         kth = tl.max(tl.where(offs == k - 1, sz, float("-inf")), 0)
         e = tl.where((sz >= kth) & inside, _exp(sz), 0.0)
         p = e / tl.sum(e, 0)
@@ -80,11 +89,15 @@ _DRAW = FastKernel(_draw_kernel) if hasattr(_draw_kernel, "params") else _draw_k
 
 
 def draw_codes_kernel(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                      seeds: torch.Tensor, base: torch.Tensor, group: int, out: torch.Tensor | None = None) -> torch.Tensor:
+                      seeds: torch.Tensor, base: torch.Tensor, group: int, out: torch.Tensor | None = None,
+                      top_k_cap: int = 0) -> torch.Tensor:
     """One code per row of ``logits`` ``[B, V]`` (any float dtype, rows contiguous),
     written to ``out`` (``[B]`` int64, may be a strided column); the row's uniform is
     ``row_uniforms(seeds, base + group)``. Settings are ``[B]`` contiguous vectors:
-    temperature float32, top_k int64, top_p float32, seeds and base int64."""
+    temperature float32, top_k int64, top_p float32, seeds and base int64.
+    ``top_k_cap``: every sampled row's top_k is within it (a power of two below the
+    vocabulary, or 0): the draw keeps that many largest logits (``tl.topk``, about a third of
+    a whole row's sort) and runs over them; 0 sorts the whole row."""
     rows, vocab = logits.shape
     if vocab > MAX_VOCAB:
         raise ValueError(f"draw_codes_kernel holds a row of at most {MAX_VOCAB} codes, got {vocab}")
@@ -93,7 +106,10 @@ def draw_codes_kernel(logits: torch.Tensor, temperature: torch.Tensor, top_k: to
     if out is None:
         out = torch.empty(rows, dtype=torch.long, device=logits.device)
     block = triton.next_power_of_2(vocab)
+    keep = top_k_cap if 0 < top_k_cap < block else block
+    if keep & (keep - 1):
+        raise ValueError(f"draw_codes_kernel: top_k_cap must be a power of two, got {top_k_cap}")
     if rows:
         _DRAW[(rows,)](logits, temperature, top_k, top_p, seeds, base, out, vocab, group, logits.stride(0), out.stride(0),
-                       BLOCK=block, num_warps=8 if block >= 2048 else 4)
+                       BLOCK=block, KEEP=keep, num_warps=8 if block >= 2048 else 4)
     return out

@@ -11,8 +11,9 @@ replays a prefill of up to that many rows, several requests' together, in one la
 
 The rows' embeddings are inputs (the talker's prompt is given as embeddings: every row of
 a graphed prefill must have one); the outputs are every row's logits and final hidden
-state, of which the prefill keeps each request's last position. Prefills with rows
-outside those limits (longer, without embeddings, scoring their prompt) run eagerly.
+state, of which the prefill keeps each request's last position. A prefill of more rows
+than the largest bucket runs as several replays of it, in order. Prefills outside those
+limits (attending past the span, without embeddings, scoring their prompt) run eagerly.
 On a CPU the same rows run eagerly through :meth:`PrefillGraphs.forward` (what the tests
 hold equal to the extend path).
 """
@@ -59,9 +60,10 @@ class PrefillGraphs:
 
     def fits(self, fb: Any) -> bool:
         """Whether the prefill ``fb`` runs as graphed decode rows: every row given as an
-        embedding, no prompt scored, rows and pages within the largest bucket's."""
+        embedding, no prompt scored, pages within the graphs' span (rows past the largest
+        bucket run as several replays)."""
         n, embeds = int(fb.input_ids.shape[0]), fb.input_embeds
-        return (n <= self.buckets[-1] and embeds is not None and int(embeds[0].shape[0]) == n and fb.prompt_rows is None
+        return (embeds is not None and int(embeds[0].shape[0]) == n and fb.prompt_rows is None
                 and fb.cond is None and fb.rows.widest <= self.max_pages)
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor,
@@ -76,28 +78,52 @@ class PrefillGraphs:
 
     def run(self, fb: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """The prefill ``fb`` (:meth:`fits`): the logits and hidden states of each
-        request's last row."""
+        request's last row. Past the largest bucket the rows run as pieces of it, in order
+        (a burst of streams starting together: 64 prompts are ~2,500 rows): a piece's keys
+        and values are in the cache before a later piece's rows attend to them, the same
+        argument that makes a piece's own rows causal."""
         n = int(fb.input_ids.shape[0])
         tables = token_tables(self.runner.inputs, fb)
         embeds = torch.empty((n, self.embeds.shape[1]), dtype=self.embeds.dtype, device=self.embeds.device)
         embeds.index_copy_(0, fb.input_embeds[0], fb.input_embeds[1].to(embeds.dtype))
         last = fb.ctx.logits_rows
         self.runs += 1
+        width = self.buckets[-1]
+        if n <= width:
+            logits, hidden = self._rows(fb.input_ids, fb.positions, fb.ctx.slot_mapping, tables, embeds)
+            return logits[last], hidden[last]  # (gathers: the graph's buffers are not handed out)
+        kept: tuple[torch.Tensor, torch.Tensor] | None = None
+        for start in range(0, n, width):
+            end = min(n, start + width)
+            logits, hidden = self._rows(fb.input_ids[start:end], fb.positions[start:end], fb.ctx.slot_mapping[start:end],
+                                        tables[start:end], embeds[start:end])
+            # Each request's last row, where it is in this piece (a gather of the piece's
+            # outputs, taken before the next replay overwrites them; no host read).
+            here = ((last >= start) & (last < end))[:, None]
+            at = (last - start).clamp(0, end - start - 1)
+            piece = (logits[at], hidden[at])
+            kept = piece if kept is None else (torch.where(here, piece[0], kept[0]), torch.where(here, piece[1], kept[1]))
+        assert kept is not None
+        return kept
+
+    def _rows(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor,
+              embeds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """At most the largest bucket's rows: the graph's outputs (replayed), or eager ones."""
+        n = int(ids.shape[0])
         if not self.graphs:
-            logits, hidden = self.forward(fb.input_ids, fb.positions, fb.ctx.slot_mapping, tables, embeds)
-            return logits[last], hidden[last]
+            return self.forward(ids, positions, slots, tables, embeds)
         b = next(b for b in self.buckets if b >= n)
         graph, (logits, hidden) = self.graphs[b]
-        self.input_ids[:n].copy_(fb.input_ids, non_blocking=True)
-        self.positions[:n].copy_(fb.positions, non_blocking=True)
-        self.slot_mapping[:n].copy_(fb.ctx.slot_mapping, non_blocking=True)
+        self.input_ids[:n].copy_(ids, non_blocking=True)
+        self.positions[:n].copy_(positions, non_blocking=True)
+        self.slot_mapping[:n].copy_(slots, non_blocking=True)
         self.block_tables[:n, : tables.shape[1]].copy_(tables, non_blocking=True)
         self.block_tables[:n, tables.shape[1]:].fill_(self.scratch_page)
         self.embeds[:n].copy_(embeds, non_blocking=True)
         self._pad(n, b)
         graph.replay()
         self.replays += 1
-        return logits[last], hidden[last]  # (gathers: the graph's buffers are not handed out)
+        return logits[:n], hidden[:n]
 
     def _pad(self, start: int, end: int) -> None:
         """Rows past a prefill's own: position 0 of the scratch page."""

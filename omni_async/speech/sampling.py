@@ -53,7 +53,7 @@ def draw_codes(logits: torch.Tensor, s: PredictorSampling, base: torch.Tensor, g
     if logits.is_cuda and triton_available(logits.device):
         from ..kernels.code_draw import draw_codes_kernel
 
-        return draw_codes_kernel(logits, s.temperature, s.top_k, s.top_p, s.seeds, base, group)
+        return draw_codes_kernel(logits, s.temperature, s.top_k, s.top_p, s.seeds, base, group, top_k_cap=s.top_k_cap)
     logits = logits.float()
     indices = base + group
     greedy = logits.argmax(dim=-1)
