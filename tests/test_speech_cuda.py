@@ -36,6 +36,26 @@ async def test_graphed_frames_write_the_eager_codes(params):
         assert torch.equal(a, b)
 
 
+async def test_a_prefill_past_the_largest_bucket_replays_pieces_with_the_eager_codes():
+    """Buckets of 8 and 16 rows: the six prompts starting together (tens of rows each) run
+    as several replays of the 16-row graph, and the codes are the eager prefill's."""
+    from omni_async.speech.prefill_graphs import PrefillGraphs
+
+    params = SpeechParams(max_frames=16, temperature=0.0, ignore_eos=True)
+    eager, _ = await _run(False, params)
+    async with SpeechPipeline.from_pretrained("tiny", device="cuda", dtype="float32", cuda_graphs=True) as tts:
+        runner = tts.stage.runner
+        old = runner.prefill_graphs
+        runner.prefill_graphs = PrefillGraphs(runner, scratch_page=old.scratch_page, max_pages=old.max_pages, buckets=(8, 16),
+                                              pool=old.pool)
+        runner.prefill_graphs.capture_all()
+        results = await asyncio.gather(*(tts.synthesize(t, voice=v, params=params) for t, v in zip(TEXTS, VOICES)))
+        replays, runs = runner.prefill_graphs.replays, runner.prefill_graphs.runs
+    assert replays > runs >= 1  # more replays than prefills: pieces
+    for a, b in zip(eager, [r.codes for r in results]):
+        assert torch.equal(a, b)
+
+
 async def test_the_three_loops_on_cuda():
     params = SpeechParams(max_frames=24, temperature=0.9, seed=9, ignore_eos=True)
     base, _ = await _run(True, params, "normal")
