@@ -66,22 +66,22 @@ def _draw_kernel(X, TEMP, TOPK, TOPP, SEEDS, BASE, OUT, V, GROUP, stride_x, stri
         else:
             ordered = tl.sort(keys, 0, descending=True)
         sz, sidx = _unkey(ordered, BLOCK)
-        offs = tl.arange(0, KEEP)
-        inside = offs < V
+        pos = tl.arange(0, KEEP)  # (new names: a runtime branch may not change a variable's shape)
+        held = pos < V
         k = tl.load(TOPK + row)
-        k = tl.where((k > 0) & (k < V) & (k < KEEP), k, tl.minimum(V, KEEP))
-        kth = tl.max(tl.where(offs == k - 1, sz, float("-inf")), 0)
-        e = tl.where((sz >= kth) & inside, _exp(sz), 0.0)
+        k = tl.where((k > 0) & (k < V) & (k < KEEP), k, tl.where(V < KEEP, V, KEEP))
+        kth = tl.max(tl.where(pos == k - 1, sz, float("-inf")), 0)
+        e = tl.where((sz >= kth) & held, _exp(sz), 0.0)
         p = e / tl.sum(e, 0)
         top_p = tl.load(TOPP + row)
         top_p = tl.where(top_p < 1.0, top_p, 2.0)  # off: above any mass before a token
-        drop = ((tl.cumsum(p, 0) - p) >= top_p) & (offs > 0)
+        drop = ((tl.cumsum(p, 0) - p) >= top_p) & (pos > 0)
         w = tl.where(drop, 0.0, e).to(tl.float64)
         u = _uniform(tl.load(SEEDS + row), tl.load(BASE + row) + GROUP)
         target = u * tl.sum(w, 0)
-        last = tl.max(tl.where(w > 0, offs, 0), 0)
+        last = tl.max(tl.where(w > 0, pos, 0), 0)
         pick = tl.minimum(tl.sum((tl.cumsum(w, 0) <= target).to(tl.int32), 0), last)
-        token = tl.sum(tl.where(offs == pick, sidx, 0), 0).to(tl.int64)
+        token = tl.sum(tl.where(pos == pick, sidx, 0), 0).to(tl.int64)
     tl.store(OUT + row * stride_o, token)
 
 
