@@ -270,6 +270,15 @@ def decode_splits(batch: int, kv_heads: int, sm_count: int) -> int:
     return max(1, min(DECODE_MAX_SPLITS, want // programs))
 
 
+def launch_splits(batch: int, kv_heads: int, sm_count: int, span: int, block_n: int) -> int:
+    """:func:`decode_splits`, but never more splits than the page tables' ``span``
+    (positions) has blocks of ``block_n``: a code predictor attends to one page (16
+    positions), where 32 splits at batch 1 were 31 empty programs a head and a merge kernel
+    for each of its 80 layer forwards a frame. The span is the tables' width, fixed for a
+    captured graph, so the count still never follows the lengths."""
+    return max(1, min(decode_splits(batch, kv_heads, sm_count), -(-span // block_n)))
+
+
 def paged_decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -287,9 +296,9 @@ def paged_decode_attention(
     kv_heads = k_cache.shape[1]
     q = q.contiguous()
     out = torch.empty_like(q)
-    if splits is None:
-        splits = decode_splits(bsz, kv_heads, _sm_count(q.device))
     block_n = max(16, min(DECODE_BLOCK_N, DECODE_MAX_TILE // _pow2(dim)))
+    if splits is None:
+        splits = launch_splits(bsz, kv_heads, _sm_count(q.device), block_tables.shape[1] * page_size, block_n)
     min_seg = -(-DECODE_MIN_SPLIT_LEN // block_n) * block_n
     if splits > 1:
         # Scratch comes from the caching allocator: inside a graph capture, the graph's
