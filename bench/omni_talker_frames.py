@@ -33,10 +33,9 @@ from omni_async.speech.omni_config import OmniTalkerConfig
 from omni_async.speech.omni_stage import build_omni_talker_stage, talker_request
 from omni_async.speech.omni_talker import TalkerPrompt
 
+from omni_serving import CODEC_IDS, TALKER  # noqa: E402  (the end-to-end benchmark's shapes: one place)
+
 FRAME_RATE = 12.5
-# Codec ids assumed as Qwen3-TTS 12 Hz's (transformers' defaults lie outside the 3,072-id vocabulary).
-CODEC_IDS = dict(codec_pad_id=2148, codec_bos_id=2149, codec_eos_token_id=2150, codec_nothink_id=2155,
-                 codec_think_bos_id=2156, codec_think_eos_id=2157)
 
 
 def talker_config(groups: int, smoke: bool) -> OmniTalkerConfig:
@@ -46,6 +45,7 @@ def talker_config(groups: int, smoke: bool) -> OmniTalkerConfig:
     t = raw["talker_config"]
     t.update(CODEC_IDS)
     t["code_predictor_config"]["num_code_groups"] = groups
+    t["text_config"].update(TALKER)  # transformers' defaults name no experts
     if smoke:
         t["text_config"].update(num_hidden_layers=2, num_experts=8, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
                                 shared_expert_intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16)

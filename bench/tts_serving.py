@@ -240,6 +240,10 @@ async def run(args) -> dict:
         limits["codec_graphs"] = args.codec_graphs == "on"
     if args.decode_steps is not None:
         limits["decode_steps"] = args.decode_steps
+    if args.fused_snake is not None:
+        from omni_async.speech import codec_layers
+
+        codec_layers.FUSED_SNAKE = args.fused_snake == "on"
     tts = SpeechPipeline.from_pretrained(args.model, device=args.device, loop=args.loop, dtype=args.dtype, **limits)
     out["load_s"] = round(time.perf_counter() - t0, 2)
     async with tts:
@@ -443,6 +447,8 @@ def main() -> None:
     ap.add_argument("--port", type=int, default=8790)
     ap.add_argument("--kv-tokens", type=int, default=None, help="the talker's KV positions (default: the stage's)")
     ap.add_argument("--codec-graphs", choices=("on", "off"), default=None, help="the codec's calls as CUDA graphs (default: the pipeline's)")
+    ap.add_argument("--fused-snake", choices=("on", "off"), default=None,
+                    help="CUDA: the vocoder's SnakeBeta as one Triton pass (on, the default) or torch ops")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     args.arms = args.arms.split(",")

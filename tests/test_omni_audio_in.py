@@ -75,7 +75,9 @@ def hearing_model(tmp_path_factory):
     reference = Qwen3OmniMoeForConditionalGeneration(hearing_config()).eval()
     spread(reference.talker)
     with torch.no_grad():
-        for name, p in reference.thinker.model.audio_tower.named_parameters():
+        # transformers 5 holds the tower in the thinker's model, 4.57 (the GPU machine's) on the thinker
+        tower = getattr(reference.thinker, "audio_tower", None) or reference.thinker.model.audio_tower
+        for name, p in tower.named_parameters():
             p.normal_(1.0 if "norm" in name and name.endswith("weight") else 0.0, 0.3)
     reference.save_pretrained(folder)
     WhisperFeatureExtractor(feature_size=MELS).save_pretrained(folder)

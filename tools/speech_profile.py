@@ -96,6 +96,51 @@ def codec_graphed(tts: SpeechPipeline, batches=(1, 16, 64), frames=(2, 4, 8, 16)
     return out
 
 
+def codec_variants(tts: SpeechPipeline, shapes=((64, 8), (16, 8), (1, 4))) -> dict:
+    """The codec's graphed call with SnakeBeta as torch ops or one Triton pass, cuDNN's
+    algorithm search off or on: fresh slots and graphs per variant (the flags are read at
+    capture), ms a call by (streams, frames); then torch.profiler's kernel table of the
+    default variant's (64, 8) call."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from omni_async.speech import codec_layers
+    from omni_async.speech.codec_graphs import CodecGraphs
+    from omni_async.speech.codec_slots import CodecSlots
+    dec = tts.codec.decoder
+    rows, table = [], ""
+    stream = torch.cuda.Stream()
+    for snake, bench in ((False, False), (True, False), (False, True), (True, True)):
+        codec_layers.FUSED_SNAKE, torch.backends.cudnn.benchmark = snake, bench
+        with torch.cuda.stream(stream):
+            slots = CodecSlots(dec, 64)
+            graphs = CodecGraphs(slots, batches=tuple(sorted({b for b, _ in shapes})), frames=tuple(sorted({f for _, f in shapes})))
+            opened = [slots.open() for _ in range(64)]
+            for b, f in shapes:
+                codes = torch.randint(0, 2048, (b, f, 16), device="cuda")
+                for _ in range(3):
+                    graphs.run(codes, opened[:b])
+                torch.cuda.synchronize()
+                n = 10
+                t0 = time.perf_counter()
+                for _ in range(n):
+                    graphs.run(codes, opened[:b])
+                torch.cuda.synchronize()
+                ms = 1000 * (time.perf_counter() - t0) / n
+                rows.append({"fused_snake": snake, "cudnn_benchmark": bench, "streams": b, "frames": f, "ms_per_call": round(ms, 3)})
+                print("codec variant", rows[-1], flush=True)
+                if snake and not bench and (b, f) == shapes[0]:
+                    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                        for _ in range(3):
+                            graphs.run(codes, opened[:b])
+                        torch.cuda.synchronize()
+                    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=20)
+                    print(table, flush=True)
+        del graphs, slots
+        torch.cuda.empty_cache()
+    codec_layers.FUSED_SNAKE, torch.backends.cudnn.benchmark = True, False
+    return {"variants": rows, "profile_table": table}
+
+
 def draw_alone(rows_list=(1, 64), vocab: int = 2048) -> list[dict]:
     """The predictor's sampled draw kernel alone: us a launch over the whole row's sort
     against the top-k cap's (the checkpoints' top_k 50 within a cap of 64)."""
@@ -168,7 +213,7 @@ async def main(args) -> None:
     res = {"gpu": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "talker": [], "codec": []}
     async with tts:
         await talker_only(tts, 2, 8)  # warm-up
-        for b in args.batches:
+        for b in args.batches if args.frames else []:
             r = await talker_only(tts, b, args.frames)
             if args.steady:  # the same batch at twice the frames: the difference is frames without the prompts
                 r2 = await talker_only(tts, b, 2 * args.frames)
@@ -184,12 +229,14 @@ async def main(args) -> None:
             table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
             print(table)
             res["profile_table"] = table
-        if args.device == "cuda":
+        if args.device == "cuda" and not args.no_predictor:
             res["draw"] = draw_alone()
             res["predictor"] = predictor_alone(tts, args.batches)
         if args.device == "cuda" and tts.codec.graphs is not None:
             with torch.inference_mode():
                 res["codec_graphed"] = codec_graphed(tts)
+                if args.codec_variants:
+                    res["codec_variants"] = codec_variants(tts)
         if not args.no_codec:
             with torch.inference_mode():
                 res["codec"] = codec_calls(tts, args.device)
@@ -204,9 +251,11 @@ if __name__ == "__main__":
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default=None)
     ap.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 16, 64])
-    ap.add_argument("--frames", type=int, default=64)
+    ap.add_argument("--frames", type=int, default=64, help="frames a request in the talker's timings (0: none)")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--steady", action="store_true", help="also run each batch at twice the frames: ms a frame without the prompts")
-    ap.add_argument("--no-codec", action="store_true", help="leave out the codec's calls")
+    ap.add_argument("--no-codec", action="store_true", help="leave out the codec's eager calls")
+    ap.add_argument("--no-predictor", action="store_true", help="leave out the predictor's and the draw's own timings")
+    ap.add_argument("--codec-variants", action="store_true", help="CUDA: the codec's graphed call with and without the fused SnakeBeta, cuDNN search")
     ap.add_argument("--out", default=None)
     asyncio.run(main(ap.parse_args()))

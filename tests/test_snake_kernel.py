@@ -1,0 +1,57 @@
+"""The vocoder's one-pass SnakeBeta kernel (what CUDA runs) against the torch ops of
+:class:`omni_async.speech.codec_layers.SnakeBeta`: on the CPU through Triton's interpreter
+in a process of its own, on CUDA directly (and the codec's graphed calls use it)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from .triton_interpreter import run_interpreted
+
+COMPARE = r'''
+import torch
+from omni_async.kernels.snake import snake_beta
+
+
+def reference(x, alpha, beta):
+    a = alpha.exp()[None, :, None]
+    return x + (1.0 / (beta.exp()[None, :, None] + 1e-9)) * torch.sin(x * a).pow(2)
+
+
+def compare(device, dtype, shapes):
+    gen = torch.Generator().manual_seed(3)
+    worst = 0.0
+    for b, c, t in shapes:
+        x = (torch.randn(b, c, t, generator=gen) * 2).to(device, dtype)
+        alpha, beta = (torch.randn(c, generator=gen) * 0.5).to(device), (torch.randn(c, generator=gen) * 0.5).to(device)
+        got = snake_beta(x, alpha, beta)
+        sliced = torch.cat([x, x], dim=-1)[..., 3:3 + t]  # a strided view, read in place
+        assert torch.equal(snake_beta(sliced, alpha, beta), snake_beta(sliced.contiguous(), alpha, beta))
+        assert got.shape == x.shape and got.dtype == dtype
+        want = reference(x.double(), alpha.double(), beta.double())
+        worst = max(worst, ((got.double() - want).abs() / (1 + want.abs())).max().item())
+    return worst
+'''
+
+needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")
+
+
+@needs_triton
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the compiled kernel's test below runs instead")
+def test_snake_kernel_equals_the_torch_ops_in_the_interpreter():
+    script = COMPARE + "\nprint('RESULT', compare('cpu', torch.float32, [(2, 3, 50), (1, 4, 1500), (3, 2, 16)]))\n"
+    done = run_interpreted(script, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert float(done.stdout.split("RESULT")[1]) < 1e-5
+
+
+@needs_triton
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+def test_cuda_snake_kernel_equals_the_torch_ops(dtype, tol):
+    namespace: dict = {}
+    exec(compile(COMPARE, "snake_compare", "exec"), namespace)
+    assert namespace["compare"]("cuda", dtype, [(2, 96, 1920 * 8), (64, 768, 32), (1, 1536, 3), (5, 7, 1)]) < tol
