@@ -240,6 +240,8 @@ async def run(args) -> dict:
         limits["codec_graphs"] = args.codec_graphs == "on"
     if args.decode_steps is not None:
         limits["decode_steps"] = args.decode_steps
+    if args.codec_stream is not None:
+        limits["codec_stream"] = args.codec_stream
     if args.fused_snake is not None:
         from omni_async.speech import codec_layers
 
@@ -447,6 +449,8 @@ def main() -> None:
     ap.add_argument("--port", type=int, default=8790)
     ap.add_argument("--kv-tokens", type=int, default=None, help="the talker's KV positions (default: the stage's)")
     ap.add_argument("--codec-graphs", choices=("on", "off"), default=None, help="the codec's calls as CUDA graphs (default: the pipeline's)")
+    ap.add_argument("--codec-stream", choices=("own", "talker"), default=None,
+                    help="CUDA: the codec's calls on a stream of their own (the default) or between the talker's steps on its stream")
     ap.add_argument("--fused-snake", choices=("on", "off"), default=None,
                     help="CUDA: the vocoder's SnakeBeta as one Triton pass (on, the default) or torch ops")
     ap.add_argument("--out", default=None)

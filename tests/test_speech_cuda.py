@@ -70,3 +70,20 @@ async def test_real_shapes_run_in_bf16_and_stream():
                                              params=SpeechParams(max_frames=30, ignore_eos=True, seed=1))]
     assert sum(len(c.codes) for c in chunks) == 30 and chunks[-1].finished
     assert all(c.audio.dtype.name == "float32" for c in chunks)
+
+
+async def test_the_codec_on_the_talkers_stream_gives_the_same_codes_and_audio():
+    """``codec_stream="talker"``: the codec's graphed calls queued between the talker's
+    steps on one stream write what they write on a stream of their own."""
+    params = SpeechParams(max_frames=20, temperature=0.9, seed=2, ignore_eos=True)
+    out = {}
+    for where in ("own", "talker"):
+        async with SpeechPipeline.from_pretrained("tiny", device="cuda", dtype="float32", codec_stream=where) as tts:
+            if where == "talker":
+                assert tts.codec._cuda_stream is tts.stage.runner.stream
+            results = await asyncio.gather(*(tts.synthesize(t, voice=v, params=params) for t, v in zip(TEXTS, VOICES)))
+            assert tts.codec.graph_replays > 0
+        out[where] = results
+    for a, b in zip(out["own"], out["talker"]):
+        assert torch.equal(a.codes, b.codes)
+        assert a.audio.shape == b.audio.shape and float(abs(a.audio - b.audio).max()) < 1e-5

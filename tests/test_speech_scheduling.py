@@ -53,6 +53,11 @@ async def test_deadline_with_a_row_budget_writes_fcfs_codes(loop):
         assert torch.equal(a, b)
 
 
+def test_a_codec_stream_other_than_own_or_talker_is_a_config_error():
+    with pytest.raises(errors.ConfigError, match="codec_stream"):
+        SpeechPipeline.from_pretrained("tiny", codec_stream="sideways")
+
+
 async def test_each_stream_exposes_its_playback_state():
     async with SpeechPipeline.from_pretrained("tiny", loop="normal") as tts:
         stream = tts.stream(TEXTS[0], voice="ryan", params=LONG, request_id="listened")

@@ -101,7 +101,7 @@ class CodecStream:
 class CodecStage:
     def __init__(self, decoder: StreamDecoder, device: torch.device, *, first_chunk_frames: int = 2, max_chunk_frames: int = 32,
                  cuda_graphs: bool = True, slots: int | None = None, max_streams_per_round: int | None = None,
-                 max_frames_per_round: int | None = None) -> None:
+                 max_frames_per_round: int | None = None, stream: Any = None) -> None:
         if first_chunk_frames < 1 or max_chunk_frames < first_chunk_frames:
             raise ValueError("chunk sizes: 1 <= first_chunk_frames <= max_chunk_frames")
         for name, cap in (("max_streams_per_round", max_streams_per_round), ("max_frames_per_round", max_frames_per_round)):
@@ -121,7 +121,9 @@ class CodecStage:
         self.first_chunk_frames, self.max_chunk_frames = first_chunk_frames, max_chunk_frames
         self.sample_rate: int = decoder.sample_rate
         self.frame_seconds = decoder.samples_per_frame / decoder.sample_rate
-        self._cuda_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        # ``stream``: a CUDA stream to queue the calls on (another stage's, to run between its
+        # steps); by default one of the codec's own.
+        self._cuda_stream = stream if stream is not None else torch.cuda.Stream(device) if device.type == "cuda" else None
         # On CUDA room for 64 streams from the start (2.6 MB each at the released size in
         # bf16): a grow drops the captured graphs. The store and the graphs' inputs belong
         # to the codec's stream (made there, and the stream waits for their zeros), so

@@ -52,7 +52,8 @@ class SpeechPipeline:
     chunks as they are decoded."""
 
     def __init__(self, stage: SpeechStage, codec: CodecDecoder, *, first_chunk_frames: int = 2, max_chunk_frames: int = 32,
-                 codec_graphs: bool | None = None, schedule: SpeechSchedule | dict[str, Any] | None = None) -> None:
+                 codec_graphs: bool | None = None, schedule: SpeechSchedule | dict[str, Any] | None = None,
+                 codec_stream: str = "own") -> None:
         self.stage = stage
         self.engine = stage.engine
         self.model = stage.model
@@ -61,8 +62,13 @@ class SpeechPipeline:
         # talker's frames are graphed (eager, a codec call is hundreds of small launches:
         # 64 streams of the 1.7B shape on an H100 made 88 audio-s/s with it, 258 graphed).
         graphed = stage.runner.frame_graphs is not None
+        # ``codec_stream``: "own" (the codec's calls on a stream of their own, beside the
+        # talker's steps) or "talker" (queued on the talker's stream, between its steps:
+        # the device runs one stage at a time, neither waiting for SMs the other holds).
+        _check_codec_stream(codec_stream)
         self.codec = CodecStage(codec, stage.runner.device, first_chunk_frames=first_chunk_frames, max_chunk_frames=max_chunk_frames,
-                                cuda_graphs=graphed if codec_graphs is None else codec_graphs and graphed)
+                                cuda_graphs=graphed if codec_graphs is None else codec_graphs and graphed,
+                                stream=stage.runner.stream if codec_stream == "talker" else None)
         self.sample_rate = codec.sample_rate
         self._tg: Any = None
         self._ids = itertools.count()
@@ -78,14 +84,16 @@ class SpeechPipeline:
     @classmethod
     def from_pretrained(cls, path_or_name: str, *, device: str = "cpu", loop: str = "overlap", dtype: Any = None, seed: int = 0,
                         first_chunk_frames: int = 2, max_chunk_frames: int = 32, codec_graphs: bool | None = None,
-                        schedule: SpeechSchedule | dict[str, Any] | None = None, **limits: Any) -> "SpeechPipeline":
+                        schedule: SpeechSchedule | dict[str, Any] | None = None, codec_stream: str = "own",
+                        **limits: Any) -> "SpeechPipeline":
         """A Qwen3-TTS 12 Hz checkpoint folder (the ``qwen-tts`` layout), or a built-in
         random-weight model: ``"tiny"`` (tests, the CPU demo), ``"0.6b"``, ``"1.7b"``
         (the released sizes' shapes, for speed runs). ``codec_graphs``: the codec's calls
         as CUDA graphs (default: where the talker's frames are graphed, see ``__init__``). ``schedule``: how streams share the
         stages (:class:`SpeechSchedule`: the deadline policy by default, no admission
-        limits). ``limits``: SchedulerConfig fields."""
+        limits). ``codec_stream``: see ``__init__``. ``limits``: SchedulerConfig fields."""
         schedule = SpeechSchedule.of(schedule)  # a bad one fails before the model loads
+        _check_codec_stream(codec_stream)
         stage = build_speech_stage(path_or_name, device=device, loop=loop, dtype=dtype, seed=seed, **limits)
         dev, dt = stage.runner.device, stage.model.dtype
         if stage.folder is not None:
@@ -94,7 +102,7 @@ class SpeechPipeline:
             codec = CodecDecoder.random(_codec_config(builtin_name(path_or_name) or ""), device=dev, dtype=torch.float32 if dev.type == "cpu" else dt,
                                         seed=seed)
         return cls(stage, codec, first_chunk_frames=first_chunk_frames, max_chunk_frames=max_chunk_frames, codec_graphs=codec_graphs,
-                   schedule=schedule)
+                   schedule=schedule, codec_stream=codec_stream)
 
     @classmethod
     async def load(cls, path_or_name: str, **kwargs: Any) -> "SpeechPipeline":
@@ -292,3 +300,8 @@ def _codec_config(name: str) -> CodecConfig:
     """The codec of a built-in model: the released decoder's shapes for a released size,
     a small one (the shapes of the test checkpoint's decoder) for ``tiny``."""
     return CodecConfig.tiny() if name == "tiny" else CodecConfig.qwen3_tts_12hz()
+
+
+def _check_codec_stream(value: str) -> None:
+    if value not in ("own", "talker"):
+        raise errors.ConfigError(f"codec_stream must be 'own' or 'talker', got {value!r}")
