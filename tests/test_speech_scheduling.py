@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import time
 
 import anyio
 import pytest
@@ -14,7 +15,7 @@ import torch
 
 from omni_async import errors
 from omni_async.speech import SpeechParams, SpeechPipeline, SpeechSchedule
-from omni_async.speech.admission import FrameClock, SpeechAdmission
+from omni_async.speech.admission import AudioRate, FrameClock, SpeechAdmission
 
 TEXTS = ["Hello there.", "A somewhat longer sentence for the talker to speak.", "Short one", "Numbers like 42 and 7.",
          "One more voice joins.", "And the last of six."]
@@ -142,6 +143,57 @@ def test_the_frame_clock_fits_the_cost_of_a_frame_by_batch_size():
     assert clock.frame_seconds(16) == pytest.approx(0.010 + 0.005 * 8, rel=1e-6)  # one size left: flat
     now[0] += 2.0
     assert clock.frame_seconds(16) is None
+
+
+def test_the_codecs_audio_rate_is_a_moving_average_forgotten_when_old():
+    now = [0.0]
+    rate = AudioRate(weight=0.5, max_age_s=5.0, clock=lambda: now[0])
+    assert rate.rate() is None
+    rate.observe(2.0, 0.1)  # 2 s of audio in 0.1 s
+    assert rate.rate() == pytest.approx(20.0)
+    now[0] = 1.0
+    rate.observe(1.0, 0.1)
+    assert rate.rate() == pytest.approx(15.0)
+    now[0] = 7.0
+    assert rate.rate() is None  # measured under a load long gone
+    rate.observe(3.0, 0.1)
+    assert rate.rate() == pytest.approx(30.0)  # afresh, not averaged with the stale figure
+
+
+async def test_admission_holds_streams_the_codec_cannot_feed():
+    """The talker's estimate says yes (no frame measured); the codec, measured at 10 audio
+    seconds a second, can feed 8 streams with the 20% margin: the 9th is held, then refused
+    at the end of its wait, and admitted once a stream ends."""
+    running = [8]
+    rate = AudioRate()
+    rate.observe(1.0, 0.1)
+    gate = SpeechAdmission(lambda: running[0], FrameClock(), frame_s=0.08, wait_s=0.05, audio_rate=rate)
+    assert gate.fits() == (False, "codec_behind")
+    with pytest.raises(errors.OverloadedError, match="codec_behind"):
+        await gate.enter()
+    assert gate.refused == {"ttfp_budget": 1}
+    running[0] = 7
+    assert gate.fits() == (True, "")
+    await gate.enter()
+    gate.audio_rate = None  # the talker's measure alone: never held by the codec
+    running[0] = 50
+    assert gate.fits() == (True, "")
+
+
+async def test_the_codec_measures_its_rate_over_rounds_run_back_to_back():
+    """Six streams at once through rounds of at most two frames: frames wait for the codec,
+    so rounds follow one another and the codec's rate (what the gate reads) is measured:
+    audio seconds decoded a second of rounds, at least all the audio over the wall."""
+    params = [SpeechParams(max_frames=24, temperature=0, ignore_eos=True)] * len(TEXTS)
+    async with SpeechPipeline.from_pretrained("tiny", schedule={"codec_max_frames": 2}) as tts:
+        assert tts.info()["speech"]["codec_audio_rate"] is None
+        t0 = time.perf_counter()
+        await _all_codes(tts, params)
+        wall = time.perf_counter() - t0
+        rate = tts.info()["speech"]["codec_audio_rate"]
+    assert rate is not None and rate > 0
+    audio = 24 * len(TEXTS) * tts.codec.frame_seconds
+    assert rate >= audio / wall  # rounds are part of the wall: their rate is at least the overall one
 
 
 async def test_admission_holds_streams_the_talker_cannot_feed_in_real_time():

@@ -17,6 +17,14 @@ largest size measured along the slope of the two largest), and admission holds w
 stays under the frame's duration (80 ms) less a margin. Until two batch sizes have been
 measured the cost is taken as flat (one more stream is let in, and measured); a stream
 that would run alone is never held by the estimate.
+
+The talker is not the only stage that must keep up: every running stream needs a second of
+audio decoded each second it plays, and at tens of streams the codec, not the talker, is
+the bound (an H100, the 1.7B shape: the talker writes ~4,800 frames a second beside it, the
+codec decodes ~3,300). So the gate also reads the codec's rate (:class:`AudioRate`: audio
+seconds decoded per second over rounds that ran back to back, when frames were waiting for
+it) and holds while the streams it must feed, one more included, exceed that rate less the
+margin.
 """
 
 from __future__ import annotations
@@ -30,7 +38,7 @@ import anyio
 
 from .. import errors
 
-__all__ = ["FrameClock", "SpeechAdmission"]
+__all__ = ["AudioRate", "FrameClock", "SpeechAdmission"]
 
 
 class FrameClock:
@@ -96,14 +104,44 @@ class FrameClock:
         return known[hi] + slope * (rows - hi)
 
 
+class AudioRate:
+    """Audio seconds the codec decodes per second of its rounds, over rounds that start as
+    the one before ends (frames were waiting: the codec is the bound then, and this is what
+    it can deliver beside the talker), a moving average; forgotten after ``max_age_s``
+    without such a round (a rate measured under a load long gone)."""
+
+    def __init__(self, weight: float = 0.2, max_age_s: float = 10.0, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.weight, self.max_age_s, self.clock = weight, max_age_s, clock
+        self._rate: float | None = None
+        self._at = 0.0
+
+    def observe(self, audio_s: float, took_s: float) -> None:
+        if took_s <= 0:
+            return
+        sample, now = audio_s / took_s, self.clock()
+        fresh = self._rate is not None and now - self._at <= self.max_age_s
+        self._rate = self._rate + self.weight * (sample - self._rate) if fresh and self._rate is not None else sample
+        self._at = now
+
+    def rate(self) -> float | None:
+        if self._rate is None or self.clock() - self._at > self.max_age_s:
+            return None
+        return self._rate
+
+
 class SpeechAdmission:
-    """The gate in front of the talker (see module). ``running()``: streams running now."""
+    """The gate in front of the talker (see module). ``running()``: streams on the talker
+    now; ``playing()``: streams the codec still feeds (those plus any whose last frames it
+    is decoding); ``audio_rate``: the codec's measure (none: the talker's alone)."""
 
     def __init__(self, running: Callable[[], int], clock: FrameClock, *, frame_s: float, max_streams: int | None = None,
                  max_waiting: int | None = None, wait_s: float | None = None, margin: float = 0.2,
-                 rows_per_step: int | None = None) -> None:
+                 rows_per_step: int | None = None, audio_rate: AudioRate | None = None,
+                 playing: Callable[[], int] | None = None) -> None:
         self.running = running
+        self.playing = playing or running
         self.frame_clock = clock
+        self.audio_rate = audio_rate
         self.frame_s = frame_s
         self.max_streams, self.max_waiting, self.wait_s, self.margin = max_streams, max_waiting, wait_s, margin
         self.rows_per_step = rows_per_step  # a decode step's row budget: more rows take several steps a frame
@@ -133,6 +171,9 @@ class SpeechAdmission:
             cost = self.frame_clock.frame_seconds(min(n, per_step))
             if cost is not None and cost * math.ceil(n / per_step) > self.frame_s * (1 - self.margin):
                 return False, "underrun_risk"
+            rate = None if self.audio_rate is None else self.audio_rate.rate()
+            if rate is not None and self.playing() + extra > rate * (1 - self.margin):  # a second of audio a second each
+                return False, "codec_behind"
         return True, ""
 
     async def enter(self) -> None:

@@ -45,6 +45,7 @@ import torch
 
 from ..stage.executor import await_future
 from .codec_base import StreamDecoder
+from .admission import AudioRate
 from .codec_graphs import CodecGraphs
 from .codec_slots import CodecSlots
 from .playback import Playback
@@ -115,6 +116,9 @@ class CodecStage:
         self.max_frames_per_round = max_frames_per_round
         self.rounds = 0
         self.largest_round_frames = 0
+        # Audio seconds decoded a second over rounds run back to back (the admission gate's
+        # measure of what the codec can feed).
+        self.audio_rate = AudioRate()
         # Called with each round's seconds on the loop (metrics).
         self.round_observers: list[Any] = []
         self.decoder, self.device = decoder, device
@@ -234,11 +238,15 @@ class CodecStage:
             while True:
                 await self._wake.wait()
                 self._wake = anyio.Event()
+                back_to_back = False
                 while True:
                     ready = self._ready()
                     if not ready:
                         break
-                    await self._decode(ready)
+                    took = await self._decode(ready)
+                    if back_to_back:  # frames were waiting for this round: the codec is the bound
+                        self.audio_rate.observe(sum(n for _, n in ready) * self.frame_seconds, took)
+                    back_to_back = True
         finally:
             if self._thread is not None:
                 self._thread.shutdown(wait=False, cancel_futures=True)
@@ -294,7 +302,7 @@ class CodecStage:
         stream.pending_frames -= n
         return chunk.to(torch.long)
 
-    async def _decode(self, ready: list[tuple[CodecStream, int]]) -> None:
+    async def _decode(self, ready: list[tuple[CodecStream, int]]) -> float:
         """One round: the ready streams' chunks, one call per chunk length, on the codec's
         thread. What the thread needs is read here, on the loop (a stream closed while the
         call runs gives its slot back only after the call); streams new to the codec get
@@ -336,6 +344,7 @@ class CodecStage:
                 self.frames_decoded += int(codes.shape[1])
                 if not s.closed:
                     self._deliver(s, codes[j], pcm[j])
+        return took
 
     def _decode_off_loop(self, known: dict[int, int], new: list[int], calls: list[tuple[list[int], list[torch.Tensor]]],
                          taken: Any) -> tuple[dict[int, int], list[tuple[torch.Tensor, np.ndarray]]]:

@@ -75,7 +75,8 @@ class SpeechPipeline:
         self._streams: dict[str, CodecStream] = {}  # the open streams by request id: their playback
         self._talking: set[str] = set()  # streams whose talker request runs (admission counts them)
         self.frame_clock = FrameClock()
-        self.admission = SpeechAdmission(lambda: len(self._talking), self.frame_clock, frame_s=1.0 / FRAME_RATE)
+        self.admission = SpeechAdmission(lambda: len(self._talking), self.frame_clock, frame_s=1.0 / FRAME_RATE,
+                                         audio_rate=self.codec.audio_rate, playing=self.codec.active)
         self.schedule = SpeechSchedule()
         self.set_schedule(schedule)
         self.codec.capture_graphs()  # every call a round under the schedule's frame budget makes
@@ -185,7 +186,8 @@ class SpeechPipeline:
                                    "frame_rate": FRAME_RATE, "codec_calls": self.codec.calls,
                                    "codec_frames": self.codec.frames_decoded, "codec_rounds": self.codec.rounds,
                                    "codec_largest_round_frames": self.codec.largest_round_frames, "codec_streams": self.codec.active(),
-                                   "codec_graph_replays": self.codec.graph_replays, "scheduling_policy": self.schedule.policy,
+                                   "codec_graph_replays": self.codec.graph_replays, "codec_audio_rate": self.codec.audio_rate.rate(),
+                                   "scheduling_policy": self.schedule.policy,
                                    "streams_in_underrun": self.streams_in_underrun(), **self.admission.stats(),
                                    "streams": {rid: s.playback.snapshot() for rid, s in self._streams.items()}}}
 
