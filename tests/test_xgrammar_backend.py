@@ -128,6 +128,24 @@ def test_a_json_string_takes_no_surrogate_as_llguidance_takes_none(schema):
             compiler.close()
 
 
+@pytest.mark.parametrize("regex", ["a.b", "a[^x]b"])
+def test_a_regexs_any_character_takes_no_surrogate(regex):
+    """A regex's ``.`` and its negated classes, after a character's first byte 0xED: the
+    continuation bytes UTF-8 allows there, under both libraries."""
+    tok = ByteTokenizer()
+    vocab, words = tok.vocab_size, (tok.vocab_size + 31) // 32
+    for backend in ("xgrammar", "llguidance"):
+        compiler = GrammarCompiler(tok, vocab, backend=backend)
+        try:
+            m = compiler.matcher(("regex", regex))
+            for t in (ord("a"), 0xED):
+                m.accept(t, prefetch=False)
+            assert m.failed is None
+            assert set(allowed(mask_of(m, words), vocab).tolist()) == set(range(0x80, 0xA0)), backend
+        finally:
+            compiler.close()
+
+
 def test_what_xgrammar_does_not_take_stays_with_llguidance():
     tok = ByteTokenizer()
     xg = GrammarCompiler(tok, tok.vocab_size, backend="xgrammar")

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
 import threading
 from typing import Any, Sequence
 
@@ -72,7 +73,7 @@ class XGrammarLibrary:
         if kind == "json_schema":
             compiled = self._compiler.compile_grammar(json_ebnf(self._xgr, "{}" if text == "true" else text))
         elif kind == "regex":
-            compiled = self._compiler.compile_regex(text)
+            compiled = self._compiler.compile_grammar(regex_ebnf(self._xgr, text))
         else:
             raise ValueError(f"xgrammar does not take {kind!r} here")
         return XGrammarHandle(self._xgr.GrammarMatcher(compiled), self.words, self.stop_ids)
@@ -97,6 +98,23 @@ def json_ebnf(xgrammar: Any, schema: str) -> str:
         separators=(JSON_DEFAULTS["item_separator"], JSON_DEFAULTS["key_separator"]))
     text = str(grammar).replace(_BOUNDED_STRING_CHAR, _STRING_CHAR)
     return text.replace(_STRING_CHAR, _JSON_STRING_CHAR)
+
+
+# A string literal or a character class of xgrammar's EBNF (escapes kept whole; a literal
+# is matched only to be left as it is), and what its regexes' ``.`` becomes.
+_CLASS = re.compile(r'"(?:\\.|[^"\\])*"|\[(\^?)((?:\\.|[^\]\\])*)\]')
+_ANY_CHAR = r"[\0-\U0010ffff]"
+_NO_SURROGATE = r"\ud800-\udfff"
+
+
+def regex_ebnf(xgrammar: Any, regex: str) -> str:
+    """The grammar xgrammar makes of ``regex``, with no character admitting a UTF-16
+    surrogate's encoding (see ``_JSON_STRING_CHAR``): ``.`` is every character but those,
+    and a negated class leaves them out too. A positive class whose own range spans them
+    (``[\u0000-\uffff]``) is left as written."""
+    text = _CLASS.sub(lambda m: f"[^{m.group(2)}{_NO_SURROGATE}]" if m.group(1) else m.group(0),
+                      str(xgrammar.Grammar.from_regex(regex)))
+    return text.replace(_ANY_CHAR, f"[^{_NO_SURROGATE}]")
 
 
 class XGrammarHandle:
