@@ -3,15 +3,23 @@ reference ops everywhere."""
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 
 import torch
 
 
+@functools.cache
+def _triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
 def triton_available(device: torch.device | str | None = None) -> bool:
+    """CUDA with Triton importable (asked per call by eager paths: the import lookup is
+    made once)."""
     if device is not None and torch.device(device).type != "cuda":
         return False
-    return torch.cuda.is_available() and importlib.util.find_spec("triton") is not None
+    return torch.cuda.is_available() and _triton_installed()
 
 
 def model_ops(*, triton: bool, cpu: bool):
