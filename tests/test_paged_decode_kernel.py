@@ -94,10 +94,11 @@ assert pd.decode_splits(1, 2, 132) == pd.DECODE_MAX_SPLITS
 assert pd.decode_splits(512, 2, 132) == 1
 assert all(pd.decode_splits(b, 2, 132) >= pd.decode_splits(b + 1, 2, 132) for b in range(1, 300))
 assert [pd.decode_splits(b, 2, 132) for b in (64, 180, 256)] == [4, 1, 1]  # the H200's sweep
-# ... and never past the tables' span in blocks (a one-page predictor: one split).
+# ... and one split where the tables span one block (a one-page predictor), else the same.
 assert pd.launch_splits(1, 8, 132, 16, 64) == 1
-assert pd.launch_splits(1, 2, 132, 200, 64) == 4
-assert pd.launch_splits(1, 2, 132, 64 * 1024, 64) == pd.DECODE_MAX_SPLITS
+assert pd.launch_splits(1, 8, 132, 64, 64) == 1
+assert pd.launch_splits(1, 2, 132, 200, 64) == pd.decode_splits(1, 2, 132) == pd.DECODE_MAX_SPLITS
+assert pd.launch_splits(64, 2, 132, 64 * 1024, 64) == pd.decode_splits(64, 2, 132)
 pd.DECODE_SPLITS = 4
 assert pd.decode_splits(512, 2, 132) == 4
 print("ok", checked)

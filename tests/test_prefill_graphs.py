@@ -27,17 +27,19 @@ async def _codes(loop: str, rows: bool, params: SpeechParams, buckets: tuple[int
                                                   **({"buckets": buckets} if buckets else {}))
         together = await asyncio.gather(*(tts.synthesize(t, voice=v, params=params) for t, v in zip(TEXTS, VOICES)))
         again = await tts.synthesize(TEXTS[1], voice=VOICES[1], params=params)  # its prompt's pages cached now
-        runs = 0 if runner.prefill_graphs is None else runner.prefill_graphs.runs
-    return [r.codes for r in together] + [again.codes], runs
+        graphs = runner.prefill_graphs
+        runs = 0 if graphs is None else graphs.runs
+        pieced = 0 if graphs is None else graphs.pieced
+    return [r.codes for r in together] + [again.codes], (runs, pieced)
 
 
 @pytest.mark.parametrize("loop", ["normal", "overlap", "async_decode"])
 @pytest.mark.parametrize("params", [SpeechParams(max_frames=10, temperature=0.0, ignore_eos=True),
                                     SpeechParams(max_frames=10, temperature=0.9, seed=5, ignore_eos=True)], ids=["greedy", "seeded"])
 async def test_prefills_as_decode_rows_write_the_extend_paths_codes(loop, params):
-    extend, none = await _codes(loop, False, params)
-    rows, runs = await _codes(loop, True, params)
-    assert none == 0 and runs >= 2  # every prefill step of the second run went through the rows
+    extend, (none, _) = await _codes(loop, False, params)
+    rows, (runs, pieced) = await _codes(loop, True, params)
+    assert none == 0 and runs >= 2 and pieced == 0  # every prefill step of the second run went through the rows
     for a, b in zip(extend, rows):
         assert a.shape == (10, 16)
         assert torch.equal(a, b)
@@ -49,7 +51,7 @@ async def test_a_prefill_past_the_largest_bucket_runs_as_pieces_with_the_extend_
     later piece attends to them."""
     params = SpeechParams(max_frames=8, temperature=0.9, seed=3, ignore_eos=True)
     extend, _ = await _codes("overlap", False, params)
-    pieces, runs = await _codes("overlap", True, params, buckets=(8, 16))
-    assert runs >= 2
+    pieces, (runs, pieced) = await _codes("overlap", True, params, buckets=(8, 16))
+    assert runs >= 2 and pieced >= 1  # prompts of tens of rows: past the 16-row bucket
     for a, b in zip(extend, pieces):
         assert torch.equal(a, b)

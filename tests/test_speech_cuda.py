@@ -79,8 +79,6 @@ async def test_the_codec_on_the_talkers_stream_gives_the_same_codes_and_audio():
     out = {}
     for where in ("own", "talker"):
         async with SpeechPipeline.from_pretrained("tiny", device="cuda", dtype="float32", codec_stream=where) as tts:
-            if where == "talker":
-                assert tts.codec._cuda_stream is tts.stage.runner.stream
             results = await asyncio.gather(*(tts.synthesize(t, voice=v, params=params) for t, v in zip(TEXTS, VOICES)))
             assert tts.codec.graph_replays > 0
         out[where] = results

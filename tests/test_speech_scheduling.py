@@ -180,10 +180,11 @@ async def test_admission_holds_streams_the_codec_cannot_feed():
     assert gate.fits() == (True, "")
 
 
-async def test_the_codec_measures_its_rate_over_rounds_run_back_to_back():
-    """Six streams at once through rounds of at most two frames: frames wait for the codec,
-    so rounds follow one another and the codec's rate (what the gate reads) is measured:
-    audio seconds decoded a second of rounds, at least all the audio over the wall."""
+async def test_the_codec_measures_its_rate_over_rounds_its_budget_cut():
+    """Six streams at once through rounds of at most two frames: ready chunks wait past each
+    round's budget, so the codec's rate (what the gate reads) is measured: audio seconds
+    decoded a second of rounds, at least all the audio over the wall; without a budget it
+    is not measured (every round takes all that is ready)."""
     params = [SpeechParams(max_frames=24, temperature=0, ignore_eos=True)] * len(TEXTS)
     async with SpeechPipeline.from_pretrained("tiny", schedule={"codec_max_frames": 2}) as tts:
         assert tts.info()["speech"]["codec_audio_rate"] is None
@@ -194,6 +195,9 @@ async def test_the_codec_measures_its_rate_over_rounds_run_back_to_back():
     assert rate is not None and rate > 0
     audio = 24 * len(TEXTS) * tts.codec.frame_seconds
     assert rate >= audio / wall  # rounds are part of the wall: their rate is at least the overall one
+    async with SpeechPipeline.from_pretrained("tiny", schedule={"codec_max_frames": None}) as tts:
+        await _all_codes(tts, params)
+        assert tts.info()["speech"]["codec_audio_rate"] is None
 
 
 async def test_admission_holds_streams_the_talker_cannot_feed_in_real_time():

@@ -150,7 +150,9 @@ def test_what_xgrammar_does_not_take_stays_with_llguidance():
     tok = ByteTokenizer()
     xg = GrammarCompiler(tok, tok.vocab_size, backend="xgrammar")
     try:
-        for key in [("ebnf", EBNF), ("json_schema", json.dumps({**SCHEMA, "x-guidance": {"whitespace_flexible": False}}))]:
+        pattern = {"type": "object", "properties": {"p": {"type": "string", "pattern": "^[^x]+$"}}}  # (a surrogate's way in)
+        for key in [("ebnf", EBNF), ("json_schema", json.dumps({**SCHEMA, "x-guidance": {"whitespace_flexible": False}})),
+                    ("json_schema", json.dumps(pattern))]:
             assert type(xg.matcher(key).handle).__name__ == "LLMatcher"
         assert xg.xgrammar_templates == 0
         with pytest.raises(errors.InvalidRequestError):

@@ -271,12 +271,13 @@ def decode_splits(batch: int, kv_heads: int, sm_count: int) -> int:
 
 
 def launch_splits(batch: int, kv_heads: int, sm_count: int, span: int, block_n: int) -> int:
-    """:func:`decode_splits`, but never more splits than the page tables' ``span``
-    (positions) has blocks of ``block_n``: a code predictor attends to one page (16
-    positions), where 32 splits at batch 1 were 31 empty programs a head and a merge kernel
-    for each of its 80 layer forwards a frame. The span is the tables' width, fixed for a
-    captured graph, so the count still never follows the lengths."""
-    return max(1, min(decode_splits(batch, kv_heads, sm_count), -(-span // block_n)))
+    """:func:`decode_splits`, or one split where the page tables' ``span`` (positions)
+    fits one block of ``block_n``: a code predictor attends to one 16-position page, where
+    32 splits at batch 1 were 31 empty programs a head and a merge kernel in each of its 80
+    layer forwards a frame. Wider tables keep :func:`decode_splits`' count, so no kernel
+    variant arises that the warm-up does not compile, and the count never follows the
+    lengths."""
+    return 1 if span <= block_n else decode_splits(batch, kv_heads, sm_count)
 
 
 def paged_decode_attention(
@@ -291,7 +292,7 @@ def paged_decode_attention(
     splits: int | None = None,
 ) -> torch.Tensor:
     """``q``: ``[B, H, D]``; caches ``[slots, KVH, D]``; tables ``[B, P]``; lens ``[B]``
-    (each at least 1). ``splits`` overrides :func:`decode_splits` (tests, benchmarks)."""
+    (each at least 1). ``splits`` overrides :func:`launch_splits` (tests, benchmarks)."""
     bsz, heads, dim = q.shape
     kv_heads = k_cache.shape[1]
     q = q.contiguous()

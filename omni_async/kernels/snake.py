@@ -5,8 +5,9 @@ activation (a product, a sine, a square, a scale, a sum), and the codec's late s
 the largest tensors it makes (a frame is 1,920 samples of 96 channels at the last stage:
 64 streams of 8 frames are ~94M values), so the activation's memory traffic, not its
 arithmetic, sets its time. One program reads a block of a channel's samples once, computes
-in float32 and writes once. Rows are ``[B, C, T]`` contiguous; a program's channel is
-``row % C`` (its two parameters are loaded once).
+in float32 and writes once. Input rows are ``[B, C, T]`` with ``T`` contiguous (any batch
+and channel strides: a slice along ``T`` is read in place); the output is contiguous; a
+program's channel is ``row % C`` (its two parameters are loaded once).
 """
 
 from __future__ import annotations

@@ -22,9 +22,11 @@ The talker is not the only stage that must keep up: every running stream needs a
 audio decoded each second it plays, and at tens of streams the codec, not the talker, is
 the bound (an H100, the 1.7B shape: the talker writes ~4,800 frames a second beside it, the
 codec decodes ~3,300). So the gate also reads the codec's rate (:class:`AudioRate`: audio
-seconds decoded per second over rounds that ran back to back, when frames were waiting for
-it) and holds while the streams it must feed, one more included, exceed that rate less the
-margin.
+seconds decoded per second over rounds that left ready chunks for the next one, past a
+round's budget: the codec is the bound then) and holds while the streams it must feed, one
+more included, exceed that rate less the margin. Rounds that take everything ready measure
+only the frames the talker fed, so they are not counted; without a round budget
+(``codec_max_frames=None``) the codec is never measured and the talker's estimate decides.
 """
 
 from __future__ import annotations
@@ -105,10 +107,10 @@ class FrameClock:
 
 
 class AudioRate:
-    """Audio seconds the codec decodes per second of its rounds, over rounds that start as
-    the one before ends (frames were waiting: the codec is the bound then, and this is what
-    it can deliver beside the talker), a moving average; forgotten after ``max_age_s``
-    without such a round (a rate measured under a load long gone)."""
+    """Audio seconds the codec decodes per second of its rounds, over rounds that left
+    ready chunks for the next (the codec is the bound then, and this is what it delivers
+    beside the talker), a moving average; forgotten after ``max_age_s`` without such a
+    round (a rate measured under a load long gone)."""
 
     def __init__(self, weight: float = 0.2, max_age_s: float = 10.0, clock: Callable[[], float] = time.perf_counter) -> None:
         self.weight, self.max_age_s, self.clock = weight, max_age_s, clock

@@ -116,9 +116,10 @@ class CodecStage:
         self.max_frames_per_round = max_frames_per_round
         self.rounds = 0
         self.largest_round_frames = 0
-        # Audio seconds decoded a second over rounds run back to back (the admission gate's
-        # measure of what the codec can feed).
+        # Audio seconds decoded a second over rounds that left ready chunks for the next (the
+        # admission gate's measure of what the codec can feed).
         self.audio_rate = AudioRate()
+        self._cut = False  # the round being chosen left ready chunks out
         # Called with each round's seconds on the loop (metrics).
         self.round_observers: list[Any] = []
         self.decoder, self.device = decoder, device
@@ -238,15 +239,14 @@ class CodecStage:
             while True:
                 await self._wake.wait()
                 self._wake = anyio.Event()
-                back_to_back = False
                 while True:
                     ready = self._ready()
                     if not ready:
                         break
+                    cut = self._cut  # chunks were ready past this round's budget: the codec is the bound
                     took = await self._decode(ready)
-                    if back_to_back:  # frames were waiting for this round: the codec is the bound
+                    if cut:
                         self.audio_rate.observe(sum(n for _, n in ready) * self.frame_seconds, took)
-                    back_to_back = True
         finally:
             if self._thread is not None:
                 self._thread.shutdown(wait=False, cancel_futures=True)
@@ -283,7 +283,8 @@ class CodecStage:
         cap_streams, cap_frames = self.max_streams_per_round, self.max_frames_per_round
         over_streams = cap_streams is not None and len(ready) > cap_streams
         over_frames = cap_frames is not None and sum(n for _, n in ready) > cap_frames
-        if not (over_streams or over_frames):
+        self._cut = over_streams or over_frames
+        if not self._cut:
             return ready
         kept: list[tuple[CodecStream, int]] = []
         frames = 0

@@ -68,7 +68,7 @@ class SpeechPipeline:
         _check_codec_stream(codec_stream)
         self.codec = CodecStage(codec, stage.runner.device, first_chunk_frames=first_chunk_frames, max_chunk_frames=max_chunk_frames,
                                 cuda_graphs=graphed if codec_graphs is None else codec_graphs and graphed,
-                                stream=stage.runner.stream if codec_stream == "talker" else None)
+                                stream=self._talker_stream() if codec_stream == "talker" else None)
         self.sample_rate = codec.sample_rate
         self._tg: Any = None
         self._ids = itertools.count()
@@ -81,6 +81,14 @@ class SpeechPipeline:
         self.set_schedule(schedule)
         self.codec.capture_graphs()  # every call a round under the schedule's frame budget makes
         self.engine.scheduler.add_step_observer(self._stepped)
+
+    def _talker_stream(self) -> Any:
+        """The CUDA stream the talker launches on: its own, or the default one where it has
+        none (``own_cuda_stream=False``); None on a CPU."""
+        runner = self.stage.runner
+        if runner.device.type != "cuda":
+            return None
+        return runner.stream if runner.stream is not None else torch.cuda.default_stream(runner.device)
 
     @classmethod
     def from_pretrained(cls, path_or_name: str, *, device: str = "cpu", loop: str = "overlap", dtype: Any = None, seed: int = 0,

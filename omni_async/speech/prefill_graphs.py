@@ -56,6 +56,7 @@ class PrefillGraphs:
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor]]] = {}
         self.pool = pool
         self.runs = 0  # prefills run as rows (eagerly where nothing is captured)
+        self.pieced = 0  # of them, those past the largest bucket (run in pieces)
         self.replays = 0
 
     def fits(self, fb: Any) -> bool:
@@ -92,6 +93,7 @@ class PrefillGraphs:
         if n <= width:
             logits, hidden = self._rows(fb.input_ids, fb.positions, fb.ctx.slot_mapping, tables, embeds)
             return logits[last], hidden[last]  # (gathers: the graph's buffers are not handed out)
+        self.pieced += 1
         kept: tuple[torch.Tensor, torch.Tensor] | None = None
         for start in range(0, n, width):
             end = min(n, start + width)

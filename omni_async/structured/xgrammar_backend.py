@@ -11,7 +11,9 @@ not), a wheel that requires Triton on Linux, and GBNF only (no Lark, no ``x-guid
 options). Hence opt-in (``OMNI_ASYNC_GRAMMAR_BACKEND=xgrammar``, :func:`chosen`), and only
 for what it can serve the same way: JSON schemas (written with ", " and ": " and no other
 whitespace, as llguidance writes them) and regexes; EBNF, schemas with their own
-``x-guidance`` options, and anything xgrammar refuses to compile stay with llguidance.
+``x-guidance`` options or a string ``pattern`` / ``format`` (compiled by xgrammar's own
+regex, which admits UTF-16 surrogates: see ``_JSON_STRING_CHAR``), and anything xgrammar
+refuses to compile stay with llguidance.
 
 Semantics kept equal to llguidance's, so every other part of the engine is unchanged:
 - ``is_stopped``: the grammar admits nothing more but a stop token (a closed JSON object),
@@ -71,7 +73,10 @@ class XGrammarLibrary:
     def compile(self, kind: str, text: str) -> "XGrammarHandle":
         """A template matcher at the grammar's start (each request takes a ``deep_copy``)."""
         if kind == "json_schema":
-            compiled = self._compiler.compile_grammar(json_ebnf(self._xgr, "{}" if text == "true" else text))
+            ebnf = json_ebnf(self._xgr, "{}" if text == "true" else text)
+            if "Regex(" in ebnf:  # a string's pattern or format, compiled by xgrammar itself: no UTF-8 hold there
+                raise ValueError("a string pattern or format: llguidance takes the schema")
+            compiled = self._compiler.compile_grammar(ebnf)
         elif kind == "regex":
             compiled = self._compiler.compile_grammar(regex_ebnf(self._xgr, text))
         else:
