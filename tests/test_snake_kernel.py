@@ -4,12 +4,10 @@ in a process of its own, on CUDA directly (and the codec's graphed calls use it)
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
 
-from .triton_interpreter import run_interpreted
+from .triton_interpreter import interpreted_result, interpreter_only, needs_triton
 
 COMPARE = r'''
 import torch
@@ -36,16 +34,11 @@ def compare(device, dtype, shapes):
     return worst
 '''
 
-needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")
-
-
 @needs_triton
-@pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the compiled kernel's test below runs instead")
+@interpreter_only
 def test_snake_kernel_equals_the_torch_ops_in_the_interpreter():
     script = COMPARE + "\nprint('RESULT', compare('cpu', torch.float32, [(2, 3, 50), (1, 4, 1500), (3, 2, 16)]))\n"
-    done = run_interpreted(script, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert float(done.stdout.split("RESULT")[1]) < 1e-5
+    assert float(interpreted_result(script)) < 1e-5
 
 
 @needs_triton

@@ -4,12 +4,27 @@ the path (and the caller's path kept after it)."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+import torch
+
 ROOT = Path(__file__).resolve().parents[1]
+
+# A kernel's test pair: the interpreter's run where no GPU is, the compiled kernel's where one is.
+needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")
+interpreter_only = pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the compiled kernel's test runs instead")
+
+
+def interpreted_result(script: str, timeout: float = 600) -> str:
+    """What ``script``, run under the interpreter, printed after ``RESULT`` (it must exit 0)."""
+    done = run_interpreted(script, timeout)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout.split("RESULT")[1]
 
 
 def run_interpreted(script: str, timeout: float) -> subprocess.CompletedProcess:
