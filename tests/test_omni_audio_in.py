@@ -215,7 +215,7 @@ async def test_bad_audio_gets_typed_errors_and_the_pipeline_carries_on(hearing_m
     (_, reply, frames), (waves, ids, thinker, codes) = CASES[0], expected[0]
     good = AudioPart(waves[0], RATE)
     async with pipeline(folder, "normal") as pipe:
-        bad = [(dict(audio=[AudioPart(waves[0], 44100)]), "44100 Hz"),
+        bad = [(dict(audio=[AudioPart(waves[0], 500)]), "500 Hz is not taken"),
                (dict(audio=[AudioPart(waves[0][:100], RATE)]), "too short"),
                (dict(audio=[AudioPart(np.zeros((2, 8000), np.float32), RATE)]), "1-D float"),
                (dict(audio=[AudioPart((waves[0] * 100).astype(np.int16), RATE)]), "1-D float"),

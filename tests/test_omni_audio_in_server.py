@@ -154,6 +154,29 @@ async def test_input_audio_over_http_is_the_python_apis_reply(served):
     await assert_stages_free(pipe)
 
 
+async def test_audio_at_another_rate_is_resampled_and_heard(served):
+    """A 48 kHz WAV (what most devices record): heard as its samples resampled to 16 kHz
+    (the pipeline's resampler, the Python API's path too), with the placeholders of its
+    length at 16 kHz."""
+    from omni_async.models.resample import resample
+
+    pipe, client = served
+    rate = 48_000
+    t = np.arange(int(2.2 * rate)) / rate
+    samples = (0.2 * np.sin(2 * np.pi * 440 * t) + 0.1 * np.sin(2 * np.pi * 2300 * t)).astype(np.float32)
+    heard = quantised(samples)
+    at_16k = resample(heard, rate, RATE)
+    want = await pipe.chat(messages_with(at_16k), sampling=dict(max_new_tokens=REPLY))
+    prompt = await pipe.thinker_prompt(messages_with(at_16k))
+    res = await _chat(client, openai_messages(wav_bytes(samples, rate=rate)))
+    assert res.choices[0].message.audio.transcript == want.text
+    assert res.usage.prompt_tokens == len(prompt.ids) > 40
+    direct = [{"role": "user", "content": [{"type": "audio", "audio": heard, "sample_rate": rate}]}]
+    assert (await pipe.thinker_prompt(direct)).ids == (await pipe.thinker_prompt(
+        [{"role": "user", "content": [{"type": "audio", "audio": at_16k, "sample_rate": RATE}]}])).ids
+    await assert_stages_free(pipe)
+
+
 async def test_a_model_that_does_not_hear_refuses_input_audio():
     from omni_async import Engine
 
@@ -170,17 +193,17 @@ BROKEN = [
     ("not base64 %%%", "wav", "messages[1].content[1].input_audio.data"),
     (base64.b64encode(b"RIFF....WAVEnot really").decode(), "wav", "messages[1].content[1].input_audio.data"),
     ("wav-8bit", "wav", "messages[1].content[1].input_audio.data"),
-    ("wav-44k", "wav", "messages[1].content[1].input_audio"),
+    ("wav-500Hz", "wav", "messages[1].content[1].input_audio"),
     ("wav", "mp3", "messages[1].content[1].input_audio.format"),
 ]
 
 
-@pytest.mark.parametrize("data,fmt,param", BROKEN, ids=["base64", "not-wav", "8-bit", "44.1kHz", "mp3"])
+@pytest.mark.parametrize("data,fmt,param", BROKEN, ids=["base64", "not-wav", "8-bit", "500Hz", "mp3"])
 async def test_a_broken_audio_payload_is_a_400_and_the_next_request_succeeds(served, data, fmt, param):
     pipe, client = served
     samples = waveform(1.0, 4)
     payload = {"wav-8bit": lambda: base64.b64encode(wav_bytes(samples, width=1)).decode(),
-               "wav-44k": lambda: base64.b64encode(wav_bytes(samples, rate=44100)).decode(),
+               "wav-500Hz": lambda: base64.b64encode(wav_bytes(samples, rate=500)).decode(),
                "wav": lambda: base64.b64encode(wav_bytes(samples)).decode()}.get(data, lambda: data)()
     messages = openai_messages(b"")
     messages[1]["content"][1]["input_audio"] = {"data": payload, "format": fmt}

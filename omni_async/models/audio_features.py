@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from ..errors import InvalidRequestError, ModelLoadError
+from .resample import MAX_RATE, MIN_RATE, resample, resampled_length
 
 __all__ = ["LogMelConfig", "LogMel", "PREPROCESSOR_FILE"]
 
@@ -83,11 +84,22 @@ class LogMel:
         columns = -(-padded // hop) - (1 if padded % hop else 0)
         return min(-(-samples // hop), columns)
 
+    def heard(self, waveform: object, sample_rate: int, where: str = "audio") -> np.ndarray:
+        """A client's mono float waveform at any rate from 1 kHz to 384 kHz, checked and
+        resampled to the extractor's rate (:mod:`omni_async.models.resample`)."""
+        wave = self.check(waveform, sample_rate, where)
+        return resample(wave, sample_rate, self.config.sampling_rate)
+
+    def heard_length(self, samples: int, sample_rate: int) -> int:
+        """Samples of an audio of ``samples`` at ``sample_rate`` once :meth:`heard` (no
+        resampling done: what its placeholder count needs)."""
+        return resampled_length(samples, sample_rate, self.config.sampling_rate)
+
     def check(self, waveform: object, sample_rate: int, where: str = "audio") -> np.ndarray:
-        """A mono float waveform at the extractor's rate as float32, or InvalidRequestError."""
-        if sample_rate != self.config.sampling_rate:
-            raise InvalidRequestError(f"{where}: sampled at {sample_rate} Hz; this model hears {self.config.sampling_rate} Hz "
-                                      "audio (resample it first)")
+        """A mono float waveform as float32 with a sample rate the resampler takes, or
+        InvalidRequestError."""
+        if isinstance(sample_rate, bool) or not isinstance(sample_rate, int) or not MIN_RATE <= sample_rate <= MAX_RATE:
+            raise InvalidRequestError(f"{where}: a sample rate of {sample_rate!r} Hz is not taken (from {MIN_RATE} to {MAX_RATE} Hz)")
         try:
             wave = np.asarray(waveform)
         except (TypeError, ValueError) as exc:
@@ -103,8 +115,11 @@ class LogMel:
 
     @torch.inference_mode()
     def features(self, waveforms: Sequence[np.ndarray], sample_rate: int) -> list[torch.Tensor]:
-        """The log-mel features of a request's audios, featurised together (the module's
-        docstring), each cut to its own frames."""
+        """The log-mel features of a request's audios at the extractor's rate (:meth:`heard`
+        takes them there), featurised together (the module's docstring), each cut to its own
+        frames."""
+        if sample_rate != self.config.sampling_rate:
+            raise InvalidRequestError(f"features take audio at {self.config.sampling_rate} Hz, got {sample_rate} Hz")
         waves = [self.check(w, sample_rate, f"audio {i}") for i, w in enumerate(waveforms)]
         if not waves:
             return []

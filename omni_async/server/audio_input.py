@@ -3,10 +3,11 @@
 (:mod:`omni_async.speech.omni_hearing`).
 
 A part's data is a WAV file of 16-bit PCM (read with the standard library's ``wave``;
-several channels are averaged to mono) at the rate the model hears (16 kHz for
-Qwen3-Omni): resampling is the client's. Anything else (data that is not base64 or not a
-WAV file, another format, another sample width, another rate, a model that cannot hear)
-is a 400 naming the part, on that request only. The template sees each part as
+several channels are averaged to mono) at any rate from 1 kHz to 384 kHz: the pipeline
+resamples it to the rate the model hears (16 kHz for Qwen3-Omni;
+:mod:`omni_async.models.resample`). Anything else (data that is not base64 or not a WAV
+file, another format, another sample width, a rate outside those, a model that cannot
+hear) is a 400 naming the part, on that request only. The template sees each part as
 ``{"type": "audio"}`` (:func:`~omni_async.server.chat_messages.template_messages` with
 ``hears``), which Qwen3-Omni's template writes as its audio placeholder.
 """
@@ -22,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ..models.resample import MAX_RATE, MIN_RATE
 from .errors import invalid
 
 if TYPE_CHECKING:
@@ -47,9 +49,8 @@ def audio_parts(messages: "list[ChatMessage]", hearing: "Hearing | None") -> "li
             if hearing is None:
                 raise invalid("this model cannot hear: input_audio needs a Qwen3-Omni model with an audio encoder", where)
             samples, rate = _decoded(part.get("input_audio"), where)
-            if rate != hearing.sample_rate:
-                raise invalid(f"the audio is sampled at {rate} Hz; this model hears {hearing.sample_rate} Hz (resample it first)",
-                              where)
+            if not MIN_RATE <= rate <= MAX_RATE:
+                raise invalid(f"the audio is sampled at {rate} Hz; rates from {MIN_RATE} to {MAX_RATE} Hz are taken", where)
             out.append(AudioPart(samples, rate))
     return out
 

@@ -143,10 +143,12 @@ class Hearing:
         return self.features.config.sampling_rate
 
     def rows(self, audios: Sequence[AudioPart]) -> list[int]:
-        """Each audio's placeholder count (the encoder's rows), from its length alone."""
-        waves = [self.features.check(a.waveform, a.sample_rate, f"audio {i}") for i, a in enumerate(audios)]
-        padded = max((w.shape[0] for w in waves), default=0)
-        return [self.encoder.output_length(self.features.frames(w.shape[0], padded)) for w in waves]
+        """Each audio's placeholder count (the encoder's rows), from its length at the
+        extractor's rate alone (no resampling: cheap enough for the event loop)."""
+        lengths = [self.features.heard_length(self.features.check(a.waveform, a.sample_rate, f"audio {i}").shape[0], a.sample_rate)
+                   for i, a in enumerate(audios)]
+        padded = max(lengths, default=0)
+        return [self.encoder.output_length(self.features.frames(n, padded)) for n in lengths]
 
     def expand(self, ids: Sequence[int], counts: Sequence[int]) -> list[int]:
         """``ids`` with its k-th audio placeholder repeated ``counts[k]`` times; an
@@ -172,7 +174,8 @@ class Hearing:
         encoder; a worker's job)."""
         counts = self.rows(audios)
         expanded = self.expand(ids, counts)
-        rows = self.encoder.encode(self.features.features([a.waveform for a in audios], audios[0].sample_rate))
+        waves = [self.features.heard(a.waveform, a.sample_rate, f"audio {i}") for i, a in enumerate(audios)]
+        rows = self.encoder.encode(self.features.features(waves, self.sample_rate))
         table = embed.weight
         embeds = embed(torch.tensor(expanded, dtype=torch.long, device=table.device))
         mask = torch.tensor(expanded, device=table.device) == self.audio_token_id
