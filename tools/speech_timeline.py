@@ -94,7 +94,9 @@ async def one(tts: SpeechPipeline, i: int, frames: int, chunks: list) -> None:
 def first_chunk_path(rec: Recorder, chunks: list) -> dict:
     rid, t0, got = min(chunks, key=lambda c: c[1])
     first_push = next((t for t, r, _ in rec.pushes if r == rid), None)
-    rounds = [r for r in rec.rounds if first_push is not None and r[1] >= first_push]
+    # The first round to start after the stream's first frames came (one ending after them
+    # but started before cannot hold them: its time would count as the delivery's).
+    rounds = [r for r in rec.rounds if first_push is not None and r[0] >= first_push]
     first_round = rounds[0] if rounds else None
     steps_before = [s for s in rec.steps if t0 <= s[0] <= (first_push or t0)]
     return {"request": rid, "submit_to_first_frames_ms": _ms(first_push - t0) if first_push else None,
