@@ -152,11 +152,15 @@ class CodecStage:
         runs the decoder eagerly twice and synchronises the device, which, left to a
         request's first round of each (batch, frames) shape, cost that round hundreds of
         milliseconds and stalled the talker beside it. On the codec's stream; before the
-        first call."""
+        first call. The eager warm-ups' activations (the largest bucket's: hundreds of MB at
+        the released size) stay in torch's cache after them, memory no replay uses: it goes
+        back to the device (the graphs' own pool is kept)."""
         if self.graphs is None:
             return
         with self._on_codec_stream():
             self.graphs.capture_within(self.max_frames_per_round or 256, self.max_chunk_frames)
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
 
     def _on_codec_stream(self) -> Any:
         return torch.cuda.stream(self._cuda_stream) if self._cuda_stream is not None else contextlib.nullcontext()
