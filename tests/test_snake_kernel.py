@@ -26,6 +26,8 @@ def compare(device, dtype, shapes):
         x = (torch.randn(b, c, t, generator=gen) * 2).to(device, dtype)
         alpha, beta = (torch.randn(c, generator=gen) * 0.5).to(device), (torch.randn(c, generator=gen) * 0.5).to(device)
         got = snake_beta(x, alpha, beta)
+        past = (torch.randn(b, c, 5, generator=gen)).to(device, dtype)  # written before the activation, one buffer
+        assert torch.equal(snake_beta(x, alpha, beta, past=past), torch.cat([past, got], dim=-1))
         sliced = torch.cat([x, x], dim=-1)[..., 3:3 + t]  # a strided view, read in place
         assert torch.equal(snake_beta(sliced, alpha, beta), snake_beta(sliced.contiguous(), alpha, beta))
         assert got.shape == x.shape and got.dtype == dtype
@@ -39,6 +41,45 @@ def compare(device, dtype, shapes):
 def test_snake_kernel_equals_the_torch_ops_in_the_interpreter():
     script = COMPARE + "\nprint('RESULT', compare('cpu', torch.float32, [(2, 3, 50), (1, 4, 1500), (3, 2, 16)]))\n"
     assert float(interpreted_result(script)) < 1e-5
+
+
+WHOLE_CODEC = r'''
+import torch
+from omni_async.speech import codec_layers
+from omni_async.speech.code2wav import Code2Wav
+from omni_async.speech.code2wav_config import Code2WavConfig
+from omni_async.speech.codec import CodecDecoder
+from omni_async.speech.codec_config import CodecConfig
+
+
+def streamed(codec, codes, split):
+    state, out, start = codec.new_state(), [], 0
+    for n in split:
+        out.append(codec.decode_chunk(codes[start:start + n], state))
+        start += n
+    return torch.cat(out)
+
+
+worst = 0.0
+for codec in (CodecDecoder.random(CodecConfig.tiny(), seed=0), Code2Wav.random(Code2WavConfig.tiny(), seed=0)):
+    codes = torch.randint(0, 64, (7, codec.num_quantizers), generator=torch.Generator().manual_seed(1))
+    codec_layers._fused = lambda x: False
+    want = streamed(codec, codes, [2, 1, 4])
+    codec_layers._fused = lambda x: True  # the CUDA path's kernels, interpreted on the CPU
+    got = streamed(codec, codes, [2, 1, 4])
+    assert got.shape == want.shape
+    worst = max(worst, (got - want).abs().max().item())
+print("RESULT", worst)
+'''
+
+
+@needs_triton
+@interpreter_only
+def test_the_codecs_through_the_fused_activations_decode_what_the_torch_ops_decode():
+    """Both codecs (Qwen3-TTS's and Code2Wav, whose layers carry a lead) streamed in chunks
+    with every SnakeBeta through the kernel, and each one before a causal convolution
+    written after its past in one buffer: the torch path's samples."""
+    assert float(interpreted_result(WHOLE_CODEC, timeout=900)) < 1e-5
 
 
 @needs_triton

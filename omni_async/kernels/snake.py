@@ -20,7 +20,7 @@ __all__ = ["snake_beta"]
 
 
 @triton.jit
-def _snake_kernel(X, ALPHA, BETA, Y, C, T, stride_b, stride_c, BLOCK: tl.constexpr):
+def _snake_kernel(X, ALPHA, BETA, Y, C, T, stride_b, stride_c, OUT_T, OFFSET, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     block = tl.program_id(1)
     channel = row % C
@@ -31,19 +31,25 @@ def _snake_kernel(X, ALPHA, BETA, Y, C, T, stride_b, stride_c, BLOCK: tl.constex
     src = (row // C).to(tl.int64) * stride_b + channel.to(tl.int64) * stride_c
     x = tl.load(X + src + offs, mask=inside, other=0.0).to(tl.float32)
     s = tl.sin(x * alpha)
-    tl.store(Y + row.to(tl.int64) * T + offs, (x + inv_beta * s * s).to(Y.dtype.element_ty), mask=inside)
+    tl.store(Y + row.to(tl.int64) * OUT_T + OFFSET + offs, (x + inv_beta * s * s).to(Y.dtype.element_ty), mask=inside)
 
 
-def snake_beta(x: torch.Tensor, alpha: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
+def snake_beta(x: torch.Tensor, alpha: torch.Tensor, beta: torch.Tensor, past: torch.Tensor | None = None) -> torch.Tensor:
     """SnakeBeta of ``x`` ``[B, C, T]`` with per-channel log-parameters ``alpha``, ``beta``
     ``[C]``; a new contiguous tensor of ``x``'s dtype. ``x`` may be a slice along ``T`` (a
-    transposed convolution's output with its overlap cut): read in place, not copied."""
+    transposed convolution's output with its overlap cut): read in place, not copied.
+    ``past`` ``[B, C, P]``: the result is ``cat([past, snake(x)], -1)``, the activation
+    written after the past in one buffer (what a causal convolution reads next), without
+    the concatenation's pass over it."""
     b, c, t = x.shape
     if x.stride(2) != 1:
         x = x.contiguous()
-    y = torch.empty((b, c, t), dtype=x.dtype, device=x.device)
+    lead = 0 if past is None else past.shape[-1]
+    y = torch.empty((b, c, lead + t), dtype=x.dtype, device=x.device)
+    if lead:
+        y[..., :lead].copy_(past)
     if x.numel():
         block = min(1024, triton.next_power_of_2(max(t, 16)))
-        _snake_kernel[(b * c, triton.cdiv(t, block))](x, alpha, beta, y, c, t, x.stride(0), x.stride(1), BLOCK=block,
-                                                     num_warps=4 if block >= 512 else 2)
+        _snake_kernel[(b * c, triton.cdiv(t, block))](x, alpha, beta, y, c, t, x.stride(0), x.stride(1), lead + t, lead,
+                                                     BLOCK=block, num_warps=4 if block >= 512 else 2)
     return y

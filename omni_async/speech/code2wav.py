@@ -37,7 +37,7 @@ from ..errors import ModelLoadError
 from ..models.loader import safetensors_files
 from .code2wav_config import Code2WavConfig
 from .codec_base import CodecState, StreamDecoder
-from .codec_layers import Carry, CausalConv, SnakeBeta, Transformer, Upsample, VocoderBlock
+from .codec_layers import Carry, CausalConv, SnakeBeta, Transformer, Upsample, VocoderBlock, run_layers
 
 __all__ = ["Code2Wav", "CodecState"]
 
@@ -98,8 +98,7 @@ class Code2Wav(StreamDecoder):
         h = self.pre_transformer(h, carry).transpose(1, 2)
         for stage in self.upsample:
             h = stage(h, carry)
-        for layer in self.decoder:
-            h = layer(h, carry)
+        h = run_layers(self.decoder, h, carry)
         h = carry.clear_lead(h, self.leading_samples)
         return h[:, 0].clamp(-1.0, 1.0).float(), carry.next  # type: ignore[return-value]
 

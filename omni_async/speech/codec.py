@@ -30,7 +30,7 @@ from torch import nn
 from ..errors import ModelLoadError
 from .codec_base import CodecState, StreamDecoder
 from .codec_config import CodecConfig
-from .codec_layers import Carry, CausalConv, SnakeBeta, Transformer, Upsample, VocoderBlock
+from .codec_layers import Carry, CausalConv, SnakeBeta, Transformer, Upsample, VocoderBlock, run_layers
 from .codec_quantizer import Quantizer
 
 __all__ = ["CodecDecoder", "CodecState"]
@@ -97,6 +97,5 @@ class CodecDecoder(StreamDecoder):
         h = self.pre_transformer(h, carry).transpose(1, 2)
         for stage in self.upsample:
             h = stage(h, carry)
-        for layer in self.decoder:
-            h = layer(h, carry)
+        h = run_layers(self.decoder, h, carry)
         return h[:, 0].clamp(-1.0, 1.0).float(), carry.next  # type: ignore[return-value]

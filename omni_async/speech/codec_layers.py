@@ -35,6 +35,11 @@ from ..kernels import triton_available
 FUSED_SNAKE = True
 
 
+def _fused(x: torch.Tensor) -> bool:
+    """Whether SnakeBeta on ``x`` runs as the one-pass kernel (the one place that decides)."""
+    return x.is_cuda and FUSED_SNAKE and triton_available(x.device)
+
+
 class Carry:
     """One forward's view of the streams' state, by slot: the pasts read and the pasts written."""
 
@@ -112,13 +117,20 @@ class SnakeBeta(nn.Module):
         self.beta = nn.Parameter(torch.zeros(channels))
 
     def forward(self, x: torch.Tensor, carry: Carry) -> torch.Tensor:
-        if x.is_cuda and FUSED_SNAKE and triton_available(x.device):  # one pass, not five (kernels/snake.py)
+        if _fused(x):  # one pass, not five (kernels/snake.py)
             from ..kernels.snake import snake_beta
 
             return snake_beta(x, self.alpha, self.beta)
         alpha = self.alpha.exp()[None, :, None]
         inv_beta = 1.0 / (self.beta.exp()[None, :, None] + 1e-9)
         return x + inv_beta * torch.sin(x * alpha).pow(2)
+
+    def with_past(self, x: torch.Tensor, past: torch.Tensor) -> torch.Tensor:
+        """``cat([past, self(x)], -1)`` in one buffer (the fused kernel's; its callers check
+        :func:`_fused` first)."""
+        from ..kernels.snake import snake_beta
+
+        return snake_beta(x, self.alpha, self.beta, past=past)
 
 
 class CausalConv(Stateful):
@@ -138,7 +150,17 @@ class CausalConv(Stateful):
             return self.conv(x)
         if self.lead:
             x = carry.clear_lead(x, self.lead)
-        full = torch.cat([carry.take(self.slot), x], dim=-1)
+        return self._convolve(torch.cat([carry.take(self.slot), x], dim=-1), carry)
+
+    def activated(self, act: "SnakeBeta", x: torch.Tensor, carry: Carry) -> torch.Tensor:
+        """``self(act(x))``; through the fused activation the activation is written after
+        the past in one buffer (no concatenation pass over it)."""
+        if self.context == 0 or self.lead or not _fused(x):
+            return self(act(x, carry), carry)
+        return self._convolve(act.with_past(x, carry.take(self.slot)), carry)
+
+    def _convolve(self, full: torch.Tensor, carry: Carry) -> torch.Tensor:
+        """The past and the chunk as one input: its last ``context`` samples are the next past."""
         carry.put(self.slot, full[..., full.shape[-1] - self.context:])
         return self.conv(full)
 
@@ -164,7 +186,15 @@ class CausalTransConv(Stateful):
             return self.conv(x)[..., :length]
         if self.lead:
             x = carry.clear_lead(x, self.lead)
-        full = torch.cat([carry.take(self.slot), x], dim=-1)
+        return self._convolve(torch.cat([carry.take(self.slot), x], dim=-1), carry, length)
+
+    def activated(self, act: "SnakeBeta", x: torch.Tensor, carry: Carry) -> torch.Tensor:
+        """``self(act(x))``, as :meth:`CausalConv.activated`."""
+        if self.context == 0 or self.lead or not _fused(x):
+            return self(act(x, carry), carry)
+        return self._convolve(act.with_past(x, carry.take(self.slot)), carry, x.shape[-1] * self.stride)
+
+    def _convolve(self, full: torch.Tensor, carry: Carry, length: int) -> torch.Tensor:
         carry.put(self.slot, full[..., full.shape[-1] - self.context:])
         start = self.context * self.stride
         return self.conv(full)[..., start:start + length]
@@ -198,7 +228,7 @@ class ResidualUnit(nn.Module):
         self.conv2 = CausalConv(dim, dim, 1)
 
     def forward(self, x: torch.Tensor, carry: Carry) -> torch.Tensor:
-        h = self.conv1(self.act1(x, carry), carry)
+        h = self.conv1.activated(self.act1, x, carry)
         return x + self.conv2(self.act2(h, carry), carry)
 
 
@@ -212,9 +242,23 @@ class VocoderBlock(nn.Module):
                                    + [ResidualUnit(cout, d) for d in (1, 3, 9)])
 
     def forward(self, x: torch.Tensor, carry: Carry) -> torch.Tensor:
-        for layer in self.block:
+        return run_layers(self.block, x, carry)
+
+
+def run_layers(layers: nn.ModuleList, x: torch.Tensor, carry: Carry) -> torch.Tensor:
+    """Each layer in turn; a SnakeBeta just before a causal convolution goes in through
+    the convolution's ``activated`` (on the fused path one pass writes it after the past)."""
+    items = list(layers)
+    i = 0
+    while i < len(items):
+        layer, after = items[i], items[i + 1] if i + 1 < len(items) else None
+        if isinstance(layer, SnakeBeta) and isinstance(after, (CausalConv, CausalTransConv)):
+            x = after.activated(layer, x, carry)
+            i += 2
+        else:
             x = layer(x, carry)
-        return x
+            i += 1
+    return x
 
 
 class Upsample(nn.ModuleList):
