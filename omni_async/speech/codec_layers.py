@@ -103,8 +103,20 @@ class Stateful(nn.Module):
 
     slot: int = -1
     lead: int = 0
+    context: int = 0  # (a convolution's: the past samples it reads before the chunk)
 
     def past_shape(self) -> tuple[int, ...]:
+        raise NotImplementedError
+
+    def activated(self, act: "SnakeBeta", x: torch.Tensor, carry: "Carry") -> torch.Tensor:
+        """A causal convolution's ``self(act(x))``; through the fused activation, the
+        activation is written after the past in one buffer (no concatenation pass)."""
+        if self.context == 0 or self.lead or not _fused(x):
+            return self(act(x, carry), carry)
+        return self._convolve(act.with_past(x, carry.take(self.slot)), carry, x.shape[-1])
+
+    def _convolve(self, full: torch.Tensor, carry: "Carry", samples: int) -> torch.Tensor:
+        """The past and a chunk of ``samples`` as one input (a convolution's)."""
         raise NotImplementedError
 
 
@@ -150,17 +162,10 @@ class CausalConv(Stateful):
             return self.conv(x)
         if self.lead:
             x = carry.clear_lead(x, self.lead)
-        return self._convolve(torch.cat([carry.take(self.slot), x], dim=-1), carry)
+        return self._convolve(torch.cat([carry.take(self.slot), x], dim=-1), carry, x.shape[-1])
 
-    def activated(self, act: "SnakeBeta", x: torch.Tensor, carry: Carry) -> torch.Tensor:
-        """``self(act(x))``; through the fused activation the activation is written after
-        the past in one buffer (no concatenation pass over it)."""
-        if self.context == 0 or self.lead or not _fused(x):
-            return self(act(x, carry), carry)
-        return self._convolve(act.with_past(x, carry.take(self.slot)), carry)
-
-    def _convolve(self, full: torch.Tensor, carry: Carry) -> torch.Tensor:
-        """The past and the chunk as one input: its last ``context`` samples are the next past."""
+    def _convolve(self, full: torch.Tensor, carry: Carry, samples: int) -> torch.Tensor:
+        """Its last ``context`` samples are the next past."""
         carry.put(self.slot, full[..., full.shape[-1] - self.context:])
         return self.conv(full)
 
@@ -186,18 +191,13 @@ class CausalTransConv(Stateful):
             return self.conv(x)[..., :length]
         if self.lead:
             x = carry.clear_lead(x, self.lead)
-        return self._convolve(torch.cat([carry.take(self.slot), x], dim=-1), carry, length)
+        return self._convolve(torch.cat([carry.take(self.slot), x], dim=-1), carry, x.shape[-1])
 
-    def activated(self, act: "SnakeBeta", x: torch.Tensor, carry: Carry) -> torch.Tensor:
-        """``self(act(x))``, as :meth:`CausalConv.activated`."""
-        if self.context == 0 or self.lead or not _fused(x):
-            return self(act(x, carry), carry)
-        return self._convolve(act.with_past(x, carry.take(self.slot)), carry, x.shape[-1] * self.stride)
-
-    def _convolve(self, full: torch.Tensor, carry: Carry, length: int) -> torch.Tensor:
+    def _convolve(self, full: torch.Tensor, carry: Carry, samples: int) -> torch.Tensor:
+        """The outputs of the past's samples came with the chunk before: cut."""
         carry.put(self.slot, full[..., full.shape[-1] - self.context:])
         start = self.context * self.stride
-        return self.conv(full)[..., start:start + length]
+        return self.conv(full)[..., start:start + samples * self.stride]
 
 
 class ConvNeXtBlock(nn.Module):
