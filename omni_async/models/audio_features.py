@@ -18,7 +18,6 @@ another rate is refused (:class:`~omni_async.errors.InvalidRequestError`).
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -27,6 +26,7 @@ import numpy as np
 import torch
 
 from ..errors import InvalidRequestError, ModelLoadError
+from .config import read_folder_json
 from .resample import MAX_RATE, MIN_RATE, resample, resampled_length
 
 __all__ = ["LogMelConfig", "LogMel", "PREPROCESSOR_FILE"]
@@ -46,13 +46,7 @@ class LogMelConfig:
 
     @classmethod
     def from_folder(cls, folder: str | Path) -> "LogMelConfig":
-        path = Path(folder) / PREPROCESSOR_FILE
-        try:
-            raw = json.loads(path.read_text(encoding="utf-8"))
-        except FileNotFoundError:
-            raise ModelLoadError(f"{folder}: no {PREPROCESSOR_FILE} (the audio feature extractor's parameters)") from None
-        except json.JSONDecodeError as exc:
-            raise ModelLoadError(f"{path}: not valid JSON ({exc})") from None
+        raw, path = read_folder_json(folder, PREPROCESSOR_FILE, "the audio feature extractor's parameters")
         kind = raw.get("feature_extractor_type", "WhisperFeatureExtractor")
         if kind != "WhisperFeatureExtractor":
             raise ModelLoadError(f"{path}: feature extractor {kind!r} is not supported (WhisperFeatureExtractor is)")

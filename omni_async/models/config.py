@@ -8,7 +8,9 @@ wrong model.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Mapping
 
 from ..errors import ModelLoadError
@@ -245,3 +247,16 @@ def _rope_of(raw: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None]:
         if rope_type == "default":
             scaling = None
     return theta, scaling
+
+
+def read_folder_json(folder: str | Path, name: str, holder: str) -> tuple[dict[str, Any], Path]:
+    """A checkpoint folder's JSON file ``name`` and its path; ModelLoadError when the folder
+    has none (``holder``: what holds one, for the message) or it is not valid JSON."""
+    path = Path(folder) / name
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ModelLoadError(f"{folder}: no {name} ({holder})") from None
+    except ValueError as exc:
+        raise ModelLoadError(f"{path}: not valid JSON ({exc})") from None
+    return raw, path

@@ -10,13 +10,13 @@ have: ``leading_samples``, how far its output runs ahead of a causal decode.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Mapping
 
 from ..errors import ModelLoadError
+from ..models.config import read_folder_json
 from .omni_config import ARCHITECTURE
 
 __all__ = ["Code2WavConfig"]
@@ -109,13 +109,7 @@ class Code2WavConfig:
     @classmethod
     def from_folder(cls, folder: str | Path) -> "Code2WavConfig":
         """From a Qwen3-Omni folder's ``config.json`` (its ``code2wav_config``)."""
-        path = Path(folder) / "config.json"
-        try:
-            raw = json.loads(path.read_text(encoding="utf-8"))
-        except FileNotFoundError:
-            raise ModelLoadError(f"{folder}: no config.json (a Qwen3-Omni checkpoint folder holds one)") from None
-        except ValueError as exc:
-            raise ModelLoadError(f"{path}: not valid JSON ({exc})") from None
+        raw, path = read_folder_json(folder, "config.json", "a Qwen3-Omni checkpoint folder holds one")
         if ARCHITECTURE not in (raw.get("architectures") or []) and raw.get("model_type") != "qwen3_omni_moe":
             raise ModelLoadError(f"{path}: not a Qwen3-Omni checkpoint ({ARCHITECTURE})")
         if not isinstance(raw.get("code2wav_config"), Mapping):

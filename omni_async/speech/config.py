@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from ..errors import ModelLoadError
-from ..models.config import ModelConfig
+from ..models.config import ModelConfig, read_folder_json
 
 __all__ = ["PredictorConfig", "TTSConfig", "SpeechDefaults", "FRAME_RATE", "named_config"]
 
@@ -120,13 +120,7 @@ class TTSConfig:
     @classmethod
     def from_folder(cls, folder: str | Path) -> "TTSConfig":
         folder = Path(folder)
-        path = folder / "config.json"
-        try:
-            raw = json.loads(path.read_text(encoding="utf-8"))
-        except FileNotFoundError:
-            raise ModelLoadError(f"{folder}: no config.json (a Qwen3-TTS checkpoint folder holds one)") from None
-        except json.JSONDecodeError as exc:
-            raise ModelLoadError(f"{path}: not valid JSON ({exc})") from None
+        raw, path = read_folder_json(folder, "config.json", "a Qwen3-TTS checkpoint folder holds one")
         gen_path = folder / "generation_config.json"
         gen = json.loads(gen_path.read_text(encoding="utf-8")) if gen_path.is_file() else {}
         return cls.from_dict(raw, gen, source=str(path))

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from ..errors import InvalidRequestError, ModelLoadError
-from ..models.config import ModelConfig
+from ..models.config import ModelConfig, read_folder_json
 from .config import PredictorConfig
 
 __all__ = ["OmniTalkerConfig", "speaks"]
@@ -87,13 +87,7 @@ class OmniTalkerConfig:
 
     @classmethod
     def from_folder(cls, folder: str | Path) -> "OmniTalkerConfig":
-        path = Path(folder) / "config.json"
-        try:
-            raw = json.loads(path.read_text(encoding="utf-8"))
-        except FileNotFoundError:
-            raise ModelLoadError(f"{folder}: no config.json (a Qwen3-Omni checkpoint folder holds one)") from None
-        except json.JSONDecodeError as exc:
-            raise ModelLoadError(f"{path}: not valid JSON ({exc})") from None
+        raw, path = read_folder_json(folder, "config.json", "a Qwen3-Omni checkpoint folder holds one")
         return cls.from_dict(raw, source=str(path))
 
     @classmethod
