@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import ModelLoadError
-from .loader import iter_checkpoint
+from .loader import check_tensors, iter_checkpoint
 from .random_weights import RandomWeights, fill_random
 
 __all__ = ["AudioEncoderConfig", "AudioEncoder", "PREFIX"]
@@ -181,15 +181,7 @@ class AudioEncoder(nn.Module):
         a tensor missing, unexpected or of another shape is a ModelLoadError naming it."""
         model = cls(AudioEncoderConfig.from_folder(folder))
         state = {name[len(PREFIX):]: t for name, t in iter_checkpoint(Path(folder)) if name.startswith(PREFIX)}
-        expected = model.state_dict()
-        missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
-        if missing or unexpected:
-            raise ModelLoadError(f"{folder}: the audio encoder's tensors do not match its config: missing "
-                                 f"{[PREFIX + k for k in missing[:5]]}, unexpected {[PREFIX + k for k in unexpected[:5]]}")
-        for name, tensor in state.items():
-            if tuple(tensor.shape) != tuple(expected[name].shape):
-                raise ModelLoadError(f"{folder}: {PREFIX}{name} has shape {tuple(tensor.shape)}, "
-                                     f"its config makes {tuple(expected[name].shape)}")
+        check_tensors(model.state_dict(), state, folder, "the audio encoder's tensors", PREFIX)
         model.load_state_dict(state, strict=True)
         return model.to(device=device, dtype=dtype).eval()
 

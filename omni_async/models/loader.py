@@ -247,6 +247,20 @@ def sharded(shard: Any, named: Iterable[tuple[str, torch.Tensor]]) -> Iterable[t
     return named if shard is None else shard.slice_named(named)
 
 
+def check_tensors(expected: Any, state: Any, folder: Path | str, what: str, prefix: str) -> None:
+    """A submodule's checkpoint tensors ``state`` (names without ``prefix``) against the
+    ``expected`` state dict its config makes: a ModelLoadError naming the missing,
+    unexpected or misshapen ones, with their names in the checkpoint."""
+    missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
+    if missing or unexpected:
+        raise ModelLoadError(f"{folder}: {what} do not match its config: missing "
+                             f"{[prefix + k for k in missing[:5]]}, unexpected {[prefix + k for k in unexpected[:5]]}")
+    for name, tensor in state.items():
+        if tuple(tensor.shape) != tuple(expected[name].shape):
+            raise ModelLoadError(f"{folder}: {prefix}{name} has shape {tuple(tensor.shape)}, "
+                                 f"its config makes {tuple(expected[name].shape)}")
+
+
 def safetensors_files(folder: Path) -> list[Path]:
     index = folder / "model.safetensors.index.json"
     if index.is_file():

@@ -34,7 +34,7 @@ from safetensors import safe_open
 from torch import nn
 
 from ..errors import ModelLoadError
-from ..models.loader import safetensors_files
+from ..models.loader import check_tensors, safetensors_files
 from .code2wav_config import Code2WavConfig
 from .codec_base import CodecState, StreamDecoder
 from .codec_layers import Carry, CausalConv, SnakeBeta, Transformer, Upsample, VocoderBlock, run_layers
@@ -80,7 +80,7 @@ class Code2Wav(StreamDecoder):
                 for name in f.keys():
                     if name.startswith(PREFIX):
                         state[name[len(PREFIX):]] = f.get_tensor(name)
-        _check_tensors(model, state, folder)
+        check_tensors(model.state_dict(), state, folder, "the code2wav tensors", PREFIX)
         model.load_state_dict(state, strict=True)
         return model._placed(device, dtype)
 
@@ -118,16 +118,3 @@ def _mark_leads(decoder: nn.ModuleList) -> int:
                 unit.conv1.lead = lead
     decoder[-1].lead = lead
     return lead
-
-
-def _check_tensors(model: nn.Module, state: dict[str, torch.Tensor], folder: Path) -> None:
-    expected = model.state_dict()
-    missing = sorted(set(expected) - set(state))
-    unexpected = sorted(set(state) - set(expected))
-    if missing or unexpected:
-        raise ModelLoadError(f"{folder}: the code2wav tensors do not match its config: missing "
-                             f"{[PREFIX + k for k in missing[:5]]}, unexpected {[PREFIX + k for k in unexpected[:5]]}")
-    for name, tensor in state.items():
-        if tuple(tensor.shape) != tuple(expected[name].shape):
-            raise ModelLoadError(f"{folder}: {PREFIX}{name} has shape {tuple(tensor.shape)}, "
-                                 f"its config makes {tuple(expected[name].shape)}")
