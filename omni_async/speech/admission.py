@@ -122,7 +122,7 @@ class AudioRate:
             return
         sample, now = audio_s / took_s, self.clock()
         fresh = self._rate is not None and now - self._at <= self.max_age_s
-        self._rate = self._rate + self.weight * (sample - self._rate) if fresh and self._rate is not None else sample
+        self._rate = self._rate + self.weight * (sample - self._rate) if fresh else sample  # type: ignore[operator]
         self._at = now
 
     def rate(self) -> float | None:

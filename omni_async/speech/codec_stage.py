@@ -119,7 +119,6 @@ class CodecStage:
         # Audio seconds decoded a second over rounds that left ready chunks for the next (the
         # admission gate's measure of what the codec can feed).
         self.audio_rate = AudioRate()
-        self._cut = False  # the round being chosen left ready chunks out
         # Called with each round's seconds on the loop (metrics).
         self.round_observers: list[Any] = []
         self.decoder, self.device = decoder, device
@@ -244,12 +243,11 @@ class CodecStage:
                 await self._wake.wait()
                 self._wake = anyio.Event()
                 while True:
-                    ready = self._ready()
+                    ready, cut = self._ready()
                     if not ready:
                         break
-                    cut = self._cut  # chunks were ready past this round's budget: the codec is the bound
                     took = await self._decode(ready)
-                    if cut:
+                    if cut:  # chunks were ready past this round's budget: the codec is the bound
                         self.audio_rate.observe(sum(n for _, n in ready) * self.frame_seconds, took)
         finally:
             if self._thread is not None:
@@ -266,9 +264,10 @@ class CodecStage:
         buffered = stream.playback.slack() / self.frame_seconds
         return _power_of_two(int(min(self.max_chunk_frames, max(self.first_chunk_frames, buffered // 2))))
 
-    def _ready(self) -> list[tuple[CodecStream, int]]:
+    def _ready(self) -> tuple[list[tuple[CodecStream, int]], bool]:
         """Streams with a chunk to decode now, and how many frames each takes (an ended
-        stream's leftover: its largest power of two now, the rest in the next calls)."""
+        stream's leftover: its largest power of two now, the rest in the next calls), within
+        the round's budgets; and whether the budgets left ready chunks for the next round."""
         out = []
         for s in list(self._streams.values()):
             want = self._target(s)
@@ -280,15 +279,15 @@ class CodecStage:
                 else:  # nothing left: the empty terminal chunk
                     self._deliver(s, torch.zeros((0, self.decoder.num_quantizers), dtype=torch.long),
                                   np.zeros(0, dtype=np.float32))
-        return self._within_budget(out)
+        kept = self._within_budget(out)
+        return kept, len(kept) < len(out)
 
     def _within_budget(self, ready: list[tuple[CodecStream, int]]) -> list[tuple[CodecStream, int]]:
         """The most urgent of ``ready`` that fit the round's budgets (at least one)."""
         cap_streams, cap_frames = self.max_streams_per_round, self.max_frames_per_round
         over_streams = cap_streams is not None and len(ready) > cap_streams
         over_frames = cap_frames is not None and sum(n for _, n in ready) > cap_frames
-        self._cut = over_streams or over_frames
-        if not self._cut:
+        if not (over_streams or over_frames):
             return ready
         kept: list[tuple[CodecStream, int]] = []
         frames = 0
