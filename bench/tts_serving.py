@@ -459,7 +459,7 @@ def main() -> None:
     ap.add_argument("--codec-stream", choices=("own", "talker"), default=None,
                     help="CUDA: the codec's calls on a stream of their own (the default) or between the talker's steps on its stream")
     ap.add_argument("--fused-snake", choices=("on", "off"), default=None,
-                    help="CUDA: the vocoder's SnakeBeta as one Triton pass (on, the default) or torch ops")
+                    help="CUDA: the vocoder's elementwise work fused (SnakeBeta in one Triton pass, the residual units' biases in the passes after their convolutions; on, the default) or torch ops")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     args.arms = args.arms.split(",")

@@ -11,7 +11,7 @@ from .triton_interpreter import interpreted_result, interpreter_only, needs_trit
 
 COMPARE = r'''
 import torch
-from omni_async.kernels.snake import snake_beta
+from omni_async.kernels.snake import residual_sum, snake_beta
 
 
 def reference(x, alpha, beta):
@@ -33,12 +33,21 @@ def compare(device, dtype, shapes):
         assert got.shape == x.shape and got.dtype == dtype
         want = reference(x.double(), alpha.double(), beta.double())
         worst = max(worst, ((got.double() - want).abs() / (1 + want.abs())).max().item())
+        # A convolution's bias left out of it: the activation of x + bias, the residual sum
+        # x + (y + bias), each rounded to the dtype where torch's add rounds.
+        bias, y = torch.randn(c, generator=gen).to(device, dtype), torch.randn(b, c, t, generator=gen).to(device, dtype)
+        biased = snake_beta(x, alpha, beta, bias=bias)
+        assert torch.equal(biased, snake_beta(x + bias[None, :, None], alpha, beta))
+        assert not torch.equal(biased, got) or t * c == 0
+        summed = residual_sum(x, y, bias)
+        want_sum = (x.double() + (y + bias[None, :, None]).double())
+        worst = max(worst, ((summed.double() - want_sum).abs() / (1 + want_sum.abs())).max().item())
     return worst
 '''
 
 @needs_triton
 @interpreter_only
-def test_snake_kernel_equals_the_torch_ops_in_the_interpreter():
+def test_vocoder_kernels_equal_the_torch_ops_in_the_interpreter():
     script = COMPARE + "\nprint('RESULT', compare('cpu', torch.float32, [(2, 3, 50), (1, 4, 1500), (3, 2, 16)]))\n"
     assert float(interpreted_result(script)) < 1e-5
 
@@ -77,15 +86,16 @@ print("RESULT", worst)
 @interpreter_only
 def test_the_codecs_through_the_fused_activations_decode_what_the_torch_ops_decode():
     """Both codecs (Qwen3-TTS's and Code2Wav, whose layers carry a lead) streamed in chunks
-    with every SnakeBeta through the kernel, and each one before a causal convolution
-    written after its past in one buffer: the torch path's samples."""
+    with every SnakeBeta through the kernel, each one before a causal convolution
+    written after its past in one buffer, and the residual units' convolution biases added
+    in the passes after them: the torch path's samples."""
     assert float(interpreted_result(WHOLE_CODEC, timeout=900)) < 1e-5
 
 
 @needs_triton
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
-def test_cuda_snake_kernel_equals_the_torch_ops(dtype, tol):
+def test_cuda_vocoder_kernels_equal_the_torch_ops(dtype, tol):
     namespace: dict = {}
     exec(compile(COMPARE, "snake_compare", "exec"), namespace)
     assert namespace["compare"]("cuda", dtype, [(2, 96, 1920 * 8), (64, 768, 32), (1, 1536, 3), (5, 7, 1)]) < tol

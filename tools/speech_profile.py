@@ -96,11 +96,13 @@ def codec_graphed(tts: SpeechPipeline, batches=(1, 16, 64), frames=(2, 4, 8, 16)
     return out
 
 
-def codec_variants(tts: SpeechPipeline, shapes=((64, 8), (16, 8), (1, 4))) -> dict:
-    """The codec's graphed call with SnakeBeta as torch ops or one Triton pass, cuDNN's
-    algorithm search off or on: fresh slots and graphs per variant (the flags are read at
-    capture), ms a call by (streams, frames); then torch.profiler's kernel table of the
-    default variant's (64, 8) call."""
+def codec_variants(tts: SpeechPipeline, shapes=((64, 8), (16, 8), (1, 4)), repeats: int = 2) -> dict:
+    """The codec's graphed call with its elementwise work as torch ops or fused (SnakeBeta in
+    one pass, written after a causal convolution's past, the residual units' biases in the
+    passes after their convolutions) and its one-output-channel convolution as declared or
+    padded: fresh slots and graphs per variant (the flags are read at capture), ms a call by
+    (streams, frames), the variants interleaved ``repeats`` times; then torch.profiler's
+    kernel table of the default variant's first shape."""
     from torch.profiler import ProfilerActivity, profile
 
     from omni_async.speech import codec_layers
@@ -109,35 +111,38 @@ def codec_variants(tts: SpeechPipeline, shapes=((64, 8), (16, 8), (1, 4))) -> di
     dec = tts.codec.decoder
     rows, table = [], ""
     stream = torch.cuda.Stream()
-    for snake, bench in ((False, False), (True, False), (False, True), (True, True)):
-        codec_layers.FUSED_SNAKE, torch.backends.cudnn.benchmark = snake, bench
-        with torch.cuda.stream(stream):
-            slots = CodecSlots(dec, 64)
-            graphs = CodecGraphs(slots, batches=tuple(sorted({b for b, _ in shapes})), frames=tuple(sorted({f for _, f in shapes})))
-            opened = [slots.open() for _ in range(64)]
-            for b, f in shapes:
-                codes = torch.randint(0, 2048, (b, f, 16), device="cuda")
-                for _ in range(3):
-                    graphs.run(codes, opened[:b])
-                torch.cuda.synchronize()
-                n = 10
-                t0 = time.perf_counter()
-                for _ in range(n):
-                    graphs.run(codes, opened[:b])
-                torch.cuda.synchronize()
-                ms = 1000 * (time.perf_counter() - t0) / n
-                rows.append({"fused_snake": snake, "cudnn_benchmark": bench, "streams": b, "frames": f, "ms_per_call": round(ms, 3)})
-                print("codec variant", rows[-1], flush=True)
-                if snake and not bench and (b, f) == shapes[0]:
-                    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                        for _ in range(3):
-                            graphs.run(codes, opened[:b])
-                        torch.cuda.synchronize()
-                    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=20)
-                    print(table, flush=True)
-        del graphs, slots
-        torch.cuda.empty_cache()
-    codec_layers.FUSED_SNAKE, torch.backends.cudnn.benchmark = True, False
+    default = (codec_layers.FUSED_SNAKE, codec_layers.NARROW_CONV_CHANNELS)
+    for repeat in range(repeats):
+        for fused, narrow in ((False, 0), (True, 0), (False, 8), (True, 8)):
+            codec_layers.FUSED_SNAKE, codec_layers.NARROW_CONV_CHANNELS = fused, narrow
+            with torch.cuda.stream(stream):
+                slots = CodecSlots(dec, 64)
+                graphs = CodecGraphs(slots, batches=tuple(sorted({b for b, _ in shapes})), frames=tuple(sorted({f for _, f in shapes})))
+                opened = [slots.open() for _ in range(64)]
+                for b, f in shapes:
+                    codes = torch.randint(0, 2048, (b, f, 16), device="cuda")
+                    for _ in range(3):
+                        graphs.run(codes, opened[:b])
+                    torch.cuda.synchronize()
+                    n = 10
+                    t0 = time.perf_counter()
+                    for _ in range(n):
+                        graphs.run(codes, opened[:b])
+                    torch.cuda.synchronize()
+                    ms = 1000 * (time.perf_counter() - t0) / n
+                    rows.append({"fused": fused, "narrow_conv_channels": narrow, "repeat": repeat, "streams": b, "frames": f,
+                                 "ms_per_call": round(ms, 3)})
+                    print("codec variant", rows[-1], flush=True)
+                    if repeat == 0 and (fused, narrow) == default and (b, f) == shapes[0]:
+                        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                            for _ in range(3):
+                                graphs.run(codes, opened[:b])
+                            torch.cuda.synchronize()
+                        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=20)
+                        print(table, flush=True)
+            del graphs, slots
+            torch.cuda.empty_cache()
+    codec_layers.FUSED_SNAKE, codec_layers.NARROW_CONV_CHANNELS = default
     return {"variants": rows, "profile_table": table}
 
 
@@ -166,9 +171,11 @@ def draw_alone(rows_list=(1, 64), vocab: int = 2048) -> list[dict]:
     return out
 
 
-def predictor_alone(tts: SpeechPipeline, batches: list[int], sampled: bool = True) -> list[dict]:
+def predictor_alone(tts: SpeechPipeline, batches: list[int], sampled: bool = True, kernels: bool = False) -> list[dict]:
     """The code predictor's frame (15 codes a row) alone, captured in a CUDA graph per
-    batch and replayed: ms a frame (issue 60's goal: <= 3 ms at 64 rows on an H100)."""
+    batch and replayed: ms a frame (issue 60's goal: <= 3 ms at 64 rows on an H100).
+    ``kernels``: torch.profiler's kernel table of three replays at each batch (calls / 3 =
+    launches a frame)."""
     from omni_async.speech.sampling import TOP_K_CAP, PredictorSampling, draw_codes
     runner, speech = tts.stage.runner, tts.stage.model
     dev, hidden = runner.device, speech.config.talker.hidden_size
@@ -203,6 +210,17 @@ def predictor_alone(tts: SpeechPipeline, batches: list[int], sampled: bool = Tru
                 graph.replay()
             torch.cuda.synchronize()
         r = {"batch": b, "sampled": sampled, "ms_per_frame": round(1000 * (time.perf_counter() - t0) / n, 3)}
+        if kernels:
+            from torch.profiler import ProfilerActivity, profile
+
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(3):
+                    graph.replay()
+                torch.cuda.synchronize()
+            events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+            r["kernels_per_frame"] = round(sum(e.count for e in events) / 3, 1)
+            r["kernel_table"] = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30)
+            print(r["kernel_table"], flush=True)
         out.append(r)
         print("predictor", r, flush=True)
     return out
@@ -231,7 +249,7 @@ async def main(args) -> None:
             res["profile_table"] = table
         if args.device == "cuda" and not args.no_predictor:
             res["draw"] = draw_alone()
-            res["predictor"] = predictor_alone(tts, args.batches)
+            res["predictor"] = predictor_alone(tts, args.batches, kernels=args.predictor_kernels)
         if args.device == "cuda" and tts.codec.graphs is not None:
             with torch.inference_mode():
                 res["codec_graphed"] = codec_graphed(tts)
@@ -256,6 +274,7 @@ if __name__ == "__main__":
     ap.add_argument("--steady", action="store_true", help="also run each batch at twice the frames: ms a frame without the prompts")
     ap.add_argument("--no-codec", action="store_true", help="leave out the codec's eager calls")
     ap.add_argument("--no-predictor", action="store_true", help="leave out the predictor's and the draw's own timings")
-    ap.add_argument("--codec-variants", action="store_true", help="CUDA: the codec's graphed call with and without the fused SnakeBeta, cuDNN search")
+    ap.add_argument("--predictor-kernels", action="store_true", help="CUDA: the predictor's kernel table at each batch")
+    ap.add_argument("--codec-variants", action="store_true", help="CUDA: the codec's graphed call with its elementwise work fused or not, its one-channel convolution padded or not")
     ap.add_argument("--out", default=None)
     asyncio.run(main(ap.parse_args()))

@@ -37,7 +37,8 @@ from ..errors import ModelLoadError
 from ..models.loader import check_tensors, safetensors_files
 from .code2wav_config import Code2WavConfig
 from .codec_base import CodecState, StreamDecoder
-from .codec_layers import Carry, CausalConv, SnakeBeta, Transformer, Upsample, VocoderBlock, run_layers
+from .codec_layers import Carry, CausalConv, SnakeBeta, Upsample, VocoderBlock, run_layers
+from .codec_transformer import Transformer
 
 __all__ = ["Code2Wav", "CodecState"]
 

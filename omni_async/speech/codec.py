@@ -30,8 +30,9 @@ from torch import nn
 from ..errors import ModelLoadError
 from .codec_base import CodecState, StreamDecoder
 from .codec_config import CodecConfig
-from .codec_layers import Carry, CausalConv, SnakeBeta, Transformer, Upsample, VocoderBlock, run_layers
+from .codec_layers import Carry, CausalConv, SnakeBeta, Upsample, VocoderBlock, run_layers
 from .codec_quantizer import Quantizer
+from .codec_transformer import Transformer
 
 __all__ = ["CodecDecoder", "CodecState"]
 

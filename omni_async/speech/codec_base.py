@@ -28,7 +28,8 @@ import torch
 from torch import nn
 
 from ..errors import InvalidRequestError
-from .codec_layers import Stateful, rope_frequencies
+from .codec_layers import Stateful
+from .codec_transformer import rope_frequencies
 
 
 @dataclass

@@ -17,22 +17,28 @@ its samples run that far ahead of these layers' outputs. There a stateful layer'
 is how many samples at the start of a stream its input holds that are not part of its
 signal: a stream's first chunk has them zeroed before the layer reads them, which is the
 zero padding the one-shot decode sees at the start of the shorter signal.
+
+The sliding-window transformer's layers are in :mod:`~omni_async.speech.codec_transformer`.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Protocol
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ..kernels import triton_available
 
-# SnakeBeta through the one-pass Triton kernel on CUDA (read when a call runs or a graph
-# is captured; off: the torch ops, for side-by-side timing).
+# SnakeBeta through the one-pass Triton kernel on CUDA, the residual units' convolution
+# biases added in the passes after them (read when a call runs or a graph is captured;
+# off: the torch ops, for side-by-side timing).
 FUSED_SNAKE = True
+# On CUDA a convolution of fewer output channels runs with its weight zero-padded to this
+# many (the vocoder's last, 96 -> 1: cuDNN's kernel for one output channel, a generic
+# implicit GEMM without tensor cores, was 20% of the codec's kernel time at 64 streams x 8
+# frames on the H100); 0: as declared (for side-by-side timing).
+NARROW_CONV_CHANNELS = 8
 
 
 def _fused(x: torch.Tensor) -> bool:
@@ -62,41 +68,6 @@ class Carry:
         return x.masked_fill(first & ahead, 0.0)
 
 
-class WindowConfig(Protocol):
-    """The shape of the sliding-window transformer, read-only (both codecs' frozen configs,
-    ``CodecConfig`` and ``Code2WavConfig``, have these fields)."""
-
-    @property
-    def hidden_size(self) -> int: ...
-
-    @property
-    def intermediate_size(self) -> int: ...
-
-    @property
-    def num_hidden_layers(self) -> int: ...
-
-    @property
-    def num_attention_heads(self) -> int: ...
-
-    @property
-    def num_key_value_heads(self) -> int: ...
-
-    @property
-    def head_dim(self) -> int: ...
-
-    @property
-    def sliding_window(self) -> int: ...
-
-    @property
-    def rope_theta(self) -> float: ...
-
-    @property
-    def rms_norm_eps(self) -> float: ...
-
-    @property
-    def attention_bias(self) -> bool: ...
-
-
 class Stateful(nn.Module):
     """A layer with a past: its slot in the carry, the shape of its past for one stream, and
     the samples at a stream's start its input holds that are not signal (``lead``, zeroed)."""
@@ -108,14 +79,15 @@ class Stateful(nn.Module):
     def past_shape(self) -> tuple[int, ...]:
         raise NotImplementedError
 
-    def activated(self, act: "SnakeBeta", x: torch.Tensor, carry: "Carry") -> torch.Tensor:
+    def activated(self, act: "SnakeBeta", x: torch.Tensor, carry: "Carry", bias: bool = True) -> torch.Tensor:
         """A causal convolution's ``self(act(x))``; through the fused activation, the
-        activation is written after the past in one buffer (no concatenation pass)."""
+        activation is written after the past in one buffer (no concatenation pass).
+        ``bias``: False leaves the convolution's bias out (a later pass adds it)."""
         if self.context == 0 or self.lead or not _fused(x):
-            return self(act(x, carry), carry)
-        return self._convolve(act.with_past(x, carry.take(self.slot)), carry, x.shape[-1])
+            return self(act(x, carry), carry, bias=bias)
+        return self._convolve(act.with_past(x, carry.take(self.slot)), carry, x.shape[-1], bias)
 
-    def _convolve(self, full: torch.Tensor, carry: "Carry", samples: int) -> torch.Tensor:
+    def _convolve(self, full: torch.Tensor, carry: "Carry", samples: int, bias: bool) -> torch.Tensor:
         """The past and a chunk of ``samples`` as one input (a convolution's)."""
         raise NotImplementedError
 
@@ -144,6 +116,13 @@ class SnakeBeta(nn.Module):
 
         return snake_beta(x, self.alpha, self.beta, past=past)
 
+    def biased(self, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        """``self(x + bias)`` (``bias [C]``: a convolution's, left out of it) in one pass (the
+        fused kernel's; its callers check :func:`_fused` first)."""
+        from ..kernels.snake import snake_beta
+
+        return snake_beta(x, self.alpha, self.beta, bias=bias)
+
 
 class CausalConv(Stateful):
     """Conv1d over ``[B, C, T]`` with zero left padding of ``(k-1)*dilation``; streamed, the
@@ -157,17 +136,29 @@ class CausalConv(Stateful):
     def past_shape(self) -> tuple[int, ...]:
         return (self.conv.in_channels, self.context)
 
-    def forward(self, x: torch.Tensor, carry: Carry) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, carry: Carry, bias: bool = True) -> torch.Tensor:
         if self.context == 0:
-            return self.conv(x)
+            return self.convolution(x, bias)
         if self.lead:
             x = carry.clear_lead(x, self.lead)
-        return self._convolve(torch.cat([carry.take(self.slot), x], dim=-1), carry, x.shape[-1])
+        return self._convolve(torch.cat([carry.take(self.slot), x], dim=-1), carry, x.shape[-1], bias)
 
-    def _convolve(self, full: torch.Tensor, carry: Carry, samples: int) -> torch.Tensor:
+    def _convolve(self, full: torch.Tensor, carry: Carry, samples: int, bias: bool) -> torch.Tensor:
         """Its last ``context`` samples are the next past."""
         carry.put(self.slot, full[..., full.shape[-1] - self.context:])
-        return self.conv(full)
+        return self.convolution(full, bias)
+
+    def convolution(self, x: torch.Tensor, bias: bool = True) -> torch.Tensor:
+        """The convolution over ``x`` as it is (no past), its bias left out unless ``bias``;
+        on CUDA one of few output channels runs padded (:data:`NARROW_CONV_CHANNELS`)."""
+        c = self.conv
+        weight, b = c.weight, c.bias if bias else None
+        cout, wide = weight.shape[0], NARROW_CONV_CHANNELS
+        if x.is_cuda and c.groups == 1 and cout < wide:
+            weight = F.pad(weight, (0, 0, 0, 0, 0, wide - cout))
+            b = None if b is None else F.pad(b, (0, wide - cout))
+            return F.conv1d(x, weight, b, dilation=c.dilation)[:, :cout]
+        return F.conv1d(x, weight, b, dilation=c.dilation, groups=c.groups)
 
 
 class CausalTransConv(Stateful):
@@ -185,19 +176,22 @@ class CausalTransConv(Stateful):
     def past_shape(self) -> tuple[int, ...]:
         return (self.conv.in_channels, self.context)
 
-    def forward(self, x: torch.Tensor, carry: Carry) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, carry: Carry, bias: bool = True) -> torch.Tensor:
         length = x.shape[-1] * self.stride
         if self.context == 0:
-            return self.conv(x)[..., :length]
+            return self._transposed(x, bias)[..., :length]
         if self.lead:
             x = carry.clear_lead(x, self.lead)
-        return self._convolve(torch.cat([carry.take(self.slot), x], dim=-1), carry, x.shape[-1])
+        return self._convolve(torch.cat([carry.take(self.slot), x], dim=-1), carry, x.shape[-1], bias)
 
-    def _convolve(self, full: torch.Tensor, carry: Carry, samples: int) -> torch.Tensor:
+    def _convolve(self, full: torch.Tensor, carry: Carry, samples: int, bias: bool) -> torch.Tensor:
         """The outputs of the past's samples came with the chunk before: cut."""
         carry.put(self.slot, full[..., full.shape[-1] - self.context:])
         start = self.context * self.stride
-        return self.conv(full)[..., start:start + samples * self.stride]
+        return self._transposed(full, bias)[..., start:start + samples * self.stride]
+
+    def _transposed(self, x: torch.Tensor, bias: bool) -> torch.Tensor:
+        return F.conv_transpose1d(x, self.conv.weight, self.conv.bias if bias else None, stride=self.stride)
 
 
 class ConvNeXtBlock(nn.Module):
@@ -228,8 +222,15 @@ class ResidualUnit(nn.Module):
         self.conv2 = CausalConv(dim, dim, 1)
 
     def forward(self, x: torch.Tensor, carry: Carry) -> torch.Tensor:
-        h = self.conv1.activated(self.act1, x, carry)
-        return x + self.conv2(self.act2(h, carry), carry)
+        if not _fused(x):
+            h = self.conv1.activated(self.act1, x, carry)
+            return x + self.conv2(self.act2(h, carry), carry)
+        # The fused path: each convolution's bias rides in the pass after it (kernels/snake.py).
+        from ..kernels.snake import residual_sum
+
+        h = self.conv1.activated(self.act1, x, carry, bias=False)
+        h = self.conv2.convolution(self.act2.biased(h, self.conv1.conv.bias), bias=False)
+        return residual_sum(x, h, self.conv2.conv.bias)
 
 
 class VocoderBlock(nn.Module):
@@ -271,141 +272,3 @@ class Upsample(nn.ModuleList):
         for layer in self:
             x = layer(x, carry)
         return x
-
-
-class RMSNorm(nn.Module):
-    """Computed in float32, as the checkpoint was trained."""
-
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
-
-
-class LayerScale(nn.Module):
-    def __init__(self, dim: int) -> None:
-        super().__init__()
-        self.scale = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.scale * x
-
-
-class SlidingAttention(Stateful):
-    """Attention with RoPE where query i sees keys j with ``i - window < j <= i``. The past is
-    the last ``window - 1`` positions' rotated keys and values; positions before a stream's
-    first frame are masked (the zeros a new stream's past holds are never seen)."""
-
-    def __init__(self, config: WindowConfig) -> None:
-        super().__init__()
-        c = config
-        self.heads, self.kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        self.window = c.sliding_window
-        self.q_proj = nn.Linear(c.hidden_size, c.num_attention_heads * c.head_dim, bias=c.attention_bias)
-        self.k_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=c.attention_bias)
-        self.v_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=c.attention_bias)
-        self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=c.attention_bias)
-
-    def past_shape(self) -> tuple[int, ...]:
-        return (2, self.kv_heads, self.window - 1, self.head_dim)
-
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor,
-                carry: Carry) -> torch.Tensor:
-        b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
-        q, k = _rotate(q, *rope), _rotate(k, *rope)
-        past = carry.take(self.slot)
-        keys = torch.cat([past[:, 0], k], dim=2)
-        values = torch.cat([past[:, 1], v], dim=2)
-        keep = self.window - 1
-        carry.put(self.slot, torch.stack([keys[:, :, keys.shape[2] - keep:], values[:, :, values.shape[2] - keep:]], 1))
-        if self.kv_heads != self.heads:
-            keys = keys.repeat_interleave(self.heads // self.kv_heads, dim=1)
-            values = values.repeat_interleave(self.heads // self.kv_heads, dim=1)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.head_dim ** -0.5)
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE; ``cos``/``sin`` are ``[B, T, head_dim]``."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos[:, None] + rotated * sin[:, None]
-
-
-class Mlp(nn.Module):
-    """SwiGLU."""
-
-    def __init__(self, config: WindowConfig) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-class TransformerLayer(nn.Module):
-    def __init__(self, config: WindowConfig) -> None:
-        super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = SlidingAttention(config)
-        self.self_attn_layer_scale = LayerScale(config.hidden_size)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = Mlp(config)
-        self.mlp_layer_scale = LayerScale(config.hidden_size)
-
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor,
-                carry: Carry) -> torch.Tensor:
-        x = x + self.self_attn_layer_scale(self.self_attn(self.input_layernorm(x), rope, mask, carry))
-        return x + self.mlp_layer_scale(self.mlp(self.post_attention_layernorm(x)))
-
-
-def rope_frequencies(config: WindowConfig) -> torch.Tensor:
-    """RoPE's inverse frequencies, float32 (a module cast to bf16 casts its buffers: the
-    decoder sets these back after any cast)."""
-    exponents = torch.arange(0, config.head_dim, 2, dtype=torch.int64).float() / config.head_dim
-    return 1.0 / config.rope_theta ** exponents
-
-
-class Transformer(nn.Module):
-    """``pre_transformer``: sliding-window layers and a final norm over ``[B, T, width]``, with
-    ``input_proj`` / ``output_proj`` from and back to ``latent_dim`` when one is given (the
-    Qwen3-TTS codec; Code2Wav has none). Positions are absolute (the stream's frame index), as
-    in a one-shot decode, so the rotations match it exactly."""
-
-    def __init__(self, config: WindowConfig, latent_dim: int | None = None) -> None:
-        super().__init__()
-        projected = latent_dim is not None
-        self.input_proj = nn.Linear(latent_dim, config.hidden_size) if projected else None
-        self.layers = nn.ModuleList([TransformerLayer(config) for _ in range(config.num_hidden_layers)])
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.output_proj = nn.Linear(config.hidden_size, latent_dim) if projected else None
-        self.window = config.sliding_window
-        self.register_buffer("inv_freq", rope_frequencies(config), persistent=False)
-
-    def forward(self, x: torch.Tensor, carry: Carry) -> torch.Tensor:
-        t = x.shape[1]
-        steps = torch.arange(t, device=x.device)
-        positions = carry.position[:, None] + steps                                   # [B, T]
-        freqs = positions.float()[..., None] * self.inv_freq.float()                  # [B, T, hd/2]
-        angles = torch.cat([freqs, freqs], dim=-1)
-        rope = (angles.cos().to(x.dtype), angles.sin().to(x.dtype))
-        keep = self.window - 1
-        key_positions = carry.position[:, None] - keep + torch.arange(keep + t, device=x.device)  # [B, keep+T]
-        offset = positions[:, :, None] - key_positions[:, None, :]                  # query - key
-        mask = (offset >= 0) & (offset < self.window) & (key_positions[:, None, :] >= 0)
-        mask = mask[:, None]                                                          # [B, 1, T, keep+T]
-        h = x if self.input_proj is None else self.input_proj(x)
-        for layer in self.layers:
-            h = layer(h, rope, mask, carry)
-        h = self.norm(h)
-        return h if self.output_proj is None else self.output_proj(h)

@@ -66,7 +66,7 @@ class Quantizer(nn.Module):
     """The split RVQ's decode: codebook 0 (semantic) and codebooks 1.. (acoustic) each summed and
     projected on their own, the two added. Per frame: no past."""
 
-    def __init__(self, config: WindowConfig) -> None:
+    def __init__(self, config: CodecConfig) -> None:
         super().__init__()
         self.rvq_first = QuantizerGroup(1, config)
         self.rvq_rest = QuantizerGroup(config.num_quantizers - 1, config)

@@ -13,7 +13,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .codec_layers import ConvNeXtBlock, LayerScale, ResidualUnit, RMSNorm, SnakeBeta
+from .codec_layers import ConvNeXtBlock, ResidualUnit, SnakeBeta
+from .codec_transformer import LayerScale, RMSNorm
 from .codec_quantizer import Codebook
 
 _PROBE_FRAMES = 8
