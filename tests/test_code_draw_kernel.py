@@ -61,8 +61,9 @@ def compare(device, dtype, rows=48, vocab=2048, trials=6):
 
 @needs_triton
 @interpreter_only
-def test_kernel_codes_equal_the_torch_path_in_the_interpreter():
-    script = COMPARE + "\nsame, total = compare('cpu', torch.float32, rows=12, trials=2)\nprint('RESULT', same, total)\n"
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])  # 64-bit keys, 32-bit keys
+def test_kernel_codes_equal_the_torch_path_in_the_interpreter(dtype):
+    script = COMPARE + f"\nsame, total = compare('cpu', torch.{dtype}, rows=12, trials=2)\nprint('RESULT', same, total)\n"
     same, total = map(int, interpreted_result(script).split())
     assert same >= total - 1, (same, total)  # at most one draw on a rounding boundary
 

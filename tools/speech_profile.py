@@ -147,8 +147,10 @@ def codec_variants(tts: SpeechPipeline, shapes=((64, 8), (16, 8), (1, 4)), repea
 
 
 def draw_alone(rows_list=(1, 64), vocab: int = 2048) -> list[dict]:
-    """The predictor's sampled draw kernel alone: us a launch over the whole row's sort
-    against the top-k cap's (the checkpoints' top_k 50 within a cap of 64)."""
+    """The predictor's sampled draw kernel alone over bf16 logits: us a launch over the
+    whole row's sort against the top-k cap's (the checkpoints' top_k 50 within a cap of 64),
+    with 64-bit keys and 32-bit ones (``code_draw.SHORT_KEYS``)."""
+    from omni_async.kernels import code_draw
     from omni_async.kernels.code_draw import draw_codes_kernel
     from omni_async.speech.sampling import TOP_K_CAP
     out = []
@@ -157,17 +159,21 @@ def draw_alone(rows_list=(1, 64), vocab: int = 2048) -> list[dict]:
         t, k, p = torch.full((rows,), 0.9, device="cuda"), torch.full((rows,), 50, device="cuda"), torch.ones(rows, device="cuda")
         seeds, base = torch.arange(rows, device="cuda"), torch.zeros(rows, dtype=torch.long, device="cuda")
         for cap in (0, TOP_K_CAP):
-            for _ in range(3):
-                draw_codes_kernel(logits, t, k, p, seeds, base, 1, top_k_cap=cap)
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            n = 200
-            start.record()
-            for _ in range(n):
-                draw_codes_kernel(logits, t, k, p, seeds, base, 1, top_k_cap=cap)
-            end.record()
-            torch.cuda.synchronize()
-            out.append({"rows": rows, "top_k_cap": cap, "us_per_launch": round(1000 * start.elapsed_time(end) / n, 2)})
-            print("draw", out[-1], flush=True)
+            for short in (False, True):
+                code_draw.SHORT_KEYS = short
+                for _ in range(3):
+                    draw_codes_kernel(logits, t, k, p, seeds, base, 1, top_k_cap=cap)
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                n = 200
+                start.record()
+                for _ in range(n):
+                    draw_codes_kernel(logits, t, k, p, seeds, base, 1, top_k_cap=cap)
+                end.record()
+                torch.cuda.synchronize()
+                out.append({"rows": rows, "top_k_cap": cap, "short_keys": short,
+                            "us_per_launch": round(1000 * start.elapsed_time(end) / n, 2)})
+                print("draw", out[-1], flush=True)
+    code_draw.SHORT_KEYS = True
     return out
 
 

@@ -6,7 +6,8 @@ kernels (scale, top-k or sort, gathers, two softmaxes, two scans, a search), 450
 more than the predictor's layers once those are fused. Here one program per row holds
 its whole row: it orders the row once (value descending, index ascending on ties: keys
 that pack the value's order-preserving bits above the index; the whole row, or only its
-``top_k_cap`` largest when every row's top-k is within the cap), keeps the top-k, drops the
+``top_k_cap`` largest when every row's top-k is within the cap; 16-bit logits by 32-bit
+keys, float32 ones by 64-bit keys), keeps the top-k, drops the
 tail past top-p as transformers does (a token goes once the probability before it
 reaches top-p; the first always stays), and takes the kept token where the row's uniform
 falls in the cumulative distribution.
@@ -31,6 +32,10 @@ from .sample import _exp, _uniform
 
 # The widest vocabulary one program holds (the released predictors have 2,048 codes).
 MAX_VOCAB = 8192
+# 16-bit logits (the predictor's head in bf16) ordered by 32-bit keys (their own order-
+# preserving bits above the index) instead of 64-bit ones (a float32 value's): the same
+# order, half the data through the top-k network. Off: 64-bit keys (for timing).
+SHORT_KEYS = True
 
 
 @triton.jit
@@ -42,6 +47,15 @@ def _order_key(z, offs, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _short_key(x, offs, BLOCK: tl.constexpr):
+    """int32 keys whose descending order is (x descending, index ascending), for 16-bit x:
+    dividing by a positive temperature keeps x's order, so these order the scaled row too."""
+    bits = x.to(tl.int16, bitcast=True).to(tl.int32)
+    key = bits ^ ((bits >> 15) & 0x7FFF)
+    return (key << 16) | (BLOCK - 1 - offs)
+
+
+@triton.jit
 def _unkey(s, BLOCK: tl.constexpr):
     hi = (s >> 32).to(tl.int32)
     z = (hi ^ ((hi >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
@@ -50,24 +64,31 @@ def _unkey(s, BLOCK: tl.constexpr):
 
 @triton.jit(**unspecialized(ints=("V", "GROUP", "stride_x", "stride_o")))
 def _draw_kernel(X, TEMP, TOPK, TOPP, SEEDS, BASE, OUT, V, GROUP, stride_x, stride_o, BLOCK: tl.constexpr,
-                 KEEP: tl.constexpr):
+                 KEEP: tl.constexpr, SHORT: tl.constexpr):
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     inside = offs < V
-    x = tl.load(X + row.to(tl.int64) * stride_x + offs, mask=inside, other=float("-inf")).to(tl.float32)
+    start = X + row.to(tl.int64) * stride_x
+    raw = tl.load(start + offs, mask=inside, other=float("-inf"))
+    x = raw.to(tl.float32)
     m = tl.max(x, 0)
     token = tl.min(tl.where(x == m, offs, BLOCK), 0).to(tl.int64)
     temp = tl.load(TEMP + row)
     if temp > 0:
-        z = tl.math.div_rn(x - m, tl.maximum(temp, 1e-30))
-        keys = _order_key(z, offs, BLOCK)
-        if KEEP < BLOCK:  # every row's top_k fits KEEP: the KEEP largest, not a sort of the row
-            ordered = tl.topk(keys, KEEP)
-        else:
-            ordered = tl.sort(keys, 0, descending=True)
-        sz, sidx = _unkey(ordered, BLOCK)
+        t = tl.maximum(temp, 1e-30)
         pos = tl.arange(0, KEEP)  # (new names: a runtime branch may not change a variable's shape)
         held = pos < V
+        if SHORT:  # 32-bit keys of the raw 16-bit logits; the kept ones' scaled values read back
+            keys = _short_key(raw, offs, BLOCK)
+            ordered = tl.topk(keys, KEEP) if KEEP < BLOCK else tl.sort(keys, 0, descending=True)
+            sidx = (BLOCK - 1) - (ordered & 0xFFFF)
+            xs = tl.load(start + sidx, mask=held & (sidx < V), other=float("-inf")).to(tl.float32)
+            sz = tl.math.div_rn(xs - m, t)
+        else:
+            keys = _order_key(tl.math.div_rn(x - m, t), offs, BLOCK)
+            # every row's top_k fits KEEP: the KEEP largest, not a sort of the row
+            ordered = tl.topk(keys, KEEP) if KEEP < BLOCK else tl.sort(keys, 0, descending=True)
+            sz, sidx = _unkey(ordered, BLOCK)
         k = tl.load(TOPK + row)
         k = tl.where((k > 0) & (k < V) & (k < KEEP), k, tl.where(V < KEEP, V, KEEP))
         kth = tl.max(tl.where(pos == k - 1, sz, float("-inf")), 0)
@@ -110,6 +131,7 @@ def draw_codes_kernel(logits: torch.Tensor, temperature: torch.Tensor, top_k: to
     if keep & (keep - 1):
         raise ValueError(f"draw_codes_kernel: top_k_cap must be a power of two, got {top_k_cap}")
     if rows:
+        short = SHORT_KEYS and logits.element_size() == 2
         _DRAW[(rows,)](logits, temperature, top_k, top_p, seeds, base, out, vocab, group, logits.stride(0), out.stride(0),
-                       BLOCK=block, KEEP=keep, num_warps=8 if block >= 2048 else 4)
+                       BLOCK=block, KEEP=keep, SHORT=short, num_warps=8 if block >= 2048 else 4)
     return out
