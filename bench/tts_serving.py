@@ -226,6 +226,27 @@ def machine() -> dict:
     return info
 
 
+def memory_by_part(tts: SpeechPipeline) -> dict:
+    """Where the process's CUDA memory is after loading, in GiB: torch's reserved and
+    allocated totals, each memory pool's segments (torch's own, ``(0, 0)``, and each CUDA
+    graph pool: the talker's frame and prefill graphs share one, the codec's graphs another),
+    and the bytes of each stage's parameters (tensors shared by two modules counted once)."""
+    gib = 2 ** 30
+    pools: dict[str, int] = {}
+    for seg in torch.cuda.memory_snapshot():
+        key = str(tuple(seg.get("segment_pool_id", (0, 0))))
+        pools[key] = pools.get(key, 0) + int(seg["total_size"])
+
+    def size(modules) -> int:
+        seen = {id(p): p for m in modules for p in m.parameters()}
+        return sum(p.numel() * p.element_size() for p in seen.values())
+
+    params = {"talker_stage": size(tts.stage.model.modules()), "codec": size([tts.codec.decoder])}
+    return {"reserved": round(torch.cuda.memory_reserved() / gib, 3), "allocated": round(torch.cuda.memory_allocated() / gib, 3),
+            "pools": {k: round(v / gib, 3) for k, v in sorted(pools.items(), key=lambda kv: -kv[1])},
+            "parameters": {k: round(v / gib, 3) for k, v in params.items()}}
+
+
 async def run(args) -> dict:
     import torch
 
@@ -248,6 +269,9 @@ async def run(args) -> dict:
         codec_layers.FUSED_SNAKE = args.fused_snake == "on"
     tts = SpeechPipeline.from_pretrained(args.model, device=args.device, loop=args.loop, dtype=args.dtype, **limits)
     out["load_s"] = round(time.perf_counter() - t0, 2)
+    if torch.cuda.is_available() and args.device.startswith("cuda"):
+        out["memory_after_load"] = memory_by_part(tts)
+        print("memory after load", json.dumps(out["memory_after_load"]), flush=True)
     async with tts:
         offset = 0
         if "inprocess" in args.arms:
