@@ -286,8 +286,10 @@ async def test_a_stream_closed_early_gives_its_slot_to_the_next(codec):
 async def test_a_rounds_frame_budget_splits_a_burst_and_serves_first_chunks_first(codec):
     """Six streams ready with long chunks at once and a budget of 16 frames a round: no
     round decodes more than 16 frames, every stream still makes its one-shot decode, and a
-    stream that has not had its first chunk is served ahead of streams already playing."""
-    stage = CodecStage(codec, torch.device("cpu"), first_chunk_frames=8, max_chunk_frames=8, slots=8, max_frames_per_round=16)
+    stream that has not had its first chunk is served ahead of streams already playing (the
+    express lane off: it would take the first chunks the budget leaves beside the round)."""
+    stage = CodecStage(codec, torch.device("cpu"), first_chunk_frames=8, max_chunk_frames=8, slots=8, max_frames_per_round=16,
+                       express=False)
     all_codes = [random_codes(24, seed=90 + i) for i in range(6)]
     streams = [stage.open(f"burst{i}") for i in range(6)]
     for s, c in zip(streams, all_codes):
