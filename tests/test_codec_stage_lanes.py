@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 import torch
 
+from omni_async.speech import SpeechParams, SpeechPipeline
 from omni_async.speech.codec import CodecDecoder
 from omni_async.speech.codec_config import CodecConfig
 from omni_async.speech.codec_stage import CodecStage
@@ -230,3 +231,22 @@ async def test_closing_streams_whose_calls_are_in_flight_frees_each_slot_once(de
         running.check()
     finally:
         await running.stop()
+
+
+@pytest.mark.parametrize("express", [True, False], ids=["express", "rounds-only"])
+async def test_the_pipelines_express_lane_is_a_schedule_option_with_the_same_audio(express):
+    """``SpeechSchedule(codec_express=...)``: concurrent streams' chunks make the one-shot
+    decode of their codes either way; ``info()`` counts the express lane's calls (none
+    when it is off)."""
+    async with SpeechPipeline.from_pretrained("tiny", schedule={"codec_express": express}) as tts:
+        assert tts.codec.express is express
+        results = await asyncio.gather(*(tts.synthesize(f"Express lane, stream {i}.", voice="vivian",
+                                                        params=SpeechParams(max_frames=12 + 3 * i, ignore_eos=True, seed=i))
+                                         for i in range(4)))
+        for r in results:
+            whole = await tts.decode(r.codes)
+            np.testing.assert_allclose(r.audio, whole, atol=F32_TOL)
+        info = tts.info()["speech"]
+    assert info["codec_express_calls"] >= 0 and info["codec_express_chunks"] <= info["codec_express_calls"] * 8
+    if not express:
+        assert info["codec_express_calls"] == 0
