@@ -2,7 +2,8 @@
 of eager calls, float32 and bfloat16, at the tiny and the released decoder's size (random
 weights), for the Qwen3-TTS decoder and Qwen3-Omni's Code2Wav; graphs are captured once
 per bucket and replayed after; a grow of the slot store captures them again; the speech
-pipeline's codec stage replays them."""
+pipeline's codec stage replays them; the codec stage's express lane replays graphs of its
+own beside a round in flight."""
 
 from __future__ import annotations
 
@@ -19,6 +20,9 @@ from omni_async.speech.codec import CodecDecoder
 from omni_async.speech.codec_config import CodecConfig
 from omni_async.speech.codec_graphs import BATCH_BUCKETS, FRAME_BUCKETS, CodecGraphs
 from omni_async.speech.codec_slots import CodecSlots
+from omni_async.speech.codec_stage import CodecStage
+
+from .codec_gate import WAIT_S, GatedDecoder
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -174,3 +178,56 @@ def test_a_convolution_of_one_output_channel_runs_padded_with_the_same_output(dt
     assert padded.shape == declared.shape == (4, 1, 1920 * 2 - 6)
     assert relative(padded.float(), declared.float()) < OTHER_SHAPES[dtype]
     assert relative(conv.convolution(x, bias=False).float() + conv.conv.bias.float(), declared.float()) < OTHER_SHAPES[dtype]
+
+
+async def test_the_express_lane_replays_its_own_graphs_beside_a_round_with_the_one_shot_audio():
+    """On CUDA with graphs: a first chunk that becomes ready while a round is in flight is
+    decoded by the express lane's own graphs on its own stream and delivered before that
+    round's chunks; every stream's audio is its one-shot decode. The round is held in its
+    bulk graph's capture (the bulk lane's graphs are left to capture on first use, so its
+    first call runs a real forward that waits on the lane's thread); the express lane's
+    graphs are captured up front."""
+    decoder = GatedDecoder.random(CodecConfig.tiny(), device="cuda", dtype=torch.float32, seed=3)
+    stage = CodecStage(decoder, torch.device("cuda"), first_chunk_frames=2, max_chunk_frames=8, slots=8)
+    torch.cuda.synchronize()
+    stage.express_graphs.capture()
+    torch.cuda.synchronize()
+    runner = asyncio.create_task(stage.run())
+    try:
+        codes = {name: random_codes(n, seed=70 + n) for name, n in (("round", 13), ("express", 19))}
+        streams = {name: stage.open(name) for name in codes}
+        chunks: dict[str, list] = {name: [] for name in codes}
+        order: list[str] = []
+
+        async def read(name: str) -> None:
+            async for chunk in streams[name].receive:
+                chunks[name].append(chunk)
+                order.append(name)
+
+        readers = [asyncio.create_task(read(name)) for name in codes]
+        held = decoder.hold()
+        stage.push(streams["round"], codes["round"][:2])
+        assert await held.wait_entered()
+        stage.push(streams["express"], codes["express"][:2])
+        try:
+            for _ in range(int(WAIT_S / 0.01)):
+                if order:
+                    break
+                await asyncio.sleep(0.01)
+            assert order == ["express"]  # delivered while the round was held
+        finally:
+            held.release()
+        for name, s in streams.items():
+            stage.push(s, codes[name][2:])
+            stage.end(s, "stop")
+        await asyncio.wait_for(asyncio.gather(*readers), WAIT_S)
+        for name, c in codes.items():
+            audio = torch.from_numpy(np.concatenate([x.audio for x in chunks[name]]))
+            assert chunks[name][-1].finished and sum(len(x.codes) for x in chunks[name]) == len(c)
+            assert relative(audio, decoder.decode(c[None])[0].cpu()) < OTHER_SHAPES[torch.float32]
+        assert stage.express_calls == 1 and stage.express_graphs.replays == 1 and stage.graphs.replays > 0
+        assert stage.slots.in_use() == 0
+    finally:
+        runner.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await runner

@@ -141,6 +141,35 @@ def test_padding_rows_never_touch_a_streams_state(codec):
         assert all(float((a - b).abs().max()) < F32_TOL for a, b in zip(past, want_past))
 
 
+def test_two_holders_of_graphs_pad_on_their_own_scratch_rows_and_slots_reserved_apart_from_zeroing(codec):
+    """A store with two scratch rows (the codec stage's two lanes): each holder of graphs
+    pads on its own row and never on the other's, through a grow (the rows move with the
+    capacity). ``reserve`` takes the lowest free slot without touching the device and never
+    grows (None when full); ``reset`` zeroes it; ``open`` is both, growing when full."""
+    store = CodecSlots(codec, 2, scratch_rows=2)
+    bulk, express = CodecGraphs(store, capture=False), CodecGraphs(store, capture=False, scratch_row=1)
+    assert (bulk.scratch, express.scratch) == (2, 3)
+    a = store.open()
+    store.run(random_codes(2, seed=60)[None], [a])
+    store.close(a)
+    b = store.reserve()
+    assert b == a and int(store.rows(b)[1]) == 2  # taken, its rows still the last stream's
+    store.reset(b)
+    assert int(store.rows(b)[1]) == 0 and all(not t.any() for t in store.rows(b)[0])
+    c = store.reserve()
+    assert store.reserve() is None and store.capacity == 2  # full: reserve does not grow
+    d = store.open()  # grows: the scratch rows move with the capacity
+    assert store.capacity == 4 and (bulk.scratch, express.scratch) == (4, 5)
+    store.reset(c)
+    for graphs, other in ((bulk, express), (express, bulk)):
+        mine, theirs = store.rows(graphs.scratch), store.rows(other.scratch)
+        three = torch.stack([random_codes(1, seed=62 + i) for i in range(3)])
+        graphs.run(three, [b, c, d])  # three in a bucket of four: one padding row
+        assert int(store.rows(graphs.scratch)[1]) == int(mine[1]) + 1  # the padding ran on its own row
+        after = store.rows(other.scratch)
+        assert all(torch.equal(x, y) for x, y in zip(theirs[0], after[0])) and torch.equal(theirs[1], after[1])
+
+
 def test_a_batch_past_the_largest_bucket_runs_as_several_calls(codec):
     store = CodecSlots(codec, 4)
     graphs = CodecGraphs(store, capture=False, batches=(1, 2))
@@ -257,8 +286,10 @@ async def test_a_stream_closed_early_gives_its_slot_to_the_next(codec):
 async def test_a_rounds_frame_budget_splits_a_burst_and_serves_first_chunks_first(codec):
     """Six streams ready with long chunks at once and a budget of 16 frames a round: no
     round decodes more than 16 frames, every stream still makes its one-shot decode, and a
-    stream that has not had its first chunk is served ahead of streams already playing."""
-    stage = CodecStage(codec, torch.device("cpu"), first_chunk_frames=8, max_chunk_frames=8, slots=8, max_frames_per_round=16)
+    stream that has not had its first chunk is served ahead of streams already playing (the
+    express lane off: it would take the first chunks the budget leaves beside the round)."""
+    stage = CodecStage(codec, torch.device("cpu"), first_chunk_frames=8, max_chunk_frames=8, slots=8, max_frames_per_round=16,
+                       express=False)
     all_codes = [random_codes(24, seed=90 + i) for i in range(6)]
     streams = [stage.open(f"burst{i}") for i in range(6)]
     for s, c in zip(streams, all_codes):

@@ -7,7 +7,10 @@ arithmetic. Captured, a call is one replay. A graph reads static inputs (the cod
 ``[bucket, frames, 16]`` and the slots ``[bucket]``) and the slot store's tensors
 (:class:`~omni_async.speech.codec_slots.CodecSlots`), and writes a static PCM output; a
 call copies its streams' codes and slots in, pads the rest of the bucket with zero codes
-and the scratch slot (so padding rows touch only the scratch row), and replays.
+and a scratch row (so padding rows touch only that row), and replays. Two holders of graphs
+that may replay at the same time (the codec stage's lanes) each hold their own static
+inputs, outputs and memory pool (one ``CodecGraphs`` each) and pad with a scratch row of
+their own (``scratch_row``).
 
 Buckets: batches of 1, 2, 4, ... 128 streams and chunks of 1, 2, 4, 8, 16 or 32 frames
 (the codec stage asks only for those lengths). A graph is captured on the first call that needs
@@ -39,8 +42,10 @@ FRAME_BUCKETS = (1, 2, 4, 8, 16, 32)
 
 class CodecGraphs:
     def __init__(self, slots: CodecSlots, *, capture: bool | None = None,
-                 batches: tuple[int, ...] = BATCH_BUCKETS, frames: tuple[int, ...] = FRAME_BUCKETS) -> None:
+                 batches: tuple[int, ...] = BATCH_BUCKETS, frames: tuple[int, ...] = FRAME_BUCKETS, scratch_row: int = 0) -> None:
         self.slots = slots
+        self.scratch_row = scratch_row
+        slots.scratch_row(scratch_row)  # one the store has
         self.device = slots.device
         self.capture_graphs = self.device.type == "cuda" if capture is None else capture
         if self.capture_graphs and self.device.type != "cuda":
@@ -50,7 +55,7 @@ class CodecGraphs:
         with torch.inference_mode():
             self.codes = {f: torch.zeros((self.max_batch, f, slots.decoder.num_quantizers), dtype=torch.long,
                                          device=self.device) for f in self.frames}
-            self.slot_index = torch.full((self.max_batch,), slots.scratch, dtype=torch.long, device=self.device)
+            self.slot_index = torch.full((self.max_batch,), self.scratch, dtype=torch.long, device=self.device)
         self.graphs: dict[tuple[int, int], tuple[Any, torch.Tensor]] = {}
         self.pool: Any = None
         self._generation = slots.generation
@@ -59,8 +64,20 @@ class CodecGraphs:
         self.captures = 0
         self.capture_seconds = 0.0
 
+    @property
+    def scratch(self) -> int:
+        """The slot this holder's padding rows read and write (it moves when the store grows)."""
+        return self.slots.scratch_row(self.scratch_row)
+
     def bucket_for(self, batch: int) -> int:
         return next(b for b in self.batches if b >= batch)
+
+    def complete(self) -> bool:
+        """Every bucket captured over the store's current tensors (always, without capture):
+        a call replays, never captures."""
+        if not self.capture_graphs:
+            return True
+        return self._generation == self.slots.generation and all((b, f) in self.graphs for b in self.batches for f in self.frames)
 
     # ------------------------------------------------------------ calls
 
@@ -110,7 +127,7 @@ class CodecGraphs:
         self.slot_index[:n].copy_(host_slots(slots, self.device), non_blocking=True)
         if bucket > n:
             static[n:bucket].zero_()
-            self.slot_index[n:bucket] = self.slots.scratch
+            self.slot_index[n:bucket] = self.scratch
 
     # ------------------------------------------------------------ capture
 
@@ -152,7 +169,7 @@ class CodecGraphs:
         start = time.perf_counter()
         codes, index = self.codes[frames][:bucket], self.slot_index[:bucket]
         codes.zero_()
-        index.fill_(self.slots.scratch)
+        index.fill_(self.scratch)
         with STREAMS.borrowed(self.device) as stream, torch.cuda.stream(stream):
             for _ in range(2):
                 self.slots.step(codes, index)

@@ -3,16 +3,20 @@
 Why rows and not a ``CodecState`` per stream: stacking per-stream pasts with ``torch.cat``
 and slicing them back is a few kernels per stateful layer per call, Python per stream per
 layer, and its tensors change address every call, so no CUDA graph can hold it. Here each
-stateful layer's past is one tensor ``[capacity + 1, *past_shape]`` and the next frame's
-index one ``[capacity + 1]`` tensor; a call for the streams at ``slots [B]`` gathers their
-rows (``index_select``), runs the decoder's forward and scatters the new pasts and
-positions back (``index_copy_``): fixed shapes, fixed addresses, no host reads, the same
+stateful layer's past is one tensor ``[capacity + scratch_rows, *past_shape]`` and the next
+frame's index one ``[capacity + scratch_rows]`` tensor; a call for the streams at ``slots
+[B]`` gathers their rows (``index_select``), runs the decoder's forward and scatters the
+new pasts and positions back (``index_copy_``): fixed shapes, fixed addresses, no host reads, the same
 function eager and inside a captured graph.
 
-The last row is a scratch slot: a graphed call pads its batch up to a bucket with it, so
-padding rows read and write only the scratch row, never a stream's. A stream takes a slot
-at ``open`` (its rows zeroed: a new stream's past reads as the one-shot decode's zero
-padding) and gives it back at ``close``. When every slot is taken the store doubles; the
+The last rows are scratch rows (``scratch_rows``, one by default): a graphed call pads its
+batch up to a bucket with one, so padding rows read and write only a scratch row, never a
+stream's; callers that may run at the same time (the codec stage's two lanes) pad with
+rows of their own (``scratch_row``). A stream takes a slot at ``open`` (its rows zeroed: a
+new stream's past reads as the one-shot decode's zero padding) and gives it back at
+``close``; ``open`` is ``reserve`` (which slot: host bookkeeping only, never growing) and
+``reset`` (the zeroing: device work only), for a caller that decides on one thread and
+writes the device on another. When every slot is taken ``open`` doubles the store; the
 tensors are new ones, so graphs captured over the old ones are stale (``generation``
 tells a holder of graphs), and a grow must never run while a call on the store is in
 flight or being captured.
@@ -33,18 +37,19 @@ __all__ = ["CodecSlots"]
 class CodecSlots:
     """The pasts of up to ``capacity`` streams (growing by doubling) for ``decoder``."""
 
-    def __init__(self, decoder: StreamDecoder, capacity: int = 8) -> None:
-        if capacity < 1:
-            raise ValueError("CodecSlots: capacity must be at least 1")
+    def __init__(self, decoder: StreamDecoder, capacity: int = 8, *, scratch_rows: int = 1) -> None:
+        if capacity < 1 or scratch_rows < 1:
+            raise ValueError("CodecSlots: capacity and scratch_rows must be at least 1")
         self.decoder = decoder
         self.device = decoder.device
         self.samples_per_frame = decoder.samples_per_frame
         self.capacity = capacity
+        self.scratch_rows = scratch_rows
         #: Bumped at every grow: graphs captured over the store's tensors are stale after one.
         self.generation = 0
         with torch.inference_mode():
-            self.pasts = decoder.empty_past(capacity + 1)
-            self.positions = torch.zeros(capacity + 1, dtype=torch.long, device=self.device)
+            self.pasts = decoder.empty_past(capacity + scratch_rows)
+            self.positions = torch.zeros(capacity + scratch_rows, dtype=torch.long, device=self.device)
         self._free = list(range(capacity))
         self._taken: set[int] = set()
 
@@ -52,8 +57,14 @@ class CodecSlots:
 
     @property
     def scratch(self) -> int:
-        """The padding rows' slot (the last row; it moves when the store grows)."""
+        """The padding rows' slot (the first scratch row; it moves when the store grows)."""
         return self.capacity
+
+    def scratch_row(self, index: int) -> int:
+        """Scratch row ``index`` (0: ``scratch``), for a caller padding beside another."""
+        if not 0 <= index < self.scratch_rows:
+            raise ValueError(f"CodecSlots: scratch row {index} of {self.scratch_rows}")
+        return self.capacity + index
 
     def in_use(self) -> int:
         return len(self._taken)
@@ -64,15 +75,30 @@ class CodecSlots:
     def open(self) -> int:
         """A slot for a new stream (the lowest free one), its rows zeroed; grows when full.
         Never while a call on the store is in flight."""
-        if not self._free:
+        slot = self.reserve()
+        if slot is None:
             self._grow()
+            slot = self.reserve()
+            assert slot is not None
+        self.reset(slot)
+        return slot
+
+    def reserve(self) -> int | None:
+        """The lowest free slot, now taken, or None when every slot is (this never grows the
+        store). Host bookkeeping only: its rows are stale until ``reset``."""
+        if not self._free:
+            return None
         slot = heapq.heappop(self._free)
         self._taken.add(slot)
+        return slot
+
+    def reset(self, slot: int) -> None:
+        """Zero a taken slot's rows (device work only, on the current stream): the past of
+        a stream that has decoded nothing yet."""
         with torch.inference_mode():
             for store in self.pasts:
                 store[slot].zero_()
             self.positions[slot:slot + 1].fill_(0)
-        return slot
 
     def close(self, slot: int) -> None:
         """Give ``slot`` back (its rows are zeroed when it is next opened)."""
@@ -84,10 +110,10 @@ class CodecSlots:
     def _grow(self) -> None:
         old, cap = self.capacity, self.capacity * 2
         with torch.inference_mode():
-            pasts = self.decoder.empty_past(cap + 1)
+            pasts = self.decoder.empty_past(cap + self.scratch_rows)
             for new, store in zip(pasts, self.pasts):
                 new[:old].copy_(store[:old])
-            positions = torch.zeros(cap + 1, dtype=torch.long, device=self.device)
+            positions = torch.zeros(cap + self.scratch_rows, dtype=torch.long, device=self.device)
             positions[:old].copy_(self.positions[:old])
         self.pasts, self.positions, self.capacity = pasts, positions, cap
         for slot in range(old, cap):

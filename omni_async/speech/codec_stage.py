@@ -19,90 +19,69 @@ rounded down to one, and an ended stream's leftover goes out as its binary piece
 frames as 4, 2, 1) in successive calls, so on CUDA every call is a replay of one of the
 codec's captured graphs (:mod:`~omni_async.speech.codec_graphs`). Streams' pasts live as
 rows of the slot store (:class:`~omni_async.speech.codec_slots.CodecSlots`); a stream
-takes its slot when its first chunk is decoded and gives it back when it closes, and
-slots are taken, given back and grown only between calls (never while one is in flight).
+takes its slot when its first chunk is decoded and gives it back when it closes.
 
-Where the decoder runs: on a worker thread of its own, so the event loop never waits on
-it (an eager decoder call is hundreds of kernel launches: ~20 ms of host time on the
-H100's host, measured); on CUDA on a stream of its own, beside the talker's steps, its
-PCM copied to the host and waited for on that thread. Slots are opened (their rows
-zeroed, the store grown) and graphs captured on that thread and stream too, so every
-device write to the store is in one stream's order.
+Where the decoder runs: on worker threads, so the event loop never waits on it (an eager
+decoder call is hundreds of kernel launches: ~20 ms of host time on the H100's host,
+measured), in two lanes (:class:`~omni_async.speech.codec_lane.CodecLane`):
+
+- the bulk lane runs rounds: every ready chunk within the round's budgets, a call per
+  chunk length, on CUDA on the codec's stream (beside the talker's steps). The call
+  holding the most urgent chunk runs first (a first chunk is the most urgent), and each
+  call's chunks go out as soon as its PCM is on the host, not at the round's end; the
+  order of calls changes no audio (a stream is in one call a round).
+- the express lane (``express``, on by default) takes first chunks that become ready
+  while a round is in flight, up to 8 a call, so a new stream's first sound waits for one
+  small call (a few ms) rather than for the round in flight and then its own. On CUDA it
+  runs on a stream of higher priority than the bulk lane's (the talker's is higher still)
+  with graphs of its own (batches 1 to 8 of the first chunk's length: their own static
+  inputs, outputs and memory pool, padding on a scratch row of their own), so its replays
+  touch no memory of the bulk lane's. It takes only streams whose first chunk is ready in
+  full and for which a slot is free; the rest wait for a round, which takes first chunks
+  first.
+
+Which slot is whose is decided on the loop only (``CodecSlots.reserve``); a lane zeroes
+its new streams' rows and runs its calls on its own stream, and a stream is in at most one
+call at a time (``CodecStream.in_call``), so the lanes never write the same rows. A slot
+comes back when its stream closes or, if a call of the stream is in flight, when that call
+is done (its device work over before another stream zeroes the rows). What replaces the
+store's tensors or captures graphs (growing the store when every slot is taken; capturing
+the express lane's graphs, after a grow or when never captured) runs only in an exclusive
+round on the bulk lane: the express lane finishes its call first and sits the round out,
+and slots closed meanwhile come back after it. A grow is rare (room for 64 streams on CUDA
+from the start).
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
+import functools
 import math
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
 import numpy as np
 import torch
 
-from ..stage.executor import await_future
-from .codec_base import StreamDecoder
 from .admission import AudioRate
+from .codec_base import StreamDecoder
 from .codec_graphs import CodecGraphs
+from .codec_lane import CallDone, CodecLane, LaneCall, LaneWork, cut_marker
 from .codec_slots import CodecSlots
+from .codec_streams import AudioChunk, CodecStream, power_of_two, within_budget
 from .playback import Playback
 
-__all__ = ["AudioChunk", "CodecStage", "CodecStream"]
+__all__ = ["AudioChunk", "CodecStage", "CodecStream", "EXPRESS_BATCHES"]
 
-
-@dataclass
-class AudioChunk:
-    """A stretch of one stream's audio: ``audio`` float32 PCM in [-1, 1] at
-    ``sample_rate``, decoded from ``codes`` (``[frames, codebooks]``, on the CPU), the stream's
-    frames ``first_frame .. first_frame + frames - 1``. ``finished`` on the last chunk,
-    with the request's ``finish_reason``."""
-
-    request_id: str
-    audio: np.ndarray
-    sample_rate: int
-    codes: torch.Tensor
-    first_frame: int
-    finished: bool = False
-    finish_reason: str | None = None
-
-    @property
-    def seconds(self) -> float:
-        return len(self.audio) / self.sample_rate
-
-
-@dataclass(eq=False)
-class CodecStream:
-    request_id: str
-    send: Any
-    receive: Any
-    slot: int | None = None  # its rows in the slot store, from its first decoded chunk
-    pending: list[torch.Tensor] = field(default_factory=list)  # frame rows on the device
-    pending_frames: int = 0
-    frames_sent: int = 0
-    ended: bool = False  # the talker is done with it (no more frames)
-    finish_reason: str | None = None
-    closed: bool = False
-    playback: Playback = field(default_factory=Playback)  # what its listener has been sent and played
-
-    @property
-    def first_audio_at(self) -> float | None:
-        return self.playback.first_audio_at
-
-    def urgency(self, frame_seconds: float) -> float:
-        """Seconds before its listener runs dry counting the frames waiting here (smaller
-        first); a stream before its first chunk comes before every playing one."""
-        if self.playback.first_audio_at is None:
-            return -1.0
-        return self.playback.slack() + self.pending_frames * frame_seconds
+EXPRESS_BATCHES = (1, 2, 4, 8)  # the express lane's calls: at most 8 first chunks
+EXPRESS_PRIORITY = -1  # its CUDA stream's: above the bulk lane's (0), below the talker's
 
 
 class CodecStage:
     def __init__(self, decoder: StreamDecoder, device: torch.device, *, first_chunk_frames: int = 2, max_chunk_frames: int = 32,
                  cuda_graphs: bool = True, slots: int | None = None, max_streams_per_round: int | None = None,
-                 max_frames_per_round: int | None = None, stream: Any = None) -> None:
+                 max_frames_per_round: int | None = None, stream: Any = None, express: bool = True) -> None:
         if first_chunk_frames < 1 or max_chunk_frames < first_chunk_frames:
             raise ValueError("chunk sizes: 1 <= first_chunk_frames <= max_chunk_frames")
         for name, cap in (("max_streams_per_round", max_streams_per_round), ("max_frames_per_round", max_frames_per_round)):
@@ -121,27 +100,41 @@ class CodecStage:
         self.audio_rate = AudioRate()
         # Called with each round's seconds on the loop (metrics).
         self.round_observers: list[Any] = []
+        # First chunks that become ready while a round is in flight take the express lane.
+        self.express = express
+        self.express_calls = 0
+        self.express_chunks = 0
         self.decoder, self.device = decoder, device
         self.first_chunk_frames, self.max_chunk_frames = first_chunk_frames, max_chunk_frames
+        self._first_len = power_of_two(first_chunk_frames)
         self.sample_rate: int = decoder.sample_rate
         self.frame_seconds = decoder.samples_per_frame / decoder.sample_rate
         # ``stream``: a CUDA stream to queue the calls on (another stage's, to run between its
         # steps); by default one of the codec's own.
-        self._cuda_stream = stream if stream is not None else torch.cuda.Stream(device) if device.type == "cuda" else None
+        cuda = device.type == "cuda"
+        graphed = cuda and cuda_graphs
+        self._cuda_stream = stream if stream is not None else torch.cuda.Stream(device) if cuda else None
+        express_stream = torch.cuda.Stream(device, priority=EXPRESS_PRIORITY) if cuda else None
         # On CUDA room for 64 streams from the start (2.6 MB each at the released size in
-        # bf16): a grow drops the captured graphs. The store and the graphs' inputs belong
-        # to the codec's stream (made there, and the stream waits for their zeros), so
-        # their memory is reused only in that stream's order.
+        # bf16): a grow drops the captured graphs. The store and both lanes' graph inputs
+        # belong to the codec's stream (made there, and the streams wait for their zeros),
+        # so their memory is reused only in that stream's order; a second scratch row for
+        # the express lane's padding.
         with self._on_codec_stream():
-            self.slots = CodecSlots(decoder, slots or (64 if device.type == "cuda" else 8))
-            self.graphs = CodecGraphs(self.slots) if device.type == "cuda" and cuda_graphs else None
+            self.slots = CodecSlots(decoder, slots or (64 if cuda else 8), scratch_rows=2 if graphed else 1)
+            self.graphs = CodecGraphs(self.slots) if graphed else None
+            self.express_graphs = CodecGraphs(self.slots, batches=EXPRESS_BATCHES, frames=(self._first_len,),
+                                              scratch_row=1) if graphed else None
         if self._cuda_stream is not None:
             self._cuda_stream.wait_stream(torch.cuda.current_stream(device))
+            express_stream.wait_stream(self._cuda_stream)
+        self._bulk = CodecLane("omni-codec", self.slots, self.graphs, self._cuda_stream, device)
+        self._express = CodecLane("omni-codec-express", self.slots, self.express_graphs, express_stream, device)
         self._streams: dict[int, CodecStream] = {}
-        self._wake = anyio.Event()
-        self._thread: concurrent.futures.ThreadPoolExecutor | None = None
-        self._busy = False  # a call is in flight: slots given back wait for its end
-        self._released: list[int] = []
+        self._wake = anyio.Event()  # the bulk lane's: frames came, a stream ended, a call ended
+        self._express_wake = anyio.Event()  # the express lane's: frames came, a round started
+        self._exclusive = False  # a round that grows the store or captures graphs: no express call beside it
+        self._released: list[int] = []  # slots closed during that round: back after it
         self.calls = 0
         self.frames_decoded = 0
 
@@ -158,6 +151,8 @@ class CodecStage:
             return
         with self._on_codec_stream():
             self.graphs.capture_within(self.max_frames_per_round or 256, self.max_chunk_frames)
+            if self.express_graphs is not None:
+                self.express_graphs.capture()
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
 
@@ -166,7 +161,7 @@ class CodecStage:
 
     @property
     def graph_replays(self) -> int:
-        return 0 if self.graphs is None else self.graphs.replays
+        return sum(g.replays for g in (self.graphs, self.express_graphs) if g is not None)
 
     # ------------------------------------------------------------ streams
 
@@ -185,6 +180,7 @@ class CodecStage:
         stream.pending.append(frames)
         stream.pending_frames += int(frames.shape[0])
         self._wake.set()
+        self._express_wake.set()
 
     def end(self, stream: CodecStream, finish_reason: str | None) -> None:
         """No more frames will come: what is pending goes out as the last chunk."""
@@ -197,12 +193,19 @@ class CodecStage:
         stream.pending.clear()
         self._streams.pop(id(stream), None)
         stream.send.close()
-        if stream.slot is not None:
-            if self._busy:
-                self._released.append(stream.slot)
-            else:
-                self.slots.close(stream.slot)
-            stream.slot = None
+        self._give_back(stream)
+
+    def _give_back(self, stream: CodecStream) -> None:
+        """A closed stream's slot back to the store: now, unless a call of it is in flight
+        (then when that call is done: ``_call_done``) or an exclusive round runs (the bulk
+        lane may be growing the store's free list: after that round)."""
+        if stream.slot is None or stream.in_call:
+            return
+        if self._exclusive:
+            self._released.append(stream.slot)
+        else:
+            self.slots.close(stream.slot)
+        stream.slot = None
 
     def active(self) -> int:
         return len(self._streams)
@@ -237,21 +240,27 @@ class CodecStage:
     # ------------------------------------------------------------ the stage's loop
 
     async def run(self) -> None:
-        """Decode whatever is ready, forever (cancel to stop)."""
+        """Decode whatever is ready, forever (cancel to stop): rounds on the bulk lane, first
+        chunks beside them on the express lane."""
         try:
-            while True:
-                await self._wake.wait()
-                self._wake = anyio.Event()
-                while True:
-                    ready, cut = self._ready()
-                    if not ready:
-                        break
-                    took = await self._decode(ready)
-                    if cut:  # chunks were ready past this round's budget: the codec is the bound
-                        self.audio_rate.observe(sum(n for _, n in ready) * self.frame_seconds, took)
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(self._express_loop)
+                await self._round_loop()
         finally:
-            if self._thread is not None:
-                self._thread.shutdown(wait=False, cancel_futures=True)
+            self._bulk.shutdown()
+            self._express.shutdown()
+
+    async def _round_loop(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake = anyio.Event()
+            while True:
+                ready, cut = self._ready()
+                if not ready:
+                    break
+                took = await self._decode(ready)
+                if cut:  # chunks were ready past this round's budget: the codec is the bound
+                    self.audio_rate.observe(sum(n for _, n in ready) * self.frame_seconds, took)
 
     def _target(self, stream: CodecStream) -> int:
         """Frames of the stream's next chunk: the first is short; later ones at most half
@@ -260,146 +269,145 @@ class CodecStage:
         time; up to ``max_chunk_frames``; rounded down to a power of two (a captured
         graph's length)."""
         if stream.first_audio_at is None:
-            return _power_of_two(self.first_chunk_frames)
+            return self._first_len
         buffered = stream.playback.slack() / self.frame_seconds
-        return _power_of_two(int(min(self.max_chunk_frames, max(self.first_chunk_frames, buffered // 2))))
+        return power_of_two(int(min(self.max_chunk_frames, max(self.first_chunk_frames, buffered // 2))))
 
     def _ready(self) -> tuple[list[tuple[CodecStream, int]], bool]:
         """Streams with a chunk to decode now, and how many frames each takes (an ended
         stream's leftover: its largest power of two now, the rest in the next calls), within
-        the round's budgets; and whether the budgets left ready chunks for the next round."""
+        the round's budgets; and whether the budgets left ready chunks for the next round.
+        A stream in a call (the express lane's) waits for it to end."""
         out = []
         for s in list(self._streams.values()):
+            if s.in_call:
+                continue
             want = self._target(s)
             if s.pending_frames >= want:
                 out.append((s, want))
             elif s.ended:
                 if s.pending_frames:
-                    out.append((s, _power_of_two(s.pending_frames)))
+                    out.append((s, power_of_two(s.pending_frames)))
                 else:  # nothing left: the empty terminal chunk
                     self._deliver(s, torch.zeros((0, self.decoder.num_quantizers), dtype=torch.long),
                                   np.zeros(0, dtype=np.float32))
-        kept = self._within_budget(out)
+        kept = within_budget(out, self.max_streams_per_round, self.max_frames_per_round, self.frame_seconds)
         return kept, len(kept) < len(out)
 
-    def _within_budget(self, ready: list[tuple[CodecStream, int]]) -> list[tuple[CodecStream, int]]:
-        """The most urgent of ``ready`` that fit the round's budgets (at least one)."""
-        cap_streams, cap_frames = self.max_streams_per_round, self.max_frames_per_round
-        over_streams = cap_streams is not None and len(ready) > cap_streams
-        over_frames = cap_frames is not None and sum(n for _, n in ready) > cap_frames
-        if not (over_streams or over_frames):
-            return ready
-        kept: list[tuple[CodecStream, int]] = []
-        frames = 0
-        for s, n in sorted(ready, key=lambda item: item[0].urgency(self.frame_seconds)):
-            if kept and ((cap_streams is not None and len(kept) >= cap_streams) or (cap_frames is not None and frames + n > cap_frames)):
-                break
-            kept.append((s, n))
-            frames += n
-        return kept
+    def _calls(self, ready: list[tuple[CodecStream, int]]) -> list[LaneCall]:
+        """A round's calls, one per chunk length (streams in ``ready``'s order), the call
+        holding the most urgent stream first (a first chunk before every playing stream's)."""
+        groups: dict[int, list[CodecStream]] = {}
+        for s, n in ready:
+            groups.setdefault(n, []).append(s)
+        first = sorted(groups.items(), key=lambda item: min(s.urgency(self.frame_seconds) for s in item[1]))
+        return [LaneCall([id(s) for s in group], [s.cut(n) for s in group]) for n, group in first]
 
-    @staticmethod
-    def _take(stream: CodecStream, n: int) -> torch.Tensor:
-        rows = torch.cat(stream.pending) if len(stream.pending) > 1 else stream.pending[0]
-        chunk, rest = rows[:n], rows[n:]
-        stream.pending = [rest] if rest.shape[0] else []
-        stream.pending_frames -= n
-        return chunk.to(torch.long)
+    def _take_slot(self, stream: CodecStream, reset: list[int]) -> bool:
+        """A free slot for a stream new to the codec, taken on the loop (its rows zeroed by
+        the lane, in ``reset``); False when every slot is taken."""
+        if stream.slot is None:
+            slot = self.slots.reserve()
+            if slot is None:
+                return False
+            stream.slot = slot
+            reset.append(slot)
+        return True
 
     async def _decode(self, ready: list[tuple[CodecStream, int]]) -> float:
-        """One round: the ready streams' chunks, one call per chunk length, on the codec's
-        thread. What the thread needs is read here, on the loop (a stream closed while the
-        call runs gives its slot back only after the call); streams new to the codec get
-        their slots there, in the order of the codec's device work."""
-        groups: dict[int, list[tuple[CodecStream, torch.Tensor]]] = {}
-        for s, n in ready:
-            groups.setdefault(n, []).append((s, self._take(s, n)))
-        known = {id(s): s.slot for s, _ in ready if s.slot is not None}
-        new = [id(s) for s, _ in ready if s.slot is None]
-        calls = [([id(s) for s, _ in group], [chunk for _, chunk in group]) for group in groups.values()]
-        taken = None
-        if self._cuda_stream is not None:  # the chunks were cut on this thread's stream
-            taken = torch.cuda.Event()
-            taken.record()
-        if self._thread is None:
-            self._thread = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="omni-codec")
-        self._busy = True
+        """One round on the bulk lane: the ready streams' chunks, a call per chunk length,
+        each call's chunks delivered as it is done. Streams new to the codec take free slots
+        here; those the store has no room for are opened on the lane (growing the store) in
+        an exclusive round, which also captures the express lane's graphs when they are not
+        current: the express lane finishes its call first and waits the round out."""
+        calls = self._calls(ready)
+        reset: list[int] = []
+        grow = [id(s) for s, _ in ready if not self._take_slot(s, reset)]
+        prepare = self._express_capture(bool(grow))
+        exclusive = bool(grow) or prepare is not None
+        if exclusive:
+            self._exclusive = True
+            await self._express.idle()
+        work = LaneWork(calls, {id(s): s.slot for s, _ in ready if s.slot is not None}, reset, grow, prepare, cut_marker(self.device))
+        self._express_wake.set()  # a round in flight: first chunks from now take the express lane
         started = time.perf_counter()
         try:
-            opened, done = await await_future(self._thread.submit(self._decode_off_loop, known, new, calls, taken))
+            await self._bulk.run(work, functools.partial(self._call_done, {id(s): s for s, _ in ready}))
         finally:
-            self._busy = False
-            released, self._released = self._released, []
-            for slot in released:
-                self.slots.close(slot)
+            if exclusive:
+                self._end_exclusive()
         took = time.perf_counter() - started
         self.rounds += 1
         self.largest_round_frames = max(self.largest_round_frames, sum(n for _, n in ready))
         for observe in self.round_observers:
             observe(took)
-        for s, _ in ready:
-            if id(s) in opened:
-                if s.closed:  # closed during its first call: the slot it was given goes back
-                    self.slots.close(opened[id(s)])
-                else:
-                    s.slot = opened[id(s)]
-        for group, (codes, pcm) in zip(groups.values(), done):
-            for j, (s, _) in enumerate(group):
-                self.frames_decoded += int(codes.shape[1])
-                if not s.closed:
-                    self._deliver(s, codes[j], pcm[j])
         return took
 
-    def _decode_off_loop(self, known: dict[int, int], new: list[int], calls: list[tuple[list[int], list[torch.Tensor]]],
-                         taken: Any) -> tuple[dict[int, int], list[tuple[torch.Tensor, np.ndarray]]]:
-        """A round's calls on the codec's thread (streams by id): slots opened for the new
-        streams, then a call per chunk length; on CUDA on the stage's stream (beside the
-        talker's steps), the PCM copied to the host and waited for here, so the event loop
-        never blocks on the codec's launches or its completion."""
-        with torch.inference_mode(), self._on_codec_stream():
-            if taken is not None:
-                torch.cuda.current_stream(self.device).wait_event(taken)
-            slots = dict(known)
-            for key in new:
-                slots[key] = self.slots.open()
-            out = [self._call([slots[key] for key in keys], chunks) for keys, chunks in calls]
-            if self._cuda_stream is not None:
-                event = torch.cuda.Event(blocking=True)
-                event.record()
-        if self._cuda_stream is not None:
-            event.synchronize()
-        return {key: slots[key] for key in new}, [(codes, pcm.float().numpy()) for codes, pcm in out]
+    def _express_capture(self, grows: bool) -> Any:
+        """What a round runs to capture the express lane's graphs (its buckets), when the
+        lane is on and they are not current or the round grows the store; else None."""
+        graphs = self.express_graphs
+        if graphs is None or not self.express or (graphs.complete() and not grows):
+            return None
+        return graphs.capture
 
-    def _call(self, slots: list[int], chunks: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """One decoder call for streams (by slot) whose chunks have one length; its codes
-        and PCM on their way to the host (the copy queued before the next call, which may
-        reuse a graph's output memory)."""
-        if self._cuda_stream is not None:  # made on the loop's stream, read on this one
-            for chunk in chunks:
-                chunk.record_stream(self._cuda_stream)
-        codes = torch.stack(chunks)
+    def _end_exclusive(self) -> None:
+        self._exclusive = False
+        released, self._released = self._released, []
+        for slot in released:
+            self.slots.close(slot)
+        self._express_wake.set()
+
+    def _call_done(self, streams: dict[int, CodecStream], call: LaneCall, done: CallDone) -> None:
+        """A call's PCM is on the host (on the loop): its streams' chunks go out, and a
+        stream closed meanwhile gives back the slot it had or was given."""
         self.calls += 1
-        pcm = self.graphs.run(codes, slots) if self.graphs is not None else self.slots.run(codes, slots)
-        return codes.to("cpu", non_blocking=True), pcm.to("cpu", non_blocking=True)
+        for j, (key, slot) in enumerate(zip(call.keys, done.slots)):
+            s = streams[key]
+            s.in_call, s.slot = False, slot
+            self.frames_decoded += int(done.codes.shape[1])
+            if s.closed:
+                self._give_back(s)
+            else:
+                self._deliver(s, done.codes[j], done.pcm[j])
+
+    # ------------------------------------------------------------ the express lane
+
+    async def _express_loop(self) -> None:
+        while True:
+            await self._express_wake.wait()
+            self._express_wake = anyio.Event()
+            while (picked := self._express_ready()) is not None:
+                work, streams = picked
+                self.express_calls += 1
+                self.express_chunks += len(streams)
+                try:
+                    await self._express.run(work, functools.partial(self._call_done, streams))
+                finally:
+                    self._wake.set()  # their next chunks are the bulk lane's
+
+    def _express_ready(self) -> tuple[LaneWork, dict[int, CodecStream]] | None:
+        """The express lane's next call, while a round is in flight (and not an exclusive
+        one), its graphs current: the oldest streams whose first chunk is ready, up to 8,
+        while the store has free slots for them; None when there is none."""
+        graphs = self.express_graphs
+        if not (self.express and self._bulk.busy and not self._exclusive and (graphs is None or graphs.complete())):
+            return None
+        picked: list[CodecStream] = []
+        reset: list[int] = []
+        for s in self._streams.values():
+            if len(picked) == EXPRESS_BATCHES[-1]:
+                break
+            if s.first_audio_at is None and not s.in_call and s.pending_frames >= self._first_len:
+                if not self._take_slot(s, reset):
+                    break  # the store is full: the bulk lane grows it
+                picked.append(s)
+        if not picked:
+            return None
+        call = LaneCall([id(s) for s in picked], [s.cut(self._first_len) for s in picked])
+        work = LaneWork([call], {id(s): s.slot for s in picked if s.slot is not None}, reset, taken=cut_marker(self.device))
+        return work, {id(s): s for s in picked}
 
     def _deliver(self, s: CodecStream, codes: torch.Tensor, pcm: np.ndarray) -> None:
-        last = s.ended and s.pending_frames == 0
-        if s.frames_sent == 0:  # a stream's first samples that are not audio (Code2Wav's lead)
-            pcm = pcm[self.decoder.leading_samples:]
-        chunk = AudioChunk(s.request_id, np.asarray(pcm, dtype=np.float32), self.sample_rate, codes, s.frames_sent, last,
-                           s.finish_reason if last else None)
-        s.frames_sent += int(codes.shape[0])
-        s.playback.on_audio(chunk.seconds)
-        if last:
-            s.playback.finished = True
-        try:
-            s.send.send_nowait(chunk)
-        except (anyio.ClosedResourceError, anyio.BrokenResourceError):
-            pass
-        if last:
+        if s.send_chunk(codes, pcm, self.sample_rate, self.decoder.leading_samples):
             self.close(s)
-
-
-def _power_of_two(n: int) -> int:
-    """The largest power of two at most ``n`` (``n >= 1``)."""
-    return 1 << (max(1, n).bit_length() - 1)

@@ -152,6 +152,7 @@ class SpeechPipeline:
         self.engine.scheduler.core.set_policy(policy)
         self.codec.max_streams_per_round = sched.codec_max_streams
         self.codec.max_frames_per_round = sched.codec_max_frames
+        self.codec.express = sched.codec_express
         gate = self.admission
         gate.max_streams, gate.max_waiting, gate.wait_s = sched.max_streams, sched.max_waiting_streams, sched.admission_wait_s
         gate.rows_per_step = sched.max_decode_rows
@@ -195,6 +196,7 @@ class SpeechPipeline:
                                    "codec_frames": self.codec.frames_decoded, "codec_rounds": self.codec.rounds,
                                    "codec_largest_round_frames": self.codec.largest_round_frames, "codec_streams": self.codec.active(),
                                    "codec_graph_replays": self.codec.graph_replays, "codec_audio_rate": self.codec.audio_rate.rate(),
+                                   "codec_express_calls": self.codec.express_calls, "codec_express_chunks": self.codec.express_chunks,
                                    "scheduling_policy": self.schedule.policy,
                                    "streams_in_underrun": self.streams_in_underrun(), **self.admission.stats(),
                                    "streams": {rid: s.playback.snapshot() for rid, s in self._streams.items()}}}

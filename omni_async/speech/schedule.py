@@ -1,6 +1,6 @@
 """How the speech stages share the device among streams that are being played: the
 talker's scheduling policy and row budget, the first-chunk deadline, the admission gate's
-limits, the codec's per-round budget. One object, so a pipeline, the server's options and
+limits, the codec's per-round budget and its express lane. One object, so a pipeline, the server's options and
 the benchmark's arms name the same knobs."""
 
 from __future__ import annotations
@@ -29,7 +29,10 @@ class SpeechSchedule:
     ``codec_max_streams``: streams a codec round decodes at most (most urgent first);
     ``codec_max_frames``: frames a codec round decodes at most (most urgent first, at
     least one chunk): a round's time stays bounded (a few milliseconds on a GPU at 256),
-    so a new stream's first chunk never waits behind every stream's long chunk at once."""
+    so a new stream's first chunk never waits behind every stream's long chunk at once.
+    ``codec_express``: a first chunk that becomes ready while a codec round is in flight is
+    decoded beside it on the codec's express lane (a small call on a stream of its own)
+    rather than after it (:mod:`~omni_async.speech.codec_stage`)."""
 
     policy: str = "deadline"
     max_decode_rows: int | None = None
@@ -39,6 +42,7 @@ class SpeechSchedule:
     admission_wait_s: float | None = None
     codec_max_streams: int | None = None
     codec_max_frames: int | None = 256
+    codec_express: bool = True
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -47,6 +51,8 @@ class SpeechSchedule:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise errors.ConfigError(f"{name} must be None or an integer >= 1, got {value!r}")
+        if not isinstance(self.codec_express, bool):
+            raise errors.ConfigError(f"codec_express must be True or False, got {self.codec_express!r}")
         if self.max_waiting_streams is not None and (not isinstance(self.max_waiting_streams, int) or self.max_waiting_streams < 0):
             raise errors.ConfigError(f"max_waiting_streams must be None or an integer >= 0, got {self.max_waiting_streams!r}")
         for name in ("ttfp_budget_s", "admission_wait_s"):
