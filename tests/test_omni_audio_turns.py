@@ -60,6 +60,16 @@ async def _text(client, messages):
     return res.usage.prompt_tokens, choice.message.content, [(t.token, t.logprob) for t in choice.logprobs.content]
 
 
+def same_reply(a, b) -> bool:
+    """The same prompt length, text and tokens, log-probabilities within float32 rounding:
+    two replies to one prompt can be computed differently when the server's other work
+    differs (the spoken reply before still running, a cached prefix), and under load on a
+    2-core machine a log-probability moved in its seventh digit; a different prompt moves
+    them far more."""
+    return (a[:2] == b[:2] and [t for t, _ in a[2]] == [t for t, _ in b[2]]
+            and all(abs(x - y) <= 1e-4 for (_, x), (_, y) in zip(a[2], b[2])))
+
+
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 async def test_a_turn_referring_to_a_reply_reads_as_its_transcript(served, stream):
     pipe, client = served
@@ -69,7 +79,7 @@ async def test_a_turn_referring_to_a_reply_reads_as_its_transcript(served, strea
     referred = [*MESSAGES, {"role": "assistant", "audio": {"id": audio_id}}, NEXT]
     want = await _text(client, written)
     got = await _text(client, referred)
-    assert got == want and len(got[2]) == REPLY
+    assert same_reply(got, want) and len(got[2]) == REPLY
     assert got[0] == len(render_chat_ids(pipe.thinker.tokenizer, written))  # the transcript is in the prompt
     # a spoken next turn too, and the assistant message as the client gave it back (model_dump)
     _, spoken_next = await _spoken(client, referred)
