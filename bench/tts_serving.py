@@ -307,13 +307,18 @@ def arm_order(policies: list[str], repeat: int) -> list[str]:
 
 def schedule_of(policy: str, args) -> "object":
     """The pipeline's schedule for an arm: FCFS as today (no admission limit), deadline
-    with the admission gate the flags give; both with the same row budget."""
+    with the admission gate the flags give; both with the same row budget. A ``-noexpress``
+    suffix turns the codec's express lane for first chunks off."""
     from omni_async.speech import SpeechSchedule
 
+    policy, _, suffix = policy.partition("-")
+    if suffix not in ("", "noexpress"):
+        raise SystemExit(f"unknown policy suffix {suffix!r} (only -noexpress)")
+    express = suffix != "noexpress"
     if policy == "fcfs":
-        return SpeechSchedule(policy="fcfs", max_decode_rows=args.decode_rows)
+        return SpeechSchedule(policy="fcfs", max_decode_rows=args.decode_rows, codec_express=express)
     return SpeechSchedule(policy="deadline", max_decode_rows=args.decode_rows, max_streams=args.max_streams,
-                          admission_wait_s=args.admission_wait, ttfp_budget_s=args.ttfp_budget)
+                          admission_wait_s=args.admission_wait, ttfp_budget_s=args.ttfp_budget, codec_express=express)
 
 
 async def open_level(tts, rate: float, duration: float, texts: list[str], offset: int, seed: int,
@@ -470,7 +475,7 @@ def main() -> None:
                     help="openloop: seconds of each rate's arrivals run once, unmeasured, before its arms (on an H100 the first "
                          "arm at a high rate broke where the second held)")
     ap.add_argument("--policies", type=lambda s: s.split(","), default=["deadline"],
-                    help="scheduling policies to compare, interleaved: fcfs, deadline")
+                    help="scheduling policies to compare, interleaved: fcfs, deadline (a -noexpress suffix: the codec's express lane off)")
     ap.add_argument("--repeats", type=int, default=1, help="runs of each level and policy (order alternated)")
     ap.add_argument("--decode-rows", type=int, default=None, help="a talker step's row budget (both policies)")
     ap.add_argument("--admission-wait", type=float, default=None,
