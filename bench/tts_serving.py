@@ -314,11 +314,11 @@ def schedule_of(policy: str, args) -> "object":
     policy, _, suffix = policy.partition("-")
     if suffix not in ("", "noexpress"):
         raise SystemExit(f"unknown policy suffix {suffix!r} (only -noexpress)")
-    express = suffix != "noexpress"
+    off = {"codec_express": False} if suffix == "noexpress" else {}  # (named only when off: older checkouts lack it)
     if policy == "fcfs":
-        return SpeechSchedule(policy="fcfs", max_decode_rows=args.decode_rows, codec_express=express)
+        return SpeechSchedule(policy="fcfs", max_decode_rows=args.decode_rows, **off)
     return SpeechSchedule(policy="deadline", max_decode_rows=args.decode_rows, max_streams=args.max_streams,
-                          admission_wait_s=args.admission_wait, ttfp_budget_s=args.ttfp_budget, codec_express=express)
+                          admission_wait_s=args.admission_wait, ttfp_budget_s=args.ttfp_budget, **off)
 
 
 async def open_level(tts, rate: float, duration: float, texts: list[str], offset: int, seed: int,
