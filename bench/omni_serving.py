@@ -78,6 +78,8 @@ def make_folder(folder: Path, smoke: bool) -> Path:
     t.update(CODEC_IDS, speaker_id=SPEAKERS, accept_hidden_layer=2 if smoke else 18, num_code_groups=16,
              thinker_hidden_size=raw["thinker_config"]["text_config"]["hidden_size"])
     t["text_config"].update(SMOKE_TALKER if smoke else TALKER)
+    # The audio tower writes rows of the thinker's width (the released 30B-A3B's: 2,048).
+    raw["thinker_config"]["audio_config"]["output_dim"] = raw["thinker_config"]["text_config"]["hidden_size"]
     t["code_predictor_config"].update(num_code_groups=16, **(SMOKE_PREDICTOR if smoke else {}))
     if smoke:
         raw["code2wav_config"].update(SMOKE_CODE2WAV)

@@ -231,6 +231,8 @@ def memory_by_part(tts: SpeechPipeline) -> dict:
     allocated totals, each memory pool's segments (torch's own, ``(0, 0)``, and each CUDA
     graph pool: the talker's frame and prefill graphs share one, the codec's graphs another),
     and the bytes of each stage's parameters (tensors shared by two modules counted once)."""
+    import torch
+
     gib = 2 ** 30
     pools: dict[str, int] = {}
     for seg in torch.cuda.memory_snapshot():
