@@ -50,6 +50,7 @@ from .omni_hearing import AudioPart, Hearing, HeardPrompt, split_audio_parts
 from .omni_reply import OmniDelta, OmniResult, Reply, ReplyParts, ThinkerRows
 from .omni_stage import build_omni_talker_stage
 from .omni_talker import OmniTalker, TalkerPrompt, talker_prompt
+from .schedule import SpeechSchedule
 from .stage import SpeechStage
 
 __all__ = ["OmniPipeline", "OmniDelta", "OmniResult"]
@@ -92,8 +93,12 @@ class OmniPipeline:
             raise errors.ConfigError(f"the codec reads {codec.num_quantizers} codebooks a frame; the talker writes "
                                      f"{self.config.num_code_groups}")
         device = talker.runner.device
+        # The speech pipeline's round budget (SpeechSchedule's default): without one a round
+        # of 64 streams' long chunks made calls past every captured graph, captured inside
+        # the round (a device-wide wait, and out of memory beside the 30B thinker on an H100).
         self.codec = CodecStage(codec, device, first_chunk_frames=first_chunk_frames, max_chunk_frames=max_chunk_frames,
-                                cuda_graphs=device.type == "cuda" if codec_graphs is None else codec_graphs)
+                                cuda_graphs=device.type == "cuda" if codec_graphs is None else codec_graphs,
+                                max_frames_per_round=SpeechSchedule().codec_max_frames)
         self.codec.capture_graphs()
         # Arrival order, with the first chunk's express for multi-step talker steps (a
         # reply's first chunk needs first_chunk_frames + 1 talker tokens).
