@@ -160,23 +160,23 @@ async def test_the_pipeline_captures_the_codecs_graphs_before_any_request():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_convolution_of_one_output_channel_runs_padded_with_the_same_output(dtype):
-    """The vocoder's last convolution (96 -> 1) runs with its weight zero-padded to a few
-    output channels on CUDA (cuDNN's one-channel kernel is slow): the same samples as the
-    convolution as declared, within the dtype's rounding."""
+def test_a_convolution_of_one_output_channel_runs_as_one_pass_with_cudnns_output(dtype):
+    """The vocoder's last convolution (96 -> 1) runs as one Triton pass on CUDA (cuDNN's
+    one-channel kernel is slow): the samples of cuDNN's convolution, within the dtype's
+    rounding, with and without its bias."""
     from omni_async.speech import codec_layers
     from omni_async.speech.codec_layers import CausalConv
 
     conv = CausalConv(96, 1, 7).to("cuda", dtype)
     x = torch.randn(4, 96, 1920 * 2, device="cuda", dtype=dtype)
-    padded = conv.convolution(x)
+    one_pass = conv.convolution(x)
     saved, codec_layers.NARROW_CONV_CHANNELS = codec_layers.NARROW_CONV_CHANNELS, 0
     try:
         declared = conv.convolution(x)
     finally:
         codec_layers.NARROW_CONV_CHANNELS = saved
-    assert padded.shape == declared.shape == (4, 1, 1920 * 2 - 6)
-    assert relative(padded.float(), declared.float()) < OTHER_SHAPES[dtype]
+    assert one_pass.shape == declared.shape == (4, 1, 1920 * 2 - 6)
+    assert relative(one_pass.float(), declared.float()) < OTHER_SHAPES[dtype]
     assert relative(conv.convolution(x, bias=False).float() + conv.conv.bias.float(), declared.float()) < OTHER_SHAPES[dtype]
 
 

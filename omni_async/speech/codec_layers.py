@@ -34,16 +34,21 @@ from ..kernels import triton_available
 # biases added in the passes after them (read when a call runs or a graph is captured;
 # off: the torch ops, for side-by-side timing).
 FUSED_SNAKE = True
-# On CUDA a convolution of fewer output channels runs with its weight zero-padded to this
-# many (the vocoder's last, 96 -> 1: cuDNN's kernel for one output channel, a generic
-# implicit GEMM without tensor cores, was 20% of the codec's kernel time at 64 streams x 8
-# frames on the H100); 0: as declared (for side-by-side timing).
+# On CUDA a convolution of fewer output channels than this runs as one Triton pass
+# (kernels/narrow_conv.py: the vocoder's last, 96 -> 1, where cuDNN's kernel for one
+# output channel, a generic implicit GEMM without tensor cores, was 24% of the codec's
+# kernel time at 64 streams x 8 frames on the H100); 0: cuDNN (for side-by-side timing).
 NARROW_CONV_CHANNELS = 8
 
 
 def _fused(x: torch.Tensor) -> bool:
     """Whether SnakeBeta on ``x`` runs as the one-pass kernel (the one place that decides)."""
-    return x.is_cuda and FUSED_SNAKE and triton_available(x.device)
+    return FUSED_SNAKE and _triton_path(x)
+
+
+def _triton_path(x: torch.Tensor) -> bool:
+    """Whether the vocoder's Triton kernels run on ``x`` (CUDA with Triton)."""
+    return x.is_cuda and triton_available(x.device)
 
 
 class Carry:
@@ -150,15 +155,14 @@ class CausalConv(Stateful):
 
     def convolution(self, x: torch.Tensor, bias: bool = True) -> torch.Tensor:
         """The convolution over ``x`` as it is (no past), its bias left out unless ``bias``;
-        on CUDA one of few output channels runs padded (:data:`NARROW_CONV_CHANNELS`)."""
+        on CUDA one of few output channels in one Triton pass (:data:`NARROW_CONV_CHANNELS`)."""
         c = self.conv
-        weight, b = c.weight, c.bias if bias else None
-        cout, wide = weight.shape[0], NARROW_CONV_CHANNELS
-        if x.is_cuda and c.groups == 1 and cout < wide:
-            weight = F.pad(weight, (0, 0, 0, 0, 0, wide - cout))
-            b = None if b is None else F.pad(b, (0, wide - cout))
-            return F.conv1d(x, weight, b, dilation=c.dilation)[:, :cout]
-        return F.conv1d(x, weight, b, dilation=c.dilation, groups=c.groups)
+        b = c.bias if bias else None
+        if c.groups == 1 and c.out_channels < NARROW_CONV_CHANNELS and _triton_path(x):
+            from ..kernels.narrow_conv import narrow_conv1d
+
+            return narrow_conv1d(x, c.weight, b, c.dilation[0])
+        return F.conv1d(x, c.weight, b, dilation=c.dilation, groups=c.groups)
 
 
 class CausalTransConv(Stateful):
