@@ -265,6 +265,8 @@ async def run(args) -> dict:
         limits["decode_steps"] = args.decode_steps
     if args.codec_stream is not None:
         limits["codec_stream"] = args.codec_stream
+    if args.codec_max_frames is not None:  # (at load too: the codec's graphs are captured for its rounds)
+        limits["schedule"] = {"codec_max_frames": args.codec_max_frames}
     if args.fused_snake is not None:
         from omni_async.speech import codec_layers
 
@@ -317,6 +319,8 @@ def schedule_of(policy: str, args) -> "object":
     if suffix not in ("", "noexpress"):
         raise SystemExit(f"unknown policy suffix {suffix!r} (only -noexpress)")
     off = {"codec_express": False} if suffix == "noexpress" else {}  # (named only when off: older checkouts lack it)
+    if args.codec_max_frames is not None:
+        off["codec_max_frames"] = args.codec_max_frames
     if policy == "fcfs":
         return SpeechSchedule(policy="fcfs", max_decode_rows=args.decode_rows, **off)
     return SpeechSchedule(policy="deadline", max_decode_rows=args.decode_rows, max_streams=args.max_streams,
@@ -489,6 +493,8 @@ def main() -> None:
     ap.add_argument("--codec-graphs", choices=("on", "off"), default=None, help="the codec's calls as CUDA graphs (default: the pipeline's)")
     ap.add_argument("--codec-stream", choices=("own", "talker"), default=None,
                     help="CUDA: the codec's calls on a stream of their own (the default) or between the talker's steps on its stream")
+    ap.add_argument("--codec-max-frames", type=int, default=None,
+                    help="frames a codec round decodes at most (SpeechSchedule.codec_max_frames; default 256)")
     ap.add_argument("--fused-snake", choices=("on", "off"), default=None,
                     help="CUDA: the vocoder's elementwise work fused (SnakeBeta in one Triton pass, the residual units' biases in the passes after their convolutions; on, the default) or torch ops")
     ap.add_argument("--out", default=None)
