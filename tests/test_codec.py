@@ -237,3 +237,22 @@ def test_bfloat16_weights_give_float32_audio_close_to_float32_weights():
     assert float((bf16 - f32).abs().mean()) < 0.1 * float(f32.abs().mean())
     streamed = stream(codec, codes[0], [4, 26])
     assert float((streamed - bf16[0]).abs().mean()) < 0.1 * float(f32.abs().mean())
+
+
+def test_a_dilated_convolution_over_its_phases_is_the_dilated_convolution():
+    """``polyphase_conv1d`` (what CUDA runs for widely dilated convolutions) gives the
+    dilated convolution's samples: lengths that do and do not fill whole phases, one group
+    and depthwise, with and without a bias; a phase mixed up would move every sample."""
+    import torch.nn.functional as F
+
+    from omni_async.speech.codec_layers import polyphase_conv1d
+
+    gen = torch.Generator().manual_seed(11)
+    for b, c, o, k, d, t, groups in [(2, 6, 5, 7, 9, 40, 1), (1, 4, 4, 7, 3, 17, 4), (3, 3, 2, 3, 2, 1, 1)]:
+        x = torch.randn(b, c, t + (k - 1) * d, generator=gen)
+        w, bias = torch.randn(o, c // groups, k, generator=gen), torch.randn(o, generator=gen)
+        for bb in (bias, None):
+            want = F.conv1d(x, w, bb, dilation=d, groups=groups)
+            got = polyphase_conv1d(x, w, bb, d, groups)
+            assert got.shape == want.shape
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

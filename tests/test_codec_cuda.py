@@ -160,24 +160,25 @@ async def test_the_pipeline_captures_the_codecs_graphs_before_any_request():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_convolution_of_one_output_channel_runs_as_one_pass_with_cudnns_output(dtype):
-    """The vocoder's last convolution (96 -> 1) runs as one Triton pass on CUDA (cuDNN's
-    one-channel kernel is slow): the samples of cuDNN's convolution, within the dtype's
-    rounding, with and without its bias."""
+def test_a_widely_dilated_convolution_runs_over_its_phases_with_cudnns_output(dtype):
+    """The vocoder's dilation-9 convolutions run over their input's interleaved phases on
+    CUDA (cuDNN's kernel for one of them was slow): the samples of the dilated convolution,
+    within the dtype's rounding, with and without its bias."""
     from omni_async.speech import codec_layers
     from omni_async.speech.codec_layers import CausalConv
 
-    conv = CausalConv(96, 1, 7).to("cuda", dtype)
-    x = torch.randn(4, 96, 1920 * 2, device="cuda", dtype=dtype)
-    one_pass = conv.convolution(x)
-    saved, codec_layers.NARROW_CONV_CHANNELS = codec_layers.NARROW_CONV_CHANNELS, 0
+    conv = CausalConv(384, 384, 7, dilation=9).to("cuda", dtype)
+    x = torch.randn(4, 384, 1280 + 54, device="cuda", dtype=dtype)
+    phased = conv.convolution(x)
+    saved, codec_layers.POLYPHASE_DILATION = codec_layers.POLYPHASE_DILATION, 0
     try:
         declared = conv.convolution(x)
     finally:
-        codec_layers.NARROW_CONV_CHANNELS = saved
-    assert one_pass.shape == declared.shape == (4, 1, 1920 * 2 - 6)
-    assert relative(one_pass.float(), declared.float()) < OTHER_SHAPES[dtype]
-    assert relative(conv.convolution(x, bias=False).float() + conv.conv.bias.float(), declared.float()) < OTHER_SHAPES[dtype]
+        codec_layers.POLYPHASE_DILATION = saved
+    assert phased.shape == declared.shape == (4, 384, 1280)
+    assert relative(phased.float(), declared.float()) < OTHER_SHAPES[dtype]
+    unbiased = conv.convolution(x, bias=False).float() + conv.conv.bias.float()[:, None]
+    assert relative(unbiased, declared.float()) < OTHER_SHAPES[dtype]
 
 
 async def test_the_express_lane_replays_its_own_graphs_beside_a_round_with_the_one_shot_audio():

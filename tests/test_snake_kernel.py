@@ -45,42 +45,6 @@ def compare(device, dtype, shapes):
     return worst
 '''
 
-NARROW = r'''
-import torch
-import torch.nn.functional as F
-from omni_async.kernels.narrow_conv import narrow_conv1d
-
-
-def compare_narrow(device, dtype):
-    gen = torch.Generator().manual_seed(5)
-    worst = 0.0
-    for b, c, t, o, k, d in [(2, 96, 300, 1, 7, 1), (3, 40, 77, 2, 3, 3), (1, 5, 9, 1, 7, 1)]:
-        x = torch.randn(b, c, t + (k - 1) * d, generator=gen).to(device, dtype)
-        w, bias = (torch.randn(o, c, k, generator=gen) * 0.1).to(device, dtype), torch.randn(o, generator=gen).to(device, dtype)
-        for bb in (bias, None):
-            got = narrow_conv1d(x, w, bb, d)
-            want = F.conv1d(x.double(), w.double(), None if bb is None else bb.double(), dilation=d)
-            assert got.shape == want.shape and got.dtype == dtype
-            worst = max(worst, ((got.double() - want).abs() / (1 + want.abs())).max().item())
-    return worst
-'''
-
-
-@needs_triton
-@interpreter_only
-def test_the_narrow_convolution_equals_torchs_in_the_interpreter():
-    assert float(interpreted_result(NARROW + "\nprint('RESULT', compare_narrow('cpu', torch.float32))\n")) < 1e-5
-
-
-@needs_triton
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
-def test_cuda_narrow_convolution_equals_torchs(dtype, tol):
-    namespace: dict = {}
-    exec(compile(NARROW, "narrow_compare", "exec"), namespace)
-    assert namespace["compare_narrow"]("cuda", dtype) < tol
-
-
 @needs_triton
 @interpreter_only
 def test_vocoder_kernels_equal_the_torch_ops_in_the_interpreter():

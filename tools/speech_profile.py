@@ -99,8 +99,8 @@ def codec_graphed(tts: SpeechPipeline, batches=(1, 16, 64), frames=(2, 4, 8, 16)
 def codec_variants(tts: SpeechPipeline, shapes=((64, 8), (16, 8), (1, 4)), repeats: int = 2) -> dict:
     """The codec's graphed call with its elementwise work as torch ops or fused (SnakeBeta in
     one pass, written after a causal convolution's past, the residual units' biases in the
-    passes after their convolutions) and its one-output-channel convolution as declared or
-    padded: fresh slots and graphs per variant (the flags are read at capture), ms a call by
+    passes after their convolutions) and its dilation-9 convolutions as declared or over
+    their input's phases: fresh slots and graphs per variant (the flags are read at capture), ms a call by
     (streams, frames), the variants interleaved ``repeats`` times; then torch.profiler's
     kernel table of the default variant's first shape."""
     from torch.profiler import ProfilerActivity, profile
@@ -111,10 +111,10 @@ def codec_variants(tts: SpeechPipeline, shapes=((64, 8), (16, 8), (1, 4)), repea
     dec = tts.codec.decoder
     rows, table = [], ""
     stream = torch.cuda.Stream()
-    default = (codec_layers.FUSED_SNAKE, codec_layers.NARROW_CONV_CHANNELS)
+    default = (codec_layers.FUSED_SNAKE, codec_layers.POLYPHASE_DILATION)
     for repeat in range(repeats):
-        for fused, narrow in ((False, 0), (True, 0), (False, 8), (True, 8)):
-            codec_layers.FUSED_SNAKE, codec_layers.NARROW_CONV_CHANNELS = fused, narrow
+        for fused, phases in ((False, 0), (True, 0), (False, 9), (True, 9)):
+            codec_layers.FUSED_SNAKE, codec_layers.POLYPHASE_DILATION = fused, phases
             with torch.cuda.stream(stream):
                 slots = CodecSlots(dec, 64)
                 graphs = CodecGraphs(slots, batches=tuple(sorted({b for b, _ in shapes})), frames=tuple(sorted({f for _, f in shapes})))
@@ -130,10 +130,10 @@ def codec_variants(tts: SpeechPipeline, shapes=((64, 8), (16, 8), (1, 4)), repea
                         graphs.run(codes, opened[:b])
                     torch.cuda.synchronize()
                     ms = 1000 * (time.perf_counter() - t0) / n
-                    rows.append({"fused": fused, "narrow_conv_channels": narrow, "repeat": repeat, "streams": b, "frames": f,
+                    rows.append({"fused": fused, "polyphase_dilation": phases, "repeat": repeat, "streams": b, "frames": f,
                                  "ms_per_call": round(ms, 3)})
                     print("codec variant", rows[-1], flush=True)
-                    if repeat == 0 and (fused, narrow) == default and (b, f) == shapes[0]:
+                    if repeat == 0 and (fused, phases) == default and (b, f) == shapes[0]:
                         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                             for _ in range(3):
                                 graphs.run(codes, opened[:b])
@@ -142,7 +142,7 @@ def codec_variants(tts: SpeechPipeline, shapes=((64, 8), (16, 8), (1, 4)), repea
                         print(table, flush=True)
             del graphs, slots
             torch.cuda.empty_cache()
-    codec_layers.FUSED_SNAKE, codec_layers.NARROW_CONV_CHANNELS = default
+    codec_layers.FUSED_SNAKE, codec_layers.POLYPHASE_DILATION = default
     return {"variants": rows, "profile_table": table}
 
 
@@ -281,6 +281,6 @@ if __name__ == "__main__":
     ap.add_argument("--no-codec", action="store_true", help="leave out the codec's eager calls")
     ap.add_argument("--no-predictor", action="store_true", help="leave out the predictor's and the draw's own timings")
     ap.add_argument("--predictor-kernels", action="store_true", help="CUDA: the predictor's kernel table at each batch")
-    ap.add_argument("--codec-variants", action="store_true", help="CUDA: the codec's graphed call with its elementwise work fused or not, its one-channel convolution padded or not")
+    ap.add_argument("--codec-variants", action="store_true", help="CUDA: the codec's graphed call with its elementwise work fused or not, its dilation-9 convolutions over phases or not")
     ap.add_argument("--out", default=None)
     asyncio.run(main(ap.parse_args()))

@@ -34,21 +34,17 @@ from ..kernels import triton_available
 # biases added in the passes after them (read when a call runs or a graph is captured;
 # off: the torch ops, for side-by-side timing).
 FUSED_SNAKE = True
-# On CUDA a convolution of fewer output channels than this runs as one Triton pass
-# (kernels/narrow_conv.py: the vocoder's last, 96 -> 1, where cuDNN's kernel for one
-# output channel, a generic implicit GEMM without tensor cores, was 24% of the codec's
-# kernel time at 64 streams x 8 frames on the H100); 0: cuDNN (for side-by-side timing).
-NARROW_CONV_CHANNELS = 8
+# On CUDA a convolution of at least this dilation runs as a plain one over its input's
+# interleaved phases (:func:`polyphase_conv1d`): cuDNN ran the vocoder's dilation-9
+# convolution over 384 channels with a generic implicit GEMM without tensor cores, 5.9 ms
+# of a 24 ms codec call at 64 streams x 8 frames on the H100 (cuDNN's algorithm search
+# found nothing faster); 0: every convolution as declared (for side-by-side timing).
+POLYPHASE_DILATION = 9
 
 
 def _fused(x: torch.Tensor) -> bool:
     """Whether SnakeBeta on ``x`` runs as the one-pass kernel (the one place that decides)."""
-    return FUSED_SNAKE and _triton_path(x)
-
-
-def _triton_path(x: torch.Tensor) -> bool:
-    """Whether the vocoder's Triton kernels run on ``x`` (CUDA with Triton)."""
-    return x.is_cuda and triton_available(x.device)
+    return x.is_cuda and FUSED_SNAKE and triton_available(x.device)
 
 
 class Carry:
@@ -155,14 +151,28 @@ class CausalConv(Stateful):
 
     def convolution(self, x: torch.Tensor, bias: bool = True) -> torch.Tensor:
         """The convolution over ``x`` as it is (no past), its bias left out unless ``bias``;
-        on CUDA one of few output channels in one Triton pass (:data:`NARROW_CONV_CHANNELS`)."""
+        on CUDA a widely dilated one over its input's phases (:data:`POLYPHASE_DILATION`)."""
         c = self.conv
         b = c.bias if bias else None
-        if c.groups == 1 and c.out_channels < NARROW_CONV_CHANNELS and _triton_path(x):
-            from ..kernels.narrow_conv import narrow_conv1d
-
-            return narrow_conv1d(x, c.weight, b, c.dilation[0])
+        if x.is_cuda and 0 < POLYPHASE_DILATION <= c.dilation[0]:
+            return polyphase_conv1d(x, c.weight, b, c.dilation[0], c.groups)
         return F.conv1d(x, c.weight, b, dilation=c.dilation, groups=c.groups)
+
+
+def polyphase_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, dilation: int,
+                     groups: int = 1) -> torch.Tensor:
+    """``F.conv1d(x, weight, bias, dilation=dilation, groups=groups)`` (no padding) as a
+    convolution without dilation over the ``dilation`` interleaved phases of ``x`` batched
+    together: phase r holds ``x[..., r::d]``, and output ``m d + r`` is the plain
+    convolution of phase r at m. ``x`` is zero-padded to whole phases; the extra outputs are
+    cut. The same sums, reordered only by the kernel cuDNN picks."""
+    b, c, t_in = x.shape
+    d, k = dilation, weight.shape[-1]
+    t = t_in - (k - 1) * d
+    s = -(-t_in // d)  # samples a phase
+    phases = F.pad(x, (0, s * d - t_in)).view(b, c, s, d).permute(0, 3, 1, 2).reshape(b * d, c, s)
+    y = F.conv1d(phases, weight, bias, groups=groups)                                  # [B*d, O, s-k+1]
+    return y.view(b, d, y.shape[1], -1).permute(0, 2, 3, 1).reshape(b, y.shape[1], -1)[..., :t]
 
 
 class CausalTransConv(Stateful):
