@@ -247,6 +247,5 @@ async def test_the_pipelines_express_lane_is_a_schedule_option_with_the_same_aud
             whole = await tts.decode(r.codes)
             np.testing.assert_allclose(r.audio, whole, atol=F32_TOL)
         info = tts.info()["speech"]
-    assert info["codec_express_calls"] >= 0 and info["codec_express_chunks"] <= info["codec_express_calls"] * 8
     if not express:
         assert info["codec_express_calls"] == 0

@@ -40,6 +40,7 @@ def compare(device, dtype, shapes):
         assert torch.equal(biased, snake_beta(x + bias[None, :, None], alpha, beta))
         assert not torch.equal(biased, got) or t * c == 0
         summed = residual_sum(x, y, bias)
+        assert torch.equal(residual_sum(sliced, y, bias), residual_sum(sliced.contiguous(), y, bias))
         want_sum = (x.double() + (y + bias[None, :, None]).double())
         worst = max(worst, ((summed.double() - want_sum).abs() / (1 + want_sum.abs())).max().item())
     return worst

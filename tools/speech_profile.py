@@ -153,7 +153,7 @@ def draw_alone(rows_list=(1, 64), vocab: int = 2048) -> list[dict]:
     from omni_async.kernels import code_draw
     from omni_async.kernels.code_draw import draw_codes_kernel
     from omni_async.speech.sampling import TOP_K_CAP
-    out = []
+    out, saved = [], code_draw.SHORT_KEYS
     for rows in rows_list:
         logits = torch.randn(rows, vocab, device="cuda", dtype=torch.bfloat16) * 3
         t, k, p = torch.full((rows,), 0.9, device="cuda"), torch.full((rows,), 50, device="cuda"), torch.ones(rows, device="cuda")
@@ -173,7 +173,7 @@ def draw_alone(rows_list=(1, 64), vocab: int = 2048) -> list[dict]:
                 out.append({"rows": rows, "top_k_cap": cap, "short_keys": short,
                             "us_per_launch": round(1000 * start.elapsed_time(end) / n, 2)})
                 print("draw", out[-1], flush=True)
-    code_draw.SHORT_KEYS = True
+    code_draw.SHORT_KEYS = saved
     return out
 
 

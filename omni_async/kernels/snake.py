@@ -48,14 +48,15 @@ def _snake_kernel(X, ALPHA, BETA, BIAS, Y, C, T, stride_b, stride_c, OUT_T, OFFS
 
 
 @triton.jit
-def _residual_kernel(X, Y, BIAS, OUT, C, T, BLOCK: tl.constexpr):
+def _residual_kernel(X, Y, BIAS, OUT, C, T, stride_b, stride_c, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     inside = offs < T
     at = row.to(tl.int64) * T + offs
     y = tl.load(Y + at, mask=inside, other=0.0).to(tl.float32) + tl.load(BIAS + row % C).to(tl.float32)
     y = y.to(OUT.dtype.element_ty).to(tl.float32)
-    x = tl.load(X + at, mask=inside, other=0.0).to(tl.float32)
+    src = (row // C).to(tl.int64) * stride_b + (row % C).to(tl.int64) * stride_c
+    x = tl.load(X + src + offs, mask=inside, other=0.0).to(tl.float32)
     tl.store(OUT + at, (x + y).to(OUT.dtype.element_ty), mask=inside)
 
 
@@ -89,12 +90,16 @@ def snake_beta(x: torch.Tensor, alpha: torch.Tensor, beta: torch.Tensor, past: t
 
 def residual_sum(x: torch.Tensor, y: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     """``x + (y + bias)`` over ``[B, C, T]`` (``bias`` ``[C]``), in one pass: a residual unit's
-    input plus its last convolution's output and that convolution's bias."""
+    input plus its last convolution's output and that convolution's bias; a contiguous
+    result. ``x`` may be a slice along ``T`` (the first unit's input is a transposed
+    convolution's cut output): read in place."""
     b, c, t = x.shape
-    x, y = x.contiguous(), y.contiguous()
-    out = torch.empty_like(x)
+    if x.stride(2) != 1:
+        x = x.contiguous()
+    y = y.contiguous()
+    out = torch.empty((b, c, t), dtype=x.dtype, device=x.device)
     if x.numel():
         block = _block(t)
-        _residual_kernel[(b * c, triton.cdiv(t, block))](x, y, bias, out, c, t, BLOCK=block,
+        _residual_kernel[(b * c, triton.cdiv(t, block))](x, y, bias, out, c, t, x.stride(0), x.stride(1), BLOCK=block,
                                                         num_warps=4 if block >= 512 else 2)
     return out

@@ -147,11 +147,12 @@ class CodecGraphs:
                         self._capture(b, f)
 
     def capture_within(self, frames_budget: int, max_frames: int) -> None:
-        """Capture now every bucket a call of at most ``frames_budget`` padded frames can
-        use (a round under that budget makes only such calls), chunks up to ``max_frames``;
-        a chunk alone past the budget gets its batch of one."""
+        """Capture now every bucket a call of at most ``frames_budget`` frames can use (a
+        round under that budget makes only such calls; n streams of f frames pad to
+        ``bucket_for(n)``), chunks up to ``max_frames``; a chunk alone past the budget gets
+        its batch of one."""
         pairs = [(b, f) for b in self.batches for f in self.frames
-                 if f <= max_frames and (b * f <= frames_budget or b == 1)]
+                 if f <= max_frames and b <= self.bucket_for(min(max(1, frames_budget // f), self.max_batch))]
         if not self.capture_graphs:
             return
         with torch.inference_mode():

@@ -24,6 +24,7 @@ The sliding-window transformer's layers are in :mod:`~omni_async.speech.codec_tr
 from __future__ import annotations
 
 import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -38,7 +39,8 @@ FUSED_SNAKE = True
 # interleaved phases (:func:`polyphase_conv1d`): cuDNN ran the vocoder's dilation-9
 # convolution over 384 channels with a generic implicit GEMM without tensor cores, 5.9 ms
 # of a 24 ms codec call at 64 streams x 8 frames on the H100 (cuDNN's algorithm search
-# found nothing faster); 0: every convolution as declared (for side-by-side timing).
+# found nothing faster). The phases' own time is not measured yet; 0: every convolution as
+# declared (``tools/speech_profile.py --codec-variants`` times both).
 POLYPHASE_DILATION = 9
 
 

@@ -30,7 +30,8 @@ measured), in two lanes (:class:`~omni_async.speech.codec_lane.CodecLane`):
   holding the most urgent chunk runs first (a first chunk is the most urgent), and each
   call's chunks go out as soon as its PCM is on the host, not at the round's end; the
   order of calls changes no audio (a stream is in one call a round).
-- the express lane (``express``, on by default) takes first chunks that become ready
+- the express lane (``express``, on by default; off where the codec's calls queue on
+  another stage's stream) takes first chunks that become ready
   while a round is in flight, up to 8 a call, so a new stream's first sound waits for one
   small call (a few ms) rather than for the round in flight and then its own. On CUDA it
   runs on a stream of higher priority than the bulk lane's (the talker's is higher still)
@@ -102,6 +103,7 @@ class CodecStage:
         self.round_observers: list[Any] = []
         # First chunks that become ready while a round is in flight take the express lane.
         self.express = express
+        self._lanes_apart = stream is None  # (on another stage's stream the stages run one at a time: no express beside)
         self.express_calls = 0
         self.express_chunks = 0
         self.decoder, self.device = decoder, device
@@ -151,10 +153,13 @@ class CodecStage:
             return
         with self._on_codec_stream():
             self.graphs.capture_within(self.max_frames_per_round or 256, self.max_chunk_frames)
-            if self.express_graphs is not None:
+            if self.express_graphs is not None and self._express_on():
                 self.express_graphs.capture()
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
+
+    def _express_on(self) -> bool:
+        return self.express and self._lanes_apart
 
     def _on_codec_stream(self) -> Any:
         return torch.cuda.stream(self._cuda_stream) if self._cuda_stream is not None else contextlib.nullcontext()
@@ -347,7 +352,7 @@ class CodecStage:
         """What a round runs to capture the express lane's graphs (its buckets), when the
         lane is on and they are not current or the round grows the store; else None."""
         graphs = self.express_graphs
-        if graphs is None or not self.express or (graphs.complete() and not grows):
+        if graphs is None or not self._express_on() or (graphs.complete() and not grows):
             return None
         return graphs.capture
 
@@ -391,7 +396,7 @@ class CodecStage:
         one), its graphs current: the oldest streams whose first chunk is ready, up to 8,
         while the store has free slots for them; None when there is none."""
         graphs = self.express_graphs
-        if not (self.express and self._bulk.busy and not self._exclusive and (graphs is None or graphs.complete())):
+        if not (self._express_on() and self._bulk.busy and not self._exclusive and (graphs is None or graphs.complete())):
             return None
         picked: list[CodecStream] = []
         reset: list[int] = []

@@ -17,6 +17,7 @@ from torch import nn
 
 from .codec_layers import Carry, Stateful
 
+
 class WindowConfig(Protocol):
     """The shape of the sliding-window transformer, read-only (both codecs' frozen configs,
     ``CodecConfig`` and ``Code2WavConfig``, have these fields)."""

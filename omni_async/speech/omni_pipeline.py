@@ -93,9 +93,10 @@ class OmniPipeline:
             raise errors.ConfigError(f"the codec reads {codec.num_quantizers} codebooks a frame; the talker writes "
                                      f"{self.config.num_code_groups}")
         device = talker.runner.device
-        # The speech pipeline's round budget (SpeechSchedule's default): without one a round
-        # of 64 streams' long chunks made calls past every captured graph, captured inside
-        # the round (a device-wide wait, and out of memory beside the 30B thinker on an H100).
+        # The speech pipeline's round budget (SpeechSchedule's default, a power of two, so
+        # every call a round makes has a graph captured up front): without one a round of 64
+        # streams' long chunks made calls past them and captured one inside the round (a
+        # device-wide wait, and out of memory beside the 30B thinker on an H100).
         self.codec = CodecStage(codec, device, first_chunk_frames=first_chunk_frames, max_chunk_frames=max_chunk_frames,
                                 cuda_graphs=device.type == "cuda" if codec_graphs is None else codec_graphs,
                                 max_frames_per_round=SpeechSchedule().codec_max_frames)
