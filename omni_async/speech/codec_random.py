@@ -13,9 +13,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..models.decoder import RMSNorm
 from .codec_layers import ConvNeXtBlock, ResidualUnit, SnakeBeta
-from .codec_transformer import LayerScale, RMSNorm
 from .codec_quantizer import Codebook
+from .codec_transformer import LayerScale
 
 _PROBE_FRAMES = 8
 _TARGET_STD = 0.25

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..models.decoder import RMSNorm  # (computed in float32, as the checkpoints were trained)
 from .codec_layers import Carry, Stateful
 
 
@@ -51,20 +52,6 @@ class WindowConfig(Protocol):
 
     @property
     def attention_bias(self) -> bool: ...
-
-
-class RMSNorm(nn.Module):
-    """Computed in float32, as the checkpoint was trained."""
-
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
 
 
 class LayerScale(nn.Module):
