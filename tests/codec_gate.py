@@ -17,6 +17,15 @@ from omni_async.speech.codec_config import CodecConfig
 WAIT_S = 20.0  # a bound on waits for what the stage should do at once (never reached when it works)
 
 
+async def eventually(check: Callable[[], bool]) -> None:
+    """Until ``check()`` holds, looking every 10 ms, at most ``WAIT_S`` (the caller then
+    asserts what it waited for)."""
+    for _ in range(int(WAIT_S / 0.01)):
+        if check():
+            return
+        await asyncio.sleep(0.01)
+
+
 class Hold:
     """One held decoder call: ``entered`` once the call waits, ``release()`` lets it run."""
 

@@ -22,7 +22,7 @@ from omni_async.speech.codec_graphs import BATCH_BUCKETS, FRAME_BUCKETS, CodecGr
 from omni_async.speech.codec_slots import CodecSlots
 from omni_async.speech.codec_stage import CodecStage
 
-from .codec_gate import WAIT_S, GatedDecoder
+from .codec_gate import WAIT_S, GatedDecoder, eventually
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -211,10 +211,7 @@ async def test_the_express_lane_replays_its_own_graphs_beside_a_round_with_the_o
         assert await held.wait_entered()
         stage.push(streams["express"], codes["express"][:2])
         try:
-            for _ in range(int(WAIT_S / 0.01)):
-                if order:
-                    break
-                await asyncio.sleep(0.01)
+            await eventually(lambda: bool(order))
             assert order == ["express"]  # delivered while the round was held
         finally:
             held.release()

@@ -22,6 +22,8 @@ from omni_async.speech.codec_graphs import FRAME_BUCKETS, CodecGraphs
 from omni_async.speech.codec_slots import CodecSlots
 from omni_async.speech.codec_stage import CodecStage
 
+from .codec_gate import eventually
+
 F32_TOL = 2e-5  # as tests/test_codec.py: float32 rounding between splits and batchings
 
 
@@ -298,10 +300,7 @@ async def test_a_rounds_frame_budget_splits_a_burst_and_serves_first_chunks_firs
     try:
         firsts = [await s.receive.receive() for s in streams]
         assert all(len(c.codes) == 8 for c in firsts)
-        for _ in range(500):  # a call's chunks go out as it ends, before its round is counted
-            if stage.rounds >= 3:
-                break
-            await asyncio.sleep(0.01)
+        await eventually(lambda: stage.rounds >= 3)  # a call's chunks go out as it ends, before its round is counted
         assert stage.largest_round_frames == 16 and stage.rounds == 3
         late = stage.open("late")
         late_codes = random_codes(8, seed=99)

@@ -24,19 +24,12 @@ from omni_async.speech.codec import CodecDecoder
 from omni_async.speech.codec_config import CodecConfig
 from omni_async.speech.codec_stage import CodecStage
 
-from .codec_gate import WAIT_S, GatedDecoder
-
-F32_TOL = 2e-5  # as tests/test_codec_slots.py: float32 rounding between splits and batchings
-
+from .codec_gate import WAIT_S, GatedDecoder, eventually
+from .test_codec_slots import F32_TOL, random_codes
 
 @pytest.fixture
 def decoder() -> GatedDecoder:
     return GatedDecoder.random(CodecConfig.tiny(), seed=0)
-
-
-def random_codes(frames: int, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 2048, (frames, 16), generator=g)
 
 
 def one_shot(decoder: CodecDecoder, codes: torch.Tensor) -> np.ndarray:
@@ -125,10 +118,7 @@ async def test_a_first_chunk_ready_while_a_round_is_in_flight_goes_out_before_th
         assert await held.wait_entered()
         stage.push(streams["b"], all_codes["b"][:2])
         try:
-            for _ in range(int(WAIT_S / 0.01)):
-                if order:
-                    break
-                await asyncio.sleep(0.01)
+            await eventually(lambda: bool(order))
             assert order == ["b"] and not held.opened.is_set()  # delivered while the round was held
         finally:
             held.release()
@@ -206,16 +196,10 @@ async def test_closing_streams_whose_calls_are_in_flight_frees_each_slot_once(de
             assert stage.slots.in_use() == 2  # both calls still in flight: their slots wait for them
         finally:
             express_call.release()
-        for _ in range(int(WAIT_S / 0.01)):
-            if stage.slots.in_use() == 1:
-                break
-            await asyncio.sleep(0.01)
+        await eventually(lambda: stage.slots.in_use() == 1)
         assert stage.slots.in_use() == 1  # the express call is done: its slot is back, the round's is not
         round_call.release()
-        for _ in range(int(WAIT_S / 0.01)):
-            if stage.slots.in_use() == 0:
-                break
-            await asyncio.sleep(0.01)
+        await eventually(lambda: stage.slots.in_use() == 0)
         assert stage.slots.in_use() == 0 and stage.active() == 0
         assert [c async for c in in_round.receive] == [] and [c async for c in in_express.receive] == []
         next_codes = [random_codes(5, seed=52 + i) for i in range(2)]
