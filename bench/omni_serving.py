@@ -16,9 +16,13 @@ talker rarely writes its EOS).
 
 Prints one JSON line per (arm, concurrency): wall s; TTFT (submission to the first text
 delta) and TTFP (to the first audio chunk) p50/p90 ms; RTF p50/p90 (submission to the
-last audio chunk over the audio's length); audio-s/s (all audio over the wall); C100 (the
-share of streams a real-time player, starting at the first chunk, plays with no gap);
-underruns; GPU busy % (NVML, when pynvml imports); peak device memory GB. Saves the JSON
+last audio chunk over the audio's length); TTFP's parts (p50: submission to the talker's
+request, that to the first chunk); audio-s/s (all audio over the wall); C50 / C100 / C200
+(the share of streams whose worst gap is <= 50 / 100 / 200 ms as the project's reference
+player hears them, ``Playback``: each chunk played in real time from the first one's
+arrival; before 2026-12-07 this bench's C100 counted a stream only with no gap at all, of
+any length) with the worst gaps' p50 and max; underruns (chunks that came after the audio
+before them ran out); GPU busy % (NVML, when pynvml imports); peak device memory GB. Saves the JSON
 to ``--out``.
 
     python bench/omni_serving.py --device cuda --concurrency 1,8,32,64 --out bench/results/omni_serving.json
@@ -35,6 +39,7 @@ import random
 import statistics
 import tempfile
 import threading
+import itertools
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,11 +49,13 @@ import torch
 from omni_async import SamplingParams
 from omni_async.models.random_weights import RANDOM_WEIGHTS_FILE
 from omni_async.speech.omni_pipeline import OmniPipeline
+from omni_async.speech.playback import Playback
 
 # The released ids the defaults lack (codec ids as Qwen3-TTS 12 Hz's; speakers within the
 # talker's 3,072-id vocabulary).
 CODEC_IDS = dict(codec_pad_id=2148, codec_bos_id=2149, codec_eos_token_id=2150, codec_nothink_id=2155,
                  codec_think_bos_id=2156, codec_think_eos_id=2157)
+_IDS = itertools.count()
 SPEAKERS = {"chelsie": 2301, "ethan": 2302, "aiden": 2303}
 THINKER = dict(hidden_size=2048, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
                intermediate_size=6144, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
@@ -99,24 +106,17 @@ def chat_prompt(raw: dict, length: int, rng: random.Random) -> list[int]:
 
 @dataclass
 class Stream:
-    """One request's clock: when its text and audio came, and its audio as a player hears it."""
+    """One request's clock: when its text came, when its talker request went in, and its
+    audio as the project's reference player (``Playback``) hears it."""
 
     start: float
     first_text: float | None = None
-    first_audio: float | None = None
+    talker_in: float | None = None
     last_audio: float | None = None
-    audio_s: float = 0.0
-    underruns: int = 0
-    _play_end: float | None = field(default=None, repr=False)  # when the audio sent so far runs out
+    player: Playback = field(default_factory=Playback)
 
     def on_audio(self, now: float, seconds: float) -> None:
-        if self.first_audio is None:
-            self.first_audio, self._play_end = now, now
-        assert self._play_end is not None
-        if now > self._play_end + 1e-3 and self.audio_s > 0:
-            self.underruns += 1
-        self._play_end = max(self._play_end, now) + seconds
-        self.audio_s += seconds
+        self.player.on_audio(seconds, now)
         self.last_audio = now
 
 
@@ -162,12 +162,20 @@ def quantile(values: list[float], q: float) -> float | None:
 
 async def level(pipe: OmniPipeline, prompts: list[list[int]], args: argparse.Namespace) -> dict:
     sampling = SamplingParams(max_new_tokens=args.reply, temperature=0.0, ignore_eos=True)
-    streams: list[Stream] = []
+    streams: dict[str, Stream] = {}
+    submit = pipe.talker.engine.submit
 
-    async def one(prompt: list[int]) -> None:
-        s = Stream(time.perf_counter())
-        streams.append(s)
-        async for d in pipe.stream(input_ids=prompt, voice="ethan", sampling=sampling, max_frames=args.frames):
+    async def talker_submit(*a, **kw):  # when each reply's talker request goes in
+        stream = streams.get(kw.get("request_id", ""))
+        if stream is not None:
+            stream.talker_in = time.perf_counter()
+        return await submit(*a, **kw)
+
+    async def one(i: int, prompt: list[int]) -> None:
+        rid = f"omni-bench-{next(_IDS)}"
+        s = streams[rid] = Stream(time.perf_counter())
+        s.player.created = s.start
+        async for d in pipe.stream(input_ids=prompt, voice="ethan", sampling=sampling, max_frames=args.frames, request_id=rid):
             now = time.perf_counter()
             if d.kind == "text" and s.first_text is None and d.token_ids:
                 s.first_text = now
@@ -177,23 +185,40 @@ async def level(pipe: OmniPipeline, prompts: list[list[int]], args: argparse.Nam
     cuda = args.device == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    with GpuBusy() if cuda else _Nothing() as busy:
-        t0 = time.perf_counter()
-        await asyncio.gather(*(one(p) for p in prompts))
-        wall = time.perf_counter() - t0
-    ttft = [1000 * (s.first_text - s.start) for s in streams if s.first_text is not None]
-    ttfp = [1000 * (s.first_audio - s.start) for s in streams if s.first_audio is not None]
-    rtf = [(s.last_audio - s.start) / s.audio_s for s in streams if s.last_audio is not None and s.audio_s]
-    audio = sum(s.audio_s for s in streams)
+    passes, served = pipe.input.passes, pipe.input.replies_served
+    pipe.talker.engine.submit = talker_submit
+    try:
+        with GpuBusy() if cuda else _Nothing() as busy:
+            t0 = time.perf_counter()
+            await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+            wall = time.perf_counter() - t0
+    finally:
+        del pipe.talker.engine.submit
+    done = list(streams.values())
+    ms = lambda a, b: [1000 * (b(s) - a(s)) for s in done if a(s) is not None and b(s) is not None]  # noqa: E731
+    ttft = ms(lambda s: s.start, lambda s: s.first_text)
+    ttfp = ms(lambda s: s.start, lambda s: s.player.first_audio_at)
+    # TTFP in its parts: the thinker to the talker's start, the talker and the codec to the first chunk
+    to_talker = ms(lambda s: s.start, lambda s: s.talker_in)
+    talker_to_audio = ms(lambda s: s.talker_in, lambda s: s.player.first_audio_at)
+    rtf = [(s.last_audio - s.start) / s.player.sent_s for s in done if s.last_audio is not None and s.player.sent_s]
+    gaps = [1000 * s.player.worst_gap_s for s in done if s.player.first_audio_at is not None]
+    audio = sum(s.player.sent_s for s in done)
+    share = lambda limit: round(sum(1 for g in gaps if g <= limit) / len(done), 3)  # noqa: E731
     return {
         "streams": len(prompts), "wall_s": round(wall, 3),
         "ttft_p50_ms": _r(quantile(ttft, 0.5)), "ttft_p90_ms": _r(quantile(ttft, 0.9)),
         "ttfp_p50_ms": _r(quantile(ttfp, 0.5)), "ttfp_p90_ms": _r(quantile(ttfp, 0.9)),
+        "to_talker_p50_ms": _r(quantile(to_talker, 0.5)), "talker_to_audio_p50_ms": _r(quantile(talker_to_audio, 0.5)),
         "rtf_p50": _r(quantile(rtf, 0.5), 3), "rtf_p90": _r(quantile(rtf, 0.9), 3),
         "audio_s_per_s": round(audio / wall, 2), "audio_s": round(audio, 2),
-        "c100": round(sum(1 for s in streams if s.underruns == 0) / len(streams), 3),
-        "underruns": sum(s.underruns for s in streams),
+        # C50 / C100 / C200: the share of streams whose worst gap is <= 50 / 100 / 200 ms (bench/tts_serving.py's)
+        "c50": share(50), "c100": share(100), "c200": share(200),
+        "worst_gap_p50_ms": _r(quantile(gaps, 0.5)), "worst_gap_max_ms": _r(max(gaps, default=None)),
+        "underruns": sum(s.player.underruns for s in done),
         "gpu_busy_pct": getattr(busy, "percent", None),
+        # the talker's text rows: requests for them, and the passes that built them (omni_input)
+        "text_row_requests": pipe.input.replies_served - served, "text_row_passes": pipe.input.passes - passes,
         "peak_memory_gb": round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
     }
 

@@ -94,6 +94,25 @@ async def test_text_and_codes_equal_transformers_in_every_loop(omni_model, expec
         await assert_stages_free(pipe)
 
 
+@pytest.mark.parametrize("input_thread", [False, True], ids=["inline", "thread"])
+async def test_replies_text_rows_are_built_together(omni_model, expected, input_thread):
+    """Four 40-token replies speaking at once have the text rows they wait for built in
+    shared passes (fewer passes than requests for rows: a pass per request and thinker
+    delta gave 64 streams' frames a queue to wait in), on the loop or on the input's
+    thread, and each gets the codes it gets alone."""
+    folder, _ = omni_model
+    sampling = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    prompts = [prompt for prompt, _, _ in expected[:4]]
+    async with pipeline(folder, "overlap", input_thread=input_thread) as pipe:
+        together = await asyncio.gather(*(pipe.chat(input_ids=p, sampling=sampling, max_frames=60) for p in prompts))
+        passes, served = pipe.input.passes, pipe.input.replies_served
+        alone = [await pipe.chat(input_ids=p, sampling=sampling, max_frames=60) for p in prompts]
+        for a, b in zip(together, alone):
+            assert a.output_ids == b.output_ids and a.codes.tolist() == b.codes.tolist() and a.codes.shape[0] > 30
+        assert 0 < passes < served
+        await assert_stages_free(pipe)
+
+
 @pytest.fixture(scope="module")
 def generated_audio(omni):
     """Per case of tests/test_code2wav.py: the prompt, transformers' thinker tokens and the

@@ -21,7 +21,6 @@ KV once) and drops its codec state; other requests are untouched.
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import functools
 import itertools
@@ -47,6 +46,7 @@ from .code2wav_config import Code2WavConfig
 from .codec_stage import CodecStage
 from .omni_config import OmniTalkerConfig
 from .omni_hearing import AudioPart, Hearing, HeardPrompt, split_audio_parts
+from .omni_input import TalkerInput
 from .omni_reply import OmniDelta, OmniResult, Reply, ReplyParts, ThinkerRows
 from .omni_stage import build_omni_talker_stage
 from .omni_talker import OmniTalker, TalkerPrompt, talker_prompt
@@ -78,8 +78,8 @@ class OmniPipeline:
         fed as it writes (False: once the reply is complete). ``codec_graphs``: the codec's
         calls as CUDA graphs (default: on CUDA; an eager codec call is hundreds of small
         launches). ``input_thread``: the
-        talker's input built on a thread of its own (default: on CUDA, see
-        :meth:`device_work`). ``hearing``: the thinker's audio encoder and feature
+        talker's input built on a thread and stream of its own (default: on CUDA, see
+        :mod:`.omni_input`). ``hearing``: the thinker's audio encoder and feature
         extractor (:mod:`.omni_hearing`); None: a prompt with audio is refused."""
         self.thinker = thinker
         self.hearing = hearing
@@ -108,17 +108,16 @@ class OmniPipeline:
         self._tg: Any = None
         self._ids = itertools.count()
         self._open: set[str] = set()
-        self._device_thread: concurrent.futures.ThreadPoolExecutor | None = None
-        self.input_thread = device.type == "cuda" if input_thread is None else input_thread
+        self.input = TalkerInput(device, self._text_rows_of, threaded=device.type == "cuda" if input_thread is None else input_thread)
 
     @classmethod
     def from_pretrained(cls, folder: str | Path, *, device: str = "cpu", loop: str = "overlap", dtype: Any = None, seed: int = 0,
                         codec: Any = None, codec_loader: CodecLoader | None = None, first_chunk_frames: int = 2,
                         max_chunk_frames: int = 32, stream_talker: bool = True, codec_graphs: bool | None = None,
-                        thinker_limits: dict[str, Any] | None = None, talker_limits: dict[str, Any] | None = None) -> "OmniPipeline":
+                        input_thread: bool | None = None, thinker_limits: dict[str, Any] | None = None, talker_limits: dict[str, Any] | None = None) -> "OmniPipeline":
         """The three stages of a ``Qwen3OmniMoeForConditionalGeneration`` folder on one
         ``device``. ``codec``: a decoder to use in place of the folder's Code2Wav, or
-        ``codec_loader`` to build one; ``stream_talker``, ``codec_graphs``: see ``__init__``;
+        ``codec_loader`` to build one; ``stream_talker``, ``codec_graphs``, ``input_thread``: see ``__init__``;
         ``thinker_limits`` / ``talker_limits``: each
         stage's SchedulerConfig fields (KV sizing, chunked prefill ...).
 
@@ -146,7 +145,7 @@ class OmniPipeline:
         thinker = Engine.from_pretrained(str(folder), device=device, loop=loop, dtype=dtype, seed=seed,
                                          hidden_states_layer=cfg.accept_hidden_layer, **(thinker_limits or {}))
         return cls(thinker, talker, codec, first_chunk_frames=first_chunk_frames, max_chunk_frames=max_chunk_frames,
-                   stream_talker=stream_talker, codec_graphs=codec_graphs, hearing=hearing)
+                   stream_talker=stream_talker, codec_graphs=codec_graphs, input_thread=input_thread, hearing=hearing)
 
     @classmethod
     async def load(cls, folder: str | Path, **kwargs: Any) -> "OmniPipeline":
@@ -165,6 +164,7 @@ class OmniPipeline:
         self._tg = anyio.create_task_group()
         await self._tg.__aenter__()
         self._tg.start_soon(self.codec.run)
+        self._tg.start_soon(self.input.run)
         return self
 
     async def __aexit__(self, *exc: Any) -> None:
@@ -176,9 +176,7 @@ class OmniPipeline:
             await self.talker.engine.__aexit__(*exc)
         finally:
             await self.thinker.__aexit__(*exc)
-            thread, self._device_thread = self._device_thread, None
-            if thread is not None:
-                thread.shutdown(wait=False, cancel_futures=True)
+            self.input.close()
 
     async def aclose(self) -> None:
         await self.__aexit__(None, None, None)
@@ -286,17 +284,27 @@ class OmniPipeline:
         """Run ``fn(*args)`` in the pipeline's task group (a reply's helpers)."""
         self._tg.start_soon(fn, *args)
 
+    @property
+    def input_thread(self) -> bool:
+        """Whether the talker's input is built on a thread (and CUDA stream) of its own
+        (:mod:`.omni_input`; default: on CUDA)."""
+        return self.input.threaded
+
+    @input_thread.setter
+    def input_thread(self, threaded: bool) -> None:
+        self.input.threaded = threaded
+
     async def device_work(self, fn: Callable[..., T], *args: Any) -> T:
-        """``fn(*args)``: building the talker's input (embedding lookups, projections,
-        copies of ids from the host). On CUDA on a thread of the pipeline's own: a copy
-        from the host on the default stream waits for the stages' steps in flight (their
-        streams block), and the event loop must never wait on the device. Inline on the
-        CPU (``input_thread``), where the work is the loop's few microseconds."""
-        if not self.input_thread:
-            return fn(*args)
-        if self._device_thread is None:
-            self._device_thread = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="omni-talker-input")
-        return await await_future(self._device_thread.submit(fn, *args))
+        """``fn(*args)`` where the talker's input is built (:meth:`TalkerInput.work`)."""
+        return await self.input.work(fn, *args)
+
+    async def text_rows(self, tokens: list[int]) -> torch.Tensor:
+        """The talker's text rows of thinker ``tokens``, built with every other reply's
+        wanted at the same time (:meth:`TalkerInput.text_rows`)."""
+        return await self.input.text_rows(tokens)
+
+    def _text_rows_of(self, tokens: list[int]) -> torch.Tensor:
+        return self.talker_model.text_rows(self.thinker_embeddings(tokens))
 
     async def stream(self, messages: Any = None, *, input_ids: list[int] | None = None, audio: list[AudioPart] | None = None,
                      prompt: HeardPrompt | None = None, voice: str | None = None,

@@ -145,11 +145,11 @@ class Stages(Protocol):
 
     def frames_room(self, prompt: "TalkerPrompt", max_frames: int | None) -> int: ...
 
-    def thinker_embeddings(self, tokens: list[int]) -> torch.Tensor: ...
-
     def start_soon(self, fn: Any, *args: Any) -> None: ...
 
     async def device_work(self, fn: Any, *args: Any) -> Any: ...
+
+    async def text_rows(self, tokens: list[int]) -> torch.Tensor: ...
 
 
 class Reply:
@@ -236,7 +236,7 @@ class Reply:
         if upto <= self.sent:
             return
         tokens = [*self.prompt_ids, *self.rows.output_ids][self.sent:upto]
-        rows = await self.pipe.device_work(lambda: self.pipe.talker_model.text_rows(self.pipe.thinker_embeddings(tokens)))
+        rows = await self.pipe.text_rows(tokens)
         send_text_rows(self.pipe.talker.engine, self.rid, rows)
         self.sent = upto
 
