@@ -21,7 +21,7 @@ from omni_async.kernels import triton_cache
 from omni_async.kv.cache import PagedKVCache
 from omni_async.models.config import ModelConfig
 from omni_async.models.decoder import DecoderModel
-from omni_async.runners.kernel_warmup import EXTEND_SHAPES, KernelWarmup
+from omni_async.runners.kernel_warmup import EXTEND_SHAPES, KernelWarmup, prefill_shapes
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 
@@ -38,7 +38,8 @@ def tiny_qwen3(dtype: torch.dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_warmup_writes_the_scratch_page_only(dtype):
-    """Its forwards (extends with and without a cached prefix, decodes) and samplers run
+    """Its forwards (extends with and without a cached prefix, prefills of the chunk's
+    size, decodes) and samplers run
     to finite logits, and of the KV only the last page, which no request owns, changes."""
     model = tiny_qwen3(dtype)
     pages, ps = 6, 16
@@ -52,9 +53,13 @@ def test_warmup_writes_the_scratch_page_only(dtype):
     extend, decode = warm.extend, warm.decode
     warm.extend = lambda seqs: logits.append(extend(seqs)) or logits[-1]
     warm.decode = lambda b: logits.append(decode(b)) or logits[-1]
-    done = warm.run(max_batch=5)
-    assert done == {"extend_shapes": len(EXTEND_SHAPES), "decode_batches": [1, 5]}
-    assert [x.shape for x in logits] == [(len(s), 300) for s in EXTEND_SHAPES] + [(1, 300), (5, 300)]
+    done = warm.run(max_batch=5, prefill_tokens=64, context_length=40)
+    assert done == {"extend_shapes": len(EXTEND_SHAPES), "prefill_tokens": [64, 16], "decode_batches": [1, 5]}
+    # the chunk and a quarter of it (a sixteenth is no larger than the small shapes), as
+    # sequences within the context
+    large = [((40, 0), (24, 0)), ((16, 0),)]
+    assert prefill_shapes(64, 40) == large
+    assert [x.shape for x in logits] == [(len(s), 300) for s in (*EXTEND_SHAPES, *large)] + [(1, 300), (5, 300)]
     assert all(torch.isfinite(x).all() for x in logits)
     assert any(s[1] > 0 for seqs in EXTEND_SHAPES for s in seqs)  # an extend behind a cached prefix
     for t in kv.k + kv.v:

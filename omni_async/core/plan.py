@@ -128,6 +128,11 @@ class StagePlan:
         opened = {f.name: getattr(self.config, f.name) for f in dataclasses.fields(config) if getattr(config, f.name) is None}
         return dataclasses.replace(config, **opened) == self.config
 
+    @property
+    def prefill_chunk(self) -> int:
+        """The most prompt tokens one prefill step runs."""
+        return _chunk(self.max_prefill_tokens, self.chunked_prefill_size)
+
     def as_dict(self) -> dict[str, Any]:
         """The plan as plain values (``info()["plan"]``, ``/get_server_info``)."""
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("config", "decode_steps", "memory")}
