@@ -85,6 +85,8 @@ class ModelRunner(RunnerHooks):
     # The CUDA priority of the runner's own stream: 0, the default; a stage whose steps
     # are paced by a listener raises it over bulk work beside it.
     stream_priority: int = 0
+    # Whether a CUDA stage's warm-up runs prefills of its chunk's size (kernel_warmup.py).
+    warm_prefill: bool = True
 
     def mixed_prefill_allowed(self) -> bool:
         """Whether running requests' decode rows may ride in a prefill step (the batch

@@ -63,6 +63,10 @@ class SpeechRunner(NativeModelRunner):
     # Whether frame_text gives each row a text row of its own (the frame graphs then take
     # them as an input; Qwen3-TTS adds T(tts_pad) to every frame inside the forward).
     frame_text_rows = False
+    # Prefills run as graphs of decode rows (prefill_graphs), in pieces past the largest:
+    # an eager prefill of the chunk's size at the start would only leave its working set
+    # cached in the allocator.
+    warm_prefill = False
 
     def __init__(self, speech: "SpeechModel | OmniTalker", kv: Any, device: torch.device, *, seed: int = 0,
                  **options: Any) -> None:

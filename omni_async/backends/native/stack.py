@@ -115,7 +115,7 @@ def warm_up(runner: NativeModelRunner, plan: StagePlan, tensor_parallel: Any = N
         if runner.use_kernel and tensor_parallel is None:
             t0 = time.perf_counter()
             warmed = KernelWarmup(runner.model, runner.kv, runner.device, use_kernel=True).run(
-                plan.max_running_requests, plan.prefill_chunk, plan.context_length)
+                plan.max_running_requests, plan.prefill_chunk if runner.warm_prefill else 0, plan.context_length)
             log.info("kernels_warm", seconds=round(time.perf_counter() - t0, 3), compiles=WATCH.compiles, **warmed)
         if plan.graph_max_len is not None:
             assert plan.kv_pages is not None
