@@ -14,6 +14,11 @@ of ``--prompt`` tokens (system and user turns, the assistant's start), ``--reply
 tokens (greedy, EOS ignored) and ``--frames`` frames of speech (12.5 a second; a random
 talker rarely writes its EOS).
 
+``--requests-per-stream R`` (default 1: C requests started together, all measured, the
+burst) makes each of the C clients ask for R replies in turn (a closed loop, as
+``bench/tts_serving.py`` and vLLM-Omni's serving benchmark run): the first C replies to
+end are left out, and figures are those of the steady state after them.
+
 Prints one JSON line per (arm, concurrency): wall s; TTFT (submission to the first text
 delta) and TTFP (to the first audio chunk) p50/p90 ms; RTF p50/p90 (submission to the
 last audio chunk over the audio's length); TTFP's parts (p50: submission to the talker's
@@ -26,6 +31,7 @@ before them ran out); GPU busy % (NVML, when pynvml imports); peak device memory
 to ``--out``.
 
     python bench/omni_serving.py --device cuda --concurrency 1,8,32,64 --out bench/results/omni_serving.json
+    python bench/omni_serving.py --device cuda --concurrency 64 --requests-per-stream 3   # the steady state
     python bench/omni_serving.py --smoke      # CPU, a tiny config: checks the script runs
 """
 
@@ -114,9 +120,11 @@ class Stream:
     talker_in: float | None = None
     last_audio: float | None = None
     player: Playback = field(default_factory=Playback)
+    chunks: list[tuple[float, float]] = field(default_factory=list)  # (arrival, seconds of audio)
 
     def on_audio(self, now: float, seconds: float) -> None:
         self.player.on_audio(seconds, now)
+        self.chunks.append((now, seconds))
         self.last_audio = now
 
 
@@ -160,9 +168,17 @@ def quantile(values: list[float], q: float) -> float | None:
     return s[min(len(s) - 1, int(q * len(s)))]
 
 
-async def level(pipe: OmniPipeline, prompts: list[list[int]], args: argparse.Namespace) -> dict:
+async def level(pipe: OmniPipeline, prompts: list[list[int]], args: argparse.Namespace, clients: int | None = None) -> dict:
+    """``clients`` closed-loop clients (default: one per prompt, all started together)
+    through ``prompts``; with more prompts than clients, the first ``clients`` replies to
+    end (the burst the clients start with) are left out, and the clock starts when they
+    have ended (audio-s/s counts the audio that came after it)."""
     sampling = SamplingParams(max_new_tokens=args.reply, temperature=0.0, ignore_eos=True)
+    clients = clients or len(prompts)
+    warmup = clients if len(prompts) > clients else 0
     streams: dict[str, Stream] = {}
+    ended: list[Stream] = []
+    queue = list(prompts)
     submit = pipe.talker.engine.submit
 
     async def talker_submit(*a, **kw):  # when each reply's talker request goes in
@@ -171,7 +187,7 @@ async def level(pipe: OmniPipeline, prompts: list[list[int]], args: argparse.Nam
             stream.talker_in = time.perf_counter()
         return await submit(*a, **kw)
 
-    async def one(i: int, prompt: list[int]) -> None:
+    async def one(prompt: list[int]) -> Stream:
         rid = f"omni-bench-{next(_IDS)}"
         s = streams[rid] = Stream(time.perf_counter())
         s.player.created = s.start
@@ -181,6 +197,13 @@ async def level(pipe: OmniPipeline, prompts: list[list[int]], args: argparse.Nam
                 s.first_text = now
             elif d.kind == "audio" and d.audio is not None and len(d.audio.audio):
                 s.on_audio(now, d.audio.seconds)
+        return s
+
+    async def client() -> None:
+        while queue:
+            ended.append(await one(queue.pop(0)))
+            if len(ended) == warmup:
+                clock[0] = time.perf_counter()
 
     cuda = args.device == "cuda"
     if cuda:
@@ -189,12 +212,13 @@ async def level(pipe: OmniPipeline, prompts: list[list[int]], args: argparse.Nam
     pipe.talker.engine.submit = talker_submit
     try:
         with GpuBusy() if cuda else _Nothing() as busy:
-            t0 = time.perf_counter()
-            await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
-            wall = time.perf_counter() - t0
+            clock = [time.perf_counter()]
+            await asyncio.gather(*(client() for _ in range(clients)))
+            wall = time.perf_counter() - clock[0]
     finally:
         del pipe.talker.engine.submit
-    done = list(streams.values())
+    audio = sum(sec for s in streams.values() for t, sec in s.chunks if t >= clock[0])
+    done = ended[warmup:]
     ms = lambda a, b: [1000 * (b(s) - a(s)) for s in done if a(s) is not None and b(s) is not None]  # noqa: E731
     ttft = ms(lambda s: s.start, lambda s: s.first_text)
     ttfp = ms(lambda s: s.start, lambda s: s.player.first_audio_at)
@@ -203,10 +227,9 @@ async def level(pipe: OmniPipeline, prompts: list[list[int]], args: argparse.Nam
     talker_to_audio = ms(lambda s: s.talker_in, lambda s: s.player.first_audio_at)
     rtf = [(s.last_audio - s.start) / s.player.sent_s for s in done if s.last_audio is not None and s.player.sent_s]
     gaps = [1000 * s.player.worst_gap_s for s in done if s.player.first_audio_at is not None]
-    audio = sum(s.player.sent_s for s in done)
     share = lambda limit: round(sum(1 for g in gaps if g <= limit) / len(done), 3)  # noqa: E731
     return {
-        "streams": len(prompts), "wall_s": round(wall, 3),
+        "streams": clients, "requests": len(done), "left_out": warmup, "wall_s": round(wall, 3),
         "ttft_p50_ms": _r(quantile(ttft, 0.5)), "ttft_p90_ms": _r(quantile(ttft, 0.9)),
         "ttfp_p50_ms": _r(quantile(ttfp, 0.5)), "ttfp_p90_ms": _r(quantile(ttfp, 0.9)),
         "to_talker_p50_ms": _r(quantile(to_talker, 0.5)), "talker_to_audio_p50_ms": _r(quantile(talker_to_audio, 0.5)),
@@ -252,10 +275,10 @@ async def main_async(args: argparse.Namespace, folder: Path) -> dict:
             pipe.stream_talker = arm == "streamed"
             await level(pipe, [chat_prompt(raw, args.prompt, rng)], warm)
         for c in args.concurrency:
-            prompts = [chat_prompt(raw, args.prompt, rng) for _ in range(c)]
+            prompts = [chat_prompt(raw, args.prompt, rng) for _ in range(c * args.requests_per_stream)]
             for arm in args.arms:
                 pipe.stream_talker = arm == "streamed"
-                row = {"arm": arm, **await level(pipe, prompts, args)}
+                row = {"arm": arm, **await level(pipe, prompts, args, c)}
                 print(json.dumps(row), flush=True)
                 rows.append(row)
     return {"benchmark": "omni_serving", "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "machine": platform.node(),
@@ -270,6 +293,9 @@ def main() -> None:
     ap.add_argument("--loop", default="overlap")
     ap.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32, 64])
     ap.add_argument("--arms", type=lambda s: s.split(","), default=["streamed", "in_order"])
+    ap.add_argument("--requests-per-stream", type=int, default=1,
+                    help="replies each of the C clients asks for in turn (1: C started together, all measured; more: "
+                         "a closed loop, the first C to end left out, the steady state measured)")
     ap.add_argument("--prompt", type=int, default=100, help="chat prompt tokens")
     ap.add_argument("--reply", type=int, default=100, help="text tokens a reply")
     ap.add_argument("--frames", type=int, default=125, help="speech frames a reply (10 s)")
