@@ -64,6 +64,8 @@ class TalkerInput:
             await self._wake.wait()
             self._wake = anyio.Event()
             wanted, self._wanted = self._wanted, []
+            if not wanted:
+                continue
             try:
                 rows = await self.work(self._pass, [w.tokens for w in wanted])
             except Exception as exc:  # each reply that asked gets the error
