@@ -5,12 +5,15 @@ Why: issue 61 asks whether a constrained row samples a token every step in the l
 loops (overlap, async_decode) or only every other step (its mask for step N+1 needs step
 N's token on the host). Throughput ratios cannot tell that apart from a slower step; this
 counts it. It wraps the batch core's ``process_result`` (the one place every step's tokens
-land) and, per request, counts the tokens it kept in decode steps and the decode steps
-processed from its first to its last: 1.0 means a token every step, 0.5 every other
-step; with k forwards a step a free row reaches k. Nothing is timed.
+land) and, per request, counts the tokens it kept after its first and the steps processed
+from the one after that to its last: 1.0 means a token every step, 0.5 every other step;
+with k forwards a step a free row reaches k. It also counts the device's decode work (rows
+times the forwards a launch runs) per kept token: rows sampling first keep their tokens
+only up to a refused one (structured/optimistic.py). Nothing is timed.
 
     python tools/constrained_steps.py                          # tiny, both libraries, three loops
-    python tools/constrained_steps.py --model smollm2 --decode-steps 8 --optimistic on
+    python tools/constrained_steps.py --model small-smol --decode-steps 8 --optimistic on --loops overlap
+    python tools/constrained_steps.py --device cuda --model qwen05-smol --requests 256 --length 256 --loops overlap
 """
 
 from __future__ import annotations
@@ -69,7 +72,7 @@ def watch(core: Any) -> dict[str, Any]:
 
 async def one_loop(model: str, loop: str, n: int, length: int, backend: str, kwargs: dict[str, Any]) -> dict[str, Any]:
     os.environ["OMNI_ASYNC_GRAMMAR_BACKEND"] = backend
-    engine = await Engine.load(model, device="cpu", loop=loop, **kwargs)
+    engine = await Engine.load(model, loop=loop, **kwargs)
     out: dict[str, Any] = {}
     async with engine:
         core = engine.scheduler.core
@@ -101,7 +104,9 @@ async def one_loop(model: str, loop: str, n: int, length: int, backend: str, kwa
 
 
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
-    kwargs: dict[str, Any] = {"max_running_requests": args.requests}
+    kwargs: dict[str, Any] = {"max_running_requests": args.requests, "device": args.device}
+    if args.device == "cuda":
+        kwargs["dtype"] = "bfloat16"
     if args.decode_steps:
         kwargs["decode_steps"] = args.decode_steps
     if args.optimistic != "default":
@@ -130,6 +135,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="tiny", help="tiny, small-smol (random, SmolLM2's vocabulary), smollm2 or a folder")
     p.add_argument("--checkpoint-dir", default="/tmp/omni-bench-checkpoints")
+    p.add_argument("--device", default="cpu")
     p.add_argument("--requests", type=int, default=16)
     p.add_argument("--length", type=int, default=48)
     p.add_argument("--loops", default="normal,overlap,async_decode")
