@@ -32,9 +32,7 @@ the median paired ratios quarter/free (free rows) and all/free (all rows).
 
 Model: ``--model qwen05-smol`` (default on CUDA) is the NV256 shape (Qwen2-0.5B, bf16,
 random weights) with SmolLM2's vocabulary and tokenizer, a grammar needing a tokenizer;
-``smollm2`` is the real SmolLM2-135M-Instruct; ``tiny`` the built-in model (CPU default);
-``small-smol`` a small random model with SmolLM2's vocabulary (the GPU run's grammar behaviour
-on a CPU: its guesses are refused as the random 0.5B's are).
+``smollm2`` is the real SmolLM2-135M-Instruct; ``tiny`` the built-in model (CPU default).
 
     python bench/constrained.py --smoke                     # CPU, tiny, a few minutes (all loops)
     python bench/constrained.py --device cuda               # the H200 run (overlap loop)
@@ -251,10 +249,8 @@ async def run_arm(engine: Engine, work, arm: str, replay: GrammarReplay, schemas
 
 
 def qwen05_smol(folder: Path, small: bool = False) -> Path:
-    """NV256's model shape with SmolLM2's 49,152-token vocabulary and tokenizer (random weights).
-    ``small``: gpu_suite's SMALL shape instead, float32, built on the CPU ("small-smol"): a
-    model that ignores the grammar as the GPU run's does (its guesses refused, its rows
-    masked), at a CPU forward's cost."""
+    """NV256's model shape with SmolLM2's 49,152-token vocabulary and tokenizer (random weights);
+    ``small``: SMALL's, float32, on the CPU: the GPU run's ignored grammar at a CPU forward's cost."""
     import torch
     from gpu_suite import QWEN05, SMALL, make_checkpoint
 
@@ -381,7 +377,8 @@ def print_table(result: dict[str, Any]) -> None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=None, help="'qwen05-smol' (CUDA default), 'small-smol', 'smollm2', 'tiny' (CPU default) or a folder")
+    p.add_argument("--model", default=None, help="'qwen05-smol' (CUDA default), 'small-smol' (its vocabulary, a small random "
+                   "model on the CPU), 'smollm2', 'tiny' (CPU default) or a folder")
     p.add_argument("--device", default="cpu")
     p.add_argument("--loops", default=None, help="default: overlap on CUDA, all three on CPU")
     p.add_argument("--requests", type=int, default=256)
