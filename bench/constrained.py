@@ -78,6 +78,7 @@ ITEM = {
 # request ends at its length like its free twin.
 SCHEMA = {"type": "array", "items": ITEM, "minItems": 100_000}
 ARMS = ("free", "quarter", "all")
+SMOL_MODELS = ("qwen05-smol", "small-smol")  # random weights, SmolLM2's vocabulary (qwen05_smol)
 COUNTERS = ("grammar_mask_steps", "grammar_mask_rows", "grammar_mask_s", "grammar_mask_inline_rows",
             "grammar_mask_prefetched_rows", "grammar_mask_worker_s", "grammar_forced_masks", "steps",
             "decode_steps", "lookahead_steps", "fused_decode_launches", "fused_decode_beside_grammar",
@@ -247,14 +248,16 @@ async def run_arm(engine: Engine, work, arm: str, replay: GrammarReplay, schemas
     }
 
 
-def qwen05_smol(folder: Path) -> Path:
-    """NV256's model shape with SmolLM2's 49,152-token vocabulary and tokenizer (random weights)."""
-    from gpu_suite import QWEN05, make_checkpoint
+def qwen05_smol(folder: Path, small: bool = False) -> Path:
+    """NV256's model shape with SmolLM2's 49,152-token vocabulary and tokenizer (random weights);
+    ``small``: SMALL's, float32, on the CPU: the GPU run's ignored grammar at a CPU forward's cost."""
+    import torch
+    from gpu_suite import QWEN05, SMALL, make_checkpoint
 
     from omni_async.models.gguf import GGUFFile, config_from_gguf, load_gguf_tokenizer, smollm2_path
 
-    shape = dict(QWEN05, vocab_size=49152)
-    path = make_checkpoint(folder, shape)
+    shape = dict(SMALL if small else QWEN05, vocab_size=49152)
+    path = make_checkpoint(folder, shape, dtype=torch.float32, device="cpu") if small else make_checkpoint(folder, shape)
     cfg_path = path / "config.json"
     cfg = json.loads(cfg_path.read_text())
     if not (path / "tokenizer.json").exists():
@@ -280,7 +283,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         os.environ["OMNI_ASYNC_GRAMMAR_THREADS"] = args.mask_threads
     if args.grammar_backend != "default":  # structured/xgrammar_backend.py: the schema's masks from xgrammar
         os.environ["OMNI_ASYNC_GRAMMAR_BACKEND"] = args.grammar_backend
-    path = str(qwen05_smol(Path(args.checkpoint_dir) / "qwen05-smol")) if model == "qwen05-smol" else model
+    path = str(qwen05_smol(Path(args.checkpoint_dir) / model, small=model == "small-smol")) if model in SMOL_MODELS else model
     kwargs: dict[str, Any] = {"device": args.device}
     if args.device == "cuda":
         kwargs.update(dtype="bfloat16", max_running_requests=args.max_running)
@@ -374,7 +377,8 @@ def print_table(result: dict[str, Any]) -> None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=None, help="'qwen05-smol' (CUDA default), 'smollm2', 'tiny' (CPU default) or a folder")
+    p.add_argument("--model", default=None, help="'qwen05-smol' (CUDA default), 'small-smol' (its vocabulary, a small random "
+                   "model on the CPU), 'smollm2', 'tiny' (CPU default) or a folder")
     p.add_argument("--device", default="cpu")
     p.add_argument("--loops", default=None, help="default: overlap on CUDA, all three on CPU")
     p.add_argument("--requests", type=int, default=256)

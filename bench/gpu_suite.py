@@ -63,18 +63,19 @@ def save(out):
     Path(out).write_text(json.dumps(RESULTS, indent=2, default=str))
 
 
-def make_checkpoint(folder: Path, shape: dict, dtype=torch.bfloat16, seed=0) -> Path:
+def make_checkpoint(folder: Path, shape: dict, dtype=torch.bfloat16, seed=0, device: str = "cuda") -> Path:
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     if (folder / "config.json").exists():
         return folder
     torch.manual_seed(seed)
     cfg = Qwen2Config(bos_token_id=1, eos_token_id=None, pad_token_id=0, **shape)
-    with torch.device("cuda"):
+    with torch.device(device):
         model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
     model.save_pretrained(folder)
     del model
-    torch.cuda.empty_cache()
+    if device == "cuda":
+        torch.cuda.empty_cache()
     return folder
 
 

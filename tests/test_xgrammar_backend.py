@@ -128,6 +128,49 @@ def test_a_json_string_takes_no_surrogate_as_llguidance_takes_none(schema):
             compiler.close()
 
 
+# Well-formed UTF-8 (the Unicode standard's table 3-7): each lead byte and the bytes allowed
+# after it, one set per continuation position. Anything else (a lone continuation byte,
+# C0/C1 overlong leads, F5-FF, an overlong or surrogate second byte, a code point past
+# U+10FFFF) is not UTF-8.
+CONT = frozenset(range(0x80, 0xC0))
+UTF8_LEADS = {**{b: (CONT,) for b in range(0xC2, 0xE0)}, 0xE0: (frozenset(range(0xA0, 0xC0)), CONT),
+              **{b: (CONT, CONT) for b in (*range(0xE1, 0xED), 0xEE, 0xEF)}, 0xED: (frozenset(range(0x80, 0xA0)), CONT),
+              0xF0: (frozenset(range(0x90, 0xC0)), CONT, CONT), **{b: (CONT, CONT, CONT) for b in range(0xF1, 0xF4)},
+              0xF4: (frozenset(range(0x80, 0x90)), CONT, CONT)}
+
+
+@pytest.mark.parametrize("schema", [SCHEMA, {"type": "object", "properties": {"s": {"type": "string"}}}], ids=["bounded", "unbounded"])
+def test_a_json_strings_bytes_follow_utf8s_table_in_both_libraries(schema):
+    """Every byte a string character may start with, and after each lead byte every byte
+    admitted at each continuation position (the smallest allowed byte taken to go on), is
+    exactly what UTF-8 allows: a byte vocabulary can spell any byte sequence, so the
+    grammar alone keeps outputs UTF-8 (xgrammar's classes once admitted surrogates: 3 of
+    320 H100 outputs). The surrogate test above checks 0xED alone; this is the whole table."""
+    tok = ByteTokenizer()
+    vocab, words = tok.vocab_size, (tok.vocab_size + 31) // 32
+    key = ("json_schema", json.dumps(schema))
+    prefix = tok.encode('{"name": "a' if schema is SCHEMA else '{"s": "a', add_special_tokens=False)
+    for backend in ("xgrammar", "llguidance"):
+        compiler = GrammarCompiler(tok, vocab, backend=backend)
+        try:
+            def admitted_after(extra: list[int]) -> set[int]:
+                m = compiler.matcher(key)
+                for t in prefix + extra:  # (a byte's id is the byte)
+                    m.accept(t, prefetch=False)
+                assert m.failed is None, (backend, extra)
+                return {t for t in allowed(mask_of(m, words), vocab).tolist() if t < 256}
+            first = admitted_after([])
+            assert {b for b in first if b >= 0x80} == set(UTF8_LEADS), backend
+            assert not {b for b in first if b < 0x20 or b == 0x7F}, backend
+            for lead, follows in UTF8_LEADS.items():
+                seq = [lead]
+                for allowed_here in follows:
+                    assert admitted_after(seq) == set(allowed_here), (backend, [hex(b) for b in seq])
+                    seq.append(min(allowed_here))
+        finally:
+            compiler.close()
+
+
 @pytest.mark.parametrize("regex", ["a.b", "a[^x]b"])
 def test_a_regexs_any_character_takes_no_surrogate(regex):
     """A regex's ``.`` and its negated classes, after a character's first byte 0xED: the

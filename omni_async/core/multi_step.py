@@ -61,9 +61,9 @@ def row_steps(decoding: list[Request], k: int, context_length: int,
     """Forwards per row: k, or fewer where the row's token or context limit comes first
     (counting tokens still in flight) or a conditioned row's rows run out; and the rows
     under a grammar's mask, which sample one token (their next mask needs the host to have
-    seen their last token), so the free rows beside them keep their k forwards (as do rows
-    that sample before their mask, ``structured.optimistic``): one forward,
-    or one per token without KV when a jump-forward appended forced tokens (fed in, the
+    seen their last token), so the free rows beside them keep their k forwards (rows that
+    sample before their mask, ``structured.optimistic``, take those they are likely to
+    keep: ``GrammarMatcher.guess_forwards``): one forward, or one per token without KV when a jump-forward appended forced tokens (fed in, the
     last forward samples). None (one forward for every row) while a row asks for top
     logprobs, which are read per forward, when no row runs more than one, or when a
     row's forced tokens need more than k forwards (a jump step takes them). ``free``:
@@ -77,6 +77,7 @@ def row_steps(decoding: list[Request], k: int, context_length: int,
         return None, []
     steps: list[int] = []
     constrained: list[int] = []
+    guessing = False
     for i, (r, left) in enumerate(zip(decoding, limits)):
         if r.matcher is not None and masked(r, r.num_generated):
             constrained.append(i)
@@ -86,8 +87,10 @@ def row_steps(decoding: list[Request], k: int, context_length: int,
             steps.append(uncached)
         else:
             n = k if left >= k else left
+            if r.matcher is not None:  # sampling first: the forwards it is likely to keep
+                n, guessing = r.matcher.guess_forwards(n), True
             steps.append(n if r.conditioning is None else ready_positions(r, n))
-    if constrained and max(steps) <= 1:
+    if (constrained or guessing) and max(steps) <= 1:
         return None, []
     return steps, constrained
 

@@ -115,6 +115,7 @@ class StageControl:
                 "steps": st.steps,
                 "prefill_steps": st.prefill_steps,
                 "decode_steps": st.decode_steps,
+                "decode_row_forwards": st.decode_row_forwards,
                 "lookahead_steps": st.lookahead_steps,
                 "early_steps": st.early_steps,
                 "failed_steps": st.failed_steps,

@@ -37,6 +37,10 @@ class StepStats:
     steps: int = 0
     prefill_steps: int = 0
     decode_steps: int = 0
+    # Rows times forwards of the decode steps launched (a multi-step launch runs its
+    # longest row's forwards for every row): the device's decode work, set against the
+    # tokens it kept (forwards of guesses a grammar refused are dropped, structured.optimistic).
+    decode_row_forwards: int = 0
     tokens_out: int = 0
     failed_steps: int = 0
     lookahead_steps: int = 0
@@ -343,6 +347,8 @@ class Stepper:
         st.steps += 1
         if batch.is_decode:
             st.decode_steps += 1
+            steps = getattr(batch, "row_steps", None)
+            st.decode_row_forwards += batch.size * (max(steps) if steps else 1)
         else:
             st.prefill_steps += 1
         if lookahead:

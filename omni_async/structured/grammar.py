@@ -20,7 +20,7 @@ from collections import OrderedDict
 from typing import Any, Callable
 
 from ..errors import InvalidRequestError
-from .optimistic import FIRST_SCORE, LOW_SCORE, NEVER, masked_run, optimistic_score
+from .optimistic import FIRST_SCORE, LOW_SCORE, NEVER, guessed_forwards, masked_run, optimistic_score
 from .library import TokenizerView, first_line, grammar_text, is_library_panic, panic_error, parser_limits
 from . import xgrammar_backend
 from .prefetch import MaskTicket, MaskWorker
@@ -125,20 +125,21 @@ class GrammarMatcher:
         return n
 
     def _tell_failure(self) -> None:
-        """Tell the compiler, once, that this grammar failed while in use (it then refuses
-        the grammar at admission)."""
+        """Tell the compiler, once, that this grammar failed in use (it then refuses it at admission)."""
         if self._on_fail is not None:
             self._on_fail(self.failed or "the grammar failed")
             self._on_fail = None
 
     def refused_at(self, index: int) -> None:
-        """The guess at generation ``index`` was refused and the request rewound to the
-        token before it: mask first from there (:func:`.optimistic.masked_run`), and
-        queue that position's mask now."""
+        """The guess at generation ``index`` was refused and the request rewound to the token
+        before it: mask first from there (:func:`.optimistic.masked_run`), its mask queued now."""
         if self._score < LOW_SCORE:
             self._low_refusals += 1
         self.masked_until = index + masked_run(self._score, self._low_refusals)
         self.prefetch()
+
+    def guess_forwards(self, most: int) -> int:  # (sampling first, in a launch of ``most``: .optimistic says why)
+        return guessed_forwards(self._score, most)
 
     def mask_first(self, index: int) -> None:
         """Generation ``index`` samples under the mask (a prefill's token, see :mod:`.optimistic`)."""
@@ -403,7 +404,6 @@ class GrammarCompiler:
         if matcher.is_error():
             raise InvalidRequestError(f"invalid {kind}: {first_line(matcher.get_error())}")
         return matcher
-
 
     def _xgrammar_template(self, kind: str, text: str) -> Any:
         """xgrammar's template matcher, or None where it refuses the grammar (or is not

@@ -82,6 +82,24 @@ def optimistic_score(score: float, admitted: int, refused: bool) -> float:
     return score * SCORE_KEEP if refused else score
 
 
+def guessed_forwards(score: float, most: int) -> int:
+    """Forwards a row sampling first runs in one launch: the most whose last token is at
+    least as likely kept as not (``score ** n >= 1/2``, the score standing for each guess's
+    chance of admission), at least one, at most ``most``. Why: a row keeps its tokens
+    only up to its first refused one, and a launch runs its longest row's forwards for
+    every row, so a row guessing k forwards where the grammar keeps refusing (a model that
+    ignores it) had the device compute ~3 row-forwards a kept token at k = 8
+    (tools/constrained_steps.py; bench/RESULTS.md, issue 61). A row whose guesses are
+    mostly admitted (a model asked for JSON: a score of 0.92 or more) keeps k = 8; a fresh
+    row (``FIRST_SCORE``) runs 3. Tokens do not depend on it: a draw is keyed by its
+    generation index and the score moves token by token."""
+    n, kept = 1, score * score
+    while n < most and kept >= 0.5:
+        n += 1
+        kept *= score
+    return n
+
+
 def masked_run(score: float, low_refusals: int) -> int:
     """Positions masked first after a refusal, the refused one included: one while the
     score is high; else ``2 ** low_refusals`` (the refusals since it fell below
