@@ -63,10 +63,11 @@ def row_steps(decoding: list[Request], k: int, context_length: int,
     under a grammar's mask, which sample one token (their next mask needs the host to have
     seen their last token), so the free rows beside them keep their k forwards (rows that
     sample before their mask, ``structured.optimistic``, take those they are likely to
-    keep: ``GrammarMatcher.guess_forwards``): one forward, or one per token without KV when a jump-forward appended forced tokens (fed in, the
-    last forward samples). None (one forward for every row) while a row asks for top
-    logprobs, which are read per forward, when no row runs more than one, or when a
-    row's forced tokens need more than k forwards (a jump step takes them). ``free``:
+    keep: ``GrammarMatcher.guess_forwards``): one forward, or one per token without KV
+    when a jump-forward appended forced tokens (fed in, the last forward samples). None
+    (one forward for every row) while a row asks for top logprobs, which are read per
+    forward, when no row runs more than one, or when a row's forced tokens need more than
+    k forwards (a jump step takes them). ``free``:
     every row is :func:`.request.all_free` (the caller checked), so each runs
     ``min(k, its limit)``, with no per-row check."""
     if limits is None:

@@ -108,17 +108,19 @@ class OmniPipeline:
         self._tg: Any = None
         self._ids = itertools.count()
         self._open: set[str] = set()
-        self.input = TalkerInput(device, self._text_rows_of, threaded=device.type == "cuda" if input_thread is None else input_thread)
+        threaded = device.type == "cuda" if input_thread is None else input_thread
+        self.input = TalkerInput(device, self._text_rows_of, threaded=threaded)
 
     @classmethod
     def from_pretrained(cls, folder: str | Path, *, device: str = "cpu", loop: str = "overlap", dtype: Any = None, seed: int = 0,
                         codec: Any = None, codec_loader: CodecLoader | None = None, first_chunk_frames: int = 2,
                         max_chunk_frames: int = 32, stream_talker: bool = True, codec_graphs: bool | None = None,
-                        input_thread: bool | None = None, thinker_limits: dict[str, Any] | None = None, talker_limits: dict[str, Any] | None = None) -> "OmniPipeline":
+                        input_thread: bool | None = None, thinker_limits: dict[str, Any] | None = None,
+                        talker_limits: dict[str, Any] | None = None) -> "OmniPipeline":
         """The three stages of a ``Qwen3OmniMoeForConditionalGeneration`` folder on one
         ``device``. ``codec``: a decoder to use in place of the folder's Code2Wav, or
-        ``codec_loader`` to build one; ``stream_talker``, ``codec_graphs``, ``input_thread``: see ``__init__``;
-        ``thinker_limits`` / ``talker_limits``: each
+        ``codec_loader`` to build one; ``stream_talker``, ``codec_graphs``, ``input_thread``:
+        see ``__init__``; ``thinker_limits`` / ``talker_limits``: each
         stage's SchedulerConfig fields (KV sizing, chunked prefill ...).
 
         A folder of ``config.json`` and ``random_weights.json`` (a benchmark's: the
