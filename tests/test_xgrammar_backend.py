@@ -286,32 +286,3 @@ async def test_rows_sampling_first_are_checked_by_xgrammar(monkeypatch):
             validate(json.loads(r.text), SCHEMA)
         else:
             assert re.fullmatch(REGEX, r.text), r.text
-
-
-@pytest.mark.parametrize("loop", ["normal", "overlap", "async_decode"])
-async def test_xgrammar_masks_are_computed_by_the_fill_not_the_worker(loop, monkeypatch):
-    """xgrammar holds the GIL for its whole mask call, so the mask worker overlapped nothing:
-    its rows' masks are computed by the step's fill (one call), never queued on the worker;
-    llguidance's (EBNF) rows still are. Same tokens as llguidance's rows alone would get."""
-    monkeypatch.setenv(ENV, "xgrammar")
-    reqs = [SamplingParams(max_new_tokens=200, json_schema=SCHEMA, temperature=1.0, seed=s) for s in range(4)]
-    reqs += [SamplingParams(max_new_tokens=32, regex=REGEX, seed=s) for s in range(2)]
-    ebnf = [SamplingParams(max_new_tokens=32, ebnf=EBNF, temperature=1.0, seed=s) for s in range(2)]
-    async with Engine.from_pretrained("tiny", device="cpu", loop=loop) as engine:
-        alone = await asyncio.gather(*[engine.generate(prompt="Reply:", sampling=sp) for sp in reqs])
-        info = engine.scheduler.info()
-        assert info["grammar_mask_rows"] > 100 and info["grammar_mask_prefetched_rows"] == 0, info
-        assert info["grammar_mask_inline_rows"] == info["grammar_mask_rows"]
-        mixed = await asyncio.gather(*[engine.generate(prompt="Reply:", sampling=sp) for sp in reqs + ebnf])
-        after = engine.scheduler.info()
-    assert_kv_free(engine)
-    assert after["grammar_mask_prefetched_rows"] > 0  # the EBNF rows' masks, on the worker
-    assert [r.output_ids for r in mixed[:len(reqs)]] == [r.output_ids for r in alone]
-    for sp, r in zip(reqs + ebnf, mixed):
-        assert r.finish_reason == "stop", r.text
-        if sp.json_schema is not None:
-            validate(json.loads(r.text), SCHEMA)
-        elif sp.regex is not None:
-            assert re.fullmatch(REGEX, r.text), r.text
-        else:
-            assert re.fullmatch(EBNF_AS_REGEX, r.text), r.text

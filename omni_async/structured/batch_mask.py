@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from . import xgrammar_backend
-from .prefetch import PARALLEL_MIN_ROWS, all_llguidance, mask_threads, pool_threads
+from .prefetch import PARALLEL_MIN_ROWS, all_llguidance, pool_threads
 
 _EXECUTOR: Any = None
 
@@ -157,8 +157,7 @@ def compute_rows(rows: list[tuple[Any, int]], bitmask: torch.Tensor) -> None:
     handles = [h for h, _ in rows]
     if xgrammar_backend.all_xgrammar(handles):
         try:  # one xgrammar call; on an error, row by row below, which meets it
-            way, n = mask_threads()  # (OMNI_ASYNC_GRAMMAR_THREADS=N: the call's threads)
-            xgrammar_backend.fill_masks(handles, bitmask.numpy(), [row for _, row in rows], n if way == "slices" else 1)
+            xgrammar_backend.fill_masks(handles, bitmask.numpy(), [row for _, row in rows])
             return
         except Exception:
             pass

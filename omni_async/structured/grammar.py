@@ -262,12 +262,11 @@ def prefetch_all(matchers: list[GrammarMatcher]) -> None:
     """Queue the current position's mask of each of ``matchers`` (one processed step's
     rows) on their worker as one ticket: the worker computes them in one call (see
     :mod:`.prefetch` for why not row by row). Matchers without a worker, or whose mask
-    is already there or queued, are left out, and xgrammar's: the step's fill computes
-    those in one call on its own thread (:func:`.xgrammar_backend.fill_masks` says why)."""
+    is already there or queued, are left out."""
     worker = None
     todo: list[GrammarMatcher] = []
     for m in matchers:
-        if m._worker is None or m._ticket is not None or m._valid or m._forced or xgrammar_backend.owns(m._m):
+        if m._worker is None or m._ticket is not None or m._valid or m._forced:
             continue
         if worker is not None and m._worker is not worker:  # another compiler's worker: its own ticket
             prefetch_all([m])

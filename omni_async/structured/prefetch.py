@@ -8,9 +8,7 @@ the step's tokens are accepted, as one :class:`MaskTicket`; a request's first ma
 queued alone at admission. The worker computes everything queued since it last looked in
 one library call into one array, and the step's fill only copies from it (waiting when it
 is not done yet). llguidance releases the GIL while it computes, so the loop (and, on
-CUDA, the launch feeding the device) runs meanwhile. xgrammar holds it for a whole call,
-so its rows are not queued here: the fill computes them
-(:func:`.xgrammar_backend.fill_masks`).
+CUDA, the launch feeding the device) runs meanwhile.
 
 Why one call per step and not one per row: a row computed by a Python loop on the
 worker takes the GIL back after it, and while the loop thread runs Python the worker
@@ -362,6 +360,11 @@ class MaskWorker:
         if self.threads and n > 1 and all_llguidance(handles):  # one library call: the GIL is released for all the rows
             runs = None
             self._compute_parallel(handles, masks, ok)
+        elif xgrammar_backend.all_xgrammar(handles):  # one xgrammar call (no forced runs from it)
+            try:
+                xgrammar_backend.fill_masks(handles, masks, threads=self.slices.threads if self.slices is not None else 1)
+            except Exception:
+                ok[:] = False  # the fill computes them row by row and meets the error there
         elif self.slices is not None:  # every queued ticket's rows, over the worker's threads
             self.slices.run(handles, masks, ok, runs)
         else:

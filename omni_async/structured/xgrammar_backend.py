@@ -209,12 +209,6 @@ class XGrammarHandle:
 _BATCHES = threading.local()  # each thread's BatchGrammarMatcher per thread count
 
 
-def owns(handle: Any) -> bool:
-    """Whether ``handle`` is xgrammar's (:class:`XGrammarHandle`): its masks are computed by
-    the step's fill, never queued on the mask worker (:func:`fill_masks` says why)."""
-    return type(handle) is XGrammarHandle
-
-
 def all_xgrammar(handles: Sequence[Any]) -> bool:
     """Whether every handle is an :class:`XGrammarHandle` (then :func:`fill_masks` serves them)."""
     return bool(handles) and all(isinstance(h, XGrammarHandle) for h in handles)
@@ -226,14 +220,7 @@ def fill_masks(handles: Sequence[XGrammarHandle], masks: np.ndarray, rows: Seque
     int32, C-contiguous) in one xgrammar call over ``threads`` of its own: a call per row
     costs ~2.4x the library's time a row (4.5 against 1.8 us on the bench's schema,
     SmolLM2's vocabulary, this VM), Python and a GIL round trip each. A stopped or failed
-    matcher admits nothing (as :meth:`XGrammarHandle.unsafe_compute_mask_ptr`).
-
-    Called by the step's fill on the launching thread, not by the mask worker: xgrammar
-    0.2.9 holds the GIL for the whole call (a Python thread beside a 3 ms call made no
-    progress at all), so on the worker it overlapped nothing the loop thread did and added
-    a hand-over and GIL round trips a step. All-constrained, 256 rows over the null device
-    (``tools/constrained_host.py``, bench/RESULTS.md, issue 61): ~0.8x the host's time a step
-    computed here against on the worker."""
+    matcher admits nothing (as :meth:`XGrammarHandle.unsafe_compute_mask_ptr`)."""
     at = list(range(len(handles))) if rows is None else list(rows)
     live = [j for j, h in enumerate(handles) if not (h._error or h._stopped)]
     for j in range(len(handles)):
