@@ -16,7 +16,6 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import numpy as np
 import torch
 
 from . import xgrammar_backend
@@ -115,15 +114,7 @@ def fill_rows(rows: list[tuple[Any, int]], bitmask: torch.Tensor) -> int:
     words = bitmask.shape[1]
     target = bitmask.numpy()
     rest: list[tuple[Any, int]] = []
-    single: list[tuple[Any, int]] = []
-    for ticket, group in queued(rows, single):  # the worker's masks: one copy a ticket
-        masks, ok = ticket.wait()
-        at = np.fromiter((m._row for m, _ in group), np.int64, len(group))
-        if masks is None or ok is None or masks.shape[1] != words or not ok[at].all():
-            single += group  # row by row below (a refused row is computed here and meets its error)
-            continue
-        target[[row for _, row in group]] = masks[at]
-    for matcher, row in single:
+    for matcher, row in rows:
         ahead = matcher.next_mask()
         if ahead is not None and ahead.shape[0] == words:
             target[row] = ahead
@@ -132,23 +123,6 @@ def fill_rows(rows: list[tuple[Any, int]], bitmask: torch.Tensor) -> int:
     if rest:
         compute_rows(rest, bitmask)
     return len(rest)
-
-
-def queued(rows: list[tuple[Any, int]], single: list[tuple[Any, int]]) -> list[tuple[Any, list[tuple[Any, int]]]]:
-    """``rows`` (``(GrammarMatcher, row)``) whose masks the worker computes, grouped by
-    their ticket (a processed step's rows are one ticket: the fill copies each group in one
-    array operation instead of a chain of calls and a row copy per row); the others are
-    appended to ``single``."""
-    groups: dict[int, tuple[Any, list[tuple[Any, int]]]] = {}
-    for pair in rows:
-        ticket = getattr(pair[0], "_ticket", None)
-        if ticket is None:
-            single.append(pair)
-        elif (group := groups.get(id(ticket))) is not None:
-            group[1].append(pair)
-        else:
-            groups[id(ticket)] = (ticket, [pair])
-    return list(groups.values())
 
 
 def compute_rows(rows: list[tuple[Any, int]], bitmask: torch.Tensor) -> None:

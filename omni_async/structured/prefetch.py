@@ -231,12 +231,6 @@ class MaskTicket:
         ok = self.ok
         return self.masks[j] if ok is not None and ok[j] and self.masks is not None else None
 
-    def wait(self) -> tuple[np.ndarray | None, np.ndarray | None]:
-        """``(masks, ok)`` once the worker is done (waiting for it while it computes)."""
-        if not self.done.is_set():
-            self.done.wait()
-        return self.masks, self.ok
-
     def run(self, j: int) -> Any:
         """Row ``j``'s forced tokens (the first is its mask's one token), or None: not
         forced, or not known (call after :meth:`mask`)."""
