@@ -21,6 +21,9 @@ us a row-step. Every constrained output is replayed through a fresh matcher.
     python tools/constrained_host.py --requests 256 --tokens 48 --profile
     python tools/constrained_host.py --grammar-backend xgrammar --profile
     python tools/constrained_host.py --code /tmp/before --code . --labels before,after --repeats 3
+    python tools/constrained_host.py --grammar-backend xgrammar --inline-masks   # no mask worker
+    python tools/constrained_host.py --gil     # does a library's mask call hold the GIL?
+    python tools/constrained_host.py --accept  # a step's accepts alone: per-row calls against batch calls
 """
 
 from __future__ import annotations
@@ -298,6 +301,129 @@ async def main_async(args) -> dict:
             "backend": engine.scheduler.info().get("grammar_backend")}
 
 
+def gil_probe(args) -> dict:
+    """Whether a grammar library's one mask call for many rows lets other Python threads run:
+    a counting thread's rate during one call (xgrammar's batch fill; llguidance's executor on
+    one thread) of ~0.1 s, against its rate during a 0.1 s ``time.sleep`` (which releases the
+    GIL). Calls of a few ms mislead: a thread waiting for the GIL may not be woken within
+    one (a 3 ms call once read 0.00 here, then 0.89 on the next run)."""
+    import threading
+
+    import numpy as np
+    from constrained import SCHEMA
+    from grammar_batch import tokenizer
+
+    from omni_async.structured import xgrammar_backend
+    from omni_async.structured.grammar import GrammarCompiler
+
+    tok, vocab = tokenizer(False, str(Path(args.checkpoint_dir) / "small-smol"))
+    out = {}
+    for backend, copies in (("xgrammar", 200), ("llguidance", 40)):
+        comp = GrammarCompiler(tok, vocab, backend=backend)
+        if backend == "xgrammar":  # (llguidance's executor refuses a matcher twice in one call)
+            handles = [comp.matcher(("json_schema", json.dumps(SCHEMA))).handle for _ in range(256)] * copies
+        else:
+            handles = [comp.matcher(("json_schema", json.dumps(SCHEMA))).handle for _ in range(256 * copies)]
+        masks = np.empty((len(handles), (vocab + 31) // 32), dtype=np.int32)
+        if backend == "xgrammar":
+            call = lambda: xgrammar_backend.fill_masks(handles, masks)  # noqa: E731
+        else:
+            import llguidance
+
+            ex = llguidance.LLExecutor(num_threads=1)
+            pairs = [(h, j) for j, h in enumerate(handles)]
+            call = lambda: ex.unsafe_compute_mask_ptr(pairs, masks.ctypes.data, masks.shape[1] * 4, len(pairs))  # noqa: E731
+        call()
+        count, stop = [0], threading.Event()
+
+        def tick() -> None:
+            while not stop.is_set():
+                count[0] += 1
+
+        th = threading.Thread(target=tick)
+        th.start()
+        time.sleep(0.2)
+        ratios, calls_ms = [], []
+        for _ in range(3):
+            c0, t0 = count[0], time.perf_counter()
+            time.sleep(0.1)
+            during_sleep = (count[0] - c0) / (time.perf_counter() - t0)
+            c0, t0 = count[0], time.perf_counter()
+            call()
+            took = time.perf_counter() - t0
+            ratios.append((count[0] - c0) / took / during_sleep)
+            calls_ms.append(1e3 * took)
+        stop.set()
+        th.join()
+        comp.close()
+        out[backend] = {"rows": len(handles), "call_ms": calls_ms, "other_thread_rate_vs_sleep": ratios}
+        print(f"{backend}: one mask call of {len(handles)} rows {statistics.median(calls_ms):.1f} ms; a Python thread "
+              f"beside it ran at {[round(r, 2) for r in ratios]} of its rate beside a sleep (0: the call holds the GIL)",
+              flush=True)
+    return out
+
+
+def accept_probe(args) -> dict:
+    """A step's accepts alone, us a row: 256 matchers of SCHEMA (SmolLM2's vocabulary) each
+    taking its token of a random admissible walk, 40 steps, the ways a batch could take them:
+    the handle calls the engine makes a row (``consume_token``, ``is_error``, ``is_stopped``),
+    ``consume_token`` alone, and each library's batch call (xgrammar's
+    ``BatchGrammarMatcher.batch_accept_token`` with the ``is_completed`` the engine's stop rule
+    needs, and its raw ``accept_token`` loop; llguidance's ``LLExecutor.consume_token_par``
+    on one thread, with ``is_stopped``). Fresh copies of the matchers for each way."""
+    import numpy as np
+    from constrained import SCHEMA
+    from grammar_batch import tokenizer
+
+    from omni_async.structured.grammar import GrammarCompiler
+
+    tok, vocab = tokenizer(False, str(Path(args.checkpoint_dir) / "small-smol"))
+    words, steps, pc = (vocab + 31) // 32, 40, time.perf_counter
+    out: dict[str, dict] = {}
+    for backend in ("xgrammar", "llguidance"):
+        comp = GrammarCompiler(tok, vocab, backend=backend)
+        handles = [comp.matcher(("json_schema", json.dumps(SCHEMA))).handle for _ in range(args.requests)]
+        rng, buf, walks = np.random.default_rng(0), np.empty(words, dtype=np.int32), []
+        for h in handles:
+            c, walk = h.deep_copy(), []
+            for _ in range(steps):
+                c.unsafe_compute_mask_ptr(buf.ctypes.data, buf.nbytes)
+                walk.append(int(rng.choice(np.flatnonzero(np.unpackbits(buf.view(np.uint8), bitorder="little")[:vocab]))))
+                c.consume_token(walk[-1])
+            walks.append(walk)
+        ways = {"engine's handle calls (consume_token, is_error, is_stopped)":
+                lambda hs, toks: [(h.consume_token(t), h.is_error(), h.is_stopped()) for h, t in zip(hs, toks)],
+                "consume_token alone": lambda hs, toks: [h.consume_token(t) for h, t in zip(hs, toks)]}
+        if backend == "xgrammar":
+            import xgrammar
+
+            batch = xgrammar.BatchGrammarMatcher.batch_accept_token
+            ways["batch_accept_token + is_completed"] = lambda hs, toks: (
+                batch([h._m for h in hs], toks), [h._m.is_completed() for h in hs])
+            ways["raw accept_token loop (no wrapper)"] = lambda hs, toks: [h._m.accept_token(t) for h, t in zip(hs, toks)]
+        else:
+            import llguidance
+
+            ex = llguidance.LLExecutor(num_threads=1)
+            ways["consume_token_par (1 thread) + is_stopped"] = lambda hs, toks: (
+                ex.consume_token_par(list(zip(hs, toks))), [h.is_stopped() for h in hs])
+        res: dict[str, list[float]] = {}
+        for _ in range(3):
+            for name, way in ways.items():
+                hs, took = [h.deep_copy() for h in handles], 0.0
+                for j in range(steps):
+                    toks = [w[j] for w in walks]
+                    t0 = pc()
+                    way(hs, toks)
+                    took += pc() - t0
+                res.setdefault(name, []).append(1e6 * took / (steps * len(handles)))
+        comp.close()
+        out[backend] = {k: {"median_us_per_row": statistics.median(v), "runs": v} for k, v in res.items()}
+        for k, v in res.items():
+            print(f"{backend:10s} {k:62s} {statistics.median(v):6.3f} us a row {[round(x, 3) for x in v]}", flush=True)
+    return out
+
+
 def compare(args) -> dict:
     """Each checkout in its own process (one measured repeat after a warm-up), alternated."""
     labels = args.labels.split(",") if args.labels else [Path(c).resolve().name for c in args.code]
@@ -325,7 +451,23 @@ def compare(args) -> dict:
                 print(f"{label:8s} rep {rep} {r['arm']}: {r['ms_per_step']:.2f} ms a step, {r['us_per_row_step']:.2f} us "
                       f"a row-step, {r['steps']} steps, digest {r['digest']}"
                       + (f", valid {r['valid']}/{r['requests']}" if r["arm"] == "all" else ""), flush=True)
-    return {"labels": labels, "codes": args.code, "runs": runs}
+    summary: dict[str, dict] = {}
+    for label in labels:
+        for arm in args.arms.split(","):
+            xs = [r["ms_per_step"] for r in runs[label] if r["arm"] == arm]
+            summary[f"{label} {arm}"] = {"ms_per_step_median": statistics.median(xs), "min": min(xs), "max": max(xs)}
+    for label in labels[1:]:  # paired by repeat, against the first label
+        for arm in args.arms.split(","):
+            a = [r["ms_per_step"] for r in runs[labels[0]] if r["arm"] == arm]
+            b = [r["ms_per_step"] for r in runs[label] if r["arm"] == arm]
+            ratios = [y / x for x, y in zip(a, b)]
+            summary[f"{label}/{labels[0]} {arm}"] = {"paired_ratio_median": statistics.median(ratios), "min": min(ratios),
+                                                      "max": max(ratios)}
+            same = {r["digest"] for r in runs[label] if r["arm"] == arm} == {r["digest"] for r in runs[labels[0]] if r["arm"] == arm}
+            summary[f"{label}/{labels[0]} {arm}"]["same_tokens"] = same
+    for k, v in summary.items():
+        print(k, {kk: (round(vv, 3) if isinstance(vv, float) else vv) for kk, vv in v.items()})
+    return {"labels": labels, "codes": args.code, "runs": runs, "summary": summary}
 
 
 def main() -> int:
@@ -338,6 +480,8 @@ def main() -> int:
     p.add_argument("--grammar-backend", default="default", choices=("default", "llguidance", "xgrammar"))
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--accept", action="store_true", help="a step's accepts alone, the engine's calls against batch calls")
+    p.add_argument("--gil", action="store_true", help="whether each library's mask call lets another Python thread run")
     p.add_argument("--inline-masks", action="store_true", help="no mask worker: every mask computed by the step's fill")
     p.add_argument("--phases", action="store_true", help="time the step's parts (wrapped functions)")
     p.add_argument("--checkpoint-dir", default="/tmp/omni-bench-checkpoints")
@@ -349,7 +493,7 @@ def main() -> int:
     from _common import machine_facts, save_json
 
     t0 = time.perf_counter()
-    res = compare(args) if args.code else asyncio.run(main_async(args))
+    res = accept_probe(args) if args.accept else gil_probe(args) if args.gil else compare(args) if args.code else asyncio.run(main_async(args))
     if args.child:
         print(json.dumps(res))
         return 0
