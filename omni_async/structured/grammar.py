@@ -138,7 +138,8 @@ class GrammarMatcher:
         self.masked_until = index + masked_run(self._score, self._low_refusals)
         self.prefetch()
 
-    def guess_forwards(self, most: int) -> int:  # (sampling first, in a launch of ``most``: .optimistic says why)
+    def guess_forwards(self, most: int) -> int:
+        """Forwards to run sampling first in a launch of ``most`` (:func:`.optimistic.guessed_forwards`)."""
         return guessed_forwards(self._score, most)
 
     def mask_first(self, index: int) -> None:
