@@ -17,6 +17,8 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
@@ -436,3 +438,50 @@ def checkouts(args: Any, script: Path) -> tuple[list[str], list[str]]:
     """``--code`` and ``--labels`` resolved: the checkouts (this one by default) and their names."""
     codes = args.code or [str(next(d for d in script.resolve().parents if (d / "omni_async").is_dir()))]
     return codes, args.labels.split(",") if args.labels else [Path(c).resolve().name for c in codes]
+
+
+class GpuSampler:
+    """NVML utilisation every 10 ms, and this process's peak GPU memory as NVML sees it (the
+    CUDA context and the libraries' workspaces with torch's pool); nothing without NVML."""
+
+    def __init__(self) -> None:
+        self.samples: list[int] = []
+        self.peak_bytes = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            self.nvml = pynvml
+            self.handle = pynvml.nvmlDeviceGetHandleByIndex(int(os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0] or 0))
+        except Exception:
+            self.nvml = None
+
+    def _run(self) -> None:
+        pid = os.getpid()
+        while not self._stop.is_set():
+            try:
+                self.samples.append(self.nvml.nvmlDeviceGetUtilizationRates(self.handle).gpu)
+                for p in self.nvml.nvmlDeviceGetComputeRunningProcesses(self.handle):
+                    if p.pid == pid and p.usedGpuMemory:
+                        self.peak_bytes = max(self.peak_bytes, int(p.usedGpuMemory))
+            except Exception:
+                pass
+            time.sleep(0.01)
+
+    def __enter__(self) -> "GpuSampler":
+        self.samples.clear()
+        if self.nvml is not None:
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._run, daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def busy(self) -> float | None:
+        return round(statistics.mean(self.samples), 1) if self.samples else None

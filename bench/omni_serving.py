@@ -27,7 +27,8 @@ request, that to the first chunk); audio-s/s (all audio over the wall); C50 / C1
 player hears them, ``Playback``: each chunk played in real time from the first one's
 arrival; before 2026-12-07 this bench's C100 counted a stream only with no gap at all, of
 any length) with the worst gaps' p50 and max; underruns (chunks that came after the audio
-before them ran out); GPU busy % (NVML, when pynvml imports); peak device memory GB. Saves the JSON
+before them ran out); GPU busy % (NVML, when pynvml imports); peak device memory (torch's
+tensors, GB; and the whole process as NVML sees it, GiB). Saves the JSON
 to ``--out``.
 
     python bench/omni_serving.py --device cuda --concurrency 1,8,32,64 --out bench/results/omni_serving.json
@@ -39,23 +40,25 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import platform
 import random
-import statistics
+import sys
 import tempfile
-import threading
-import itertools
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from omni_async import SamplingParams
-from omni_async.models.random_weights import RANDOM_WEIGHTS_FILE
-from omni_async.speech.omni_pipeline import OmniPipeline
-from omni_async.speech.playback import Playback
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import GpuSampler  # noqa: E402
+
+from omni_async import SamplingParams  # noqa: E402
+from omni_async.models.random_weights import RANDOM_WEIGHTS_FILE  # noqa: E402
+from omni_async.speech.omni_pipeline import OmniPipeline  # noqa: E402
+from omni_async.speech.playback import Playback  # noqa: E402
 
 # The released ids the defaults lack (codec ids as Qwen3-TTS 12 Hz's; speakers within the
 # talker's 3,072-id vocabulary).
@@ -128,39 +131,6 @@ class Stream:
         self.last_audio = now
 
 
-class GpuBusy:
-    """NVML utilisation sampled every 50 ms on a thread (None without pynvml or CUDA)."""
-
-    def __init__(self) -> None:
-        self.samples: list[int] = []
-        self._stop = threading.Event()
-        try:
-            import pynvml
-
-            pynvml.nvmlInit()
-            self._handle = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
-            self._nvml = pynvml
-        except Exception:
-            self._nvml = None
-
-    def __enter__(self) -> "GpuBusy":
-        if self._nvml is not None:
-            self._thread = threading.Thread(target=self._run, daemon=True)
-            self._thread.start()
-        return self
-
-    def _run(self) -> None:
-        while not self._stop.wait(0.05):
-            self.samples.append(self._nvml.nvmlDeviceGetUtilizationRates(self._handle).gpu)
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-
-    @property
-    def percent(self) -> float | None:
-        return round(statistics.mean(self.samples), 1) if self.samples else None
-
-
 def quantile(values: list[float], q: float) -> float | None:
     if not values:
         return None
@@ -211,7 +181,7 @@ async def level(pipe: OmniPipeline, prompts: list[list[int]], args: argparse.Nam
     passes, served = pipe.input.passes, pipe.input.replies_served
     pipe.talker.engine.submit = talker_submit
     try:
-        with GpuBusy() if cuda else _Nothing() as busy:
+        with GpuSampler() as sampler:
             clock = [time.perf_counter()]
             await asyncio.gather(*(client() for _ in range(clients)))
             wall = time.perf_counter() - clock[0]
@@ -239,19 +209,13 @@ async def level(pipe: OmniPipeline, prompts: list[list[int]], args: argparse.Nam
         "c50": share(50), "c100": share(100), "c200": share(200),
         "worst_gap_p50_ms": _r(quantile(gaps, 0.5)), "worst_gap_max_ms": _r(max(gaps, default=None)),
         "underruns": sum(s.player.underruns for s in done),
-        "gpu_busy_pct": getattr(busy, "percent", None),
+        "gpu_busy_pct": sampler.busy(),
         # the talker's text rows: requests for them, and the passes that built them (omni_input)
         "text_row_requests": pipe.input.replies_served - served, "text_row_passes": pipe.input.passes - passes,
-        "peak_memory_gb": round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
+        "peak_memory_gb": round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,  # torch's tensors
+        # the whole process as NVML sees it (the CUDA context, the libraries' workspaces, torch's pool)
+        "peak_process_memory_gib": round(sampler.peak_bytes / 2**30, 2) if sampler.peak_bytes else None,
     }
-
-
-class _Nothing:
-    def __enter__(self) -> "_Nothing":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        pass
 
 
 def _r(value: float | None, digits: int = 1) -> float | None:

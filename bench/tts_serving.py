@@ -42,7 +42,6 @@ import os
 import platform
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -50,6 +49,9 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from _common import GpuSampler  # noqa: E402
 
 FRAMES_PER_WORD = 5  # 12.5 frames/s at 2.5 words/s
 FRAME_S = 0.08
@@ -74,52 +76,6 @@ def worst_gap(arrivals: list[tuple[float, float]]) -> float:
             play_end = t
         play_end += dur
     return worst
-
-
-class GpuSampler:
-    """NVML utilisation every 10 ms, and this process's peak GPU memory."""
-
-    def __init__(self) -> None:
-        self.samples: list[int] = []
-        self.peak_bytes = 0
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        try:
-            import pynvml
-
-            pynvml.nvmlInit()
-            self.nvml = pynvml
-            self.handle = pynvml.nvmlDeviceGetHandleByIndex(int(os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0] or 0))
-        except Exception:
-            self.nvml = None
-
-    def _run(self) -> None:
-        pid = os.getpid()
-        while not self._stop.is_set():
-            try:
-                self.samples.append(self.nvml.nvmlDeviceGetUtilizationRates(self.handle).gpu)
-                for p in self.nvml.nvmlDeviceGetComputeRunningProcesses(self.handle):
-                    if p.pid == pid and p.usedGpuMemory:
-                        self.peak_bytes = max(self.peak_bytes, int(p.usedGpuMemory))
-            except Exception:
-                pass
-            time.sleep(0.01)
-
-    def __enter__(self) -> "GpuSampler":
-        self.samples.clear()
-        if self.nvml is not None:
-            self._stop.clear()
-            self._thread = threading.Thread(target=self._run, daemon=True)
-            self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
-
-    def busy(self) -> float | None:
-        return round(float(np.mean(self.samples)), 1) if self.samples else None
 
 
 async def one_inprocess(tts, text: str, frames: int, seed: int) -> dict:
