@@ -221,6 +221,8 @@ async def run(args) -> dict:
         limits["decode_steps"] = args.decode_steps
     if args.codec_stream is not None:
         limits["codec_stream"] = args.codec_stream
+    if args.codec_sms is not None:
+        limits["codec_sms"] = args.codec_sms
     if args.codec_max_frames is not None:  # (at load too: the codec's graphs are captured for its rounds)
         limits["schedule"] = {"codec_max_frames": args.codec_max_frames}
     if args.fused_snake is not None:
@@ -447,6 +449,8 @@ def main() -> None:
     ap.add_argument("--port", type=int, default=8790)
     ap.add_argument("--kv-tokens", type=int, default=None, help="the talker's KV positions (default: the stage's)")
     ap.add_argument("--codec-graphs", choices=("on", "off"), default=None, help="the codec's calls as CUDA graphs (default: the pipeline's)")
+    ap.add_argument("--codec-sms", type=int, default=None,
+                    help="CUDA: the codec's kernels on at most this many SMs (a green context; default all)")
     ap.add_argument("--codec-stream", choices=("own", "talker"), default=None,
                     help="CUDA: the codec's calls on a stream of their own (the default) or between the talker's steps on its stream")
     ap.add_argument("--codec-max-frames", type=int, default=None,

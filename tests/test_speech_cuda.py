@@ -85,3 +85,19 @@ async def test_the_codec_on_the_talkers_stream_gives_the_same_codes_and_audio():
     for a, b in zip(out["own"], out["talker"]):
         assert torch.equal(a.codes, b.codes)
         assert a.audio.shape == b.audio.shape and float(abs(a.audio - b.audio).max()) < 1e-5
+
+
+async def test_the_codec_confined_to_a_quarter_of_the_sms_gives_the_same_codes_and_audio():
+    """``codec_sms``: the codec's graphed calls on streams of a green context (a quarter of the
+    SMs) write what they write on a plain stream."""
+    params = SpeechParams(max_frames=20, temperature=0.9, seed=2, ignore_eos=True)
+    quarter = torch.cuda.get_device_properties(0).multi_processor_count // 4
+    out = {}
+    for sms in (None, quarter):
+        async with SpeechPipeline.from_pretrained("tiny", device="cuda", dtype="float32", codec_sms=sms) as tts:
+            results = await asyncio.gather(*(tts.synthesize(t, voice=v, params=params) for t, v in zip(TEXTS, VOICES)))
+            assert tts.codec.graph_replays > 0
+        out[sms] = results
+    for a, b in zip(out[None], out[quarter]):
+        assert torch.equal(a.codes, b.codes)
+        assert a.audio.shape == b.audio.shape and float(abs(a.audio - b.audio).max()) < 1e-5

@@ -62,8 +62,9 @@ class Recorder:
 
         async def on_decode(ready):
             t0 = time.perf_counter()
-            await decode(ready)
+            took = await decode(ready)
             self.rounds.append((t0, time.perf_counter(), len(ready), sum(n for _, n in ready)))
+            return took
 
         codec.push, codec._decode = on_push, on_decode
 

@@ -41,9 +41,10 @@ FRAME_BUCKETS = (1, 2, 4, 8, 16, 32)
 
 
 class CodecGraphs:
-    def __init__(self, slots: CodecSlots, *, capture: bool | None = None,
-                 batches: tuple[int, ...] = BATCH_BUCKETS, frames: tuple[int, ...] = FRAME_BUCKETS, scratch_row: int = 0) -> None:
+    def __init__(self, slots: CodecSlots, *, capture: bool | None = None, batches: tuple[int, ...] = BATCH_BUCKETS,
+                 frames: tuple[int, ...] = FRAME_BUCKETS, scratch_row: int = 0, sms: int | None = None) -> None:
         self.slots = slots
+        self.sms = sms  # captured on a stream confined to that many SMs: their replays keep to them
         self.scratch_row = scratch_row
         slots.scratch_row(scratch_row)  # one the store has
         self.device = slots.device
@@ -171,7 +172,7 @@ class CodecGraphs:
         codes, index = self.codes[frames][:bucket], self.slot_index[:bucket]
         codes.zero_()
         index.fill_(self.scratch)
-        with STREAMS.borrowed(self.device) as stream, torch.cuda.stream(stream):
+        with STREAMS.borrowed(self.device, self.sms) as stream, torch.cuda.stream(stream):
             for _ in range(2):
                 self.slots.step(codes, index)
             graph = torch.cuda.CUDAGraph()

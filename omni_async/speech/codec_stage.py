@@ -65,6 +65,7 @@ import anyio
 import numpy as np
 import torch
 
+from ..runners.streams import STREAMS
 from .admission import AudioRate
 from .codec_base import StreamDecoder
 from .codec_graphs import CodecGraphs
@@ -82,7 +83,7 @@ EXPRESS_PRIORITY = -1  # its CUDA stream's: above the bulk lane's (0), below the
 class CodecStage:
     def __init__(self, decoder: StreamDecoder, device: torch.device, *, first_chunk_frames: int = 2, max_chunk_frames: int = 32,
                  cuda_graphs: bool = True, slots: int | None = None, max_streams_per_round: int | None = None,
-                 max_frames_per_round: int | None = None, stream: Any = None, express: bool = True) -> None:
+                 max_frames_per_round: int | None = None, stream: Any = None, express: bool = True, sms: int | None = None) -> None:
         if first_chunk_frames < 1 or max_chunk_frames < first_chunk_frames:
             raise ValueError("chunk sizes: 1 <= first_chunk_frames <= max_chunk_frames")
         for name, cap in (("max_streams_per_round", max_streams_per_round), ("max_frames_per_round", max_frames_per_round)):
@@ -112,11 +113,11 @@ class CodecStage:
         self.sample_rate: int = decoder.sample_rate
         self.frame_seconds = decoder.samples_per_frame / decoder.sample_rate
         # ``stream``: a CUDA stream to queue the calls on (another stage's, to run between its
-        # steps); by default one of the codec's own.
+        # steps); by default one of the codec's own, confined to ``sms`` SMs if given (graphs too).
         cuda = device.type == "cuda"
         graphed = cuda and cuda_graphs
-        self._cuda_stream = stream if stream is not None else torch.cuda.Stream(device) if cuda else None
-        express_stream = torch.cuda.Stream(device, priority=EXPRESS_PRIORITY) if cuda else None
+        self._cuda_stream = stream if stream is not None else STREAMS.take(device, 0, sms) if cuda else None
+        express_stream = STREAMS.take(device, EXPRESS_PRIORITY, sms) if cuda else None
         # On CUDA room for 64 streams from the start (2.6 MB each at the released size in
         # bf16): a grow drops the captured graphs. The store and both lanes' graph inputs
         # belong to the codec's stream (made there, and the streams wait for their zeros),
@@ -124,9 +125,9 @@ class CodecStage:
         # the express lane's padding.
         with self._on_codec_stream():
             self.slots = CodecSlots(decoder, slots or (64 if cuda else 8), scratch_rows=2 if graphed else 1)
-            self.graphs = CodecGraphs(self.slots) if graphed else None
+            self.graphs = CodecGraphs(self.slots, sms=sms) if graphed else None
             self.express_graphs = CodecGraphs(self.slots, batches=EXPRESS_BATCHES, frames=(self._first_len,),
-                                              scratch_row=1) if graphed else None
+                                              scratch_row=1, sms=sms) if graphed else None
         if self._cuda_stream is not None:
             self._cuda_stream.wait_stream(torch.cuda.current_stream(device))
             express_stream.wait_stream(self._cuda_stream)
@@ -137,8 +138,7 @@ class CodecStage:
         self._express_wake = anyio.Event()  # the express lane's: frames came, a round started
         self._exclusive = False  # a round that grows the store or captures graphs: no express call beside it
         self._released: list[int] = []  # slots closed during that round: back after it
-        self.calls = 0
-        self.frames_decoded = 0
+        self.calls = self.frames_decoded = 0
 
     def capture_graphs(self) -> None:
         """Capture the codec's CUDA graphs now, for every call a round under the frame
@@ -225,8 +225,7 @@ class CodecStage:
         hidden-state rows; the request's first row is its prefill's, no frame), then its
         end. A request that fails or is aborted closes the stream (its reader sees the
         end without a last chunk, and the request's error)."""
-        skip = 1
-        reason = None
+        skip, reason = 1, None
         try:
             async for delta in handle:
                 rows = delta.hidden_states

@@ -53,7 +53,7 @@ class SpeechPipeline:
 
     def __init__(self, stage: SpeechStage, codec: CodecDecoder, *, first_chunk_frames: int = 2, max_chunk_frames: int = 32,
                  codec_graphs: bool | None = None, schedule: SpeechSchedule | dict[str, Any] | None = None,
-                 codec_stream: str = "own") -> None:
+                 codec_stream: str = "own", codec_sms: int | None = None) -> None:
         self.stage = stage
         self.engine = stage.engine
         self.model = stage.model
@@ -65,10 +65,12 @@ class SpeechPipeline:
         # ``codec_stream``: "own" (the codec's calls on a stream of their own, beside the
         # talker's steps) or "talker" (queued on the talker's stream, between its steps:
         # the device runs one stage at a time, neither waiting for SMs the other holds).
+        # ``codec_sms``: with its own stream, the codec's kernels on at most this many SMs (a
+        # green context), the others left to the talker's small kernels (None: all SMs).
         _check_codec_stream(codec_stream)
         self.codec = CodecStage(codec, stage.runner.device, first_chunk_frames=first_chunk_frames, max_chunk_frames=max_chunk_frames,
                                 cuda_graphs=graphed if codec_graphs is None else codec_graphs and graphed,
-                                stream=self._talker_stream() if codec_stream == "talker" else None)
+                                stream=self._talker_stream() if codec_stream == "talker" else None, sms=codec_sms)
         self.sample_rate = codec.sample_rate
         self._tg: Any = None
         self._ids = itertools.count()
@@ -93,14 +95,14 @@ class SpeechPipeline:
     @classmethod
     def from_pretrained(cls, path_or_name: str, *, device: str = "cpu", loop: str = "overlap", dtype: Any = None, seed: int = 0,
                         first_chunk_frames: int = 2, max_chunk_frames: int = 32, codec_graphs: bool | None = None,
-                        schedule: SpeechSchedule | dict[str, Any] | None = None, codec_stream: str = "own",
+                        schedule: SpeechSchedule | dict[str, Any] | None = None, codec_stream: str = "own", codec_sms: int | None = None,
                         **limits: Any) -> "SpeechPipeline":
         """A Qwen3-TTS 12 Hz checkpoint folder (the ``qwen-tts`` layout), or a built-in
         random-weight model: ``"tiny"`` (tests, the CPU demo), ``"0.6b"``, ``"1.7b"``
         (the released sizes' shapes, for speed runs). ``codec_graphs``: the codec's calls
         as CUDA graphs (default: where the talker's frames are graphed, see ``__init__``). ``schedule``: how streams share the
         stages (:class:`SpeechSchedule`: the deadline policy by default, no admission
-        limits). ``codec_stream``: see ``__init__``. ``limits``: SchedulerConfig fields."""
+        limits). ``codec_stream``, ``codec_sms``: see ``__init__``. ``limits``: SchedulerConfig fields."""
         schedule = SpeechSchedule.of(schedule)  # a bad one fails before the model loads
         _check_codec_stream(codec_stream)
         stage = build_speech_stage(path_or_name, device=device, loop=loop, dtype=dtype, seed=seed, **limits)
@@ -111,7 +113,7 @@ class SpeechPipeline:
             codec = CodecDecoder.random(_codec_config(builtin_name(path_or_name) or ""), device=dev, dtype=torch.float32 if dev.type == "cpu" else dt,
                                         seed=seed)
         return cls(stage, codec, first_chunk_frames=first_chunk_frames, max_chunk_frames=max_chunk_frames, codec_graphs=codec_graphs,
-                   schedule=schedule, codec_stream=codec_stream)
+                   schedule=schedule, codec_stream=codec_stream, codec_sms=codec_sms)
 
     @classmethod
     async def load(cls, path_or_name: str, **kwargs: Any) -> "SpeechPipeline":
