@@ -85,6 +85,24 @@ async def test_constrained_rows_take_several_tokens_a_step_with_one_forward_a_st
         assert info["grammar_between_forwards"] > 0 and info["grammar_late_mask_steps"] == 0
 
 
+async def test_rows_admitted_apart_step_together():
+    """Prompts admitted over several prefill steps reach their first decode step apart; the
+    overlap loop then waits for the masked rows in flight (``multi_step.waits_for_between``)
+    instead of stepping the ready ones alone, so the rows do not settle into groups
+    stepping in turn (each step reading the weights k times for part of the batch): about
+    one decode step per four tokens of a row, not three (37 before the wait)."""
+    sampling = [SamplingParams(max_new_tokens=40, json_schema=ENDLESS, temperature=0.7, seed=i) for i in range(16)]
+    async with Engine.from_pretrained("tiny", optimistic_grammar=False, device="cpu", loop="overlap", decode_steps=4,
+                                      max_prefill_tokens=40) as engine:
+        results = await asyncio.gather(*[engine.generate(prompt=f"record number {i}: " * 3, sampling=sp)
+                                         for i, sp in enumerate(sampling)])
+        info = engine.scheduler.info()
+    assert_kv_free(engine)
+    assert info["prefill_steps"] > 4  # admitted apart
+    assert all(len(r.output_ids) == 40 for r in results)
+    assert info["decode_steps"] <= 40 / 4 + 4, info["decode_steps"]
+
+
 async def test_rows_whose_grammar_ends_mid_step_stop_there():
     """Short schemas complete inside a step of eight forwards: the row ends at its closing
     token (its matcher took it during the step), the forwards after it are dropped, and

@@ -178,6 +178,8 @@ def late_mask_rows(core: "CoreState", decoding: list[Request], limits: list[int]
     ``free``: no row is under a grammar (:func:`.request.all_free`)."""
     if free:
         return (decoding, limits, *steps_for(core, decoding, limits, True), False)
+    if waits_for_between(core):
+        return [], [], None, [], False
     keep = [i for i, r in enumerate(decoding) if r.matcher is None or not r.num_inflight or not masked(r, r.num_generated)]
     if len(keep) == len(decoding):
         return (decoding, limits, *steps_for(core, decoding, limits), False)
@@ -186,11 +188,25 @@ def late_mask_rows(core: "CoreState", decoding: list[Request], limits: list[int]
     waiting = len(decoding) - len(rest)
     if core.config.jump_forward or (steps is not None and waiting < LATE_MAJORITY * len(decoding)):
         return rest, rest_limits, steps, grammar, False  # a fused launch: they wait for the next step
-    if core.forwards_for(len(decoding), (r.num_generated for r in decoding)) > 1 and core.multi_step_allowed():
-        # Several forwards a step under masks computed between them (between_steps): they
-        # wait for their token, then take k at once, rather than one a step under late masks.
-        return rest, rest_limits, steps, grammar, False
     return decoding, limits, None, [], True  # one forward per row, theirs too
+
+
+def waits_for_between(core: "CoreState") -> bool:
+    """Whether the next decode step waits for the one in flight (the loop drains it)
+    because most running rows sample under masks and some have tokens in flight: with
+    k > 1 forwards a step they take several at once under masks between the forwards
+    (:func:`between_steps`) once the host has seen their tokens, all of them in one step.
+    Running the others meanwhile would split the rows into groups stepping in turn, each
+    step reading the weights k times for part of the batch (on the CPU, small-smol at 64
+    rows: twice the decode time); a one-forward late-mask step would cut them back to one
+    token."""
+    if core.config.jump_forward or not core.multi_step_allowed():
+        return False
+    running = core.running
+    if core.forwards_for(len(running), (r.num_generated for r in running)) <= 1:
+        return False
+    under = [r for r in running if r.matcher is not None and masked(r, r.num_generated)]
+    return len(under) >= LATE_MAJORITY * len(running) and any(r.num_inflight for r in under)
 
 
 def process_multi_step(

@@ -39,7 +39,10 @@ def forward_by_forward(runner: Any, fb: ForwardBatch, batch: Any, requests: list
         last = runner._forward(sub, batch, requests, False, lookahead)
         if between is not None and j:  # the forward is enqueued: its masks now, from the tokens before
             runner.grammar_masks.given = between.next_mask(j)
-        launch_buf = runner._after_forward(last, sub, batch, requests, False, lookahead)
+        try:
+            launch_buf = runner._after_forward(last, sub, batch, requests, False, lookahead)
+        finally:
+            runner.grammar_masks.given = None  # taken by the sampling's fill, or left by a failure
         tokens[j].copy_(launch_buf if launch_buf is not None else last.next_token_ids)
         if last.sample_ok is not None:
             ok[j].copy_(last.sample_ok)
