@@ -216,3 +216,53 @@ async def test_xgrammar_rows_take_several_tokens_a_step_with_one_forward_a_steps
             assert r.finish_reason == "stop", r.text
             validate(json.loads(r.text), SCHEMA)
         assert masked_tokens_a_step(info) > 2, (loop, info)
+
+
+@pytest.mark.parametrize("loop", ["normal", "overlap"])
+async def test_stop_ids_lengths_and_min_new_tokens_inside_a_step_end_rows_as_one_forward_a_step(loop):
+    """A stop id the grammar admits (past ``min_new_tokens``), length limits that fall inside
+    a step of four forwards, and the grammar's own end: each row keeps the tokens, and ends
+    for the reason, of one forward a step (``multi_step._take_between`` against the walk)."""
+    async with Engine.from_pretrained("tiny", device="cpu") as engine:
+        comma = engine.tokenizer.encode(",", add_special_tokens=False)
+    sampling = [
+        SamplingParams(max_new_tokens=5 + 3 * i, json_schema=ENDLESS, temperature=0.7, seed=i, stop_token_ids=comma,
+                       min_new_tokens=4 * (i % 3))
+        if i % 2 else seeded(i)
+        for i in range(N)
+    ]
+    reference, _ = await run("normal", 1, sampling)
+    results, info = await run(loop, 4, sampling)
+    assert [(r.output_ids, r.finish_reason) for r in results] == [(r.output_ids, r.finish_reason) for r in reference]
+    assert {r.finish_reason for r in results} >= {"stop", "length"}
+    assert info["grammar_between_forwards"] > 0
+
+
+async def test_a_grammar_failing_inside_a_step_ends_its_request_alone(monkeypatch):
+    """A grammar that fails at a token its matcher takes between forwards ends its request
+    with an error after the tokens before it, as one forward a step does; the other rows run on."""
+    from omni_async import errors
+
+    from .test_late_masks import fail_grammar_at
+
+    failing = ("regex", "[a-z]{4,40}")
+    fail_grammar_at(monkeypatch, failing, 6)
+    outcomes = {}
+    for steps in (1, 4):
+        async with Engine.from_pretrained("tiny", optimistic_grammar=False, device="cpu", loop="overlap",
+                                          decode_steps=steps) as engine:
+            others = [engine.generate(prompt=f"r{i}", sampling=endless(i)) for i in range(N - 1)]
+            streamed: list[int] = []
+
+            async def fails():
+                with pytest.raises(errors.InvalidRequestError, match="failed during generation"):
+                    async for delta in engine.stream(prompt="x", sampling=SamplingParams(max_new_tokens=32, regex=failing[1])):
+                        streamed.extend(delta.token_ids)
+
+            results, _ = await asyncio.gather(asyncio.gather(*others), fails())
+            info = engine.scheduler.info()
+        assert_kv_free(engine)
+        outcomes[steps] = ([r.output_ids for r in results], list(streamed))
+    assert info["grammar_between_forwards"] > 0
+    assert outcomes[4] == outcomes[1]
+    assert len(outcomes[4][1]) == 5  # the tokens before the failing one went out
