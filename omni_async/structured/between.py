@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from . import xgrammar_backend
 from .batch_mask import GrammarMasks, fill_rows, grammar_rows
 
 
@@ -43,6 +44,10 @@ class StepMasks:
         steps = batch.row_steps
         # (matcher, row, the row's last forward, its first token's generation index)
         self.rows = [(m, i, steps[i] - 1, batch.sample_indices[i]) for m, i in grammar_rows(batch) if steps[i] > 1]
+        # xgrammar's rows are masked here, in one call straight into the bitmask: the launching
+        # thread waits for them at once, so the mask worker would add a ticket, a wake-up and a
+        # copy of every row. llguidance's go to the worker, which finds their forced runs.
+        self.inline: bool | None = None  # (decided at the first forward after the step's first: no wait before it)
         self.batch, self.device, self.masks = batch, device, masks
         self.words = (vocab + 31) // 32
         batch.taken_ahead, batch.ended_ahead = [0] * batch.size, set()
@@ -78,6 +83,8 @@ class StepMasks:
         reqs, epochs, taken, ended = batch.reqs, batch.epochs, batch.taken_ahead, batch.ended_ahead
         later: list[Any] = []
         live: list[tuple[Any, int]] = []
+        if self.inline is None:
+            self.inline = xgrammar_backend.all_xgrammar([m.handle for m, *_ in self.rows])
         for m, i, last, index in self.rows:
             if j > last or i in ended:
                 continue
@@ -85,7 +92,7 @@ class StepMasks:
             if r.finish_reason is not None or r.epoch != epochs[i]:
                 continue  # ended or retracted meanwhile: its tokens are not processed
             taken[i] += 1
-            if m.accept(tokens[i], later=later, index=index + j - 1):
+            if m.accept(tokens[i], prefetch=False, later=None if self.inline else later, index=index + j - 1):
                 ended.add(i)
             else:
                 live.append((m, i))
