@@ -8,18 +8,18 @@ When the batch core gives masked rows several forwards
 (:func:`omni_async.core.multi_step.between_steps`), the runner runs the step forward by
 forward and, for each forward after the first, enqueues the forward (its input, the
 token sampled before, is already on the device) before reading that token on the host:
-:meth:`StepMasks.next_mask` then waits for it, advances the rows' matchers by it, queues
-their next masks on the mask worker (:func:`.grammar.prefetch_all`, one ticket), copies
-them into one bitmask and sends it to the device, and the runner enqueues the forward's
-sampling under it. On a GPU the device runs each forward while the host computes its
+:meth:`StepMasks.next_mask` then waits for it, advances the rows' matchers by it, has
+their next masks computed into one bitmask (xgrammar's here, in one call; llguidance's on
+the mask worker as one ticket, :func:`.grammar.prefetch_all`) and sends it to the device,
+and the runner enqueues the forward's sampling under it. On a GPU the device runs each forward while the host computes its
 masks.
 
 A row whose grammar ends (completes or fails) at a token keeps every bit for its later
 forwards: their tokens are dropped when the step is processed, as a free row's past its
 stop are. The matcher accepts the row's tokens but its last during the step; the batch
 records how many (``ScheduledBatch.taken_ahead``) and which rows ended
-(``ended_ahead``), so processing accepts only the rest (``multi_step._walk_row``) and
-queues the next step's masks as usual. The masks are those a one-forward step would use
+(``ended_ahead``), so processing judges those together and accepts only the rest
+(``multi_step._take_between``), queueing the next step's masks as usual. The masks are those a one-forward step would use
 at the same positions, so the tokens are too (greedy, and sampled: a draw is keyed by its
 generation index).
 """
