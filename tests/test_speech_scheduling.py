@@ -59,6 +59,12 @@ def test_a_codec_stream_other_than_own_or_talker_is_a_config_error():
         SpeechPipeline.from_pretrained("tiny", codec_stream="sideways")
 
 
+@pytest.mark.parametrize("sms", [0, -3, 2.5, True])
+def test_a_codec_sms_that_is_not_a_positive_integer_is_a_config_error(sms):
+    with pytest.raises(errors.ConfigError, match="codec_sms"):
+        SpeechPipeline.from_pretrained("tiny", codec_sms=sms)
+
+
 async def test_each_stream_exposes_its_playback_state():
     async with SpeechPipeline.from_pretrained("tiny", loop="normal") as tts:
         stream = tts.stream(TEXTS[0], voice="ryan", params=LONG, request_id="listened")

@@ -67,7 +67,7 @@ class SpeechPipeline:
         # the device runs one stage at a time, neither waiting for SMs the other holds).
         # ``codec_sms``: with its own stream, the codec's kernels on at most this many SMs (a
         # green context), the others left to the talker's small kernels (None: all SMs).
-        _check_codec_stream(codec_stream)
+        _check_codec_stream(codec_stream, codec_sms)
         self.codec = CodecStage(codec, stage.runner.device, first_chunk_frames=first_chunk_frames, max_chunk_frames=max_chunk_frames,
                                 cuda_graphs=graphed if codec_graphs is None else codec_graphs and graphed,
                                 stream=self._talker_stream() if codec_stream == "talker" else None, sms=codec_sms)
@@ -104,7 +104,7 @@ class SpeechPipeline:
         stages (:class:`SpeechSchedule`: the deadline policy by default, no admission
         limits). ``codec_stream``, ``codec_sms``: see ``__init__``. ``limits``: SchedulerConfig fields."""
         schedule = SpeechSchedule.of(schedule)  # a bad one fails before the model loads
-        _check_codec_stream(codec_stream)
+        _check_codec_stream(codec_stream, codec_sms)
         stage = build_speech_stage(path_or_name, device=device, loop=loop, dtype=dtype, seed=seed, **limits)
         dev, dt = stage.runner.device, stage.model.dtype
         if stage.folder is not None:
@@ -316,6 +316,8 @@ def _codec_config(name: str) -> CodecConfig:
     return CodecConfig.tiny() if name == "tiny" else CodecConfig.qwen3_tts_12hz()
 
 
-def _check_codec_stream(value: str) -> None:
+def _check_codec_stream(value: str, sms: int | None = None) -> None:
     if value not in ("own", "talker"):
         raise errors.ConfigError(f"codec_stream must be 'own' or 'talker', got {value!r}")
+    if sms is not None and (not isinstance(sms, int) or isinstance(sms, bool) or sms < 1):
+        raise errors.ConfigError(f"codec_sms must be None or an integer >= 1, got {sms!r}")
