@@ -86,7 +86,8 @@ COUNTERS = ("grammar_mask_steps", "grammar_mask_rows", "grammar_mask_s", "gramma
             "grammar_mask_worker_calls", "grammar_mask_fused_steps", "grammar_mask_fused_s",
             "grammar_mask_sliced_calls",
             "fused_decode_late_captures", "grammar_late_mask_steps", "grammar_late_mask_s",
-            "grammar_optimistic_tokens", "grammar_optimistic_refused")
+            "grammar_optimistic_tokens", "grammar_optimistic_refused",
+            "grammar_between_forwards", "grammar_between_rows", "grammar_between_s")
 
 
 def valid_item(obj: Any) -> bool:
@@ -233,6 +234,12 @@ async def run_arm(engine: Engine, work, arm: str, replay: GrammarReplay, schemas
         "late_pct_of_decode_steps": 100 * d["grammar_late_mask_steps"] / d["decode_steps"] if d["decode_steps"] else None,
         "late_fill_ms": (1e3 * d["grammar_late_mask_s"] / d["grammar_late_mask_steps"]
                          if d["grammar_late_mask_steps"] else None),
+        # tokens a masked row sampled per decode step it was in: the step's first forward,
+        # and the forwards after it under masks computed between them (core.multi_step.between_steps)
+        "masked_tokens_per_step": ((d["grammar_mask_rows"] + d["grammar_between_rows"]) / d["grammar_mask_rows"]
+                                   if d["grammar_mask_rows"] else None),
+        "between_ms_per_forward": (1e3 * d["grammar_between_s"] / d["grammar_between_forwards"]
+                                   if d["grammar_between_forwards"] else None),
         "grammar_backend": info1.get("grammar_backend"),  # the library asked for, and the grammars xgrammar compiled
         "xgrammar_compiles": info1.get("grammar_xgrammar_compiles"),
         "mask_threads": info1.get("grammar_mask_threads"),
@@ -370,6 +377,8 @@ def print_table(result: dict[str, Any]) -> None:
                       f"{sum(r['counters']['grammar_jump_steps'] for r in rs)}; late-mask steps "
                       f"{span([r['late_pct_of_decode_steps'] for r in rs if r['late_pct_of_decode_steps'] is not None], '{:.0f}')} % "
                       f"of decode steps, their fill {span([r['late_fill_ms'] for r in rs if r['late_fill_ms'] is not None], '{:.3f}')} ms; "
+                      f"masked rows' tokens a step {span([r['masked_tokens_per_step'] for r in rs if r.get('masked_tokens_per_step') is not None], '{:.2f}')}, "
+                      f"masks between forwards {span([r['between_ms_per_forward'] for r in rs if r.get('between_ms_per_forward') is not None], '{:.3f}')} ms a forward; "
                       f"grammar accepts {sum(r['grammar_accepted'] for r in rs)}"
                       f"/{sum(r['constrained'] for r in rs)} outputs' ids; equal lengths "
                       f"{all(r['equal_lengths'] for r in rs)}")

@@ -187,8 +187,8 @@ def make_engine(args):
     path = qwen05_smol(Path(args.checkpoint_dir) / "small-smol", small=True)
     eng = Engine.from_pretrained(str(path), device="cpu", loop=args.loop, max_running_requests=args.requests,
                                  kv_capacity_tokens=args.requests * (args.prompt + args.tokens + 64),
-                                 decode_steps=1, jump_forward=False, optimistic_grammar=False)
-    install_null_device(eng)
+                                 decode_steps=args.decode_steps, jump_forward=False, optimistic_grammar=False)
+    install_null_device(eng, fused=args.decode_steps > 1)  # (free rows' k forwards: the fused launch's host path)
     if args.inline_masks:  # no mask worker: the fill computes every row on the loop thread
         from omni_async.structured import prefetch
 
@@ -455,14 +455,20 @@ def compare(args) -> dict:
     for label in labels:
         for arm in args.arms.split(","):
             xs = [r["ms_per_step"] for r in runs[label] if r["arm"] == arm]
-            summary[f"{label} {arm}"] = {"ms_per_step_median": statistics.median(xs), "min": min(xs), "max": max(xs)}
+            us = [r["us_per_row_step"] for r in runs[label] if r["arm"] == arm]
+            summary[f"{label} {arm}"] = {"ms_per_step_median": statistics.median(xs), "min": min(xs), "max": max(xs),
+                                         "us_per_row_step_median": statistics.median(us), "us_min": min(us), "us_max": max(us)}
     for label in labels[1:]:  # paired by repeat, against the first label
         for arm in args.arms.split(","):
             a = [r["ms_per_step"] for r in runs[labels[0]] if r["arm"] == arm]
             b = [r["ms_per_step"] for r in runs[label] if r["arm"] == arm]
             ratios = [y / x for x, y in zip(a, b)]
+            ua = [r["us_per_row_step"] for r in runs[labels[0]] if r["arm"] == arm]
+            ub = [r["us_per_row_step"] for r in runs[label] if r["arm"] == arm]
+            per_token = [y / x for x, y in zip(ua, ub)]
             summary[f"{label}/{labels[0]} {arm}"] = {"paired_ratio_median": statistics.median(ratios), "min": min(ratios),
-                                                      "max": max(ratios)}
+                                                      "max": max(ratios), "per_token_ratio_median": statistics.median(per_token),
+                                                      "per_token_min": min(per_token), "per_token_max": max(per_token)}
             same = {r["digest"] for r in runs[label] if r["arm"] == arm} == {r["digest"] for r in runs[labels[0]] if r["arm"] == arm}
             summary[f"{label}/{labels[0]} {arm}"]["same_tokens"] = same
     for k, v in summary.items():
@@ -478,6 +484,8 @@ def main() -> int:
     p.add_argument("--loop", default="overlap")
     p.add_argument("--arms", default="all,free")
     p.add_argument("--grammar-backend", default="default", choices=("default", "llguidance", "xgrammar"))
+    p.add_argument("--decode-steps", type=int, default=1,
+                   help="forwards a decode step (CUDA's plan: 8); constrained rows take several under masks between forwards")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--profile", action="store_true")
     p.add_argument("--accept", action="store_true", help="a step's accepts alone, the engine's calls against batch calls")

@@ -73,6 +73,13 @@ class ScheduledBatch(StepShape):
     # Its constrained rows' masks wait for the step before it to be processed: the runner
     # launches the forward, the stepper has it sample later (core.multi_step.late_mask_rows).
     late_masks: bool = False
+    # With row_steps: its grammar rows run several forwards, each sampled under a mask the
+    # runner computes between the forwards (core.multi_step.between_steps); the runner
+    # records how many of each row's tokens its matcher took during the step
+    # (``taken_ahead``) and the rows whose grammar ended at the last of them.
+    masks_between: bool = False
+    taken_ahead: list[int] | None = None
+    ended_ahead: set[int] = field(default_factory=set)
     step_id: int = 0
     # A decode step whose rows are those of step ``carried[0]`` at ``carried[1]`` (an
     # index array, in order), in the same epochs: the running set's columns say so
@@ -143,7 +150,7 @@ class ScheduledBatch(StepShape):
         inflight_at = {pos: req for pos, req in self.inflight_inputs}
         out = ScheduledBatch(
             mode=self.mode, reqs=[], epochs=[], prefix_lens=[], extend_lens=[], samples_kept=[],
-            input_ids=[], step_id=self.step_id, late_masks=self.late_masks,
+            input_ids=[], step_id=self.step_id, late_masks=self.late_masks, masks_between=self.masks_between,
         )
         for i in keep:
             for pos in range(starts[i], starts[i + 1]):

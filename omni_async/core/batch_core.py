@@ -17,7 +17,8 @@ from ..config import SchedulerConfig
 from ..kv.allocator import PageAllocator
 from .batch import ForwardMode, ScheduledBatch
 from .core_state import CoreState, DecodeSteps
-from .multi_step import decoding_rows, feed_rows, jump_most, jump_rows, late_mask_rows, process_multi_step, take_due
+from .jump_steps import feed_rows, jump_most, jump_rows, take_due
+from .multi_step import decoding_rows, late_mask_rows, masks_between, process_multi_step
 from .mixed_prefill import add_decode_rows, jump_step, mixed_decodes, prefill_turn
 from .step_results import end_unsampled, process_one_forward, rewind
 from .conditioning import ready_positions
@@ -233,8 +234,9 @@ class NativeBatchCore(CoreState, BatchCore):
             return jump_step(self, decoding, due)
         batch = self.new_batch(ForwardMode.DECODE)
         batch.grammar_rows, batch.late_masks = grammar_rows, late
+        batch.masks_between = masks_between(self, steps, grammar_rows)
         batch.fill_decode(decoding, steps, self.page_size, self.kv.allocate)
-        if steps is not None and grammar_rows:
+        if steps is not None and grammar_rows and not batch.masks_between:
             feed_rows(batch)
         self.slots.remember(self, batch, limits, free)
         return batch

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .multi_step import decoding_rows, still_due
+from .jump_steps import still_due
+from .multi_step import decoding_rows
 from .request import Request
 
 # A prefill turn while the running set is full waits for 1/PREFILL_FREE_SHARE of its

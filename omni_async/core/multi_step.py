@@ -53,11 +53,11 @@ def steps_for(core: "CoreState", decoding: list[Request], limits: list[int] | No
     k = core.forwards_for(len(decoding), (r.num_generated for r in decoding))
     if k <= 1 or not core.multi_step_allowed():
         return None, []
-    return row_steps(decoding, k, core.context_length, limits, free)
+    return row_steps(decoding, k, core.context_length, limits, free, between=not core.config.jump_forward)
 
 
-def row_steps(decoding: list[Request], k: int, context_length: int,
-              limits: list[int] | None = None, free: bool = False) -> tuple[list[int] | None, list[int]]:
+def row_steps(decoding: list[Request], k: int, context_length: int, limits: list[int] | None = None,
+              free: bool = False, between: bool = False) -> tuple[list[int] | None, list[int]]:
     """Forwards per row: k, or fewer where the row's token or context limit comes first
     (counting tokens still in flight) or a conditioned row's rows run out; and the rows
     under a grammar's mask, which sample one token (their next mask needs the host to have
@@ -69,7 +69,9 @@ def row_steps(decoding: list[Request], k: int, context_length: int,
     forward, when no row runs more than one, or when a row's forced tokens need more than
     k forwards (a jump step takes them). ``free``:
     every row is :func:`.request.all_free` (the caller checked), so each runs
-    ``min(k, its limit)``, with no per-row check."""
+    ``min(k, its limit)``, with no per-row check. ``between``: masked rows at least
+    :data:`LATE_MAJORITY` of the step's take several forwards each under masks computed
+    between the forwards (:func:`between_steps`)."""
     if limits is None:
         limits = decode_limits(decoding, context_length)
     if free:
@@ -78,7 +80,7 @@ def row_steps(decoding: list[Request], k: int, context_length: int,
         return None, []
     steps: list[int] = []
     constrained: list[int] = []
-    guessing = False
+    guessing: list[int] = []
     for i, (r, left) in enumerate(zip(decoding, limits)):
         if r.matcher is not None and masked(r, r.num_generated):
             constrained.append(i)
@@ -89,11 +91,55 @@ def row_steps(decoding: list[Request], k: int, context_length: int,
         else:
             n = k if left >= k else left
             if r.matcher is not None:  # sampling first: the forwards it is likely to keep
-                n, guessing = r.matcher.guess_forwards(n), True
+                n = r.matcher.guess_forwards(n)
+                guessing.append(i)
             steps.append(n if r.conditioning is None else ready_positions(r, n))
+    if between and constrained:
+        between_steps(decoding, steps, constrained, guessing, limits, k)
     if (constrained or guessing) and max(steps) <= 1:
         return None, []
     return steps, constrained
+
+
+def between_steps(decoding: list[Request], steps: list[int], constrained: list[int], guessing: list[int],
+                  limits: list[int], k: int) -> None:
+    """Masked rows (``constrained``, one forward each so far) take several forwards a
+    step, their masks computed between the forwards (``runners/multi_forward.py``,
+    ``structured/between.py``): the runner enqueues forward j + 1, reads forward j's
+    tokens, advances the rows' matchers by them and fills forward j + 1's masks while the
+    device runs it, then samples. A masked row otherwise takes one token a step, so a
+    batch of mostly constrained rows ran k times the steps of a free one, each with its
+    host cost (issue 61). Only when such rows are at least :data:`LATE_MAJORITY` of the
+    step's: the step runs forward by forward (a fused launch samples inside, where no
+    host can mask), so a minority keeps its one forward inside the free rows' fused
+    launch. Not for a row fed forced tokens (jump-forward: the caller passes ``between``
+    only without it).
+
+    A masked row may run ``min(k, its limit, the positions it samples under its mask)``;
+    the step runs the most that half of them may (every row computes each forward of the
+    step, so a longer step would run forwards for nothing for the rest), and every row
+    at most that: the free rows too, and rows sampling first (``guessing``) as many, up
+    to their limits (a guess admitted is a token kept)."""
+    if len(constrained) < LATE_MAJORITY * len(decoding):
+        return
+    caps = [min(k, limits[i], decoding[i].matcher.masked_until - decoding[i].num_generated) for i in constrained]
+    n = sorted(caps, reverse=True)[(len(caps) - 1) // 2]
+    if n <= 1:
+        return
+    for i, cap in zip(constrained, caps):
+        steps[i] = min(cap, n) if cap > 1 else 1
+    for i in guessing:
+        steps[i] = min(n, limits[i])
+    for i, s in enumerate(steps):
+        if s > n:
+            steps[i] = n
+
+
+def masks_between(core: "CoreState", steps: list[int] | None, grammar: list[int]) -> bool:
+    """Whether a decode step's masked rows sample each forward under masks computed
+    between the forwards (:func:`between_steps`): some run more than one forward, which,
+    without jump-forward's fed tokens, only that gives them."""
+    return steps is not None and not core.config.jump_forward and any(steps[i] > 1 for i in grammar)
 
 
 # A step whose rows waiting for their last token (masked rows with it in flight) are at
@@ -123,13 +169,17 @@ def late_mask_rows(core: "CoreState", decoding: list[Request], limits: list[int]
     minority while most rows sample every other step (as in an all-constrained batch whose
     rows sampling first, ``structured.optimistic``, make the rest a fused launch: most likely
     why an H100 run masked ~101 of 256 rows a step), so the step takes one forward per row
-    under late masks and every row samples.
-    Not with
+    under late masks and every row samples. That holds only where a step runs one forward
+    (k = 1): with more, such rows wait for their tokens and then run several forwards a
+    step under masks computed between the forwards (:func:`between_steps`), which a
+    one-forward late step would cut back to one token. Not with
     jump_forward: processing a step may append forced tokens to a row, which would move
     the position its launched forward computed; late masks apply only with it off.
     ``free``: no row is under a grammar (:func:`.request.all_free`)."""
     if free:
         return (decoding, limits, *steps_for(core, decoding, limits, True), False)
+    if waits_for_between(core):
+        return [], [], None, [], False
     keep = [i for i, r in enumerate(decoding) if r.matcher is None or not r.num_inflight or not masked(r, r.num_generated)]
     if len(keep) == len(decoding):
         return (decoding, limits, *steps_for(core, decoding, limits), False)
@@ -139,6 +189,24 @@ def late_mask_rows(core: "CoreState", decoding: list[Request], limits: list[int]
     if core.config.jump_forward or (steps is not None and waiting < LATE_MAJORITY * len(decoding)):
         return rest, rest_limits, steps, grammar, False  # a fused launch: they wait for the next step
     return decoding, limits, None, [], True  # one forward per row, theirs too
+
+
+def waits_for_between(core: "CoreState") -> bool:
+    """Whether the next decode step waits for the one in flight (the loop drains it)
+    because most running rows sample under masks and some have tokens in flight: with
+    k > 1 forwards a step they take several at once under masks between the forwards
+    (:func:`between_steps`) once the host has seen their tokens, all of them in one step.
+    Running the others meanwhile would split the rows into groups stepping in turn, each
+    step reading the weights k times for part of the batch (on the CPU, small-smol at 64
+    rows: twice the decode time); a one-forward late-mask step would cut them back to one
+    token."""
+    if core.config.jump_forward or not core.multi_step_allowed():
+        return False
+    running = core.running
+    if core.forwards_for(len(running), (r.num_generated for r in running)) <= 1:
+        return False
+    under = [r for r in running if r.matcher is not None and masked(r, r.num_generated)]
+    return len(under) >= LATE_MAJORITY * len(running) and any(r.num_inflight for r in under)
 
 
 def process_multi_step(
@@ -208,7 +276,8 @@ def _process_row(req: Request, i: int, steps: int, limit: int, masked_row: bool,
     check: its abort, its stop ids (past ``min_new_tokens``), its length ``limit``
     (tokens left before this step, ``request.landing_limits``), its grammar."""
     size = batch.size
-    req.num_inflight -= 1 if masked_row else steps  # a masked row samples one (see feed_rows)
+    between = masked_row and batch.masks_between  # it sampled every forward (between_steps)
+    req.num_inflight -= 1 if masked_row and not between else steps  # else a masked row samples one (see feed_rows)
     if req.to_finish is not None:
         finishes.append((req, req.to_finish))
         outcomes.append(StepOutcome(req, None, finished=True))
@@ -232,10 +301,16 @@ def _process_row(req: Request, i: int, steps: int, limit: int, masked_row: bool,
             outcomes.append(StepOutcome(req, kept[-1], tokens=kept) if kept else StepOutcome(req, None))
             return
     else:
-        first = i
-        if masked_row:  # one token sampled, by its last forward (the others fed forced tokens)
+        first, ahead = i, None
+        if between:  # the runner's matcher took its first tokens, to mask the forwards after them
+            ahead = (batch.taken_ahead[i], i in batch.ended_ahead) if batch.taken_ahead is not None else (0, False)
+        elif masked_row:  # one token sampled, by its last forward (the others fed forced tokens)
             row, first = row[-1:], end - size
-        kept, lps, reason = _walk_row(req, row, None if logprobs is None else logprobs[first:end:size], ctx, accepted)
+        if ahead is not None and logprobs is None:
+            kept, reason = _take_between(req, row, limit, stop_ids, ahead, ctx, accepted)
+            lps = None
+        else:
+            kept, lps, reason = _walk_row(req, row, None if logprobs is None else logprobs[first:end:size], ctx, accepted, ahead)
     if reason == "error":  # its grammar failed: no token; the stage ends it with an error
         finishes.append((req, reason))
         outcomes.append(StepOutcome(req, None, finished=True))
@@ -247,11 +322,15 @@ def _process_row(req: Request, i: int, steps: int, limit: int, masked_row: bool,
 
 
 def _walk_row(req: Request, row: Sequence[int], row_lps: Sequence[float] | None, ctx: int,
-              accepted: list[Any] | None = None):
+              accepted: list[Any] | None = None, ahead: tuple[int, bool] | None = None):
     """A row holding a stop id or under a grammar's mask, token by token: what it keeps,
     their logprobs, and why it ended (None: it runs on; "error": its grammar failed). The
-    checks are those of a one-forward step (``core.step_results``), in the same order."""
+    checks are those of a one-forward step (``core.step_results``), in the same order.
+    ``ahead``: ``(taken, ended)``, the row's first ``taken`` tokens already accepted by its
+    matcher during the step (masks between forwards), ``ended``: the last of them ended
+    its grammar; the matcher accepts only the tokens after them here."""
     out, sp, stop_ids, matcher = req.output_ids, req.sampling, req.stop_ids(), req.matcher
+    taken, ended = ahead or (0, False)
     kept: list[int] = []
     lps: list[float] | None = [] if row_lps is not None else None
     for j, t in enumerate(row):
@@ -263,11 +342,45 @@ def _walk_row(req: Request, row: Sequence[int], row_lps: Sequence[float] | None,
             req.output_logprobs.append(lp)
             lps.append(lp)
         n = len(out)
-        if (token in stop_ids and n > sp.min_new_tokens) or (matcher is not None and matcher.accept(token, later=accepted, index=n - 1)):
+        if (token in stop_ids and n > sp.min_new_tokens) or (matcher is not None and (
+                (ended and j == taken - 1) if j < taken else matcher.accept(token, later=accepted, index=n - 1))):
             return kept, lps, "error" if matcher is not None and matcher.failed else "stop"
         if req.tokens_left(ctx, scheduling=False) <= 0:
             return kept, lps, "length"
     return kept, lps, None
+
+
+def _take_between(req: Request, row: list[int], limit: int, stop_ids: frozenset[int], ahead: tuple[int, bool],
+                  ctx: int, accepted: list[Any] | None) -> tuple[list[int], str | None]:
+    """:func:`_walk_row` of a row that sampled every forward under masks computed between
+    them, judged together where its matcher took the tokens during the step (``ahead``:
+    how many, and whether the last ended its grammar): the first of a stop id (past
+    ``min_new_tokens``), its grammar's end and its length ``limit`` (tokens left before
+    this step) ends it there, in ``_walk_row``'s order at one token; the tokens after
+    those, usually the last, go through ``_walk_row`` (the matcher accepts them and queues
+    the next mask). A step of 8 forwards walked token by token cost the host ~3 us a
+    row-token (the null device, tools/constrained_host.py --profile)."""
+    taken, ended = ahead
+    cut, reason = len(row), None
+    if taken:
+        end = taken - 1 if ended else None
+        failed = ended and req.matcher.failed is not None  # (at its end: the runner's matcher took no token after it)
+        j = stop_index(row[:taken], stop_ids, len(req.output_ids), req.sampling.min_new_tokens) if stop_ids else None
+        if j is not None and (end is None or j < end):
+            end, failed = j, False  # a stop id before the grammar's end: the walk never reaches that
+        last = (limit if limit > 1 else 1) - 1  # the token at which the length ends it
+        if end is not None:
+            cut, reason = end + 1, "error" if failed else "stop"
+        if last < taken and (end is None or last < end):
+            cut, reason = last + 1, "length"
+    if reason is not None or taken >= len(row):
+        kept = row[:cut] if cut < len(row) else row
+        req.output_ids.extend(kept)
+        return kept, reason
+    head = row[:taken]
+    req.output_ids.extend(head)
+    tail, _, reason = _walk_row(req, row[taken:], None, ctx, accepted)
+    return head + tail, reason
 
 
 def _take_guessed(req: Request, row: list[int], limit: int, stop_ids: frozenset[int]) -> tuple[list[int], str | None]:
@@ -295,97 +408,3 @@ def _take_guessed(req: Request, row: list[int], limit: int, stop_ids: frozenset[
     kept = row[:cut] if cut < len(row) else row
     req.output_ids.extend(kept)
     return kept, reason
-
-
-# ---------------------------------------------------------------- jump-forward
-
-
-def jump_rows(outcomes: Sequence[StepOutcome], finishes: list[tuple[Request, str]], context_length: int, most: int,
-              due: list[tuple[Request, int]], hidden_for_all: bool = False) -> None:
-    """After a step's processing: each live row under a grammar that may jump
-    (:func:`omni_async.structured.jump.can_jump`; none where ``hidden_for_all``: the
-    stage hands every row's hidden states on) takes the tokens its grammar now forces,
-    at most ``most`` (its outcome carries them; it ends if they end it). The requests
-    left with tokens to compute go into ``due`` with their epoch: their next step
-    computes them (:func:`feed_rows`, or :func:`omni_async.core.mixed_prefill.jump_step`)."""
-    from ..structured.jump import can_jump, jump_forward
-
-    for oc in (outcomes.rest if type(outcomes) is StepOutcomes else outcomes):  # a plain row has no grammar
-        req = oc.req
-        if req.matcher is None or oc.finished or oc.token is None or not can_jump(req, hidden_for_all):
-            continue
-        run, reason = jump_forward(req, context_length, most)
-        if not run:
-            continue
-        oc.tokens = (oc.tokens or [oc.token]) + run
-        oc.token = run[-1]
-        if reason == "error":  # the grammar failed on a forced token: the stage ends it with an error
-            oc.token, oc.tokens, oc.finished = None, None, True
-            finishes.append((req, reason))
-        elif reason is not None:
-            oc.finished = True
-            finishes.append((req, reason))
-        else:
-            due.append((req, req.epoch))
-
-
-def still_due(due: list[tuple[Request, int]]) -> dict[int, Request]:
-    """The requests of ``due`` whose forced tokens still wait for their KV (not ended,
-    retracted or scheduled since), by id."""
-    return {id(r): r for r, epoch in due
-            if r.finish_reason is None and r.epoch == epoch and not r.num_inflight and r.seq_len - r.num_cached > 1}
-
-
-def feed_rows(batch: "ScheduledBatch") -> None:
-    """A multi-step decode's grammar rows whose forced tokens wait for their KV (those
-    :func:`row_steps` gave more than one forward) run one forward per such token and one
-    more: the first reads the token after their KV, the others are fed the tokens in turn
-    (:func:`fed_inputs`), and only the last samples, at the generation index that follows
-    them. Called once ``fill_decode`` counted the row's forwards in flight: one token is."""
-    assert batch.row_steps is not None
-    for i in batch.grammar_rows:
-        req = batch.reqs[i]
-        s = batch.row_steps[i]
-        if s <= 1:
-            continue
-        batch.input_ids[i] = _token_at(req, batch.prefix_lens[i])
-        batch.sample_indices[i] -= s - 1
-        req.num_inflight -= s - 1
-
-
-def fed_inputs(batch: "ScheduledBatch") -> list[tuple[int, list[int]]]:
-    """``(row, tokens)`` of the rows fed forced tokens (:func:`feed_rows`): the inputs of
-    their forwards 1 .. s-1. Their requests are not in flight, so the tokens stand."""
-    if not batch.grammar_rows or batch.row_steps is None:
-        return []
-    fed = []
-    for i in batch.grammar_rows:
-        s = batch.row_steps[i]
-        if s > 1:
-            p = batch.prefix_lens[i]
-            req = batch.reqs[i]
-            fed.append((i, [_token_at(req, p + j) for j in range(1, s)]))
-    return fed
-
-
-def _token_at(req: Request, position: int) -> int:
-    prompt = len(req.prompt_ids)
-    return req.prompt_ids[position] if position < prompt else req.output_ids[position - prompt]
-
-
-def take_due(core: "CoreState", decoding: list[Request]) -> dict[int, Request] | None:
-    """The requests whose forced tokens wait for their KV and are still due (None for
-    none); one not decoding in this step keeps its place for a later one."""
-    due = still_due(core.jump_due) if core.jump_due else None
-    core.jump_due = []
-    if due:
-        stepping = {id(r) for r in decoding}
-        core.jump_due = [(r, r.epoch) for key, r in due.items() if key not in stepping]
-    return due
-
-
-def jump_most(plan: DecodeSteps, page_size: int) -> int:
-    """The most forced tokens one jump-forward takes: with multi-step decodes, as many as
-    one fused launch then feeds (k - 1); else a page's worth (a decode step's KV bound
-    stays one page a row)."""
-    return plan.most - 1 if plan.most > 1 else page_size - 1

@@ -232,6 +232,17 @@ def waits_for_host(reqs: list[Request], late: bool = False) -> bool:
     return any(r.matcher is not None and r.num_inflight > most and masked(r, r.num_generated - 1) for r in reqs)
 
 
+def step_waits_for_host(batch: Any) -> bool:
+    """:func:`waits_for_host` of a scheduled step: a step whose masked rows run several
+    forwards under masks computed between them (``masks_between``) samples all its
+    rows' tokens in flight itself, so only its other rows are checked."""
+    late = getattr(batch, "late_masks", False)
+    if not getattr(batch, "masks_between", False):
+        return waits_for_host(batch.reqs, late)
+    steps = batch.row_steps
+    return waits_for_host([r for r, s in zip(batch.reqs, steps) if r.num_inflight > s or s <= 1], late)
+
+
 # Admission keeps room for running requests' future tokens, estimated as this ratio of
 # what they may still generate. A retraction resets it to 1 (fully conservative); it
 # then decays towards the minimum as decode steps succeed.

@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 from ..core.batch import ScheduledBatch
-from ..core.multi_step import fed_inputs
+from ..core.jump_steps import fed_inputs
 from ..kv.attention import AttentionContext
 from ..kv.cache import PagedKVCache
 from ..models.decoder import DecoderModel

@@ -30,6 +30,7 @@ from .fused_decode import FusedBatch, FusedDecode, fed_tokens, fused_counters, l
 from .fused_split import merge_fused, merge_rest, plan_fused
 from .graph_sampling import SamplingGraphs
 from .input_batch import InputBatch, SlotRows
+from .multi_forward import forward_by_forward
 from .prefill_rows import prefill_as_rows
 from .prompt_scores import score_prompts, scored_rows
 from ..core.runner_io import SchedulerOutput
@@ -82,7 +83,8 @@ class NativeModelRunner(ModelRunner):
 
     def _build_decode(self, batch: ScheduledBatch, rows: SlotRows, sidx: np.ndarray, capture: bool) -> ForwardBatch | FusedBatch:
         """One small host array, one copy; the rest is gathered on the device."""
-        fused = self._fused_batch(batch, rows, sidx, capture) if batch.row_steps is not None else None
+        # (a step masking between its forwards runs them one by one: .multi_forward)
+        fused = self._fused_batch(batch, rows, sidx, capture) if batch.row_steps is not None and not batch.masks_between else None
         if fused is None:
             return self._unfused_decode(batch, rows, sidx, capture)
         fused.capture_hidden = capture
@@ -212,54 +214,7 @@ class NativeModelRunner(ModelRunner):
             return self._fused_step(fb, requests, lookahead)
         if fb.row_steps is None:
             return super()._forward_and_sample(fb, batch, requests, is_prefill, lookahead)
-        k, size = max(batch.row_steps), batch.size
-        # Each forward's outputs are copied out at once: a graph's outputs are views of its
-        # static buffers, which the next replay overwrites.
-        tokens = torch.empty((k, size), dtype=torch.long, device=self.device)
-        ok = torch.empty((k, size), dtype=torch.bool, device=self.device)
-        logprobs: torch.Tensor | None = None
-        hidden: torch.Tensor | None = None
-        sub, last = fb, None
-        for j in range(k):
-            if j:
-                sub = self._next_forward(fb, j, tokens[j - 1])
-            last, launch_buf = super()._forward_and_sample(sub, batch, requests, False, lookahead)
-            tokens[j].copy_(launch_buf if launch_buf is not None else last.next_token_ids)
-            if last.sample_ok is not None:
-                ok[j].copy_(last.sample_ok)
-            else:
-                ok[j].fill_(True)
-            if last.next_token_logprobs is not None:
-                if logprobs is None:
-                    logprobs = torch.zeros((k, size), dtype=torch.float32, device=self.device)
-                logprobs[j].copy_(last.next_token_logprobs)
-            if last.hidden_states is not None:
-                if hidden is None:
-                    hidden = last.hidden_states.new_empty((k,) + tuple(last.hidden_states.shape))
-                hidden[j].copy_(last.hidden_states)
-            self.inputs.publish_forward(fb.rows.slots_dev, tokens, j, batch.row_steps)
-        assert last is not None
-        merged = BatchResult(
-            logits=last.logits, next_token_ids=tokens, next_token_logprobs=logprobs, hidden_states=hidden,
-            can_run_cuda_graph=last.can_run_cuda_graph, sample_ok=ok,
-        )
-        return merged, (tokens if lookahead else None)
-
-    def _next_forward(self, fb: ForwardBatch, j: int, tokens: torch.Tensor) -> ForwardBatch:
-        """Forward ``j`` of a multi-step decode: one position further for every row that
-        still runs (the others repeat their last position and write to scratch)."""
-        assert fb.all_positions is not None and fb.all_slots is not None and fb.tables is not None
-        assert fb.all_kv_lens is not None and fb.all_sample_indices is not None
-        positions = fb.all_positions[j]
-        if fb.feed is not None:
-            tokens = torch.where(fb.feed[j] >= 0, fb.feed[j], tokens)
-        ctx = self._decode_ctx(fb.tables, positions, fb.all_slots[j], fb.block_tables, fb.span + j, rows=fb.ctx.logits_rows,
-                               kv_lens=fb.all_kv_lens[j])
-        return ForwardBatch(
-            tokens, positions, ctx, fb.batch, fb.rows, fb.sample_indices + j, fb.all_sample_indices[j],
-            block_tables=fb.block_tables, capture_hidden=fb.capture_hidden, sampling=fb.sampling,
-            cond=None if fb.all_cond is None else (fb.all_cond[0][j], fb.all_cond[1][j]),
-        )
+        return forward_by_forward(self, fb, batch, requests, lookahead)
 
     def _build_extend(self, batch: ScheduledBatch, rows: SlotRows, sidx: np.ndarray, prompt_hidden: bool = False) -> ForwardBatch:
         """Flat token positions and KV slots computed with numpy from the host page

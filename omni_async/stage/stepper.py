@@ -20,7 +20,7 @@ import anyio
 
 from .. import errors
 from ..core.protocol import BatchCore, ScheduledBatchLike, StepRunner
-from ..core.request import waits_for_host
+from ..core.request import step_waits_for_host
 from .executor import StepExecutor
 from ..logs import debug_enabled, log
 from ..core.runner_io import ModelRunnerOutput, SchedulerOutput, SchedulerRequest
@@ -145,7 +145,7 @@ class Stepper:
         return (
             batch.is_decode
             and batch.size >= self.config.async_decode_min_batch_size
-            and not waits_for_host(batch.reqs, getattr(batch, "late_masks", False))
+            and not step_waits_for_host(batch)
             and self.runner.lookahead_eligible(batch)
         )
 
@@ -153,7 +153,7 @@ class Stepper:
         """Whether the overlap loop may run this batch while the previous step is in
         flight (a runner can turn overlap off per batch; a constrained row whose mask needs
         a token still in flight runs in sync, see ``core.request.waits_for_host``)."""
-        return not waits_for_host(batch.reqs, getattr(batch, "late_masks", False)) and self.runner.overlap_eligible(batch)
+        return not step_waits_for_host(batch) and self.runner.overlap_eligible(batch)
 
     # ------------------------------------------------------------ the two step shapes
 

@@ -42,11 +42,23 @@ class GrammarMasks:
         self.fused_seconds = 0.0
         self.late_steps = 0
         self.late_seconds = 0.0
+        # Masks between a step's forwards (.between): forwards after a step's first that
+        # sampled under them, their masked rows, the rows computed here and the seconds.
+        self.between_forwards = 0
+        self.between_rows = 0
+        self.between_inline_rows = 0
+        self.between_seconds = 0.0
+        # A mask the caller computed for the next fill (.between: a forward after the first).
+        self.given: torch.Tensor | None = None
         self._worker: Any = None  # the mask worker the filled rows' matchers use
 
     def fill(self, batch: Any, vocab: int, device: torch.device, fused: bool = False) -> torch.Tensor | None:
         """The step's bitmask (None without a constrained row); ``fused``: a multi-step
-        launch, whose free rows wait for it too (counted apart: what masks cost them)."""
+        launch, whose free rows wait for it too (counted apart: what masks cost them).
+        A mask ``given`` for this fill is taken instead (once)."""
+        if self.given is not None:
+            mask, self.given = self.given, None
+            return mask
         t0 = time.perf_counter()
         rows = grammar_rows(batch)
         if not rows:
@@ -72,11 +84,20 @@ class GrammarMasks:
             self.late_seconds += took
         return mask
 
+    def count_between(self, rows: int, inline: int, seconds: float) -> None:
+        """One forward's masks computed between forwards (:mod:`.between`)."""
+        self.between_forwards += 1
+        self.between_rows += rows
+        self.between_inline_rows += inline
+        self.between_seconds += seconds
+
     def stats(self) -> dict[str, float]:
         out = {"grammar_mask_steps": self.steps, "grammar_mask_rows": self.rows, "grammar_mask_s": self.seconds,
                "grammar_mask_inline_rows": self.inline_rows,
                "grammar_mask_fused_steps": self.fused_steps, "grammar_mask_fused_s": self.fused_seconds,
-               "grammar_late_mask_steps": self.late_steps, "grammar_late_mask_s": self.late_seconds}
+               "grammar_late_mask_steps": self.late_steps, "grammar_late_mask_s": self.late_seconds,
+               "grammar_between_forwards": self.between_forwards, "grammar_between_rows": self.between_rows,
+               "grammar_between_inline_rows": self.between_inline_rows, "grammar_between_s": self.between_seconds}
         worker = self._worker
         out.update(worker.stats() if worker is not None else
                    {"grammar_mask_prefetched_rows": 0, "grammar_mask_worker_s": 0.0, "grammar_mask_worker_calls": 0,
