@@ -22,26 +22,11 @@ pytest.importorskip("llguidance")
 from omni_async import Engine, SamplingParams, errors  # noqa: E402
 
 from .conftest import assert_kv_free  # noqa: E402
+from .constrained_cases import ENDLESS, SCHEMA, greedy, record_terminals, seeded, submit_constrained  # noqa: E402
 from .test_constrained import validate  # noqa: E402
 
-SCHEMA = {
-    "type": "object",
-    "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 999}, "ok": {"type": "boolean"}},
-    "required": ["id", "ok"],
-    "additionalProperties": False,
-}
-# An array that cannot complete within any request's length: rows run to their limit.
-ENDLESS = {"type": "array", "items": SCHEMA, "minItems": 100_000}
 LOOPS = ["normal", "overlap", "async_decode"]
 N = 8
-
-
-def greedy(i: int) -> SamplingParams:
-    return SamplingParams(max_new_tokens=64, json_schema=SCHEMA)
-
-
-def seeded(i: int) -> SamplingParams:
-    return SamplingParams(max_new_tokens=64, json_schema=SCHEMA, temperature=0.8, seed=i, repetition_penalty=1.2)
 
 
 async def run(engine: Engine, sampling: list[SamplingParams]) -> list:
@@ -209,7 +194,6 @@ async def test_a_grammar_failing_mid_stream_ends_its_request_alone(monkeypatch):
 async def test_one_terminal_each_when_constrained_rows_abort_with_a_step_in_flight():
     """Aborts of constrained rows whose next step is launched (under late masks, always):
     exactly one terminal message per request, KV freed once, the others run to their end."""
-    from omni_async import IncomingMessage, RequestPayload
     from omni_async.backends.native.builder import build_native_stack, build_scheduler
     from omni_async.config import SchedulerConfig
 
@@ -222,17 +206,8 @@ async def test_one_terminal_each_when_constrained_rows_abort_with_a_step_in_flig
     async with anyio.create_task_group() as tg:
         tg.start_soon(sched.run)
 
-        async def collect():
-            async for msg in sched.outbox:
-                if msg.type in ("result", "error"):
-                    terminals.setdefault(msg.request_id, []).append(msg.type)
-                    if msg.type == "result":
-                        lengths[msg.request_id] = len(msg.data.output_ids)
-
-        tg.start_soon(collect)
-        for i in range(N):
-            sp = SamplingParams(max_new_tokens=120, json_schema=ENDLESS, temperature=0.7, seed=i)
-            await sched.inbox.send(IncomingMessage(f"r{i}", "new_request", RequestPayload(f"r{i}", [i + 1, 2, 3], sp)))
+        tg.start_soon(record_terminals, sched, terminals, lengths)
+        await submit_constrained(sched, N, ENDLESS, 120)
         with anyio.fail_after(60):
             while stack.core.running == [] or min(len(r.output_ids) for r in stack.core.running) < 8:
                 await anyio.sleep(0.01)
