@@ -223,7 +223,9 @@ class Stepper:
                     log.debug("scheduler_prefill_start", request_id=req.rid)
         self._trace(trace, batch)
         sched_output = SchedulerOutput(requests=scheduler_requests(batch.reqs), batch_data=batch)
-        inline = self.executor.launches_inline and batch.is_decode
+        # (a step masking between its forwards waits on the host for each forward's tokens
+        # and computes masks: on the worker, so the loop never waits with it)
+        inline = self.executor.launches_inline and batch.is_decode and not getattr(batch, "masks_between", False)
         if inline:
             await self._until_enqueued()
         try:
