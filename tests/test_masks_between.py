@@ -243,33 +243,3 @@ async def test_a_grammar_failing_inside_a_step_ends_its_request_alone(monkeypatc
     assert outcomes[4] == outcomes[1]
     assert len(outcomes[4][1]) == 5  # the tokens before the failing one went out
 
-
-async def test_with_inline_launches_a_step_masking_between_forwards_runs_off_the_loop_thread(monkeypatch):
-    """CUDA's thread discipline on the CPU (decode steps launched inline on the loop thread):
-    a step that masks between its forwards waits for each forward's tokens and computes
-    masks, so it launches on the worker thread and the loop stays free; same tokens. Fails
-    where it runs inline (its masks computed on the loop thread)."""
-    import threading
-
-    from omni_async.backends.native import builder
-    from omni_async.stage.executor import EventWaiter, InlineStepExecutor
-    from omni_async.structured import between
-
-    sampling = [seeded(i) for i in range(N)]
-    reference, _ = await run("normal", 4, sampling)
-    threads: list[threading.Thread] = []
-    real = between.StepMasks.next_mask
-
-    def recorded(self, j):
-        threads.append(threading.current_thread())
-        return real(self, j)
-
-    monkeypatch.setattr(between.StepMasks, "next_mask", recorded)
-    monkeypatch.setattr(builder, "make_step_executor", lambda launch, device, wait: InlineStepExecutor(event_waiter=EventWaiter(wait)))
-    loop_thread = threading.current_thread()
-    for loop in LOOPS:
-        threads.clear()
-        results, info = await run(loop, 4, sampling)
-        assert [r.output_ids for r in results] == [r.output_ids for r in reference], loop
-        assert threads and loop_thread not in threads, loop
-        assert info["grammar_between_forwards"] > 0
