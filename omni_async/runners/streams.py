@@ -22,12 +22,14 @@ from typing import Any, Iterator
 
 import torch
 
+from ..errors import ConfigError
+
 
 class StreamPool:
     """Free CUDA streams per device; one is taken exclusively and given back."""
 
     def __init__(self) -> None:
-        self._free: dict[tuple[torch.device, int], list[Any]] = {}
+        self._free: dict[tuple[torch.device, int, int | None], list[Any]] = {}  # by (device, priority, sms)
         self._lock = threading.Lock()
 
     def take(self, device: torch.device | str, priority: int = 0, sms: int | None = None) -> Any:
@@ -69,8 +71,8 @@ HIGH_PRIORITY = -5
 
 def confined_stream(device: torch.device | str, sms: int, priority: int = 0) -> Any:
     """A CUDA stream whose kernels run on at most ``sms`` of the device's SMs: a stream of a
-    CUDA green context (CUDA 12.8+, through ``cuda.bindings``), made once and kept for the
-    process's life (the allocator records its events on the stream until the very end).
+    CUDA green context (CUDA 12.8+, through ``cuda.bindings``), never destroyed: it lives as
+    long as the process (the allocator records events on the stream until the very end).
 
     Why: a stage of large kernels (a codec's convolutions) beside a stage of many small ones
     paced by a clock (a talker's frames) holds every SM for the life of each of its blocks,
@@ -89,7 +91,7 @@ def confined_stream(device: torch.device | str, sms: int, priority: int = 0) -> 
     index = device.index if device.index is not None else torch.cuda.current_device()
     total = torch.cuda.get_device_properties(index).multi_processor_count
     if not 0 < sms <= total:
-        raise ValueError(f"sms must be in 1..{total}, got {sms}")
+        raise ConfigError(f"sms must be in 1..{total} (this device's SMs), got {sms}")
     torch.cuda.synchronize(index)  # the primary context first: the green one is made beside it
     dev = ok(driver.cuDeviceGet(index))
     whole = ok(driver.cuDeviceGetDevResource(dev, driver.CUdevResourceType.CU_DEV_RESOURCE_TYPE_SM))
