@@ -179,6 +179,7 @@ async def level(pipe: OmniPipeline, prompts: list[list[int]], args: argparse.Nam
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     passes, served = pipe.input.passes, pipe.input.replies_served
+    prompt_passes, prompts_built = pipe.input.prompt_passes, pipe.input.prompts_built
     pipe.talker.engine.submit = talker_submit
     try:
         with GpuSampler() as sampler:
@@ -212,6 +213,7 @@ async def level(pipe: OmniPipeline, prompts: list[list[int]], args: argparse.Nam
         "gpu_busy_pct": sampler.busy(),
         # the talker's text rows: requests for them, and the passes that built them (omni_input)
         "text_row_requests": pipe.input.replies_served - served, "text_row_passes": pipe.input.passes - passes,
+        "talker_prompts": pipe.input.prompts_built - prompts_built, "talker_prompt_passes": pipe.input.prompt_passes - prompt_passes,
         "peak_memory_gb": round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,  # torch's tensors
         # the whole process as NVML sees it (the CUDA context, the libraries' workspaces, torch's pool)
         "peak_process_memory_gib": round(sampler.peak_bytes / 2**30, 2) if sampler.peak_bytes else None,

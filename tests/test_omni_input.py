@@ -65,3 +65,33 @@ async def test_a_failed_pass_fails_the_replies_in_it_and_later_passes_go_on():
         feed.close()
     assert isinstance(outcomes["bad"], ValueError) and isinstance(outcomes["beside"], ValueError)
     assert outcomes["later"] == [[4.0, 16.0], [5.0, 25.0]]
+
+
+def prompts_of(items: list[int]) -> list[object]:
+    """A 'prompt' per item, its square; a negative item fails alone (its error in its place)."""
+    return [ValueError(f"no prompt for {i}") if i < 0 else i * i for i in items]
+
+
+@pytest.mark.parametrize("threaded", [False, True], ids=["inline", "thread"])
+async def test_prompts_wanted_together_come_from_one_pass_and_a_bad_one_fails_alone(threaded):
+    feed = TalkerInput(torch.device("cpu"), rows_of, threaded=threaded, prompts_of=prompts_of)
+    outcomes: dict[int, object] = {}
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(feed.run)
+
+            async def reply(i: int) -> None:
+                try:
+                    outcomes[i] = await feed.prompt(i)
+                except ValueError as exc:
+                    outcomes[i] = exc
+
+            async with anyio.create_task_group() as replies:
+                for i in (3, -2, 5, 7):
+                    replies.start_soon(reply, i)
+            tg.cancel_scope.cancel()
+    finally:
+        feed.close()
+    assert outcomes[3] == 9 and outcomes[5] == 25 and outcomes[7] == 49
+    assert isinstance(outcomes[-2], ValueError)
+    assert feed.prompt_passes == 1 and feed.prompts_built == 4 and feed.passes == 0

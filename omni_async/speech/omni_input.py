@@ -7,7 +7,11 @@ reply at a time, 64 streams made 64 small device passes for every thinker token,
 with its own copy of ids from the host and its own hand-over to a thread: the talker's
 frames, which wait for their rows, waited behind that queue. Here the rows wanted since
 the last pass are built in one pass (one copy of ids, one lookup, one projection over all
-of them) and split among the replies that asked, in the order they asked.
+of them) and split among the replies that asked, in the order they asked. A reply's first
+prompt (the talker's input from the thinker's rows so far) is built the same way: the
+64 replies of a burst reach their second token in the same thinker step, and built one at
+a time each waited for the device alone (a hand-over and a synchronisation each, behind
+the thinker's steps); here those wanted together are one pass (``prompts_of``), one wait.
 
 On CUDA the passes run on a thread and a high-priority stream of their own: the event loop
 never waits on the device, and the stages, whose every launch waits for the default
@@ -34,61 +38,84 @@ T = TypeVar("T")
 
 
 class _Wanted:
-    """One reply's request for the text rows of ``tokens``."""
+    """One reply's request for an item of a pass (text rows of ``item``'s tokens, or a prompt)."""
 
-    def __init__(self, tokens: list[int]) -> None:
-        self.tokens = tokens
+    def __init__(self, item: Any) -> None:
+        self.item = item
         self.done = anyio.Event()
-        self.rows: torch.Tensor | None = None
+        self.result: Any = None
         self.error: BaseException | None = None
+
+
+# ``many(items) -> results``: one pass over the items wanted together, a result (or the
+# exception that item alone failed with) per item, in order.
+Many = Callable[[list[Any]], list[Any]]
 
 
 class TalkerInput:
     """``text_rows``: the rows of a reply's tokens, batched with every other reply's
-    wanted since the last pass (:meth:`run` is the task making the passes);
-    ``work``: any other input work (a reply's first prompt) on the same thread and
-    stream. ``rows_of(tokens) -> [n, H]``: the talker's text rows of thinker tokens."""
+    wanted since the last pass (:meth:`run` is the task making the passes); ``prompt``:
+    a reply's first prompt, batched the same way with ``prompts_of``; ``work``: any other
+    input work on the same thread and stream. ``rows_of(tokens) -> [n, H]``: the talker's
+    text rows of thinker tokens; ``prompts_of(items) -> prompts``: :data:`Many`."""
 
-    def __init__(self, device: torch.device, rows_of: Callable[[list[int]], torch.Tensor], *, threaded: bool) -> None:
+    def __init__(self, device: torch.device, rows_of: Callable[[list[int]], torch.Tensor], *, threaded: bool,
+                 prompts_of: Many | None = None) -> None:
         self.device, self.rows_of, self.threaded = device, rows_of, threaded
-        self._wanted: list[_Wanted] = []
+        self.prompts_of = prompts_of
+        self._wanted: dict[Many, list[_Wanted]] = {}
         self._wake = anyio.Event()
         self._thread: concurrent.futures.ThreadPoolExecutor | None = None
         self._stream: Any = None
         self.passes = 0  # text-row passes made
         self.replies_served = 0  # reply requests those passes answered
+        self.prompt_passes = 0  # prompt passes made
+        self.prompts_built = 0  # prompts those passes built
 
     async def run(self) -> None:
-        """Make a pass for the rows wanted, whenever some are (the pipeline's task)."""
+        """Make a pass for the items wanted, whenever some are (the pipeline's task): the
+        prompts first (a reply waits for its prompt to start at all), then the text rows."""
         while True:
             await self._wake.wait()
             self._wake = anyio.Event()
-            wanted, self._wanted = self._wanted, []
-            if not wanted:
-                continue
-            try:
-                rows = await self.work(self._pass, [w.tokens for w in wanted])
-            except Exception as exc:  # each reply that asked gets the error
-                for w in wanted:
-                    w.error = exc
-                    w.done.set()
-                continue
-            self.passes += 1
-            self.replies_served += len(wanted)
-            for w, r in zip(wanted, rows):
-                w.rows = r
-                w.done.set()
+            wanted, self._wanted = self._wanted, {}
+            for many in sorted(wanted, key=lambda m: m != self.prompts_of):
+                await self._run_pass(many, wanted[many])
 
-    async def text_rows(self, tokens: list[int]) -> torch.Tensor:
-        """The talker's text rows ``[len(tokens), H]`` of thinker ``tokens``, on its device."""
-        w = _Wanted(tokens)
-        self._wanted.append(w)
+    async def _run_pass(self, many: Many, wanted: list[_Wanted]) -> None:
+        try:
+            results = await self.work(many, [w.item for w in wanted])
+        except Exception as exc:  # each reply that asked gets the error
+            results = [exc] * len(wanted)
+        else:
+            if many == self.prompts_of:
+                self.prompt_passes, self.prompts_built = self.prompt_passes + 1, self.prompts_built + len(wanted)
+            else:
+                self.passes, self.replies_served = self.passes + 1, self.replies_served + len(wanted)
+        for w, r in zip(wanted, results):
+            if isinstance(r, BaseException):
+                w.error = r
+            else:
+                w.result = r
+            w.done.set()
+
+    async def _each(self, many: Many, item: Any) -> Any:
+        w = _Wanted(item)
+        self._wanted.setdefault(many, []).append(w)
         self._wake.set()
         await w.done.wait()
         if w.error is not None:
             raise w.error
-        assert w.rows is not None
-        return w.rows
+        return w.result
+
+    async def text_rows(self, tokens: list[int]) -> torch.Tensor:
+        """The talker's text rows ``[len(tokens), H]`` of thinker ``tokens``, on its device."""
+        return await self._each(self._pass, tokens)
+
+    async def prompt(self, item: Any) -> Any:
+        """``prompts_of``'s result for ``item``, built with every other wanted since the last pass."""
+        assert self.prompts_of is not None, "this input was made without prompts_of"
+        return await self._each(self.prompts_of, item)
 
     async def work(self, fn: Callable[..., T], *args: Any) -> T:
         """``fn(*args)``, on the input's thread and stream where it has them (the

@@ -49,6 +49,7 @@ from .omni_hearing import AudioPart, Hearing, HeardPrompt, split_audio_parts
 from .omni_input import TalkerInput
 from .omni_reply import OmniDelta, OmniResult, Reply, ReplyParts, ThinkerRows
 from .omni_stage import build_omni_talker_stage
+from .model import ids_on
 from .omni_talker import OmniTalker, TalkerPrompt, talker_prompt
 from .schedule import SpeechSchedule
 from .stage import SpeechStage
@@ -109,7 +110,7 @@ class OmniPipeline:
         self._ids = itertools.count()
         self._open: set[str] = set()
         threaded = device.type == "cuda" if input_thread is None else input_thread
-        self.input = TalkerInput(device, self._text_rows_of, threaded=threaded)
+        self.input = TalkerInput(device, self._text_rows_of, threaded=threaded, prompts_of=self._talker_prompts)
 
     @classmethod
     def from_pretrained(cls, folder: str | Path, *, device: str = "cpu", loop: str = "overlap", dtype: Any = None, seed: int = 0,
@@ -257,19 +258,31 @@ class OmniPipeline:
         """The thinker's input embeddings of ``tokens`` ``[n, Ht]``, on its device."""
         embed = self.thinker_embed
         with torch.inference_mode():
-            return embed(torch.tensor(tokens, dtype=torch.long, device=embed.weight.device))
+            return embed(ids_on(tokens, embed.weight.device))  # an asynchronous copy: no wait for the stream
 
-    def talker_prompt(self, prompt_ids: list[int], rows: ThinkerRows, voice: str) -> TalkerPrompt:
+    async def talker_prompt(self, prompt_ids: list[int], rows: ThinkerRows, voice: str) -> TalkerPrompt:
         """The talker's input from the thinker's rows so far (at least two reply tokens),
-        its trailing rows those known so far."""
-        tokens = [*prompt_ids, *rows.output_ids[:-1]]
-        prompt = talker_prompt(self.talker_model, prompt_ids, rows.output_ids, self.thinker_embeddings(tokens), rows.layer_rows(),
-                               voice, complete=False)
-        if prompt.prefill.device.type == "cuda":
-            # The talker's door checks a prompt's rows (finite values) on the loop: on the
-            # host that reads nothing back from the device; the prefill copies them over.
-            prompt = TalkerPrompt(prompt.prefill.cpu(), prompt.trailing)
-        return prompt
+        its trailing rows those known so far; built in one pass with every other reply's
+        wanted at the same time (:meth:`TalkerInput.prompt`)."""
+        return await self.input.prompt((prompt_ids, rows, voice))
+
+    def _talker_prompts(self, wanted: list[tuple[list[int], ThinkerRows, str]]) -> list[TalkerPrompt | Exception]:
+        """Each reply's prompt, or the error it alone failed with. The talker's door checks
+        a prompt's rows (finite values) on the loop: on the host, which reads nothing back
+        from the device, so the prefills come over in one copy."""
+        built: list[TalkerPrompt | Exception] = []
+        for prompt_ids, rows, voice in wanted:
+            try:
+                tokens = [*prompt_ids, *rows.output_ids[:-1]]
+                built.append(talker_prompt(self.talker_model, prompt_ids, rows.output_ids, self.thinker_embeddings(tokens),
+                                           rows.layer_rows(), voice, complete=False))
+            except Exception as exc:
+                built.append(exc)
+        ok = [p for p in built if isinstance(p, TalkerPrompt)]
+        if ok and ok[0].prefill.device.type == "cuda":
+            host = iter(torch.cat([p.prefill for p in ok]).cpu().split([p.prefill.shape[0] for p in ok]))
+            built = [TalkerPrompt(next(host), p.trailing) if isinstance(p, TalkerPrompt) else p for p in built]
+        return built
 
     def frames_room(self, prompt: TalkerPrompt, max_frames: int | None) -> int:
         """The request's frame budget: ``max_frames``, or what the talker's context leaves."""

@@ -141,13 +141,11 @@ class Stages(Protocol):
     codec: "CodecStage"
     sample_rate: int
 
-    def talker_prompt(self, prompt_ids: list[int], rows: ThinkerRows, voice: str) -> "TalkerPrompt": ...
+    async def talker_prompt(self, prompt_ids: list[int], rows: ThinkerRows, voice: str) -> "TalkerPrompt": ...
 
     def frames_room(self, prompt: "TalkerPrompt", max_frames: int | None) -> int: ...
 
     def start_soon(self, fn: Any, *args: Any) -> None: ...
-
-    async def device_work(self, fn: Any, *args: Any) -> Any: ...
 
     async def text_rows(self, tokens: list[int]) -> torch.Tensor: ...
 
@@ -221,7 +219,7 @@ class Reply:
             end_text_rows(self.pipe.talker.engine, self.rid)
 
     async def _start(self, final: bool) -> None:
-        prompt = await self.pipe.device_work(self.pipe.talker_prompt, self.prompt_ids, self.rows, self.voice)
+        prompt = await self.pipe.talker_prompt(self.prompt_ids, self.rows, self.voice)
         request = talker_request(self.pipe.talker_model, prompt, max_frames=self.pipe.frames_room(prompt, self.max_frames),
                                  repetition_penalty=self.penalty, streamed=True)
         self.codec_stream = self.pipe.codec.open(self.rid)
