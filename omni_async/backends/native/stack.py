@@ -19,7 +19,7 @@ from ...kv.allocator import PageAllocator
 from ...kv.cache import PagedKVCache
 from ...logs import log
 from ...models.loader import LoadedModel
-from ...runners.kernel_warmup import KernelWarmup
+from ...runners.kernel_warmup import KernelWarmup, warm_host_copies
 from ...runners.native import NativeModelRunner
 from ...scheduler import ModelLimits
 from ...structured.grammar import GrammarCompiler
@@ -108,7 +108,10 @@ def warm_up(runner: NativeModelRunner, plan: StagePlan, tensor_parallel: Any = N
     capture. Compiles after this are counted and logged
     (:data:`omni_async.kernels.triton_cache.WATCH`). Under tensor parallelism the
     eager forwards are left out: the ranks run a forward's collectives in lockstep, and
-    only the capture is sent to them."""
+    only the capture is sent to them. On CUDA the pinned host blocks of the steps'
+    copies are made too (:func:`~omni_async.runners.kernel_warmup.warm_host_copies`)."""
+    if runner.device.type == "cuda":
+        warm_host_copies(plan.max_running_requests, plan.decode_steps.most)
     if runner.use_kernel:
         WATCH.install()
     with WATCH.warming():
