@@ -87,6 +87,20 @@ async def test_gc_freeze_freezes_the_heap_after_loading():
     assert gc.get_freeze_count() == 0  # off by default
 
 
+async def test_a_burst_up_to_the_running_limit_grows_no_slot_table():
+    # Each running request's slot is made at start (backends/native/stack.py): the tables
+    # used to double from 64 slots, host and device, inside a burst's first steps.
+    engine = Engine.from_pretrained("tiny", max_running_requests=200)
+    async with engine:
+        before = (await engine.model_info())["data"]["slot_table_grows"]
+        results = await asyncio.gather(*(engine.generate(input_ids=[3 + i % 50] * (2 + i % 9),
+                                                         sampling=SamplingParams(max_new_tokens=3, ignore_eos=True))
+                                         for i in range(200)))
+        after = (await engine.model_info())["data"]["slot_table_grows"]
+    assert [len(r.output_ids) for r in results] == [3] * 200
+    assert after == before
+
+
 class FullPasses:
     """Python's full (generation 2) GC passes that end inside the block."""
 

@@ -146,6 +146,9 @@ def assemble_stack(
     )
     if plan.own_stream:
         runner.use_own_stream(device)
+    # A slot per running request now: the tables doubled from 64 slots as a burst joined
+    # (runners/input_batch.py, _join_rows), reallocated host and device, in its first steps.
+    runner.inputs.reserve(slots=plan.max_running_requests)
     warm_up(runner, plan, tensor_parallel)
     core = NativeBatchCore(plan.config, allocator, plan.context_length, decode_steps=plan.decode_steps, multi_step_allowed=runner.multi_step_allowed,
                            mixed_allowed=runner.mixed_prefill_allowed, hidden_for_all=runner.capture_hidden)
