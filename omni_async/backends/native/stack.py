@@ -4,6 +4,7 @@ group)."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from dataclasses import dataclass
@@ -109,7 +110,10 @@ def warm_up(runner: NativeModelRunner, plan: StagePlan, tensor_parallel: Any = N
     (:data:`omni_async.kernels.triton_cache.WATCH`). Under tensor parallelism the
     eager forwards are left out: the ranks run a forward's collectives in lockstep, and
     only the capture is sent to them. On CUDA the pinned host blocks of the steps'
-    copies are made too (:func:`~omni_async.runners.kernel_warmup.warm_host_copies`)."""
+    copies are made too (:func:`~omni_async.runners.kernel_warmup.warm_host_copies`),
+    and the eager forwards run on the stream the steps run on (the runner's own, where it
+    has one: ``ModelRunner.launch``): cuBLAS keeps its workspace per stream, so warmed on
+    another stream, a request's first eager forward would set one up."""
     if runner.device.type == "cuda":
         warm_host_copies(plan.max_running_requests, plan.decode_steps.most)
     if runner.use_kernel:
@@ -117,8 +121,9 @@ def warm_up(runner: NativeModelRunner, plan: StagePlan, tensor_parallel: Any = N
     with WATCH.warming():
         if runner.use_kernel and tensor_parallel is None:
             t0 = time.perf_counter()
-            warmed = KernelWarmup(runner.model, runner.kv, runner.device, use_kernel=True).run(
-                plan.max_running_requests, plan.prefill_chunk if runner.warm_prefill else 0, plan.context_length)
+            with torch.cuda.stream(runner.stream) if runner.stream is not None else contextlib.nullcontext():
+                warmed = KernelWarmup(runner.model, runner.kv, runner.device, use_kernel=True).run(
+                    plan.max_running_requests, plan.prefill_chunk if runner.warm_prefill else 0, plan.context_length)
             log.info("kernels_warm", seconds=round(time.perf_counter() - t0, 3), compiles=WATCH.compiles, **warmed)
         if plan.graph_max_len is not None:
             assert plan.kv_pages is not None
