@@ -223,9 +223,18 @@ class RunProfile:
         """``{"kind name": {kind, name, count, self_us, total_us, max_us}}``."""
         t0 = time.perf_counter()
         events = self.prof.profiler.kineto_results.events()
-        out = summarise(((e.activity_type(), e.name(), e.start_thread_id(), e.start_ns(), e.duration_ns()) for e in events))
+        out = summarise(((_activity(e), e.name(), e.start_thread_id(), e.start_ns(), e.duration_ns()) for e in events))
         self.seconds_to_parse = time.perf_counter() - t0
         return out
+
+
+def _activity(event: Any) -> str:
+    """The event's Kineto activity; from its device and name where this torch lacks it."""
+    if hasattr(event, "activity_type"):
+        return event.activity_type()
+    if str(event.device_type()).endswith("CPU"):
+        return "cuda_runtime" if event.name().startswith(("cuda", "cu")) else "cpu_op"
+    return "kernel"
 
 
 def summarise(events: Iterable[tuple[str, str, int, int, int]]) -> dict[str, dict[str, Any]]:
