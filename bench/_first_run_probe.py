@@ -33,7 +33,7 @@ PHASES = (
     ("omni_async.backends.native.builder", "kv_cache"),
     ("omni_async.backends.native.stack", "warm_up"),
     ("omni_async.runners.kernel_warmup", "KernelWarmup.run"),
-    ("omni_async.runners.kernel_warmup", "warm_host_copies"),
+    ("omni_async.backends.native.stack", "warm_host_copies"),
     ("omni_async.runners.native", "NativeModelRunner.enable_cuda_graphs"),
     ("omni_async.runners.cuda_graphs", "DecodeGraphs.capture_all"),
     ("omni_async.runners.fused_decode", "FusedDecode.capture"),

@@ -171,7 +171,8 @@ class NativeModelRunner(ModelRunner):
         return result, (result.next_token_ids if lookahead else None)
 
     def stats(self) -> dict[str, int]:
-        return {**fused_counters(self.fused_decode), "slot_table_grows": self.inputs.grows, **super().stats()}
+        grows = 0 if self.inputs is None else self.inputs.grows  # (None once the stage released its memory)
+        return {**fused_counters(self.fused_decode), "slot_table_grows": grows, **super().stats()}
 
     def _later(self, k: int) -> torch.Tensor:
         """``[[0], [1], ..., [k-1]]`` on the device, made once per k."""
