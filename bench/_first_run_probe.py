@@ -162,9 +162,10 @@ def device_counters() -> dict[str, float]:
     if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
         return {}
     out = {k: float(v) for k, v in torch.cuda.memory_stats().items() if isinstance(v, (int, float))}
-    host = getattr(torch.cuda, "host_memory_stats", None)
-    if host is not None:
-        out.update({f"host.{k}": float(v) for k, v in host().items() if isinstance(v, (int, float))})
+    try:  # a torch without the pinned allocator's statistics: the device's alone
+        out.update({f"host.{k}": float(v) for k, v in torch.cuda.host_memory_stats().items() if isinstance(v, (int, float))})
+    except (AttributeError, RuntimeError):
+        pass
     return out
 
 
