@@ -126,7 +126,7 @@ class Engine:
         started = time.perf_counter()
         built = build_stage(backend, path_or_name, config=config, device=device, dtype=dtype, seed=seed)
         engine = cls(built.scheduler, tokenizer=built.tokenizer, stack=built.stack, plan=built.plan)
-        configure_gc(config.gc_freeze, config.gc_gen0_threshold)
+        configure_gc(config.gc_freeze, config.gc_gen0_threshold, str(device))
         log.info(
             "engine_model_loaded",
             model=str(path_or_name),

@@ -1,5 +1,6 @@
 """The per-step host path: the inline default stream emission gives the same deltas as
-the guarded builder path, streams end once, and the ``gc_freeze`` option."""
+the guarded builder path, streams end once, the ``gc_freeze`` option, and the full GC pass
+that ends a CUDA build."""
 
 from __future__ import annotations
 
@@ -7,9 +8,11 @@ import asyncio
 import gc
 
 import pytest
+import torch
 
 from omni_async import Engine, SamplingParams
 from omni_async.backends.native.builder import build_native_stack, build_scheduler
+from omni_async.client.heap import configure_gc
 from omni_async.config import SchedulerConfig
 from omni_async.errors import ConfigError, InvalidRequestError
 from omni_async.stage.emission import default_stream_output_builder
@@ -82,6 +85,63 @@ async def test_gc_freeze_freezes_the_heap_after_loading():
         gc.unfreeze()
     engine = Engine.from_pretrained("tiny")
     assert gc.get_freeze_count() == 0  # off by default
+
+
+async def test_a_burst_up_to_the_running_limit_grows_no_slot_table():
+    # Each running request's slot is made at start (backends/native/stack.py): the tables
+    # used to double from 64 slots, host and device, inside a burst's first steps.
+    engine = Engine.from_pretrained("tiny", max_running_requests=200)
+    async with engine:
+        before = (await engine.model_info())["data"]["slot_table_grows"]
+        results = await asyncio.gather(*(engine.generate(input_ids=[3 + i % 50] * (2 + i % 9),
+                                                         sampling=SamplingParams(max_new_tokens=3, ignore_eos=True))
+                                         for i in range(200)))
+        after = (await engine.model_info())["data"]["slot_table_grows"]
+    assert [len(r.output_ids) for r in results] == [3] * 200
+    assert after == before
+
+
+class FullPasses:
+    """Python's full (generation 2) GC passes that end inside the block."""
+
+    def __enter__(self) -> "FullPasses":
+        self.count = 0
+        gc.callbacks.append(self._seen)
+        return self
+
+    def _seen(self, phase: str, info: dict) -> None:
+        self.count += phase == "stop" and info["generation"] == 2
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self._seen)
+
+
+def test_a_cuda_build_ends_with_a_full_gc_pass_a_cpu_build_does_not():
+    # The objects a build promotes would otherwise be walked by a full pass inside the
+    # first requests (client/heap.py); the CPU's build is not made a tenth of a second longer.
+    with FullPasses() as cuda:
+        configure_gc(False, None, "cuda:0")
+    with FullPasses() as cpu:
+        configure_gc(False, None, "cpu")
+    assert (cuda.count, cpu.count) == (1, 0)
+    gc.disable()
+    try:
+        with FullPasses() as disabled:
+            configure_gc(False, None, "cuda")
+        assert disabled.count == 0  # a process that turned the GC off keeps it off
+    finally:
+        gc.enable()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+async def test_a_cuda_engines_first_requests_meet_no_full_gc_pass():
+    engine = Engine.from_pretrained("tiny", device="cuda")
+    sampling = [SamplingParams(max_new_tokens=8 + i % 24, ignore_eos=True, temperature=0.6 * (i % 2)) for i in range(128)]
+    with FullPasses() as served:
+        async with engine:
+            await asyncio.gather(*(engine.generate(input_ids=[3 + i % 50] * (4 + i % 60), sampling=sp)
+                                   for i, sp in enumerate(sampling)))
+    assert served.count == 0
 
 
 def test_gc_gen0_threshold_is_applied():

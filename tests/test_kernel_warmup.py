@@ -4,8 +4,10 @@ and the Triton cache folder and compile watch around it (``kernels/triton_cache.
 On the CPU: the warm-up's forwards and samplers on a small Qwen3-shaped model through the
 torch path (the paged attention kernels need a newer Triton interpreter than some
 installs have), which must write the scratch page only; the decode batches it picks
-cover every distinct launch of the decode kernel; the cache folder and the watch. On CUDA (the GPU machine): after ``from_pretrained``,
-requests of many shapes and sampling modes compile nothing.
+cover every distinct launch of the decode kernel; the pinned host blocks it makes cover
+every step's copy to the host; the cache folder and the watch. On CUDA (the GPU machine):
+after ``from_pretrained``, requests of many shapes and sampling modes compile nothing and
+make no pinned host block.
 """
 
 from __future__ import annotations
@@ -21,7 +23,9 @@ from omni_async.kernels import triton_cache
 from omni_async.kv.cache import PagedKVCache
 from omni_async.models.config import ModelConfig
 from omni_async.models.decoder import DecoderModel
-from omni_async.runners.kernel_warmup import EXTEND_SHAPES, KernelWarmup, prefill_shapes
+from omni_async.runners.host_copy import copy_to_host
+from omni_async.runners.kernel_warmup import EXTEND_SHAPES, KernelWarmup, host_copy_sizes, prefill_shapes
+from omni_async.runners.types import BatchResult
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 
@@ -86,6 +90,22 @@ def test_decode_batches_cover_every_distinct_launch(kv_heads, sms, max_batch):
     assert picked == sorted(picked) and all(1 <= b <= max_batch for b in picked)
     assert len({launch(b) for b in picked}) == len(picked)  # one batch per launch
     assert {launch(b) for b in picked} == {launch(b) for b in range(1, max_batch + 1)}  # every launch
+
+
+@pytest.mark.parametrize("max_rows,max_steps", [(256, 8), (64, 4), (1, 1), (100, 3)])
+def test_host_blocks_cover_every_step_copy(max_rows, max_steps):
+    """Each copy a step can hand the host (a prefill's or decode's rows, with or without
+    logprobs, a multi-step decode's forwards flattened, a fused launch's [2, k, bucket])
+    is rounded by torch's pinned allocator to a size the warm-up made."""
+    sizes = set(host_copy_sizes(max_rows, max_steps))
+    for rows in sorted(r for r in {1, 2, 3, max_rows // 3 + 1, max_rows - 1, max_rows} if 0 < r <= max_rows):
+        for k in range(1, max_steps + 1):
+            tokens = torch.zeros((k, rows) if k > 1 else (rows,), dtype=torch.long)
+            for logprobs in (None, torch.zeros(tokens.shape)):
+                host = copy_to_host(BatchResult(logits=None, next_token_ids=tokens, next_token_logprobs=logprobs))
+                assert 1 << (host.nbytes - 1).bit_length() in sizes
+            fused = copy_to_host(BatchResult(logits=None, packed=torch.zeros((2, k, rows), dtype=torch.long)))
+            assert 1 << (fused.nbytes - 1).bit_length() in sizes
 
 
 def test_cache_folder_is_keyed_under_the_kernel_cache(tmp_path, monkeypatch):
@@ -171,3 +191,24 @@ def test_requests_compile_nothing_after_from_pretrained():
         return triton_cache.late_compiles()[before:]
 
     assert asyncio.run(run()) == []
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA and Triton")
+def test_requests_make_no_pinned_host_block_after_from_pretrained():
+    """The steps' copies to the host find pinned blocks the start made (warm_host_copies):
+    one row to the running limit, greedy, sampled and with logprobs, in every loop's pace."""
+    from omni_async import Engine, SamplingParams
+
+    async def run():
+        engine = Engine.from_pretrained("tiny", device="cuda", dtype="bfloat16", kv_capacity_tokens=16384)
+        before = torch.cuda.host_memory_stats().get("num_host_alloc", 0)
+        async with engine:
+            for width in (1, 5, 64, 256):
+                await asyncio.gather(*[
+                    engine.generate(input_ids=[256 + i % 7] * (3 + i % 40),
+                                    sampling=SamplingParams(max_new_tokens=4 + i % 30, ignore_eos=True, temperature=0.7 * (i % 2),
+                                                            return_logprob=i % 3 == 0))
+                    for i in range(width)])
+        return torch.cuda.host_memory_stats().get("num_host_alloc", 0) - before
+
+    assert asyncio.run(run()) == 0

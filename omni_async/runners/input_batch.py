@@ -65,8 +65,7 @@ class InputBatch:
         self.carried_steps = 0  # steps whose slots were the previous step's by a mask (stats, tests)
         self._free: list[int] = []
         self._idle_sweeps = 0
-        self._cap = 0
-        self._pages_cap = 0
+        self._cap = self._pages_cap = self.grows = 0  # grows: the tables enlarged after they were first made
         self.table = np.zeros((0, 0), dtype=np.int64)
         self.num_pages = np.zeros(0, dtype=np.int64)
         self.slot_epoch = np.zeros(0, dtype=np.int64)  # the epoch of the request holding each slot
@@ -92,6 +91,7 @@ class InputBatch:
         if slots == self._cap and pages == self._pages_cap:
             return
         old_s, old_p = self._cap, self._pages_cap
+        self.grows += old_s > 0
         table = np.full((slots, pages), self.pad_page, dtype=np.int64)
         table[:old_s, :old_p] = self.table
         self.table = table
@@ -110,9 +110,9 @@ class InputBatch:
         self._free.extend(range(slots - 1, old_s - 1, -1))
         self._cap, self._pages_cap = slots, pages
 
-    def reserve_pages(self, pages: int) -> None:
-        """Make the page tables at least ``pages`` wide now."""
-        self._grow(self._cap, pages)
+    def reserve(self, slots: int = 0, pages: int = 0) -> None:
+        """Make the tables hold at least ``slots`` slots, ``pages`` pages wide, now."""
+        self._grow(slots, pages)
 
     def set_pad_page(self, page: int) -> None:
         """Unused page-table entries point at ``page`` (before any request joined)."""

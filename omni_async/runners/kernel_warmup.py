@@ -23,7 +23,12 @@ them out:
   slower, first token 74-138 ms later, with no Triton compile in a request);
 - sampling: the temperature kernels over float32 logits (eager forwards) and the
   head's dtype (graphs), with greedy and sampled rows, the filtered path's torch ops,
-  and the grammar bitmask kernel over both dtypes.
+  and the grammar bitmask kernel over both dtypes;
+- the pinned host blocks of the steps' copies to the host (:func:`warm_host_copies`):
+  each step copies its tokens into a pinned tensor made for it
+  (:func:`omni_async.runners.host_copy.to_host`), and torch's pinned allocator makes a
+  block with ``cudaHostAlloc`` whenever none of the size is free, so the first steps made
+  them; made here, the first requests find them cached.
 
 What varies with the inputs at run time (row counts, table widths, strides, the
 alignment of per-row scalars) is kept out of the kernels' compile keys where they are
@@ -67,6 +72,30 @@ def prefill_shapes(prefill_tokens: int, longest: int = PREFILL_SEQUENCE) -> list
             full, rest = divmod(total, longest)
             out.append(((longest, 0),) * full + (((rest, 0),) if rest else ()))
     return out
+
+
+# A step's copy to the host: int64 rows (tokens, ok flags, logprob bits) of each sampled
+# row and forward ([2 or 3, B], [2 or 3, k * B] or [2, k, bucket]; runners/host_copy.py).
+HOST_COPY_ROWS = 3
+# Pinned blocks made of each size: a step's copy lives until it is collected, and the
+# lookahead loops hold two or three steps' copies at once.
+HOST_BLOCKS_PER_SIZE = 4
+
+
+def host_copy_sizes(max_rows: int, max_steps: int) -> list[int]:
+    """Every block size (bytes) torch's pinned allocator can make for a step's host copy
+    of up to ``max_rows`` rows of ``max_steps`` forwards each: it rounds a request up to
+    a power of two, from the 16 bytes of one row's token and flag."""
+    most = 8 * HOST_COPY_ROWS * max(1, max_steps) * max(1, max_rows)
+    return [1 << e for e in range(4, (most - 1).bit_length() + 1)]
+
+
+def warm_host_copies(max_rows: int, max_steps: int, blocks: int = HOST_BLOCKS_PER_SIZE) -> int:
+    """Make ``blocks`` pinned blocks of each of :func:`host_copy_sizes` and hand them back
+    to torch's pinned allocator's cache (CUDA only); how many were made."""
+    held = [torch.empty(size, dtype=torch.uint8, pin_memory=True) for size in host_copy_sizes(max_rows, max_steps)
+            for _ in range(blocks)]
+    return len(held)
 
 
 def decode_batches(max_batch: int, kv_heads: int, sm_count: int) -> list[int]:

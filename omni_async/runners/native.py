@@ -171,7 +171,8 @@ class NativeModelRunner(ModelRunner):
         return result, (result.next_token_ids if lookahead else None)
 
     def stats(self) -> dict[str, int]:
-        return {**fused_counters(self.fused_decode), **super().stats()}
+        grows = 0 if self.inputs is None else self.inputs.grows  # (None once the stage released its memory)
+        return {**fused_counters(self.fused_decode), "slot_table_grows": grows, **super().stats()}
 
     def _later(self, k: int) -> torch.Tensor:
         """``[[0], [1], ..., [k-1]]`` on the device, made once per k."""
@@ -274,7 +275,7 @@ class NativeModelRunner(ModelRunner):
         self.inputs.set_pad_page(scratch_page)
         max_pages = -(-max_len // self.page_size)
         if self.fused_decode is not None:
-            self.inputs.reserve_pages(max_pages)  # the fused graphs gather whole table rows
+            self.inputs.reserve(pages=max_pages)  # the fused graphs gather whole table rows
         self.graphs = DecodeGraphs(self.model, self.kv, scratch_page=scratch_page, max_pages_per_seq=max_pages,
                                    max_batch=max_batch, device=self.device, use_kernel=self.use_kernel, greedy_in_graph=self.fused)
         self.graphs.capture_all()

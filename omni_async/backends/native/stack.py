@@ -4,6 +4,7 @@ group)."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from dataclasses import dataclass
@@ -19,7 +20,7 @@ from ...kv.allocator import PageAllocator
 from ...kv.cache import PagedKVCache
 from ...logs import log
 from ...models.loader import LoadedModel
-from ...runners.kernel_warmup import KernelWarmup
+from ...runners.kernel_warmup import KernelWarmup, warm_host_copies
 from ...runners.native import NativeModelRunner
 from ...scheduler import ModelLimits
 from ...structured.grammar import GrammarCompiler
@@ -108,14 +109,21 @@ def warm_up(runner: NativeModelRunner, plan: StagePlan, tensor_parallel: Any = N
     capture. Compiles after this are counted and logged
     (:data:`omni_async.kernels.triton_cache.WATCH`). Under tensor parallelism the
     eager forwards are left out: the ranks run a forward's collectives in lockstep, and
-    only the capture is sent to them."""
+    only the capture is sent to them. On CUDA the pinned host blocks of the steps'
+    copies are made too (:func:`~omni_async.runners.kernel_warmup.warm_host_copies`),
+    and the eager forwards run on the stream the steps run on (the runner's own, where it
+    has one: ``ModelRunner.launch``): cuBLAS keeps its workspace per stream, so warmed on
+    another stream, a request's first eager forward would set one up."""
+    if runner.device.type == "cuda":
+        warm_host_copies(plan.max_running_requests, plan.decode_steps.most)
     if runner.use_kernel:
         WATCH.install()
     with WATCH.warming():
         if runner.use_kernel and tensor_parallel is None:
             t0 = time.perf_counter()
-            warmed = KernelWarmup(runner.model, runner.kv, runner.device, use_kernel=True).run(
-                plan.max_running_requests, plan.prefill_chunk if runner.warm_prefill else 0, plan.context_length)
+            with torch.cuda.stream(runner.stream) if runner.stream is not None else contextlib.nullcontext():
+                warmed = KernelWarmup(runner.model, runner.kv, runner.device, use_kernel=True).run(
+                    plan.max_running_requests, plan.prefill_chunk if runner.warm_prefill else 0, plan.context_length)
             log.info("kernels_warm", seconds=round(time.perf_counter() - t0, 3), compiles=WATCH.compiles, **warmed)
         if plan.graph_max_len is not None:
             assert plan.kv_pages is not None
@@ -143,6 +151,9 @@ def assemble_stack(
     )
     if plan.own_stream:
         runner.use_own_stream(device)
+    # A slot per running request now: the tables doubled from 64 slots as a burst joined
+    # (runners/input_batch.py, _join_rows), reallocated host and device, in its first steps.
+    runner.inputs.reserve(slots=plan.max_running_requests)
     warm_up(runner, plan, tensor_parallel)
     core = NativeBatchCore(plan.config, allocator, plan.context_length, decode_steps=plan.decode_steps, multi_step_allowed=runner.multi_step_allowed,
                            mixed_allowed=runner.mixed_prefill_allowed, hidden_for_all=runner.capture_hidden)
