@@ -1,17 +1,14 @@
 """Grammars through llguidance: compile once per grammar, one matcher per request.
 
-Why llguidance: measured against xgrammar on SmolLM2's 49k vocabulary
-(``7166a36:bench/probes/grammar_libraries.py``, docs/notes/constrained-decoding.md), it compiles a typical
-JSON schema in about a millisecond where xgrammar takes hundreds, its per-step batch mask
-time is as low at the median and far lower at the tail, and it installs as one 8 MB wheel
-with no dependencies (xgrammar brings Triton, ~1 GB, on Linux).
+Why llguidance: measured against xgrammar on SmolLM2's 49k vocabulary (``7166a36:bench/probes/grammar_libraries.py``,
+docs/notes/constrained-decoding.md), it compiles a typical JSON schema in about a millisecond where xgrammar takes
+hundreds, its per-step batch mask time is as low at the median and far lower at the tail, and it installs as one 8 MB
+wheel with no dependencies (xgrammar brings Triton, ~1 GB, on Linux).
 
-A compiled grammar is kept as a *template* matcher, validated once; each request takes a
-copy of it. Compiling (and, the first time, building llguidance's view of the tokenizer,
-about a second for a 49k vocabulary) runs on this compiler's own thread, never on the
-event loop: :class:`~omni_async.structured.gate.GrammarGate` holds a request back until its
-grammar is ready.
-"""
+A compiled grammar is kept as a *template* matcher, validated once; each request takes a copy of it. Compiling (and,
+the first time, building llguidance's view of the tokenizer, about a second for a 49k vocabulary) runs on this
+compiler's own thread, never on the event loop: :class:`~omni_async.structured.gate.GrammarGate` holds a request back
+until its grammar is ready."""
 
 from __future__ import annotations
 
@@ -30,22 +27,20 @@ CACHE_SIZE = 256
 
 
 class GrammarMatcher:
-    """One request's position in its grammar. ``accept`` advances it by a sampled token;
-    ``complete`` says the grammar admits nothing more (the request then ends, "stop").
+    """One request's position in its grammar. ``accept`` advances it by a sampled token; ``complete`` says the grammar
+    admits nothing more (the request then ends, "stop").
 
-    With a :class:`~omni_async.structured.prefetch.MaskWorker`, each position's mask is
-    computed ahead on the worker (queued by :func:`prefetch_all` for a processed step's
-    rows, by ``accept`` or ``prefetch`` alone) and the step's fill takes it from
-    :meth:`next_mask`. The library's matcher is never touched by two threads at once:
-    every method here first waits for a computation in flight.
+    With a :class:`~omni_async.structured.prefetch.MaskWorker`, each position's mask is computed ahead on the worker
+    (queued by :func:`prefetch_all` for a processed step's rows, by ``accept`` or ``prefetch`` alone) and the step's
+    fill takes it from :meth:`next_mask`. The library's matcher is never touched by two threads at once: every method
+    here first waits for a computation in flight.
 
-    Where the grammar forces a run of tokens (the worker asks the library for them,
-    :func:`.prefetch.compute_slice`), the matcher keeps the rest of the run (``_forced``):
-    the masks of the run's next positions are one bit each, known without the library
-    or the worker, as long as the tokens accepted are the run's."""
+    Where the grammar forces a run of tokens (the worker asks the library for them, :func:`.prefetch.compute_slice`),
+    the matcher keeps the rest of the run (``_forced``): the masks of the run's next positions are one bit each, known
+    without the library or the worker, as long as the tokens accepted are the run's."""
 
-    __slots__ = ("_m", "_on_fail", "_worker", "_ticket", "_row", "_buf", "_valid", "_forced", "masked_until",
-                 "_score", "_low_refusals")
+    __slots__ = ("_m", "_on_fail", "_worker", "_ticket", "_row", "_buf", "_valid", "_forced", "_counted",
+                 "masked_until", "_score", "_low_refusals")
 
     def __init__(self, matcher: Any, on_fail: Callable[[str], None] | None = None, worker: Any = None) -> None:
         self._m = matcher
@@ -56,6 +51,7 @@ class GrammarMatcher:
         self._buf: Any = None  # a mask computed on this thread (mask_now), while _valid
         self._valid = False
         self._forced: tuple[int, ...] = ()  # tokens the grammar forces from this position on (known so far)
+        self._counted = False  # this position's forced mask counted in the worker's forced_known
         # Generation indices from here on sample first and are checked after
         # (:mod:`.optimistic`); below it, under the mask. NEVER: every one masked.
         self.masked_until = NEVER
@@ -64,18 +60,16 @@ class GrammarMatcher:
 
     def accept(self, token: int, prefetch: bool = True, later: list["GrammarMatcher"] | None = None,
                index: int | None = None) -> bool:
-        """Advance by ``token``; True when the grammar has ended: complete, or failed
-        (:attr:`failed` then says why, and the request ends with an error). A token the
-        grammar refuses (it can only come from outside the mask) also ends the grammar.
-        Otherwise the next mask is queued on the worker: now, or, given ``later``, by the
-        caller with the rest of its step (this matcher appended; :func:`prefetch_all`);
-        not at all when ``prefetch`` is False (the caller computes it, :meth:`mask_now`)
-        or when the token is generation ``index`` and the next one samples first, or when
-        ``token`` was the first of a forced run (the next mask is the run's next token)."""
+        """Advance by ``token``; True when the grammar has ended: complete, or failed (:attr:`failed` then says why, and
+        the request ends with an error). A token the grammar refuses (it can only come from outside the mask) also
+        ends the grammar. Otherwise the next mask is queued on the worker: now, or, given ``later``, by the caller
+        with the rest of its step (this matcher appended; :func:`prefetch_all`); not at all when ``prefetch`` is False
+        (the caller computes it, :meth:`mask_now`) or when the token is generation ``index`` and the next one samples
+        first, or when ``token`` was the first of a forced run (the next mask is the run's next token)."""
         self._settle()
         run = self._forced or (self._ticket.run(self._row) if self._ticket is not None else None)
         self._ticket = None
-        self._valid = False
+        self._valid = self._counted = False
         self._forced = ()
         ok = self._m.consume_token(int(token))
         if self._m.is_error():
@@ -95,13 +89,12 @@ class GrammarMatcher:
         return False
 
     def take(self, tokens: list[int]) -> int:
-        """Advance by the longest prefix of ``tokens`` (sampled before their masks,
-        :mod:`.optimistic`) that the grammar admits, in one library call: how many it
-        took (fewer than all: the next one was refused, and the matcher stands after the
-        ones taken). The admission score and ``info()``'s counters follow."""
+        """Advance by the longest prefix of ``tokens`` (sampled before their masks, :mod:`.optimistic`) that the grammar
+        admits, in one library call: how many it took (fewer than all: the next one was refused, and the matcher
+        stands after the ones taken). The admission score and ``info()``'s counters follow."""
         self._settle()
         self._ticket = None
-        self._valid = False
+        self._valid = self._counted = False
         self._forced = ()
         n = self._m.try_consume_tokens(tokens)
         if self._m.is_error():  # (the library's lazy work failed: the caller meets ``failed``)
@@ -152,8 +145,7 @@ class GrammarMatcher:
         prefetch_all([self])
 
     def _settle(self) -> None:
-        ticket = self._ticket
-        if ticket is not None and not ticket.done.is_set():
+        if (ticket := self._ticket) is not None and not ticket.done.is_set():
             ticket.done.wait()
 
     def _ahead(self) -> Any:
@@ -197,12 +189,20 @@ class GrammarMatcher:
         """The current position's mask when the grammar forces ``_forced``: its first token alone."""
         if not self._valid:
             buf = self._new_buf()
-            t = self._forced[0]
+            t = self.one_token()
             buf.fill(0)
             buf.view("uint32")[t >> 5] = 1 << (t & 31)
             self._valid = True
-            self._worker.forced_known += 1
         return self._buf
+
+    def one_token(self) -> int | None:
+        """The one admissible token where a run known here forces it (:meth:`next_mask` is then its bit alone; no
+        mask queued), else None: a fill writes many such rows' bits at once (:func:`.batch_mask.fill_rows`)."""
+        if not self._forced or self._ticket is not None or self._worker is None:
+            return None
+        if not self._counted:
+            self._counted, self._worker.forced_known = True, self._worker.forced_known + 1
+        return self._forced[0]
 
     def forced(self) -> tuple[int, ...]:
         """The tokens the grammar forces from the current position (empty: none, or the
