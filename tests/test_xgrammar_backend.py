@@ -105,45 +105,6 @@ def test_one_batch_call_fills_what_row_calls_fill():
         xg.close()
 
 
-def test_one_batch_accept_advances_as_accept_row_by_row():
-    """Between a step's forwards xgrammar's rows are advanced in one library call
-    (``structured.between.accept_all``): along random walks of a schema and regexes, with
-    tokens the grammar refuses, stop tokens and tokens after the end mixed in, each row ends,
-    fails (same message), completes and masks exactly as its twin advanced by ``accept``."""
-    from omni_async.structured.between import accept_all
-
-    tok = ByteTokenizer()
-    vocab, words = tok.vocab_size, (tok.vocab_size + 31) // 32
-    xg = GrammarCompiler(tok, vocab, backend="xgrammar")
-    keys = [("json_schema", json.dumps(SCHEMA)), ("regex", REGEX), ("regex", "[0-9]{2}"), ("regex", "ab|abc")]
-    try:
-        rng = random.Random(3)
-        pairs = [(xg.matcher(keys[j % len(keys)]), xg.matcher(keys[j % len(keys)])) for j in range(16)]
-        endings = {"ended": 0, "failed": 0}
-        for _ in range(60):
-            tokens = []
-            for a, _b in pairs:
-                if a.failed is not None or a.complete:  # a token after the end: both must refuse it alike
-                    tokens.append(rng.randrange(vocab))
-                    continue
-                admitted = allowed(mask_of(a, words), vocab)
-                roll = rng.random()
-                tokens.append(int(rng.randrange(vocab)) if roll < 0.05 else tok.EOS if roll < 0.08
-                              else int(rng.choice(admitted)))
-            one = [a.accept(t, prefetch=False) for (a, _b), t in zip(pairs, tokens)]
-            together = accept_all([b for _a, b in pairs], tokens)
-            assert one == together
-            for (a, b), ended in zip(pairs, one):
-                assert a.failed == b.failed and a.complete == b.complete
-                endings["ended"] += ended
-                endings["failed"] += a.failed is not None
-                if not ended:
-                    assert (mask_of(a, words) == mask_of(b, words)).all()
-        assert endings["ended"] and endings["failed"]
-    finally:
-        xg.close()
-
-
 @pytest.mark.parametrize("schema", [SCHEMA, {"type": "object", "properties": {"s": {"type": "string"}}}], ids=["bounded", "unbounded"])
 def test_a_json_string_takes_no_surrogate_as_llguidance_takes_none(schema):
     """0xED opens a three-byte character whose second byte is 0x80-0x9F in UTF-8; 0xA0-0xBF
