@@ -85,7 +85,6 @@ class StepMasks:
         live: list[tuple[Any, int]] = []
         if self.inline is None:
             self.inline = xgrammar_backend.all_xgrammar([m.handle for m, *_ in self.rows])
-        together: list[tuple[Any, int]] = []  # xgrammar's rows: their accepts in one library call, below
         for m, i, last, index in self.rows:
             if j > last or i in ended:
                 continue
@@ -93,18 +92,10 @@ class StepMasks:
             if r.finish_reason is not None or r.epoch != epochs[i]:
                 continue  # ended or retracted meanwhile: its tokens are not processed
             taken[i] += 1
-            if self.inline:
-                together.append((m, i))
-            elif m.accept(tokens[i], prefetch=False, later=later, index=index + j - 1):
+            if m.accept(tokens[i], prefetch=False, later=None if self.inline else later, index=index + j - 1):
                 ended.add(i)
             else:
                 live.append((m, i))
-        if together:
-            for (m, i), done in zip(together, accept_all([m for m, _ in together], [tokens[i] for _, i in together])):
-                if done:
-                    ended.add(i)
-                else:
-                    live.append((m, i))
         if later:
             from .grammar import prefetch_all  # (grammar imports the worker; this module stays light)
 
@@ -121,11 +112,3 @@ class StepMasks:
         self._written = rows
         self.masks.count_between(len(live), fill_rows(live, bitmask), time.perf_counter() - t0)
         return bitmask.to(self.device, non_blocking=True) if on_device else bitmask
-
-
-def accept_all(matchers: list[Any], tokens: list[int]) -> list[bool]:
-    """``GrammarMatcher.accept(token, prefetch=False)`` of each matcher (all of them xgrammar's: no mask to queue),
-    the library's accepts in one call (:func:`.xgrammar_backend.accept_tokens`): whether each one's grammar ended."""
-    runs = [m._leave() for m in matchers]
-    oks = xgrammar_backend.accept_tokens([m._m for m in matchers], tokens)
-    return [m._took(t, ok, run) for m, t, ok, run in zip(matchers, tokens, oks, runs)]

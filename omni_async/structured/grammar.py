@@ -52,7 +52,8 @@ class GrammarMatcher:
         self._valid = False
         self._forced: tuple[int, ...] = ()  # tokens the grammar forces from this position on (known so far)
         self._counted = False  # this position's forced mask counted in the worker's forced_known
-        # Generation indices from here on sample first and are checked after (:mod:`.optimistic`); below it, masked.
+        # Generation indices from here on sample first and are checked after
+        # (:mod:`.optimistic`); below it, under the mask. NEVER: every one masked.
         self.masked_until = NEVER
         self._score = FIRST_SCORE  # the share of recent guesses admitted (.optimistic.scored)
         self._low_refusals = 0  # refusals since the score fell below LOW_SCORE
@@ -65,10 +66,19 @@ class GrammarMatcher:
         with the rest of its step (this matcher appended; :func:`prefetch_all`); not at all when ``prefetch`` is False
         (the caller computes it, :meth:`mask_now`) or when the token is generation ``index`` and the next one samples
         first, or when ``token`` was the first of a forced run (the next mask is the run's next token)."""
-        run = self._leave()
-        if self._took(token, self._m.consume_token(int(token)), run):
+        self._settle()
+        run = self._forced or (self._ticket.run(self._row) if self._ticket is not None else None)
+        self._ticket = None
+        self._valid = self._counted = False
+        self._forced = ()
+        ok = self._m.consume_token(int(token))
+        if self._m.is_error():
+            self._tell_failure()
+            return True
+        if not ok or self._m.is_stopped():
             return True
         if run and len(run) > 1 and run[0] == token:
+            self._forced = tuple(run[1:])
             return False  # the next mask is known (:meth:`next_mask`)
         if index is not None and index + 1 >= self.masked_until:
             return False  # the next token samples first: no mask needed
@@ -82,15 +92,19 @@ class GrammarMatcher:
         """Advance by the longest prefix of ``tokens`` (sampled before their masks, :mod:`.optimistic`) that the grammar
         admits, in one library call: how many it took (fewer than all: the next one was refused, and the matcher
         stands after the ones taken). The admission score and ``info()``'s counters follow."""
-        self._leave()
+        self._settle()
+        self._ticket = None
+        self._valid = self._counted = False
+        self._forced = ()
         n = self._m.try_consume_tokens(tokens)
         if self._m.is_error():  # (the library's lazy work failed: the caller meets ``failed``)
             self._tell_failure()
             return n
         refused = n < len(tokens) and not self._m.is_stopped()  # (tokens after a completed grammar are the caller's)
-        # Token by token, whatever the step's size: the score rises with each admitted guess (a run back above
-        # LOW_SCORE ends the low refusals' count), then falls at the refused one. Checking only after both made a
-        # step of several forwards mask other positions than one forward a step, and so draw other tokens.
+        # Token by token, whatever the step's size: the score rises with each admitted
+        # guess (a run back above LOW_SCORE ends the low refusals' count), then falls at
+        # the refused one. Checking only after both made a step of several forwards
+        # mask other positions than one forward a step, and so draw other tokens.
         self._score = optimistic_score(self._score, n, False)
         if self._score >= LOW_SCORE:
             self._low_refusals = 0
@@ -103,23 +117,6 @@ class GrammarMatcher:
             self._worker.refused += refused
         return n
 
-    def _leave(self) -> Any:
-        """Leave the current position (its mask, queued or known, is dropped): the forced run from it, if known."""
-        self._settle()
-        run = self._forced or (self._ticket.run(self._row) if self._ticket is not None else None)
-        self._ticket, self._valid, self._counted, self._forced = None, False, False, ()
-        return run
-
-    def _took(self, token: int, ok: bool, run: Any) -> bool:
-        """After the library consumed ``token`` (``ok``: admitted): True when the grammar ended (failed: told)."""
-        if self._m.is_error():
-            self._tell_failure()
-            return True
-        ended = not ok or self._m.is_stopped()
-        if not ended and run and len(run) > 1 and run[0] == token:
-            self._forced = tuple(run[1:])
-        return ended
-
     def _tell_failure(self) -> None:
         """Tell the compiler, once, that this grammar failed in use (it then refuses it at admission)."""
         if self._on_fail is not None:
@@ -127,8 +124,8 @@ class GrammarMatcher:
             self._on_fail = None
 
     def refused_at(self, index: int) -> None:
-        """The guess at generation ``index`` was refused and the request rewound to the token before it: mask first from
-        there (:func:`.optimistic.masked_run`), its mask queued now."""
+        """The guess at generation ``index`` was refused and the request rewound to the token
+        before it: mask first from there (:func:`.optimistic.masked_run`), its mask queued now."""
         if self._score < LOW_SCORE:
             self._low_refusals += 1
         self.masked_until = index + masked_run(self._score, self._low_refusals)
@@ -157,9 +154,9 @@ class GrammarMatcher:
         return ticket.mask(self._row) if ticket is not None else None
 
     def mask_now(self) -> Any:
-        """The current position's mask, computed on this thread unless the worker has it (a jump-forward reads position
-        after position: a round trip through the worker for each would cost more than the computation); None without a
-        worker."""
+        """The current position's mask, computed on this thread unless the worker has it
+        (a jump-forward reads position after position: a round trip through the worker
+        for each would cost more than the computation); None without a worker."""
         worker = self._worker
         if worker is None:
             return None
@@ -199,8 +196,8 @@ class GrammarMatcher:
         return self._buf
 
     def one_token(self) -> int | None:
-        """The one admissible token where a run known here forces it (:meth:`next_mask` is then its bit alone; no mask
-        queued), else None: a fill writes many such rows' bits at once (:func:`.batch_mask.fill_rows`)."""
+        """The one admissible token where a run known here forces it (:meth:`next_mask` is then its bit alone; no
+        mask queued), else None: a fill writes many such rows' bits at once (:func:`.batch_mask.fill_rows`)."""
         if not self._forced or self._ticket is not None or self._worker is None:
             return None
         if not self._counted:
@@ -208,10 +205,10 @@ class GrammarMatcher:
         return self._forced[0]
 
     def forced(self) -> tuple[int, ...]:
-        """The tokens the grammar forces from the current position (empty: none, or the library failed): the rest of a
-        run known already, the worker's run for this position, else the library's forced-token query
-        (``compute_ff_tokens``, from the parser state, no mask) on this thread. Call it with no mask of this position
-        queued."""
+        """The tokens the grammar forces from the current position (empty: none, or the
+        library failed): the rest of a run known already, the worker's run for this
+        position, else the library's forced-token query (``compute_ff_tokens``, from the
+        parser state, no mask) on this thread. Call it with no mask of this position queued."""
         if not self._forced:
             ticket = self._ticket
             if ticket is not None:  # the worker's run, or its mask's one token (llguidance's pool finds no runs)
@@ -233,8 +230,9 @@ class GrammarMatcher:
             self._worker.count_jump(tokens)
 
     def next_mask(self) -> Any:
-        """The current position's mask from the worker (waiting for it while in flight), or one :meth:`mask_now`
-        computed; None: not computed ahead (the caller computes it through :attr:`handle`)."""
+        """The current position's mask from the worker (waiting for it while in flight),
+        or one :meth:`mask_now` computed; None: not computed ahead (the caller computes it
+        through :attr:`handle`)."""
         ahead = self._ahead()
         if ahead is not None:
             return ahead
@@ -262,9 +260,10 @@ class GrammarMatcher:
 
 
 def prefetch_all(matchers: list[GrammarMatcher]) -> None:
-    """Queue the current position's mask of each of ``matchers`` (one processed step's rows) on their worker as one
-    ticket: the worker computes them in one call (see :mod:`.prefetch` for why not row by row). Matchers without a
-    worker, or whose mask is already there or queued, are left out."""
+    """Queue the current position's mask of each of ``matchers`` (one processed step's
+    rows) on their worker as one ticket: the worker computes them in one call (see
+    :mod:`.prefetch` for why not row by row). Matchers without a worker, or whose mask
+    is already there or queued, are left out."""
     worker = None
     todo: list[GrammarMatcher] = []
     for m in matchers:
@@ -285,14 +284,14 @@ def prefetch_all(matchers: list[GrammarMatcher]) -> None:
 
 
 class GrammarCompiler:
-    """Compiles ``SamplingParams.grammar`` keys for one tokenizer; an LRU cache of ``CACHE_SIZE`` templates (and of
-    errors, so a bad grammar is refused at once)."""
+    """Compiles ``SamplingParams.grammar`` keys for one tokenizer; an LRU cache of
+    ``CACHE_SIZE`` templates (and of errors, so a bad grammar is refused at once)."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, *, cache_size: int = CACHE_SIZE,
                  backend: str | None = None) -> None:
-        """``backend``: ``"xgrammar"`` compiles JSON schemas and regexes with xgrammar where it takes them
-        (:mod:`.xgrammar_backend`), llguidance the rest; ``"llguidance"`` everything; None: as
-        ``OMNI_ASYNC_GRAMMAR_BACKEND`` says (llguidance by default)."""
+        """``backend``: ``"xgrammar"`` compiles JSON schemas and regexes with xgrammar where
+        it takes them (:mod:`.xgrammar_backend`), llguidance the rest; ``"llguidance"``
+        everything; None: as ``OMNI_ASYNC_GRAMMAR_BACKEND`` says (llguidance by default)."""
         self._tokenizer = tokenizer
         self.vocab_size = vocab_size
         self._cache_size = cache_size
@@ -324,8 +323,8 @@ class GrammarCompiler:
             return key in self._cache
 
     def compile(self, key: tuple[str, str]) -> None:
-        """Compile ``key`` into the cache (blocking; call it off the loop). Errors are cached too and raised by
-        :meth:`matcher`."""
+        """Compile ``key`` into the cache (blocking; call it off the loop). Errors are
+        cached too and raised by :meth:`matcher`."""
         with self._lock:
             if key in self._cache:
                 self._cache.move_to_end(key)
@@ -343,8 +342,8 @@ class GrammarCompiler:
         self._store(key, entry)
 
     def refuse(self, key: tuple[str, str], error: InvalidRequestError) -> None:
-        """Cache ``error`` as ``key``'s outcome unless the key compiled: the gate's last word when a compile ended
-        without one, so the key is never submitted again."""
+        """Cache ``error`` as ``key``'s outcome unless the key compiled: the gate's last
+        word when a compile ended without one, so the key is never submitted again."""
         with self._lock:
             if key in self._cache:
                 return
@@ -378,8 +377,9 @@ class GrammarCompiler:
         self.masks.close()
 
     def _failed_late(self, key: tuple[str, str], why: str) -> None:
-        """A grammar that compiled but failed while a request used it (the library's lazy work): cached as the failure
-        from now on, so the next request with it is refused at admission instead of failing at its first tokens."""
+        """A grammar that compiled but failed while a request used it (the library's lazy
+        work): cached as the failure from now on, so the next request with it is refused at
+        admission instead of failing at its first tokens."""
         with self._lock:
             if key in self._cache:
                 self._cache[key] = InvalidRequestError(f"invalid {key[0]}: {why}")
@@ -398,16 +398,17 @@ class GrammarCompiler:
             raise InvalidRequestError(f"invalid {kind}: {exc}") from None
         matcher = llguidance.LLMatcher(self._ll_tokenizer(), grammar, log_level=0, limits=parser_limits(llguidance))
         if not matcher.is_error():
-            # The library compiles lazily: the first mask does the work that can still fail (``a{1000000}``), so it
-            # is computed here, off the loop, and a grammar that fails now is refused before the request's first token.
+            # The library compiles lazily: the first mask does the work that can still
+            # fail (``a{1000000}``), so it is computed here, off the loop, and a grammar
+            # that fails now is refused before the request's first token.
             matcher.compute_bitmask()
         if matcher.is_error():
             raise InvalidRequestError(f"invalid {kind}: {first_line(matcher.get_error())}")
         return matcher
 
     def _xgrammar_template(self, kind: str, text: str) -> Any:
-        """xgrammar's template matcher, or None where it refuses the grammar (or is not installed): llguidance then
-        compiles it, and refuses it with its own message."""
+        """xgrammar's template matcher, or None where it refuses the grammar (or is not
+        installed): llguidance then compiles it, and refuses it with its own message."""
         try:
             self._xgr = self._xgr or xgrammar_backend.XGrammarLibrary(self._token_vocab())
             template = self._xgr.compile(kind, text)

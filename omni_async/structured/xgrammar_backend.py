@@ -206,30 +206,6 @@ class XGrammarHandle:
         return not bits.any()
 
 
-def accept_tokens(handles: Sequence[XGrammarHandle], tokens: Sequence[int]) -> list[bool]:
-    """Each handle's :meth:`XGrammarHandle.consume_token` of its token (its result, the same state after), the
-    library's accepts in one xgrammar call (``BatchGrammarMatcher.batch_accept_token``), not a wrapper call a row."""
-    out = [False] * len(handles)
-    live = []
-    for j, h in enumerate(handles):
-        if h._error or h._stopped:
-            h._error = h._error or f"token {tokens[j]} after the grammar stopped"
-        else:
-            live.append(j)
-    if live:
-        import xgrammar
-
-        took = xgrammar.BatchGrammarMatcher.batch_accept_token([handles[j]._m for j in live],
-                                                               [int(tokens[j]) for j in live])
-        for j, ok in zip(live, took):
-            h, t = handles[j], int(tokens[j])
-            if ok:
-                h._stopped, out[j] = h._ended(t), True
-            else:
-                h._error = f"token {t} doesn't satisfy the grammar"
-    return out
-
-
 _BATCHES = threading.local()  # each thread's BatchGrammarMatcher per thread count
 
 
