@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from . import xgrammar_backend
-from .batch_mask import GrammarMasks, fill_rows, grammar_rows
+from .batch_mask import GrammarMasks, compute_rows, fill_rows, grammar_rows
 
 
 class StepMasks:
@@ -110,5 +110,10 @@ class StepMasks:
             if gone:
                 bitmask[sorted(gone)] = -1  # rows that no longer sample under a mask: every bit
         self._written = rows
-        self.masks.count_between(len(live), fill_rows(live, bitmask), time.perf_counter() - t0)
+        if self.inline and live:  # xgrammar's rows, each just advanced: none has its mask ahead, all computed here
+            compute_rows([(m.handle, i) for m, i in live], bitmask)  # (fill_rows' end, without its per-row look)
+            inline = len(live)
+        else:
+            inline = fill_rows(live, bitmask)
+        self.masks.count_between(len(live), inline, time.perf_counter() - t0)
         return bitmask.to(self.device, non_blocking=True) if on_device else bitmask
