@@ -97,6 +97,11 @@ def group_of(file: str, func: str) -> str:
     return "other"
 
 
+# Seconds in the null sampler (the device's work, run inline on the loop thread): subtracted
+# from a run's wall for "host_us_per_token" (us_per_row_step keeps it, as earlier sections read it).
+STAND_IN = [0.0]
+
+
 def null_sampler(runner_cls):
     """The null device's sampling: per row, an admissible token of the step's bitmask,
     picked by a hash of the fake token among the mask's nonzero words, its lowest bit
@@ -109,6 +114,13 @@ def null_sampler(runner_cls):
 
     class Sampled(runner_cls):  # type: ignore[misc, valid-type]
         def sample_logits(self, result, sb, top_k_logprobs):
+            t0 = time.perf_counter()
+            try:
+                return self._pick(result, sb)
+            finally:
+                STAND_IN[0] += time.perf_counter() - t0
+
+        def _pick(self, result, sb):
             tokens, ok = result.graph_greedy
             if sb.allowed is None:
                 return SampleResult(tokens=tokens, logprobs=None, ok=ok)
@@ -210,6 +222,7 @@ async def one_run(engine, work, arm: str, replay, profile: bool, phases: "Phases
     if phases is not None:
         phases.take()
     prof = cProfile.Profile() if profile else None
+    s0 = STAND_IN[0]
     t0, c0 = time.perf_counter(), time.thread_time()
     if prof:
         prof.enable()
@@ -224,6 +237,8 @@ async def one_run(engine, work, arm: str, replay, profile: bool, phases: "Phases
     out = {"arm": arm, "tokens": tokens, "steps": d.get("steps", 0), "wall_s": wall, "loop_cpu_s": cpu,
            "tok_s": tokens / wall, "ms_per_step": 1e3 * wall / steps, "cpu_ms_per_step": 1e3 * cpu / steps,
            "us_per_row_step": 1e6 * wall / max(tokens, 1),
+           "host_us_per_token": 1e6 * (wall - (STAND_IN[0] - s0)) / max(tokens, 1),
+           "stand_in_us_per_token": 1e6 * (STAND_IN[0] - s0) / max(tokens, 1),
            "mask_rows": d.get("grammar_mask_rows", 0), "late_steps": d.get("grammar_late_mask_steps", 0),
            "fill_us_per_row": 1e6 * d.get("grammar_mask_s", 0.0) / max(d.get("grammar_mask_rows", 0), 1),
            "worker_us_per_row": 1e6 * d.get("grammar_mask_worker_s", 0.0) / max(d.get("grammar_mask_rows", 0), 1),
@@ -285,7 +300,8 @@ async def main_async(args) -> dict:
             for arm in arms:
                 r = dict(await one_run(engine, work, arm, replay, args.profile, phases), repeat=rep)
                 runs.append(r)
-                print(f"rep {rep} {arm}: {r['ms_per_step']:.2f} ms a step ({r['us_per_row_step']:.1f} us a row-step), "
+                print(f"rep {rep} {arm}: {r['ms_per_step']:.2f} ms a step ({r['us_per_row_step']:.1f} us a row-step, "
+                      f"{r['host_us_per_token']:.1f} without the stand-in sampler), "
                       f"{r['steps']} steps, fill {r['fill_us_per_row']:.1f} us a masked row, worker "
                       f"{r['worker_us_per_row']:.1f}" + (f", valid {r['valid']}/{r['requests']}" if arm == "all" else ""),
                       flush=True)
@@ -449,15 +465,19 @@ def compare(args) -> dict:
                 r["repeat"] = rep
                 runs[label].append(r)
                 print(f"{label:8s} rep {rep} {r['arm']}: {r['ms_per_step']:.2f} ms a step, {r['us_per_row_step']:.2f} us "
-                      f"a row-step, {r['steps']} steps, digest {r['digest']}"
+                      f"a row-step ({r['host_us_per_token']:.2f} without the stand-in sampler), {r['steps']} steps, "
+                      f"digest {r['digest']}"
                       + (f", valid {r['valid']}/{r['requests']}" if r["arm"] == "all" else ""), flush=True)
     summary: dict[str, dict] = {}
     for label in labels:
         for arm in args.arms.split(","):
             xs = [r["ms_per_step"] for r in runs[label] if r["arm"] == arm]
             us = [r["us_per_row_step"] for r in runs[label] if r["arm"] == arm]
+            host = [r.get("host_us_per_token", float("nan")) for r in runs[label] if r["arm"] == arm]
             summary[f"{label} {arm}"] = {"ms_per_step_median": statistics.median(xs), "min": min(xs), "max": max(xs),
-                                         "us_per_row_step_median": statistics.median(us), "us_min": min(us), "us_max": max(us)}
+                                         "us_per_row_step_median": statistics.median(us), "us_min": min(us), "us_max": max(us),
+                                         "host_us_median": statistics.median(host), "host_min": min(host),
+                                         "host_max": max(host)}
     for label in labels[1:]:  # paired by repeat, against the first label
         for arm in args.arms.split(","):
             a = [r["ms_per_step"] for r in runs[labels[0]] if r["arm"] == arm]
@@ -466,9 +486,14 @@ def compare(args) -> dict:
             ua = [r["us_per_row_step"] for r in runs[labels[0]] if r["arm"] == arm]
             ub = [r["us_per_row_step"] for r in runs[label] if r["arm"] == arm]
             per_token = [y / x for x, y in zip(ua, ub)]
+            ha = [r.get("host_us_per_token", float("nan")) for r in runs[labels[0]] if r["arm"] == arm]
+            hb = [r.get("host_us_per_token", float("nan")) for r in runs[label] if r["arm"] == arm]
+            host_ratio = [y / x for x, y in zip(ha, hb)]
             summary[f"{label}/{labels[0]} {arm}"] = {"paired_ratio_median": statistics.median(ratios), "min": min(ratios),
                                                       "max": max(ratios), "per_token_ratio_median": statistics.median(per_token),
-                                                      "per_token_min": min(per_token), "per_token_max": max(per_token)}
+                                                      "per_token_min": min(per_token), "per_token_max": max(per_token),
+                                                      "host_ratio_median": statistics.median(host_ratio),
+                                                      "host_ratio_min": min(host_ratio), "host_ratio_max": max(host_ratio)}
             same = {r["digest"] for r in runs[label] if r["arm"] == arm} == {r["digest"] for r in runs[labels[0]] if r["arm"] == arm}
             summary[f"{label}/{labels[0]} {arm}"]["same_tokens"] = same
     for k, v in summary.items():
