@@ -52,6 +52,31 @@ def test_decode_stream_joins_to_the_full_decode(kind, skip):
         assert len(emitted) >= len(tok.decode(ids[:-1], skip)) - 12 and text.startswith(emitted)
 
 
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("skip", [True, False])
+def test_decoders_sharing_decoded_pairs_emit_what_one_alone_emits(kind, skip, monkeypatch):
+    """A tokenizer's decoders keep the two-token windows they decoded (``WindowDecoder``'s
+    pairs, shared): streams after many others, the cache cleared at its bound midway, emit
+    chunk for chunk what a decoder without the cache emits (real texts, random ids with
+    partial characters, byte-fallback runs and special tokens)."""
+    from omni_async.text import detokenize
+
+    monkeypatch.setattr(detokenize, "PAIRS_KEPT", 300)  # cleared several times below
+    tok = HFTokenizer.from_object(train_tokenizer(kind), eos_token_ids=(2,), vocab_size=512)
+    rng = random.Random(11)
+    vocab = tok.backend.get_vocab_size()
+    cases = [tok.encode(t, add_special_tokens=False) for t in MULTIBYTE_TEXTS] * 3
+    cases += [[rng.randrange(vocab) for _ in range(rng.randint(1, 60))] for _ in range(200)]
+    rng.shuffle(cases)
+    pairs = tok._pairs[skip]
+    for ids in cases:
+        shared, alone = tok.decode_stream(skip), tok.decode_stream(skip)
+        alone._pairs = None
+        assert [shared.step(t) for t in ids] == [alone.step(t) for t in ids], (kind, ids)
+        assert len(pairs) <= 300
+    assert pairs
+
+
 def test_byte_tokenizer_stream_decode():
     tok = ByteTokenizer()
     data = "naïve café 日本語 🙂".encode()

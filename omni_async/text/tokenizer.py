@@ -100,6 +100,7 @@ class HFTokenizer:
         self.eos_token = eos
         self.special_tokens: dict[str, str] = {}  # other names a template may use (unk_token, pad_token)
         self._clean: dict[bool, dict[int, str | None]] = {True: {}, False: {}}
+        self._pairs: dict[bool, dict[int, str]] = {True: {}, False: {}}  # (WindowDecoder)
 
     @property
     def backend(self) -> "tokenizers.Tokenizer":
@@ -127,7 +128,7 @@ class HFTokenizer:
             cache[token_id] = text if ok else None
             return cache[token_id]
 
-        return WindowDecoder(self, skip_special_tokens, clean)
+        return WindowDecoder(self, skip_special_tokens, clean, self._pairs[bool(skip_special_tokens)])
 
 
 def load_tokenizer(folder: Path, cfg: "ModelConfig") -> Tokenizer | None:
