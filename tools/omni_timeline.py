@@ -189,7 +189,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--streams", type=int, default=64)
+    ap.add_argument("--streams", type=int, default=None, help="replies started together (default 64; 4 with --smoke)")
     ap.add_argument("--prompt", type=int, default=100, help="chat prompt tokens")
     ap.add_argument("--reply", type=int, default=100, help="text tokens a reply")
     ap.add_argument("--frames", type=int, default=125, help="speech frames a reply")
@@ -202,7 +202,8 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.smoke:
-        args.device, args.dtype, args.streams, args.prompt, args.reply, args.frames = "cpu", "float32", 4, 40, 8, 6
+        args.device, args.dtype, args.prompt, args.reply, args.frames = "cpu", "float32", 40, 8, 6
+    args.streams = args.streams or (4 if args.smoke else 64)
     with tempfile.TemporaryDirectory() as tmp:
         result = asyncio.run(main_async(args, make_folder(Path(tmp) / "qwen3-omni-random", args.smoke)))
     if args.out:
