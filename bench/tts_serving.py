@@ -136,7 +136,17 @@ def summarise(results: list[dict], wall: float, arrivals: int | None = None, sin
         "refused": refused,
         "unfinished": arrivals - len(results),
         "C100_of_arrivals": round(float((gaps <= 100).sum()) / arrivals, 4) if arrivals else None,
+        "slowest_first_packets": slowest_first_packets(done, since),
     }
+
+
+def slowest_first_packets(done: list[dict], since: float | None, n: int = 8) -> list[dict]:
+    """The ``n`` slowest first packets: when each request was sent (seconds after the level's
+    clock started; negative: before), its TTFP and its audio (where a p99 comes from)."""
+    base = since if since is not None else min((r["t0"] for r in done), default=0.0)
+    rows = [{"sent_s": round(r["t0"] - base, 3), "ttfp_ms": round(1000 * (r["arrivals"][0][0] - r["t0"]), 1),
+             "audio_s": round(r["audio_s"], 2)} for r in done if r["arrivals"]]
+    return sorted(rows, key=lambda x: -x["ttfp_ms"])[:n]
 
 
 async def level(send, streams: int, requests: int, warmup: int, texts: list[str], offset: int) -> tuple[dict, float]:
