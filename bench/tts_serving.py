@@ -233,6 +233,8 @@ async def run(args) -> dict:
         limits["codec_stream"] = args.codec_stream
     if args.codec_sms is not None:
         limits["codec_sms"] = args.codec_sms
+    if args.gc == "server":  # what `omni-async serve` sets by default
+        limits.update(gc_freeze=True, gc_gen0_threshold=10_000)
     if args.codec_max_frames is not None:  # (at load too: the codec's graphs are captured for its rounds)
         limits["schedule"] = {"codec_max_frames": args.codec_max_frames}
     if args.fused_snake is not None:
@@ -461,6 +463,8 @@ def main() -> None:
     ap.add_argument("--codec-graphs", choices=("on", "off"), default=None, help="the codec's calls as CUDA graphs (default: the pipeline's)")
     ap.add_argument("--codec-sms", type=int, default=None,
                     help="CUDA: the codec's kernels on at most this many SMs (a green context; default all)")
+    ap.add_argument("--gc", choices=("default", "server"), default="default",
+                    help="the cyclic GC: Python's settings (the Python API's default) or the server's (gc_freeze, first threshold 10,000)")
     ap.add_argument("--codec-stream", choices=("own", "talker"), default=None,
                     help="CUDA: the codec's calls on a stream of their own (the default) or between the talker's steps on its stream")
     ap.add_argument("--codec-max-frames", type=int, default=None,
