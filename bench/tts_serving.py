@@ -136,7 +136,17 @@ def summarise(results: list[dict], wall: float, arrivals: int | None = None, sin
         "refused": refused,
         "unfinished": arrivals - len(results),
         "C100_of_arrivals": round(float((gaps <= 100).sum()) / arrivals, 4) if arrivals else None,
+        "slowest_first_packets": slowest_first_packets(done, since),
     }
+
+
+def slowest_first_packets(done: list[dict], since: float | None, n: int = 8) -> list[dict]:
+    """The ``n`` slowest first packets: when each request was sent (seconds after the level's
+    clock started; negative: before), its TTFP and its audio (where a p99 comes from)."""
+    base = since if since is not None else min((r["t0"] for r in done), default=0.0)
+    rows = [{"sent_s": round(r["t0"] - base, 3), "ttfp_ms": round(1000 * (r["arrivals"][0][0] - r["t0"]), 1),
+             "audio_s": round(r["audio_s"], 2)} for r in done if r["arrivals"]]
+    return sorted(rows, key=lambda x: -x["ttfp_ms"])[:n]
 
 
 async def level(send, streams: int, requests: int, warmup: int, texts: list[str], offset: int) -> tuple[dict, float]:
@@ -223,6 +233,8 @@ async def run(args) -> dict:
         limits["codec_stream"] = args.codec_stream
     if args.codec_sms is not None:
         limits["codec_sms"] = args.codec_sms
+    if args.gc == "server":  # what `omni-async serve` sets by default
+        limits.update(gc_freeze=True, gc_gen0_threshold=10_000)
     if args.codec_max_frames is not None:  # (at load too: the codec's graphs are captured for its rounds)
         limits["schedule"] = {"codec_max_frames": args.codec_max_frames}
     if args.fused_snake is not None:
@@ -451,6 +463,8 @@ def main() -> None:
     ap.add_argument("--codec-graphs", choices=("on", "off"), default=None, help="the codec's calls as CUDA graphs (default: the pipeline's)")
     ap.add_argument("--codec-sms", type=int, default=None,
                     help="CUDA: the codec's kernels on at most this many SMs (a green context; default all)")
+    ap.add_argument("--gc", choices=("default", "server"), default="default",
+                    help="the cyclic GC: Python's settings (the Python API's default) or the server's (gc_freeze, first threshold 10,000)")
     ap.add_argument("--codec-stream", choices=("own", "talker"), default=None,
                     help="CUDA: the codec's calls on a stream of their own (the default) or between the talker's steps on its stream")
     ap.add_argument("--codec-max-frames", type=int, default=None,

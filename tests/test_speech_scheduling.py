@@ -251,3 +251,16 @@ async def test_a_duplicate_request_id_is_refused_and_the_open_stream_carries_on(
         alone = await tts.synthesize(TEXTS[0], voice="ryan", params=params)
         assert torch.equal(torch.cat([c.codes for c in chunks]), alone.codes)
         await _idle(tts)
+
+
+def test_gc_freeze_freezes_the_heap_once_the_speech_pipeline_is_built():
+    """``gc_freeze`` (the server's command line turns it on) freezes what the pipeline's
+    build made, as it does for an engine; off by default. It was accepted and ignored."""
+    gc.unfreeze()
+    try:
+        SpeechPipeline.from_pretrained("tiny", gc_freeze=True)
+        assert gc.get_freeze_count() > 1000  # torch's, the talker's and the codec's objects
+    finally:
+        gc.unfreeze()
+    SpeechPipeline.from_pretrained("tiny")
+    assert gc.get_freeze_count() == 0

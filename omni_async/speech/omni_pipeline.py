@@ -33,6 +33,7 @@ import anyio
 import torch
 
 from .. import errors
+from ..client.heap import configure_gc
 from ..config import SamplingParams
 from ..core.policy import DeadlinePolicy
 from ..engine import Engine
@@ -147,8 +148,13 @@ class OmniPipeline:
                                       seed=None if drawn is None else drawn.seed)
         thinker = Engine.from_pretrained(str(folder), device=device, loop=loop, dtype=dtype, seed=seed,
                                          hidden_states_layer=cfg.accept_hidden_layer, **(thinker_limits or {}))
-        return cls(thinker, talker, codec, first_chunk_frames=first_chunk_frames, max_chunk_frames=max_chunk_frames,
-                   stream_talker=stream_talker, codec_graphs=codec_graphs, input_thread=input_thread, hearing=hearing)
+        pipeline = cls(thinker, talker, codec, first_chunk_frames=first_chunk_frames, max_chunk_frames=max_chunk_frames,
+                       stream_talker=stream_talker, codec_graphs=codec_graphs, input_thread=input_thread, hearing=hearing)
+        # The thinker's GC options again, once the talker's and the codec's objects exist too
+        # (Engine.from_pretrained applied them when the thinker was built).
+        config = thinker.scheduler.config
+        configure_gc(config.gc_freeze, config.gc_gen0_threshold, str(talker.runner.device))
+        return pipeline
 
     @classmethod
     async def load(cls, folder: str | Path, **kwargs: Any) -> "OmniPipeline":

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from .. import errors
+from ..client.heap import configure_gc
 from ..core.policy import DeadlinePolicy, FCFSPolicy, SchedulingPolicy
 from ..logs import log
 from .admission import FrameClock, SpeechAdmission
@@ -112,8 +113,13 @@ class SpeechPipeline:
         else:
             codec = CodecDecoder.random(_codec_config(builtin_name(path_or_name) or ""), device=dev, dtype=torch.float32 if dev.type == "cpu" else dt,
                                         seed=seed)
-        return cls(stage, codec, first_chunk_frames=first_chunk_frames, max_chunk_frames=max_chunk_frames, codec_graphs=codec_graphs,
-                   schedule=schedule, codec_stream=codec_stream, codec_sms=codec_sms)
+        pipeline = cls(stage, codec, first_chunk_frames=first_chunk_frames, max_chunk_frames=max_chunk_frames, codec_graphs=codec_graphs,
+                       schedule=schedule, codec_stream=codec_stream, codec_sms=codec_sms)
+        # The GC options as Engine.from_pretrained applies them, once the codec's graphs are
+        # made too (``gc_freeze``: what the server's command line turns on by default).
+        config = stage.engine.scheduler.config
+        configure_gc(config.gc_freeze, config.gc_gen0_threshold, str(dev))
+        return pipeline
 
     @classmethod
     async def load(cls, path_or_name: str, **kwargs: Any) -> "SpeechPipeline":
