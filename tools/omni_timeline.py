@@ -11,7 +11,8 @@ prefill pieces replayed so far); every pass of the talker's input (prompts or te
 every codec round. Printed: the milestones' p50 / max, then for the window from the first
 talker request to the last first chunk the talker's steps one by one (what each ran, how
 long it took), the thinker's steps and the codec's rounds in it, and with ``--trace`` on
-CUDA the kernel time of each CUDA stream in a profiler window over the same burst.
+CUDA the kernel time of each CUDA stream in a profiler window from the burst's start
+(``--trace-s``).
 
     python tools/omni_timeline.py --device cuda --streams 64 --trace
     python tools/omni_timeline.py --smoke
@@ -146,6 +147,13 @@ def burst(rec: Recorder, replies: dict[str, dict], t0: float) -> dict:
     return out
 
 
+async def _stop_after(prof: Any, seconds: float) -> None:
+    """End the profiler's window ``seconds`` into the burst (a whole burst's kernels make a
+    trace of hundreds of MB)."""
+    await asyncio.sleep(seconds)
+    prof.__exit__(None, None, None)
+
+
 async def main_async(args: argparse.Namespace, folder: Path) -> dict:
     raw = json.loads((folder / "config.json").read_text())
     limits = dict(max_running_requests=max(64, args.streams))
@@ -169,9 +177,10 @@ async def main_async(args: argparse.Namespace, folder: Path) -> dict:
                 prof.__enter__()
             t0 = time.perf_counter()
             ids = [f"omni-timeline-{n}-{i}" for i in range(args.streams)]
+            stop = asyncio.ensure_future(_stop_after(prof, args.trace_s)) if prof is not None else None
             done = await asyncio.gather(*(reply(pipe, rid, p, args) for rid, p in zip(ids, prompts)))
-            if prof is not None:
-                prof.__exit__(None, None, None)
+            if stop is not None:
+                await stop
             out = burst(rec, dict(zip(ids, done)), t0)
             out["wall_ms"] = _ms(time.perf_counter() - t0)
             if prof is not None:
@@ -195,6 +204,7 @@ def main() -> None:
     ap.add_argument("--frames", type=int, default=125, help="speech frames a reply")
     ap.add_argument("--repeats", type=int, default=1, help="bursts, one after another")
     ap.add_argument("--trace", action="store_true", help="CUDA: kernel time by stream over each burst (torch.profiler)")
+    ap.add_argument("--trace-s", type=float, default=1.5, help="the profiler's window from the burst's start, seconds")
     ap.add_argument("--print-steps", type=int, default=60, help="the talker's steps printed one by one")
     ap.add_argument("--thinker-kv-tokens", type=int, default=16384)
     ap.add_argument("--talker-kv-tokens", type=int, default=16384)
