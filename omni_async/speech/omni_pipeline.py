@@ -27,7 +27,7 @@ import itertools
 import json
 import uuid
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable, TypeVar
+from typing import Any, AsyncIterator, Callable
 
 import anyio
 import torch
@@ -57,7 +57,6 @@ from .stage import SpeechStage
 
 __all__ = ["OmniPipeline", "OmniDelta", "OmniResult"]
 
-T = TypeVar("T")
 
 # The voice a request without one speaks in (the reference's default), when the
 # checkpoint has it; else its first voice by name.
@@ -314,10 +313,6 @@ class OmniPipeline:
     @input_thread.setter
     def input_thread(self, threaded: bool) -> None:
         self.input.threaded = threaded
-
-    async def device_work(self, fn: Callable[..., T], *args: Any) -> T:
-        """``fn(*args)`` where the talker's input is built (:meth:`TalkerInput.work`)."""
-        return await self.input.work(fn, *args)
 
     async def text_rows(self, tokens: list[int]) -> torch.Tensor:
         """The talker's text rows of thinker ``tokens``, built with every other reply's
