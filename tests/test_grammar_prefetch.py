@@ -1,7 +1,9 @@
 """Grammar masks computed ahead on the mask worker (``structured.prefetch``): the mask a
 step takes from the worker equals the one computed on the spot at every position, a
 matcher accepting a token queues its next mask, forced positions are counted, and in an
-engine every constrained row's mask came from the worker, not the launching thread."""
+engine every constrained row's mask came from the worker, not the launching thread.
+Forced runs and the pool are llguidance's: those tests pin it (xgrammar, the default where
+installed, gives no forced runs; its worker calls: tests/test_xgrammar_backend.py)."""
 
 # These tests are about rows that sample under their masks: optimistic_grammar=False keeps every
 # constrained row there (rows that sample first: tests/test_optimistic_grammar.py).
@@ -32,7 +34,7 @@ def inline_mask(matcher: GrammarMatcher, words: int) -> np.ndarray:
 
 def test_worker_masks_equal_masks_computed_on_the_spot():
     tok = ByteTokenizer()
-    compiler = GrammarCompiler(tok, tok.vocab_size)
+    compiler = GrammarCompiler(tok, tok.vocab_size, backend="llguidance")
     words = (tok.vocab_size + 31) // 32
     try:
         ahead = compiler.matcher(("regex", REGEX))
@@ -64,6 +66,7 @@ def test_a_closed_worker_leaves_masks_to_the_fill():
     assert not m.accept(ord("a")) and m.next_mask() is None
 
 
+@pytest.mark.usefixtures("llguidance")  # forced runs found by llguidance's compute_ff_tokens
 @pytest.mark.parametrize("loop", ["normal", "async_decode"])
 async def test_engine_masks_come_from_the_worker(loop):
     constrained = [SamplingParams(max_new_tokens=16, regex=REGEX, temperature=1.0, seed=s) for s in range(4)]
@@ -90,7 +93,7 @@ def test_a_steps_rows_go_to_the_worker_as_one_call(threads):
     worker also asks for the forced run at '-' ('-', 'x'): the rows accepting '-' then know
     their next mask (one bit, 'x') and queue nothing; the pool computes masks only."""
     tok = ByteTokenizer()
-    compiler = GrammarCompiler(tok, tok.vocab_size)
+    compiler = GrammarCompiler(tok, tok.vocab_size, backend="llguidance")
     compiler.masks.threads = threads  # the pool is the engine's choice on 8+ CPUs only
     words = (tok.vocab_size + 31) // 32
     try:
@@ -112,6 +115,7 @@ def test_a_steps_rows_go_to_the_worker_as_one_call(threads):
         compiler.close()
 
 
+@pytest.mark.usefixtures("llguidance")  # llguidance's pool (xgrammar's rows take one call of their own)
 @pytest.mark.parametrize("loop,threads", [("normal", None), ("overlap", 2)])
 async def test_engine_queues_a_steps_masks_as_one(loop, threads, monkeypatch):
     """8 constrained requests side by side: the worker's calls are bounded by the steps
@@ -179,7 +183,7 @@ def test_masks_known_from_forced_runs_equal_the_librarys(seed):
     import json
 
     tok = ByteTokenizer()
-    compiler = GrammarCompiler(tok, tok.vocab_size)
+    compiler = GrammarCompiler(tok, tok.vocab_size, backend="llguidance")
     words = (tok.vocab_size + 31) // 32
     rng = np.random.default_rng(seed)
     try:

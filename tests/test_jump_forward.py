@@ -6,6 +6,9 @@ three loops, with and without multi-step decodes), the skipped tokens are counte
 
 # These tests are about rows that sample under their masks: optimistic_grammar=False keeps every
 # constrained row there (rows that sample first: tests/test_optimistic_grammar.py).
+# The forced runs are llguidance's (``compute_ff_tokens``): every test pins it (xgrammar, the
+# default where installed, gives none; its jumps, found from one-token masks, are checked in
+# tests/test_xgrammar_backend.py).
 
 from __future__ import annotations
 
@@ -29,6 +32,7 @@ SCHEMA = {
     "additionalProperties": False,
 }
 LOOPS = ["normal", "overlap", "async_decode"]
+pytestmark = pytest.mark.usefixtures("llguidance")
 PROMPTS = [f"record {i}:" for i in range(8)]
 FREE = SamplingParams(max_new_tokens=24, ignore_eos=True)
 GREEDY = SamplingParams(max_new_tokens=64, json_schema=SCHEMA)
@@ -103,7 +107,7 @@ def test_a_jump_takes_its_run_from_the_parser_state_without_the_mask_worker():
     from omni_async.text.tokenizer import ByteTokenizer
 
     tok = ByteTokenizer()
-    compiler = GrammarCompiler(tok, tok.vocab_size)
+    compiler = GrammarCompiler(tok, tok.vocab_size, backend="llguidance")
     words = (tok.vocab_size + 31) // 32
     release = threading.Event()
     real = compiler.masks._compute

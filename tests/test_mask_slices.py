@@ -55,7 +55,7 @@ def spread_matchers(compiler: GrammarCompiler, n: int, seed: int) -> list[Gramma
 @pytest.fixture
 def compiler():
     tok = ByteTokenizer()
-    c = GrammarCompiler(tok, tok.vocab_size)
+    c = GrammarCompiler(tok, tok.vocab_size, backend="llguidance")  # the slices serve llguidance's rows
     yield c
     c.close()
 
@@ -209,6 +209,7 @@ async def generate_all(loop: str) -> tuple[list, dict]:
     return results, info
 
 
+@pytest.mark.usefixtures("llguidance")  # the slices serve llguidance's rows (xgrammar's: one call of its own)
 async def test_engine_outputs_unchanged_with_slices_under_every_loop(monkeypatch):
     monkeypatch.delenv("OMNI_ASYNC_GRAMMAR_THREADS", raising=False)
     reference, info = await generate_all("normal")

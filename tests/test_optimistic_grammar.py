@@ -269,6 +269,7 @@ class FailsWhenTaken(FailsAt):
 
 
 
+@pytest.mark.usefixtures("llguidance")  # llguidance's lazy failure, through its matcher's validate_tokens
 async def test_a_grammar_failing_while_its_row_samples_first_ends_that_request_alone(monkeypatch):
     """llguidance's lazy compilation failing at the 4th token a row's grammar admits (taken
     after sampling, or under the mask after a refusal): that request alone ends with a
@@ -305,7 +306,7 @@ def test_a_failure_met_while_taking_tokens_refuses_the_grammar_from_then_on():
     from omni_async.text.tokenizer import ByteTokenizer
 
     tok = ByteTokenizer()
-    compiler = GrammarCompiler(tok, tok.vocab_size)
+    compiler = GrammarCompiler(tok, tok.vocab_size, backend="llguidance")  # (its matcher's validate_tokens, wrapped)
     key = ("regex", "[a-z]{4,40}")
     m = compiler.matcher(key)
     m.handle  # its first mask computed, then the library's matcher wrapped

@@ -1,12 +1,11 @@
-"""Grammars through llguidance: compile once per grammar, one matcher per request.
+"""Grammars through llguidance and xgrammar: compile once per grammar, one matcher per request.
 
-Why llguidance: measured against xgrammar on SmolLM2's 49k vocabulary (``7166a36:bench/probes/grammar_libraries.py``,
-docs/notes/constrained-decoding.md), it compiles a typical JSON schema in about a millisecond where xgrammar takes
-hundreds, its per-step batch mask time is as low at the median and far lower at the tail, and it installs as one 8 MB
-wheel with no dependencies (xgrammar brings Triton, ~1 GB, on Linux).
+llguidance takes every grammar (EBNF/Lark, regexes, JSON schemas with its ``x-guidance`` options) and compiles in
+about a millisecond; xgrammar, the default where installed (:func:`.xgrammar_backend.chosen`), takes JSON schemas and
+regexes, whose masks it computes at under half llguidance's host time a token (:mod:`.xgrammar_backend`).
 
 A compiled grammar is kept as a *template* matcher, validated once; each request takes a copy of it. Compiling (and,
-the first time, building llguidance's view of the tokenizer, about a second for a 49k vocabulary) runs on this
+the first time, building the library's view of the tokenizer, about a second for a 49k vocabulary) runs on this
 compiler's own thread, never on the event loop: :class:`~omni_async.structured.gate.GrammarGate` holds a request back
 until its grammar is ready."""
 
@@ -291,7 +290,7 @@ class GrammarCompiler:
                  backend: str | None = None) -> None:
         """``backend``: ``"xgrammar"`` compiles JSON schemas and regexes with xgrammar where
         it takes them (:mod:`.xgrammar_backend`), llguidance the rest; ``"llguidance"``
-        everything; None: as ``OMNI_ASYNC_GRAMMAR_BACKEND`` says (llguidance by default)."""
+        everything; None: as ``OMNI_ASYNC_GRAMMAR_BACKEND`` says, xgrammar where installed."""
         self._tokenizer = tokenizer
         self.vocab_size = vocab_size
         self._cache_size = cache_size
@@ -299,7 +298,7 @@ class GrammarCompiler:
         self._lock = threading.Lock()
         self._lltok: Any = None
         self._vocab: TokenVocab | None = None
-        self.backend = backend or xgrammar_backend.chosen()
+        self.backend = xgrammar_backend.chosen(backend)  # (an unknown name: ConfigError, at the engine's build)
         self._xgr: Any = None  # xgrammar's view of the tokenizer (built on first use)
         self.compiles = 0
         self.xgrammar_templates = 0  # grammars xgrammar compiled (the others: llguidance)
@@ -407,14 +406,15 @@ class GrammarCompiler:
         return matcher
 
     def _xgrammar_template(self, kind: str, text: str) -> Any:
-        """xgrammar's template matcher, or None where it refuses the grammar (or is not
-        installed): llguidance then compiles it, and refuses it with its own message."""
+        """xgrammar's template matcher, or None where it refuses the grammar (llguidance then compiles it, and
+        refuses it with its own message) or does not import (llguidance then takes every grammar; ``info()`` says so)."""
         try:
             self._xgr = self._xgr or xgrammar_backend.XGrammarLibrary(self._token_vocab())
             template = self._xgr.compile(kind, text)
         except InvalidRequestError:
             raise  # the tokenizer cannot be read: no library can take it
         except Exception:
+            self.backend = "llguidance" if xgrammar_backend.loaded() is None else self.backend
             return None
         self.xgrammar_templates += 1
         return template

@@ -8,8 +8,11 @@ few us (``tools/grammar_libraries.py``: on the bench's schema, SmolLM2's vocabul
 2.5 against 31-40 us a row on one thread of a 2-core VM; bench/RESULTS.md). What it costs
 instead: a compile of tens to hundreds of ms that holds the GIL (llguidance's ~1 ms does
 not), a wheel that requires Triton on Linux, and GBNF only (no Lark, no ``x-guidance``
-options). Hence opt-in (``OMNI_ASYNC_GRAMMAR_BACKEND=xgrammar``, :func:`chosen`), and only
-for what it can serve the same way: JSON schemas (written with ", " and ": " and no other
+options). Through the engine an all-constrained token's host time was 9.4 against 23 us on
+that VM, and an H100's all-constrained batch reached 0.410 of free against llguidance's
+0.247 in the same run (0.218 at best since; bench/RESULTS.md, issue 61). Hence the default where it is installed
+(:func:`chosen`; ``OMNI_ASYNC_GRAMMAR_BACKEND=llguidance`` asks for llguidance alone), and
+only for what it can serve the same way: JSON schemas (written with ", " and ": " and no other
 whitespace, as llguidance writes them) and regexes; EBNF, schemas with their own
 ``x-guidance`` options or a string ``pattern`` / ``format`` (compiled by xgrammar's own
 regex, which admits UTF-16 surrogates: see ``_JSON_STRING_CHAR``), and anything xgrammar
@@ -29,6 +32,9 @@ Semantics kept equal to llguidance's, so every other part of the engine is uncha
 from __future__ import annotations
 
 import ctypes
+import functools
+import importlib
+import importlib.util
 import os
 import re
 import threading
@@ -36,16 +42,50 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from ..errors import ConfigError
+from ..logs import log
 from .library import JSON_DEFAULTS
 from .vocab import TokenVocab
 
 BACKEND_ENV = "OMNI_ASYNC_GRAMMAR_BACKEND"
+BACKENDS = ("llguidance", "xgrammar")
 
 
-def chosen() -> str:
-    """The grammar library asked for: ``xgrammar`` where ``OMNI_ASYNC_GRAMMAR_BACKEND`` says
-    so, else ``llguidance`` (the default, and for any other value)."""
-    return "xgrammar" if os.environ.get(BACKEND_ENV, "").strip().lower() == "xgrammar" else "llguidance"
+def chosen(asked: str | None = None) -> str:
+    """The grammar library of a compiler: ``asked`` (``GrammarCompiler(backend=)``) when
+    given, else ``OMNI_ASYNC_GRAMMAR_BACKEND``; unset or empty, xgrammar where it is
+    installed (its host time a constrained token is under half llguidance's: module
+    docstring), else llguidance. Any other name is a :class:`~omni_async.errors.ConfigError`
+    (the engine's build reads it): a misspelt name would otherwise quietly pick a library."""
+    name = (os.environ.get(BACKEND_ENV, "") if asked is None else asked).strip().lower()
+    if not name:
+        return "xgrammar" if installed() else "llguidance"
+    if name not in BACKENDS:
+        source = "GrammarCompiler(backend=)" if asked is not None else BACKEND_ENV
+        raise ConfigError(f"{source} must be one of {', '.join(BACKENDS)} (or empty: xgrammar where installed), got {name!r}")
+    return name
+
+
+@functools.cache
+def installed() -> bool:
+    """Whether xgrammar can be found, without importing it (its import takes ~1 s; an
+    engine that never sees a grammar should not pay it). Asked once a process."""
+    try:
+        return importlib.util.find_spec("xgrammar") is not None
+    except (ImportError, ValueError):  # a parent that fails, or a module entry set to None
+        return False
+
+
+@functools.cache
+def loaded() -> Any:
+    """The xgrammar module, imported once, on the first grammar it could take; None where
+    the import fails (a broken wheel, a missing Triton): llguidance then takes every
+    grammar, as if xgrammar were not installed, instead of each request failing."""
+    try:
+        return importlib.import_module("xgrammar")
+    except Exception as exc:
+        log.warning("xgrammar_import_failed", error=f"{type(exc).__name__}: {exc}", fallback="llguidance")
+        return None
 
 
 def serves(kind: str, text: str) -> bool:
@@ -61,8 +101,9 @@ class XGrammarLibrary:
     compiles. ``compile`` raises what xgrammar raises for a grammar it refuses."""
 
     def __init__(self, vocab: TokenVocab) -> None:
-        import xgrammar
-
+        xgrammar = loaded()
+        if xgrammar is None:
+            raise ImportError("xgrammar could not be imported")
         self._xgr = xgrammar
         self.words = (vocab.size + 31) // 32
         self.stop_ids = tuple(vocab.eos_ids)
@@ -233,7 +274,5 @@ def fill_masks(handles: Sequence[XGrammarHandle], masks: np.ndarray, rows: Seque
         by_threads = _BATCHES.by_threads = {}
     batch = by_threads.get(threads)
     if batch is None:
-        import xgrammar
-
-        batch = by_threads[threads] = xgrammar.BatchGrammarMatcher(max_threads=max(1, threads))
+        batch = by_threads[threads] = loaded().BatchGrammarMatcher(max_threads=max(1, threads))
     batch.batch_fill_next_token_bitmask([handles[j]._m for j in live], masks, [at[j] for j in live])
