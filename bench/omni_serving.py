@@ -31,9 +31,20 @@ before them ran out); GPU busy % (NVML, when pynvml imports); peak device memory
 tensors, GB; and the whole process as NVML sees it, GiB). Saves the JSON
 to ``--out``.
 
+``--repeats N`` (default 1) runs every (concurrency, arm) level N times on the one
+pipeline, built and warmed once, interleaved (repeat 0 of every concurrency and arm, then
+repeat 1, ...), each repeat a fresh burst of new prompts: one burst of 64 is too noisy to
+tell two commits apart (TTFP p50 1.1 s against 1.9 s, C100 0% against 100%, for one
+commit in two leases). Each run's line carries its ``repeat``; all runs stay in the JSON's
+``levels``. After the runs a table, saved as the JSON's ``summary`` (one entry per arm and
+concurrency), gives the median and [min-max] over the repeats of TTFP p50, RTF p50,
+audio-s/s, C100, underruns and the worst gaps' p50; compare commits by the medians, and
+take a difference inside both ranges as noise.
+
     python bench/omni_serving.py --device cuda --concurrency 1,8,32,64 --out bench/results/omni_serving.json
+    python bench/omni_serving.py --device cuda --concurrency 64 --repeats 3   # 3 bursts, median and range
     python bench/omni_serving.py --device cuda --concurrency 64 --requests-per-stream 3   # the steady state
-    python bench/omni_serving.py --smoke      # CPU, a tiny config: checks the script runs
+    python bench/omni_serving.py --smoke --repeats 2   # CPU, a tiny config: checks the script runs
 """
 
 from __future__ import annotations
@@ -44,6 +55,7 @@ import itertools
 import json
 import platform
 import random
+import statistics
 import sys
 import tempfile
 import time
@@ -224,6 +236,43 @@ def _r(value: float | None, digits: int = 1) -> float | None:
     return None if value is None else round(value, digits)
 
 
+# The figures the summary gives over the repeats: (key, the table's heading).
+SUMMARY = (("ttfp_p50_ms", "TTFP p50 ms"), ("rtf_p50", "RTF p50"), ("audio_s_per_s", "audio-s/s"), ("c100", "C100"),
+           ("underruns", "underruns"), ("worst_gap_p50_ms", "worst gap p50 ms"))
+
+
+def summarize(rows: list[dict]) -> list[dict]:
+    """One entry per (concurrency, arm), in the order the levels first ran: the runs'
+    count and each of ``SUMMARY``'s figures as {median, min, max} over the runs that have
+    it (None when none has)."""
+    groups: dict[tuple[int, str], list[dict]] = {}
+    for row in rows:
+        groups.setdefault((row["streams"], row["arm"]), []).append(row)
+    out = []
+    for (streams, arm), runs in groups.items():
+        entry: dict = {"arm": arm, "streams": streams, "runs": len(runs)}
+        for key, _ in SUMMARY:
+            values = [run[key] for run in runs if run.get(key) is not None]
+            entry[key] = {"median": round(statistics.median(values), 3), "min": min(values), "max": max(values)} if values else None
+        out.append(entry)
+    return out
+
+
+def summary_table(summary: list[dict]) -> str:
+    """``summarize``'s entries as a plain-text table: median [min-max] a cell."""
+    def cell(figure: dict | None) -> str:
+        if figure is None:
+            return "-"
+        if figure["min"] == figure["max"]:
+            return f"{figure['median']:g}"
+        return f"{figure['median']:g} [{figure['min']:g}-{figure['max']:g}]"
+
+    head = ["arm", "C", "runs", *(title for _, title in SUMMARY)]
+    body = [[e["arm"], str(e["streams"]), str(e["runs"]), *(cell(e[key]) for key, _ in SUMMARY)] for e in summary]
+    widths = [max(len(line[i]) for line in [head, *body]) for i in range(len(head))]
+    return "\n".join("  ".join(v.ljust(w) for v, w in zip(line, widths)).rstrip() for line in [head, *body])
+
+
 async def main_async(args: argparse.Namespace, folder: Path) -> dict:
     raw = json.loads((folder / "config.json").read_text())
     # Every stage's KV sized, not the device's free memory: the thinker loads first and
@@ -240,19 +289,24 @@ async def main_async(args: argparse.Namespace, folder: Path) -> dict:
         for arm in args.arms:  # warm-up: every stage's first calls
             pipe.stream_talker = arm == "streamed"
             await level(pipe, [chat_prompt(raw, args.prompt, rng)], warm)
-        for c in args.concurrency:
-            prompts = [chat_prompt(raw, args.prompt, rng) for _ in range(c * args.requests_per_stream)]
-            for arm in args.arms:
-                pipe.stream_talker = arm == "streamed"
-                row = {"arm": arm, **await level(pipe, prompts, args, c)}
-                print(json.dumps(row), flush=True)
-                rows.append(row)
+        # Repeats interleaved: every level's repeat r before any level's r + 1, each a fresh
+        # burst of new prompts on the same warmed pipeline.
+        for repeat in range(args.repeats):
+            for c in args.concurrency:
+                prompts = [chat_prompt(raw, args.prompt, rng) for _ in range(c * args.requests_per_stream)]
+                for arm in args.arms:
+                    pipe.stream_talker = arm == "streamed"
+                    row = {"arm": arm, "repeat": repeat, **await level(pipe, prompts, args, c)}
+                    print(json.dumps(row), flush=True)
+                    rows.append(row)
+    summary = summarize(rows)
+    print(f"\nover {args.repeats} repeat(s): median [min-max]\n" + summary_table(summary), flush=True)
     return {"benchmark": "omni_serving", "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "machine": platform.node(),
             "device": torch.cuda.get_device_name() if args.device == "cuda" else platform.processor(), "torch": torch.__version__,
-            "config": {k: v for k, v in vars(args).items()}, "levels": rows}
+            "config": {k: v for k, v in vars(args).items()}, "levels": rows, "summary": summary}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="bfloat16")
@@ -262,6 +316,9 @@ def main() -> None:
     ap.add_argument("--requests-per-stream", type=int, default=1,
                     help="replies each of the C clients asks for in turn (1: C started together, all measured; more: "
                          "a closed loop, the first C to end left out, the steady state measured)")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="runs of every (concurrency, arm) level, interleaved, each a fresh burst on the one warmed pipeline; "
+                         "a summary gives each figure's median and [min-max] over them")
     ap.add_argument("--prompt", type=int, default=100, help="chat prompt tokens")
     ap.add_argument("--reply", type=int, default=100, help="text tokens a reply")
     ap.add_argument("--frames", type=int, default=125, help="speech frames a reply (10 s)")
@@ -271,7 +328,9 @@ def main() -> None:
     ap.add_argument("--folder", default=None, help="where config.json and random_weights.json go (default: a temporary folder)")
     ap.add_argument("--smoke", action="store_true", help="CPU, a tiny config, few tokens: checks the script runs")
     ap.add_argument("--out", default="bench/results/omni_serving.json")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    if args.repeats < 1:
+        ap.error("--repeats must be at least 1")
     if args.smoke:
         args.device, args.dtype, args.concurrency, args.prompt, args.reply, args.frames = "cpu", "float32", [1, 3], 40, 8, 6
     with tempfile.TemporaryDirectory() as tmp:
