@@ -88,6 +88,16 @@ for i, (lens, heads, kv_heads, dim, ps, block, splits, min_len) in enumerate((
         assert err < 1e-2, ("fp16", err)
     checked += 1
 
+# A caller's own block (the code predictor: one 16-position page a row, read in one
+# block of 16 rather than the default block of mostly masked positions).
+pd.DECODE_BLOCK_N, pd.DECODE_MIN_SPLIT_LEN, pd.DECODE_PREFETCH = 128, 0, False
+q, kc, vc, tables, kv_lens = make_case([1, 7, 16, 16], 4, 2, 32, 16, gen)
+tables = tables[:, :1].contiguous()
+want = reference(q, kc, vc, tables, kv_lens, 16, 32 ** -0.5)
+got = pd.paged_decode_attention(q, kc, vc, tables, kv_lens, 16, 32 ** -0.5, block_n=16)
+assert (got.double() - want).abs().max().item() < 1e-5, "block_n=16"
+checked += 1
+
 # The automatic split count follows the batch and the head count, never the lengths.
 pd.DECODE_SPLITS = None
 assert pd.decode_splits(1, 2, 132) == pd.DECODE_MAX_SPLITS
@@ -160,3 +170,29 @@ def test_default_split_count_on_cuda(bsz):
     bf = [t.to("cuda", torch.bfloat16) for t in (q, kc, vc)]
     got = paged_decode_attention(*bf, tables.cuda(), kv_lens.cuda(), ps, dim**-0.5)
     assert (got.double().cpu() - want).abs().max().item() < 3e-2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled kernel needs a GPU")
+@pytest.mark.parametrize("bsz", [1, 64])
+def test_a_one_page_block_on_cuda(bsz):
+    """The code predictor's launch (16 query heads, 8 KV heads, head dim 128, one
+    16-position page a row, read in a block of 16) against the reference, in float32 and
+    bfloat16, and equal to the default block's result."""
+    from omni_async.kernels.paged_decode import paged_decode_attention
+
+    scope: dict = {}
+    exec(CASES, scope)
+    gen = torch.Generator().manual_seed(bsz)
+    heads, kv_heads, dim, ps = 16, 8, 128, 16
+    lens = torch.randint(1, ps + 1, (bsz,), generator=gen).tolist()
+    q, kc, vc, tables, kv_lens = scope["make_case"](lens, heads, kv_heads, dim, ps, gen)
+    tables = tables[:, :1].contiguous()
+    want = scope["reference"](q, kc, vc, tables, kv_lens, ps, dim**-0.5)
+    args = (tables.cuda(), kv_lens.cuda(), ps, dim**-0.5)
+    got = paged_decode_attention(q.cuda(), kc.cuda(), vc.cuda(), *args, block_n=16)
+    assert (got.double().cpu() - want).abs().max().item() < 1e-5
+    bf = [t.to("cuda", torch.bfloat16) for t in (q, kc, vc)]
+    short = paged_decode_attention(*bf, *args, block_n=16)
+    default = paged_decode_attention(*bf, *args)
+    assert (short.double().cpu() - want).abs().max().item() < 3e-2
+    assert (short.float() - default.float()).abs().max().item() < 2e-2

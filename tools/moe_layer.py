@@ -17,6 +17,10 @@ bytes (gate, up, down), over the time a layer took.
     python tools/moe_layer.py --out bench/results/moe_layer_h100.json
         # the 30B-A3B shape, bf16, rows 1..4096; about a minute on an H100 (Triton compiles)
     python tools/moe_layer.py --smoke      # CPU, Triton's interpreter, tiny shapes
+    python tools/moe_layer.py --rows 64,160,256 --tiles 64x64w4s3,64x128w4s4,128x128w4s3/64x128w4s3
+        # the graphed kernel under each launch setting (``GATE_UP_TILE`` / ``DOWN_TILE`` of
+        # omni_async.kernels.grouped_experts: BLOCK_N x BLOCK_K, warps, stages; one spec for
+        # both GEMMs or ``gate_up/down``), interleaved with the default's
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's 
 from _common import machine_facts, save_json  # noqa: E402
 from graph_timer import graph_timer  # noqa: E402
 
+from omni_async.kernels import grouped_experts as grouped_module  # noqa: E402
 from omni_async.kernels.grouped_experts import grouped_experts  # noqa: E402
 from omni_async.kernels.reference import ReferenceOps  # noqa: E402
 from omni_async.models.config import ModelConfig, MoeConfig  # noqa: E402
@@ -74,6 +79,20 @@ def distinct_experts(blocks: list[SparseMoeBlock], x: torch.Tensor) -> float:
     return sum(hit) / len(hit)
 
 
+def parse_tile(spec: str) -> tuple[int, int, int, int]:
+    """``64x128w4s3`` -> (BLOCK_N 64, BLOCK_K 128, 4 warps, 3 stages)."""
+    cols, rest = spec.split("x")
+    depth, rest = rest.split("w")
+    warps, stages = rest.split("s")
+    return int(cols), int(depth), int(warps), int(stages)
+
+
+def parse_tiles(spec: str) -> tuple[tuple[int, int, int, int], tuple[int, int, int, int]]:
+    """``A`` (both GEMMs) or ``A/B`` (gate/up, down)."""
+    parts = spec.split("/")
+    return parse_tile(parts[0]), parse_tile(parts[-1])
+
+
 def timer_of(fn, device: str, graph: bool):
     if graph:
         return graph_timer(fn, device)[0]
@@ -102,6 +121,7 @@ def main() -> None:
     ap.add_argument("--replays", type=int, default=20)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--torch-max-rows", type=int, default=1024, help="skip the torch path above this many rows")
+    ap.add_argument("--tiles", default="", help="launch settings to time the graphed kernel under, comma-separated (see above)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--smoke", action="store_true", help="CPU, Triton's interpreter, tiny shapes")
     args = ap.parse_args()
@@ -136,6 +156,18 @@ def main() -> None:
         if m <= args.torch_max_rows:
             variants["torch_eager"] = (torch_path, False)
         timers = {name: timer_of(fn, device, graph) for name, (fn, graph) in variants.items()}
+        default_tiles = (grouped_module.GATE_UP_TILE, grouped_module.DOWN_TILE)
+        reference = grouped().float()
+        diffs: dict[str, float] = {}
+        for spec in filter(None, args.tiles.split(",")):
+            grouped_module.GATE_UP_TILE, grouped_module.DOWN_TILE = parse_tiles(spec)
+            try:  # a graph keeps the settings it was captured with
+                timers[f"tiles_{spec}_graph"] = timer_of(grouped, device, device == "cuda")
+                diffs[spec] = round(((grouped().float() - reference).abs().max() / reference.abs().max()).item(), 6)
+            except Exception as exc:  # a setting the compiler refuses (shared memory) is reported, not fatal
+                print(f"tiles {spec}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+            finally:
+                grouped_module.GATE_UP_TILE, grouped_module.DOWN_TILE = default_tiles
         samples: dict[str, list[float]] = {name: [] for name in timers}
         for _ in range(args.repeats):  # interleaved, so drift hits every variant alike
             for name, timed in timers.items():
@@ -145,6 +177,10 @@ def main() -> None:
             med = statistics.median(ms)
             row[f"{name}_us"] = round(med * 1e3, 1)
             row[f"{name}_read_GBps"] = round(hit * expert_bytes / (med * 1e-3) / 1e9, 1)
+        if diffs:
+            row["tiles_max_abs_diff"] = diffs
+            timed_tiles = {spec: row[f"tiles_{spec}_graph_us"] for spec in diffs}
+            row["best_tiles"] = min(timed_tiles, key=timed_tiles.get)
         rows_out.append(row)
         print(" ".join(f"{k}={v}" for k, v in row.items()), flush=True)
     payload = {"tool": "moe_layer", "machine": machine_facts(), "args": vars(args), "rows": rows_out}

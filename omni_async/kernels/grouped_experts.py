@@ -29,8 +29,11 @@ import triton.language as tl
 
 from .launch import launcher
 
-BLOCK_N = 64
-BLOCK_K = 64
+# Launch settings, module-level so a benchmark can sweep them (``tools/moe_layer.py
+# --tiles``; graphs capture whatever they are when they are captured): each GEMM's
+# columns and reduction depth per program, its warps and its software-pipeline stages.
+GATE_UP_TILE = (64, 64, 4, 3)  # (BLOCK_N, BLOCK_K, num_warps, num_stages)
+DOWN_TILE = (64, 64, 4, 3)
 
 
 def block_rows(pairs: int) -> int:
@@ -142,12 +145,14 @@ _EXPERT_GEMM_LAUNCH = launcher(_expert_gemm_kernel)
 def _expert_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, blocks: ExpertBlocks, rows_per_a: int,
                  n_cols: int, scale: torch.Tensor | None, gated: bool) -> None:
     assert a.stride(1) == 1 and out.stride(1) == 1
-    grid = (blocks.num_blocks, triton.cdiv(n_cols, BLOCK_N))
+    block_n, block_k, warps, stages = GATE_UP_TILE if gated else DOWN_TILE
+    grid = (blocks.num_blocks, triton.cdiv(n_cols, block_n))
     _EXPERT_GEMM_LAUNCH[grid](
         a, w, out, blocks.pairs, blocks.block_expert, scale if scale is not None else out,
         blocks.num_pairs, n_cols, rows_per_a,
         a.stride(0), w.stride(0), w.stride(1), w.stride(2), out.stride(0),
-        K_DIM=w.shape[2], GATED=gated, IEEE=a.dtype == torch.float32, SCALED=scale is not None, BLOCK_M=blocks.block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+        K_DIM=w.shape[2], GATED=gated, IEEE=a.dtype == torch.float32, SCALED=scale is not None, BLOCK_M=blocks.block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=warps, num_stages=stages,
     )
 
 

@@ -54,6 +54,8 @@ DECODE_MIN_SPLIT_LEN = 0
 # Whether the whole-block loop loads the next block's K/V before using this block's
 # (a software pipeline by hand; costs registers for a second K/V tile).
 DECODE_PREFETCH = False
+# Warps of a launch whose block is 16 positions (the code predictor's page).
+DECODE_SHORT_WARPS = 4
 
 
 @triton.jit
@@ -290,14 +292,17 @@ def paged_decode_attention(
     scale: float,
     *,
     splits: int | None = None,
+    block_n: int | None = None,
 ) -> torch.Tensor:
     """``q``: ``[B, H, D]``; caches ``[slots, KVH, D]``; tables ``[B, P]``; lens ``[B]``
-    (each at least 1). ``splits`` overrides :func:`launch_splits` (tests, benchmarks)."""
+    (each at least 1). ``splits`` overrides :func:`launch_splits` (tests, benchmarks);
+    ``block_n`` the positions per block (a power of two, at least 16; see
+    :attr:`omni_async.kv.attention.AttentionContext.decode_block`)."""
     bsz, heads, dim = q.shape
     kv_heads = k_cache.shape[1]
     q = q.contiguous()
     out = torch.empty_like(q)
-    block_n = max(16, min(DECODE_BLOCK_N, DECODE_MAX_TILE // _pow2(dim)))
+    block_n = block_n or max(16, min(DECODE_BLOCK_N, DECODE_MAX_TILE // _pow2(dim)))
     if splits is None:
         splits = launch_splits(bsz, kv_heads, _sm_count(q.device), block_tables.shape[1] * page_size, block_n)
     min_seg = -(-DECODE_MIN_SPLIT_LEN // block_n) * block_n
@@ -315,7 +320,8 @@ def paged_decode_attention(
         R=heads // kv_heads, PS=page_size, D=dim,
         BLOCK_R=_pow2(heads // kv_heads), BLOCK_N=block_n, BLOCK_D=_pow2(dim), IEEE=q.dtype == torch.float32,
         SPLIT=splits > 1, MIN_SEG=min_seg, PREFETCH=DECODE_PREFETCH,
-        WIDE=max(k_cache.numel(), v_cache.numel()) >= 2**31, num_warps=DECODE_NUM_WARPS, num_stages=DECODE_NUM_STAGES,
+        WIDE=max(k_cache.numel(), v_cache.numel()) >= 2**31, num_warps=DECODE_NUM_WARPS if block_n > 16 else DECODE_SHORT_WARPS,
+        num_stages=DECODE_NUM_STAGES,
     )
     if splits > 1:
         _COMBINE_LAUNCH[(bsz, heads)](

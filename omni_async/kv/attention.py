@@ -34,6 +34,11 @@ class AttentionContext:
     block_tables: torch.Tensor | None = None
     page_size: int = 0
     use_kernel: bool = False  # attention through the Triton paged kernels (CUDA)
+    # Positions per block of the decode kernel (0: its own choice). A caller whose tables
+    # never grow sets it to their span (the code predictor: one 16-position page), so the
+    # kernel reads no masked positions; others leave it, so no variant arises that the
+    # warm-up did not compile.
+    decode_block: int = 0
     cpu_kernel: bool = False  # CPU decode through the C++ kernel reading pages in place
     cpu_prefill: bool = False  # CPU extend through one C++ call per layer (cpu_fused_ops)
     cpu_prefill_tables: tuple[torch.Tensor, torch.Tensor] | None = None  # built by its first layer
@@ -160,7 +165,8 @@ def paged_attention(
         if ctx.use_kernel and ctx.block_tables is not None:
             from ..kernels.paged_decode import paged_decode_attention
 
-            return paged_decode_attention(q, k_cache, v_cache, ctx.block_tables, ctx.kv_lens, ctx.page_size, scale)
+            return paged_decode_attention(q, k_cache, v_cache, ctx.block_tables, ctx.kv_lens, ctx.page_size, scale,
+                                          block_n=ctx.decode_block or None)
         if ctx.block_tables is not None and ctx.page_size and q.device.type == "cpu":
             if ctx.cpu_kernel:
                 from ..kernels.cpu_paged import paged_decode

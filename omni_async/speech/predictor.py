@@ -39,6 +39,11 @@ from .config import PredictorConfig
 
 __all__ = ["CodePredictor", "Sampler"]
 
+# The decode kernel reads each row's one page in a block of the page's 16 positions (its
+# default block, 64 positions at head dim 128, loads 48 masked ones a program). Module-
+# level so a probe can compare (``tools/predictor_attention.py``).
+SPAN_BLOCK = True
+
 # ``sample(logits [B, V] in the model's dtype, group) -> codes [B]``: how the frame's codebook ``group``
 # (1..15) is drawn from its logits.
 Sampler = Callable[[torch.Tensor, int], torch.Tensor]
@@ -149,7 +154,8 @@ class CodePredictor(nn.Module):
             for p in range(page):
                 ctx = AttentionContext(is_decode=True, slot_mapping=rows_idx * page + p, logits_rows=rows_idx,
                                        kv_lens=torch.full((rows,), p + 1, dtype=torch.long, device=device),
-                                       block_tables=tables, page_size=page, use_kernel=use_kernel)
+                                       block_tables=tables, page_size=page, use_kernel=use_kernel,
+                                       decode_block=page if SPAN_BLOCK else 0)
                 steps.append(_Step(ctx, cos[p].expand(rows, -1), sin[p].expand(rows, -1)))
             self._steps[(rows, use_kernel)] = steps
         return steps
