@@ -27,7 +27,10 @@ request, that to the first chunk); audio-s/s (all audio over the wall); C50 / C1
 player hears them, ``Playback``: each chunk played in real time from the first one's
 arrival; before 2026-12-07 this bench's C100 counted a stream only with no gap at all, of
 any length) with the worst gaps' p50 and max; underruns (chunks that came after the audio
-before them ran out); GPU busy % (NVML, when pynvml imports); peak device memory (torch's
+before them ran out) and, over the streams that stalled, where the first stall fell (p50 of
+its ms after the first chunk, of the audio sent before it and of the reply's text tokens by
+then: early, with text still coming, the talker waited for the thinker; late, the talker and
+codec fell behind the listener); GPU busy % (NVML, when pynvml imports); peak device memory (torch's
 tensors, GB; and the whole process as NVML sees it, GiB). Saves the JSON
 to ``--out``.
 
@@ -136,9 +139,19 @@ class Stream:
     last_audio: float | None = None
     player: Playback = field(default_factory=Playback)
     chunks: list[tuple[float, float]] = field(default_factory=list)  # (arrival, seconds of audio)
+    text_tokens: int = 0  # the reply's text tokens so far
+    # The first stall: (ms after the first chunk, seconds of audio sent before it, the
+    # reply's text tokens by then): early after the first chunk with the text still
+    # coming says the talker ran out of the thinker's text; late, with the text done,
+    # that the talker and codec fell behind the listener.
+    first_stall: tuple[float, float, int] | None = None
 
     def on_audio(self, now: float, seconds: float) -> None:
+        stalls = self.player.underruns
+        sent = self.player.sent_s
         self.player.on_audio(seconds, now)
+        if self.first_stall is None and self.player.underruns > stalls:
+            self.first_stall = (1000 * (now - self.player.first_audio_at), sent, self.text_tokens)
         self.chunks.append((now, seconds))
         self.last_audio = now
 
@@ -175,8 +188,9 @@ async def level(pipe: OmniPipeline, prompts: list[list[int]], args: argparse.Nam
         s.player.created = s.start
         async for d in pipe.stream(input_ids=prompt, voice="ethan", sampling=sampling, max_frames=args.frames, request_id=rid):
             now = time.perf_counter()
-            if d.kind == "text" and s.first_text is None and d.token_ids:
-                s.first_text = now
+            if d.kind == "text" and d.token_ids:
+                s.first_text = now if s.first_text is None else s.first_text
+                s.text_tokens += len(d.token_ids)
             elif d.kind == "audio" and d.audio is not None and len(d.audio.audio):
                 s.on_audio(now, d.audio.seconds)
         return s
@@ -210,6 +224,7 @@ async def level(pipe: OmniPipeline, prompts: list[list[int]], args: argparse.Nam
     talker_to_audio = ms(lambda s: s.talker_in, lambda s: s.player.first_audio_at)
     rtf = [(s.last_audio - s.start) / s.player.sent_s for s in done if s.last_audio is not None and s.player.sent_s]
     gaps = [1000 * s.player.worst_gap_s for s in done if s.player.first_audio_at is not None]
+    stalls = [s.first_stall for s in done if s.first_stall is not None]
     share = lambda limit: round(sum(1 for g in gaps if g <= limit) / len(done), 3)  # noqa: E731
     return {
         "streams": clients, "requests": len(done), "left_out": warmup, "wall_s": round(wall, 3),
@@ -222,6 +237,12 @@ async def level(pipe: OmniPipeline, prompts: list[list[int]], args: argparse.Nam
         "c50": share(50), "c100": share(100), "c200": share(200),
         "worst_gap_p50_ms": _r(quantile(gaps, 0.5)), "worst_gap_max_ms": _r(max(gaps, default=None)),
         "underruns": sum(s.player.underruns for s in done),
+        # where the first stall fell (streams that stalled): p50 of its time after the first
+        # chunk, of the audio sent before it and of the reply's text tokens by then
+        "stalled_streams": len(stalls),
+        "first_stall_after_ms_p50": _r(quantile([x[0] for x in stalls], 0.5)),
+        "first_stall_audio_s_p50": _r(quantile([x[1] for x in stalls], 0.5), 3),
+        "first_stall_text_tokens_p50": quantile([x[2] for x in stalls], 0.5),
         "gpu_busy_pct": sampler.busy(),
         # the talker's text rows: requests for them, and the passes that built them (omni_input)
         "text_row_requests": pipe.input.replies_served - served, "text_row_passes": pipe.input.passes - passes,
