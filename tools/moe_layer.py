@@ -21,6 +21,8 @@ bytes (gate, up, down), over the time a layer took.
         # the graphed kernel under each launch setting (``GATE_UP_TILE`` / ``DOWN_TILE`` of
         # omni_async.kernels.grouped_experts: BLOCK_N x BLOCK_K, warps, stages; one spec for
         # both GEMMs or ``gate_up/down``), interleaved with the default's
+    python tools/moe_layer.py --rows 64,160,1024,4096 --grouped-mm
+        # also torch's grouped GEMM over the sorted pairs (``EXPERT_PATH = "grouped_mm"``)
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ from omni_async.kernels import grouped_experts as grouped_module  # noqa: E402
 from omni_async.kernels.grouped_experts import grouped_experts  # noqa: E402
 from omni_async.kernels.reference import ReferenceOps  # noqa: E402
 from omni_async.models.config import ModelConfig, MoeConfig  # noqa: E402
-from omni_async.models.moe import SparseMoeBlock, experts_torch, route  # noqa: E402
+from omni_async.models.moe import SparseMoeBlock, experts_grouped_mm, experts_torch, route  # noqa: E402
 
 
 def block_config(hidden: int, inter: int, experts: int, top_k: int) -> ModelConfig:
@@ -122,6 +124,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--torch-max-rows", type=int, default=1024, help="skip the torch path above this many rows")
     ap.add_argument("--tiles", default="", help="launch settings to time the graphed kernel under, comma-separated (see above)")
+    ap.add_argument("--grouped-mm", action="store_true", help="also torch's grouped GEMM path (experts_grouped_mm) in a graph")
     ap.add_argument("--out", default=None)
     ap.add_argument("--smoke", action="store_true", help="CPU, Triton's interpreter, tiny shapes")
     args = ap.parse_args()
@@ -152,13 +155,24 @@ def main() -> None:
                 out = experts_torch(out, block.experts.gate_up_proj, block.experts.down_proj, ids, weights, ops)
             return out
 
+        def grouped_mm() -> torch.Tensor:  # torch's grouped GEMM (EXPERT_PATH = "grouped_mm")
+            out = x
+            for block in blocks:
+                weights, ids = route(block.gate(out), block.top_k, block.norm_topk_prob)
+                out = experts_grouped_mm(out, block.experts.gate_up_proj, block.experts.down_proj, ids, weights, ops)
+            return out
+
         variants = {"grouped_graph": (grouped, device == "cuda"), "grouped_eager": (grouped, False)}
+        if args.grouped_mm:
+            variants["grouped_mm_graph"] = (grouped_mm, device == "cuda")
         if m <= args.torch_max_rows:
             variants["torch_eager"] = (torch_path, False)
         timers = {name: timer_of(fn, device, graph) for name, (fn, graph) in variants.items()}
         default_tiles = (grouped_module.GATE_UP_TILE, grouped_module.DOWN_TILE)
         reference = grouped().float()
         diffs: dict[str, float] = {}
+        if args.grouped_mm:
+            row_mm_diff = round(((grouped_mm().float() - reference).abs().max() / reference.abs().max()).item(), 6)
         for spec in filter(None, args.tiles.split(",")):
             grouped_module.GATE_UP_TILE, grouped_module.DOWN_TILE = parse_tiles(spec)
             try:  # a graph keeps the settings it was captured with
@@ -177,6 +191,8 @@ def main() -> None:
             med = statistics.median(ms)
             row[f"{name}_us"] = round(med * 1e3, 1)
             row[f"{name}_read_GBps"] = round(hit * expert_bytes / (med * 1e-3) / 1e9, 1)
+        if args.grouped_mm:
+            row["grouped_mm_max_abs_diff"] = row_mm_diff
         if diffs:
             row["tiles_max_abs_diff"] = diffs
             timed_tiles = {spec: row[f"tiles_{spec}_graph_us"] for spec in diffs}

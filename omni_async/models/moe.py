@@ -10,10 +10,13 @@ weights are stacked, ``gate_up_proj`` ``[E, 2I, H]`` (gate rows first) and ``dow
 per-expert names (``mlp.experts.{e}.gate_proj.weight`` ...), mapped onto the stacks by
 :meth:`Experts.hf_slots`.
 
-Two expert paths compute the same sum: on CUDA with Triton the grouped kernel
+Three expert paths compute the same sum: on CUDA with Triton the grouped kernel
 (:mod:`omni_async.kernels.grouped_experts`: no host sync, a launch shape fixed by the
-batch, so it runs inside CUDA graphs and multi-step decode); elsewhere
-:func:`experts_torch`, one GEMM pair per expert hit, in transformers' order.
+batch, so it runs inside CUDA graphs and multi-step decode); on CUDA with
+``EXPERT_PATH = "grouped_mm"``, :func:`experts_grouped_mm` (torch's grouped GEMM, also
+without a host sync: a candidate measured against the Triton kernel before it may become
+the default); elsewhere :func:`experts_torch`, one GEMM pair per expert hit, in
+transformers' order.
 """
 
 from __future__ import annotations
@@ -57,6 +60,39 @@ def experts_torch(
     return out
 
 
+def experts_grouped_mm(
+    x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
+    ops: ReferenceOps,
+) -> torch.Tensor:
+    """The same sum as :func:`experts_torch` through two grouped GEMMs
+    (``torch._grouped_mm``) over the (token, choice) pairs sorted by expert. Nothing asks
+    the host which experts were hit (the group offsets are a device tensor), so it runs
+    inside CUDA graphs. Each pair's row is scaled by its routing weight in float32 and a
+    token's ``top_k`` rows summed in choice order (deterministic, no atomics)."""
+    t, hidden = x.shape
+    top_k = experts.shape[1]
+    if t == 0:
+        return x.new_zeros(0, hidden)
+    flat = experts.reshape(-1).to(torch.int64)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.zeros(gate_up.shape[0], dtype=torch.int64, device=x.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))  # (bincount would read its length on the host)
+    offs = torch.cumsum(counts, 0).to(torch.int32)
+    rows = order // top_k
+    h = torch._grouped_mm(x.index_select(0, rows), gate_up.transpose(1, 2), offs=offs)
+    y = torch._grouped_mm(ops.silu_mul(h), down.transpose(1, 2), offs=offs)
+    scaled = y.float() * weights.reshape(-1).index_select(0, order).float()[:, None]
+    pairs = torch.empty_like(scaled)
+    pairs[order] = scaled
+    return pairs.view(t, top_k, hidden).sum(1).to(x.dtype)
+
+
+# Which path CUDA takes: "triton" (the grouped kernel) or "grouped_mm" (torch's grouped
+# GEMM, in bfloat16 only: the dtype its CUDA kernel serves without a per-group fallback).
+# Module-level so a probe can compare them (tools/moe_layer.py, tools/with_knobs.py).
+EXPERT_PATH = "triton"
+
+
 @functools.lru_cache(maxsize=None)
 def _grouped_kernel_on(device: torch.device) -> bool:
     return triton_available(device)
@@ -87,6 +123,8 @@ class Experts(nn.Module):
         return slots
 
     def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, ops: ReferenceOps) -> torch.Tensor:
+        if x.device.type == "cuda" and EXPERT_PATH == "grouped_mm" and x.dtype == torch.bfloat16:
+            return experts_grouped_mm(x, self.gate_up_proj, self.down_proj, experts, weights, ops)
         if x.device.type == "cuda" and _grouped_kernel_on(x.device):
             from ..kernels.grouped_experts import grouped_experts
 
