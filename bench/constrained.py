@@ -15,8 +15,10 @@ after ~34 tokens where their free twins ran ~500).
 Every arm runs once to warm up (compiles, graph captures, the grammar's first masks), then
 ``--repeats`` interleaved repeats with the arms' order rotated; the prefix cache is flushed
 before every run. Per run: output tok/s of the requests free in the free and quarter arms
-(their tokens over the time the last of them finished), of all requests, the constrained
-outputs' validity (every complete array item parses and matches the item schema, and the
+(their tokens over the time the last of them finished), of all requests, the decode steps
+and step time until the last free request finished and the decode steps after it
+(constrained rows that fell behind, alone: a run's decode steps are not its free rows'), the
+constrained outputs' validity (every complete array item parses and matches the item schema, and the
 request ran to its length), and from the engine's counters: the host time the launching
 thread spent filling masks per masked step and as % of a step (on CUDA a decode step is
 launched on the loop thread, so this is the loop's time; on CPU the launch runs on the
@@ -186,16 +188,23 @@ async def run_arm(engine: Engine, work, arm: str, replay: GrammarReplay, schemas
     info0 = engine.scheduler.info()
     t0 = time.perf_counter()
     done: list[float] = [0.0] * len(reqs)
+    free = [i for i in range(len(reqs)) if i % 4 != 3]  # free in the free and quarter arms
+    free_left = [len(free) if arm != "all" else 0]
+    at_free_end: dict[str, Any] = {}  # the counters when the last free request finished
 
     async def one(i: int) -> Any:
         r = await engine.generate(input_ids=work[i][0], sampling=reqs[i])
         done[i] = time.perf_counter() - t0
+        if free_left[0] and i % 4 != 3:
+            free_left[0] -= 1
+            if not free_left[0]:
+                at_free_end.update(engine.scheduler.info())
         return r
 
     results = await asyncio.gather(*[one(i) for i in range(len(reqs))])
     info1 = engine.scheduler.info()
     d = {k: info1.get(k, 0) - info0.get(k, 0) for k in COUNTERS}
-    free = [i for i in range(len(reqs)) if i % 4 != 3]  # free in the free and quarter arms
+    window = free_window(info0, at_free_end, d, max(done[i] for i in free)) if at_free_end else None
     cons = [i for i in range(len(reqs)) if constrained(arm, i)]
     checks = [valid_prefix(results[i].text) for i in cons]
     accepted = [replay.accepts(results[i].output_ids) for i in cons]
@@ -251,8 +260,28 @@ async def run_arm(engine: Engine, work, arm: str, replay: GrammarReplay, schemas
         "forced_pct": 100 * d["grammar_forced_masks"] / sum(len(results[i].output_ids) for i in cons) if cons else None,
         "skipped_pct": 100 * d["grammar_forced_skipped"] / sum(len(results[i].output_ids) for i in cons) if cons else None,
         "counters": d,
+        "free_window": window,
         "free_outputs": [results[i].output_ids for i in free] if arm != "all" else None,
     }
+
+
+# Counters split at the free rows' end (:func:`free_window`).
+WINDOW = ("steps", "decode_steps", "fused_decode_launches", "fused_decode_with_grammar", "grammar_between_forwards",
+          "grammar_late_mask_steps")
+
+
+def free_window(info0: dict[str, Any], at_end: dict[str, Any], run: dict[str, Any], seconds: float) -> dict[str, Any]:
+    """The run's counters up to the moment its last free request finished (``at_end``, the
+    engine's ``info()`` then; ``info0`` before the run, ``run`` the whole run's), the
+    window of the free rows' tok/s, and after it ("tail_"): constrained rows that fell
+    behind (a masked row samples one token of a fused launch, where a free row samples k)
+    run on alone, so a run's decode steps are not the steps its free rows took. The step
+    time in the window (``step_ms``) is the one to compare with the free arm's. (A
+    lookahead loop may have launched the step after the last free row's: +-1 step.)"""
+    out: dict[str, Any] = {k: at_end.get(k, 0) - info0.get(k, 0) for k in WINDOW}
+    out.update({f"tail_{k}": run.get(k, 0) - out[k] for k in WINDOW})
+    out["step_ms"] = 1e3 * seconds / out["steps"] if out["steps"] else None
+    return out
 
 
 def qwen05_smol(folder: Path, small: bool = False) -> Path:
@@ -319,7 +348,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                     print(f"{loop} rep {rep} {arm:8s} total {run['total_tok_s']:8.0f} tok/s"
                           + (f", free rows {run['free_tok_s']:8.0f} tok/s" if run["free_tok_s"] else "")
                           + (f", valid {run['valid']}/{run['constrained']} (grammar accepts {run['grammar_accepted']}), mask {run['mask_pct_of_step']:.1f}% of a step"
-                             if run["constrained"] else ""), flush=True)
+                             if run["constrained"] else "")
+                          + (window_text(run) if run["free_window"] else ""), flush=True)
         replay.close()
         free_arm = next((r["free_outputs"] for r in runs if r["arm"] == "free"), None)
         for run in runs:  # the free rows' tokens: the same in every free and quarter run?
@@ -328,6 +358,13 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             run.pop("free_outputs")
         result["runs"][loop] = runs
     return result
+
+
+def window_text(run: dict[str, Any]) -> str:
+    w = run["free_window"]
+    return (f"; decode steps {run['counters']['decode_steps']}: {w['decode_steps']} until the last free row "
+            f"({w['fused_decode_launches']} fused, {w['grammar_between_forwards']} forwards under masks between), "
+            f"{w['tail_decode_steps']} after it; step {w['step_ms'] or 0:.2f} ms until then")
 
 
 def span(xs: list[float], fmt: str = "{:.0f}") -> str:
@@ -355,6 +392,14 @@ def print_table(result: dict[str, Any]) -> None:
               f"{statistics.median(q_ratio) if q_ratio else 0:6.3f} {span([r['total_tok_s'] for r in by['all']]):>22s} "
               f"{statistics.median(a_ratio) if a_ratio else 0:6.3f} {valid:>9s} {span(masks, '{:.1f}'):>16s} "
               f"{statistics.median(forced) if forced else 0:8.1f} {statistics.median(skipped) if skipped else 0:9.1f} {str(same):>5s}")
+        fw, qw = ([r["free_window"] for r in by[a] if r.get("free_window")] for a in ("free", "quarter"))
+        if fw and qw:  # the free rows' steps, apart from the constrained rows' steps after them (free_window)
+            print(f"  until the last free row: decode steps free arm {span([w['decode_steps'] for w in fw])}, quarter "
+                  f"{span([w['decode_steps'] for w in qw])} (then {span([w['tail_decode_steps'] for w in qw])} more, "
+                  f"constrained rows alone); step {span([w['step_ms'] for w in fw], '{:.2f}')} ms, quarter "
+                  f"{span([w['step_ms'] for w in qw], '{:.2f}')} ms; quarter's forwards under masks between "
+                  f"{span([w['grammar_between_forwards'] for w in qw])}, fused launches "
+                  f"{span([w['fused_decode_launches'] for w in qw])} (free arm {span([w['fused_decode_launches'] for w in fw])})")
         for arm in ("quarter", "all"):
             rs = by[arm]
             if rs:
