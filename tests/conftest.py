@@ -3,11 +3,14 @@ engines over them, and the invariants every test ends with."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import random
 import shutil
+import sys
 import tempfile
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
@@ -183,3 +186,17 @@ def llguidance(monkeypatch):
     mask worker's counters and slices, its error messages), which xgrammar, the default
     where installed, does not share."""
     monkeypatch.setenv("OMNI_ASYNC_GRAMMAR_BACKEND", "llguidance")
+
+
+def load_script(relative: str, name: str) -> ModuleType:
+    """A script of the repository (``bench/constrained.py``, ``tools/gpu_gaps.py``) loaded as
+    a module under ``name``, its own folder importable while it loads (its sibling helpers)."""
+    path = Path(__file__).resolve().parent.parent / relative
+    sys.path.insert(0, str(path.parent))
+    try:
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    finally:
+        sys.path.remove(str(path.parent))

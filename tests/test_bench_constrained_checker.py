@@ -4,21 +4,16 @@ every complete item matches the item schema, wherever the cut falls, also betwee
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
-_PATH = Path(__file__).resolve().parent.parent / "bench" / "constrained.py"
+from .conftest import load_script
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_constrained", _PATH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("bench/constrained.py", "bench_constrained")
 
 
 ITEM = json.dumps({"name": "ab\u00e9\u672c", "age": 7, "role": "user", "active": True}, ensure_ascii=False)

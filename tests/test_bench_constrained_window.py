@@ -6,24 +6,18 @@ the free rows: the run's decode steps are not the steps its free rows took (issu
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
 pytest.importorskip("llguidance")
 
 from omni_async import Engine  # noqa: E402
 
-_PATH = Path(__file__).resolve().parent.parent / "bench" / "constrained.py"
+from .conftest import load_script  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_constrained_window", _PATH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("bench/constrained.py", "bench_constrained_window")
 
 
 def test_the_window_and_its_tail_add_up_to_the_run(bench):

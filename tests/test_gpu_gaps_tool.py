@@ -4,25 +4,15 @@ phase and the step that ended it, and the per-step tables."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
-_TOOLS = Path(__file__).resolve().parent.parent / "tools"
+from .conftest import load_script
+
 U = 1_000  # one microsecond in ns
 
 
 def _load(name: str):
-    sys.path.insert(0, str(_TOOLS))
-    try:
-        spec = importlib.util.spec_from_file_location(f"tool_{name}", _TOOLS / f"{name}.py")
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-        return mod
-    finally:
-        sys.path.remove(str(_TOOLS))
+    return load_script(f"tools/{name}.py", f"tool_{name}")
 
 
 @pytest.fixture(scope="module")
