@@ -189,13 +189,14 @@ async def run_arm(engine: Engine, work, arm: str, replay: GrammarReplay, schemas
     t0 = time.perf_counter()
     done: list[float] = [0.0] * len(reqs)
     free = [i for i in range(len(reqs)) if i % 4 != 3]  # free in the free and quarter arms
+    free_set = set(free)
     free_left = [len(free) if arm != "all" else 0]
     at_free_end: dict[str, Any] = {}  # the counters when the last free request finished
 
     async def one(i: int) -> Any:
         r = await engine.generate(input_ids=work[i][0], sampling=reqs[i])
         done[i] = time.perf_counter() - t0
-        if free_left[0] and i % 4 != 3:
+        if free_left[0] and i in free_set:
             free_left[0] -= 1
             if not free_left[0]:
                 at_free_end.update(engine.scheduler.info())
