@@ -197,6 +197,10 @@ def main() -> None:
             row["tiles_max_abs_diff"] = diffs
             timed_tiles = {spec: row[f"tiles_{spec}_graph_us"] for spec in diffs}
             row["best_tiles"] = min(timed_tiles, key=timed_tiles.get)
+            gate_up, down = parse_tiles(row["best_tiles"])  # as tools/with_knobs.py takes them
+            row["best_tiles_with_knobs"] = " ".join(
+                f"--set omni_async.kernels.grouped_experts.{name}={','.join(map(str, tile))}"
+                for name, tile in (("GATE_UP_TILE", gate_up), ("DOWN_TILE", down)))
         rows_out.append(row)
         print(" ".join(f"{k}={v}" for k, v in row.items()), flush=True)
     payload = {"tool": "moe_layer", "machine": machine_facts(), "args": vars(args), "rows": rows_out}
