@@ -243,3 +243,25 @@ async def test_a_grammar_failing_inside_a_step_ends_its_request_alone(monkeypatc
     assert outcomes[4] == outcomes[1]
     assert len(outcomes[4][1]) == 5  # the tokens before the failing one went out
 
+
+
+@pytest.mark.parametrize("loop", ["normal", "overlap"])
+async def test_steps_of_masked_rows_run_past_the_plan_when_asked(loop, monkeypatch):
+    """``multi_step.BETWEEN_FORWARDS`` above the plan's k: an all-constrained step runs up
+    to that many forwards (at most a page), with one forward a step's tokens, KV freed, and
+    fewer decode steps than at the plan's k; free rows beside them keep the plan's k."""
+    from omni_async.core import multi_step
+
+    sampling = [endless(i) for i in range(N)]
+    reference, _ = await run("normal", 1, sampling)
+    at_k, k_info = await run(loop, 4, sampling)
+    monkeypatch.setattr(multi_step, "BETWEEN_FORWARDS", 12)
+    results, info = await run(loop, 4, sampling)
+    assert [r.output_ids for r in results] == [r.output_ids for r in reference] == [r.output_ids for r in at_k]
+    assert masked_tokens_a_step(info) > 4, info
+    assert info["decode_steps"] < k_info["decode_steps"] * 0.7, (info["decode_steps"], k_info["decode_steps"])
+    free = SamplingParams(max_new_tokens=30, temperature=0.9, seed=5, ignore_eos=True)
+    mixed = [free if i < 2 else seeded(i) for i in range(N)]
+    alone, _ = await run(loop, 4, [free, free])
+    results, _ = await run(loop, 4, mixed)
+    assert [r.output_ids for r in results[:2]] == [r.output_ids for r in alone]

@@ -18,7 +18,7 @@ from ..kv.allocator import PageAllocator
 from .batch import ForwardMode, ScheduledBatch
 from .core_state import CoreState, DecodeSteps
 from .jump_steps import feed_rows, jump_most, jump_rows, take_due
-from .multi_step import decoding_rows, late_mask_rows, masks_between, process_multi_step
+from .multi_step import decoding_rows, late_mask_rows, masks_between, most_forwards, process_multi_step
 from .mixed_prefill import add_decode_rows, jump_step, mixed_decodes, prefill_turn
 from .step_results import end_unsampled, process_one_forward, rewind
 from .conditioning import ready_positions
@@ -245,7 +245,7 @@ class NativeBatchCore(CoreState, BatchCore):
         """A request holds the pages of its cached tokens, so one more token needs at most
         one more page: the per-request count runs only when that bound does not fit."""
         free, ps = self.kv.available_pages, self.page_size
-        k = self.decode_plan.most  # <= page_size: still at most one more page per row
+        k = most_forwards(self)  # <= page_size: still at most one more page per row
         return len(decoding) <= free or sum(max(0, -(-(r.num_cached + k) // ps) - len(r.pages)) for r in decoding) <= free
 
     def _retract_until_decode_fits(self, decoding: list[Request], limits: list[int], late: bool = False,

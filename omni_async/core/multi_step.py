@@ -48,16 +48,16 @@ def steps_for(core: "CoreState", decoding: list[Request], limits: list[int] | No
               free: bool = False) -> tuple[list[int] | None, list[int]]:
     """Forwards per row of the next decode step (None for one forward: a small batch
     under the automatic choice, or a runner that hands out per-step hidden states), and
-    the rows under a grammar (they run one forward, beside the others). ``limits``: the
-    rows' ``decode_limits`` when the caller has them; ``free``: as in :func:`row_steps`."""
+    the rows under a grammar (they run one forward, beside the others, or several under
+    masks between forwards). ``limits``, ``free``: as in :func:`row_steps`."""
     k = core.forwards_for(len(decoding), (r.num_generated for r in decoding))
     if k <= 1 or not core.multi_step_allowed():
         return None, []
-    return row_steps(decoding, k, core.context_length, limits, free, between=not core.config.jump_forward)
+    return row_steps(decoding, k, core.context_length, limits, free, between=0 if core.config.jump_forward else most_forwards(core, k))
 
 
 def row_steps(decoding: list[Request], k: int, context_length: int, limits: list[int] | None = None,
-              free: bool = False, between: bool = False) -> tuple[list[int] | None, list[int]]:
+              free: bool = False, between: int = 0) -> tuple[list[int] | None, list[int]]:
     """Forwards per row: k, or fewer where the row's token or context limit comes first
     (counting tokens still in flight) or a conditioned row's rows run out; and the rows
     under a grammar's mask, which sample one token (their next mask needs the host to have
@@ -69,9 +69,9 @@ def row_steps(decoding: list[Request], k: int, context_length: int, limits: list
     forward, when no row runs more than one, or when a row's forced tokens need more than
     k forwards (a jump step takes them). ``free``:
     every row is :func:`.request.all_free` (the caller checked), so each runs
-    ``min(k, its limit)``, with no per-row check. ``between``: masked rows at least
-    :data:`LATE_MAJORITY` of the step's take several forwards each under masks computed
-    between the forwards (:func:`between_steps`)."""
+    ``min(k, its limit)``, with no per-row check. ``between`` (> 1): masked rows at least
+    :data:`LATE_MAJORITY` of the step's take up to that many forwards each under masks
+    computed between the forwards (:func:`between_steps`); 0: one each."""
     if limits is None:
         limits = decode_limits(decoding, context_length)
     if free:
@@ -94,8 +94,8 @@ def row_steps(decoding: list[Request], k: int, context_length: int, limits: list
                 n = r.matcher.guess_forwards(n)
                 guessing.append(i)
             steps.append(n if r.conditioning is None else ready_positions(r, n))
-    if between and constrained:
-        between_steps(decoding, steps, constrained, guessing, limits, k)
+    if between > 1 and constrained:
+        between_steps(decoding, steps, constrained, guessing, limits, between)
     if (constrained or guessing) and max(steps) <= 1:
         return None, []
     return steps, constrained
@@ -135,6 +135,18 @@ def between_steps(decoding: list[Request], steps: list[int], constrained: list[i
             steps[i] = n
 
 
+# Forwards a step of masked rows may run under masks between them, above the plan's k (at
+# most page_size). Such a step waits for the one before (:func:`waits_for_between`), once a
+# step: longer steps spread that wait thinner (issue 61). 0: the plan's k.
+BETWEEN_FORWARDS = 0
+
+
+def most_forwards(core: "CoreState", k: int | None = None) -> int:
+    """The most forwards a row's step of ``k`` (default: the plan's most) may run: more under masks between forwards."""
+    k = core.decode_plan.most if k is None else k
+    return k if core.config.jump_forward or k <= 1 else min(max(k, BETWEEN_FORWARDS), core.config.page_size)
+
+
 def masks_between(core: "CoreState", steps: list[int] | None, grammar: list[int]) -> bool:
     """Whether a decode step's masked rows sample each forward under masks computed
     between the forwards (:func:`between_steps`): some run more than one forward, which,
@@ -166,9 +178,7 @@ def late_mask_rows(core: "CoreState", decoding: list[Request], limits: list[int]
     read those tokens), such a row waits for the next step and the free rows keep their
     k forwards (one :func:`steps_for` per step either way), unless such rows are at least
     :data:`LATE_MAJORITY` of the step's: a fused launch would then run k forwards for its
-    minority while most rows sample every other step (as in an all-constrained batch whose
-    rows sampling first, ``structured.optimistic``, make the rest a fused launch: most likely
-    why an H100 run masked ~101 of 256 rows a step), so the step takes one forward per row
+    minority while most rows sample every other step, so the step takes one forward per row
     under late masks and every row samples. That holds only where a step runs one forward
     (k = 1): with more, such rows wait for their tokens and then run several forwards a
     step under masks computed between the forwards (:func:`between_steps`), which a
