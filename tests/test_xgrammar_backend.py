@@ -76,9 +76,11 @@ def test_masks_within_llguidances_and_stops_equal_along_random_walks(key):
         ll.close()
 
 
-def test_one_batch_call_fills_what_row_calls_fill():
+@pytest.mark.parametrize("threads", [1, 3])
+def test_one_batch_call_fills_what_row_calls_fill(threads):
     """The mask worker's one xgrammar call a ticket (``xgrammar_backend.fill_masks``) against a
-    call per row, rows in any order, a stopped matcher admitting nothing."""
+    call per row, rows in any order, a stopped matcher admitting nothing; on one thread or
+    several (``batch_mask.XGRAMMAR_THREADS``)."""
     from omni_async.structured.xgrammar_backend import fill_masks
 
     tok = ByteTokenizer()
@@ -95,7 +97,7 @@ def test_one_batch_call_fills_what_row_calls_fill():
         handles = [m.handle for m in matchers + [stopped]]
         rows = [3, 0, 6, 1, 5, 2, 4]
         batch = np.full((7, words), -1, dtype=np.int32)
-        fill_masks(handles, batch, rows)
+        fill_masks(handles, batch, rows, threads)
         for h, row in zip(handles, rows):
             one = np.empty(words, dtype=np.int32)
             h.unsafe_compute_mask_ptr(one.ctypes.data, one.nbytes)

@@ -24,6 +24,13 @@ from .prefetch import PARALLEL_MIN_ROWS, all_llguidance, pool_threads
 
 _EXECUTOR: Any = None
 
+# xgrammar's threads for one call's rows (:func:`compute_rows`: the masks between a step's
+# forwards, and rows the worker had not computed), from :data:`XGRAMMAR_MIN_ROWS` rows. Its
+# masks of one schema overlap (no shared lock, unlike llguidance's); on the 2-core VM two
+# threads lost to one (tools/grammar_libraries.py), the GPU host's 16 cores are unmeasured.
+XGRAMMAR_THREADS = 1
+XGRAMMAR_MIN_ROWS = 64
+
 
 class GrammarMasks:
     """A runner's mask fills, counted for ``info()``: steps with a constrained row, rows
@@ -164,7 +171,8 @@ def compute_rows(rows: list[tuple[Any, int]], bitmask: torch.Tensor) -> None:
     handles = [h for h, _ in rows]
     if xgrammar_backend.all_xgrammar(handles):
         try:  # one xgrammar call; on an error, row by row below, which meets it
-            xgrammar_backend.fill_masks(handles, bitmask.numpy(), [row for _, row in rows])
+            threads = XGRAMMAR_THREADS if len(rows) >= XGRAMMAR_MIN_ROWS else 1
+            xgrammar_backend.fill_masks(handles, bitmask.numpy(), [row for _, row in rows], threads)
             return
         except Exception:
             pass
