@@ -42,11 +42,19 @@ FUSED_SNAKE = True
 # found nothing faster). The phases' own time is not measured yet; 0: every convolution as
 # declared (``tools/speech_profile.py --codec-variants`` times both).
 POLYPHASE_DILATION = 9
+# On CUDA in half precision, every convolution (groups 1) as the one-pass implicit GEMM of
+# ``kernels/conv1d.py`` instead of cuDNN's (and before the phases above): off until a GPU
+# run of ``tools/codec_convs.py`` shows it faster.
+TRITON_CONV = False
 
 
 def _fused(x: torch.Tensor) -> bool:
     """Whether SnakeBeta on ``x`` runs as the one-pass kernel (the one place that decides)."""
-    return x.is_cuda and FUSED_SNAKE and triton_available(x.device)
+    return FUSED_SNAKE and _triton(x)
+
+
+def _triton(x: torch.Tensor) -> bool:
+    return x.is_cuda and triton_available(x.device)
 
 
 class Carry:
@@ -156,6 +164,10 @@ class CausalConv(Stateful):
         on CUDA a widely dilated one over its input's phases (:data:`POLYPHASE_DILATION`)."""
         c = self.conv
         b = c.bias if bias else None
+        if TRITON_CONV and c.groups == 1 and x.dtype != torch.float32 and _triton(x):
+            from ..kernels.conv1d import conv1d
+
+            return conv1d(x, c.weight, b, c.dilation[0])
         if x.is_cuda and 0 < POLYPHASE_DILATION <= c.dilation[0]:
             return polyphase_conv1d(x, c.weight, b, c.dilation[0], c.groups)
         return F.conv1d(x, c.weight, b, dilation=c.dilation, groups=c.groups)
