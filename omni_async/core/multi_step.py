@@ -21,6 +21,7 @@ from .conditioning import ready_positions
 from .core_state import DecodeSteps
 from .protocol import StepOutcome, StepOutcomes
 from .request import Request, decode_limits, mask_ready, masked, stop_index
+from .step_results import take_guessed
 
 if TYPE_CHECKING:
     from .batch import ScheduledBatch
@@ -303,7 +304,7 @@ def _process_row(req: Request, i: int, steps: int, limit: int, masked_row: bool,
             lps = [float(lp) for lp in logprobs[i:end:size][: len(kept)]]
             req.output_logprobs.extend(lps)
     elif req.matcher is not None and not masked_row:  # sampled before its mask (structured.optimistic)
-        kept, reason = _take_guessed(req, row, limit, stop_ids)
+        kept, reason = take_guessed(req, row, limit, stop_ids)
         lps = None
         if reason == "rewind":
             if rewound is not None:
@@ -392,29 +393,3 @@ def _take_between(req: Request, row: list[int], limit: int, stop_ids: frozenset[
     tail, _, reason = _walk_row(req, row[taken:], None, ctx, accepted)
     return head + tail, reason
 
-
-def _take_guessed(req: Request, row: list[int], limit: int, stop_ids: frozenset[int]) -> tuple[list[int], str | None]:
-    """A row that sampled before its mask (``structured.optimistic``): its grammar takes
-    the admissible prefix of its tokens in one call, then what it keeps ends at the first
-    of a stop id (past ``min_new_tokens``), the grammar's completion, its length limit
-    (``limit``: tokens left before this step) and the refused token ("rewind": neither it
-    nor its followers are kept), whichever comes first, as :func:`_walk_row` would find
-    token by token ("error": the grammar failed; nothing kept)."""
-    matcher = req.matcher
-    n = matcher.take(row)
-    if matcher.failed:
-        return [], "error"
-    cut, reason = n, None
-    if n and matcher.complete:
-        reason = "stop"  # it completed at the last token it took
-    elif n < len(row):
-        reason = "rewind"
-    j = stop_index(row[:cut], stop_ids, len(req.output_ids), req.sampling.min_new_tokens) if stop_ids else None
-    if j is not None:
-        cut, reason = j + 1, "stop"
-    last = limit if limit > 1 else 1
-    if last < cut or (last == cut and reason != "stop"):
-        cut, reason = last, "length"
-    kept = row[:cut] if cut < len(row) else row
-    req.output_ids.extend(kept)
-    return kept, reason

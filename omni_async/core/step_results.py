@@ -13,7 +13,7 @@ from typing import Any, Sequence
 
 from .batch import ScheduledBatch
 from .protocol import StepOutcome
-from .request import Request
+from .request import Request, stop_index
 
 
 def process_one_forward(
@@ -104,3 +104,30 @@ def rewind(req: Request) -> None:
     req.num_cached = req.seq_len - 1
     req.num_rewinds += 1
     req.matcher.refused_at(len(req.output_ids))
+
+
+def take_guessed(req: Request, row: list[int], limit: int, stop_ids: frozenset[int]) -> tuple[list[int], str | None]:
+    """A row that sampled before its mask (``structured.optimistic``): its grammar takes
+    the admissible prefix of its tokens in one call, then what it keeps ends at the first
+    of a stop id (past ``min_new_tokens``), the grammar's completion, its length limit
+    (``limit``: tokens left before this step) and the refused token ("rewind": neither it
+    nor its followers are kept), whichever comes first, as ``multi_step._walk_row`` would
+    find token by token ("error": the grammar failed; nothing kept). A multi-step row's."""
+    matcher = req.matcher
+    n = matcher.take(row)
+    if matcher.failed:
+        return [], "error"
+    cut, reason = n, None
+    if n and matcher.complete:
+        reason = "stop"  # it completed at the last token it took
+    elif n < len(row):
+        reason = "rewind"
+    j = stop_index(row[:cut], stop_ids, len(req.output_ids), req.sampling.min_new_tokens) if stop_ids else None
+    if j is not None:
+        cut, reason = j + 1, "stop"
+    last = limit if limit > 1 else 1
+    if last < cut or (last == cut and reason != "stop"):
+        cut, reason = last, "length"
+    kept = row[:cut] if cut < len(row) else row
+    req.output_ids.extend(kept)
+    return kept, reason
