@@ -21,7 +21,7 @@ from .conditioning import ready_positions
 from .core_state import DecodeSteps
 from .protocol import StepOutcome, StepOutcomes
 from .request import Request, decode_limits, mask_ready, masked, stop_index
-from .step_results import take_guessed
+from .step_results import take_between, take_guessed, walk_row
 
 if TYPE_CHECKING:
     from .batch import ScheduledBatch
@@ -318,10 +318,10 @@ def _process_row(req: Request, i: int, steps: int, limit: int, masked_row: bool,
         elif masked_row:  # one token sampled, by its last forward (the others fed forced tokens)
             row, first = row[-1:], end - size
         if ahead is not None and logprobs is None:
-            kept, reason = _take_between(req, row, limit, stop_ids, ahead, ctx, accepted)
+            kept, reason = take_between(req, row, limit, stop_ids, ahead, ctx, accepted)
             lps = None
         else:
-            kept, lps, reason = _walk_row(req, row, None if logprobs is None else logprobs[first:end:size], ctx, accepted, ahead)
+            kept, lps, reason = walk_row(req, row, None if logprobs is None else logprobs[first:end:size], ctx, accepted, ahead)
     if reason == "error":  # its grammar failed: no token; the stage ends it with an error
         finishes.append((req, reason))
         outcomes.append(StepOutcome(req, None, finished=True))
@@ -330,66 +330,4 @@ def _process_row(req: Request, i: int, steps: int, limit: int, masked_row: bool,
         finishes.append((req, reason))
     last_lp = lps[-1] if lps else None
     outcomes.append(StepOutcome(req, kept[-1], last_lp, finished=reason is not None, tokens=kept, logprobs=lps))
-
-
-def _walk_row(req: Request, row: Sequence[int], row_lps: Sequence[float] | None, ctx: int,
-              accepted: list[Any] | None = None, ahead: tuple[int, bool] | None = None):
-    """A row holding a stop id or under a grammar's mask, token by token: what it keeps,
-    their logprobs, and why it ended (None: it runs on; "error": its grammar failed). The
-    checks are those of a one-forward step (``core.step_results``), in the same order.
-    ``ahead``: ``(taken, ended)``, the row's first ``taken`` tokens already accepted by its
-    matcher during the step (masks between forwards), ``ended``: the last of them ended
-    its grammar; the matcher accepts only the tokens after them here."""
-    out, sp, stop_ids, matcher = req.output_ids, req.sampling, req.stop_ids(), req.matcher
-    taken, ended = ahead or (0, False)
-    kept: list[int] = []
-    lps: list[float] | None = [] if row_lps is not None else None
-    for j, t in enumerate(row):
-        token = int(t)
-        out.append(token)
-        kept.append(token)
-        if lps is not None:
-            lp = float(row_lps[j])  # type: ignore[index]
-            req.output_logprobs.append(lp)
-            lps.append(lp)
-        n = len(out)
-        if (token in stop_ids and n > sp.min_new_tokens) or (matcher is not None and (
-                (ended and j == taken - 1) if j < taken else matcher.accept(token, later=accepted, index=n - 1))):
-            return kept, lps, "error" if matcher is not None and matcher.failed else "stop"
-        if req.tokens_left(ctx, scheduling=False) <= 0:
-            return kept, lps, "length"
-    return kept, lps, None
-
-
-def _take_between(req: Request, row: list[int], limit: int, stop_ids: frozenset[int], ahead: tuple[int, bool],
-                  ctx: int, accepted: list[Any] | None) -> tuple[list[int], str | None]:
-    """:func:`_walk_row` of a row that sampled every forward under masks computed between
-    them, judged together where its matcher took the tokens during the step (``ahead``:
-    how many, and whether the last ended its grammar): the first of a stop id (past
-    ``min_new_tokens``), its grammar's end and its length ``limit`` (tokens left before
-    this step) ends it there, in ``_walk_row``'s order at one token; the tokens after
-    those, usually the last, go through ``_walk_row`` (the matcher accepts them and queues
-    the next mask). A step of 8 forwards walked token by token cost the host ~3 us a
-    row-token (the null device, tools/constrained_host.py --profile)."""
-    taken, ended = ahead
-    cut, reason = len(row), None
-    if taken:
-        end = taken - 1 if ended else None
-        failed = ended and req.matcher.failed is not None  # (at its end: the runner's matcher took no token after it)
-        j = stop_index(row[:taken], stop_ids, len(req.output_ids), req.sampling.min_new_tokens) if stop_ids else None
-        if j is not None and (end is None or j < end):
-            end, failed = j, False  # a stop id before the grammar's end: the walk never reaches that
-        last = (limit if limit > 1 else 1) - 1  # the token at which the length ends it
-        if end is not None:
-            cut, reason = end + 1, "error" if failed else "stop"
-        if last < taken and (end is None or last < end):
-            cut, reason = last + 1, "length"
-    if reason is not None or taken >= len(row):
-        kept = row[:cut] if cut < len(row) else row
-        req.output_ids.extend(kept)
-        return kept, reason
-    head = row[:taken]
-    req.output_ids.extend(head)
-    tail, _, reason = _walk_row(req, row[taken:], None, ctx, accepted)
-    return head + tail, reason
 

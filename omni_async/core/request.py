@@ -101,7 +101,7 @@ def stop_index(row: Sequence[int], stop_ids: frozenset[int], kept: int, min_new_
     the index of the first of its ``stop_ids`` that comes after ``min_new_tokens`` tokens
     (counting itself), or None. Used where a row's tokens are judged together (a sample-first
     row, ``step_results.take_guessed``; the early launch's ending rows, ``early_launch``); the
-    token-by-token checks (``step_results``, ``multi_step._walk_row``) apply it to one token,
+    token-by-token checks (``step_results``, ``walk_row``) apply it to one token,
     and tests/test_early_launch.py holds the early launch's verdicts equal to processing's."""
     if stop_ids.isdisjoint(row):
         return None
