@@ -190,7 +190,7 @@ def late_mask_rows(core: "CoreState", decoding: list[Request], limits: list[int]
     if free:
         return (decoding, limits, *steps_for(core, decoding, limits, True), False)
     if waits_for_between(core):
-        return [], [], None, [], False
+        return late_between(core, decoding, limits)
     keep = [i for i, r in enumerate(decoding) if r.matcher is None or not r.num_inflight or not masked(r, r.num_generated)]
     if len(keep) == len(decoding):
         return (decoding, limits, *steps_for(core, decoding, limits), False)
@@ -200,6 +200,45 @@ def late_mask_rows(core: "CoreState", decoding: list[Request], limits: list[int]
     if core.config.jump_forward or (steps is not None and waiting < LATE_MAJORITY * len(decoding)):
         return rest, rest_limits, steps, grammar, False  # a fused launch: they wait for the next step
     return decoding, limits, None, [], True  # one forward per row, theirs too
+
+
+# Steps of masked rows under masks between forwards launched while the step before is in
+# flight, sampling once it is processed (:func:`late_between`); off: the loop drains to them.
+# Off by default until a GPU measures it (issue 61).
+LATE_BETWEEN = False
+
+
+def late_between(core: "CoreState", decoding: list[Request], limits: list[int]
+                 ) -> tuple[list[Request], list[int], list[int] | None, list[int], bool]:
+    """:func:`late_mask_rows`' step when it :func:`waits_for_between`: none (the loop drains
+    and the step comes after), or, under :data:`LATE_BETWEEN`, the step of every row ready
+    under late masks, launched now: its launch enqueues its first forward, whose inputs are
+    the tokens in flight, already on the device; the stepper processes the step before and
+    then has the runner fill that forward's masks, sample it and run the forwards after it
+    under masks between them (``Stepper.step_ahead``, ``ModelRunner.sample_pending``). On a
+    GPU the device then runs the first forward while the host processes the step before,
+    instead of idling through that processing, the scheduling and the launch each step.
+    Each row's forwards are decided now, from the limits that count its tokens in flight;
+    a row the processing ends drops the step's tokens, as rows ending mid-step do. Only a
+    step whose masked rows do run several forwards (:func:`masks_between`): else it drains."""
+    if LATE_BETWEEN:
+        steps, grammar = steps_for(core, decoding, limits)
+        if masks_between(core, steps, grammar):
+            return decoding, limits, steps, grammar, True
+    return [], [], None, [], False
+
+
+def count_ahead(batch: "ScheduledBatch") -> None:
+    """A step under masks between forwards, under :data:`LATE_BETWEEN`: each masked row's
+    matcher takes all its tokens but the last while the step runs, so its next mask waits
+    only for that last one (``Request.num_ahead``, :func:`.request.mask_ready`); processing
+    returns them (:func:`_process_row`). Counted when scheduled, not as the runner takes
+    them: on the CPU the launch runs on the worker while the next step is scheduled."""
+    if LATE_BETWEEN and batch.masks_between:
+        steps = batch.row_steps
+        for i in batch.grammar_rows:
+            if steps[i] > 1:
+                batch.reqs[i].num_ahead += steps[i] - 1
 
 
 def waits_for_between(core: "CoreState") -> bool:
@@ -289,6 +328,8 @@ def _process_row(req: Request, i: int, steps: int, limit: int, masked_row: bool,
     size = batch.size
     between = masked_row and batch.masks_between  # it sampled every forward (between_steps)
     req.num_inflight -= 1 if masked_row and not between else steps  # else a masked row samples one (see feed_rows)
+    if between and req.num_ahead:
+        req.num_ahead -= steps - 1  # (count_ahead)
     if req.to_finish is not None:
         finishes.append((req, req.to_finish))
         outcomes.append(StepOutcome(req, None, finished=True))

@@ -100,7 +100,7 @@ def rewind(req: Request) -> None:
     read. A prefill's token is masked first, so the position computed again is never in
     a page the prefix cache shares."""
     req.epoch += 1
-    req.num_inflight = 0
+    req.num_inflight = req.num_ahead = 0
     req.num_cached = req.seq_len - 1
     req.num_rewinds += 1
     req.matcher.refused_at(len(req.output_ids))
