@@ -183,7 +183,8 @@ def late_mask_rows(core: "CoreState", decoding: list[Request], limits: list[int]
     under late masks and every row samples. That holds only where a step runs one forward
     (k = 1): with more, such rows wait for their tokens and then run several forwards a
     step under masks computed between the forwards (:func:`between_steps`), which a
-    one-forward late step would cut back to one token. Not with
+    one-forward late step would cut back to one token; or, under :data:`LATE_BETWEEN`,
+    such a step samples late too, its first forward launched now (:func:`late_between`). Not with
     jump_forward: processing a step may append forced tokens to a row, which would move
     the position its launched forward computed; late masks apply only with it off.
     ``free``: no row is under a grammar (:func:`.request.all_free`)."""
@@ -220,8 +221,11 @@ def late_between(core: "CoreState", decoding: list[Request], limits: list[int]
     instead of idling through that processing, the scheduling and the launch each step.
     Each row's forwards are decided now, from the limits that count its tokens in flight;
     a row the processing ends drops the step's tokens, as rows ending mid-step do. Only a
-    step whose masked rows do run several forwards (:func:`masks_between`): else it drains."""
-    if LATE_BETWEEN:
+    step whose masked rows do run several forwards (:func:`masks_between`), and not while
+    prompts wait for a running slot: a drain gives prefills their turns back to back, so
+    rows admitted apart then step together; late steps between them split the rows into
+    groups finishing apart (16 rows admitted two a prefill: 27 decode steps, not 11)."""
+    if LATE_BETWEEN and core.chunked is None and (not core.waiting or len(core.running) >= core.config.max_running_requests):
         steps, grammar = steps_for(core, decoding, limits)
         if masks_between(core, steps, grammar):
             return decoding, limits, steps, grammar, True
