@@ -253,11 +253,15 @@ class NativeBatchCore(CoreState, BatchCore):
                                    free: bool = False) -> tuple[list[Request], list[int]]:
         """Retract the newest requests until the next decode step of ``decoding`` fits in
         KV; the requests that still decode, with their ``limits``. Empty when nothing
-        decodes, or when only requests about to finish hold the KV it needs."""
+        decodes, or when only requests about to finish hold the KV it needs, or when a row's
+        matcher took tokens of a step in flight (``num_ahead``, ``multi_step.count_ahead``):
+        retracted now, it would resume with them taken; the loop drains that step first."""
         while decoding and not self._decode_fits(decoding):
             if self.chunked is not None:
                 victim = self.chunked
                 self.chunked = None
+            elif any(r.num_ahead for r in decoding):
+                return [], []
             elif len(decoding) > 1:
                 victim = self.policy.retract_victim(decoding)
                 self.running.remove(victim)
