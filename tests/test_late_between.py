@@ -118,3 +118,37 @@ async def test_steps_past_the_plan_launch_late_too(late, monkeypatch):
     assert [r.output_ids for r in results] == [r.output_ids for r in reference]
     assert masked_tokens_a_step(info) > 4, info
     assert info["grammar_late_mask_steps"] > 0 and drains(trace) <= 2, trace
+
+
+@pytest.mark.parametrize("loop", ["overlap", "async_decode"])
+async def test_retraction_under_pressure_waits_for_the_step_whose_matchers_ran_ahead(loop, late, monkeypatch):
+    """A KV small enough to retract masked rows: a row whose matcher took tokens of a step
+    in flight (``Request.num_ahead``) is not retracted before that step is processed (it
+    would resume with them taken, ``NativeBatchCore._retract_until_decode_fits``): the
+    tokens stay one forward a step's and every page comes back. (On the CPU the launch's
+    matchers usually had not taken them yet, so the tokens alone do not show it: every
+    row retracted must have none taken ahead.)"""
+    from omni_async.core.batch_core import NativeBatchCore
+
+    retracted: list[int] = []
+    real = NativeBatchCore._retract
+
+    def retract(self, req):
+        retracted.append(req.num_ahead)
+        return real(self, req)
+
+    monkeypatch.setattr(NativeBatchCore, "_retract", retract)
+    sampling = [endless(i) for i in range(N)]
+    pressure = dict(page_size=8, kv_capacity_tokens=360, max_running_requests=8)
+    outputs = []
+    for loop_, steps in (("normal", 1), (loop, 4)):
+        async with Engine.from_pretrained("tiny", optimistic_grammar=False, device="cpu", loop=loop_,
+                                          decode_steps=steps, **pressure) as engine:
+            results = await asyncio.gather(*[engine.generate(prompt=f"record {i}:", sampling=sp)
+                                             for i, sp in enumerate(sampling)])
+            info = engine.scheduler.info()
+        assert_kv_free(engine)
+        outputs.append([r.output_ids for r in results])
+    assert outputs[1] == outputs[0]
+    assert info["num_retractions"] > 0 and info["grammar_late_mask_steps"] > 0, info
+    assert retracted and not any(retracted), retracted

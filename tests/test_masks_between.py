@@ -77,12 +77,17 @@ async def test_constrained_rows_take_several_tokens_a_step_with_one_forward_a_st
         assert info["grammar_between_forwards"] > 0 and info["grammar_late_mask_steps"] == 0
 
 
-async def test_rows_admitted_apart_step_together():
+@pytest.mark.parametrize("late", [False, True])
+async def test_rows_admitted_apart_step_together(late, monkeypatch):
     """Prompts admitted over several prefill steps reach their first decode step apart; the
     overlap loop then waits for the masked rows in flight (``multi_step.waits_for_between``)
     instead of stepping the ready ones alone, so the rows do not settle into groups
     stepping in turn (each step reading the weights k times for part of the batch): about
-    one decode step per four tokens of a row, not three (37 before the wait)."""
+    one decode step per four tokens of a row, not three (37 before the wait). ``late``
+    (``LATE_BETWEEN``): no late step while prompts wait for a slot (27 decode steps with them)."""
+    from omni_async.core import multi_step
+
+    monkeypatch.setattr(multi_step, "LATE_BETWEEN", late)
     sampling = [SamplingParams(max_new_tokens=40, json_schema=ENDLESS, temperature=0.7, seed=i) for i in range(16)]
     async with Engine.from_pretrained("tiny", optimistic_grammar=False, device="cpu", loop="overlap", decode_steps=4,
                                       max_prefill_tokens=40) as engine:
