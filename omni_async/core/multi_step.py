@@ -246,7 +246,8 @@ def count_ahead(batch: "ScheduledBatch") -> None:
 
 
 def waits_for_between(core: "CoreState") -> bool:
-    """Whether the next decode step waits for the one in flight (the loop drains it)
+    """Whether the next decode step waits for the one in flight (the loop drains it, or
+    :func:`late_between` launches it to sample once that one is processed)
     because most running rows sample under masks and some have tokens in flight: with
     k > 1 forwards a step they take several at once under masks between the forwards
     (:func:`between_steps`) once the host has seen their tokens, all of them in one step.
