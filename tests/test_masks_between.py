@@ -50,6 +50,18 @@ def masked_tokens_a_step(info: dict) -> float:
     return (info["grammar_mask_rows"] + info.get("grammar_between_rows", 0)) / info["grammar_mask_rows"]
 
 
+def assert_one_forward_outputs(results: list, reference: list, endless_rows: bool, loop: str) -> None:
+    """The tokens of one forward a step (``reference``), and each output valid: an endless
+    schema's rows run to their length, the others complete their schema."""
+    assert [r.output_ids for r in results] == [r.output_ids for r in reference], loop
+    for r in results:
+        if endless_rows:
+            assert r.finish_reason == "length" and r.text.startswith("[{")
+        else:
+            assert r.finish_reason == "stop", r.text
+            validate(json.loads(r.text), SCHEMA)
+
+
 @pytest.mark.parametrize("make", [greedy, seeded, endless], ids=["greedy", "seeded", "endless"])
 async def test_constrained_rows_take_several_tokens_a_step_with_one_forward_a_steps_tokens(make):
     """All rows constrained, four forwards a step: the tokens of one forward a step in the
@@ -59,24 +71,23 @@ async def test_constrained_rows_take_several_tokens_a_step_with_one_forward_a_st
     reference, ref_info = await run("normal", 1, sampling)
     for loop in LOOPS:
         results, info = await run(loop, 4, sampling)
-        assert [r.output_ids for r in results] == [r.output_ids for r in reference], loop
-        for r in results:
-            if make is endless:
-                assert r.finish_reason == "length" and r.text.startswith("[{")
-            else:
-                assert r.finish_reason == "stop", r.text
-                validate(json.loads(r.text), SCHEMA)
+        assert_one_forward_outputs(results, reference, make is endless, loop)
         assert info["decode_steps"] <= ref_info["decode_steps"] / 2, (loop, info["decode_steps"], ref_info["decode_steps"])
         assert masked_tokens_a_step(info) > 2, (loop, info)
         assert info["grammar_between_forwards"] > 0 and info["grammar_late_mask_steps"] == 0
 
 
-async def test_rows_admitted_apart_step_together():
+@pytest.mark.parametrize("late", [False, True])
+async def test_rows_admitted_apart_step_together(late, monkeypatch):
     """Prompts admitted over several prefill steps reach their first decode step apart; the
     overlap loop then waits for the masked rows in flight (``multi_step.waits_for_between``)
     instead of stepping the ready ones alone, so the rows do not settle into groups
     stepping in turn (each step reading the weights k times for part of the batch): about
-    one decode step per four tokens of a row, not three (37 before the wait)."""
+    one decode step per four tokens of a row, not three (37 before the wait). ``late``
+    (``LATE_BETWEEN``): no late step while prompts wait for a slot (27 decode steps with them)."""
+    from omni_async.core import multi_step
+
+    monkeypatch.setattr(multi_step, "LATE_BETWEEN", late)
     sampling = [SamplingParams(max_new_tokens=40, json_schema=ENDLESS, temperature=0.7, seed=i) for i in range(16)]
     async with Engine.from_pretrained("tiny", optimistic_grammar=False, device="cpu", loop="overlap", decode_steps=4,
                                       max_prefill_tokens=40) as engine:
@@ -130,17 +141,24 @@ async def test_free_rows_in_a_mostly_constrained_step_keep_their_tokens(loop):
     assert info["grammar_between_forwards"] > 0
 
 
-async def test_one_terminal_each_when_rows_abort_while_their_step_masks_between_forwards():
+@pytest.mark.parametrize("loop,late", [("overlap", False), ("overlap", True), ("async_decode", True)])
+async def test_one_terminal_each_when_rows_abort_while_their_step_masks_between_forwards(loop, late, monkeypatch):
     """Aborts landing while a step computes its masks between forwards (sent from inside
     the step, once the rows have 8 tokens): exactly one terminal message per request, KV
-    freed once, the others run to their length."""
+    freed once, the others run to their length; short schemas' rows beside them complete
+    mid-step and end once too. ``late``: the steps launched while the one before is in
+    flight (``multi_step.LATE_BETWEEN``, tests/test_late_between.py): the aborts land while
+    the next step may be scheduled and its first forward enqueued."""
     import time
 
+    from omni_async import IncomingMessage, RequestPayload
     from omni_async.backends.native.builder import build_native_stack, build_scheduler
     from omni_async.config import SchedulerConfig
+    from omni_async.core import multi_step
     from omni_async.structured import between
 
-    config = SchedulerConfig(loop="overlap", decode_steps=4, optimistic_grammar=False)
+    monkeypatch.setattr(multi_step, "LATE_BETWEEN", late)
+    config = SchedulerConfig(loop=loop, decode_steps=4, optimistic_grammar=False)
     stack = build_native_stack("tiny", config)
     sched = build_scheduler(stack, config)
     terminals: dict[str, list[str]] = {}
@@ -164,16 +182,20 @@ async def test_one_terminal_each_when_rows_abort_while_their_step_masks_between_
 
             tg.start_soon(record_terminals, sched, terminals, lengths)
             await submit_constrained(sched, N, ENDLESS, 96)
+            for i in range(N, N + 4):  # rows whose grammar completes mid-step
+                sp = SamplingParams(max_new_tokens=64, json_schema=SCHEMA, temperature=0.7, seed=i)
+                await sched.inbox.send(IncomingMessage(f"r{i}", "new_request", RequestPayload(f"r{i}", [i + 1, 2], sp)))
             with anyio.fail_after(120):
-                while len(terminals) < N:
+                while len(terminals) < N + 4:
                     await anyio.sleep(0.01)
             info = sched.info()
             await sched.aclose()
     assert landed == [True]  # the aborts reached the rows while their step ran
-    assert {rid: len(kinds) for rid, kinds in terminals.items()} == {f"r{i}": 1 for i in range(N)}
+    assert {rid: len(kinds) for rid, kinds in terminals.items()} == {f"r{i}": 1 for i in range(N + 4)}
     assert all(lengths[f"r{i}"] == 96 for i in range(N) if i not in (1, 6))
     assert lengths.get("r1", 0) < 96 and lengths.get("r6", 0) < 96
     assert info["grammar_between_forwards"] > 0
+    assert (info["grammar_late_mask_steps"] > 0) == late
     assert stack.allocator.is_fully_free()
 
 
@@ -194,11 +216,15 @@ async def test_xgrammar_rows_take_several_tokens_a_step_with_one_forward_a_steps
         assert masked_tokens_a_step(info) > 2, (loop, info)
 
 
-@pytest.mark.parametrize("loop", ["normal", "overlap"])
-async def test_stop_ids_lengths_and_min_new_tokens_inside_a_step_end_rows_as_one_forward_a_step(loop):
+@pytest.mark.parametrize("loop,late", [("normal", False), ("overlap", False), ("overlap", True), ("async_decode", True)])
+async def test_stop_ids_lengths_and_min_new_tokens_inside_a_step_end_rows_as_one_forward_a_step(loop, late, monkeypatch):
     """A stop id the grammar admits (past ``min_new_tokens``), length limits that fall inside
     a step of four forwards, and the grammar's own end: each row keeps the tokens, and ends
-    for the reason, of one forward a step (``multi_step._take_between`` against the walk)."""
+    for the reason, of one forward a step (``step_results.take_between`` against the walk).
+    ``late``: the steps launched while the one before is in flight (``LATE_BETWEEN``)."""
+    from omni_async.core import multi_step
+
+    monkeypatch.setattr(multi_step, "LATE_BETWEEN", late)
     async with Engine.from_pretrained("tiny", device="cpu") as engine:
         comma = engine.tokenizer.encode(",", add_special_tokens=False)
     sampling = [
@@ -211,15 +237,20 @@ async def test_stop_ids_lengths_and_min_new_tokens_inside_a_step_end_rows_as_one
     results, info = await run(loop, 4, sampling)
     assert [(r.output_ids, r.finish_reason) for r in results] == [(r.output_ids, r.finish_reason) for r in reference]
     assert {r.finish_reason for r in results} >= {"stop", "length"}
-    assert info["grammar_between_forwards"] > 0
+    assert info["grammar_between_forwards"] > 0 and (info["grammar_late_mask_steps"] > 0) == late
 
 
-async def test_a_grammar_failing_inside_a_step_ends_its_request_alone(monkeypatch):
+@pytest.mark.parametrize("late", [False, True])
+async def test_a_grammar_failing_inside_a_step_ends_its_request_alone(late, monkeypatch):
     """A grammar that fails at a token its matcher takes between forwards ends its request
-    with an error after the tokens before it, as one forward a step does; the other rows run on."""
+    with an error after the tokens before it, as one forward a step does; the other rows run
+    on. ``late``: the steps launched while the one before is in flight (``LATE_BETWEEN``)."""
     from omni_async import errors
+    from omni_async.core import multi_step
 
     from .test_late_masks import fail_grammar_at
+
+    monkeypatch.setattr(multi_step, "LATE_BETWEEN", late)
 
     failing = ("regex", "[a-z]{4,40}")
     fail_grammar_at(monkeypatch, failing, 6)
@@ -239,7 +270,7 @@ async def test_a_grammar_failing_inside_a_step_ends_its_request_alone(monkeypatc
             info = engine.scheduler.info()
         assert_kv_free(engine)
         outcomes[steps] = ([r.output_ids for r in results], list(streamed))
-    assert info["grammar_between_forwards"] > 0
+    assert info["grammar_between_forwards"] > 0 and (info["grammar_late_mask_steps"] > 0) == late
     assert outcomes[4] == outcomes[1]
     assert len(outcomes[4][1]) == 5  # the tokens before the failing one went out
 

@@ -18,7 +18,7 @@ from ..kv.allocator import PageAllocator
 from .batch import ForwardMode, ScheduledBatch
 from .core_state import CoreState, DecodeSteps
 from .jump_steps import feed_rows, jump_most, jump_rows, take_due
-from .multi_step import decoding_rows, late_mask_rows, masks_between, most_forwards, process_multi_step
+from .multi_step import count_ahead, decoding_rows, late_mask_rows, masks_between, most_forwards, process_multi_step
 from .mixed_prefill import add_decode_rows, jump_step, mixed_decodes, prefill_turn
 from .step_results import end_unsampled, process_one_forward, rewind
 from .conditioning import ready_positions
@@ -236,6 +236,7 @@ class NativeBatchCore(CoreState, BatchCore):
         batch.grammar_rows, batch.late_masks = grammar_rows, late
         batch.masks_between = masks_between(self, steps, grammar_rows)
         batch.fill_decode(decoding, steps, self.page_size, self.kv.allocate)
+        count_ahead(batch)
         if steps is not None and grammar_rows and not batch.masks_between:
             feed_rows(batch)
         self.slots.remember(self, batch, limits, free)
@@ -252,11 +253,15 @@ class NativeBatchCore(CoreState, BatchCore):
                                    free: bool = False) -> tuple[list[Request], list[int]]:
         """Retract the newest requests until the next decode step of ``decoding`` fits in
         KV; the requests that still decode, with their ``limits``. Empty when nothing
-        decodes, or when only requests about to finish hold the KV it needs."""
+        decodes, or when only requests about to finish hold the KV it needs, or when a row's
+        matcher took tokens of a step in flight (``num_ahead``, ``multi_step.count_ahead``):
+        retracted now, it would resume with them taken; the loop drains that step first."""
         while decoding and not self._decode_fits(decoding):
             if self.chunked is not None:
                 victim = self.chunked
                 self.chunked = None
+            elif any(r.num_ahead for r in decoding):
+                return [], []
             elif len(decoding) > 1:
                 victim = self.policy.retract_victim(decoding)
                 self.running.remove(victim)
@@ -274,7 +279,7 @@ class NativeBatchCore(CoreState, BatchCore):
     def _retract(self, req: Request) -> None:
         self._release(req)
         req.num_cached = 0
-        req.num_inflight = 0
+        req.num_inflight = req.num_ahead = 0
         req.epoch += 1
         req.num_retractions += 1
         self.num_retractions += 1
@@ -335,7 +340,7 @@ class NativeBatchCore(CoreState, BatchCore):
         return outcomes
 
     def finish_request(self, req: Request, reason: str) -> None:
-        req.finish_reason, req.num_inflight = reason, 0
+        req.finish_reason, req.num_inflight, req.num_ahead = reason, 0, 0
         self._release(req)
 
     def _release(self, req: Request) -> None:

@@ -21,6 +21,7 @@ from .conditioning import ready_positions
 from .core_state import DecodeSteps
 from .protocol import StepOutcome, StepOutcomes
 from .request import Request, decode_limits, mask_ready, masked, stop_index
+from .step_results import take_between, take_guessed, walk_row
 
 if TYPE_CHECKING:
     from .batch import ScheduledBatch
@@ -182,14 +183,15 @@ def late_mask_rows(core: "CoreState", decoding: list[Request], limits: list[int]
     under late masks and every row samples. That holds only where a step runs one forward
     (k = 1): with more, such rows wait for their tokens and then run several forwards a
     step under masks computed between the forwards (:func:`between_steps`), which a
-    one-forward late step would cut back to one token. Not with
+    one-forward late step would cut back to one token; or, under :data:`LATE_BETWEEN`,
+    such a step samples late too, its first forward launched now (:func:`late_between`). Not with
     jump_forward: processing a step may append forced tokens to a row, which would move
     the position its launched forward computed; late masks apply only with it off.
     ``free``: no row is under a grammar (:func:`.request.all_free`)."""
     if free:
         return (decoding, limits, *steps_for(core, decoding, limits, True), False)
     if waits_for_between(core):
-        return [], [], None, [], False
+        return late_between(core, decoding, limits)
     keep = [i for i, r in enumerate(decoding) if r.matcher is None or not r.num_inflight or not masked(r, r.num_generated)]
     if len(keep) == len(decoding):
         return (decoding, limits, *steps_for(core, decoding, limits), False)
@@ -201,8 +203,51 @@ def late_mask_rows(core: "CoreState", decoding: list[Request], limits: list[int]
     return decoding, limits, None, [], True  # one forward per row, theirs too
 
 
+# Steps of masked rows under masks between forwards launched while the step before is in
+# flight, sampling once it is processed (:func:`late_between`); off: the loop drains to them.
+# Off by default until a GPU measures it (issue 61).
+LATE_BETWEEN = False
+
+
+def late_between(core: "CoreState", decoding: list[Request], limits: list[int]
+                 ) -> tuple[list[Request], list[int], list[int] | None, list[int], bool]:
+    """:func:`late_mask_rows`' step when it :func:`waits_for_between`: none (the loop drains
+    and the step comes after), or, under :data:`LATE_BETWEEN`, the step of every row ready
+    under late masks, launched now: its launch enqueues its first forward, whose inputs are
+    the tokens in flight, already on the device; the stepper processes the step before and
+    then has the runner fill that forward's masks, sample it and run the forwards after it
+    under masks between them (``Stepper.step_ahead``, ``ModelRunner.sample_pending``). On a
+    GPU the device then runs the first forward while the host processes the step before,
+    instead of idling through that processing, the scheduling and the launch each step.
+    Each row's forwards are decided now, from the limits that count its tokens in flight;
+    a row the processing ends drops the step's tokens, as rows ending mid-step do. Only a
+    step whose masked rows do run several forwards (:func:`masks_between`), and not while
+    prompts wait for a running slot: a drain gives prefills their turns back to back, so
+    rows admitted apart then step together; late steps between them split the rows into
+    groups finishing apart (16 rows admitted two a prefill: 27 decode steps, not 11)."""
+    if LATE_BETWEEN and core.chunked is None and (not core.waiting or len(core.running) >= core.config.max_running_requests):
+        steps, grammar = steps_for(core, decoding, limits)
+        if masks_between(core, steps, grammar):
+            return decoding, limits, steps, grammar, True
+    return [], [], None, [], False
+
+
+def count_ahead(batch: "ScheduledBatch") -> None:
+    """A step under masks between forwards, under :data:`LATE_BETWEEN`: each masked row's
+    matcher takes all its tokens but the last while the step runs, so its next mask waits
+    only for that last one (``Request.num_ahead``, :func:`.request.mask_ready`); processing
+    returns them (:func:`_process_row`). Counted when scheduled, not as the runner takes
+    them: on the CPU the launch runs on the worker while the next step is scheduled."""
+    if LATE_BETWEEN and batch.masks_between:
+        steps = batch.row_steps
+        for i in batch.grammar_rows:
+            if steps[i] > 1:
+                batch.reqs[i].num_ahead += steps[i] - 1
+
+
 def waits_for_between(core: "CoreState") -> bool:
-    """Whether the next decode step waits for the one in flight (the loop drains it)
+    """Whether the next decode step waits for the one in flight (the loop drains it, or
+    :func:`late_between` launches it to sample once that one is processed)
     because most running rows sample under masks and some have tokens in flight: with
     k > 1 forwards a step they take several at once under masks between the forwards
     (:func:`between_steps`) once the host has seen their tokens, all of them in one step.
@@ -288,6 +333,8 @@ def _process_row(req: Request, i: int, steps: int, limit: int, masked_row: bool,
     size = batch.size
     between = masked_row and batch.masks_between  # it sampled every forward (between_steps)
     req.num_inflight -= 1 if masked_row and not between else steps  # else a masked row samples one (see feed_rows)
+    if between and req.num_ahead:
+        req.num_ahead -= steps - 1  # (count_ahead)
     if req.to_finish is not None:
         finishes.append((req, req.to_finish))
         outcomes.append(StepOutcome(req, None, finished=True))
@@ -303,7 +350,7 @@ def _process_row(req: Request, i: int, steps: int, limit: int, masked_row: bool,
             lps = [float(lp) for lp in logprobs[i:end:size][: len(kept)]]
             req.output_logprobs.extend(lps)
     elif req.matcher is not None and not masked_row:  # sampled before its mask (structured.optimistic)
-        kept, reason = _take_guessed(req, row, limit, stop_ids)
+        kept, reason = take_guessed(req, row, limit, stop_ids)
         lps = None
         if reason == "rewind":
             if rewound is not None:
@@ -317,10 +364,10 @@ def _process_row(req: Request, i: int, steps: int, limit: int, masked_row: bool,
         elif masked_row:  # one token sampled, by its last forward (the others fed forced tokens)
             row, first = row[-1:], end - size
         if ahead is not None and logprobs is None:
-            kept, reason = _take_between(req, row, limit, stop_ids, ahead, ctx, accepted)
+            kept, reason = take_between(req, row, limit, stop_ids, ahead, ctx, accepted)
             lps = None
         else:
-            kept, lps, reason = _walk_row(req, row, None if logprobs is None else logprobs[first:end:size], ctx, accepted, ahead)
+            kept, lps, reason = walk_row(req, row, None if logprobs is None else logprobs[first:end:size], ctx, accepted, ahead)
     if reason == "error":  # its grammar failed: no token; the stage ends it with an error
         finishes.append((req, reason))
         outcomes.append(StepOutcome(req, None, finished=True))
@@ -330,91 +377,3 @@ def _process_row(req: Request, i: int, steps: int, limit: int, masked_row: bool,
     last_lp = lps[-1] if lps else None
     outcomes.append(StepOutcome(req, kept[-1], last_lp, finished=reason is not None, tokens=kept, logprobs=lps))
 
-
-def _walk_row(req: Request, row: Sequence[int], row_lps: Sequence[float] | None, ctx: int,
-              accepted: list[Any] | None = None, ahead: tuple[int, bool] | None = None):
-    """A row holding a stop id or under a grammar's mask, token by token: what it keeps,
-    their logprobs, and why it ended (None: it runs on; "error": its grammar failed). The
-    checks are those of a one-forward step (``core.step_results``), in the same order.
-    ``ahead``: ``(taken, ended)``, the row's first ``taken`` tokens already accepted by its
-    matcher during the step (masks between forwards), ``ended``: the last of them ended
-    its grammar; the matcher accepts only the tokens after them here."""
-    out, sp, stop_ids, matcher = req.output_ids, req.sampling, req.stop_ids(), req.matcher
-    taken, ended = ahead or (0, False)
-    kept: list[int] = []
-    lps: list[float] | None = [] if row_lps is not None else None
-    for j, t in enumerate(row):
-        token = int(t)
-        out.append(token)
-        kept.append(token)
-        if lps is not None:
-            lp = float(row_lps[j])  # type: ignore[index]
-            req.output_logprobs.append(lp)
-            lps.append(lp)
-        n = len(out)
-        if (token in stop_ids and n > sp.min_new_tokens) or (matcher is not None and (
-                (ended and j == taken - 1) if j < taken else matcher.accept(token, later=accepted, index=n - 1))):
-            return kept, lps, "error" if matcher is not None and matcher.failed else "stop"
-        if req.tokens_left(ctx, scheduling=False) <= 0:
-            return kept, lps, "length"
-    return kept, lps, None
-
-
-def _take_between(req: Request, row: list[int], limit: int, stop_ids: frozenset[int], ahead: tuple[int, bool],
-                  ctx: int, accepted: list[Any] | None) -> tuple[list[int], str | None]:
-    """:func:`_walk_row` of a row that sampled every forward under masks computed between
-    them, judged together where its matcher took the tokens during the step (``ahead``:
-    how many, and whether the last ended its grammar): the first of a stop id (past
-    ``min_new_tokens``), its grammar's end and its length ``limit`` (tokens left before
-    this step) ends it there, in ``_walk_row``'s order at one token; the tokens after
-    those, usually the last, go through ``_walk_row`` (the matcher accepts them and queues
-    the next mask). A step of 8 forwards walked token by token cost the host ~3 us a
-    row-token (the null device, tools/constrained_host.py --profile)."""
-    taken, ended = ahead
-    cut, reason = len(row), None
-    if taken:
-        end = taken - 1 if ended else None
-        failed = ended and req.matcher.failed is not None  # (at its end: the runner's matcher took no token after it)
-        j = stop_index(row[:taken], stop_ids, len(req.output_ids), req.sampling.min_new_tokens) if stop_ids else None
-        if j is not None and (end is None or j < end):
-            end, failed = j, False  # a stop id before the grammar's end: the walk never reaches that
-        last = (limit if limit > 1 else 1) - 1  # the token at which the length ends it
-        if end is not None:
-            cut, reason = end + 1, "error" if failed else "stop"
-        if last < taken and (end is None or last < end):
-            cut, reason = last + 1, "length"
-    if reason is not None or taken >= len(row):
-        kept = row[:cut] if cut < len(row) else row
-        req.output_ids.extend(kept)
-        return kept, reason
-    head = row[:taken]
-    req.output_ids.extend(head)
-    tail, _, reason = _walk_row(req, row[taken:], None, ctx, accepted)
-    return head + tail, reason
-
-
-def _take_guessed(req: Request, row: list[int], limit: int, stop_ids: frozenset[int]) -> tuple[list[int], str | None]:
-    """A row that sampled before its mask (``structured.optimistic``): its grammar takes
-    the admissible prefix of its tokens in one call, then what it keeps ends at the first
-    of a stop id (past ``min_new_tokens``), the grammar's completion, its length limit
-    (``limit``: tokens left before this step) and the refused token ("rewind": neither it
-    nor its followers are kept), whichever comes first, as :func:`_walk_row` would find
-    token by token ("error": the grammar failed; nothing kept)."""
-    matcher = req.matcher
-    n = matcher.take(row)
-    if matcher.failed:
-        return [], "error"
-    cut, reason = n, None
-    if n and matcher.complete:
-        reason = "stop"  # it completed at the last token it took
-    elif n < len(row):
-        reason = "rewind"
-    j = stop_index(row[:cut], stop_ids, len(req.output_ids), req.sampling.min_new_tokens) if stop_ids else None
-    if j is not None:
-        cut, reason = j + 1, "stop"
-    last = limit if limit > 1 else 1
-    if last < cut or (last == cut and reason != "stop"):
-        cut, reason = last, "length"
-    kept = row[:cut] if cut < len(row) else row
-    req.output_ids.extend(kept)
-    return kept, reason

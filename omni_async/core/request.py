@@ -30,6 +30,11 @@ class Request:
     # Tokens sampled by launched steps whose results the host has not processed yet
     # (overlap and async-decode loops). They count towards the sequence length.
     num_inflight: int = 0
+    # Of those, the tokens its grammar's matcher takes while their step runs (masks between
+    # a step's forwards take all but a row's last, ``structured.between``), counted when the
+    # step is scheduled under ``multi_step.LATE_BETWEEN`` and returned when it is processed:
+    # a mask waits only for the others (:func:`mask_ready`). 0 whenever nothing is in flight.
+    num_ahead: int = 0
     epoch: int = 0
     finish_reason: str | None = None
     to_finish: str | None = None
@@ -100,8 +105,8 @@ def stop_index(row: Sequence[int], stop_ids: frozenset[int], kept: int, min_new_
     """Where a request's stop rule ends ``row``, the tokens that follow its ``kept`` ones:
     the index of the first of its ``stop_ids`` that comes after ``min_new_tokens`` tokens
     (counting itself), or None. Used where a row's tokens are judged together (a sample-first
-    row, ``multi_step._take_guessed``; the early launch's ending rows, ``early_launch``); the
-    token-by-token checks (``step_results``, ``multi_step._walk_row``) apply it to one token,
+    row, ``step_results.take_guessed``; the early launch's ending rows, ``early_launch``); the
+    token-by-token checks (``step_results``, ``walk_row``) apply it to one token,
     and tests/test_early_launch.py holds the early launch's verdicts equal to processing's."""
     if stop_ids.isdisjoint(row):
         return None
@@ -217,8 +222,11 @@ def mask_ready(req: Request, late: bool = False) -> bool:
     from its matcher, which those tokens advance; or, for a step that may sample under
     late masks (``late``), with one token in flight: the step in flight's, which the host
     processes before that step samples. Whether such a row then runs in the step is
-    decided in one place, :func:`omni_async.core.multi_step.late_mask_rows`."""
-    return req.num_inflight <= (1 if late else 0) or not masked(req, req.num_generated)
+    decided in one place, :func:`omni_async.core.multi_step.late_mask_rows`. Tokens in
+    flight that the matcher takes during their step (``num_ahead``) are not waited for:
+    a row that ran several forwards under masks between them has one the host has not
+    accepted, as a one-forward row has."""
+    return req.num_inflight - req.num_ahead <= (1 if late else 0) or not masked(req, req.num_generated)
 
 
 def waits_for_host(reqs: list[Request], late: bool = False) -> bool:
@@ -227,9 +235,11 @@ def waits_for_host(reqs: list[Request], late: bool = False) -> bool:
     ``late``, besides the one of the step before it, which the stepper processes before
     sampling): such a step runs in sync, after a drain. Never true of the native core's
     steps (:func:`mask_ready`); the check stays for any core that does not keep that rule.
-    (Called right after scheduling: a row's last token in flight is this step's.)"""
+    (Called right after scheduling: a row's last token in flight is this step's. Tokens
+    its matcher takes during their step, ``num_ahead``, need no host.)"""
     most = 2 if late else 1
-    return any(r.matcher is not None and r.num_inflight > most and masked(r, r.num_generated - 1) for r in reqs)
+    return any(r.matcher is not None and r.num_inflight - r.num_ahead > most and masked(r, r.num_generated - 1)
+               for r in reqs)
 
 
 def step_waits_for_host(batch: Any) -> bool:

@@ -13,7 +13,7 @@ from typing import Any, Sequence
 
 from .batch import ScheduledBatch
 from .protocol import StepOutcome
-from .request import Request
+from .request import Request, stop_index
 
 
 def process_one_forward(
@@ -100,7 +100,96 @@ def rewind(req: Request) -> None:
     read. A prefill's token is masked first, so the position computed again is never in
     a page the prefix cache shares."""
     req.epoch += 1
-    req.num_inflight = 0
+    req.num_inflight = req.num_ahead = 0
     req.num_cached = req.seq_len - 1
     req.num_rewinds += 1
     req.matcher.refused_at(len(req.output_ids))
+
+
+def take_guessed(req: Request, row: list[int], limit: int, stop_ids: frozenset[int]) -> tuple[list[int], str | None]:
+    """A row that sampled before its mask (``structured.optimistic``): its grammar takes
+    the admissible prefix of its tokens in one call, then what it keeps ends at the first
+    of a stop id (past ``min_new_tokens``), the grammar's completion, its length limit
+    (``limit``: tokens left before this step) and the refused token ("rewind": neither it
+    nor its followers are kept), whichever comes first, as ``walk_row`` would
+    find token by token ("error": the grammar failed; nothing kept). A multi-step row's."""
+    matcher = req.matcher
+    n = matcher.take(row)
+    if matcher.failed:
+        return [], "error"
+    cut, reason = n, None
+    if n and matcher.complete:
+        reason = "stop"  # it completed at the last token it took
+    elif n < len(row):
+        reason = "rewind"
+    j = stop_index(row[:cut], stop_ids, len(req.output_ids), req.sampling.min_new_tokens) if stop_ids else None
+    if j is not None:
+        cut, reason = j + 1, "stop"
+    last = limit if limit > 1 else 1
+    if last < cut or (last == cut and reason != "stop"):
+        cut, reason = last, "length"
+    kept = row[:cut] if cut < len(row) else row
+    req.output_ids.extend(kept)
+    return kept, reason
+
+
+def walk_row(req: Request, row: Sequence[int], row_lps: Sequence[float] | None, ctx: int,
+              accepted: list[Any] | None = None, ahead: tuple[int, bool] | None = None):
+    """A row holding a stop id or under a grammar's mask, token by token: what it keeps,
+    their logprobs, and why it ended (None: it runs on; "error": its grammar failed). The
+    checks are those of a one-forward step (:func:`process_one_forward`), in the same order.
+    ``ahead``: ``(taken, ended)``, the row's first ``taken`` tokens already accepted by its
+    matcher during the step (masks between forwards), ``ended``: the last of them ended
+    its grammar; the matcher accepts only the tokens after them here."""
+    out, sp, stop_ids, matcher = req.output_ids, req.sampling, req.stop_ids(), req.matcher
+    taken, ended = ahead or (0, False)
+    kept: list[int] = []
+    lps: list[float] | None = [] if row_lps is not None else None
+    for j, t in enumerate(row):
+        token = int(t)
+        out.append(token)
+        kept.append(token)
+        if lps is not None:
+            lp = float(row_lps[j])  # type: ignore[index]
+            req.output_logprobs.append(lp)
+            lps.append(lp)
+        n = len(out)
+        if (token in stop_ids and n > sp.min_new_tokens) or (matcher is not None and (
+                (ended and j == taken - 1) if j < taken else matcher.accept(token, later=accepted, index=n - 1))):
+            return kept, lps, "error" if matcher is not None and matcher.failed else "stop"
+        if req.tokens_left(ctx, scheduling=False) <= 0:
+            return kept, lps, "length"
+    return kept, lps, None
+
+
+def take_between(req: Request, row: list[int], limit: int, stop_ids: frozenset[int], ahead: tuple[int, bool],
+                 ctx: int, accepted: list[Any] | None) -> tuple[list[int], str | None]:
+    """:func:`walk_row` of a multi-step row that sampled every forward under masks computed between
+    them, judged together where its matcher took the tokens during the step (``ahead``:
+    how many, and whether the last ended its grammar): the first of a stop id (past
+    ``min_new_tokens``), its grammar's end and its length ``limit`` (tokens left before
+    this step) ends it there, in ``walk_row``'s order at one token; the tokens after
+    those, usually the last, go through ``walk_row`` (the matcher accepts them and queues
+    the next mask). A step of 8 forwards walked token by token cost the host ~3 us a
+    row-token (the null device, tools/constrained_host.py --profile)."""
+    taken, ended = ahead
+    cut, reason = len(row), None
+    if taken:
+        end = taken - 1 if ended else None
+        failed = ended and req.matcher.failed is not None  # (at its end: the runner's matcher took no token after it)
+        j = stop_index(row[:taken], stop_ids, len(req.output_ids), req.sampling.min_new_tokens) if stop_ids else None
+        if j is not None and (end is None or j < end):
+            end, failed = j, False  # a stop id before the grammar's end: the walk never reaches that
+        last = (limit if limit > 1 else 1) - 1  # the token at which the length ends it
+        if end is not None:
+            cut, reason = end + 1, "error" if failed else "stop"
+        if last < taken and (end is None or last < end):
+            cut, reason = last + 1, "length"
+    if reason is not None or taken >= len(row):
+        kept = row[:cut] if cut < len(row) else row
+        req.output_ids.extend(kept)
+        return kept, reason
+    head = row[:taken]
+    req.output_ids.extend(head)
+    tail, _, reason = walk_row(req, row[taken:], None, ctx, accepted)
+    return head + tail, reason

@@ -19,7 +19,6 @@ subclasses provide ``build_forward_batch``, ``forward`` and ``sampling_batch``.
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -28,6 +27,7 @@ from .sampling import RowSampling, SampleResult, SamplingBatch, SeedSource, batc
 from ..core.runner_io import ModelRunnerOutput, RequestOutput, SchedulerOutput
 from .hooks import RunnerHooks
 from .host_copy import copy_to_host, host_values, live_rows, rows_ok
+from .pending import PendingStep
 from .streams import STREAMS
 from .types import BatchResult
 from ..structured.batch_mask import GrammarMasks
@@ -37,34 +37,6 @@ NO_TOKEN_MESSAGE = (
     "no admissible token: the sampling settings ban every token at this step "
     "(suppress_tokens, stop ids before min_new_tokens) or the logits are not finite"
 )
-
-
-@dataclass
-class PendingStep:
-    """A step launched on the device and not yet collected on the host.
-
-    ``event`` is the completion marker recorded after the step's last device work (a
-    CUDA event, or None on CPU where the launch ran to completion). ``host`` is the
-    step's result copied to host memory: rows of token ids, ``ok`` flags and, when
-    asked, the bits of the float32 logprobs (all ``int64``); it is readable once the
-    event completed. ``copied`` is the token tensor that copy was taken from.
-    ``masks_due``: only the forward is enqueued (a batch sampling under late masks);
-    :meth:`ModelRunner.sample_pending` does the rest.
-    """
-
-    event: Any
-    scheduler_output: SchedulerOutput
-    forward_batch: Any
-    batch_result: BatchResult
-    lookahead: bool
-    launch_buf: Any = None
-    host: torch.Tensor | None = None
-    copied: torch.Tensor | None = None
-    masks_due: bool = False
-
-    @property
-    def schedule_batch(self) -> Any:
-        return self.scheduler_output.batch_data
 
 
 # Hooks whose override turns mixed prefill steps off (ModelRunner.mixed_prefill_allowed).
@@ -215,10 +187,20 @@ class ModelRunner(RunnerHooks):
 
     @torch.inference_mode()
     def _sample_pending(self, pending: PendingStep) -> PendingStep:
-        fb, batch, result = pending.forward_batch, pending.schedule_batch, pending.batch_result
-        pending.launch_buf = self._after_forward(result, fb, batch, pending.scheduler_output.requests, False, pending.lookahead)
-        pending.masks_due = False
+        started, pending.started, pending.masks_due = pending.started, None, False
+        pending.batch_result, pending.launch_buf = self._sample_started(
+            started, pending.forward_batch, pending.schedule_batch, pending.scheduler_output.requests, pending.lookahead)
         return self._finish_launch(pending)
+
+    def _enqueue_forward(self, fb: Any, batch: Any, requests: list, lookahead: bool) -> Any:
+        """A late-mask launch's device work before its masks (:meth:`sample_pending`
+        continues it with :meth:`_sample_started`): the forward. A runner that runs a
+        multi-step decode forward by forward enqueues its first forward."""
+        return self._forward(fb, batch, requests, False, lookahead)
+
+    def _sample_started(self, started: Any, fb: Any, batch: Any, requests: list, lookahead: bool) -> tuple[BatchResult, Any]:
+        """The rest of a launch :meth:`_enqueue_forward` began: the result and launch buffer."""
+        return started, self._after_forward(started, fb, batch, requests, False, lookahead)
 
     @torch.inference_mode()
     def _launch(self, scheduler_output: SchedulerOutput, lookahead: bool) -> PendingStep | None:
@@ -235,9 +217,9 @@ class ModelRunner(RunnerHooks):
             else self.requested_capture_hidden_mode_decode(batch, requests)
         )
         fb = self.build_forward_batch(scheduler_output, capture_hidden_mode=capture)
-        if getattr(batch, "late_masks", False):  # one forward per row (core.multi_step.late_mask_rows)
-            result = self._forward(fb, batch, requests, is_prefill, lookahead)
-            return PendingStep(None, scheduler_output, fb, result, lookahead, masks_due=True)
+        if getattr(batch, "late_masks", False):  # (core.multi_step.late_mask_rows)
+            started = self._enqueue_forward(fb, batch, requests, lookahead)
+            return PendingStep(None, scheduler_output, fb, None, lookahead, masks_due=True, started=started)
         result, launch_buf = self._forward_and_sample(fb, batch, requests, is_prefill, lookahead)
         return self._finish_launch(PendingStep(None, scheduler_output, fb, result, lookahead, launch_buf))
 

@@ -30,7 +30,7 @@ from .fused_decode import FusedBatch, FusedDecode, fed_tokens, fused_counters, l
 from .fused_split import merge_fused, merge_rest, plan_fused
 from .graph_sampling import SamplingGraphs
 from .input_batch import InputBatch, SlotRows
-from .multi_forward import forward_by_forward
+from .multi_forward import Forwards, forward_by_forward
 from .prefill_rows import prefill_as_rows
 from .prompt_scores import score_prompts, scored_rows
 from ..core.runner_io import SchedulerOutput
@@ -216,6 +216,17 @@ class NativeModelRunner(ModelRunner):
         if fb.row_steps is None:
             return super()._forward_and_sample(fb, batch, requests, is_prefill, lookahead)
         return forward_by_forward(self, fb, batch, requests, lookahead)
+
+    def _enqueue_forward(self, fb: ForwardBatch, batch: ScheduledBatch, requests: list, lookahead: bool):
+        """A late-mask step of several forwards (``core.multi_step.late_between``) enqueues its first."""
+        if fb.row_steps is None:
+            return super()._enqueue_forward(fb, batch, requests, lookahead)
+        return Forwards(self, fb, batch, requests, lookahead)
+
+    def _sample_started(self, started, fb: ForwardBatch, batch: ScheduledBatch, requests: list, lookahead: bool):
+        if isinstance(started, Forwards):
+            return started.finish()
+        return super()._sample_started(started, fb, batch, requests, lookahead)
 
     def _build_extend(self, batch: ScheduledBatch, rows: SlotRows, sidx: np.ndarray, prompt_hidden: bool = False) -> ForwardBatch:
         """Flat token positions and KV slots computed with numpy from the host page

@@ -281,7 +281,12 @@ class Stepper:
         marker (``sample_pending``), on the thread its launch used. Called once every step
         before it is processed, so its constrained rows' matchers have accepted their last
         tokens. Queued behind the launch without awaiting it: on the worker (CPU) the
-        forward may still run, and the loop goes on to schedule the next step."""
+        forward may still run, and the loop goes on to schedule the next step. A step of
+        several forwards under masks between them (``core.multi_step.late_between``)
+        enqueues its later forwards here, after the processing that may have freed a
+        finished row's pages (those forwards write past its end): every later launch is
+        queued behind this one (the executor runs in order; inline, after
+        :meth:`_until_enqueued`), so on the device they come before any reuse of the pages."""
         step.masks_due = False
         inline = self.executor.launches_inline and step.batch.is_decode
         if inline:

@@ -19,7 +19,7 @@ forwards: their tokens are dropped when the step is processed, as a free row's p
 stop are. The matcher accepts the row's tokens but its last during the step; the batch
 records how many (``ScheduledBatch.taken_ahead``) and which rows ended
 (``ended_ahead``), so processing judges those together and accepts only the rest
-(``multi_step._take_between``), queueing the next step's masks as usual. The masks are those a one-forward step would use
+(``core.step_results.take_between``), queueing the next step's masks as usual. The masks are those a one-forward step would use
 at the same positions, so the tokens are too (greedy, and sampled: a draw is keyed by its
 generation index).
 """
