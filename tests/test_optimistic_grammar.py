@@ -273,7 +273,7 @@ class FailsWhenTaken(FailsAt):
 async def test_a_grammar_failing_while_its_row_samples_first_ends_that_request_alone(monkeypatch):
     """llguidance's lazy compilation failing at the 4th token a row's grammar admits (taken
     after sampling, or under the mask after a refusal): that request alone ends with a
-    typed error after its first three tokens, the others complete, no request holds KV,
+    typed error after at most its first three tokens, the others complete, no request holds KV,
     and the grammar is refused at admission from then on."""
     from omni_async import errors
 
@@ -294,7 +294,11 @@ async def test_a_grammar_failing_while_its_row_samples_first_ends_that_request_a
             await engine.generate(prompt="y", sampling=SamplingParams(max_new_tokens=8, regex=failing[1]))
         assert engine.scheduler.info()["grammar_optimistic_tokens"] > 0
         assert engine.scheduler.core.kv_is_fully_free()
-    assert len(streamed) == 3, streamed
+    # At most the three tokens before the failing one: the step in which the grammar fails
+    # delivers none of the row's tokens (an "error" outcome carries no token), so how many of
+    # the three arrive depends on how the row's steps fell, which the loop's timing decides
+    # (a CI run under load streamed two).
+    assert len(streamed) <= 3, streamed
     valid(results)
 
 
