@@ -67,13 +67,7 @@ async def profile_arm(args: argparse.Namespace, engine: Engine, work: Any, arm: 
     cuda = args.device == "cuda"
     plain = await cb.run_arm(engine, work, arm, replay)
     rl = gg.RangeLog()
-    saved = dict(gg.SYNC_RANGES)
-    gg.SYNC_RANGES.update(RUNNER_RANGES)
-    try:
-        rl.install(engine)
-    finally:
-        gg.SYNC_RANGES.clear()
-        gg.SYNC_RANGES.update(saved)
+    rl.install(engine, RUNNER_RANGES)
     undo = install_class_ranges(rl)
     acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
     prof = torch.profiler.profile(activities=acts, record_shapes=False, with_stack=False, profile_memory=False)

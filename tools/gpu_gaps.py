@@ -144,10 +144,12 @@ class RangeLog:
         self.steps.append(step)
         return step
 
-    def install(self, eng: Engine) -> None:
-        """Wrap the engine's step functions (instance attributes); ``uninstall`` puts them back."""
+    def install(self, eng: Engine, extra: dict[tuple[str, str], str] | None = None) -> None:
+        """Wrap the engine's step functions (instance attributes); ``uninstall`` puts them back.
+        ``extra``: more synchronous ranges, as :data:`SYNC_RANGES` names them."""
         self._undo: list[tuple[Any, str, Any]] = []
-        wraps = [(k, self._sync, n) for k, n in SYNC_RANGES.items()] + [(k, self._async, n) for k, n in ASYNC_RANGES.items()]
+        syncs = {**SYNC_RANGES, **(extra or {})}
+        wraps = [(k, self._sync, n) for k, n in syncs.items()] + [(k, self._async, n) for k, n in ASYNC_RANGES.items()]
         for (path, attr), wrap, name in wraps:
             owner = _owner(eng, path)
             if not hasattr(owner, attr):
