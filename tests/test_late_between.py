@@ -139,7 +139,7 @@ async def test_retraction_under_pressure_waits_for_the_step_whose_matchers_ran_a
 
     monkeypatch.setattr(NativeBatchCore, "_retract", retract)
     sampling = [endless(i) for i in range(N)]
-    pressure = dict(page_size=8, kv_capacity_tokens=360, max_running_requests=8)
+    pressure = dict(page_size=8, kv_capacity_tokens=280, max_running_requests=8)
     outputs = []
     for loop_, steps in (("normal", 1), (loop, 4)):
         async with Engine.from_pretrained("tiny", optimistic_grammar=False, device="cpu", loop=loop_,
