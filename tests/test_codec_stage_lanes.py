@@ -22,6 +22,7 @@ import torch
 from omni_async.speech import SpeechParams, SpeechPipeline
 from omni_async.speech.codec import CodecDecoder
 from omni_async.speech.codec_config import CodecConfig
+from omni_async.speech.codec_graphs import CallShapes
 from omni_async.speech.codec_stage import CodecStage
 
 from .codec_gate import WAIT_S, GatedDecoder, eventually
@@ -233,3 +234,20 @@ async def test_the_pipelines_express_lane_is_a_schedule_option_with_the_same_aud
         info = tts.info()["speech"]
     if not express:
         assert info["codec_express_calls"] == 0
+    # The calls by shape account for every call and every decoded frame of both lanes.
+    bulk, fast = info["codec_bulk_shapes"], info["codec_express_shapes"]
+    assert bulk["calls"] + fast["calls"] == info["codec_calls"] and fast["calls"] == info["codec_express_calls"]
+    assert bulk["frames_wanted"] + fast["frames_wanted"] == info["codec_frames"] == sum(len(r.codes) for r in results)
+    assert 0 < bulk["useful_share"] <= 1 and bulk["frames_computed"] >= bulk["frames_wanted"]
+
+
+def test_call_shapes_count_a_graphed_calls_padding():
+    """A call of n streams pads to the smallest bucket holding n; past the largest bucket it
+    runs as whole buckets and one padded remainder."""
+    shapes = CallShapes((1, 2, 4, 8))
+    for streams, frames in [(3, 4), (3, 4), (8, 2), (11, 1)]:
+        shapes.count(streams, frames)
+    got = shapes.summary()
+    assert got["calls"] == 4 and got["by_shape"] == {"3x4": 2, "8x2": 1, "11x1": 1}
+    assert got["frames_wanted"] == 3 * 4 * 2 + 16 + 11
+    assert got["frames_computed"] == 4 * 4 * 2 + 16 + (8 + 4)

@@ -34,10 +34,42 @@ import torch
 from ..runners.streams import STREAMS
 from .codec_slots import CodecSlots, host_slots
 
-__all__ = ["CodecGraphs", "BATCH_BUCKETS", "FRAME_BUCKETS"]
+__all__ = ["CallShapes", "CodecGraphs", "BATCH_BUCKETS", "FRAME_BUCKETS"]
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 FRAME_BUCKETS = (1, 2, 4, 8, 16, 32)
+
+
+class CallShapes:
+    """A lane's calls by (streams, frames), counted on any device (bounded: at most 128 x 6
+    keys in use): what a graphed call pads to its bucket, and how many calls a round makes,
+    are what the codec's device time depends on besides its frames."""
+
+    def __init__(self, batches: tuple[int, ...] = BATCH_BUCKETS) -> None:
+        self.batches = tuple(sorted(batches))
+        self.calls: dict[tuple[int, int], int] = {}
+
+    def count(self, streams: int, frames: int) -> None:
+        self.calls[(streams, frames)] = self.calls.get((streams, frames), 0) + 1
+
+    def count_groups(self, calls: Any) -> None:
+        """``calls``: (streams, frames) pairs, one per call."""
+        for streams, frames in calls:
+            self.count(streams, frames)
+
+    def summary(self) -> dict[str, Any]:
+        """Calls by ``"streams x frames"``; the frames the streams wanted against those a
+        graphed call computes (its batch padded to a bucket; a batch past the largest bucket
+        as several calls)."""
+        wanted = computed = 0
+        for (n, f), calls in self.calls.items():
+            wanted += n * f * calls
+            whole, rest = divmod(n, self.batches[-1])
+            padded = whole * self.batches[-1] + (next(b for b in self.batches if b >= rest) if rest else 0)
+            computed += padded * f * calls
+        return {"calls": sum(self.calls.values()), "by_shape": {f"{n}x{f}": c for (n, f), c in sorted(self.calls.items())},
+                "frames_wanted": wanted, "frames_computed": computed,
+                "useful_share": round(wanted / computed, 4) if computed else None}
 
 
 class CodecGraphs:

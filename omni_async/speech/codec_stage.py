@@ -68,7 +68,7 @@ import torch
 from ..runners.streams import STREAMS
 from .admission import AudioRate
 from .codec_base import StreamDecoder
-from .codec_graphs import CodecGraphs
+from .codec_graphs import CallShapes, CodecGraphs
 from .codec_lane import CallDone, CodecLane, LaneCall, LaneWork, cut_marker
 from .codec_slots import CodecSlots
 from .codec_streams import AudioChunk, CodecStream, power_of_two, within_budget
@@ -139,6 +139,7 @@ class CodecStage:
         self._exclusive = False  # a round that grows the store or captures graphs: no express call beside it
         self._released: list[int] = []  # slots closed during that round: back after it
         self.calls = self.frames_decoded = 0
+        self.bulk_shapes, self.express_shapes = CallShapes(), CallShapes(EXPRESS_BATCHES)
 
     def capture_graphs(self) -> None:
         """Capture the codec's CUDA graphs now, for every call a round under the frame
@@ -305,6 +306,7 @@ class CodecStage:
         for s, n in ready:
             groups.setdefault(n, []).append(s)
         first = sorted(groups.items(), key=lambda item: min(s.urgency(self.frame_seconds) for s in item[1]))
+        self.bulk_shapes.count_groups((len(group), n) for n, group in first)
         return [LaneCall([id(s) for s in group], [s.cut(n) for s in group]) for n, group in first]
 
     def _take_slot(self, stream: CodecStream, reset: list[int]) -> bool:
@@ -409,6 +411,7 @@ class CodecStage:
         if not picked:
             return None
         call = LaneCall([id(s) for s in picked], [s.cut(self._first_len) for s in picked])
+        self.express_shapes.count(len(picked), self._first_len)
         work = LaneWork([call], {id(s): s.slot for s in picked if s.slot is not None}, reset, taken=cut_marker(self.device))
         return work, {id(s): s for s in picked}
 

@@ -205,6 +205,7 @@ class SpeechPipeline:
                                    "codec_largest_round_frames": self.codec.largest_round_frames, "codec_streams": self.codec.active(),
                                    "codec_graph_replays": self.codec.graph_replays, "codec_audio_rate": self.codec.audio_rate.rate(),
                                    "codec_express_calls": self.codec.express_calls, "codec_express_chunks": self.codec.express_chunks,
+                                   "codec_bulk_shapes": self.codec.bulk_shapes.summary(), "codec_express_shapes": self.codec.express_shapes.summary(),
                                    "scheduling_policy": self.schedule.policy,
                                    "streams_in_underrun": self.streams_in_underrun(), **self.admission.stats(),
                                    "streams": {rid: s.playback.snapshot() for rid, s in self._streams.items()}}}
