@@ -276,8 +276,10 @@ async def run(args) -> dict:
                 for rep_i in range(args.repeats):
                     for policy in arm_order(args.policies, rep_i):
                         tts.set_schedule(schedule_of(policy, args))
+                        before = codec_counts(tts)
                         with sampler:
                             res, _ = await level(send, c, n, args.warmup or c, texts, offset)
+                        res.update(codec_delta(before, codec_counts(tts)))
                         offset += n + c
                         res["gpu_busy_pct"] = sampler.busy()
                         res["peak_gpu_mem_gib"] = round(sampler.peak_bytes / 2**30, 3) if sampler.peak_bytes else None
@@ -293,6 +295,28 @@ async def run(args) -> dict:
     return out
 
 
+def codec_counts(tts) -> dict:
+    """The codec stage's counters now (those an older checkout has)."""
+    info = tts.info().get("speech", {})
+    out = {k: info[k] for k in ("codec_calls", "codec_rounds", "codec_frames", "codec_express_calls") if k in info}
+    bulk = info.get("codec_bulk_shapes")
+    if bulk:
+        out.update(bulk_frames_wanted=bulk["frames_wanted"], bulk_frames_computed=bulk["frames_computed"], bulk_calls=bulk["calls"])
+    return out
+
+
+def codec_delta(before: dict, after: dict) -> dict:
+    """A level's codec work (warm-up included): calls, rounds, calls a round, frames a bulk
+    call, and the share of a bulk call's frames that were a stream's (the rest padding)."""
+    d = {k: after[k] - before.get(k, 0) for k in after}
+    out = {f"level_{k}": v for k, v in d.items() if k in ("codec_calls", "codec_rounds", "codec_frames", "codec_express_calls")}
+    if d.get("bulk_calls"):
+        out["level_codec_calls_per_round"] = round(d["bulk_calls"] / max(1, d.get("codec_rounds", 0)), 2)
+        out["level_codec_frames_per_bulk_call"] = round(d["bulk_frames_wanted"] / d["bulk_calls"], 1)
+        out["level_codec_useful_share"] = round(d["bulk_frames_wanted"] / max(1, d["bulk_frames_computed"]), 4)
+    return out
+
+
 def arm_order(policies: list[str], repeat: int) -> list[str]:
     """The policies of one repeat: their order alternates, so neither always runs first."""
     return policies if repeat % 2 == 0 else policies[::-1]
@@ -301,15 +325,19 @@ def arm_order(policies: list[str], repeat: int) -> list[str]:
 def schedule_of(policy: str, args) -> "object":
     """The pipeline's schedule for an arm: FCFS as today (no admission limit), deadline
     with the admission gate the flags give; both with the same row budget. A ``-noexpress``
-    suffix turns the codec's express lane for first chunks off."""
+    suffix turns the codec's express lane for first chunks off; ``-bylength`` plans the
+    codec's rounds a call per chunk length (``-merged``: the shared-length plan)."""
     from omni_async.speech import SpeechSchedule
 
     policy, _, suffix = policy.partition("-")
-    if suffix not in ("", "noexpress"):
-        raise SystemExit(f"unknown policy suffix {suffix!r} (only -noexpress)")
-    off = {"codec_express": False} if suffix == "noexpress" else {}  # (named only when off: older checkouts lack it)
+    if suffix not in ("", "noexpress", "bylength", "merged"):
+        raise SystemExit(f"unknown policy suffix {suffix!r} (-noexpress, -bylength, -merged)")
+    off: dict = {"codec_express": False} if suffix == "noexpress" else {}  # (named only when off: older checkouts lack it)
     if args.codec_max_frames is not None:
         off["codec_max_frames"] = args.codec_max_frames
+    plan = {"bylength": "by-length", "merged": "merged"}.get(suffix, args.codec_plan)
+    if plan is not None:
+        off["codec_round_plan"] = plan
     if policy == "fcfs":
         return SpeechSchedule(policy="fcfs", max_decode_rows=args.decode_rows, **off)
     return SpeechSchedule(policy="deadline", max_decode_rows=args.decode_rows, max_streams=args.max_streams,
@@ -487,6 +515,9 @@ def main() -> None:
                     help="the cyclic GC: Python's settings (the Python API's default) or the server's (gc_freeze, first threshold 10,000)")
     ap.add_argument("--codec-stream", choices=("own", "talker"), default=None,
                     help="CUDA: the codec's calls on a stream of their own (the default) or between the talker's steps on its stream")
+    ap.add_argument("--codec-plan", choices=("merged", "by-length"), default=None,
+                    help="how a codec round's chunks become calls (SpeechSchedule.codec_round_plan; default merged); "
+                         "or an arm's policy suffix: --policies deadline,deadline-bylength")
     ap.add_argument("--codec-max-frames", type=int, default=None,
                     help="frames a codec round decodes at most (SpeechSchedule.codec_max_frames; default 256)")
     ap.add_argument("--fused-snake", choices=("on", "off"), default=None,

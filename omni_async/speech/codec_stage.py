@@ -8,25 +8,18 @@ one call, and choosing the chunk sizes by what each listener has already receive
 scheduling decision, made here. The codec's state per stream (the decoder's carried
 context, a row of the slot store) makes chunked decoding exactly the one-shot decode.
 
-Chunks follow the listener: a stream's first chunk is ``first_chunk_frames`` (a short
-wait for the first sound); each later one is at most half of the audio the listener has
-buffered and not yet played, so it is written and decoded before that audio runs out
-whenever the talker is faster than real time, and chunks grow (fewer decoder calls) as
-the buffer does, up to ``max_chunk_frames``.
-
-Chunk lengths are powers of two (1, 2, 4, 8, 16, 32 frames by default): each target is
-rounded down to one, and an ended stream's leftover goes out as its binary pieces (7
-frames as 4, 2, 1) in successive calls, so on CUDA every call is a replay of one of the
-codec's captured graphs (:mod:`~omni_async.speech.codec_graphs`). Streams' pasts live as
-rows of the slot store (:class:`~omni_async.speech.codec_slots.CodecSlots`); a stream
-takes its slot when its first chunk is decoded and gives it back when it closes.
+Chunks follow the listener (their lengths, and how a round's chunks become calls, are
+:mod:`~omni_async.speech.codec_plan`'s): lengths are powers of two, so on CUDA every call is
+a replay of one of the codec's captured graphs (:mod:`~omni_async.speech.codec_graphs`).
+Streams' pasts live as rows of the slot store (:class:`~omni_async.speech.codec_slots.CodecSlots`);
+a stream takes its slot when its first chunk is decoded and gives it back when it closes.
 
 Where the decoder runs: on worker threads, so the event loop never waits on it (an eager
 decoder call is hundreds of kernel launches: ~20 ms of host time on the H100's host,
 measured), in two lanes (:class:`~omni_async.speech.codec_lane.CodecLane`):
 
-- the bulk lane runs rounds: every ready chunk within the round's budgets, a call per
-  chunk length, on CUDA on the codec's stream (beside the talker's steps). The call
+- the bulk lane runs rounds: every ready chunk within the round's budgets, in the calls
+  the round's plan makes, on CUDA on the codec's stream (beside the talker's steps). The call
   holding the most urgent chunk runs first (a first chunk is the most urgent), and each
   call's chunks go out as soon as its PCM is on the host, not at the round's end; the
   order of calls changes no audio (a stream is in one call a round).
@@ -71,10 +64,11 @@ from .codec_base import StreamDecoder
 from .codec_graphs import CallShapes, CodecGraphs
 from .codec_lane import CallDone, CodecLane, LaneCall, LaneWork, cut_marker
 from .codec_slots import CodecSlots
-from .codec_streams import AudioChunk, CodecStream, power_of_two, within_budget
+from .codec_plan import ROUND_PLANS, Calls, chunk_target, plan_calls, within_budget
+from .codec_streams import AudioChunk, CodecStream, power_of_two
 from .playback import Playback
 
-__all__ = ["AudioChunk", "CodecStage", "CodecStream", "EXPRESS_BATCHES"]
+__all__ = ["AudioChunk", "CodecStage", "CodecStream", "EXPRESS_BATCHES", "ROUND_PLANS"]
 
 EXPRESS_BATCHES = (1, 2, 4, 8)  # the express lane's calls: at most 8 first chunks
 EXPRESS_PRIORITY = -1  # its CUDA stream's: above the bulk lane's (0), below the talker's
@@ -83,7 +77,8 @@ EXPRESS_PRIORITY = -1  # its CUDA stream's: above the bulk lane's (0), below the
 class CodecStage:
     def __init__(self, decoder: StreamDecoder, device: torch.device, *, first_chunk_frames: int = 2, max_chunk_frames: int = 32,
                  cuda_graphs: bool = True, slots: int | None = None, max_streams_per_round: int | None = None,
-                 max_frames_per_round: int | None = None, stream: Any = None, express: bool = True, sms: int | None = None) -> None:
+                 max_frames_per_round: int | None = None, stream: Any = None, express: bool = True, sms: int | None = None,
+                 round_plan: str = "merged") -> None:
         if first_chunk_frames < 1 or max_chunk_frames < first_chunk_frames:
             raise ValueError("chunk sizes: 1 <= first_chunk_frames <= max_chunk_frames")
         for name, cap in (("max_streams_per_round", max_streams_per_round), ("max_frames_per_round", max_frames_per_round)):
@@ -94,6 +89,9 @@ class CodecStage:
         # round. The frame budget bounds a round's time, so a new stream's first chunk
         # waits behind at most one bounded round, not a burst of every stream's long chunk.
         self.max_streams_per_round = max_streams_per_round
+        if round_plan not in ROUND_PLANS:
+            raise ValueError(f"round_plan must be one of {ROUND_PLANS}, got {round_plan!r}")
+        self.round_plan = round_plan  # how a round's chunks become calls (codec_plan.py)
         self.max_frames_per_round = max_frames_per_round
         self.rounds = 0
         self.largest_round_frames = 0
@@ -138,7 +136,7 @@ class CodecStage:
         self._express_wake = anyio.Event()  # the express lane's: frames came, a round started
         self._exclusive = False  # a round that grows the store or captures graphs: no express call beside it
         self._released: list[int] = []  # slots closed during that round: back after it
-        self.calls = self.frames_decoded = 0
+        self.calls = self.frames_decoded = self.frames_padded = 0
         self.bulk_shapes, self.express_shapes = CallShapes(), CallShapes(EXPRESS_BATCHES)
 
     def capture_graphs(self) -> None:
@@ -260,54 +258,49 @@ class CodecStage:
             await self._wake.wait()
             self._wake = anyio.Event()
             while True:
-                ready, cut = self._ready()
+                ready, spare, cut = self._ready()
                 if not ready:
                     break
-                took = await self._decode(ready)
+                calls = plan_calls(ready, spare, self.round_plan, self.max_streams_per_round, self.max_frames_per_round,
+                                   self.max_chunk_frames, lambda s: s.urgency(self.frame_seconds))
+                took = await self._decode(calls)
                 if cut:  # chunks were ready past this round's budget: the codec is the bound
-                    self.audio_rate.observe(sum(n for _, n in ready) * self.frame_seconds, took)
+                    self.audio_rate.observe(sum(n * len(group) for n, group in calls) * self.frame_seconds, took)
 
     def _target(self, stream: CodecStream) -> int:
-        """Frames of the stream's next chunk: the first is short; later ones at most half
-        the audio the listener still has buffered (its player's slack), so the frames of a
-        chunk are written while the audio before it plays, at any speed faster than real
-        time; up to ``max_chunk_frames``; rounded down to a power of two (a captured
-        graph's length)."""
-        if stream.first_audio_at is None:
-            return self._first_len
-        buffered = stream.playback.slack() / self.frame_seconds
-        return power_of_two(int(min(self.max_chunk_frames, max(self.first_chunk_frames, buffered // 2))))
+        return chunk_target(stream, self._first_len, self.first_chunk_frames, self.max_chunk_frames, self.frame_seconds)
 
-    def _ready(self) -> tuple[list[tuple[CodecStream, int]], bool]:
+    def _ready(self) -> tuple[list[tuple[CodecStream, int]], list[CodecStream], bool]:
         """Streams with a chunk to decode now, and how many frames each takes (an ended
         stream's leftover: its largest power of two now, the rest in the next calls), within
-        the round's budgets; and whether the budgets left ready chunks for the next round.
-        A stream in a call (the express lane's) waits for it to end."""
-        out = []
+        the round's budgets; the others with frames waiting, most urgent first (a plan may
+        fill a call with them); and whether the budgets left ready chunks for the next
+        round. A stream in a call (the express lane's) waits for it to end."""
+        out, spare = [], []
         for s in list(self._streams.values()):
             if s.in_call:
                 continue
             want = self._target(s)
             if s.pending_frames >= want:
                 out.append((s, want))
+            elif s.pending_frames and not s.ended:
+                spare.append(s)
             elif s.ended:
-                if s.pending_frames:
-                    out.append((s, power_of_two(s.pending_frames)))
+                if s.pending_frames:  # its last frames, padded to a graph's length, or a long leftover's first piece
+                    out.append((s, min(power_of_two(self.max_chunk_frames), 1 << (s.pending_frames - 1).bit_length())))
                 else:  # nothing left: the empty terminal chunk
                     self._deliver(s, torch.zeros((0, self.decoder.num_quantizers), dtype=torch.long),
                                   np.zeros(0, dtype=np.float32))
         kept = within_budget(out, self.max_streams_per_round, self.max_frames_per_round, self.frame_seconds)
-        return kept, len(kept) < len(out)
+        taken = {id(s) for s, _ in kept}
+        spare += [s for s, _ in out if id(s) not in taken]  # past the budgets now: due next round
+        spare.sort(key=lambda s: s.urgency(self.frame_seconds))
+        return kept, spare, len(kept) < len(out)
 
-    def _calls(self, ready: list[tuple[CodecStream, int]]) -> list[LaneCall]:
-        """A round's calls, one per chunk length (streams in ``ready``'s order), the call
-        holding the most urgent stream first (a first chunk before every playing stream's)."""
-        groups: dict[int, list[CodecStream]] = {}
-        for s, n in ready:
-            groups.setdefault(n, []).append(s)
-        first = sorted(groups.items(), key=lambda item: min(s.urgency(self.frame_seconds) for s in item[1]))
-        self.bulk_shapes.count_groups((len(group), n) for n, group in first)
-        return [LaneCall([id(s) for s in group], [s.cut(n) for s in group]) for n, group in first]
+    def _calls(self, calls: Calls) -> list[LaneCall]:
+        """A round's planned calls as the lane's, their chunks cut."""
+        self.bulk_shapes.count_groups((len(group), n) for n, group in calls)
+        return [LaneCall([id(s) for s in group], [s.cut(n) for s in group]) for n, group in calls]
 
     def _take_slot(self, stream: CodecStream, reset: list[int]) -> bool:
         """A free slot for a stream new to the codec, taken on the loop (its rows zeroed by
@@ -320,31 +313,32 @@ class CodecStage:
             reset.append(slot)
         return True
 
-    async def _decode(self, ready: list[tuple[CodecStream, int]]) -> float:
-        """One round on the bulk lane: the ready streams' chunks, a call per chunk length,
-        each call's chunks delivered as it is done. Streams new to the codec take free slots
-        here; those the store has no room for are opened on the lane (growing the store) in
-        an exclusive round, which also captures the express lane's graphs when they are not
-        current: the express lane finishes its call first and waits the round out."""
-        calls = self._calls(ready)
+    async def _decode(self, planned: Calls) -> float:
+        """One round on the bulk lane: its planned calls, each call's chunks delivered as it
+        is done. Streams new to the codec take free slots here; those the store has no room
+        for are opened on the lane (growing the store) in an exclusive round, which also
+        captures the express lane's graphs when they are not current: the express lane
+        finishes its call first and waits the round out."""
+        streams = [s for _, group in planned for s in group]
+        calls = self._calls(planned)
         reset: list[int] = []
-        grow = [id(s) for s, _ in ready if not self._take_slot(s, reset)]
+        grow = [id(s) for s in streams if not self._take_slot(s, reset)]
         prepare = self._express_capture(bool(grow))
         exclusive = bool(grow) or prepare is not None
         if exclusive:
             self._exclusive = True
             await self._express.idle()
-        work = LaneWork(calls, {id(s): s.slot for s, _ in ready if s.slot is not None}, reset, grow, prepare, cut_marker(self.device))
+        work = LaneWork(calls, {id(s): s.slot for s in streams if s.slot is not None}, reset, grow, prepare, cut_marker(self.device))
         self._express_wake.set()  # a round in flight: first chunks from now take the express lane
         started = time.perf_counter()
         try:
-            await self._bulk.run(work, functools.partial(self._call_done, {id(s): s for s, _ in ready}))
+            await self._bulk.run(work, functools.partial(self._call_done, {id(s): s for s in streams}))
         finally:
             if exclusive:
                 self._end_exclusive()
         took = time.perf_counter() - started
         self.rounds += 1
-        self.largest_round_frames = max(self.largest_round_frames, sum(n for _, n in ready))
+        self.largest_round_frames = max(self.largest_round_frames, sum(n * len(group) for n, group in planned))
         for observe in self.round_observers:
             observe(took)
         return took
@@ -371,11 +365,13 @@ class CodecStage:
         for j, (key, slot) in enumerate(zip(call.keys, done.slots)):
             s = streams[key]
             s.in_call, s.slot = False, slot
-            self.frames_decoded += int(done.codes.shape[1])
+            real = int(done.codes.shape[1]) - s.padding
+            self.frames_decoded += real
+            self.frames_padded += s.padding
             if s.closed:
                 self._give_back(s)
             else:
-                self._deliver(s, done.codes[j], done.pcm[j])
+                self._deliver(s, done.codes[j][:real], done.pcm[j][:real * self.decoder.samples_per_frame])
 
     # ------------------------------------------------------------ the express lane
 

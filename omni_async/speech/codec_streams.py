@@ -1,6 +1,6 @@
 """A codec stream's state and the chunks it sends (the codec stage's streams,
 :mod:`~omni_async.speech.codec_stage`): what is waiting, what the listener has had, and
-which chunks a round takes within its budgets."""
+its urgency."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 
 from .playback import Playback
 
-__all__ = ["AudioChunk", "CodecStream", "power_of_two", "within_budget"]
+__all__ = ["AudioChunk", "CodecStream", "power_of_two"]
 
 
 @dataclass
@@ -49,6 +49,7 @@ class CodecStream:
     finish_reason: str | None = None
     closed: bool = False
     in_call: bool = False  # a chunk of it is in a lane's call: no other call takes it, its slot stays
+    padding: int = 0  # zero frames after the real ones in its chunk in flight (an ended stream's last)
     playback: Playback = field(default_factory=Playback)  # what its listener has been sent and played
 
     @property
@@ -56,11 +57,19 @@ class CodecStream:
         return self.playback.first_audio_at
 
     def cut(self, n: int) -> torch.Tensor:
-        """Its next ``n`` frames as a call's chunk; it is in a call from now."""
+        """Its next ``n`` frames as a call's chunk; it is in a call from now. An ended
+        stream's last frames may be fewer: the chunk is padded with zero codes to ``n`` (a
+        captured graph's length) and ``padding`` says by how many. The decoder is causal, so
+        the padding changes none of the real frames' samples; the caller drops its own."""
         rows = torch.cat(self.pending) if len(self.pending) > 1 else self.pending[0]
         chunk, rest = rows[:n], rows[n:]
+        self.padding = n - int(chunk.shape[0])
+        if self.padding:
+            if not self.ended or rest.shape[0]:
+                raise ValueError("only an ended stream's last chunk is padded")
+            chunk = torch.cat([chunk, chunk.new_zeros(self.padding, chunk.shape[1])])
         self.pending = [rest] if rest.shape[0] else []
-        self.pending_frames -= n
+        self.pending_frames -= n - self.padding
         self.in_call = True
         return chunk.to(torch.long)
 
@@ -88,24 +97,6 @@ class CodecStream:
         if self.playback.first_audio_at is None:
             return -1.0
         return self.playback.slack() + self.pending_frames * frame_seconds
-
-
-def within_budget(ready: list[tuple[CodecStream, int]], max_streams: int | None, max_frames: int | None,
-                  frame_seconds: float) -> list[tuple[CodecStream, int]]:
-    """The most urgent of ``ready`` (streams and their chunks' frames) within a round's
-    budgets of streams and frames (at least one)."""
-    over_streams = max_streams is not None and len(ready) > max_streams
-    over_frames = max_frames is not None and sum(n for _, n in ready) > max_frames
-    if not (over_streams or over_frames):
-        return ready
-    kept: list[tuple[CodecStream, int]] = []
-    frames = 0
-    for s, n in sorted(ready, key=lambda item: item[0].urgency(frame_seconds)):
-        if kept and ((max_streams is not None and len(kept) >= max_streams) or (max_frames is not None and frames + n > max_frames)):
-            break
-        kept.append((s, n))
-        frames += n
-    return kept
 
 
 def power_of_two(n: int) -> int:

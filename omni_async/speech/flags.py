@@ -38,6 +38,8 @@ def add_schedule_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--speech-max-waiting", type=int, default=None, help="requests waiting to start at most; more get a 503 at once")
     g.add_argument("--speech-codec-max-frames", type=int, default=256,
                    help="frames a codec round decodes at most, most urgent first (a round's time stays short: first chunks wait less)")
+    g.add_argument("--speech-codec-plan", default="merged", choices=("merged", "by-length"),
+                   help="how a codec round's chunks become calls: merged (one call of a shared length for most) or by-length (a call per length)")
     g.add_argument("--speech-codec-express", action=argparse.BooleanOptionalAction, default=True,
                    help="first chunks ready while a codec round is in flight are decoded beside it, on the codec's express lane")
 
@@ -46,4 +48,5 @@ def schedule_fields(args: argparse.Namespace) -> dict[str, Any]:
     """The flags as SpeechSchedule fields."""
     return {"policy": args.speech_policy, "max_decode_rows": args.speech_max_decode_rows, "max_streams": args.speech_max_streams,
             "admission_wait_s": args.speech_admission_wait, "max_waiting_streams": args.speech_max_waiting,
-            "codec_max_frames": args.speech_codec_max_frames, "codec_express": args.speech_codec_express}
+            "codec_max_frames": args.speech_codec_max_frames, "codec_express": args.speech_codec_express,
+            "codec_round_plan": args.speech_codec_plan}

@@ -161,6 +161,7 @@ class SpeechPipeline:
         self.codec.max_streams_per_round = sched.codec_max_streams
         self.codec.max_frames_per_round = sched.codec_max_frames
         self.codec.express = sched.codec_express
+        self.codec.round_plan = sched.codec_round_plan
         gate = self.admission
         gate.max_streams, gate.max_waiting, gate.wait_s = sched.max_streams, sched.max_waiting_streams, sched.admission_wait_s
         gate.rows_per_step = sched.max_decode_rows

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import errors
+from .codec_plan import ROUND_PLANS
 
 __all__ = ["SpeechSchedule", "POLICIES"]
 
@@ -32,7 +33,9 @@ class SpeechSchedule:
     so a new stream's first chunk never waits behind every stream's long chunk at once.
     ``codec_express``: a first chunk that becomes ready while a codec round is in flight is
     decoded beside it on the codec's express lane (a small call on a stream of its own)
-    rather than after it (:mod:`~omni_async.speech.codec_stage`)."""
+    rather than after it (:mod:`~omni_async.speech.codec_stage`). ``codec_round_plan``:
+    how a round's chunks become decoder calls, ``"merged"`` (one call of a shared length for
+    most of them) or ``"by-length"`` (a call per chunk length; :mod:`~omni_async.speech.codec_plan`)."""
 
     policy: str = "deadline"
     max_decode_rows: int | None = None
@@ -43,6 +46,7 @@ class SpeechSchedule:
     codec_max_streams: int | None = None
     codec_max_frames: int | None = 256
     codec_express: bool = True
+    codec_round_plan: str = "merged"
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -51,6 +55,8 @@ class SpeechSchedule:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise errors.ConfigError(f"{name} must be None or an integer >= 1, got {value!r}")
+        if self.codec_round_plan not in ROUND_PLANS:
+            raise errors.ConfigError(f"codec_round_plan must be one of {', '.join(ROUND_PLANS)}, got {self.codec_round_plan!r}")
         if not isinstance(self.codec_express, bool):
             raise errors.ConfigError(f"codec_express must be True or False, got {self.codec_express!r}")
         if self.max_waiting_streams is not None and (not isinstance(self.max_waiting_streams, int) or self.max_waiting_streams < 0):
