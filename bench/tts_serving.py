@@ -248,6 +248,8 @@ async def run(args) -> dict:
         limits["codec_graphs"] = args.codec_graphs == "on"
     if args.decode_steps is not None:
         limits["decode_steps"] = args.decode_steps
+    if args.first_chunk_frames is not None:
+        limits["first_chunk_frames"] = args.first_chunk_frames
     if args.codec_stream is not None:
         limits["codec_stream"] = args.codec_stream
     if args.codec_sms is not None:
@@ -515,6 +517,8 @@ def main() -> None:
                     help="the cyclic GC: Python's settings (the Python API's default) or the server's (gc_freeze, first threshold 10,000)")
     ap.add_argument("--codec-stream", choices=("own", "talker"), default=None,
                     help="CUDA: the codec's calls on a stream of their own (the default) or between the talker's steps on its stream")
+    ap.add_argument("--first-chunk-frames", type=int, default=None,
+                    help="frames of a stream's first audio chunk (SpeechPipeline.from_pretrained's; default 2)")
     ap.add_argument("--codec-plan", choices=("merged", "by-length"), default=None,
                     help="how a codec round's chunks become calls (SpeechSchedule.codec_round_plan; default merged); "
                          "or an arm's policy suffix: --policies deadline,deadline-bylength")

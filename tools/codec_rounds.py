@@ -87,6 +87,7 @@ async def run_arm(arm: str, args: argparse.Namespace, lengths: list[int]) -> dic
     decoder = TimedDecoder.random(CodecConfig.tiny(), seed=0)
     decoder.slowdown = args.codec_slowdown
     stage = CodecStage(decoder, torch.device("cpu"), slots=args.streams, max_frames_per_round=args.max_frames,
+                       first_chunk_frames=args.first_chunk_frames,
                        express=True, round_plan=arm)
     rng = random.Random(args.seed)
     running: dict[int, dict] = {}  # stream index -> its request's state
@@ -173,6 +174,7 @@ def main() -> None:
     ap.add_argument("--talker-slowdown", type=float, default=1.5, help="the talker's step time over its alone time")
     ap.add_argument("--codec-slowdown", type=float, default=2.0,
                     help="a call's wall time over its modelled alone time (the H100 timeline: ~2x beside the talker)")
+    ap.add_argument("--first-chunk-frames", type=int, default=2, help="a stream's first chunk (the pipeline's default 2)")
     ap.add_argument("--max-frames", type=int, default=256, help="the codec round's frame budget (SpeechSchedule.codec_max_frames)")
     ap.add_argument("--arms", default=",".join(ROUND_PLANS))
     ap.add_argument("--repeats", type=int, default=1)
