@@ -140,15 +140,29 @@ async def test_retraction_under_pressure_waits_for_the_step_whose_matchers_ran_a
     monkeypatch.setattr(NativeBatchCore, "_retract", retract)
     sampling = [endless(i) for i in range(N)]
     pressure = dict(page_size=8, kv_capacity_tokens=280, max_running_requests=8)
-    outputs = []
-    for loop_, steps in (("normal", 1), (loop, 4)):
+
+    async def outputs_of(loop_: str, steps: int) -> tuple[list, dict]:
         async with Engine.from_pretrained("tiny", optimistic_grammar=False, device="cpu", loop=loop_,
                                           decode_steps=steps, **pressure) as engine:
-            results = await asyncio.gather(*[engine.generate(prompt=f"record {i}:", sampling=sp)
-                                             for i, sp in enumerate(sampling)])
+            # Every request queued before the first step (paused in place, then resumed).
+            await engine.pause(mode="in_place")
+            handles = [await engine.submit(prompt=f"record {i}:", sampling=sp) for i, sp in enumerate(sampling)]
+            await engine.resume()
+            results = [await h.result() for h in handles]
             info = engine.scheduler.info()
         assert_kv_free(engine)
-        outputs.append([r.output_ids for r in results])
-    assert outputs[1] == outputs[0]
-    assert info["num_retractions"] > 0 and info["grammar_late_mask_steps"] > 0, info
-    assert retracted and not any(retracted), retracted
+        return [r.output_ids for r in results], info
+
+    reference, _ = await outputs_of("normal", 1)
+    # Whether the KV runs short before rows finish depends on how the steps fell (about one
+    # run in ten on a loaded 2-core machine retracted none): up to three runs, each with the
+    # reference's tokens, until one retracts.
+    for _ in range(3):
+        retracted.clear()
+        outputs, info = await outputs_of(loop, 4)
+        assert outputs == reference
+        assert info["grammar_late_mask_steps"] > 0, info["grammar_late_mask_steps"]
+        assert not any(retracted), retracted
+        if info["num_retractions"]:
+            break
+    assert info["num_retractions"] > 0 and retracted, "no run retracted"

@@ -58,7 +58,8 @@ class CallShapes:
             self.count(streams, frames)
 
     def summary(self) -> dict[str, Any]:
-        """Calls by ``"streams x frames"``; the frames the streams wanted against those a
+        """Calls by ``"streams x frames"``; the frames of the calls' chunks (``frames_wanted``:
+        an ended stream's zero padding counts, the stage counts it apart) against those a
         graphed call computes (its batch padded to a bucket; a batch past the largest bucket
         as several calls)."""
         wanted = computed = 0

@@ -202,7 +202,7 @@ class SpeechPipeline:
         """The talker stage's info (loop, steps, KV pages, ...) and the speech side's."""
         return {**self.engine.scheduler.info(), "speech": {"model_size": self.config.model_size, "voices": self.voices(), "sample_rate": self.sample_rate,
                                    "frame_rate": FRAME_RATE, "codec_calls": self.codec.calls,
-                                   "codec_frames": self.codec.frames_decoded, "codec_rounds": self.codec.rounds,
+                                   "codec_frames": self.codec.frames_decoded, "codec_frames_padded": self.codec.frames_padded, "codec_rounds": self.codec.rounds,
                                    "codec_largest_round_frames": self.codec.largest_round_frames, "codec_streams": self.codec.active(),
                                    "codec_graph_replays": self.codec.graph_replays, "codec_audio_rate": self.codec.audio_rate.rate(),
                                    "codec_express_calls": self.codec.express_calls, "codec_express_chunks": self.codec.express_chunks,
