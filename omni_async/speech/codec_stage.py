@@ -272,7 +272,8 @@ class CodecStage:
 
     def _ready(self) -> tuple[list[tuple[CodecStream, int]], list[CodecStream], bool]:
         """Streams with a chunk to decode now, and how many frames each takes (an ended
-        stream's leftover: its largest power of two now, the rest in the next calls), within
+        stream's last frames: the power of two at or above them, padded; past the longest
+        chunk, the longest now and the rest in later rounds), within
         the round's budgets; the others with frames waiting, most urgent first (a plan may
         fill a call with them); and whether the budgets left ready chunks for the next
         round. A stream in a call (the express lane's) waits for it to end."""
