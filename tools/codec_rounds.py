@@ -10,7 +10,7 @@ calls a round cost about twice one call of the same frames. Which rounds the sta
 depends on when streams' chunks become ready, i.e. on the talker's timing and the listeners'
 buffers, not on the device: this runs the real `CodecStage` (rounds, express lane, chunk
 targets, listeners' playback on the wall clock) with a decoder that sleeps the modelled
-time of each call (its batch padded to the graphs' bucket) and returns silence, fed by a
+time of each call (`codec_plan.call_cost`) (its batch padded to the graphs' bucket) and returns silence, fed by a
 model talker: every step, each running stream gets `--frames-per-step` frames; a step takes
 that many frames' time at the talker's measured rate for its running streams (H100, 1.7B,
 graphed, alone: 5.31 / 6.54 / 7.04 ms a frame at 1 / 16 / 64 streams) times `--talker-slowdown`
@@ -44,19 +44,10 @@ sys.path.insert(0, str(ROOT))
 
 from omni_async.speech.codec import CodecDecoder  # noqa: E402
 from omni_async.speech.codec_config import CodecConfig  # noqa: E402
-from omni_async.speech.codec_graphs import BATCH_BUCKETS  # noqa: E402
-from omni_async.speech.codec_plan import ROUND_PLANS  # noqa: E402
+from omni_async.speech.codec_plan import CALL_COST_MS, ROUND_PLANS, call_cost  # noqa: E402
 from omni_async.speech.codec_stage import CodecStage  # noqa: E402
 
-COST = (2.834, 0.0399, 0.0462, 0.0366)  # ms: a call, a stream, a frame, a stream x frame
 TALKER_MS = ((1, 5.31), (16, 6.54), (64, 7.04))  # ms a frame by running streams (H100, 1.7B, alone)
-
-
-def call_ms(streams: int, frames: int) -> float:
-    """The modelled time of one graphed call (its batch padded to its bucket)."""
-    bucket = next((b for b in BATCH_BUCKETS if b >= streams), streams)
-    a, s, f, sf = COST
-    return a + s * bucket + f * frames + sf * bucket * frames
 
 
 def talker_frame_ms(streams: int) -> float:
@@ -76,7 +67,7 @@ class TimedDecoder(CodecDecoder):
 
     def forward(self, codes, past, position):  # type: ignore[override]
         b, f = codes.shape[0], codes.shape[1]
-        took = call_ms(b, f) / 1000.0
+        took = call_cost(b, f) / 1000.0
         time.sleep(took * self.slowdown)
         with self.lock:
             self.busy_s += took
@@ -191,7 +182,7 @@ def main() -> None:
             results.append(res)
             print(json.dumps({k: v for k, v in res.items() if k != "by_shape"}), flush=True)
     if args.out:
-        Path(args.out).write_text(json.dumps({"args": vars(args), "cost_ms": COST, "talker_ms": TALKER_MS,
+        Path(args.out).write_text(json.dumps({"args": vars(args), "cost_ms": CALL_COST_MS, "talker_ms": TALKER_MS,
                                               "results": results}, indent=1))
         print("saved", args.out)
 

@@ -34,10 +34,17 @@ import torch
 from ..runners.streams import STREAMS
 from .codec_slots import CodecSlots, host_slots
 
-__all__ = ["CallShapes", "CodecGraphs", "BATCH_BUCKETS", "FRAME_BUCKETS"]
+__all__ = ["CallShapes", "CodecGraphs", "BATCH_BUCKETS", "FRAME_BUCKETS", "padded_batches"]
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 FRAME_BUCKETS = (1, 2, 4, 8, 16, 32)
+
+
+def padded_batches(streams: int, batches: tuple[int, ...] = BATCH_BUCKETS) -> list[int]:
+    """The graphed calls' batches a call of ``streams`` runs as: whole largest buckets, then
+    the remainder padded to the smallest bucket that holds it."""
+    whole, rest = divmod(streams, batches[-1])
+    return [batches[-1]] * whole + ([next(b for b in batches if b >= rest)] if rest else [])
 
 
 class CallShapes:
@@ -65,9 +72,7 @@ class CallShapes:
         wanted = computed = 0
         for (n, f), calls in self.calls.items():
             wanted += n * f * calls
-            whole, rest = divmod(n, self.batches[-1])
-            padded = whole * self.batches[-1] + (next(b for b in self.batches if b >= rest) if rest else 0)
-            computed += padded * f * calls
+            computed += sum(padded_batches(n, self.batches)) * f * calls
         return {"calls": sum(self.calls.values()), "by_shape": {f"{n}x{f}": c for (n, f), c in sorted(self.calls.items())},
                 "frames_wanted": wanted, "frames_computed": computed,
                 "useful_share": round(wanted / computed, 4) if computed else None}

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from .codec_graphs import BATCH_BUCKETS
+from .codec_graphs import padded_batches
 from .codec_streams import CodecStream, power_of_two
 
 __all__ = ["CALL_COST_MS", "ROUND_PLANS", "call_cost", "chunk_target", "plan_calls", "within_budget"]
@@ -62,10 +62,7 @@ def call_cost(streams: int, frames: int) -> float:
     """The modelled time of one call of ``streams`` chunks of ``frames`` (its batch padded
     to the graphs' bucket; past the largest bucket, several calls)."""
     a, per_stream, per_frame, per_cell = CALL_COST_MS
-    top = BATCH_BUCKETS[-1]
-    whole, rest = divmod(streams, top)
-    buckets = [top] * whole + ([next(b for b in BATCH_BUCKETS if b >= rest)] if rest else [])
-    return sum(a + per_stream * b + per_frame * frames + per_cell * b * frames for b in buckets)
+    return sum(a + per_stream * b + per_frame * frames + per_cell * b * frames for b in padded_batches(streams))
 
 
 def plan_calls(ready: list[tuple[CodecStream, int]], spare: list[CodecStream], plan: str, max_streams: int | None,

@@ -68,7 +68,7 @@ from .codec_plan import ROUND_PLANS, Calls, chunk_target, plan_calls, within_bud
 from .codec_streams import AudioChunk, CodecStream, power_of_two
 from .playback import Playback
 
-__all__ = ["AudioChunk", "CodecStage", "CodecStream", "EXPRESS_BATCHES", "ROUND_PLANS"]
+__all__ = ["AudioChunk", "CodecStage", "CodecStream", "EXPRESS_BATCHES"]
 
 EXPRESS_BATCHES = (1, 2, 4, 8)  # the express lane's calls: at most 8 first chunks
 EXPRESS_PRIORITY = -1  # its CUDA stream's: above the bulk lane's (0), below the talker's
